@@ -1,0 +1,1 @@
+"""DDTree serving: the `ddtree` command and what its subcommands share."""

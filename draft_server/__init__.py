@@ -1,0 +1,1 @@
+"""Drafter service: the DFlash drafter, DDTree construction, per-session context caches."""

@@ -1,0 +1,313 @@
+"""The DFlash block-diffusion drafter: config, model, and the published checkpoint format.
+
+The drafter has no embedding and no lm_head of its own (it borrows the target's). Target hidden states from the
+tapped layers are projected once (`fc` + `hidden_norm`) into a context stream that every drafter layer sees only
+as extra keys/values; queries come from the block stream alone and attend without a causal mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddtree.checkpoint import load_state_dict_files, save_state_dict_sharded
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread taps from layer 1 to layer L-3, the convention of published drafters without an explicit list."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r} (DFlash drafters use silu)")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DFlashConfig":
+        """Accepts both 4.57-era configs (top-level `rope_theta`, `rope_scaling`) and 5.x ones (`rope_parameters`)."""
+        try:
+            dflash = raw.get("dflash_config") or {}
+            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"unsupported rope type {rope_type!r} in drafter config")
+            rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+            num_layers = raw["num_hidden_layers"]
+            num_target_layers = raw["num_target_layers"]
+            return cls(
+                hidden_size=raw["hidden_size"],
+                intermediate_size=raw["intermediate_size"],
+                num_hidden_layers=num_layers,
+                num_attention_heads=raw["num_attention_heads"],
+                num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+                head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+                vocab_size=raw["vocab_size"],
+                block_size=raw["block_size"],
+                mask_token_id=dflash["mask_token_id"],
+                target_layer_ids=list(
+                    dflash.get("target_layer_ids") or default_target_layer_ids(num_target_layers, num_layers)
+                ),
+                num_target_layers=num_target_layers,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                max_position_embeddings=raw.get("max_position_embeddings", 40960),
+                attention_bias=raw.get("attention_bias", False),
+                hidden_act=raw.get("hidden_act", "silu"),
+                layer_types=list(raw.get("layer_types") or []),
+                sliding_window=raw.get("sliding_window"),
+            )
+        except KeyError as exc:
+            raise ValueError(f"drafter config.json lacks required key {exc.args[0]!r}") from None
+
+    def to_dict(self) -> dict:
+        """The published (4.57-era, z-lab) layout, so other DFlash tooling can read what we save."""
+        raw = asdict(self)
+        dflash = {"mask_token_id": raw.pop("mask_token_id"), "target_layer_ids": raw.pop("target_layer_ids")}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            **raw,
+            "dflash_config": dflash,
+            "rope_scaling": None,
+            "use_sliding_window": self.sliding_window is not None,
+            "tie_word_embeddings": False,
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the target's own layers, so bf16 drafts match the reference implementation.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Standard (rotate-half) RoPE at absolute positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, s] -> cos, sin [b, 1, s, head_dim] (broadcast over heads)."""
+        freqs = positions[..., None].float() * self.inv_freq  # [b, s, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [b, s, n*d] -> [b, n, s, d]
+
+    def key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, hidden] -> k, v [b, kv_heads, s, head_dim], k normed and rotated."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [b, q, hidden] block stream; ctx_k/ctx_v [b, kv_heads, c, head_dim] context K/V (already rotated);
+        mask [b, 1, q, c+q] bool (True = attend) or None for full visibility (inference)."""
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        k_blk, v_blk = self.key_value(x, cos, sin)
+        k = torch.cat((ctx_k, k_blk), dim=2)
+        v = torch.cat((ctx_v, v_blk), dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )  # [b, heads, q, head_dim]
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DFlashMLP(cfg)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:  # shapes as in DFlashAttention.forward
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Module names mirror the published safetensors keys exactly (no prefix), so state_dict() is the file format."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features [b, c, taps*hidden] target hidden states at absolute positions [b, c]
+        -> per layer (k, v), each [b, kv_heads, c, head_dim], rotated at those positions."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """block_embeds [b, q, hidden] (target embeddings of the block tokens) at positions [b, q]
+        -> final-normed hidden states [b, q, hidden]; the caller applies the target's lm_head."""
+        cos, sin = self.rotary.cos_sin(positions, block_embeds.dtype)
+        x = block_embeds
+        for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        return self.norm(x)
+
+
+def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int | None = None) -> None:
+    """Random init for fresh training runs and test fixtures (normal linears, unit norms)."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """Loads a published-format DFlash checkpoint directory; a missing or unexpected key is a clear error."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in drafter directory {path}")
+    cfg = DFlashConfig.from_dict(json.loads(config_file.read_text()))
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    state = load_state_dict_files(path)
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing:
+        raise ValueError(f"drafter checkpoint {path} is missing key {missing[0]!r}" + _more(missing))
+    if unexpected:
+        raise ValueError(f"drafter checkpoint {path} has unexpected key {unexpected[0]!r}" + _more(unexpected))
+    for key, tensor in state.items():
+        want = model.state_dict()[key].shape
+        if tuple(tensor.shape) != tuple(want):
+            raise ValueError(f"drafter key {key!r} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    model.rotary = Rotary(cfg.head_dim, cfg.rope_theta).to(device)  # non-persistent buffer: rebuild off meta
+    return model.to(dtype=dtype).eval()
+
+
+def save_drafter(model: DFlashDrafter, path: str | Path, dtype: torch.dtype = torch.bfloat16, max_shard_mb: float = 15) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = model.config.to_dict()
+    raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    state = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+    save_state_dict_sharded(state, path, max_shard_bytes=int(max_shard_mb * 2**20))
+
+
+def _more(keys: list[str]) -> str:
+    return f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "default_target_layer_ids",
+    "init_drafter_weights",
+    "load_drafter",
+    "save_drafter",
+]

@@ -1,0 +1,135 @@
+"""The drafter engine: per-session context K/V caches and one draft step per round (transport-agnostic)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.types import DraftTree
+from draft_server.dflash import DFlashDrafter
+from draft_server.target_head import TargetHead
+from draft_server.tree import build_tree
+
+
+class SessionError(ValueError):
+    """A request that does not fit the session's state (unknown id, wrong position, full cache)."""
+
+
+@dataclass
+class DraftSession:
+    """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
+    never stored, so `length` is always the next absolute position the context will cover."""
+
+    ctx_k: list[torch.Tensor]  # per layer [1, kv_heads, capacity, head_dim]
+    ctx_v: list[torch.Tensor]
+    length: int = 0
+    last_used: float = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.ctx_k[0].shape[2]
+
+
+@dataclass
+class DraftResult:
+    tree: DraftTree
+    forward_s: float
+    tree_s: float
+
+
+class DraftEngine:
+    def __init__(self, drafter: DFlashDrafter, head: TargetHead) -> None:
+        cfg = drafter.config
+        if head.embed.shape[1] != cfg.hidden_size:
+            raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
+        if cfg.mask_token_id >= head.embed.shape[0]:
+            raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the target vocabulary ({head.embed.shape[0]})")
+        self.drafter = drafter
+        self.head = head
+        self.config = cfg
+        self.device = head.embed.device
+        self.dtype = head.embed.dtype
+        self.sessions: dict[str, DraftSession] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def feature_dim(self) -> int:
+        return self.config.num_taps * self.config.hidden_size
+
+    def start_session(self, session_id: str, capacity: int) -> None:
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id!r} already exists")
+        cfg = self.config
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.sessions[session_id] = DraftSession(
+            ctx_k=[torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)],
+            ctx_v=[torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)],
+            last_used=time.monotonic(),
+        )
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.pop(session_id, None) is not None
+
+    def session(self, session_id: str) -> DraftSession:
+        try:
+            return self.sessions[session_id]
+        except KeyError:
+            raise SessionError(f"unknown drafter session {session_id!r}") from None
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        session_id: str,
+        features: torch.Tensor,
+        root_token: int,
+        root_position: int,
+        budget: int,
+        top_k: int | None = None,
+    ) -> DraftResult:
+        """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
+        before `root_position`. Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
+        root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain)."""
+        sess = self.session(session_id)
+        m = features.shape[0]
+        if features.ndim != 2 or features.shape[1] != self.feature_dim:
+            raise SessionError(f"features must be [m, {self.feature_dim}], got {list(features.shape)}")
+        if sess.length + m != root_position:
+            raise SessionError(
+                f"context covers positions [0, {sess.length}) and {m} new features were sent, "
+                f"so the root must be at position {sess.length + m}, not {root_position}"
+            )
+        if root_position + 1 > sess.capacity:
+            raise SessionError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
+        if not 0 <= root_token < self.head.vocab_size:
+            raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
+        sess.last_used = time.monotonic()
+        start = time.perf_counter()
+        if m:
+            positions = torch.arange(sess.length, root_position, device=self.device)[None]
+            new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
+            for layer, (k, v) in enumerate(new_kv):
+                sess.ctx_k[layer][:, :, sess.length : root_position] = k
+                sess.ctx_v[layer][:, :, sess.length : root_position] = v
+            sess.length = root_position
+        logprobs = self._block_logprobs(sess, root_token, root_position)
+        drafted = time.perf_counter()
+        tree = build_tree(logprobs, root_token, budget, top_k)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the timings mean something; the reply needs the tree on host
+        done = time.perf_counter()
+        return DraftResult(tree=tree, forward_s=drafted - start, tree_s=done - drafted)
+
+    def _block_logprobs(self, sess: DraftSession, root_token: int, root_position: int) -> torch.Tensor:
+        """-> [B-1, vocab] fp32 log-probs; block position j predicts the token at root_position + j (no shift)."""
+        b = self.block_size
+        ids = torch.full((1, b), self.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, 0] = root_token
+        positions = torch.arange(root_position, root_position + b, device=self.device)[None]
+        ctx = [(k[:, :, : sess.length], v[:, :, : sess.length]) for k, v in zip(sess.ctx_k, sess.ctx_v)]
+        hidden = self.drafter(self.head.embed_tokens(ids), positions, ctx)  # [1, B, hidden]
+        return torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1)

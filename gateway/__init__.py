@@ -1,0 +1,1 @@
+"""Gateway: owns the request and runs the rounds between drafter and verifier."""

@@ -1,0 +1,142 @@
+"""The round loop: prefill, then draft -> verify rounds (or AR steps) until EOS or the token limit.
+
+It talks to the drafter and the verifier only through the two small protocols below, so the same loop runs
+in-process (`ddtree generate`, benchmarks, tests) and against the gRPC services (the gateway).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from ddtree.types import DraftTree, SamplingParams, StepResult
+
+Mode = Literal["ar", "chain", "ddtree"]
+MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
+
+
+class DrafterClient(Protocol):
+    block_size: int
+    target_layer_ids: list[int]
+
+    async def start_session(self, session_id: str, capacity: int) -> None: ...
+
+    async def draft(
+        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, dict[str, float]]: ...
+
+    async def end_session(self, session_id: str) -> None: ...
+
+
+class VerifierClient(Protocol):
+    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
+
+    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult: ...
+
+    async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...
+
+    async def decode(self, session_id: str) -> StepResult: ...
+
+    async def end_session(self, session_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Speculation:
+    mode: Mode = "ddtree"
+    budget: int = 32
+
+    def tree_shape(self, block_size: int) -> tuple[int, int | None]:
+        """(budget, top_k) for the tree builder: the chain is the B-1 node, top-1 tree."""
+        if self.mode == "chain":
+            return block_size - 1, 1
+        return self.budget, None
+
+    def max_nodes(self, block_size: int) -> int:
+        return 0 if self.mode == "ar" else self.tree_shape(block_size)[0]
+
+
+@dataclass
+class Round:
+    """What one step committed. `index` 0 is the prefill; `tree_size` counts nodes without the root (0 for AR)."""
+
+    index: int
+    tokens: list[int]
+    tree_size: int = 0
+    finish_reason: str | None = None  # "stop" (EOS) or "length" on the last round
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens)
+
+
+async def run_rounds(
+    verifier: VerifierClient,
+    drafter: DrafterClient | None,
+    prompt: list[int],
+    params: SamplingParams,
+    spec: Speculation,
+    max_new_tokens: int,
+    stop_token_ids: list[int],
+) -> AsyncIterator[Round]:
+    """Yields one Round per step; the sessions on both services end however the iteration ends."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if spec.mode != "ar" and drafter is None:
+        raise ValueError(f"mode {spec.mode!r} needs a drafter")
+    session_id = uuid.uuid4().hex
+    use_drafter = drafter if spec.mode != "ar" else None
+    block = use_drafter.block_size if use_drafter else 1
+    budget, top_k = spec.tree_shape(block)
+    taps = use_drafter.target_layer_ids if use_drafter else []
+    stops = set(stop_token_ids)
+
+    await verifier.start_session(session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
+    try:
+        if use_drafter:
+            await use_drafter.start_session(session_id, len(prompt) + max_new_tokens)
+        t0 = time.perf_counter()
+        step = await verifier.prefill(session_id, prompt)
+        timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
+        generated = 0
+        index = 0
+        tree_size = 0
+        while True:
+            tokens, finish = _trim(step.tokens, stops, max_new_tokens - generated)
+            generated += len(tokens)
+            yield Round(index, tokens, tree_size, finish, timings)
+            if finish:
+                return
+            index += 1
+            root_position = len(prompt) + generated - 1
+            t0 = time.perf_counter()
+            if use_drafter:
+                tree, timings = await use_drafter.draft(
+                    session_id, step.features, step.tokens[-1], root_position, budget, top_k
+                )
+                tree_size = tree.num_nodes
+                t1 = time.perf_counter()
+                step = await verifier.verify(session_id, tree)
+                timings = {**timings, "draft_rpc_s": t1 - t0}
+            else:
+                step = await verifier.decode(session_id)
+            timings = {**timings, **step.timings, "verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
+    finally:
+        await verifier.end_session(session_id)
+        if use_drafter:
+            await use_drafter.end_session(session_id)
+
+
+def _trim(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], str | None]:
+    """Cuts a step's tokens after the first stop token (kept, like HF generate) or at the token limit."""
+    for i, tok in enumerate(tokens[:room]):
+        if tok in stops:
+            return tokens[: i + 1], "stop"
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None

@@ -1,0 +1,45 @@
+"""The verifier's own KV cache: preallocated per session, written in place, compacted in place."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Slot i holds the K/V of committed position i, so RoPE positions and slots agree even after compaction.
+
+    k, v: [layers, 1, kv_heads, capacity, head_dim] (the 1 is the batch axis attention kernels expect)
+    """
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0  # slots [0, length) are committed
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stores k, v [1, kv_heads, q, head_dim] at slots [start, start+q); returns views of slots [0, start+q)."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Moves the K/V of slots start + keep (keep [n] increasing offsets, keep[0] == 0) to slots
+        [start, start+n) in every layer at once, and commits them. Offsets only increase, but a gather into a
+        temporary keeps the copy safe whatever the order."""
+        n = keep.shape[0]
+        src = keep + start
+        self.k[:, :, :, start : start + n] = self.k.index_select(3, src)
+        self.v[:, :, :, start : start + n] = self.v.index_select(3, src)
+        self.length = start + n

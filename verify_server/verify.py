@@ -1,0 +1,198 @@
+"""The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode.
+
+Session state at rest: the cache holds K/V for committed positions [0, n-1); `root` is the last committed token
+x[n-1], whose K/V is written by the next step (so a step's input always starts with the root, at slot n-1).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from ddtree.types import DraftTree, SamplingParams, StepResult
+from verify_server.kv_cache import KVCache
+from verify_server.sampling import choose_tokens
+from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
+
+
+class SessionError(ValueError):
+    """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
+
+
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Any HF causal LM from a local directory, wired to our tree attention. Never downloads."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in target directory {path}")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
+    )
+    return model.to(device).eval()
+
+
+@dataclass
+class VerifySession:
+    cache: KVCache
+    params: SamplingParams
+    generator: torch.Generator | None
+    taps: list[int]
+    root: int | None = None  # None until prefill
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class VerifyEngine:
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.device = self.lm_head.weight.device
+        self.dtype = self.lm_head.weight.dtype
+        self.sessions: dict[str, VerifySession] = {}
+        # Tapped layer outputs of the forward in flight, filled by hooks: layer id -> [1, q, hidden].
+        self._want_taps: frozenset[int] = frozenset()
+        self._taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.decoder.layers):
+            layer.register_forward_hook(self._tap_hook(i))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "VerifyEngine":
+        return cls(load_target(path, device, dtype))
+
+    @staticmethod
+    def read_eos_ids(path: str | Path) -> list[int]:
+        eos = AutoConfig.from_pretrained(path, local_files_only=True).eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def _tap_hook(self, layer_id: int):
+        def hook(_module, _args, output):
+            if layer_id in self._want_taps:
+                self._taps[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ---- sessions -------------------------------------------------------------------------------------------
+
+    def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
+        if session_id in self.sessions:
+            raise SessionError(f"session {session_id!r} already exists")
+        params.validate()
+        bad = [t for t in taps if not 0 <= t < self.num_layers]
+        if bad:
+            raise SessionError(f"tap layer {bad[0]} outside the target's {self.num_layers} layers")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        self.sessions[session_id] = VerifySession(cache, params, generator, list(taps))
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.pop(session_id, None) is not None
+
+    def session(self, session_id: str) -> VerifySession:
+        try:
+            sess = self.sessions[session_id]
+        except KeyError:
+            raise SessionError(f"unknown verifier session {session_id!r}") from None
+        sess.last_used = time.monotonic()
+        return sess
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
+        """Runs the prompt, picks the first token (the new root), returns the features of all prompt positions."""
+        sess = self.session(session_id)
+        if sess.root is not None:
+            raise SessionError(f"session {session_id!r} is already prefilled")
+        if not prompt:
+            raise SessionError("the prompt is empty")
+        self._check_room(sess, len(prompt) + 1)  # the first token's K/V comes with the next step
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        start = time.perf_counter()
+        logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, last_only=True)
+        first = choose_tokens(logits, sess.params, sess.generator)
+        token = int(first.item())
+        sess.cache.length = len(prompt)
+        sess.root = token
+        return StepResult([token], features, forward_s=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def decode(self, session_id: str) -> StepResult:
+        """One plain autoregressive step: a tree holding only the root."""
+        root = torch.zeros(1, dtype=torch.long, device=self.device)
+        return self.verify(session_id, DraftTree(tokens=root, parents=root - 1, depths=root, max_depth=0))
+
+    @torch.inference_mode()
+    def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+        """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
+        appends the target's choice after it (the bonus), and compacts the cache to that path."""
+        sess = self.session(session_id)
+        if sess.root is None:
+            raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
+        q = tree.tokens.shape[0]
+        self._check_room(sess, q)
+        start_t = time.perf_counter()
+        start = sess.cache.length
+        parents = tree.parents.to(self.device)
+        depths = tree.depths.to(self.device)
+        ids = tree.tokens.to(self.device).clone()
+        ids[0] = sess.root  # the root is the session's, whatever the drafter thought it was
+        anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
+        logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
+        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
+        forward_done = time.perf_counter()
+
+        match = ids == choice[parents.clamp(min=0)]
+        match[0] = True
+        accepted = ~(anc & ~match[None, :]).any(dim=1)  # node and all its ancestors are target choices
+        deepest = torch.where(accepted, depths, -1).argmax()
+        node_idx = torch.arange(q, device=self.device)
+        path = torch.where(anc[deepest], node_idx, q).sort().values  # path nodes first (root..deepest), then q
+        packed = torch.cat((depths[deepest].view(1), choice[deepest].view(1), ids[path.clamp(max=q - 1)]))
+        host = packed.tolist()  # the round's single host sync
+        k, bonus = host[0], host[1]
+        tokens = host[3 : 3 + k] + [bonus]
+        keep = path[: k + 1]
+        sess.cache.compact(start, keep)
+        sess.root = bonus
+        if features is not None:
+            features = features[keep]
+        done = time.perf_counter()
+        return StepResult(
+            tokens, features, forward_s=forward_done - start_t, timings={"walk_s": done - forward_done}
+        )
+
+    def _check_room(self, sess: VerifySession, new_tokens: int) -> None:
+        if sess.cache.length + new_tokens > sess.cache.capacity:
+            raise SessionError(
+                f"session needs {sess.cache.length + new_tokens} KV slots but was started with capacity "
+                f"{sess.cache.capacity}"
+            )
+
+    def _forward(
+        self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions [q] -> logits [q or 1, V] fp32, features [q, taps*hidden] (None without taps)."""
+        step = AttentionStep(sess.cache, sess.cache.length, ids.shape[0], positions, tree)
+        self._want_taps, self._taps = frozenset(sess.taps), {}
+        try:
+            out = self.decoder(
+                input_ids=ids[None], position_ids=positions[None], use_cache=False, **{STEP_KWARG: step}
+            )
+            taps = [self._taps[t][0] for t in sess.taps]
+        finally:
+            self._want_taps, self._taps = frozenset(), {}
+        hidden = out.last_hidden_state[0]  # [q, hidden]
+        logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
+        return logits, torch.cat(taps, dim=-1) if taps else None
