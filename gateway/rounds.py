@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -83,8 +83,12 @@ async def run_rounds(
     spec: Speculation,
     max_new_tokens: int,
     stop_token_ids: list[int],
+    on_fallback: Callable[[BaseException], None] | None = None,
 ) -> AsyncIterator[Round]:
-    """Yields one Round per step; the sessions on both services end however the iteration ends."""
+    """Yields one Round per step; the sessions on both services end however the iteration ends.
+
+    If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
+    output is unchanged, only slower. `on_fallback` hears about it (metrics, logs)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if spec.mode != "ar" and drafter is None:
@@ -96,10 +100,15 @@ async def run_rounds(
     taps = use_drafter.target_layer_ids if use_drafter else []
     stops = set(stop_token_ids)
 
+    drafter_session = False
     await verifier.start_session(session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
         if use_drafter:
-            await use_drafter.start_session(session_id, len(prompt) + max_new_tokens)
+            try:
+                await use_drafter.start_session(session_id, len(prompt) + max_new_tokens)
+                drafter_session = True
+            except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
+                use_drafter = _fall_back(exc, on_fallback)
         t0 = time.perf_counter()
         step = await verifier.prefill(session_id, prompt)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
@@ -115,21 +124,36 @@ async def run_rounds(
             index += 1
             root_position = len(prompt) + generated - 1
             t0 = time.perf_counter()
+            tree = None
             if use_drafter:
-                tree, timings = await use_drafter.draft(
-                    session_id, step.features, step.tokens[-1], root_position, budget, top_k
-                )
+                try:
+                    tree, timings = await use_drafter.draft(
+                        session_id, step.features, step.tokens[-1], root_position, budget, top_k
+                    )
+                except Exception as exc:  # noqa: BLE001 - see above
+                    use_drafter = _fall_back(exc, on_fallback)
+            if tree is not None:
                 tree_size = tree.num_nodes
                 t1 = time.perf_counter()
                 step = await verifier.verify(session_id, tree)
                 timings = {**timings, "draft_rpc_s": t1 - t0}
             else:
+                tree_size, timings = 0, {}
                 step = await verifier.decode(session_id)
             timings = {**timings, **step.timings, "verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
     finally:
         await verifier.end_session(session_id)
-        if use_drafter:
-            await use_drafter.end_session(session_id)
+        if drafter_session:
+            try:
+                await drafter.end_session(session_id)
+            except Exception:  # noqa: BLE001 - a dead drafter's sessions die with it (or expire by TTL)
+                pass
+
+
+def _fall_back(exc: BaseException, on_fallback: Callable[[BaseException], None] | None) -> None:
+    if on_fallback is not None:
+        on_fallback(exc)
+    return None
 
 
 def _trim(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], str | None]:

@@ -1,0 +1,242 @@
+"""`ddtree train-target`: trains the bundled demo target, a small Qwen3 causal LM, on the stdlib corpus.
+
+The GPU machines give at most ~10 minutes per command, so training is built to be cut into slices: the same
+command line with `--resume` continues from the last checkpoint, `--max-minutes` stops cleanly before the slot
+ends, and every stop also exports the current model, so there is always a usable model in `--out`.
+
+The loss is next-token prediction on every token of the packed stream, prompts included: the prompts are
+themselves stdlib code and prose (more signal per step), and the drafter is later trained on this model's
+outputs, not on the corpus answers, so nothing is gained by masking prompts.
+
+Layout: `--out` holds only what ships (config, bf16 safetensors, tokenizer, training_log.json); the corpus,
+the tokenizer being built, token caches and the resumable checkpoint live in `--work-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+from ddtree.demo import corpus as corpus_lib
+from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
+from ddtree.demo.tokenizer import (DEFAULT_VOCAB_SIZE, ENDOFTEXT, IM_END, load_tokenizer, padded_vocab_size,
+                                   save_tokenizer, train_tokenizer)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+LOG_FILE = "training_log.json"
+EVAL_WINDOWS = 64  # held-out windows per evaluation: enough for a stable number, cheap next to training
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train-target", help="train the bundled demo target model (offline, stdlib corpus)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="final model directory (HF layout)")
+    p.add_argument("--work-dir", type=Path, help="corpus, token caches and checkpoint (default: OUT.work)")
+    p.add_argument("--corpus", type=Path, help="corpus directory; built from the stdlib if it has no train.jsonl "
+                                               "(default: WORK_DIR/corpus)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocabulary to train")
+    p.add_argument("--steps", type=int, default=3000, help="total optimizer steps (the LR schedule spans them)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of the peak")
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"),
+                   help="autocast compute dtype (default: bfloat16 on cuda, float32 on cpu); weights stay fp32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in WORK_DIR if there is one (model shape comes from it)")
+    p.add_argument("--max-minutes", type=float, help="stop, checkpoint and export once this much wall time passed")
+    p.add_argument("--save-every", type=int, default=250, help="steps between checkpoints (and held-out evals)")
+    p.add_argument("--log-every", type=int, default=10, help="steps per logged mean loss")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
+    model = p.add_argument_group("model shape (new runs only)")
+    model.add_argument("--hidden-size", type=int, default=384)
+    model.add_argument("--num-layers", type=int, default=6)
+    model.add_argument("--num-heads", type=int, default=6)
+    model.add_argument("--num-kv-heads", type=int, default=2)
+    model.add_argument("--head-dim", type=int, default=64)
+    model.add_argument("--intermediate-size", type=int, default=1024)
+    model.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> Qwen3Config:
+    """A Qwen3 config with the token ids Qwen's own chat models use, so the serving code sees no difference."""
+    endoftext, im_end = tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_END])
+    return Qwen3Config(
+        vocab_size=padded_vocab_size(tokenizer), hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
+        max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=endoftext, eos_token_id=im_end, pad_token_id=endoftext,
+    )
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step; a pure function of step so a
+    resumed run needs no scheduler state."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only. The (tied) embedding is not decayed: rows of tokens the corpus never
+    contains, `<|mask|>` above all, would shrink towards zero and give the drafter a degenerate mask row."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (decay if param.ndim >= 2 and "embed_tokens" not in name else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def prepare_data(args: argparse.Namespace, work: Path, progress: bool):
+    """Corpus, tokenizer and token streams, each built only if absent (they are reused by resumed runs)."""
+    corpus_dir = args.corpus or work / "corpus"
+    if not (corpus_dir / corpus_lib.TRAIN_FILE).exists():
+        corpus_lib.build_corpus(corpus_dir, seed=args.seed, progress=progress)
+    tokenizer_dir = work / "tokenizer"
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        train_tokenizer(corpus_dir / corpus_lib.TRAIN_FILE, tokenizer_dir, args.vocab_size, progress)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    streams = {split: cached_tokens(tokenizer, tokenizer_dir, corpus_dir / name, work, progress)
+               for split, name in (("train", corpus_lib.TRAIN_FILE), ("heldout", corpus_lib.HELDOUT_FILE))}
+    manifest = json.loads((corpus_dir / corpus_lib.MANIFEST_FILE).read_text(encoding="utf-8"))
+    return tokenizer, streams, manifest
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
+                 dtype: torch.dtype) -> float | None:
+    """Mean next-token loss on the held-out packages: the overfitting signal the training loss cannot give."""
+    if len(windows) == 0:
+        return None
+    model.eval()
+    total = 0.0
+    for chunk in windows.split(batch_size):
+        chunk = chunk.to(device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            total += model(input_ids=chunk, labels=chunk, use_cache=False).loss.item() * len(chunk)
+    model.train()
+    return total / len(windows)
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, tmp)
+    os.replace(tmp, path)  # a run killed while saving keeps its previous checkpoint intact
+
+
+def export(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, log: dict) -> None:
+    """Write the shippable model: bf16 safetensors (always safetensors in transformers 5), tokenizer, log."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16)
+    config = model.config
+    # Both ids end generation, as in Qwen's generation_config: a turn ends with <|im_end|>, a document with
+    # <|endoftext|>.
+    model.generation_config = GenerationConfig(eos_token_id=[config.eos_token_id, config.pad_token_id],
+                                               pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id)
+    model.save_pretrained(out, max_shard_size="15MB")
+    save_tokenizer(tokenizer, out)
+    (out / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    deadline = started + args.max_minutes * 60 if args.max_minutes else math.inf
+    progress = not args.no_progress
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = work / CHECKPOINT_FILE
+    if checkpoint_path.exists() and not args.resume:
+        print(f"a checkpoint exists in {work}; pass --resume to continue it, or delete it to start over",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tokenizer, streams, manifest = prepare_data(args, work, progress)
+
+    torch.manual_seed(args.seed)
+    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True) if args.resume and \
+        checkpoint_path.exists() else None
+    config = Qwen3Config.from_dict(checkpoint["config"]) if checkpoint else build_config(args, tokenizer)
+    model = Qwen3ForCausalLM(config).to(device)
+    optimizer = make_optimizer(model, args, device)
+    state = {"step": 0, "train_seconds": 0.0, "loss": [], "eval": []}
+    if checkpoint:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        state = {k: checkpoint[k] for k in state}
+    state["config"] = config.to_dict()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.2f}M parameters, {len(streams['train']):,} training tokens, "
+          f"starting at step {state['step']} of {args.steps}", file=sys.stderr)
+
+    model.train()
+    heldout = eval_windows(streams["heldout"], args.seq_len, EVAL_WINDOWS)
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    loss_sum, loss_count, slice_start = torch.zeros((), device=device), 0, time.monotonic()
+
+    def checkpoint_at(step: int) -> None:
+        nonlocal slice_start
+        if not state["eval"] or state["eval"][-1]["step"] != step:
+            state["eval"].append({"step": step, "heldout_loss": heldout_loss(model, heldout, args.batch_size,
+                                                                              device, dtype)})
+        state.update(step=step, train_seconds=state["train_seconds"] + time.monotonic() - slice_start)
+        slice_start = time.monotonic()
+        save_checkpoint(checkpoint_path, model, optimizer, state)
+
+    bar = tqdm(total=args.steps, initial=state["step"], desc="train-target", unit="step", disable=not progress)
+    step = state["step"]
+    while step < args.steps and time.monotonic() < deadline:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        batch = sample_batch(streams["train"], args.batch_size, args.seq_len, args.seed, step).to(device)
+        with autocast:
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        bar.update(1)
+        loss_sum += loss.detach()  # summed on the device: one host sync per log interval, not per step
+        loss_count += 1
+        if step % args.log_every == 0 or step == args.steps:
+            mean = loss_sum.item() / loss_count
+            state["loss"].append({"step": step, "loss": round(mean, 5), "lr": lr_at(step - 1, args)})
+            bar.set_postfix(loss=f"{mean:.3f}")
+            loss_sum.zero_()
+            loss_count = 0
+        if step % args.save_every == 0:
+            checkpoint_at(step)
+    bar.close()
+    checkpoint_at(step)
+
+    log = {
+        "complete": step >= args.steps, "step": step, "steps": args.steps, "parameters": params,
+        "tokens_per_step": args.batch_size * args.seq_len, "train_seconds": round(state["train_seconds"], 1),
+        "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                            if k not in ("func", "out", "work_dir", "corpus")},
+        "corpus": manifest, "python": platform.python_version(), "torch": torch.__version__,
+        "loss": state["loss"], "eval": state["eval"],
+    }
+    export(model, tokenizer, args.out, log)
+    print(f"{'finished' if log['complete'] else 'paused'} at step {step}/{args.steps}; model in {args.out}"
+          + ("" if log["complete"] else "; run again with --resume to continue"), file=sys.stderr)
+    return 0
