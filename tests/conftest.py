@@ -10,6 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
 
+# Tiny models run fastest single-threaded, and tests then don't fight each other (or CI neighbours) for cores.
+torch.set_num_threads(1)
+
 VOCAB = 48
 HIDDEN = 64
 TARGET_LAYERS = 4
@@ -34,14 +37,14 @@ def make_target(kind: str, path: Path, vocab: int = VOCAB, seed: int = 0, layers
     return path
 
 
-def make_drafter(path: Path, vocab: int = VOCAB, seed: int = 1, block: int = BLOCK) -> Path:
+def make_drafter(path: Path, vocab: int = VOCAB, seed: int = 1, block: int = BLOCK, std: float = 0.25) -> Path:
     cfg = DFlashConfig(
         hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, vocab_size=vocab, block_size=block, mask_token_id=vocab - 1, target_layer_ids=[0, 2],
         num_target_layers=TARGET_LAYERS,
     )
     model = DFlashDrafter(cfg)
-    init_drafter_weights(model, std=0.25, seed=seed)
+    init_drafter_weights(model, std=std, seed=seed)
     save_drafter(model, path, dtype=torch.float32)
     return path
 
@@ -59,3 +62,13 @@ def llama_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def drafter_dir(tmp_path_factory) -> Path:
     return make_drafter(tmp_path_factory.mktemp("drafter"))
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int] | None = None) -> list[int]:
+    """The reference: HF generate(do_sample=False) on the target alone, generated ids only."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+    )
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,76 @@
+"""Greedy output of every mode through the full round loop (real drafter, tree builder, verifier) equals HF
+`generate(do_sample=False)` token for token, EOS stops included."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ddtree.types import SamplingParams
+from gateway.local import load_local
+from gateway.rounds import Round, Speculation, run_rounds
+from tests.conftest import VOCAB, hf_greedy
+
+SPECS = [Speculation("ar"), Speculation("chain")] + [Speculation("ddtree", b) for b in (1, 4, 16, 64, 256)]
+MAX_NEW = 20
+
+
+def prompts(n: int = 20) -> list[list[int]]:
+    rng = random.Random(11)
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89] + [rng.randint(1, 120) for _ in range(n - 10)]
+    return [[rng.randrange(VOCAB - 1) for _ in range(length)] for length in lengths]
+
+
+def generate(verifier, drafter, prompt: list[int], spec: Speculation, eos: list[int], max_new: int = MAX_NEW) -> list[Round]:
+    async def collect() -> list[Round]:
+        return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos)]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_greedy_equals_hf_generate(kind: str, qwen3_target: Path, llama_target: Path, drafter_dir: Path) -> None:
+    target = qwen3_target if kind == "qwen3" else llama_target
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32)
+    eos_stops = 0
+    for i, prompt in enumerate(prompts()):
+        reference = hf_greedy(hf, prompt, MAX_NEW)
+        eos: list[int] = []
+        if i % 3 == 0:  # make a token the greedy continuation reaches mid-way the EOS: generation must stop there
+            eos = [reference[5 + i % 7]]
+            reference = hf_greedy(hf, prompt, MAX_NEW, eos)
+            assert reference[-1] == eos[0] and len(reference) < MAX_NEW
+            eos_stops += 1
+        for spec in SPECS:
+            rounds = generate(verifier, drafter, prompt, spec, eos)
+            tokens = [t for r in rounds for t in r.tokens]
+            assert tokens == reference, (kind, i, spec)
+            assert rounds[-1].finish_reason == ("stop" if eos else "length")
+            if spec.mode == "ddtree":
+                assert all(r.tree_size == min(spec.budget, 1000) for r in rounds[1:])
+    assert eos_stops >= 6
+
+
+def test_tiny_vocab_large_budget_accepts_deeply(tmp_path: Path) -> None:
+    """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
+    most 4-token ones, so rounds accept several tokens, and the output must still be exactly the target's."""
+    from tests.conftest import make_drafter, make_target
+
+    target = make_target("qwen3", tmp_path / "t", vocab=4, seed=5)
+    drafter_dir = make_drafter(tmp_path / "d", vocab=4, seed=6, std=0.01)
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32)
+    accepted = []
+    for prompt in ([1, 2, 3], [3, 0, 1, 1, 2], [2] * 17):
+        reference = hf_greedy(hf, prompt, 60)
+        rounds = generate(verifier, drafter, prompt, Speculation("ddtree", 256), [], max_new=60)
+        assert [t for r in rounds for t in r.tokens] == reference
+        accepted += [r.accepted for r in rounds[1:-1]]
+    assert sum(accepted) / len(accepted) > 3.5
+    assert max(accepted) >= 5

@@ -1,0 +1,370 @@
+"""The gateway's HTTP API in-process: the real app (create_app) over the in-process engines, driven through httpx's
+ASGI transport. Greedy outputs are checked against the round loop run directly on the same engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from ddtree.types import SamplingParams
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.detokenize import IncrementalDetokenizer, StopStrings
+from gateway.rounds import Speculation, run_rounds
+from gateway.service import Backends
+from tests.conftest import make_drafter
+from tests.gateway_support import MAX_CONTEXT, local_backends, make_chat_target
+
+pytestmark = pytest.mark.anyio
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_chat_target(tmp_path_factory.mktemp("chat_target"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target: Path):
+    return AutoTokenizer.from_pretrained(target, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def module_backends(target: Path, tmp_path_factory) -> Backends:
+    return local_backends(target, make_drafter(tmp_path_factory.mktemp("drafter")))
+
+
+@pytest.fixture
+def backends(module_backends: Backends) -> Backends:
+    module_backends.verifier.healthy = True
+    module_backends.drafter.healthy = module_backends.drafter.broken = False
+    return module_backends
+
+
+@asynccontextmanager
+async def gateway(target: Path, backends: Backends, **config) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(GatewayConfig(target=str(target), **config), backends)
+    async with app.router.lifespan_context(app):
+        await app.state.service.check_backends()  # do not wait for the monitor's first round
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            client.service = app.state.service
+            yield client
+
+
+async def reference(backends: Backends, tokenizer, prompt: list[int], max_tokens: int,
+                    spec: Speculation = Speculation("ar")) -> tuple[str, list[int], str]:
+    """(text, tokens, finish reason) of the round loop run directly on the engines: what the gateway must return."""
+    rounds = [r async for r in run_rounds(backends.verifier, backends.drafter, prompt, SamplingParams(), spec,
+                                          max_tokens, [tokenizer.eos_token_id])]
+    tokens = [t for r in rounds for t in r.tokens]
+    return tokenizer.decode(tokens, skip_special_tokens=True), tokens, rounds[-1].finish_reason
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def events(body: str) -> list[dict | str]:
+    """SSE body -> the data payloads, parsed (the final "[DONE]" stays a string)."""
+    out: list[dict | str] = []
+    for block in body.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "chain", "off"])
+async def test_chat_greedy_equals_in_process_loop(target, backends, tokenizer, mode) -> None:
+    text, tokens, finish = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 40)
+    async with gateway(target, backends) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": HELLO, "max_tokens": 40, "temperature": 0, "speculation": {"mode": mode}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["finish_reason"] == finish
+    assert body["usage"] == {"prompt_tokens": len(chat_ids(tokenizer, HELLO)), "completion_tokens": len(tokens),
+                             "total_tokens": len(chat_ids(tokenizer, HELLO)) + len(tokens)}
+
+
+async def test_chat_stream_chunks_and_usage(target, backends, tokenizer) -> None:
+    text, tokens, finish = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 30)
+    async with gateway(target, backends) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": HELLO, "max_completion_tokens": 30, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]"
+    first, *content, final, usage = chunks[:-1]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == first["id"] for c in chunks[:-1])
+    assert all(c["usage"] is None and c["choices"][0]["finish_reason"] is None for c in [first, *content])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in content) == text
+    assert "\ufffd" not in text or all(c["choices"][0]["delta"]["content"] for c in content)
+    assert final["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": finish, "delta": {}}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(tokens)
+
+
+async def test_stream_without_usage_has_no_usage_fields(target, backends) -> None:
+    async with gateway(target, backends) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": HELLO, "max_tokens": 5, "temperature": 0, "stream": True})
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks[:-1])
+
+
+async def test_completions_stream_and_not(target, backends, tokenizer) -> None:
+    prompt = "once upon a time"
+    text, tokens, finish = await reference(backends, tokenizer, tokenizer(prompt)["input_ids"], 25)
+    async with gateway(target, backends) as client:
+        whole = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 25,
+                                                           "temperature": 0})
+        streamed = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 25,
+                                                              "temperature": 0, "stream": True})
+        default = await client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                                                             "temperature": 0})
+    assert whole.json()["choices"][0]["text"] == text and whole.json()["object"] == "text_completion"
+    assert whole.json()["choices"][0]["finish_reason"] == finish
+    chunks = events(streamed.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == text
+    assert chunks[-2]["choices"][0]["finish_reason"] == finish
+    assert default.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions
+
+
+async def test_stop_strings_across_token_boundaries(target, backends, tokenizer) -> None:
+    text, _, _ = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 40)
+    start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]  # two characters are two tokens with this tokenizer
+    expected = text[: text.find(stop)]
+    request = {"model": "tiny", "messages": HELLO, "max_tokens": 40, "temperature": 0, "stop": ["zzzz", stop]}
+    async with gateway(target, backends) as client:
+        whole = await client.post("/v1/chat/completions", json=request)
+        streamed = await client.post("/v1/chat/completions", json={**request, "stream": True})
+        unmatched = await client.post("/v1/chat/completions", json={**request, "stop": "qqqq"})
+    assert whole.json()["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+                                          "message": {"role": "assistant", "content": expected}}
+    chunks = events(streamed.text)[1:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert unmatched.json()["choices"][0]["message"]["content"] == text
+
+
+def test_incremental_detokenizer_never_splits_characters(tokenizer) -> None:
+    text = "h\u00e9llo \u20ac!"  # é is two byte tokens, € three
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > len(text)
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text and "" in pieces  # held back while a character was incomplete
+
+
+def test_stop_strings_hold_back_only_possible_prefixes() -> None:
+    stops = StopStrings(("abc", "xy"))
+    assert stops.feed("hello a") == ("hello ", False)
+    assert stops.feed("b") == ("", False)
+    assert stops.feed("d x") == ("abd ", False)
+    assert stops.feed("y tail") == ("", True)
+    stops = StopStrings(("end",))
+    assert stops.feed("the en") == ("the ", False)
+    assert stops.flush() == "en"
+
+
+async def test_models_and_unknown_model(target, backends) -> None:
+    async with gateway(target, backends, served_model_name="served") as client:
+        models = (await client.get("/v1/models")).json()
+        r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO})
+    assert [m["id"] for m in models["data"]] == ["served"] and models["object"] == "list"
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/chat/completions", b'{"model": "tiny", "messages": [', None),
+    ("not an object", "/v1/chat/completions", [1, 2], None),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny"}, "messages"),
+    ("empty messages", "/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+     "messages"),
+    ("messages as string", "/v1/chat/completions", {"model": "tiny", "messages": "hello"}, "messages"),
+    ("max_tokens as string", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens zero", "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("max_tokens negative", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": -3},
+     "max_tokens"),
+    ("temperature as string", "/v1/completions", {"model": "tiny", "prompt": "a", "temperature": "hot"},
+     "temperature"),
+    ("negative temperature", "/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -1}, "temperature"),
+    ("top_p zero", "/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, "top_p"),
+    ("stop as number", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": 5}, "stop"),
+    ("empty stop", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": [""]}, "stop"),
+    ("n=2", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "n": 2}, "n"),
+    ("logprobs", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logprobs": True}, None),
+    ("stream_options without stream", "/v1/completions",
+     {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, None),
+    ("bad speculation mode", "/v1/completions", {"model": "tiny", "prompt": "a", "speculation": {"mode": "fast"}},
+     "speculation"),
+    ("budget over the limit", "/v1/completions", {"model": "tiny", "prompt": "a", "speculation": {"budget": 65}},
+     "speculation"),
+    ("token id outside vocab", "/v1/completions", {"model": "tiny", "prompt": [3, 48]}, "prompt"),
+    ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, "prompt"),
+    ("prompt fills the context", "/v1/completions", {"model": "tiny", "prompt": [5] * MAX_CONTEXT}, "max_tokens"),
+    ("prompt + max_tokens over the context", "/v1/completions",
+     {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 25}, "max_tokens"),
+]
+
+
+async def test_bad_requests_get_400_in_openai_shape_and_do_not_disturb_others(target, backends, tokenizer) -> None:
+    text, _, _ = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 20)
+    good = {"model": "tiny", "messages": HELLO, "max_tokens": 20, "temperature": 0}
+    async with gateway(target, backends) as client:
+        for name, path, body, param in BAD_REQUESTS:
+            kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+                else {"json": body}
+            r = await client.post(path, **kwargs)
+            assert r.status_code == 400, (name, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], name
+            assert error["type"] == "invalid_request_error" and error["param"] == param, (name, error)
+        # a request in flight while bad ones arrive is untouched by them
+        in_flight = asyncio.create_task(client.post("/v1/chat/completions", json=good))
+        bad = [client.post("/v1/completions", json=body) for _, path, body, _ in BAD_REQUESTS if isinstance(body, dict)]
+        await asyncio.gather(*bad)
+        r = await in_flight
+        assert r.json()["choices"][0]["message"]["content"] == text
+        assert "context_length_exceeded" in (await client.post("/v1/completions", json=BAD_REQUESTS[-1][2])).text
+
+
+async def test_concurrent_requests_keep_their_own_sessions(target, backends, tokenizer) -> None:
+    conversations = [HELLO, [{"role": "user", "content": "what is one plus one?"}]]
+    expected = [(await reference(backends, tokenizer, chat_ids(tokenizer, m), 30))[0] for m in conversations]
+    async with gateway(target, backends) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": m, "max_tokens": 30, "temperature": 0, "stream": i == 0})
+            for i, m in enumerate(conversations)))
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events(replies[0].text)[:-1])
+    assert [streamed, replies[1].json()["choices"][0]["message"]["content"]] == expected
+
+
+async def test_health_states(target, backends) -> None:
+    async with gateway(target, backends) as client:
+        service = client.service
+        assert (await client.get("/health")).json()["status"] == "ok"
+        backends.drafter.healthy = False
+        await service.check_backends()
+        r = await client.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "degraded" and r.json()["drafter"] == "down"
+        backends.verifier.healthy = False
+        await service.check_backends()
+        r = await client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    backends.verifier.healthy = False
+    app = create_app(GatewayConfig(target=str(target)), backends)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        await app.state.service.check_backends()
+        r = await client.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        assert (await client.get("/v1/models")).status_code == 503
+
+
+async def test_drafter_failure_falls_back_and_unhealthy_drafter_is_skipped(target, backends, tokenizer) -> None:
+    text, _, _ = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 30)
+    request = {"model": "tiny", "messages": HELLO, "max_tokens": 30, "temperature": 0}
+    async with gateway(target, backends) as client:
+        backends.drafter.broken = True  # fails at its first draft call while still reported healthy
+        failed_over = await client.post("/v1/chat/completions", json=request)
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "ddtree_fallbacks_total") == 1
+        assert metric(metrics, "ddtree_spec_drafts_total") == 0
+
+        backends.drafter.healthy = False  # known down: new requests do not even try it
+        await client.service.check_backends()
+        skipped = await client.post("/v1/chat/completions", json=request)
+        assert metric((await client.get("/metrics")).text, "ddtree_fallbacks_total") == 1
+
+        backends.drafter.healthy, backends.drafter.broken = True, False
+        await client.service.check_backends()
+        resumed = await client.post("/v1/chat/completions", json=request)
+        metrics = (await client.get("/metrics")).text
+    assert [r.json()["choices"][0]["message"]["content"] for r in (failed_over, skipped, resumed)] == [text] * 3
+    assert metric(metrics, "ddtree_spec_drafts_total") > 0 and metric(metrics, "ddtree_fallbacks_total") == 1
+
+
+async def test_speculation_metrics_add_up(target, backends) -> None:
+    async with gateway(target, backends) as client:
+        await client.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 40,
+                                                        "temperature": 0, "speculation": {"budget": 8}})
+        text = (await client.get("/metrics")).text
+    drafts = metric(text, "ddtree_spec_drafts_total")
+    accepted = metric(text, "ddtree_spec_accepted_tokens_total")
+    assert drafts > 0
+    assert metric(text, "ddtree_spec_draft_tokens_total") == 8 * drafts
+    assert metric(text, "ddtree_spec_tree_size_count") == drafts
+    assert metric(text, "ddtree_spec_acceptance_length_sum") == accepted + drafts  # 1 bonus per drafted round
+    by_depth = [metric(text, "ddtree_spec_accepted_tokens_per_depth_total", depth=str(d))
+                for d in range(1, 9) if f'depth="{d}"' in text]
+    assert sum(by_depth) == accepted and by_depth == sorted(by_depth, reverse=True)
+    assert metric(text, "ddtree_requests_total", finish_reason="length") == 1
+    assert metric(text, "ddtree_generation_tokens_total") == 40
+    assert metric(text, "ddtree_requests_running") == 0 and metric(text, "ddtree_requests_waiting") == 0
+    assert metric(text, "ddtree_time_to_first_token_seconds_count") == 1
+    assert metric(text, "ddtree_inter_token_latency_seconds_count") == 39
+    assert metric(text, "ddtree_backend_up", service="drafter") == 1
+
+
+async def test_closing_a_stream_ends_both_sessions(target, backends, tokenizer) -> None:
+    async with gateway(target, backends) as client:
+        service = client.service
+        req = service.make_request(service.model, chat_ids(tokenizer, HELLO), 200, None, SamplingParams(), None,
+                                   None, ())
+        deltas = service.generate(req)
+        await anext(deltas)
+        assert backends.verifier.engine.sessions and backends.drafter.engine.sessions
+        await deltas.aclose()  # what the HTTP layer does when the client goes away
+        for _ in range(1000):  # the cancelled round loop ends its sessions on its next scheduling
+            if not backends.verifier.engine.sessions and not backends.drafter.engine.sessions:
+                break
+            await asyncio.sleep(0.01)
+        assert not backends.verifier.engine.sessions and not backends.drafter.engine.sessions
+        metrics = (await client.get("/metrics")).text
+    assert metric(metrics, "ddtree_requests_total", finish_reason="abort") == 1
+    assert metric(metrics, "ddtree_requests_running") == 0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (Debian package prometheus)")
+async def test_metrics_pass_promtool(target, backends) -> None:
+    async with gateway(target, backends) as client:
+        await client.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 10})
+        text = (await client.get("/metrics")).text
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check.stdout + check.stderr

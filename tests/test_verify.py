@@ -1,0 +1,115 @@
+"""The verifier alone: trees that hold the target's true continuation among decoys at several depths, so every
+round accepts deeply and later rounds only stay exact if KV compaction is right."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ddtree.types import DraftTree, SamplingParams
+from verify_server.tree_attention import ancestor_matrix
+from verify_server.verify import SessionError, VerifyEngine
+from tests.conftest import VOCAB, hf_greedy
+
+
+def oracle_tree(rng: random.Random, root: int, truth: list[int], true_depth: int, max_depth: int) -> DraftTree:
+    """The true continuation down to `true_depth`, a wrong token at the next depth, and random decoy branches
+    everywhere; nodes shuffled into a random topological order."""
+    nodes: list[tuple[int, int]] = []  # (parent node id, token), node id = index + 1, root = 0
+    path_parent = 0
+    for d in range(max_depth):
+        used = set()
+        if d < true_depth:
+            nodes.append((path_parent, truth[d]))
+            used.add(truth[d])
+            next_parent = len(nodes)
+        for _ in range(rng.randint(1, 3)):  # decoy siblings, each with a small subtree
+            tok = rng.choice([t for t in range(VOCAB) if t not in used and t != truth[d]])
+            used.add(tok)
+            nodes.append((path_parent, tok))
+            decoy = len(nodes)
+            for _ in range(rng.randint(0, 2)):
+                nodes.append((decoy, rng.randrange(VOCAB)))
+        if d >= true_depth:
+            break
+        path_parent = next_parent
+    # random topological order
+    children: dict[int, list[int]] = {}
+    for i, (parent, _) in enumerate(nodes, start=1):
+        children.setdefault(parent, []).append(i)
+    order, ready = [], list(children.get(0, []))
+    while ready:
+        i = ready.pop(rng.randrange(len(ready)))
+        order.append(i)
+        ready += children.get(i, [])
+    new_index = {0: 0, **{old: new for new, old in enumerate(order, start=1)}}
+    tokens = [root] + [nodes[i - 1][1] for i in order]
+    parents = [-1] + [new_index[nodes[i - 1][0]] for i in order]
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max_depth=max_depth)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_deep_acceptance_with_compaction(kind: str, qwen3_target: Path, llama_target: Path) -> None:
+    target = qwen3_target if kind == "qwen3" else llama_target
+    rng = random.Random(7)
+    engine = VerifyEngine.from_pretrained(target)
+    for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]):
+        truth = hf_greedy(AutoModelForCausalLM.from_pretrained(target).eval(), prompt, 80)
+        engine.start_session("s", 200, SamplingParams(), taps=[1, 3])
+        step = engine.prefill("s", prompt)
+        got = list(step.tokens)
+        accepted_lengths = []
+        while len(got) < 60:
+            max_depth = rng.randint(1, 7)
+            true_depth = rng.choice([max_depth, max_depth, rng.randint(0, max_depth)])
+            tree = oracle_tree(rng, got[-1], truth[len(got):], true_depth, max_depth)
+            step = engine.verify("s", tree)
+            assert step.tokens == truth[len(got) : len(got) + true_depth + 1]  # path + the target's bonus
+            assert step.features.shape == (true_depth + 1, 2 * 64)
+            accepted_lengths.append(len(step.tokens))
+            got += step.tokens
+        assert got == truth[: len(got)]
+        assert sum(accepted_lengths) / len(accepted_lengths) > 3  # deep acceptance really happened
+        assert engine.sessions["s"].cache.length == len(prompt) + len(got) - 1
+        engine.end_session("s")
+
+
+def test_features_are_tapped_layer_outputs(qwen3_target: Path) -> None:
+    engine = VerifyEngine.from_pretrained(qwen3_target)
+    prompt = [5, 7, 11, 13]
+    engine.start_session("s", 32, SamplingParams(), taps=[0, 2])
+    features = engine.prefill("s", prompt).features
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    # hidden_states[l + 1] is the output of decoder layer l (layers 0 and 2 are never the final-normed one)
+    torch.testing.assert_close(features, torch.cat((states[1][0], states[3][0]), dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_ancestor_matrix() -> None:
+    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
+    anc = ancestor_matrix(parents, max_depth=3)
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}}
+    for i, want in expected.items():
+        assert set(anc[i].nonzero().flatten().tolist()) == want
+
+
+def test_session_errors_leave_state_intact(qwen3_target: Path) -> None:
+    engine = VerifyEngine.from_pretrained(qwen3_target)
+    engine.start_session("s", 12, SamplingParams(), taps=[])
+    with pytest.raises(SessionError, match="must be prefilled"):
+        engine.decode("s")
+    engine.prefill("s", [1, 2, 3])
+    big = oracle_tree(random.Random(0), 0, list(range(20)), 7, 7)
+    with pytest.raises(SessionError, match="KV slots"):
+        engine.verify("s", big)
+    with pytest.raises(SessionError, match="unknown verifier session"):
+        engine.decode("other")
+    assert len(engine.decode("s").tokens) == 1  # still usable after the rejected requests
