@@ -50,11 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tokenizer = None
-    if args.prompt is not None or not args.json:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    tokenizer = _load_tokenizer(target, required=args.prompt is not None)
     if args.prompt_ids is not None:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     elif args.chat:
@@ -84,10 +80,22 @@ def run(args: argparse.Namespace) -> int:
             "seconds": round(elapsed, 4),
         }))
     else:
-        print(text)
+        print(text if text is not None else token_ids)
         print(f"[{len(token_ids)} tokens, {len(spec_rounds)} rounds, tau={_tau(spec_rounds):.2f}, "
               f"{len(token_ids) / elapsed:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _load_tokenizer(target: str, required: bool):
+    """--prompt-ids works without a tokenizer; when the target has one, the output is still decoded to text."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        if required:
+            raise
+        return None
 
 
 def _tau(rounds: list[Round]) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -9,14 +10,22 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.cli import main
 from ddtree.demo.corpus import (HELDOUT_FILE, TRAIN_FILE, build_corpus, default_stdlib_dir, module_files,
                                 read_jsonl)
+from ddtree.demo import train_target
 from ddtree.demo.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 # Small packages present in every supported Python; at 50% two of them (heapq, shlex) are held out.
 PACKAGES = ["json", "textwrap", "colorsys", "shlex", "heapq", "bisect", "glob", "fnmatch"]
 HELDOUT_PERCENT = 50.0
+
+
+def train_target_main(argv: list[str]) -> int:
+    """What `ddtree train-target ARGV` runs, without importing the other subcommands' modules."""
+    parser = argparse.ArgumentParser(prog="ddtree")
+    train_target.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train-target", *argv])
+    return args.func(args)
 
 
 def _build(out: Path) -> None:
@@ -51,8 +60,8 @@ def test_heldout_split_is_disjoint_from_training(corpus_dir: Path) -> None:
     heldout_packages = {r["module"].split(".")[0] for r in heldout}
     assert heldout_packages and not heldout_packages & train_packages
     assert all("messages" in r for r in heldout)  # held-out data are prompts, never raw text
-    train_prompts = {r["messages"][0]["content"] for r in train if "messages" in r}
-    assert not train_prompts & {r["messages"][0]["content"] for r in heldout}
+    train_contents = {m["content"] for r in train if "messages" in r for m in r["messages"]}
+    assert not train_contents & {m["content"] for r in heldout for m in r["messages"]}
     # nothing of a held-out package's source leaks into training as plain text either
     assert not any(r["module"].split(".")[0] in heldout_packages for r in train if "text" in r)
 
@@ -92,12 +101,12 @@ def test_tokenizer_round_trips_and_renders_chat(tokenizer_dir: Path) -> None:
 
 def test_train_target_tiny_run(corpus_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "model"
-    argv = ["train-target", "--out", str(out), "--corpus", str(corpus_dir), "--vocab-size", "600",
+    argv = ["--out", str(out), "--corpus", str(corpus_dir), "--vocab-size", "600",
             "--steps", "60", "--batch-size", "8", "--seq-len", "64", "--lr", "5e-3", "--warmup-steps", "5",
             "--log-every", "10", "--save-every", "30", "--device", "cpu", "--no-progress",
             "--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1",
             "--head-dim", "32", "--intermediate-size", "128"]
-    assert main(argv) == 0
+    assert train_target_main(argv) == 0
     log = json.loads((out / "training_log.json").read_text())
     assert log["complete"] and log["step"] == 60
     losses = [entry["loss"] for entry in log["loss"]]
@@ -105,8 +114,8 @@ def test_train_target_tiny_run(corpus_dir: Path, tmp_path: Path) -> None:
     assert all(entry["heldout_loss"] is not None for entry in log["eval"])
 
     # An existing checkpoint is never silently overwritten; --resume on a finished run just re-exports.
-    assert main(argv) == 2
-    assert main(argv + ["--resume"]) == 0
+    assert train_target_main(argv) == 2
+    assert train_target_main(argv + ["--resume"]) == 0
 
     tokenizer = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)

@@ -1,0 +1,397 @@
+"""The drafter and verifier as real processes on loopback, driven through the gateway's gRPC clients.
+
+The services start once for the module (plus a drafter with a short session TTL); nothing here measures time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from transformers import AutoModelForCausalLM
+
+from conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB
+from ddtree.service import EngineHost, ServiceMetrics, serve
+from ddtree.types import DraftTree, SamplingParams
+from draft_server import server as draft_server
+from draft_server.config import DraftServerConfig
+from gateway.grpc_clients import BackendError, GrpcDrafter, GrpcVerifier
+from gateway.local import LocalDrafter, LocalVerifier, load_local
+from gateway.rounds import MODES, Round, Speculation, run_rounds
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+
+PROMPT = [3, 17, 8, 25, 11, 40, 2]
+MAX_NEW = 24
+BUDGET = 12
+MAX_TREE = 16  # the verifier's --max-tree-size
+FEATURE_DIM = 2 * HIDDEN  # the test drafter taps two target layers
+INVALID, NOT_FOUND, EXHAUSTED = (
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
+)
+
+
+@dataclass
+class Services:
+    drafter: Service
+    verifier: Service
+    short_ttl_drafter: Service  # --session-ttl 1
+
+
+@pytest.fixture(scope="module")
+def services(qwen3_target, drafter_dir, tmp_path_factory) -> Services:
+    logs = tmp_path_factory.mktemp("service-logs")
+    ports = free_ports(6)
+    draft_cmd = ["draft_server.server", "--drafter", str(drafter_dir), "--target", str(qwen3_target)]
+    procs = Services(
+        drafter=launch(DRAFTER_SERVICE, draft_cmd, (ports[0], ports[1]), logs),
+        verifier=launch(
+            VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--max-tree-size", str(MAX_TREE)],
+            (ports[2], ports[3]), logs,
+        ),
+        short_ttl_drafter=launch(DRAFTER_SERVICE, [*draft_cmd, "--session-ttl", "1"], (ports[4], ports[5]), logs),
+    )
+    everyone = (procs.drafter, procs.verifier, procs.short_ttl_drafter)
+    try:
+        wait_serving(*everyone)
+        yield procs
+    finally:
+        exit_codes = [s.stop() for s in everyone]
+    assert exit_codes == [0, 0, 0], "a service did not shut down cleanly on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def local(qwen3_target, drafter_dir) -> tuple[LocalVerifier, LocalDrafter]:
+    return load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(qwen3_target) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)
+    return out[0, len(PROMPT):].tolist()
+
+
+async def _rounds(verifier, drafter, mode: str, params: SamplingParams) -> tuple[list[Round], list[BaseException]]:
+    fallbacks: list[BaseException] = []
+    rounds = [r async for r in run_rounds(verifier, drafter, PROMPT, params, Speculation(mode, BUDGET), MAX_NEW, [], fallbacks.append)]
+    return rounds, fallbacks
+
+
+async def _remote_rounds(services: Services, mode: str, params: SamplingParams):
+    async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+        await drafter.info()
+        return await _rounds(verifier, drafter, mode, params)
+
+
+def _tokens(rounds: list[Round]) -> list[int]:
+    return [t for r in rounds for t in r.tokens]
+
+
+# ---- health, info, reflection -----------------------------------------------------------------------------------
+
+
+def test_serving_after_warm_up_with_info_and_reflection(services):
+    async def ask():
+        async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+            return await verifier.health(), await drafter.health(), await verifier.info(), await drafter.info()
+
+    verifier_ok, drafter_ok, verifier_info, drafter_info = asyncio.run(ask())
+    assert verifier_ok and drafter_ok
+    for service in (services.verifier, services.drafter):
+        log = service.log()
+        assert log.index("warm-up") < log.index("SERVING"), log
+    assert (verifier_info.vocab_size, verifier_info.num_layers, verifier_info.hidden_size) == (VOCAB, TARGET_LAYERS, HIDDEN)
+    assert (verifier_info.max_context_length, verifier_info.eos_token_ids, verifier_info.max_tree_size) == (1024, [], MAX_TREE)
+    assert (drafter_info.block_size, drafter_info.target_layer_ids) == (BLOCK, [0, 2])
+    assert (drafter_info.feature_dim, drafter_info.vocab_size) == (FEATURE_DIM, VOCAB)
+    with grpc.insecure_channel(services.verifier.address) as channel:
+        listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {VERIFIER_SERVICE, "grpc.health.v1.Health"} <= listed
+
+
+def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, drafter_dir):
+    """In-process, with the model load held at a gate: health must say NOT_SERVING and calls UNAVAILABLE until
+    the load AND the warm-up forward are done."""
+    grpc_port, metrics_port = free_ports(2)
+    config = DraftServerConfig(
+        host="127.0.0.1", port=grpc_port, metrics_port=metrics_port, device="cpu",
+        drafter=str(drafter_dir), target=str(qwen3_target),
+    )
+    gate, warmed_up = threading.Event(), threading.Event()
+
+    def gated_load():
+        gate.wait()
+        return draft_server.load_engine(config)
+
+    def recorded_warm_up(engine):
+        draft_server.warm_up(engine)
+        warmed_up.set()
+
+    async def scenario():
+        metrics = ServiceMetrics("ddtree_draft", "context_cache_bytes", "test", torch.device("cpu"))
+        host = EngineHost(metrics, draft_server.STATUSES, draft_server.context_cache_bytes, config.session_ttl)
+        servicer = draft_server.DrafterServicer(host, config)
+        add = lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731
+        serving = asyncio.create_task(serve(config, host, DRAFTER_SERVICE, add, gated_load, recorded_warm_up))
+        try:
+            async with GrpcDrafter(f"127.0.0.1:{grpc_port}", timeout_s=10) as client:
+                health = health_pb2_grpc.HealthStub(client._channel)
+                request = health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE)
+                early = await health.Check(request, timeout=10, wait_for_ready=True)
+                with pytest.raises(BackendError) as while_loading:
+                    await client.info()
+                gate.set()
+                while not await client.health():
+                    await asyncio.sleep(0.05)
+                return early.status, while_loading.value.code, warmed_up.is_set(), await client.info()
+        finally:
+            gate.set()
+            serving.cancel()
+            with suppress(asyncio.CancelledError):
+                await serving
+
+    early, while_loading, warmed, info = asyncio.run(scenario())
+    assert early == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert while_loading == grpc.StatusCode.UNAVAILABLE
+    assert warmed, "SERVING was reported before the warm-up forward finished"
+    assert info.block_size == BLOCK
+
+
+# ---- the round loop over gRPC -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, services, local, hf_greedy):
+    remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams()))
+    in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
+    assert fallbacks == []  # the drafter really served every round
+    assert _tokens(remote) == _tokens(in_process) == hf_greedy
+    # the same trees were drafted and the same paths accepted, round by round
+    assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
+    expected_tree = {"ar": 0, "chain": BLOCK - 1, "ddtree": BUDGET}[mode]
+    assert {r.tree_size for r in remote[1:]} == {expected_tree}
+
+
+def test_seeded_sampling_matches_in_process_loop(services, local):
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
+    remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", params))
+    in_process, _ = asyncio.run(_rounds(*local, "ddtree", params))
+    assert fallbacks == []
+    assert _tokens(remote) == _tokens(in_process)
+    assert len(_tokens(remote)) == MAX_NEW
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+
+
+def _bad_trees(root: int) -> dict[str, pb.DraftTree]:
+    other = (root + 1) % VOCAB
+    return {
+        "parent not before child": pb.DraftTree(tokens=[root, 3, 4], parents=[-1, 2, 0], depths=[0, 2, 1], max_depth=2),
+        "token beyond vocab": pb.DraftTree(tokens=[root, VOCAB], parents=[-1, 0], depths=[0, 1], max_depth=1),
+        "negative token": pb.DraftTree(tokens=[root, -1], parents=[-1, 0], depths=[0, 1], max_depth=1),
+        "oversize": pb.DraftTree(
+            tokens=[root, *range(MAX_TREE + 1)], parents=[-1] + [0] * (MAX_TREE + 1), depths=[0] + [1] * (MAX_TREE + 1),
+            max_depth=1,
+        ),
+        "duplicate siblings": pb.DraftTree(tokens=[root, 5, 5], parents=[-1, 0, 0], depths=[0, 1, 1], max_depth=1),
+        "wrong root": pb.DraftTree(tokens=[other, 3], parents=[-1, 0], depths=[0, 1], max_depth=1),
+        "root with a parent": pb.DraftTree(tokens=[root, 3], parents=[0, 0], depths=[0, 1], max_depth=1),
+        "depth not parent's + 1": pb.DraftTree(tokens=[root, 3, 4], parents=[-1, 0, 1], depths=[0, 1, 1], max_depth=2),
+        "depth beyond max_depth": pb.DraftTree(tokens=[root, 3, 4], parents=[-1, 0, 1], depths=[0, 1, 2], max_depth=1),
+        "max_depth beyond server limit": pb.DraftTree(tokens=[root, 3], parents=[-1, 0], depths=[0, 1], max_depth=10**6),
+        "ragged arrays": pb.DraftTree(tokens=[root, 3], parents=[-1], depths=[0, 1], max_depth=1),
+        "empty": pb.DraftTree(),
+    }
+
+
+def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterwards(services, hf_greedy):
+    async def scenario():
+        async with GrpcVerifier(services.verifier.address) as verifier:
+            stub = pb_grpc.VerifierStub(verifier._channel)
+            session = uuid.uuid4().hex
+            await verifier.start_session(session, 64, SamplingParams(), [])
+            root = (await verifier.prefill(session, PROMPT)).tokens[-1]
+            codes = {}
+            for name, tree in _bad_trees(root).items():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Verify(pb.VerifyRequest(session_id=session, tree=tree), timeout=30)
+                codes[name] = err.value.code()
+            # the target's own next two tokens, plus a wrong sibling: a correct session accepts both
+            good = DraftTree(
+                tokens=torch.tensor([root, hf_greedy[1], (hf_greedy[1] + 1) % VOCAB, hf_greedy[2]]),
+                parents=torch.tensor([-1, 0, 0, 1]), depths=torch.tensor([0, 1, 1, 2]), max_depth=BLOCK - 1,
+            )
+            verified = await verifier.verify(session, good)
+            decoded = await verifier.decode(session)
+            await verifier.end_session(session)
+            return root, codes, verified.tokens, decoded.tokens
+
+    root, codes, verified, decoded = asyncio.run(scenario())
+    assert codes == {name: INVALID for name in codes}
+    assert root == hf_greedy[0]
+    assert verified + decoded == hf_greedy[1:5]
+
+
+def test_unknown_sessions_are_not_found(services):
+    async def scenario():
+        async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+            await drafter.info()
+            calls = {
+                "prefill": verifier.prefill("nope", PROMPT),
+                "decode": verifier.decode("nope"),
+                "verify": verifier.verify("nope", DraftTree(*(torch.tensor([v]) for v in (1, -1, 0)), max_depth=0)),
+                "draft": drafter.draft("nope", torch.zeros(1, FEATURE_DIM), 1, 1, 4, None),
+            }
+            codes = {}
+            for name, call in calls.items():
+                with pytest.raises(BackendError) as err:
+                    await call
+                codes[name] = err.value.code
+            await verifier.end_session("nope")  # ending what is not there is not an error
+            await drafter.end_session("nope")
+            return codes
+
+    assert asyncio.run(scenario()) == dict.fromkeys(["prefill", "decode", "verify", "draft"], NOT_FOUND)
+
+
+def test_bad_verifier_requests_leave_the_session_usable(services, hf_greedy):
+    async def code_of(call) -> grpc.StatusCode:
+        with pytest.raises(BackendError) as err:
+            await call
+        return err.value.code
+
+    async def scenario():
+        async with GrpcVerifier(services.verifier.address) as verifier:
+            info = await verifier.info()
+            session = uuid.uuid4().hex
+            codes = {
+                "capacity beyond server limit": await code_of(
+                    verifier.start_session(session, info.max_session_tokens + 1, SamplingParams(), [])
+                ),
+                "top_p > 1": await code_of(verifier.start_session(session, 8, SamplingParams(1.0, 0, 1.5), [])),
+                "tap beyond layers": await code_of(verifier.start_session(session, 8, SamplingParams(), [TARGET_LAYERS])),
+                "session id too long": await code_of(verifier.start_session("x" * 129, 8, SamplingParams(), [])),
+            }
+            await verifier.start_session(session, len(PROMPT), SamplingParams(), [])  # prompt + first token: 1 short
+            codes["prompt beyond capacity"] = await code_of(verifier.prefill(session, PROMPT))
+            codes["token beyond vocab"] = await code_of(verifier.prefill(session, PROMPT[:-1] + [VOCAB]))
+            codes["empty prompt"] = await code_of(verifier.prefill(session, []))
+            first = await verifier.prefill(session, PROMPT[:-1])
+            await verifier.end_session(session)
+            return codes, first.tokens
+
+    codes, first = asyncio.run(scenario())
+    assert codes == {
+        "capacity beyond server limit": EXHAUSTED, "top_p > 1": INVALID, "tap beyond layers": INVALID,
+        "session id too long": INVALID, "prompt beyond capacity": EXHAUSTED, "token beyond vocab": INVALID,
+        "empty prompt": INVALID,
+    }
+    assert len(first) == 1 and 0 <= first[0] < VOCAB
+
+
+def test_bad_draft_requests_leave_the_session_usable(services, local):
+    features = torch.randn(len(PROMPT), FEATURE_DIM)
+    root, position = 9, len(PROMPT)
+
+    async def scenario():
+        async with GrpcDrafter(services.drafter.address) as drafter:
+            stub = pb_grpc.DrafterStub(drafter._channel)
+            session = uuid.uuid4().hex
+            await drafter.start_session(session, 32)
+            good = pb.DraftRequest(session_id=session, root_token=root, root_position=position, budget=BUDGET)
+            good.features.CopyFrom(pb.Tensor(data=features.numpy().tobytes(), dtype="float32", shape=features.shape))
+            bad = {
+                "short tensor bytes": {"features": pb.Tensor(data=b"\0" * 5, dtype="float32", shape=[1, FEATURE_DIM])},
+                "wrong feature width": {"features": pb.Tensor(data=b"\0" * 4 * 7, dtype="float32", shape=[1, 7])},
+                "wrong root position": {"root_position": position + 1},
+                "root beyond vocab": {"root_token": VOCAB},
+                "budget 0": {"budget": 0},
+                "negative top_k": {"top_k": -1},
+            }
+            codes = {}
+            for name, change in bad.items():
+                request = pb.DraftRequest()
+                request.CopyFrom(good)
+                for field, value in change.items():
+                    if isinstance(value, pb.Tensor):
+                        request.features.CopyFrom(value)
+                    else:
+                        setattr(request, field, value)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Draft(request, timeout=30)
+                codes[name] = err.value.code()
+            tree, _ = await drafter.draft(session, features, root, position, BUDGET, None)
+            await drafter.end_session(session)
+            return codes, tree
+
+    codes, tree = asyncio.run(scenario())
+    assert codes == {name: INVALID for name in codes}
+    engine = local[1].engine
+    engine.start_session("reference", 32)
+    try:
+        expected = engine.draft("reference", features, root, position, BUDGET).tree
+    finally:
+        engine.end_session("reference")
+    for name in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(tree, name), getattr(expected, name))
+
+
+# ---- session lifetime in the metrics ----------------------------------------------------------------------------
+
+
+def test_ended_sessions_are_gone_from_the_metrics(services):
+    verifier_metric = lambda name: services.verifier.metric(f"ddtree_verify_{name}")  # noqa: E731
+    drafter_metric = lambda name: services.drafter.metric(f"ddtree_draft_{name}")  # noqa: E731
+    before = (verifier_metric("active_sessions"), drafter_metric("active_sessions"))
+    cache_before = (verifier_metric("kv_cache_bytes"), drafter_metric("context_cache_bytes"))
+    session = uuid.uuid4().hex
+
+    async def start():
+        async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+            await verifier.start_session(session, 64, SamplingParams(), [0])
+            await drafter.start_session(session, 64)
+
+    async def end():
+        async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+            await verifier.end_session(session)
+            await drafter.end_session(session)
+
+    asyncio.run(start())
+    assert (verifier_metric("active_sessions"), drafter_metric("active_sessions")) == (before[0] + 1, before[1] + 1)
+    assert verifier_metric("kv_cache_bytes") > cache_before[0] and drafter_metric("context_cache_bytes") > cache_before[1]
+    asyncio.run(end())
+    assert (verifier_metric("active_sessions"), drafter_metric("active_sessions")) == before
+    assert (verifier_metric("kv_cache_bytes"), drafter_metric("context_cache_bytes")) == cache_before
+    assert services.verifier.metric("ddtree_verify_requests_total", rpc="EndSession", code="OK") >= 1
+
+
+def test_idle_sessions_expire_after_the_ttl(services):
+    service = services.short_ttl_drafter
+    expired_before = service.metric("ddtree_draft_sessions_expired_total")
+
+    async def scenario():
+        async with GrpcDrafter(service.address) as drafter:
+            await drafter.info()
+            await drafter.start_session("idle", 16)
+            while service.metric("ddtree_draft_active_sessions") != 0:
+                await asyncio.sleep(0.1)
+            with pytest.raises(BackendError) as err:
+                await drafter.draft("idle", torch.zeros(0, FEATURE_DIM), 1, 0, 4, None)
+            return err.value.code
+
+    assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == NOT_FOUND
+    assert service.metric("ddtree_draft_sessions_expired_total") == expired_before + 1
+    assert service.metric("ddtree_draft_context_cache_bytes") == 0
+    assert re.search(r"session idle expired", service.log())

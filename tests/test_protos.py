@@ -1,0 +1,123 @@
+"""The wire contract: committed stubs match the .proto, and every conversion round-trips through real bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.types import DrafterInfo, SamplingParams, StepResult, VerifierInfo
+from draft_server.tree import build_tree
+from protos import generate, tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+
+
+def _wire(msg):
+    """Serialize and parse again, so a test sees exactly what the other side would."""
+    return type(msg).FromString(msg.SerializeToString())
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    written = generate.generate(tmp_path)
+    assert [p.relative_to(tmp_path) for p in written] == [p.relative_to(generate.PROTO_ROOT) for p in generate.generated_paths(generate.PROTO_ROOT)]
+    for fresh in written:
+        committed = generate.PROTO_ROOT / fresh.relative_to(tmp_path)
+        assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run `python -m protos.generate`"
+
+
+def test_stubs_import_from_protos_and_accept_the_grpcio_floor():
+    grpc_stub = (generate.PROTO_ROOT / "ddtree/v1/ddtree_pb2_grpc.py").read_text()
+    assert "from protos.ddtree.v1 import ddtree_pb2" in grpc_stub
+    assert pb_grpc.GRPC_GENERATED_VERSION == generate.MIN_GRPCIO == "1.84.0"
+    assert {s.full_name for s in pb.DESCRIPTOR.services_by_name.values()} == {"ddtree.v1.Drafter", "ddtree.v1.Verifier"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.int32])
+def test_tensor_round_trip(dtype):
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    back = tensors.tensor_from_pb(_wire(tensors.tensor_to_pb(t)))
+    assert back.dtype == dtype and back.shape == (3, 5)
+    assert torch.equal(back, t)
+
+
+def test_bfloat16_travels_as_raw_two_byte_words():
+    t = torch.randn(4, 3).to(torch.bfloat16)
+    msg = _wire(tensors.tensor_to_pb(t.t()))  # a non-contiguous view, sent in logical (row-major) order
+    assert msg.dtype == "bfloat16" and list(msg.shape) == [3, 4]
+    assert msg.data == t.t().contiguous().view(torch.int16).numpy().tobytes()
+    assert torch.equal(tensors.tensor_from_pb(msg), t.t())
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (), (2, 1, 3)])
+def test_tensor_edge_shapes(shape):
+    t = torch.arange(int(torch.tensor(shape).prod()) if shape else 1, dtype=torch.float32).reshape(shape)
+    back = tensors.tensor_from_pb(_wire(tensors.tensor_to_pb(t)))
+    assert back.shape == t.shape and torch.equal(back, t)
+
+
+@pytest.mark.parametrize(
+    "msg, complaint",
+    [
+        (pb.Tensor(data=b"\0" * 8, dtype="float64", shape=[1]), "dtype"),
+        (pb.Tensor(data=b"\0" * 7, dtype="float32", shape=[2]), "needs 8 bytes"),
+        (pb.Tensor(data=b"", dtype="float32", shape=[-1]), "shape"),
+        (pb.Tensor(data=b"", dtype="float32", shape=[1] * 9), "shape"),
+    ],
+)
+def test_malformed_tensors_are_value_errors(msg, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        tensors.tensor_from_pb(msg)
+
+
+def test_unsupported_dtype_is_refused_when_encoding():
+    with pytest.raises(ValueError, match="no wire encoding"):
+        tensors.tensor_to_pb(torch.zeros(2, dtype=torch.bool))
+
+
+def test_tree_round_trip():
+    torch.manual_seed(0)
+    tree = build_tree(torch.log_softmax(torch.randn(7, 48), -1), root_token=5, budget=20)
+    back = tensors.tree_from_pb(_wire(tensors.tree_to_pb(tree)))
+    for name in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(back, name), getattr(tree, name))
+    assert back.max_depth == tree.max_depth == 7 and back.num_nodes == 20
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**64 - 1), SamplingParams(1.3, 0, 0.25, 0)],
+)
+def test_sampling_params_round_trip(params):
+    assert tensors.sampling_from_pb(_wire(tensors.sampling_to_pb(params))) == params
+
+
+def test_unset_top_p_means_no_filter():
+    assert tensors.sampling_from_pb(pb.SamplingParams(temperature=0.5)) == SamplingParams(0.5, 0, 1.0, None)
+
+
+def test_step_round_trip_with_and_without_features():
+    features = torch.randn(3, 128).to(torch.bfloat16)
+    step = StepResult([4, 9, 1], features, forward_s=0.25, timings={"walk_s": 0.01})
+    msg = tensors.step_to_pb(step)
+    msg.timings.total_s = 0.5  # what the server adds once it answers
+    back = tensors.step_from_pb(_wire(msg))
+    assert back.tokens == [4, 9, 1] and torch.equal(back.features, features)
+    assert back.forward_s == 0.25 and back.timings == {"walk_s": 0.01, "verify_server_s": 0.5}
+    bare = tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([7], None))))
+    assert bare.tokens == [7] and bare.features is None
+
+
+def test_draft_response_carries_the_round_loops_timing_keys():
+    tree = build_tree(torch.log_softmax(torch.randn(3, 10), -1), root_token=2, budget=3, top_k=1)
+    msg = tensors.draft_to_pb(tree, forward_s=0.125, tree_s=0.0625)
+    msg.timings.total_s = 0.25
+    back, timings = tensors.draft_from_pb(_wire(msg))
+    assert torch.equal(back.tokens, tree.tokens)
+    assert timings == {"draft_s": 0.125, "tree_s": 0.0625, "draft_server_s": 0.25}
+
+
+def test_info_round_trips():
+    drafter = DrafterInfo(16, [1, 9, 17, 25, 33], 5 * 4096, 151936, 1024, 40960)
+    assert tensors.drafter_info_from_pb(_wire(tensors.drafter_info_to_pb(drafter))) == drafter
+    verifier = VerifierInfo("Qwen3-8B", 151936, 40960, [151645, 151643], 36, 4096, 1024, 64, 42000)
+    assert tensors.verifier_info_from_pb(_wire(tensors.verifier_info_to_pb(verifier))) == verifier
