@@ -10,6 +10,9 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "generate": "ddtree.generate",
     "train-target": "ddtree.demo.train_target",
+    "train-drafter": "draft_server.train_cli",
+    "draft": "draft_server.server",
+    "verify": "verify_server.server",
 }
 
 
@@ -23,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, NotADirectoryError) as exc:  # bad paths are user errors, not crashes
+        print(f"ddtree {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -64,3 +64,30 @@ class StepResult:
     features: torch.Tensor | None
     forward_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What a drafter reports about itself: the gateway taps the target and sizes trees and sessions from it."""
+
+    block_size: int
+    target_layer_ids: list[int]
+    feature_dim: int  # len(target_layer_ids) * target hidden size
+    vocab_size: int
+    max_budget: int  # largest tree (nodes without the root) it drafts
+    max_session_tokens: int  # largest session capacity it accepts
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    """What a verifier reports about its target and its limits."""
+
+    model_name: str
+    vocab_size: int
+    max_context_length: int  # the target's max_position_embeddings
+    eos_token_ids: list[int]
+    num_layers: int
+    hidden_size: int
+    max_tree_size: int  # largest tree (nodes without the root) it verifies
+    max_tree_depth: int
+    max_session_tokens: int  # largest session capacity it accepts

@@ -17,6 +17,14 @@ class SessionError(ValueError):
     """A request that does not fit the session's state (unknown id, wrong position, full cache)."""
 
 
+class UnknownSessionError(SessionError):
+    """No such session: never started, already ended, or expired."""
+
+
+class CapacityError(SessionError):
+    """The session's preallocated context cache cannot hold the step."""
+
+
 @dataclass
 class DraftSession:
     """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
@@ -79,7 +87,7 @@ class DraftEngine:
         try:
             return self.sessions[session_id]
         except KeyError:
-            raise SessionError(f"unknown drafter session {session_id!r}") from None
+            raise UnknownSessionError(f"unknown drafter session {session_id!r}") from None
 
     @torch.inference_mode()
     def draft(
@@ -104,7 +112,7 @@ class DraftEngine:
                 f"so the root must be at position {sess.length + m}, not {root_position}"
             )
         if root_position + 1 > sess.capacity:
-            raise SessionError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
+            raise CapacityError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
         if not 0 <= root_token < self.head.vocab_size:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         sess.last_used = time.monotonic()

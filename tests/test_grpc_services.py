@@ -19,7 +19,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from transformers import AutoModelForCausalLM
 
-from conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB
 from ddtree.service import EngineHost, ServiceMetrics, serve
 from ddtree.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
@@ -29,7 +28,8 @@ from gateway.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB, hf_greedy
+from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
 
 PROMPT = [3, 17, 8, 25, 11, 40, 2]
 MAX_NEW = 24
@@ -76,10 +76,8 @@ def local(qwen3_target, drafter_dir) -> tuple[LocalVerifier, LocalDrafter]:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(qwen3_target) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False)
-    return out[0, len(PROMPT):].tolist()
+def hf_tokens(qwen3_target) -> list[int]:
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval(), PROMPT, MAX_NEW)
 
 
 async def _rounds(verifier, drafter, mode: str, params: SamplingParams) -> tuple[list[Round], list[BaseException]]:
@@ -172,11 +170,11 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, services, local, hf_greedy):
+def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, services, local, hf_tokens):
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams()))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
     assert fallbacks == []  # the drafter really served every round
-    assert _tokens(remote) == _tokens(in_process) == hf_greedy
+    assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
     expected_tree = {"ar": 0, "chain": BLOCK - 1, "ddtree": BUDGET}[mode]
@@ -216,7 +214,7 @@ def _bad_trees(root: int) -> dict[str, pb.DraftTree]:
     }
 
 
-def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterwards(services, hf_greedy):
+def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterwards(services, hf_tokens):
     async def scenario():
         async with GrpcVerifier(services.verifier.address) as verifier:
             stub = pb_grpc.VerifierStub(verifier._channel)
@@ -230,7 +228,7 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
                 codes[name] = err.value.code()
             # the target's own next two tokens, plus a wrong sibling: a correct session accepts both
             good = DraftTree(
-                tokens=torch.tensor([root, hf_greedy[1], (hf_greedy[1] + 1) % VOCAB, hf_greedy[2]]),
+                tokens=torch.tensor([root, hf_tokens[1], (hf_tokens[1] + 1) % VOCAB, hf_tokens[2]]),
                 parents=torch.tensor([-1, 0, 0, 1]), depths=torch.tensor([0, 1, 1, 2]), max_depth=BLOCK - 1,
             )
             verified = await verifier.verify(session, good)
@@ -240,8 +238,8 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
 
     root, codes, verified, decoded = asyncio.run(scenario())
     assert codes == {name: INVALID for name in codes}
-    assert root == hf_greedy[0]
-    assert verified + decoded == hf_greedy[1:5]
+    assert root == hf_tokens[0]
+    assert verified + decoded == hf_tokens[1:5]
 
 
 def test_unknown_sessions_are_not_found(services):
@@ -266,7 +264,7 @@ def test_unknown_sessions_are_not_found(services):
     assert asyncio.run(scenario()) == dict.fromkeys(["prefill", "decode", "verify", "draft"], NOT_FOUND)
 
 
-def test_bad_verifier_requests_leave_the_session_usable(services, hf_greedy):
+def test_bad_verifier_requests_leave_the_session_usable(services, hf_tokens):
     async def code_of(call) -> grpc.StatusCode:
         with pytest.raises(BackendError) as err:
             await call

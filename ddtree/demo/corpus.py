@@ -196,7 +196,7 @@ def module_records(module: str, path: Path, seed: int, max_chars: int, with_text
         with tokenize.open(path) as f:  # honours PEP 263 coding cookies
             text = f.read()
         tree = ast.parse(text, filename=str(path))
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+    except (OSError, SyntaxError, UnicodeDecodeError, LookupError, ValueError):
         return []
     records: list[dict] = []
     doc = ast.get_docstring(tree)
@@ -243,13 +243,15 @@ def build_corpus(out_dir: str | os.PathLike, *, stdlib: str | os.PathLike | None
     """Write train.jsonl (shuffled, seeded), heldout.jsonl (chat records only) and manifest.json.
 
     `packages` restricts the corpus to some top-level packages (tests use it to stay small). A held-out
-    record whose prompt also occurs in training (identical code in two packages) is dropped, so held-out
-    prompts never appear in the training corpus.
+    record whose prompt or answer also occurs in training (identical code or docstrings in two packages,
+    e.g. `decimal` and `_pydecimal`) is dropped, so nothing measured on held-out prompts was memorized.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     root = Path(stdlib) if stdlib is not None else default_stdlib_dir()
     files = module_files(root, packages)
+    if not files:
+        raise FileNotFoundError(f"no Python sources under {root} (an install shipping only .pyc files?)")
     train: list[dict] = []
     heldout: list[dict] = []
     heldout_packages: set[str] = set()
@@ -263,8 +265,8 @@ def build_corpus(out_dir: str | os.PathLike, *, stdlib: str | os.PathLike | None
         else:
             train.extend(records)
     train = _dedupe(train)
-    train_prompts = {r["messages"][0]["content"] for r in train if "messages" in r}
-    heldout = [r for r in _dedupe(heldout) if r["messages"][0]["content"] not in train_prompts]
+    seen = {m["content"] for r in train if "messages" in r for m in r["messages"]}
+    heldout = [r for r in _dedupe(heldout) if not any(m["content"] in seen for m in r["messages"])]
     random.Random(seed).shuffle(train)
     _write_jsonl(out / TRAIN_FILE, train)
     _write_jsonl(out / HELDOUT_FILE, heldout)

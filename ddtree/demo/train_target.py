@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
@@ -45,8 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus", type=Path, help="corpus directory; built from the stdlib if it has no train.jsonl "
                                                "(default: WORK_DIR/corpus)")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="BPE vocabulary to train")
-    p.add_argument("--steps", type=int, default=3000, help="total optimizer steps (the LR schedule spans them)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2000, help="total optimizer steps (the LR schedule spans them)")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of the peak")
@@ -81,7 +82,8 @@ def build_config(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -
         vocab_size=padded_vocab_size(tokenizer), hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size, num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads, num_key_value_heads=args.num_kv_heads, head_dim=args.head_dim,
-        max_position_embeddings=args.max_position_embeddings, tie_word_embeddings=True,
+        max_position_embeddings=args.max_position_embeddings, max_window_layers=args.num_layers,
+        tie_word_embeddings=True,
         bos_token_id=endoftext, eos_token_id=im_end, pad_token_id=endoftext,
     )
 
@@ -105,7 +107,8 @@ def make_optimizer(model: torch.nn.Module, args: argparse.Namespace, device: tor
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def prepare_data(args: argparse.Namespace, work: Path, progress: bool):
+def prepare_data(args: argparse.Namespace, work: Path,
+                 progress: bool) -> tuple[PreTrainedTokenizerBase, dict[str, np.ndarray], dict]:
     """Corpus, tokenizer and token streams, each built only if absent (they are reused by resumed runs)."""
     corpus_dir = args.corpus or work / "corpus"
     if not (corpus_dir / corpus_lib.TRAIN_FILE).exists():
@@ -118,28 +121,6 @@ def prepare_data(args: argparse.Namespace, work: Path, progress: bool):
                for split, name in (("train", corpus_lib.TRAIN_FILE), ("heldout", corpus_lib.HELDOUT_FILE))}
     manifest = json.loads((corpus_dir / corpus_lib.MANIFEST_FILE).read_text(encoding="utf-8"))
     return tokenizer, streams, manifest
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device,
-                 dtype: torch.dtype) -> float | None:
-    """Mean next-token loss on the held-out packages: the overfitting signal the training loss cannot give."""
-    if len(windows) == 0:
-        return None
-    model.eval()
-    total = 0.0
-    for chunk in windows.split(batch_size):
-        chunk = chunk.to(device)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            total += model(input_ids=chunk, labels=chunk, use_cache=False).loss.item() * len(chunk)
-    model.train()
-    return total / len(windows)
-
-
-def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state}, tmp)
-    os.replace(tmp, path)  # a run killed while saving keeps its previous checkpoint intact
 
 
 def export(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Path, log: dict) -> None:
@@ -156,9 +137,105 @@ def export(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, out: Pat
     (out / LOG_FILE).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
 
 
+class TargetTrainer:
+    """One training slice: model, optimizer and the resumable state (step, time, loss and eval history)."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+                 streams: dict[str, np.ndarray], checkpoint_path: Path) -> None:
+        self.args = args
+        self.streams = streams
+        self.checkpoint_path = checkpoint_path
+        self.device = torch.device(args.device)
+        self.dtype = getattr(torch, args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        torch.manual_seed(args.seed)
+        checkpoint = (torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+                      if args.resume and checkpoint_path.exists() else None)
+        config = Qwen3Config.from_dict(checkpoint["config"]) if checkpoint else build_config(args, tokenizer)
+        self.model = Qwen3ForCausalLM(config).to(self.device)
+        self.optimizer = make_optimizer(self.model, args, self.device)
+        self.state = {"step": 0, "train_seconds": 0.0, "loss": [], "eval": []}
+        if checkpoint:
+            self.model.load_state_dict(checkpoint["model"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+            self.state = {k: checkpoint[k] for k in self.state}
+        self.state["config"] = config.to_dict()
+        self.heldout = eval_windows(streams["heldout"], args.seq_len, EVAL_WINDOWS)
+        self.slice_start = time.monotonic()
+        self.slice_first_step = self.state["step"]
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step; returns the loss still on the device (reading it would force a sync)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.args)
+        batch = sample_batch(self.streams["train"], self.args.batch_size, self.args.seq_len, self.args.seed, step)
+        batch = batch.to(self.device, non_blocking=True)
+        with self.autocast():
+            loss = self.model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    @torch.no_grad()
+    def heldout_loss(self) -> float | None:
+        """Mean next-token loss on the held-out packages: the overfitting signal training loss cannot give."""
+        if len(self.heldout) == 0:
+            return None
+        self.model.eval()
+        total = 0.0
+        for chunk in self.heldout.split(self.args.batch_size):
+            chunk = chunk.to(self.device)
+            with self.autocast():
+                total += self.model(input_ids=chunk, labels=chunk, use_cache=False).loss.item() * len(chunk)
+        self.model.train()
+        return round(total / len(self.heldout), 5)
+
+    def checkpoint(self, step: int) -> None:
+        """Evaluate, save model + optimizer + state atomically, and print one line for plain-text logs."""
+        if not self.state["eval"] or self.state["eval"][-1]["step"] != step:
+            self.state["eval"].append({"step": step, "heldout_loss": self.heldout_loss()})
+        now = time.monotonic()
+        rate = (step - self.slice_first_step) * self.args.batch_size * self.args.seq_len / (now - self.slice_start)
+        self.state.update(step=step, train_seconds=self.state["train_seconds"] + now - self.slice_start)
+        self.slice_start, self.slice_first_step = now, step
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **self.state}, tmp)
+        os.replace(tmp, self.checkpoint_path)  # a run killed while saving keeps its previous checkpoint
+        loss = self.state["loss"][-1]["loss"] if self.state["loss"] else float("nan")
+        tqdm.write(f"step {step}/{self.args.steps}  loss {loss:.4f}  heldout {self.state['eval'][-1]['heldout_loss']}"
+                   f"  {rate:,.0f} tok/s  {self.state['train_seconds']:.0f}s trained", file=sys.stderr)
+
+    def train(self, deadline: float, progress: bool) -> int:
+        """Train until the last step or the deadline, checkpointing on the way and at the end; returns the step."""
+        args = self.args
+        step = self.state["step"]
+        loss_sum, loss_count = torch.zeros((), device=self.device), 0
+        self.model.train()
+        with tqdm(total=args.steps, initial=step, desc="train-target", unit="step", disable=not progress) as bar:
+            while step < args.steps and time.monotonic() < deadline:
+                loss_sum += self.train_step(step)
+                loss_count += 1
+                step += 1
+                bar.update(1)
+                if step % args.log_every == 0 or step == args.steps:
+                    mean = loss_sum.item() / loss_count  # the only host sync outside checkpoints
+                    self.state["loss"].append({"step": step, "loss": round(mean, 5), "lr": lr_at(step - 1, args)})
+                    bar.set_postfix(loss=f"{mean:.3f}")
+                    loss_sum.zero_()
+                    loss_count = 0
+                if step % args.save_every == 0:
+                    self.checkpoint(step)
+        self.checkpoint(step)
+        return step
+
+
 def run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
-    deadline = started + args.max_minutes * 60 if args.max_minutes else math.inf
+    # The deadline counts from here, not from the first step: the command's wall-clock limit includes setup.
+    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else math.inf
     progress = not args.no_progress
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -167,76 +244,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"a checkpoint exists in {work}; pass --resume to continue it, or delete it to start over",
               file=sys.stderr)
         return 2
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     tokenizer, streams, manifest = prepare_data(args, work, progress)
-
-    torch.manual_seed(args.seed)
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True) if args.resume and \
-        checkpoint_path.exists() else None
-    config = Qwen3Config.from_dict(checkpoint["config"]) if checkpoint else build_config(args, tokenizer)
-    model = Qwen3ForCausalLM(config).to(device)
-    optimizer = make_optimizer(model, args, device)
-    state = {"step": 0, "train_seconds": 0.0, "loss": [], "eval": []}
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        state = {k: checkpoint[k] for k in state}
-    state["config"] = config.to_dict()
-    params = sum(p.numel() for p in model.parameters())
+    trainer = TargetTrainer(args, tokenizer, streams, checkpoint_path)
+    params = sum(p.numel() for p in trainer.model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, {len(streams['train']):,} training tokens, "
-          f"starting at step {state['step']} of {args.steps}", file=sys.stderr)
-
-    model.train()
-    heldout = eval_windows(streams["heldout"], args.seq_len, EVAL_WINDOWS)
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    loss_sum, loss_count, slice_start = torch.zeros((), device=device), 0, time.monotonic()
-
-    def checkpoint_at(step: int) -> None:
-        nonlocal slice_start
-        if not state["eval"] or state["eval"][-1]["step"] != step:
-            state["eval"].append({"step": step, "heldout_loss": heldout_loss(model, heldout, args.batch_size,
-                                                                              device, dtype)})
-        state.update(step=step, train_seconds=state["train_seconds"] + time.monotonic() - slice_start)
-        slice_start = time.monotonic()
-        save_checkpoint(checkpoint_path, model, optimizer, state)
-
-    bar = tqdm(total=args.steps, initial=state["step"], desc="train-target", unit="step", disable=not progress)
-    step = state["step"]
-    while step < args.steps and time.monotonic() < deadline:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        batch = sample_batch(streams["train"], args.batch_size, args.seq_len, args.seed, step).to(device)
-        with autocast:
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        bar.update(1)
-        loss_sum += loss.detach()  # summed on the device: one host sync per log interval, not per step
-        loss_count += 1
-        if step % args.log_every == 0 or step == args.steps:
-            mean = loss_sum.item() / loss_count
-            state["loss"].append({"step": step, "loss": round(mean, 5), "lr": lr_at(step - 1, args)})
-            bar.set_postfix(loss=f"{mean:.3f}")
-            loss_sum.zero_()
-            loss_count = 0
-        if step % args.save_every == 0:
-            checkpoint_at(step)
-    bar.close()
-    checkpoint_at(step)
-
+          f"starting at step {trainer.state['step']} of {args.steps}", file=sys.stderr)
+    step = trainer.train(deadline, progress)
     log = {
         "complete": step >= args.steps, "step": step, "steps": args.steps, "parameters": params,
-        "tokens_per_step": args.batch_size * args.seq_len, "train_seconds": round(state["train_seconds"], 1),
-        "hyperparameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+        "tokens_per_step": args.batch_size * args.seq_len, "train_seconds": round(trainer.state["train_seconds"], 1),
+        "hyperparameters": {k: v for k, v in vars(args).items()
                             if k not in ("func", "out", "work_dir", "corpus")},
         "corpus": manifest, "python": platform.python_version(), "torch": torch.__version__,
-        "loss": state["loss"], "eval": state["eval"],
+        "loss": trainer.state["loss"], "eval": trainer.state["eval"],
     }
-    export(model, tokenizer, args.out, log)
+    export(trainer.model, tokenizer, args.out, log)
     print(f"{'finished' if log['complete'] else 'paused'} at step {step}/{args.steps}; model in {args.out}"
           + ("" if log["complete"] else "; run again with --resume to continue"), file=sys.stderr)
     return 0

@@ -1,0 +1,252 @@
+"""What the drafter and verifier gRPC services share around their engine: one engine thread, per-RPC status
+mapping + metrics + timings, idle-session expiry, health, reflection, and the process lifecycle.
+
+Engines are not thread-safe and their model work blocks, so every engine call (RPC work, the TTL sweep, loading)
+runs on one single-thread executor: the event loop stays free for health checks and new calls, and engine state
+needs no locks. The session table is the engine's own `sessions` dict, so a session lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Generic, Protocol, TypeVar
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from ddtree.service_config import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_CHARS = 128
+# Forward and RPC times span ~1 ms (a GPU decode step) to seconds (a long CPU prefill).
+_SECONDS_BUCKETS = tuple(0.001 * 2**i for i in range(15))
+
+
+class RequestError(ValueError):
+    """A malformed request; answered INVALID_ARGUMENT, and nothing has changed on the server."""
+
+
+class LimitError(RequestError):
+    """A request beyond a server limit; answered RESOURCE_EXHAUSTED, and nothing has changed on the server."""
+
+
+class NotReadyError(RuntimeError):
+    """The model is still loading; answered UNAVAILABLE (health says NOT_SERVING meanwhile)."""
+
+
+def check_session_id(session_id: str) -> None:
+    if not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise RequestError(f"session_id must have 1 to {MAX_SESSION_ID_CHARS} characters, got {len(session_id)}")
+
+
+def check_capacity(capacity: int, max_session_tokens: int) -> None:
+    """Caches are preallocated at start, so the capacity bound is what bounds a session's memory."""
+    if capacity < 1:
+        raise RequestError(f"capacity must be >= 1, got {capacity}")
+    if capacity > max_session_tokens:
+        raise LimitError(f"capacity {capacity} exceeds this server's max_session_tokens {max_session_tokens}")
+
+
+class Session(Protocol):
+    last_used: float  # time.monotonic() of the session's last use
+
+
+class Engine(Protocol):
+    sessions: dict[str, Any]
+
+    def end_session(self, session_id: str) -> bool: ...
+
+
+E = TypeVar("E", bound=Engine)
+StatusMap = Sequence[tuple[type[BaseException], grpc.StatusCode]]
+# Checked after a service's own map; first match wins.
+_COMMON_STATUSES: StatusMap = (
+    (NotReadyError, grpc.StatusCode.UNAVAILABLE),
+    (LimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (torch.OutOfMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),  # input checks in the engines and the wire decoders
+)
+
+
+class ServiceMetrics:
+    """One service's Prometheus metrics, in their own registry (no process-global state)."""
+
+    def __init__(self, prefix: str, cache_metric: str, cache_help: str, device: torch.device) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{prefix}_requests", "RPCs answered, by method and gRPC status", ["rpc", "code"], registry=r)
+        self.request_seconds = Histogram(
+            f"{prefix}_request_duration_seconds", "Server-side time per RPC, queueing included", ["rpc"],
+            buckets=_SECONDS_BUCKETS, registry=r,
+        )
+        self.forward_seconds = Histogram(
+            f"{prefix}_forward_duration_seconds", "Model forward time per RPC", ["rpc"], buckets=_SECONDS_BUCKETS, registry=r
+        )
+        self.active_sessions = Gauge(f"{prefix}_active_sessions", "Live sessions", registry=r)
+        self.cache_bytes = Gauge(f"{prefix}_{cache_metric}", cache_help, registry=r)
+        self.expired_sessions = Counter(f"{prefix}_sessions_expired", "Sessions ended by the idle TTL", registry=r)
+        if device.type == "cuda":
+            allocated = Gauge(f"{prefix}_gpu_memory_allocated_bytes", "GPU memory held by tensors", registry=r)
+            allocated.set_function(lambda: torch.cuda.memory_allocated(device))
+            reserved = Gauge(f"{prefix}_gpu_memory_reserved_bytes", "GPU memory reserved by the allocator", registry=r)
+            reserved.set_function(lambda: torch.cuda.memory_reserved(device))
+
+
+class EngineHost(Generic[E]):
+    """Owns the engine once it is loaded, the one thread that runs it, and the bookkeeping around each call."""
+
+    def __init__(
+        self,
+        metrics: ServiceMetrics,
+        statuses: StatusMap,
+        session_bytes: Callable[[Any], int],
+        session_ttl: float,
+    ) -> None:
+        self.metrics = metrics
+        self.engine: E | None = None
+        self._statuses = (*statuses, *_COMMON_STATUSES)
+        self._session_bytes = session_bytes
+        self._ttl = session_ttl
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs fn(*args) on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def call(self, rpc: str, context: grpc.aio.ServicerContext, job: Callable[[E], Any], forward: bool = False) -> Any:
+        """Runs `job(engine)` -> response (a message with a `timings` field) on the engine thread; fills in
+        timings.total_s, records metrics, and turns exceptions into gRPC statuses."""
+        start = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            if self.engine is None:  # checked here: the engine thread is busy loading, a queued call would hang
+                raise NotReadyError("the model is still loading")
+            response = await self.run(self._job, job)
+            response.timings.total_s = time.perf_counter() - start
+            if forward:
+                self.metrics.forward_seconds.labels(rpc).observe(response.timings.forward_s)
+            return response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED  # the client went away; the job itself always runs to completion
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a dead connection
+            code = self._status(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", rpc)
+            await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
+        finally:
+            self.metrics.requests.labels(rpc, code.name).inc()
+            self.metrics.request_seconds.labels(rpc).observe(time.perf_counter() - start)
+
+    def _job(self, job: Callable[[E], Any]) -> Any:
+        try:
+            return job(self.engine)
+        finally:
+            self._refresh_gauges()
+
+    def _status(self, exc: BaseException) -> grpc.StatusCode:
+        for kind, code in self._statuses:
+            if isinstance(exc, kind):
+                return code
+        return grpc.StatusCode.INTERNAL
+
+    def _refresh_gauges(self) -> None:
+        """On the engine thread, right after anything that may have changed the session table."""
+        sessions = self.engine.sessions.values()
+        self.metrics.active_sessions.set(len(sessions))
+        self.metrics.cache_bytes.set(sum(self._session_bytes(s) for s in sessions))
+
+    async def load(self, load: Callable[[], E], warm_up: Callable[[E], None]) -> None:
+        """Loads and warms up the engine on the engine thread; calls are served only afterwards."""
+        engine = await self.run(load)
+        await self.run(warm_up, engine)
+        self.engine = engine
+        await self.run(self._refresh_gauges)
+
+    async def expire_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            for session_id in await self.run(self._expire_idle):
+                log.info("session %s expired after %.0f s idle", session_id, self._ttl)
+
+    def _expire_idle(self) -> list[str]:
+        cutoff = time.monotonic() - self._ttl
+        expired = [sid for sid, sess in self.engine.sessions.items() if sess.last_used < cutoff]
+        for session_id in expired:
+            self.engine.end_session(session_id)
+        self.metrics.expired_sessions.inc(len(expired))
+        self._refresh_gauges()
+        return expired
+
+    def close(self) -> None:
+        # A load still running cannot be interrupted; the process exits once it finishes.
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+async def serve(
+    config: ServiceConfig,
+    host: EngineHost[E],
+    service_name: str,
+    add_servicer: Callable[[grpc.aio.Server], None],
+    load: Callable[[], E],
+    warm_up: Callable[[E], None],
+) -> None:
+    """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
+    (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    server = grpc.aio.server(options=message_size_options(config.max_message_bytes))
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", service_name):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
+    log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics", service_name, config.host, port, config.host,
+             httpd.server_port)
+
+    tasks: list[asyncio.Task] = []
+    try:
+        loading = asyncio.create_task(host.load(load, warm_up))
+        stopping = asyncio.create_task(stop.wait())
+        tasks += [loading, stopping]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            loading.result()  # a failed load ends the process with its error
+            for name in ("", service_name):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("%s: SERVING", service_name)
+            tasks.append(asyncio.create_task(host.expire_forever(config.sweep_interval)))
+            await stopping
+        log.info("%s: shutting down", service_name)
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.shutdown_grace)
+        for task in tasks:
+            task.cancel()
+        httpd.shutdown()
+        httpd.server_close()
+        host.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,115 @@
+"""The settings both model services share, and flags-with-env-fallback derived from a config dataclass.
+
+Each service has ONE frozen config dataclass (draft_server/config.py, verify_server/config.py) extending
+ServiceConfig. Every field becomes a flag `--field-name` whose default comes from the env var
+`<ENV_PREFIX><FIELD_NAME>` when set, else from the dataclass; the field's `help` metadata is the flag's help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+C = TypeVar("C", bound="ServiceConfig")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+# gRPC caps a message at 2 GiB - 1; below 1 MiB not even a small prefill's features fit.
+_MESSAGE_BYTES_RANGE = (2**20, 2**31 - 1)
+
+
+def option(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field that is also a command-line flag."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    ENV_PREFIX: ClassVar[str] = "DDTREE_"
+
+    host: str = option("0.0.0.0", "interface to listen on, for gRPC and for metrics")
+    port: int = option(0, "gRPC port (0: any free port, logged)")
+    metrics_port: int = option(0, "Prometheus metrics port (0: any free port, logged)")
+    device: str = option("auto", "torch device: cpu, cuda, cuda:N, or auto (cuda when available)")
+    dtype: str = option("auto", "model dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPE_NAMES)
+    session_ttl: float = option(300.0, "seconds a session may stay idle before the server ends it")
+    max_session_tokens: int | None = option(
+        None, "largest session capacity accepted (default: derived from the model's max_position_embeddings)"
+    )
+    max_message_bytes: int = option(256 * 2**20, "largest gRPC message sent or received, in bytes")
+    shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.session_ttl <= 0:
+            raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
+        if self.max_session_tokens is not None and self.max_session_tokens < 2:
+            raise ValueError(f"max_session_tokens must be >= 2, got {self.max_session_tokens}")
+        low, high = _MESSAGE_BYTES_RANGE
+        if not low <= self.max_message_bytes <= high:
+            raise ValueError(f"max_message_bytes must be in [{low}, {high}], got {self.max_message_bytes}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        self.torch_device()  # a malformed device string fails at startup, not after loading
+
+    @property
+    def sweep_interval(self) -> float:
+        """How often idle sessions are looked for: often enough that expiry lags the TTL by a quarter at most."""
+        return min(max(self.session_ttl / 4, 0.05), 30.0)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"bad device {self.device!r}: {exc}") from None
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _scalar_type(hints[f.name])
+            env = cls.env_var(f.name)
+            default = f.default
+            if os.environ.get(env):
+                try:
+                    default = kind(os.environ[env])
+                except ValueError:
+                    parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=kind,
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} [env {env}; default: %(default)s]",
+            )
+
+    @classmethod
+    def env_var(cls, field_name: str) -> str:
+        return cls.ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def values_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+
+
+def _scalar_type(hint: Any) -> type:
+    """`int | None` -> int; the flag's parser for a field."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint not in (str, int, float):
+        raise TypeError(f"config fields must be str, int or float (optionally | None), not {hint}")
+    return hint

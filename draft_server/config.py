@@ -1,0 +1,38 @@
+"""DraftServerConfig: every setting of the drafter service, from flags with DDTREE_DRAFT_* env fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ddtree.models import resolve_pair
+from ddtree.service_config import ServiceConfig, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftServerConfig(ServiceConfig):
+    ENV_PREFIX: ClassVar[str] = "DDTREE_DRAFT_"
+
+    drafter: str | None = option(None, "DFlash drafter directory (default: the bundled demo drafter)")
+    target: str | None = option(
+        None, "target model directory, read for embed_tokens and lm_head only (default: the bundled demo target)"
+    )
+    port: int = option(50061, "gRPC port (0: any free port, logged)")
+    metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
+    max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.drafter is None or self.target is None:
+            raise ValueError("the drafter service needs both a drafter and a target directory")
+        if self.max_budget < 1:
+            raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DraftServerConfig:
+        values = cls.values_from_args(args)
+        target, drafter = resolve_pair(values["target"], values["drafter"])
+        if drafter is None:
+            raise ValueError("no --drafter given and no bundled demo drafter next to the demo target")
+        return cls(**{**values, "target": target, "drafter": drafter})

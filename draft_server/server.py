@@ -1,0 +1,168 @@
+"""The drafter gRPC service: a thin servicer over DraftEngine (`from_pb -> engine step -> to_pb`).
+
+    ddtree draft --drafter DIR --target DIR [--port N --metrics-port N ...]
+    python -m draft_server.server ...   # the same, without importing the other subcommands
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+
+import grpc
+import torch
+
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, serve
+from ddtree.types import DrafterInfo
+from draft_server.config import DraftServerConfig
+from draft_server.dflash import load_drafter
+from draft_server.drafter import CapacityError, DraftEngine, DraftSession, UnknownSessionError
+from draft_server.target_head import TargetHead
+from protos import tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+
+log = logging.getLogger("draft_server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+STATUSES = (
+    (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, host: EngineHost[DraftEngine], config: DraftServerConfig) -> None:
+        self.host = host
+        self.config = config
+
+    def max_session_tokens(self, engine: DraftEngine) -> int:
+        return self.config.max_session_tokens or engine.config.max_position_embeddings
+
+    async def Info(self, request: pb.DrafterInfoRequest, context: grpc.aio.ServicerContext) -> pb.DrafterInfoResponse:
+        return await self.host.call("Info", context, self._info)
+
+    async def StartSession(
+        self, request: pb.DrafterStartSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrafterStartSessionResponse:
+        return await self.host.call("StartSession", context, lambda engine: self._start_session(engine, request))
+
+    async def EndSession(
+        self, request: pb.DrafterEndSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrafterEndSessionResponse:
+        return await self.host.call(
+            "EndSession", context, lambda engine: pb.DrafterEndSessionResponse(existed=engine.end_session(request.session_id))
+        )
+
+    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
+        return await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
+
+    def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
+        return tensors.drafter_info_to_pb(
+            DrafterInfo(
+                block_size=engine.block_size,
+                target_layer_ids=list(engine.config.target_layer_ids),
+                feature_dim=engine.feature_dim,
+                vocab_size=engine.head.vocab_size,
+                max_budget=self.config.max_budget,
+                max_session_tokens=self.max_session_tokens(engine),
+            )
+        )
+
+    def _start_session(self, engine: DraftEngine, request: pb.DrafterStartSessionRequest) -> pb.DrafterStartSessionResponse:
+        check_session_id(request.session_id)
+        check_capacity(request.capacity, self.max_session_tokens(engine))
+        engine.start_session(request.session_id, request.capacity)
+        return pb.DrafterStartSessionResponse()
+
+    def _draft(self, engine: DraftEngine, request: pb.DraftRequest) -> pb.DraftResponse:
+        if not 1 <= request.budget <= self.config.max_budget:
+            raise RequestError(f"budget must be in [1, {self.config.max_budget}], got {request.budget}")
+        if request.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {request.top_k}")
+        if not request.HasField("features"):
+            raise RequestError("features are required (an empty [0, feature_dim] tensor when there are none)")
+        features = tensors.tensor_from_pb(request.features)
+        if not features.is_floating_point():
+            raise RequestError(f"features must be floating point, got {request.features.dtype}")
+        result = engine.draft(
+            request.session_id, features, request.root_token, request.root_position, request.budget, request.top_k or None
+        )
+        return tensors.draft_to_pb(result.tree, result.forward_s, result.tree_s)
+
+
+def context_cache_bytes(session: DraftSession) -> int:
+    return sum(t.numel() * t.element_size() for t in (*session.ctx_k, *session.ctx_v))
+
+
+def load_engine(config: DraftServerConfig) -> DraftEngine:
+    device, dtype = config.torch_device(), config.torch_dtype()
+    start = time.perf_counter()
+    log.info("loading drafter from %s (%s, %s)", config.drafter, device, str(dtype).removeprefix("torch."))
+    drafter = load_drafter(config.drafter, device, dtype)
+    log.info("loading the target's embed_tokens and lm_head from %s", config.target)
+    engine = DraftEngine(drafter, TargetHead.load(config.target, device, dtype))
+    cfg = engine.config
+    log.info(
+        "drafter loaded in %.1f s: %d layers, block size %d, taps %s, vocab %d",
+        time.perf_counter() - start, cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids, engine.head.vocab_size,
+    )
+    return engine
+
+
+def warm_up(engine: DraftEngine) -> None:
+    """One real draft (context projection, block forward, tree build) so the first client pays no first-call costs."""
+    session_id = f"warm-up-{uuid.uuid4().hex}"
+    engine.start_session(session_id, 2)
+    try:
+        features = torch.zeros(1, engine.feature_dim)
+        result = engine.draft(session_id, features, 0, 1, budget=engine.block_size - 1)
+        log.info("warm-up draft done (forward %.3f s)", result.forward_s)
+    finally:
+        engine.end_session(session_id)
+
+
+async def run_server(config: DraftServerConfig) -> None:
+    metrics = ServiceMetrics(
+        "ddtree_draft", "context_cache_bytes", "Drafter context K/V cache held by live sessions", config.torch_device()
+    )
+    host: EngineHost[DraftEngine] = EngineHost(metrics, STATUSES, context_cache_bytes, config.session_ttl)
+    servicer = DrafterServicer(host, config)
+    await serve(
+        config,
+        host,
+        SERVICE_NAME,
+        lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server),
+        lambda: load_engine(config),
+        warm_up,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("draft", help="run the drafter gRPC service (DFlash drafter + DDTree builder)")
+    DraftServerConfig.add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = DraftServerConfig.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(run_server(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m draft_server.server", description="the drafter gRPC service")
+    DraftServerConfig.add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

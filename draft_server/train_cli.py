@@ -1,0 +1,162 @@
+"""`ddtree train-drafter`: train a DFlash drafter for a local HF target on a local JSONL corpus."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ddtree.demo.data import cached_tokens, sample_batch
+from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.training import (
+    DrafterTrainConfig,
+    TappedTarget,
+    acceptance_stats,
+    drafter_config_for,
+    drafter_loss,
+    loss_weights,
+    lr_at,
+    sample_anchors,
+)
+
+CHECKPOINT = "train_state.pt"
+LOG = "training_log.json"
+DEFAULT_MASK_TOKEN = "<|mask|>"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter for a target on a local JSONL corpus")
+    p.add_argument("--target", required=True, help="target model directory (HF layout, with tokenizer)")
+    p.add_argument("--corpus", required=True, help='JSONL file: {"messages": [...]} chat records or {"text": ...}')
+    p.add_argument("--out", required=True, help="output drafter directory (published DFlash format)")
+    defaults = DrafterTrainConfig()
+    for f in fields(DrafterTrainConfig):
+        if f.name == "tap_layers":
+            p.add_argument("--tap-layers", help="comma-separated target layer ids to tap (default: spread evenly)")
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
+    p.add_argument("--mask-token", default=DEFAULT_MASK_TOKEN, help="token (or numeric id) used for MASK positions")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop (and checkpoint) after this long; 0 = no limit")
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
+    p.set_defaults(func=run)
+
+
+def assistant_mask(tokens: np.ndarray, tokenizer) -> np.ndarray:
+    """[n] bool: the tokens a chat model answers with (assistant turns, their <|im_end|> included). Corpora
+    without chat markers are plain text, where every token counts."""
+    vocab = tokenizer.get_vocab()
+    start_id, end_id = vocab.get("<|im_start|>"), vocab.get("<|im_end|>")
+    if start_id is None or end_id is None or not (tokens == start_id).any():
+        return np.ones(len(tokens), dtype=bool)
+    mask = np.zeros(len(tokens), dtype=bool)
+    ends = np.flatnonzero(tokens == end_id)
+    for p in np.flatnonzero(tokens == start_id):
+        q = ends[np.searchsorted(ends, p)] if np.searchsorted(ends, p) < len(ends) else len(tokens) - 1
+        header = p + 1
+        while header < q and "\n" not in tokenizer.decode(tokens[p + 1 : header + 1].tolist()):
+            header += 1
+        if tokenizer.decode(tokens[p + 1 : header + 1].tolist()).strip() == "assistant":
+            mask[header + 1 : q + 1] = True
+    return mask
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = DrafterTrainConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterTrainConfig) if f.name != "tap_layers"})
+    if args.tap_layers:
+        cfg.tap_layers = [int(x) for x in args.tap_layers.split(",")]
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    mask_id = int(args.mask_token) if args.mask_token.isdigit() else tokenizer.convert_tokens_to_ids(args.mask_token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise SystemExit(f"mask token {args.mask_token!r} is not in the target's vocabulary; pass --mask-token ID")
+    tokens = cached_tokens(tokenizer, args.target, args.corpus, args.cache_dir or out / "cache")
+    valid = torch.from_numpy(assistant_mask(tokens, tokenizer))
+    print(f"corpus: {len(tokens):,} tokens, {valid.float().mean().item():.0%} trainable (assistant) positions")
+
+    target = AutoModelForCausalLM.from_pretrained(
+        args.target, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa", local_files_only=True
+    ).to(device).eval()
+    target.requires_grad_(False)
+    dcfg = drafter_config_for(target.config, mask_id, cfg)
+    tapped = TappedTarget(target, dcfg.target_layer_ids)
+    if tapped.head.embed[mask_id].float().norm() < 1e-3:
+        print(f"warning: the mask token's embedding row ({mask_id}) is ~zero; blocks will carry little signal")
+
+    drafter = DFlashDrafter(dcfg)
+    init_drafter_weights(drafter, seed=cfg.seed)
+    drafter.to(device).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step, log = 0, []
+    if args.resume and (out / CHECKPOINT).is_file():
+        state = torch.load(out / CHECKPOINT, map_location=device, weights_only=False)
+        if DFlashConfig(**state["drafter_config"]) != dcfg:
+            raise SystemExit("checkpoint was trained with a different drafter config; start a new --out")
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        step, log = state["step"], state["log"]
+        print(f"resumed at step {step}")
+
+    weights = loss_weights(dcfg.block_size, cfg.gamma).to(device)
+    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes > 0 else float("inf")
+    bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", unit="step")
+    gen = torch.Generator(device=device)
+    while step < cfg.steps and time.monotonic() < deadline:
+        ids_cpu = sample_batch(tokens, cfg.batch_size, cfg.window, cfg.seed, step)
+        starts = _window_starts(tokens, cfg, step)
+        ok = torch.stack([valid[s : s + cfg.window] for s in starts])
+        ids, ok = ids_cpu.to(device), ok.to(device)
+        gen.manual_seed(cfg.seed * 1_000_003 + step)
+        anchors = sample_anchors(ok, cfg.blocks_per_window, dcfg.block_size, gen)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+            features = tapped.features(ids)
+            loss, correct = drafter_loss(drafter, tapped.head, ids, features, anchors, ok, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 10 == 0 or step == cfg.steps:
+            per_pos, tau = acceptance_stats(correct.detach())
+            log.append({"step": step, "loss": round(loss.item(), 5), "tau_est": round(tau, 3),
+                        "acc": [round(a, 3) for a in per_pos]})
+            bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{tau:.2f}", acc1=f"{per_pos[0]:.2f}", acc4=f"{per_pos[min(3, len(per_pos) - 1)]:.2f}")
+        bar.update(1)
+        if step % args.save_every == 0:
+            _checkpoint(out, drafter, opt, step, log, dcfg)
+    bar.close()
+    _checkpoint(out, drafter, opt, step, log, dcfg)
+    save_drafter(drafter, out, dtype=getattr(torch, args.save_dtype))
+    (out / LOG).write_text(json.dumps({"config": asdict(cfg), "log": log}, indent=1))
+    print(f"saved drafter to {out} at step {step}/{cfg.steps}")
+    return 0
+
+
+def _window_starts(tokens: np.ndarray, cfg: DrafterTrainConfig, step: int) -> np.ndarray:
+    """The offsets sample_batch drew for this step (same seeded generator), to cut the matching valid masks."""
+    rng = np.random.default_rng([cfg.seed, step])
+    return rng.integers(0, len(tokens) - cfg.window, size=cfg.batch_size)
+
+
+def _checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, log: list, dcfg: DFlashConfig) -> None:
+    tmp = out / (CHECKPOINT + ".tmp")
+    torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log,
+                "drafter_config": asdict(dcfg)}, tmp)
+    tmp.replace(out / CHECKPOINT)
