@@ -9,6 +9,7 @@ import sys
 # subcommand name -> module exposing `add_parser(subparsers)`; the module's parser sets `func`.
 SUBCOMMANDS: dict[str, str] = {
     "generate": "ddtree.generate",
+    "bench": "ddtree.bench",
     "train-target": "ddtree.demo.train_target",
     "train-drafter": "draft_server.train_cli",
     "draft": "draft_server.server",

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_ids is not None:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     elif args.chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
     else:
         prompt = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
 

@@ -19,11 +19,13 @@ from ddtree.checkpoint import load_state_dict_files, save_state_dict_sharded
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spread taps from layer 1 to layer L-3, the convention of published drafters without an explicit list."""
+    """Evenly spread taps from layer 1 to layer L-3, the convention of published drafters without an explicit
+    list (for very shallow targets the range shrinks to fit)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    start = min(1, num_target_layers - 1)
+    end = max(start, num_target_layers - 3)
+    return sorted({round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 @dataclass

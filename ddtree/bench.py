@@ -1,0 +1,158 @@
+"""`ddtree bench`: ar, chain and ddtree side by side, in one run, on one pair, with the same prompts.
+
+Reports tokens/s, the acceptance length τ (tokens committed per round, bonus included), per-phase time per round
+and the ratios between modes, and checks that every mode's greedy output equals AR's. Writes JSON (+ a PNG
+when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ddtree.generate import DTYPES
+from ddtree.models import resolve_pair
+from ddtree.types import SamplingParams
+from gateway.local import load_local
+from gateway.rounds import Round, Speculation, run_rounds
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+PHASES = ("draft_s", "tree_s", "verify_s", "walk_s")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark ar / chain / ddtree side by side in-process")
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="JSONL with {'prompt': str} or chat {'messages'}")
+    p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--budgets", default="8,32,128", help="comma-separated ddtree budgets")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
+    p.add_argument("--out", default="bench/result.json")
+    p.set_defaults(func=run)
+
+
+def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:
+    """Chat records go through the target's chat template (the user turn only); plain prompts are tokenized as is."""
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "messages" in record:
+            user = [m for m in record["messages"] if m["role"] != "assistant"]
+            prompts.append(list(tokenizer.apply_chat_template(user, add_generation_prompt=True, return_dict=True)["input_ids"]))
+        else:
+            prompts.append(tokenizer(record["prompt"], add_special_tokens=False)["input_ids"])
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_new: int, eos: list[int], sync) -> dict:
+    async def one(prompt: list[int]) -> list[Round]:
+        return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos)]
+
+    outputs, rounds_all, elapsed = [], [], 0.0
+    for prompt in tqdm(prompts, desc=f"{spec.mode}{'' if spec.mode != 'ddtree' else f'/{spec.budget}'}", leave=False):
+        sync()
+        start = time.perf_counter()
+        rounds = asyncio.run(one(prompt))
+        sync()
+        elapsed += time.perf_counter() - start
+        outputs.append([t for r in rounds for t in r.tokens])
+        rounds_all += rounds[1:]  # round 0 is the prefill
+    tokens = sum(len(o) for o in outputs)
+    n = max(1, len(rounds_all))
+    phases = {k.removesuffix("_s"): 1000 * sum(r.timings.get(k, 0.0) for r in rounds_all) / n for k in PHASES}
+    round_ms = 1000 * sum(r.timings.get("round_s", 0.0) for r in rounds_all) / n
+    phases["other"] = round_ms - sum(phases.values())
+    return {
+        "mode": spec.mode,
+        "budget": spec.budget if spec.mode == "ddtree" else (drafter.block_size - 1 if spec.mode == "chain" else 0),
+        "tokens": tokens,
+        "seconds": round(elapsed, 4),
+        "tokens_per_s": round(tokens / elapsed, 2),
+        "tau": round(sum(r.accepted for r in rounds_all) / n, 3),
+        "round_ms": round(round_ms, 3),
+        "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+        "outputs": outputs,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    target, drafter_dir = resolve_pair(args.target, args.drafter)
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
+    verifier, drafter = load_local(target, drafter_dir, args.device, DTYPES[args.dtype])
+    eos = verifier.engine.read_eos_ids(target)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    specs = [Speculation("ar"), Speculation("chain")] + [Speculation("ddtree", int(b)) for b in args.budgets.split(",")]
+    measure(verifier, drafter, prompts[:2], Speculation("ddtree", max(int(b) for b in args.budgets.split(","))), 16, eos, sync)  # warm-up
+    runs = [measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync) for spec in specs]
+    reference = runs[0]["outputs"]
+    for r in runs:
+        r["matches_ar"] = sum(o == ref for o, ref in zip(r.pop("outputs"), reference)) / len(reference)
+    by = {(r["mode"], r["budget"]): r for r in runs}
+    ar, chain = runs[0], runs[1]
+    result = {
+        "hardware": _hardware(device),
+        "model_pair": {"target": target, "drafter": drafter_dir},
+        "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                     "dtype": args.dtype, "temperature": 0.0},
+        "runs": runs,
+        "ratios": {
+            "chain/ar": round(chain["tokens_per_s"] / ar["tokens_per_s"], 3),
+            **{f"ddtree{b}/ar": round(by[("ddtree", b)]["tokens_per_s"] / ar["tokens_per_s"], 3) for _, b in by if _ == "ddtree"},
+            **{f"ddtree{b}/chain": round(by[("ddtree", b)]["tokens_per_s"] / chain["tokens_per_s"], 3) for _, b in by if _ == "ddtree"},
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for r in runs:
+        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
+              f"round {r['round_ms']:.2f} ms  {r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
+    print(json.dumps(result["ratios"]))
+    _plot(result, out.with_suffix(".png"))
+    return 0
+
+
+def _hardware(device: torch.device) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot written")
+        return
+    runs = result["runs"]
+    labels = [r["mode"] if r["mode"] != "ddtree" else f"ddtree/{r['budget']}" for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(labels, [r["tokens_per_s"] for r in runs])
+    a.set_ylabel("tokens/s")
+    b.bar(labels, [r["tau"] for r in runs], color="tab:orange")
+    b.set_ylabel("τ (tokens per round)")
+    fig.suptitle(f"{result['hardware'].get('gpu', result['hardware']['device'])} — {Path(result['model_pair']['target']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
