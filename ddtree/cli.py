@@ -12,21 +12,26 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "ddtree.bench",
     "train-target": "ddtree.demo.train_target",
     "train-drafter": "draft_server.train_cli",
+    "distill-corpus": "draft_server.distill",
     "draft": "draft_server.server",
     "verify": "verify_server.server",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Imports only the chosen subcommand's module when it is known: the services pull in gRPC, training pulls
+    in data tooling, and a machine that runs one of them need not have what the others import."""
     parser = argparse.ArgumentParser(prog="ddtree", description="Lossless DDTree speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
-        importlib.import_module(module_name).add_parser(sub)
+    names = [command] if command in SUBCOMMANDS else list(SUBCOMMANDS)
+    for name in names:
+        importlib.import_module(SUBCOMMANDS[name]).add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, NotADirectoryError) as exc:  # bad paths are user errors, not crashes

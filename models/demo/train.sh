@@ -9,12 +9,16 @@ mkdir -p "$out" "$work"
 ddtree() { python -m ddtree.cli "$@"; }
 
 ddtree train-target --out "$work/target" --work-dir "$work/target.work" --device cuda --dtype bfloat16 \
-  --steps 2000 --batch-size 64 --seq-len 1024 --max-minutes 4.5 --no-progress 2>&1 | tail -c 8000 > "$out/target_log.txt"
+  --steps 600 --batch-size 64 --seq-len 1024 --max-minutes 3 --no-progress 2>&1 | tail -c 8000 > "$out/target_log.txt"
+(cd "$work" && tar cf - target | split -b 15M - "$out/target.tar.part-")
 
-ddtree train-drafter --target "$work/target" --corpus "$work/target.work/corpus/train.jsonl" --out "$work/drafter" \
-  --device cuda --block-size 16 --num-layers 2 --tap-layers 1,3,5 --steps 2000 --batch-size 32 --window 512 \
-  --blocks-per-window 16 --lr 6e-4 --max-minutes 3 2>&1 | tr '\r' '\n' | tail -c 8000 > "$out/drafter_log.txt"
+# the drafter learns what the TARGET answers (greedy), on training prompts only: held-out prompts stay unseen
+ddtree distill-corpus --target "$work/target" --corpus "$work/target.work/corpus/train.jsonl" \
+  --out "$work/distill.jsonl" --num-prompts 8000 --max-new-tokens 256 --batch-size 512 2>&1 | tail -1 > "$out/distill_log.txt"
+
+ddtree train-drafter --target "$work/target" --corpus "$work/distill.jsonl" --out "$work/drafter" \
+  --device cuda --block-size 16 --num-layers 2 --tap-layers 1,3,5 --steps 5000 --batch-size 32 --window 512 \
+  --blocks-per-window 16 --lr 6e-4 --max-minutes 3.5 2>&1 | tr '\r' '\n' | tail -c 8000 > "$out/drafter_log.txt"
 rm -f "$work/drafter/train_state.pt"; rm -rf "$work/drafter/cache"
+(cd "$work" && tar cf "$out/drafter.tar" drafter)
 
-ddtree bench --target "$work/target" --drafter "$work/drafter" --budgets 8,32,128 --max-new-tokens 128 \
-  --dtype bfloat16 --out "$out/bench_demo_bf16.json" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tail -20 > "$out/bench_log.txt"
