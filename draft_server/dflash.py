@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.sdpa import attention
 from ddtree.checkpoint import load_state_dict_files, save_state_dict_sharded
 
 
@@ -186,9 +187,7 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.key_value(x, cos, sin)
         k = torch.cat((ctx_k, k_blk), dim=2)
         v = torch.cat((ctx_v, v_blk), dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )  # [b, heads, q, head_dim]
+        out = attention(q, k, v, mask)  # [b, heads, q, head_dim]
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from ddtree.sdpa import attention
 from verify_server.kv_cache import KVCache
 
 ATTENTION_NAME = "ddtree_tree"
@@ -87,15 +87,7 @@ def tree_attention(
         raise RuntimeError(f"the {ATTENTION_NAME!r} attention needs `{STEP_KWARG}` in the forward kwargs")
     keys, values = step.cache.write(module.layer_idx, step.start, key, value)
     mask = step.mask(sliding_window)
-    out = F.scaled_dot_product_attention(
-        query,
-        keys,
-        values,
-        attn_mask=mask,
-        is_causal=mask is None and step.num_new > 1,
-        scale=scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
+    out = attention(query, keys, values, mask, is_causal=mask is None and step.num_new > 1, scale=scaling)
     return out.transpose(1, 2), None
 
 
