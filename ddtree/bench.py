@@ -38,6 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--out", default="bench/result.json")
+    curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
+    curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
+    curve.add_argument("--context", type=int, default=512, help="committed tokens before the timed steps")
+    curve.add_argument("--sizes", default="1,4,16,32,64,128,256", help="tree sizes (nodes) to time")
+    curve.add_argument("--repeat", type=int, default=20)
     p.set_defaults(func=run)
 
 
@@ -91,6 +96,13 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
+
+    if args.cost_curve:
+        from ddtree.cost_curve import run_cost_curve
+
+        sizes = [int(n) for n in args.sizes.split(",")]
+        run_cost_curve(args.cost_curve, args.device, DTYPES[args.dtype], args.context, sizes, args.repeat, Path(args.out))
+        return 0
 
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)

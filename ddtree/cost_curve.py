@@ -1,0 +1,128 @@
+"""Cost curves at real model shapes with random weights (`ddtree bench --cost-curve`).
+
+Measures, in one run on one device: the copy bandwidth, hence the weight-streaming bound of a decode step
+(weight bytes / bandwidth); an AR step of our verifier; verify time against tree size; and a drafter step at the
+matching DFlash shape. Everything is a ratio against numbers taken in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ddtree.types import SamplingParams
+from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights
+from draft_server.drafter import DraftEngine
+from draft_server.target_head import TargetHead
+from draft_server.tree import build_tree
+from verify_server.tree_attention import ATTENTION_NAME
+from verify_server.verify import VerifyEngine
+
+# Qwen3-8B and its published DFlash drafter (z-lab/Qwen3-8B-DFlash-b16), layer hyper-parameters only.
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=5, block_size=16),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=1, block_size=16),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, drafter_layers=2, block_size=8),
+}
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Median wall time of fn in ms, synchronising the device around each call."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()
+    samples = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1000)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (each byte read once and written once, as reading weights is)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), device, 10)
+    return 2 * nbytes / (ms / 1000)
+
+
+def run_cost_curve(shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path) -> dict:
+    s = SHAPES[shape]
+    device = torch.device(device_name)
+    config = Qwen3Config(
+        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
+        num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+        vocab_size=s["vocab_size"], max_position_embeddings=40960, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # a decode step reads every weight except the embedding table (only one row of it is read)
+    streamed = weight_bytes - model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    bandwidth = copy_bandwidth(device, min(4 * 2**30, streamed)) if device.type == "cuda" else None
+    engine = VerifyEngine(model)
+    prompt = torch.randint(0, s["vocab_size"], (context,)).tolist()
+    gen = torch.Generator().manual_seed(1)
+
+    def fresh_session(name: str, nodes: int) -> None:
+        engine.end_session(name)
+        engine.start_session(name, context + nodes + 2 + repeat * (nodes + 1) * 2, SamplingParams(), [])
+        engine.prefill(name, prompt)
+
+    fresh_session("ar", 1)
+    ar_ms = timed(lambda: engine.decode("ar"), device, repeat)
+    verify_ms = {}
+    for n in sizes:
+        fresh_session("tree", n)
+        logprobs = torch.log_softmax(torch.randn(s["block_size"] - 1, s["vocab_size"], generator=gen), -1).to(device)
+        tree = build_tree(logprobs, 0, n)
+        # the random tree is rejected after the root almost surely, so the cache grows by ~1 slot per call
+        verify_ms[n] = timed(lambda: engine.verify("tree", tree), device, repeat)
+    del engine, model
+    dcfg = DFlashConfig(
+        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
+        num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
+        vocab_size=s["vocab_size"], block_size=s["block_size"], mask_token_id=s["vocab_size"] - 1,
+        target_layer_ids=list(range(s["drafter_layers"])), num_target_layers=s["num_hidden_layers"],
+    )
+    drafter = DFlashDrafter(dcfg)
+    init_drafter_weights(drafter, seed=0)
+    drafter = drafter.to(device, dtype).eval()
+    head = TargetHead(torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02,
+                      torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02)
+    draft_engine = DraftEngine(drafter, head)
+    draft_engine.start_session("d", context + 8)
+    features = torch.randn(context, dcfg.num_taps * s["hidden_size"], device=device, dtype=dtype)
+    draft_engine.draft("d", features, 0, context, budget=32)
+    session = draft_engine.session("d")
+    draft_ms = timed(lambda: draft_engine._block_logprobs(session, 0, context), device, repeat)  # noqa: SLF001
+    tree_ms = {n: timed(lambda n=n: build_tree(torch.log_softmax(torch.randn(s["block_size"] - 1, s["vocab_size"], device=device), -1), 0, n), device, repeat) for n in sizes}
+
+    bound_ms = streamed / bandwidth * 1000 if bandwidth else None  # only meaningful on a GPU
+    result = {
+        "hardware": {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__},
+        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "context": context, "eager": True,
+        "weight_bytes": weight_bytes, "streamed_bytes": streamed, "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9, 1),
+        "weight_streaming_bound_ms": bound_ms and round(bound_ms, 3),
+        "ar_step_ms": round(ar_ms, 3), "ar_step_over_bound": bound_ms and round(ar_ms / bound_ms, 2),
+        "verify_ms": {str(n): round(v, 3) for n, v in verify_ms.items()},
+        "verify_over_ar": {str(n): round(v / ar_ms, 3) for n, v in verify_ms.items()},
+        "drafter_block_ms": round(draft_ms, 3),
+        "tree_build_ms": {str(n): round(v, 3) for n, v in tree_ms.items()},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return result
