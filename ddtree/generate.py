@@ -14,6 +14,7 @@ from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
+from verify_server.verify import VerifyEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (GPUs cuda:0..N-1, or CPU processes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -59,11 +61,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompt = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
 
-    verifier, local_drafter = load_local(target, drafter if args.mode != "ar" else None, args.device, DTYPES[args.dtype])
-    eos = verifier.engine.read_eos_ids(target)
+    verifier, local_drafter = load_local(
+        target, drafter if args.mode != "ar" else None, args.device, DTYPES[args.dtype], tp=args.tp
+    )
+    eos = VerifyEngine.read_eos_ids(target)
     spec = Speculation(args.mode, args.budget)
     start = time.perf_counter()
-    rounds = asyncio.run(_collect(verifier, local_drafter, prompt, params, spec, args.max_new_tokens, eos))
+    try:
+        rounds = asyncio.run(_collect(verifier, local_drafter, prompt, params, spec, args.max_new_tokens, eos))
+    finally:
+        verifier.close()
     elapsed = time.perf_counter() - start
     token_ids = [t for r in rounds for t in r.tokens]
     text = tokenizer.decode(token_ids) if tokenizer is not None else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ddtree.types import DraftTree, SamplingParams, StepResult
@@ -29,8 +31,9 @@ class LocalDrafter:
 
 
 class LocalVerifier:
-    def __init__(self, engine: VerifyEngine) -> None:
+    def __init__(self, engine: VerifyEngine, close: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.close = close or (lambda: None)
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         self.engine.start_session(session_id, capacity, params, taps)
@@ -49,14 +52,23 @@ class LocalVerifier:
 
 
 def load_local(
-    target: str, drafter: str | None, device: str, dtype: torch.dtype
+    target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1
 ) -> tuple[LocalVerifier, LocalDrafter | None]:
-    """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head."""
+    """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
+    (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
+    (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
-    verify_engine = VerifyEngine.from_pretrained(target, device, dtype)
+    if tp > 1:
+        from verify_server.tensor_parallel import TensorParallelGroup
+
+        group = TensorParallelGroup(target, tp, device, dtype)
+        verifier = LocalVerifier(group.engine, close=group.close)
+    else:
+        verifier = LocalVerifier(VerifyEngine.from_pretrained(target, device, dtype))
     if drafter is None:
-        return LocalVerifier(verify_engine), None
-    draft_engine = DraftEngine(load_drafter(drafter, device, dtype), TargetHead.from_model(verify_engine.model))
-    return LocalVerifier(verify_engine), LocalDrafter(draft_engine)
+        return verifier, None
+    engine = verifier.engine
+    draft_engine = DraftEngine(load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model))
+    return verifier, LocalDrafter(draft_engine)

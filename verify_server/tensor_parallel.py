@@ -1,0 +1,242 @@
+"""The target tensor-parallel over N ranks (torch.distributed: NCCL on GPUs, gloo on CPU).
+
+Sharding (Megatron style, on the HF modules themselves): q/k/v and gate/up are split by output rows (whole
+heads / MLP columns per rank), o_proj and down_proj by input columns followed by an all-reduce; embeddings, norms
+and lm_head stay replicated. Every rank then holds only its heads' K/V, so tree attention and the owned KV cache
+work unchanged on the local heads.
+
+Rank 0 owns the service; it broadcasts each engine call over a small explicit control channel (an op code, a
+JSON header and the tree's index tensors) and every rank runs the same call on the same inputs, so the ranks
+stay in lockstep; only rank 0's result is used. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddtree.types import DraftTree, SamplingParams, StepResult
+from verify_server.verify import SessionError, VerifyEngine
+
+log = logging.getLogger("ddtree.verify.tp")
+
+OPS = ("start_session", "end_session", "prefill", "verify", "decode", "shutdown")
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding a slice of the input columns; partial products are summed across ranks."""
+
+    def __init__(self, linear: nn.Linear, rank: int, world: int) -> None:
+        super().__init__()
+        cols = linear.in_features // world
+        self.linear = nn.Linear(cols, linear.out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype)
+        self.linear.weight = nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].contiguous(), requires_grad=False)
+        # the bias is added once, after the sum
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def _column_slice(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
+    rows = linear.out_features // world
+    out = nn.Linear(linear.in_features, rows, bias=linear.bias is not None, device=linear.weight.device, dtype=linear.weight.dtype)
+    out.weight = nn.Parameter(linear.weight[rank * rows : (rank + 1) * rows].contiguous(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias[rank * rows : (rank + 1) * rows].contiguous(), requires_grad=False)
+    return out
+
+
+def shard_model(model: nn.Module, rank: int, world: int) -> None:
+    """Shards a loaded Qwen3/Llama-family model in place for `rank` of `world`."""
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % world or kv_heads % world or cfg.intermediate_size % world:
+        raise ValueError(f"--tp {world} must divide heads ({heads}), KV heads ({kv_heads}) and MLP size ({cfg.intermediate_size})")
+    cfg.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads  # pinned before heads shrink
+    for layer in model.get_decoder().layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = _column_slice(attn.q_proj, rank, world)
+        attn.k_proj = _column_slice(attn.k_proj, rank, world)
+        attn.v_proj = _column_slice(attn.v_proj, rank, world)
+        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world)
+        mlp.gate_proj = _column_slice(mlp.gate_proj, rank, world)
+        mlp.up_proj = _column_slice(mlp.up_proj, rank, world)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world)
+    # the local model has 1/world of the heads; the verifier sizes its KV cache from the config
+    cfg.num_attention_heads, cfg.num_key_value_heads = heads // world, kv_heads // world
+
+
+def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout_s: float) -> torch.device:
+    """Joins the group; returns this rank's device (cuda:<rank> on GPUs)."""
+    on_gpu = device.startswith("cuda")
+    local = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(local)
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+        device_id=local if on_gpu else None,
+    )
+    return local
+
+
+def load_sharded(target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype) -> VerifyEngine:
+    from verify_server.verify import load_target
+
+    model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
+    shard_model(model, rank, world)
+    return VerifyEngine(model.to(device))
+
+
+class _Channel:
+    """Rank 0 -> all ranks: [op, header length, tree nodes] as int64, then the JSON header bytes, then the tree."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device  # NCCL broadcasts need device tensors
+
+    def send(self, op: str, header: dict, tree: DraftTree | None = None) -> None:
+        raw = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8)
+        nodes = 0 if tree is None else tree.tokens.shape[0]
+        dist.broadcast(torch.tensor([OPS.index(op), raw.numel(), nodes], device=self.device), 0)
+        if raw.numel():
+            dist.broadcast(raw.to(self.device), 0)
+        if tree is not None:
+            dist.broadcast(torch.stack((tree.tokens, tree.parents, tree.depths)).to(self.device), 0)
+
+    def receive(self) -> tuple[str, dict, DraftTree | None]:
+        meta = torch.zeros(3, dtype=torch.long, device=self.device)
+        dist.broadcast(meta, 0)
+        op, length, nodes = meta.tolist()
+        header: dict = {}
+        if length:
+            raw = torch.zeros(length, dtype=torch.uint8, device=self.device)
+            dist.broadcast(raw, 0)
+            header = json.loads(bytes(raw.tolist()).decode())
+        tree = None
+        if nodes:
+            packed = torch.zeros(3, nodes, dtype=torch.long, device=self.device)
+            dist.broadcast(packed, 0)
+            tree = DraftTree(packed[0], packed[1], packed[2], max_depth=header["max_depth"])
+        return OPS[op], header, tree
+
+
+class TensorParallelEngine:
+    """Rank 0's face of a sharded verifier: the VerifyEngine API, each call mirrored on every rank."""
+
+    def __init__(self, engine: VerifyEngine) -> None:
+        self.engine = engine
+        self.channel = _Channel(engine.device)
+        self.sessions = engine.sessions  # rank 0's table is the service's view (metrics, TTL sweeps)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)  # read-only attributes (vocab_size, device, ...) come from rank 0
+
+    def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
+        if params.seed is None and not params.greedy:
+            # every rank must draw the same samples: fix the seed here instead of letting each rank pick one
+            params = SamplingParams(params.temperature, params.top_k, params.top_p, int(torch.randint(2**62, ()).item()))
+        self.channel.send("start_session", {"id": session_id, "capacity": capacity, "params": asdict(params), "taps": taps})
+        self.engine.start_session(session_id, capacity, params, taps)
+
+    def end_session(self, session_id: str) -> bool:
+        self.channel.send("end_session", {"id": session_id})
+        return self.engine.end_session(session_id)
+
+    def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
+        self.channel.send("prefill", {"id": session_id, "prompt": prompt})
+        return self.engine.prefill(session_id, prompt)
+
+    def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+        self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)
+        return self.engine.verify(session_id, tree)
+
+    def decode(self, session_id: str) -> StepResult:
+        self.channel.send("decode", {"id": session_id})
+        return self.engine.decode(session_id)
+
+    def shutdown(self) -> None:
+        self.channel.send("shutdown", {})
+
+
+def follow(engine: VerifyEngine) -> None:
+    """Ranks > 0: replay rank 0's calls until told to stop. A call that fails does so on every rank alike
+    (same inputs, same checks), so errors are skipped here and reported by rank 0."""
+    channel = _Channel(engine.device)
+    while True:
+        op, header, tree = channel.receive()
+        if op == "shutdown":
+            return
+        try:
+            if op == "start_session":
+                engine.start_session(header["id"], header["capacity"], SamplingParams(**header["params"]), header["taps"])
+            elif op == "end_session":
+                engine.end_session(header["id"])
+            elif op == "prefill":
+                engine.prefill(header["id"], header["prompt"])
+            elif op == "verify":
+                engine.verify(header["id"], tree)
+            elif op == "decode":
+                engine.decode(header["id"])
+        except SessionError as exc:
+            log.debug("rank %d: %s failed as on rank 0: %s", dist.get_rank(), op, exc)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _follower_main(rank: int, world: int, target: str, device: str, dtype: str, port: int, timeout_s: float) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"[verify rank {rank}] %(message)s")
+    local = init_group(rank, world, device, "127.0.0.1", port, timeout_s)
+    engine = load_sharded(target, rank, world, local, getattr(torch, dtype))
+    try:
+        follow(engine)
+    finally:
+        dist.destroy_process_group()
+
+
+class TensorParallelGroup:
+    """Starts ranks 1..N-1 as child processes and joins as rank 0: they start and stop together."""
+
+    def __init__(self, target: str, world: int, device: str, dtype: torch.dtype, timeout_s: float = 600.0) -> None:
+        import torch.multiprocessing as mp
+
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.followers = [
+            ctx.Process(target=_follower_main, args=(r, world, target, device, dtype_name, port, timeout_s), daemon=True)
+            for r in range(1, world)
+        ]
+        for p in self.followers:
+            p.start()
+        local = init_group(0, world, device, "127.0.0.1", port, timeout_s)
+        self.engine = TensorParallelEngine(load_sharded(target, 0, world, local, dtype))
+
+    def alive(self) -> bool:
+        """False once any rank has died: the service must stop answering (NOT_SERVING), not hang."""
+        return all(p.is_alive() for p in self.followers)
+
+    def close(self) -> None:
+        if self.alive():
+            self.engine.shutdown()
+        for p in self.followers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        dist.destroy_process_group()
