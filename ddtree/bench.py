@@ -43,6 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     curve.add_argument("--context", type=int, default=512, help="committed tokens before the timed steps")
     curve.add_argument("--sizes", default="1,4,16,32,64,128,256", help="tree sizes (nodes) to time")
     curve.add_argument("--repeat", type=int, default=20)
+    curve.add_argument("--tp", type=int, default=1, help="shard the random target over N ranks")
     p.set_defaults(func=run)
 
 
@@ -101,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         from ddtree.cost_curve import run_cost_curve
 
         sizes = [int(n) for n in args.sizes.split(",")]
-        run_cost_curve(args.cost_curve, args.device, DTYPES[args.dtype], args.context, sizes, args.repeat, Path(args.out))
+        run_cost_curve(
+            args.cost_curve, args.device, DTYPES[args.dtype], args.context, sizes, args.repeat, Path(args.out), args.tp
+        )
         return 0
 
     target, drafter_dir = resolve_pair(args.target, args.drafter)

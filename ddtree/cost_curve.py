@@ -57,9 +57,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (ms / 1000)
 
 
-def run_cost_curve(shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path) -> dict:
+RANDOM_PREFIX = "random:"
+
+
+def random_target(shape: str, device: torch.device | str, dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """An architecture-true Qwen3 target with seeded random weights, built on `device` (the same seed gives every
+    tensor-parallel rank the same full model before it keeps its own slice)."""
     s = SHAPES[shape]
-    device = torch.device(device_name)
     config = Qwen3Config(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
@@ -67,12 +71,28 @@ def run_cost_curve(shape: str, device_name: str, dtype: torch.dtype, context: in
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return Qwen3ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
+
+
+def run_cost_curve(
+    shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path, tp: int = 1
+) -> dict:
+    s = SHAPES[shape]
+    device = torch.device(device_name if tp == 1 else "cuda:0" if device_name.startswith("cuda") else "cpu")
+    group = None
+    if tp > 1:
+        from verify_server.tensor_parallel import TensorParallelGroup
+
+        group = TensorParallelGroup(RANDOM_PREFIX + shape, tp, device_name, dtype)
+        engine = group.engine
+        model = engine.model
+    else:
+        model = random_target(shape, device, dtype)
+        engine = VerifyEngine(model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's share under TP
     # a decode step reads every weight except the embedding table (only one row of it is read)
     streamed = weight_bytes - model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
     bandwidth = copy_bandwidth(device, min(4 * 2**30, streamed)) if device.type == "cuda" else None
-    engine = VerifyEngine(model)
     prompt = torch.randint(0, s["vocab_size"], (context,)).tolist()
     gen = torch.Generator().manual_seed(1)
 
@@ -90,6 +110,8 @@ def run_cost_curve(shape: str, device_name: str, dtype: torch.dtype, context: in
         tree = build_tree(logprobs, 0, n)
         # the random tree is rejected after the root almost surely, so the cache grows by ~1 slot per call
         verify_ms[n] = timed(lambda: engine.verify("tree", tree), device, repeat)
+    if group is not None:
+        group.close()
     del engine, model
     dcfg = DFlashConfig(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
@@ -113,7 +135,7 @@ def run_cost_curve(shape: str, device_name: str, dtype: torch.dtype, context: in
     bound_ms = streamed / bandwidth * 1000 if bandwidth else None  # only meaningful on a GPU
     result = {
         "hardware": {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__},
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "context": context, "eager": True,
+        "shape": shape, "tp": tp, "dtype": str(dtype).removeprefix("torch."), "context": context, "eager": True,
         "weight_bytes": weight_bytes, "streamed_bytes": streamed, "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9, 1),
         "weight_streaming_bound_ms": bound_ms and round(bound_ms, 3),
         "ar_step_ms": round(ar_ms, 3), "ar_step_over_bound": bound_ms and round(ar_ms / bound_ms, 2),

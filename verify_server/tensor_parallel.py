@@ -92,9 +92,14 @@ def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout
 
 
 def load_sharded(target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype) -> VerifyEngine:
+    """`target` is a model directory, or `random:<shape>` (ddtree.cost_curve) for benchmarks at real shapes."""
+    from ddtree.cost_curve import RANDOM_PREFIX, random_target
     from verify_server.verify import load_target
 
-    model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
+    if target.startswith(RANDOM_PREFIX):
+        model = random_target(target.removeprefix(RANDOM_PREFIX), device, dtype)
+    else:
+        model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
     shard_model(model, rank, world)
     return VerifyEngine(model.to(device))
 
