@@ -55,6 +55,11 @@ class DFlashConfig:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"unsupported drafter layer type {unknown[0]!r}")
+        if self.has_sliding_layers and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_attention layers need sliding_window >= 1, got {self.sliding_window}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.hidden_act != "silu":
@@ -63,6 +68,10 @@ class DFlashConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in self.layer_types
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DFlashConfig":
@@ -142,6 +151,15 @@ class Rotary(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq  # [b, s, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def sliding_window_mask(query_pos: torch.Tensor, ctx_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """query_pos [b, q] block positions, ctx_pos [b, c] context positions -> mask [b, 1, q, c+q] bool (True = attend):
+    a query sees the context keys fewer than `window` positions behind it (HF's convention, the window counts the
+    query's own position) and every key of its block."""
+    ctx_ok = (query_pos[:, :, None] - ctx_pos[:, None, :]) < window  # [b, q, c]
+    block = torch.ones(*query_pos.shape, query_pos.shape[1], dtype=torch.bool, device=query_pos.device)  # [b, q, q]
+    return torch.cat((ctx_ok, block), dim=-1)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -240,13 +258,16 @@ class DFlashDrafter(nn.Module):
         positions: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         mask: torch.Tensor | None = None,
+        sliding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """block_embeds [b, q, hidden] (target embeddings of the block tokens) at positions [b, q]
-        -> final-normed hidden states [b, q, hidden]; the caller applies the target's lm_head."""
+        -> final-normed hidden states [b, q, hidden]; the caller applies the target's lm_head.
+        mask [b, 1, q, c+q] is for full-attention layers (None: everything visible), sliding_mask for sliding-window
+        layers (c may differ there: their context may be cut to the window)."""
         cos, sin = self.rotary.cos_sin(positions, block_embeds.dtype)
         x = block_embeds
-        for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.config.layer_types, ctx_kv):
+            x = layer(x, cos, sin, ctx_k, ctx_v, sliding_mask if kind == "sliding_attention" else mask)
         return self.norm(x)
 
 
@@ -311,4 +332,5 @@ __all__ = [
     "init_drafter_weights",
     "load_drafter",
     "save_drafter",
+    "sliding_window_mask",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.types import DraftTree
-from draft_server.dflash import DFlashDrafter
+from draft_server.dflash import DFlashDrafter, sliding_window_mask
 from draft_server.target_head import TargetHead
 from draft_server.tree import build_tree
 
@@ -138,6 +138,14 @@ class DraftEngine:
         ids = torch.full((1, b), self.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[0, 0] = root_token
         positions = torch.arange(root_position, root_position + b, device=self.device)[None]
-        ctx = [(k[:, :, : sess.length], v[:, :, : sess.length]) for k, v in zip(sess.ctx_k, sess.ctx_v)]
-        hidden = self.drafter(self.head.embed_tokens(ids), positions, ctx)  # [1, B, hidden]
+        cfg, sliding = self.config, None
+        # Through a sliding layer no block query reaches context before `lo` (the root's window reaches furthest
+        # back), so those layers attend over [lo, length) only; the mask trims the later queries' windows.
+        lo = max(0, root_position - cfg.sliding_window + 1) if cfg.has_sliding_layers else 0
+        starts = [lo if kind == "sliding_attention" else 0 for kind in cfg.layer_types]
+        ctx = [(k[:, :, s : sess.length], v[:, :, s : sess.length]) for s, k, v in zip(starts, sess.ctx_k, sess.ctx_v)]
+        if cfg.has_sliding_layers:
+            ctx_pos = torch.arange(lo, sess.length, device=self.device)[None]
+            sliding = sliding_window_mask(positions, ctx_pos, cfg.sliding_window)  # [1, 1, B, length-lo+B]
+        hidden = self.drafter(self.head.embed_tokens(ids), positions, ctx, sliding_mask=sliding)  # [1, B, hidden]
         return torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1)

@@ -66,13 +66,20 @@ def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+def block_attention_mask(
+    anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """anchors [b, n] -> mask [b, 1, n*B, ctx_len + n*B] bool (True = attend): block i's queries see context
-    positions < anchors[i] and the B keys of block i itself."""
+    positions < anchors[i] and the B keys of block i itself. With a sliding_window (for sliding-attention layers) a
+    query at position p sees only the context positions c with p - c < sliding_window, as at inference."""
     b, n = anchors.shape
     device = anchors.device
     block_of_query = torch.arange(n * block_size, device=device) // block_size  # [n*B]
-    ctx_ok = torch.arange(ctx_len, device=device)[None, None, :] < anchors[:, block_of_query, None]  # [b, n*B, ctx]
+    ctx_pos = torch.arange(ctx_len, device=device)[None, None, :]  # [1, 1, ctx]
+    ctx_ok = ctx_pos < anchors[:, block_of_query, None]  # [b, n*B, ctx]
+    if sliding_window is not None:
+        query_pos = anchors[:, block_of_query] + torch.arange(n * block_size, device=device) % block_size  # [b, n*B]
+        ctx_ok &= (query_pos[:, :, None] - ctx_pos) < sliding_window
     own = block_of_query[:, None] == block_of_query[None, :]  # [n*B, n*B]
     return torch.cat((ctx_ok, own[None].expand(b, -1, -1)), dim=-1)[:, None]
 
@@ -135,7 +142,8 @@ def drafter_loss(
     block_ids[:, :, 0] = ids.gather(1, anchors)
     ctx_kv = drafter.context_kv(features, torch.arange(length, device=ids.device).expand(bsz, -1))
     mask = block_attention_mask(anchors, length, blk)
-    hidden = drafter(head.embed_tokens(block_ids.flatten(1)), positions.flatten(1), ctx_kv, mask)
+    sliding = block_attention_mask(anchors, length, blk, cfg.sliding_window) if cfg.has_sliding_layers else None
+    hidden = drafter(head.embed_tokens(block_ids.flatten(1)), positions.flatten(1), ctx_kv, mask, sliding)
     hidden = hidden.view(bsz, anchors.shape[1], blk, -1)[:, :, 1:]  # [b, n, B-1, hidden]
     target_pos = positions[:, :, 1:].clamp(max=length - 1)
     targets = ids.gather(1, target_pos.flatten(1)).view_as(target_pos)

@@ -8,13 +8,21 @@ import torch
 class KVCache:
     """Slot i holds the K/V of committed position i, so RoPE positions and slots agree even after compaction.
 
-    k, v: [layers, 1, kv_heads, capacity, head_dim] (the 1 is the batch axis attention kernels expect)
+    k, v: [layers, 1, kv_heads, capacity, head_dim] (the 1 is the batch axis attention kernels expect), one entry
+    per decoder layer in `layer_ids`: every layer of a plain target, only the attention layers of a hybrid one
     """
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, device: torch.device, dtype: torch.dtype
+        self,
+        layer_ids: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
-        shape = (num_layers, 1, num_kv_heads, capacity, head_dim)
+        self.index = {layer: i for i, layer in enumerate(layer_ids)}  # decoder layer id -> first axis of k, v
+        shape = (len(layer_ids), 1, num_kv_heads, capacity, head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
@@ -28,11 +36,12 @@ class KVCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores k, v [1, kv_heads, q, head_dim] at slots [start, start+q); returns views of slots [0, start+q)."""
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        """Stores decoder layer `layer`'s k, v [1, kv_heads, q, head_dim] at slots [start, start+q); returns views of
+        slots [0, start+q)."""
+        end, i = start + k.shape[2], self.index[layer]
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Moves the K/V of slots start + keep (keep [n] increasing offsets, keep[0] == 0) to slots

@@ -15,12 +15,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.kv_cache import KVCache
+from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.sampling import choose_tokens
+from verify_server.state_cache import StateCache, TreeScratch
 from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
 
 
 class SessionError(ValueError):
     """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
+
+
+class UnknownSessionError(SessionError):
+    """No such session: never started, already ended, or expired."""
+
+
+class CapacityError(SessionError):
+    """The session's preallocated KV cache cannot hold the step."""
 
 
 def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -42,10 +52,12 @@ class VerifySession:
     taps: list[int]
     root: int | None = None  # None until prefill
     last_used: float = field(default_factory=time.monotonic)
+    states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
 
 
 class VerifyEngine:
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, max_tree_size: int = 1024) -> None:
+        """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch."""
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
@@ -58,6 +70,11 @@ class VerifyEngine:
         self.device = self.lm_head.weight.device
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
+        # Hybrid targets (Qwen3.5 / Qwen3-Next): gated-delta layers keep recurrent state instead of K/V. One forward
+        # runs at a time, so one scratch for the per-node factors of the tree in flight serves every session.
+        self.linear = install_linear_attention(model)
+        self.kv_layers = [i for i in range(self.num_layers) if self.linear is None or i not in self.linear.layer_ids]
+        self.scratch = TreeScratch(self.linear, max_tree_size + 1, self.device, self.dtype) if self.linear else None
         # Tapped layer outputs of the forward in flight, filled by hooks: layer id -> [1, q, hidden].
         self._want_taps: frozenset[int] = frozenset()
         self._taps: dict[int, torch.Tensor] = {}
@@ -65,8 +82,10 @@ class VerifyEngine:
             layer.register_forward_hook(self._tap_hook(i))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> "VerifyEngine":
-        return cls(load_target(path, device, dtype))
+    def from_pretrained(
+        cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, max_tree_size: int = 1024
+    ) -> "VerifyEngine":
+        return cls(load_target(path, device, dtype), max_tree_size)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
@@ -93,8 +112,9 @@ class VerifyEngine:
         if not params.greedy:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
-        self.sessions[session_id] = VerifySession(cache, params, generator, list(taps))
+        cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
+        self.sessions[session_id] = VerifySession(cache, params, generator, list(taps), states=states)
 
     def end_session(self, session_id: str) -> bool:
         return self.sessions.pop(session_id, None) is not None
@@ -103,7 +123,7 @@ class VerifyEngine:
         try:
             sess = self.sessions[session_id]
         except KeyError:
-            raise SessionError(f"unknown verifier session {session_id!r}") from None
+            raise UnknownSessionError(f"unknown verifier session {session_id!r}") from None
         sess.last_used = time.monotonic()
         return sess
 
@@ -142,6 +162,9 @@ class VerifyEngine:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
         q = tree.tokens.shape[0]
         self._check_room(sess, q)
+        if self.scratch is not None and q > self.scratch.max_nodes:
+            limit = self.scratch.max_nodes - 1
+            raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
         start_t = time.perf_counter()
         start = sess.cache.length
         parents = tree.parents.to(self.device)
@@ -165,6 +188,8 @@ class VerifyEngine:
         tokens = host[3 : 3 + k] + [bonus]
         keep = path[: k + 1]
         sess.cache.compact(start, keep)
+        if sess.states is not None:
+            sess.states.commit(self.scratch, keep)
         sess.root = bonus
         if features is not None:
             features = features[keep]
@@ -175,7 +200,7 @@ class VerifyEngine:
 
     def _check_room(self, sess: VerifySession, new_tokens: int) -> None:
         if sess.cache.length + new_tokens > sess.cache.capacity:
-            raise SessionError(
+            raise CapacityError(
                 f"session needs {sess.cache.length + new_tokens} KV slots but was started with capacity "
                 f"{sess.cache.capacity}"
             )
@@ -185,11 +210,12 @@ class VerifyEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [q] -> logits [q or 1, V] fp32, features [q, taps*hidden] (None without taps)."""
         step = AttentionStep(sess.cache, sess.cache.length, ids.shape[0], positions, tree)
+        steps = {STEP_KWARG: step}
+        if sess.states is not None:
+            steps[LINEAR_STEP_KWARG] = LinearStep(step, sess.states, self.scratch)
         self._want_taps, self._taps = frozenset(sess.taps), {}
         try:
-            out = self.decoder(
-                input_ids=ids[None], position_ids=positions[None], use_cache=False, **{STEP_KWARG: step}
-            )
+            out = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False, **steps)
             taps = [self._taps[t][0] for t in sess.taps]
         finally:
             self._want_taps, self._taps = frozenset(), {}
