@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, str] = {
     "distill-corpus": "draft_server.distill",
     "draft": "draft_server.server",
     "verify": "verify_server.server",
+    "gateway": "gateway.cli",
+    "serve": "ddtree.serve",
 }
 
 

@@ -61,7 +61,7 @@ class Session(Protocol):
 
 
 class Engine(Protocol):
-    sessions: dict[str, Any]
+    sessions: dict[str, Session]
 
     def end_session(self, session_id: str) -> bool: ...
 
@@ -83,7 +83,9 @@ class ServiceMetrics:
     def __init__(self, prefix: str, cache_metric: str, cache_help: str, device: torch.device) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(f"{prefix}_requests", "RPCs answered, by method and gRPC status", ["rpc", "code"], registry=r)
+        self.requests = Counter(
+            f"{prefix}_requests", "RPCs answered, by method and gRPC status", ["rpc", "code"], registry=r
+        )
         self.request_seconds = Histogram(
             f"{prefix}_request_duration_seconds", "Server-side time per RPC, queueing included", ["rpc"],
             buckets=_SECONDS_BUCKETS, registry=r,

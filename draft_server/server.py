@@ -53,9 +53,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def EndSession(
         self, request: pb.DrafterEndSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrafterEndSessionResponse:
-        return await self.host.call(
-            "EndSession", context, lambda engine: pb.DrafterEndSessionResponse(existed=engine.end_session(request.session_id))
-        )
+        def end(engine: DraftEngine) -> pb.DrafterEndSessionResponse:
+            return pb.DrafterEndSessionResponse(existed=engine.end_session(request.session_id))
+
+        return await self.host.call("EndSession", context, end)
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         return await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
@@ -154,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(run_server(config))
+    try:
+        asyncio.run(run_server(config))
+    except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
+        log.error("cannot serve: %s", exc)
+        return 1
     return 0
 
 

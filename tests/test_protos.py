@@ -19,7 +19,8 @@ def _wire(msg):
 
 def test_committed_stubs_are_fresh(tmp_path):
     written = generate.generate(tmp_path)
-    assert [p.relative_to(tmp_path) for p in written] == [p.relative_to(generate.PROTO_ROOT) for p in generate.generated_paths(generate.PROTO_ROOT)]
+    committed = generate.generated_paths(generate.PROTO_ROOT)
+    assert [p.relative_to(tmp_path) for p in written] == [p.relative_to(generate.PROTO_ROOT) for p in committed]
     for fresh in written:
         committed = generate.PROTO_ROOT / fresh.relative_to(tmp_path)
         assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run `python -m protos.generate`"

@@ -1,0 +1,224 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("forward_s", "total_s", "detail")
+    class DetailEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    forward_s: float
+    total_s: float
+    detail: _containers.ScalarMap[str, float]
+    def __init__(self, forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., detail: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("tokens", "parents", "depths", "max_depth")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    depths: _containers.RepeatedScalarFieldContainer[int]
+    max_depth: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class DrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfoResponse(_message.Message):
+    __slots__ = ("block_size", "target_layer_ids", "feature_dim", "vocab_size", "max_budget", "max_session_tokens", "timings")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    feature_dim: int
+    vocab_size: int
+    max_budget: int
+    max_session_tokens: int
+    timings: Timings
+    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class DrafterStartSessionRequest(_message.Message):
+    __slots__ = ("session_id", "capacity")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capacity: int
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class DrafterStartSessionResponse(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: Timings
+    def __init__(self, timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class DrafterEndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DrafterEndSessionResponse(_message.Message):
+    __slots__ = ("existed", "timings")
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    timings: Timings
+    def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("session_id", "features", "root_token", "root_position", "budget", "top_k")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ROOT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    features: Tensor
+    root_token: int
+    root_position: int
+    budget: int
+    top_k: int
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("tree", "timings")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftTree
+    timings: Timings
+    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class VerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfoResponse(_message.Message):
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "max_tree_size", "max_tree_depth", "max_session_tokens", "timings")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    vocab_size: int
+    max_context_length: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_layers: int
+    hidden_size: int
+    max_tree_size: int
+    max_tree_depth: int
+    max_session_tokens: int
+    timings: Timings
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_tree_size: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class VerifierStartSessionRequest(_message.Message):
+    __slots__ = ("session_id", "capacity", "sampling", "tap_layers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TAP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    capacity: int
+    sampling: SamplingParams
+    tap_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tap_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifierStartSessionResponse(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: Timings
+    def __init__(self, timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class VerifierEndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifierEndSessionResponse(_message.Message):
+    __slots__ = ("existed", "timings")
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    timings: Timings
+    def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tree: DraftTree
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("tokens", "features", "timings")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    features: Tensor
+    timings: Timings
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,41 @@
+"""VerifyServerConfig: every setting of the verifier service, from flags with DDTREE_VERIFY_* env fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from ddtree.models import resolve_pair
+from ddtree.service_config import ServiceConfig, option
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyServerConfig(ServiceConfig):
+    ENV_PREFIX: ClassVar[str] = "DDTREE_VERIFY_"
+
+    target: str | None = option(None, "target model directory, HF layout (default: the bundled demo target)")
+    model_name: str | None = option(None, "model name reported by Info (default: the target directory's name)")
+    port: int = option(50062, "gRPC port (0: any free port, logged)")
+    metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
+    max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
+    max_tree_depth: int = option(64, "largest max_depth (drafter block size - 1) Verify accepts")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.target is None:
+            raise ValueError("the verifier service needs a target directory")
+        if self.max_tree_size < 1 or self.max_tree_depth < 1:
+            raise ValueError(
+                f"max_tree_size and max_tree_depth must be >= 1, got {self.max_tree_size}, {self.max_tree_depth}"
+            )
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.target).resolve().name
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> VerifyServerConfig:
+        values = cls.values_from_args(args)
+        return cls(**{**values, "target": resolve_pair(values["target"], None)[0]})

@@ -1,0 +1,186 @@
+"""The verifier gRPC service: a thin servicer over VerifyEngine (`from_pb -> validate -> engine step -> to_pb`).
+
+    ddtree verify --target DIR [--port N --metrics-port N --max-tree-size N ...]
+    python -m verify_server.server ...   # the same, without importing the other subcommands
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+
+import grpc
+import torch
+
+from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, serve
+from ddtree.types import DraftTree, SamplingParams, VerifierInfo
+from protos import tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from verify_server.config import VerifyServerConfig
+from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
+from verify_server.verify import CapacityError, UnknownSessionError, VerifyEngine, VerifySession
+
+log = logging.getLogger("verify_server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+STATUSES = (
+    (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, host: EngineHost[VerifyEngine], config: VerifyServerConfig) -> None:
+        self.host = host
+        self.config = config
+
+    def max_session_tokens(self, engine: VerifyEngine) -> int:
+        # A full context plus one tree's scratch slots, which is what the round loop asks for at most.
+        return self.config.max_session_tokens or engine.model.config.max_position_embeddings + self.config.max_tree_size + 1
+
+    async def Info(self, request: pb.VerifierInfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfoResponse:
+        return await self.host.call("Info", context, self._info)
+
+    async def StartSession(
+        self, request: pb.VerifierStartSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerifierStartSessionResponse:
+        return await self.host.call("StartSession", context, lambda engine: self._start_session(engine, request))
+
+    async def EndSession(
+        self, request: pb.VerifierEndSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerifierEndSessionResponse:
+        def end(engine: VerifyEngine) -> pb.VerifierEndSessionResponse:
+            return pb.VerifierEndSessionResponse(existed=engine.end_session(request.session_id))
+
+        return await self.host.call("EndSession", context, end)
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        return await self.host.call("Prefill", context, lambda engine: self._prefill(engine, request), forward=True)
+
+    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        return await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        return await self.host.call(
+            "Decode", context, lambda engine: tensors.step_to_pb(engine.decode(request.session_id)), forward=True
+        )
+
+    def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
+        return tensors.verifier_info_to_pb(
+            VerifierInfo(
+                model_name=self.config.served_name,
+                vocab_size=engine.vocab_size,
+                max_context_length=engine.model.config.max_position_embeddings,
+                eos_token_ids=VerifyEngine.read_eos_ids(self.config.target),
+                num_layers=engine.num_layers,
+                hidden_size=engine.hidden_size,
+                max_tree_size=self.config.max_tree_size,
+                max_tree_depth=self.config.max_tree_depth,
+                max_session_tokens=self.max_session_tokens(engine),
+            )
+        )
+
+    def _start_session(
+        self, engine: VerifyEngine, request: pb.VerifierStartSessionRequest
+    ) -> pb.VerifierStartSessionResponse:
+        check_session_id(request.session_id)
+        check_capacity(request.capacity, self.max_session_tokens(engine))
+        params = tensors.sampling_from_pb(request.sampling)
+        check_sampling(params)
+        engine.start_session(request.session_id, request.capacity, params, list(request.tap_layers))
+        return pb.VerifierStartSessionResponse()
+
+    def _prefill(self, engine: VerifyEngine, request: pb.PrefillRequest) -> pb.StepResponse:
+        check_prompt(request.prompt, engine.vocab_size)
+        return tensors.step_to_pb(engine.prefill(request.session_id, list(request.prompt)))
+
+    def _verify(self, engine: VerifyEngine, request: pb.VerifyRequest) -> pb.StepResponse:
+        tree = tensors.tree_from_pb(request.tree)
+        root = engine.session(request.session_id).root  # NOT_FOUND before any complaint about the tree
+        check_tree(tree, root, TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth))
+        return tensors.step_to_pb(engine.verify(request.session_id, tree))
+
+
+def kv_cache_bytes(session: VerifySession) -> int:
+    """K/V plus, on hybrid targets, the linear-attention layers' recurrent state: all a session holds."""
+    return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
+
+
+def load_engine(config: VerifyServerConfig) -> VerifyEngine:
+    device, dtype = config.torch_device(), config.torch_dtype()
+    start = time.perf_counter()
+    log.info(
+        "loading target %s from %s (%s, %s)", config.served_name, config.target, device, str(dtype).removeprefix("torch.")
+    )
+    engine = VerifyEngine.from_pretrained(config.target, device, dtype, max_tree_size=config.max_tree_size)
+    log.info(
+        "target loaded in %.1f s: %d layers, hidden %d, vocab %d",
+        time.perf_counter() - start, engine.num_layers, engine.hidden_size, engine.vocab_size,
+    )
+    return engine
+
+
+def warm_up(engine: VerifyEngine) -> None:
+    """A prefill, an AR step and a two-node tree: every forward shape family runs once before clients arrive."""
+    session_id = f"warm-up-{uuid.uuid4().hex}"
+    engine.start_session(session_id, 8, SamplingParams(), [engine.num_layers - 1])
+    try:
+        start = time.perf_counter()
+        engine.prefill(session_id, [0, 0])
+        root = engine.decode(session_id).tokens[-1]
+        nodes = torch.tensor([root, 0])
+        engine.verify(session_id, DraftTree(nodes, torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1))
+        log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
+    finally:
+        engine.end_session(session_id)
+
+
+async def run_server(config: VerifyServerConfig) -> None:
+    metrics = ServiceMetrics(
+        "ddtree_verify", "kv_cache_bytes", "Target KV cache held by live sessions", config.torch_device()
+    )
+    host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
+    servicer = VerifierServicer(host, config)
+    await serve(
+        config,
+        host,
+        SERVICE_NAME,
+        lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
+        lambda: load_engine(config),
+        warm_up,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("verify", help="run the verifier gRPC service (target model, tree verification)")
+    VerifyServerConfig.add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = VerifyServerConfig.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(run_server(config))
+    except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
+        log.error("cannot serve: %s", exc)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m verify_server.server", description="the verifier gRPC service")
+    VerifyServerConfig.add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
