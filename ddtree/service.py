@@ -194,6 +194,13 @@ class EngineHost(Generic[E]):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+async def _watch(host: EngineHost[E], alive: Callable[[E], bool], stop: asyncio.Event, service_name: str) -> None:
+    while alive(host.engine):
+        await asyncio.sleep(1.0)
+    log.error("%s: a tensor-parallel rank died; NOT_SERVING and shutting down", service_name)
+    stop.set()
+
+
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
@@ -205,9 +212,11 @@ async def serve(
     add_servicer: Callable[[grpc.aio.Server], None],
     load: Callable[[], E],
     warm_up: Callable[[E], None],
+    alive: Callable[[E], bool] | None = None,
 ) -> None:
     """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
-    (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds."""
+    (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds.
+    `alive(engine)`, polled every second while serving, ends the service (NOT_SERVING, then exit) when False."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -240,6 +249,8 @@ async def serve(
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s: SERVING", service_name)
             tasks.append(asyncio.create_task(host.expire_forever(config.sweep_interval)))
+            if alive is not None:
+                tasks.append(asyncio.create_task(_watch(host, alive, stop, service_name)))
             await stopping
         log.info("%s: shutting down", service_name)
     finally:

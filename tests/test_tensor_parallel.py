@@ -75,3 +75,48 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_target: Path) -> None:
         assert time.monotonic() - start < 60
     finally:
         group.close()
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_target: Path, drafter_dir: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+    from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, free_ports, launch, wait_serving
+
+    ports = free_ports(4)
+    verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--tp", "2"], (ports[0], ports[1]), tmp_path)
+    drafter = launch(
+        DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter_dir), "--target", str(qwen3_target)], (ports[2], ports[3]), tmp_path
+    )
+    try:
+        wait_serving(verifier, drafter)
+        prompt = [2, 7, 1, 8, 2, 8]
+        reference = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 20)
+
+        async def remote(spec: Speculation) -> list[int]:
+            async with GrpcVerifier(verifier.address) as v, GrpcDrafter(drafter.address) as d:
+                await d.info()
+                return [t async for r in run_rounds(v, d, prompt, SamplingParams(), spec, 20, []) for t in r.tokens]
+
+        for spec in (Speculation("ar"), Speculation("ddtree", 16)):
+            assert asyncio.run(remote(spec)) == reference, spec
+        assert verifier.metric("ddtree_verify_active_sessions") == 0
+
+        rank1 = _children(verifier.process.pid)
+        assert rank1, "the verifier started no other rank"
+        for pid in rank1:
+            os.kill(pid, signal.SIGKILL)
+        verifier.process.wait(timeout=60)  # the service notices, goes NOT_SERVING and stops instead of hanging
+        assert "tensor-parallel rank died" in verifier.log()
+    finally:
+        drafter.stop()
+        if verifier.process.poll() is None:
+            verifier.process.kill()

@@ -21,11 +21,14 @@ class VerifyServerConfig(ServiceConfig):
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
     max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
     max_tree_depth: int = option(64, "largest max_depth (drafter block size - 1) Verify accepts")
+    tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.target is None:
             raise ValueError("the verifier service needs a target directory")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:
             raise ValueError(
                 f"max_tree_size and max_tree_depth must be >= 1, got {self.max_tree_size}, {self.max_tree_depth}"

@@ -116,7 +116,14 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     log.info(
         "loading target %s from %s (%s, %s)", config.served_name, config.target, device, str(dtype).removeprefix("torch.")
     )
-    engine = VerifyEngine.from_pretrained(config.target, device, dtype, max_tree_size=config.max_tree_size)
+    if config.tp > 1:
+        from verify_server.tensor_parallel import TensorParallelGroup
+
+        log.info("sharding the target over %d ranks", config.tp)
+        group = TensorParallelGroup(config.target, config.tp, str(device), dtype, max_tree_size=config.max_tree_size)
+        engine = group.engine
+    else:
+        engine = VerifyEngine.from_pretrained(config.target, device, dtype, max_tree_size=config.max_tree_size)
     log.info(
         "target loaded in %.1f s: %d layers, hidden %d, vocab %d",
         time.perf_counter() - start, engine.num_layers, engine.hidden_size, engine.vocab_size,
@@ -145,14 +152,25 @@ async def run_server(config: VerifyServerConfig) -> None:
     )
     host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
     servicer = VerifierServicer(host, config)
-    await serve(
-        config,
-        host,
-        SERVICE_NAME,
-        lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
-        lambda: load_engine(config),
-        warm_up,
-    )
+    try:
+        await serve(
+            config,
+            host,
+            SERVICE_NAME,
+            lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
+            lambda: load_engine(config),
+            warm_up,
+            alive=ranks_alive,
+        )
+    finally:
+        if host.engine is not None and config.tp > 1:
+            host.engine.close()  # stop the other ranks with rank 0: they start and stop together
+
+
+def ranks_alive(engine: VerifyEngine) -> bool:
+    """Under tensor parallelism a dead rank would hang every collective: the service must stop serving."""
+    alive = getattr(engine, "alive", None)
+    return alive is None or alive()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -91,7 +92,9 @@ def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout
     return local
 
 
-def load_sharded(target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype) -> VerifyEngine:
+def load_sharded(
+    target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype, max_tree_size: int = 1024
+) -> VerifyEngine:
     """`target` is a model directory, or `random:<shape>` (ddtree.cost_curve) for benchmarks at real shapes."""
     from ddtree.cost_curve import RANDOM_PREFIX, random_target
     from verify_server.verify import load_target
@@ -101,7 +104,7 @@ def load_sharded(target: str, rank: int, world: int, device: torch.device, dtype
     else:
         model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
     shard_model(model, rank, world)
-    return VerifyEngine(model.to(device))
+    return VerifyEngine(model.to(device), max_tree_size)
 
 
 class _Channel:
@@ -137,12 +140,15 @@ class _Channel:
 
 
 class TensorParallelEngine:
-    """Rank 0's face of a sharded verifier: the VerifyEngine API, each call mirrored on every rank."""
+    """Rank 0's face of a sharded verifier: the VerifyEngine API, each call mirrored on every rank.
+    `alive()` says whether every rank still runs; `close()` stops them all."""
 
-    def __init__(self, engine: VerifyEngine) -> None:
+    def __init__(self, engine: VerifyEngine, alive: Callable[[], bool], close: Callable[[], None]) -> None:
         self.engine = engine
         self.channel = _Channel(engine.device)
         self.sessions = engine.sessions  # rank 0's table is the service's view (metrics, TTL sweeps)
+        self.alive = alive
+        self.close = close
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)  # read-only attributes (vocab_size, device, ...) come from rank 0
@@ -205,10 +211,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _follower_main(rank: int, world: int, target: str, device: str, dtype: str, port: int, timeout_s: float) -> None:
+def _follower_main(
+    rank: int, world: int, target: str, device: str, dtype: str, port: int, timeout_s: float, max_tree_size: int
+) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[verify rank {rank}] %(message)s")
     local = init_group(rank, world, device, "127.0.0.1", port, timeout_s)
-    engine = load_sharded(target, rank, world, local, getattr(torch, dtype))
+    engine = load_sharded(target, rank, world, local, getattr(torch, dtype), max_tree_size)
     try:
         follow(engine)
     finally:
@@ -218,30 +226,40 @@ def _follower_main(rank: int, world: int, target: str, device: str, dtype: str, 
 class TensorParallelGroup:
     """Starts ranks 1..N-1 as child processes and joins as rank 0: they start and stop together."""
 
-    def __init__(self, target: str, world: int, device: str, dtype: torch.dtype, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, target: str, world: int, device: str, dtype: torch.dtype, timeout_s: float = 600.0, max_tree_size: int = 1024
+    ) -> None:
         import torch.multiprocessing as mp
 
         port = _free_port()
         ctx = mp.get_context("spawn")
         dtype_name = str(dtype).removeprefix("torch.")
         self.followers = [
-            ctx.Process(target=_follower_main, args=(r, world, target, device, dtype_name, port, timeout_s), daemon=True)
+            ctx.Process(
+                target=_follower_main,
+                args=(r, world, target, device, dtype_name, port, timeout_s, max_tree_size),
+                daemon=True,
+            )
             for r in range(1, world)
         ]
         for p in self.followers:
             p.start()
         local = init_group(0, world, device, "127.0.0.1", port, timeout_s)
-        self.engine = TensorParallelEngine(load_sharded(target, 0, world, local, dtype))
+        engine = load_sharded(target, 0, world, local, dtype, max_tree_size)
+        self.engine = TensorParallelEngine(engine, self.alive, self.close)
 
     def alive(self) -> bool:
         """False once any rank has died: the service must stop answering (NOT_SERVING), not hang."""
         return all(p.is_alive() for p in self.followers)
 
     def close(self) -> None:
+        if not self.followers:
+            return  # closed already
         if self.alive():
             self.engine.shutdown()
         for p in self.followers:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        self.followers = []
         dist.destroy_process_group()
