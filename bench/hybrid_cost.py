@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from ddtree.cost_curve import timed
 from ddtree.types import DraftTree, SamplingParams
 from verify_server.tree_attention import ATTENTION_NAME
 from verify_server.verify import VerifyEngine
@@ -51,19 +49,6 @@ def random_tree(rng: random.Random, nodes: int, vocab: int) -> DraftTree:
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max_depth=max(depths))
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up: allocator, kernel selection
-    samples = []
-    for _ in range(repeat):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
-
-
 def run(layers: int, device_name: str, tiny: bool, context: int, repeat: int) -> dict:
     device = torch.device(device_name)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -84,8 +69,8 @@ def run(layers: int, device_name: str, tiny: bool, context: int, repeat: int) ->
     verify_ms = {}
     for n in TREE_SIZES:
         trees = iter([random_tree(rng, n, config.vocab_size) for _ in range(repeat + 1)])  # built outside the timing
-        verify_ms[str(n)] = median_ms(lambda: engine.verify("bench", next(trees)), device, repeat)
-    ar_ms = median_ms(lambda: engine.decode("bench"), device, repeat)
+        verify_ms[str(n)] = timed(lambda: engine.verify("bench", next(trees)), device, repeat)
+    ar_ms = timed(lambda: engine.decode("bench"), device, repeat)
     sess = engine.sessions["bench"]
     return {
         "shape": "tiny" if tiny else "qwen3.6-27b", "layers": layers, "linear_layers": len(engine.linear.layer_ids),
