@@ -3,16 +3,20 @@ vocabulary) and the in-process backends wrapped with the info/health calls the g
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from ddtree.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
-from ddtree.types import DrafterInfo, VerifierInfo
+from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.local import LocalDrafter, LocalVerifier, load_local
-from gateway.service import Backends
+from gateway.rounds import Speculation, run_rounds
+from gateway.health import Backends
 from tests.conftest import VOCAB, make_target
 
 # ChatML specials first (ids 0-3, as in the demo tokenizer), single characters, byte-fallback tokens for "é" (C3 A9)
@@ -39,9 +43,18 @@ def make_chat_target(path: Path, seed: int = 0) -> Path:
 
 
 class ServiceVerifier(LocalVerifier):
-    """The in-process verifier, answering info/health as the verify service does."""
+    """The in-process verifier, answering info/health as the verify service does. Its steps yield to the event
+    loop once, as a remote call does, so concurrent requests interleave and a request can be cancelled mid-way."""
 
     healthy = True
+
+    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+        await asyncio.sleep(0)
+        return await super().verify(session_id, tree)
+
+    async def decode(self, session_id: str) -> StepResult:
+        await asyncio.sleep(0)
+        return await super().decode(session_id)
 
     async def info(self) -> VerifierInfo:
         e = self.engine
@@ -77,3 +90,36 @@ class ServiceDrafter(LocalDrafter):
 def local_backends(target: Path, drafter: Path) -> Backends:
     verifier, local_drafter = load_local(str(target), str(drafter), "cpu", torch.float32)
     return Backends(ServiceVerifier(verifier.engine), ServiceDrafter(local_drafter.engine))
+
+
+async def reference(backends: Backends, tokenizer, prompt: list[int], max_tokens: int,
+                    spec: Speculation = Speculation("ar"), params: SamplingParams = SamplingParams()
+                    ) -> tuple[str, list[int], str]:
+    """(text, tokens, finish reason) of the round loop run directly on the engines: what the gateway must return."""
+    rounds = [r async for r in run_rounds(backends.verifier, backends.drafter, prompt, params, spec, max_tokens,
+                                          [tokenizer.eos_token_id])]
+    tokens = [t for r in rounds for t in r.tokens]
+    return tokenizer.decode(tokens, skip_special_tokens=True), tokens, rounds[-1].finish_reason
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def events(body: str) -> list[dict | str]:
+    """SSE body -> the data payloads, parsed (the final "[DONE]" stays a string)."""
+    out: list[dict | str] = []
+    for block in body.split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            data = block[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)

@@ -3,8 +3,8 @@ ASGI transport. Greedy outputs are checked against the round loop run directly o
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -13,17 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from ddtree.types import SamplingParams
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
-from gateway.rounds import Speculation, run_rounds
-from gateway.service import Backends
+from gateway.health import Backends
+from gateway.rounds import Speculation
 from tests.conftest import make_drafter
-from tests.gateway_support import MAX_CONTEXT, local_backends, make_chat_target
+from tests.gateway_support import MAX_CONTEXT, chat_ids, events, local_backends, make_chat_target, metric, reference
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -51,8 +50,8 @@ def module_backends(target: Path, tmp_path_factory) -> Backends:
 
 @pytest.fixture
 def backends(module_backends: Backends) -> Backends:
-    module_backends.verifier.healthy = True
-    module_backends.drafter.healthy = module_backends.drafter.broken = False
+    module_backends.verifier.healthy = module_backends.drafter.healthy = True
+    module_backends.drafter.broken = False
     return module_backends
 
 
@@ -60,42 +59,10 @@ def backends(module_backends: Backends) -> Backends:
 async def gateway(target: Path, backends: Backends, **config) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(GatewayConfig(target=str(target), **config), backends)
     async with app.router.lifespan_context(app):
-        await app.state.service.check_backends()  # do not wait for the monitor's first round
+        await app.state.service.monitor.check()  # do not wait for the monitor's first round
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
             client.service = app.state.service
             yield client
-
-
-async def reference(backends: Backends, tokenizer, prompt: list[int], max_tokens: int,
-                    spec: Speculation = Speculation("ar")) -> tuple[str, list[int], str]:
-    """(text, tokens, finish reason) of the round loop run directly on the engines: what the gateway must return."""
-    rounds = [r async for r in run_rounds(backends.verifier, backends.drafter, prompt, SamplingParams(), spec,
-                                          max_tokens, [tokenizer.eos_token_id])]
-    tokens = [t for r in rounds for t in r.tokens]
-    return tokenizer.decode(tokens, skip_special_tokens=True), tokens, rounds[-1].finish_reason
-
-
-def chat_ids(tokenizer, messages) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-
-
-def events(body: str) -> list[dict | str]:
-    """SSE body -> the data payloads, parsed (the final "[DONE]" stays a string)."""
-    out: list[dict | str] = []
-    for block in body.split("\n\n"):
-        if block:
-            assert block.startswith("data: "), block
-            data = block[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    raise KeyError(name)
 
 
 @pytest.mark.parametrize("mode", ["ddtree", "chain", "off"])
@@ -104,7 +71,9 @@ async def test_chat_greedy_equals_in_process_loop(target, backends, tokenizer, m
     async with gateway(target, backends) as client:
         r = await client.post("/v1/chat/completions", json={
             "model": "tiny", "messages": HELLO, "max_tokens": 40, "temperature": 0, "speculation": {"mode": mode}})
+        drafts = metric((await client.get("/metrics")).text, "ddtree_spec_drafts_total")
     assert r.status_code == 200, r.text
+    assert (drafts > 0) == (mode != "off")
     body = r.json()
     assert body["object"] == "chat.completion"
     choice = body["choices"][0]
@@ -112,6 +81,18 @@ async def test_chat_greedy_equals_in_process_loop(target, backends, tokenizer, m
     assert choice["finish_reason"] == finish
     assert body["usage"] == {"prompt_tokens": len(chat_ids(tokenizer, HELLO)), "completion_tokens": len(tokens),
                              "total_tokens": len(chat_ids(tokenizer, HELLO)) + len(tokens)}
+
+
+async def test_seeded_sampling_is_the_in_process_loop_with_the_same_parameters(target, backends, tokenizer) -> None:
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    text, _, _ = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 30, Speculation("ddtree", 8), params)
+    request = {"model": "tiny", "messages": HELLO, "max_tokens": 30, "temperature": 0.9, "top_k": 20, "top_p": 0.95,
+               "seed": 7, "speculation": {"mode": "ddtree", "budget": 8}}
+    async with gateway(target, backends) as client:
+        replies = [await client.post("/v1/chat/completions", json=request) for _ in range(2)]
+        other_seed = await client.post("/v1/chat/completions", json={**request, "seed": 8})
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == [text, text]
+    assert other_seed.json()["choices"][0]["message"]["content"] != text
 
 
 async def test_chat_stream_chunks_and_usage(target, backends, tokenizer) -> None:
@@ -128,7 +109,6 @@ async def test_chat_stream_chunks_and_usage(target, backends, tokenizer) -> None
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == first["id"] for c in chunks[:-1])
     assert all(c["usage"] is None and c["choices"][0]["finish_reason"] is None for c in [first, *content])
     assert "".join(c["choices"][0]["delta"]["content"] for c in content) == text
-    assert "\ufffd" not in text or all(c["choices"][0]["delta"]["content"] for c in content)
     assert final["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": finish, "delta": {}}
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(tokens)
 
@@ -227,7 +207,10 @@ BAD_REQUESTS = [
     ("stop as number", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": 5}, "stop"),
     ("empty stop", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": [""]}, "stop"),
     ("n=2", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "n": 2}, "n"),
-    ("logprobs", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logprobs": True}, None),
+    ("logprobs", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logprobs": True}, "logprobs"),
+    ("negative seed", "/v1/completions", {"model": "tiny", "prompt": "a", "seed": -1}, "seed"),
+    ("image content", "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("stream_options without stream", "/v1/completions",
      {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, None),
     ("bad speculation mode", "/v1/completions", {"model": "tiny", "prompt": "a", "speculation": {"mode": "fast"}},
@@ -279,11 +262,11 @@ async def test_health_states(target, backends) -> None:
         service = client.service
         assert (await client.get("/health")).json()["status"] == "ok"
         backends.drafter.healthy = False
-        await service.check_backends()
+        await service.monitor.check()
         r = await client.get("/health")
         assert r.status_code == 200 and r.json()["status"] == "degraded" and r.json()["drafter"] == "down"
         backends.verifier.healthy = False
-        await service.check_backends()
+        await service.monitor.check()
         r = await client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "unavailable"
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
@@ -291,7 +274,7 @@ async def test_health_states(target, backends) -> None:
     backends.verifier.healthy = False
     app = create_app(GatewayConfig(target=str(target)), backends)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-        await app.state.service.check_backends()
+        await app.state.service.monitor.check()
         r = await client.get("/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
         assert (await client.get("/v1/models")).status_code == 503
@@ -308,12 +291,12 @@ async def test_drafter_failure_falls_back_and_unhealthy_drafter_is_skipped(targe
         assert metric(metrics, "ddtree_spec_drafts_total") == 0
 
         backends.drafter.healthy = False  # known down: new requests do not even try it
-        await client.service.check_backends()
+        await client.service.monitor.check()
         skipped = await client.post("/v1/chat/completions", json=request)
         assert metric((await client.get("/metrics")).text, "ddtree_fallbacks_total") == 1
 
         backends.drafter.healthy, backends.drafter.broken = True, False
-        await client.service.check_backends()
+        await client.service.monitor.check()
         resumed = await client.post("/v1/chat/completions", json=request)
         metrics = (await client.get("/metrics")).text
     assert [r.json()["choices"][0]["message"]["content"] for r in (failed_over, skipped, resumed)] == [text] * 3
@@ -322,8 +305,8 @@ async def test_drafter_failure_falls_back_and_unhealthy_drafter_is_skipped(targe
 
 async def test_speculation_metrics_add_up(target, backends) -> None:
     async with gateway(target, backends) as client:
-        await client.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 40,
-                                                        "temperature": 0, "speculation": {"budget": 8}})
+        r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 40,
+                                                            "temperature": 0, "speculation": {"budget": 8}})
         text = (await client.get("/metrics")).text
     drafts = metric(text, "ddtree_spec_drafts_total")
     accepted = metric(text, "ddtree_spec_accepted_tokens_total")
@@ -334,11 +317,12 @@ async def test_speculation_metrics_add_up(target, backends) -> None:
     by_depth = [metric(text, "ddtree_spec_accepted_tokens_per_depth_total", depth=str(d))
                 for d in range(1, 9) if f'depth="{d}"' in text]
     assert sum(by_depth) == accepted and by_depth == sorted(by_depth, reverse=True)
-    assert metric(text, "ddtree_requests_total", finish_reason="length") == 1
-    assert metric(text, "ddtree_generation_tokens_total") == 40
+    generated, finish = r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+    assert metric(text, "ddtree_requests_total", finish_reason=finish) == 1
+    assert metric(text, "ddtree_generation_tokens_total") == generated
     assert metric(text, "ddtree_requests_running") == 0 and metric(text, "ddtree_requests_waiting") == 0
     assert metric(text, "ddtree_time_to_first_token_seconds_count") == 1
-    assert metric(text, "ddtree_inter_token_latency_seconds_count") == 39
+    assert metric(text, "ddtree_inter_token_latency_seconds_count") == generated - 1  # all but the prefill's
     assert metric(text, "ddtree_backend_up", service="drafter") == 1
 
 
@@ -368,3 +352,15 @@ async def test_metrics_pass_promtool(target, backends) -> None:
         text = (await client.get("/metrics")).text
     check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), check.stdout + check.stderr
+
+
+def test_config_flags_default_from_env(monkeypatch, target) -> None:
+    monkeypatch.setenv("DDTREE_GATEWAY_BUDGET", "12")
+    monkeypatch.setenv("DDTREE_GATEWAY_SPEC_MODE", "chain")
+    parser = argparse.ArgumentParser()
+    GatewayConfig.add_arguments(parser)
+    config = GatewayConfig.from_args(parser.parse_args(["--target", str(target), "--spec-mode", "off", "--drafter",
+                                                        "none"]))
+    assert (config.budget, config.spec_mode, config.drafter_address) == (12, "off", None)  # flags beat env
+    with pytest.raises(ValueError, match="budget"):
+        GatewayConfig(target=str(target), budget=0)

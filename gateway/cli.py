@@ -1,0 +1,76 @@
+"""`ddtree gateway`: the OpenAI-compatible HTTP gateway in front of the draft and verify services.
+
+    ddtree gateway --verifier HOST:PORT --drafter HOST:PORT --target DIR [--port 8000 --spec-mode ddtree --budget 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from transformers import PreTrainedTokenizerBase
+
+from ddtree.demo.tokenizer import load_tokenizer
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+from gateway.health import Backends
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway (gRPC client of draft and verify)")
+    GatewayConfig.add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GatewayConfig.from_args(args)
+        if not Path(config.target).is_dir():  # else transformers takes it for a hub id and says so, confusingly
+            raise ValueError(f"target directory {config.target} does not exist")
+        tokenizer = load_tokenizer(config.target)
+    except (OSError, ValueError) as exc:  # a bad flag, or a target directory without a usable tokenizer
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config, tokenizer))
+    return 0
+
+
+async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
+    verifier = GrpcVerifier(config.verifier, config.rpc_timeout, config.max_message_bytes)
+    address = config.drafter_address
+    drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes) if address else None
+    try:
+        app = create_app(config, Backends(verifier, drafter), tokenizer)
+        # One worker: the gateway's state (health, queue, metrics) lives in this process.
+        server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
+                                        timeout_graceful_shutdown=config.shutdown_grace))
+        await server.serve()
+    finally:
+        await verifier.close()
+        if drafter is not None:
+            await drafter.close()
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version re-raises the signal once it has shut down, which would kill the process before
+        # the gRPC channels are closed; here a signal only starts the graceful shutdown.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)

@@ -1,0 +1,85 @@
+"""GatewayConfig: every setting of the gateway, from flags with DDTREE_GATEWAY_* env fallbacks.
+
+Same conventions as the model services (ddtree/service_config.py): each field is a flag `--field-name` whose
+default comes from `DDTREE_GATEWAY_<FIELD_NAME>` when set, else from the dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ddtree.models import resolve_pair
+from ddtree.service_config import option
+
+SPEC_MODES = ("ddtree", "chain", "off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    ENV_PREFIX: ClassVar[str] = "DDTREE_GATEWAY_"
+
+    target: str | None = option(
+        None, "target model directory: its tokenizer and chat template (default: the bundled demo target)"
+    )
+    verifier: str = option("127.0.0.1:50062", "verify service HOST:PORT")
+    drafter: str = option("127.0.0.1:50061", "draft service HOST:PORT; 'none': always decode autoregressively")
+    host: str = option("0.0.0.0", "interface the HTTP API listens on")
+    port: int = option(8000, "HTTP port of the OpenAI-compatible API and /metrics")
+    served_model_name: str | None = option(None, "the model name clients send (default: the verifier's)")
+    spec_mode: str = option("ddtree", "speculation of requests that do not choose ('off': autoregressive)",
+                            choices=SPEC_MODES)
+    budget: int = option(32, "tree nodes per round of requests that do not choose (ddtree mode)")
+    max_budget: int = option(256, "largest per-request budget accepted (the verifier's limit applies too)")
+    max_running: int = option(16, "requests decoding at once; later ones wait in a queue")
+    health_interval: float = option(5.0, "seconds between health checks of the backends (also their time limit)")
+    rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
+    max_message_bytes: int = option(256 * 2**20, "largest gRPC message sent to or received from a backend")
+    shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            raise ValueError("the gateway needs the target directory (for its tokenizer)")
+        if self.spec_mode not in SPEC_MODES:
+            raise ValueError(f"spec_mode must be one of {SPEC_MODES}, got {self.spec_mode!r}")
+        if not 1 <= self.budget <= self.max_budget:
+            raise ValueError(f"budget must be in [1, max_budget={self.max_budget}], got {self.budget}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if min(self.max_running, self.health_interval, self.rpc_timeout, self.max_message_bytes) <= 0:
+            raise ValueError("max_running, health_interval, rpc_timeout and max_message_bytes must be > 0")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+
+    @property
+    def drafter_address(self) -> str | None:
+        return None if self.drafter.lower() in ("", "none") else self.drafter
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """One flag per field but `exclude` (`ddtree serve` chooses those itself)."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            kind = next(t for t in (str, int, float) if t in (hints[f.name], *typing.get_args(hints[f.name])))
+            env = cls.ENV_PREFIX + f.name.upper()
+            try:
+                default = kind(os.environ[env]) if os.environ.get(env) else f.default
+            except ValueError:
+                parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
+            parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
+                                choices=f.metadata.get("choices"),
+                                help=f"{f.metadata['help']} [env {env}; default: %(default)s]")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **chosen: Any) -> GatewayConfig:
+        """`chosen`: values for the excluded fields."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in chosen}
+        values.update(chosen)
+        values["target"] = resolve_pair(values["target"], None)[0]
+        return cls(**values)

@@ -1,0 +1,88 @@
+"""The gateway's Prometheus metrics (DESIGN §8). One registry per app instance, so tests and apps never share state.
+
+The acceptance length operators know from vLLM is `1 + rate(ddtree_spec_accepted_tokens_total) /
+rate(ddtree_spec_drafts_total)`: every drafted round commits its accepted draft tokens plus one bonus token.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.rounds import Round
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Round and token latencies on CPU tests are milliseconds, on an 8B target a few ms to ~100 ms; prefill of a long
+# prompt can take seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
+ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # Request-level, like vLLM's vllm:* families.
+        self.requests = Counter("ddtree_requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("ddtree_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("ddtree_inter_token_latency_seconds",
+                             "Per generated token after the first: round interval / tokens the round committed",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("ddtree_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS,
+                             registry=r)
+        self.running = Gauge("ddtree_requests_running", "Requests decoding now", registry=r)
+        self.waiting = Gauge("ddtree_requests_waiting", "Requests queued for a decoding slot", registry=r)
+        # Speculation.
+        self.drafts = Counter("ddtree_spec_drafts", "Rounds verified with a draft tree", registry=r)
+        self.draft_nodes = Counter("ddtree_spec_draft_tokens", "Tree nodes proposed (root excluded)", registry=r)
+        self.accepted = Counter("ddtree_spec_accepted_tokens", "Draft tokens accepted (bonus excluded)", registry=r)
+        self.accepted_by_depth = Counter("ddtree_spec_accepted_tokens_per_depth",
+                                         "Draft tokens accepted at each tree depth", ["depth"], registry=r)
+        self.tree_size = Histogram("ddtree_spec_tree_size", "Tree nodes per drafted round", buckets=TREE_SIZE_BUCKETS,
+                                   registry=r)
+        self.acceptance_length = Histogram("ddtree_spec_acceptance_length",
+                                           "Tokens committed per drafted round (accepted + bonus)",
+                                           buckets=ACCEPT_BUCKETS, registry=r)
+        self.phase = Histogram("ddtree_round_phase_seconds",
+                               "Time per decode round by phase: draft and verify are server-side compute, "
+                               "other is transport and orchestration", ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
+                                 "because the drafter failed", registry=r)
+        self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)
+        # Known label values exist from the start, so rate() sees the first increment.
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        for service in ("verifier", "drafter"):
+            self.backend_up.labels(service)
+        for phase in ("draft", "verify", "other"):
+            self.phase.labels(phase)
+
+    def observe_round(self, rnd: Round) -> None:
+        """Speculation and phase metrics of one decode round (round 0, the prefill, is covered by TTFT)."""
+        if rnd.index == 0:
+            return
+        t = rnd.timings
+        verify = t.get("verify_s", 0.0) + t.get("walk_s", 0.0)
+        draft = t.get("draft_s", 0.0) + t.get("tree_s", 0.0)
+        self.phase.labels("verify").observe(verify)
+        if rnd.tree_size:
+            self.phase.labels("draft").observe(draft)
+            # On a request's last round the loop may have trimmed tokens at a stop token or max_tokens, so that
+            # round counts only what was committed to the output.
+            accepted = rnd.accepted - 1
+            self.drafts.inc()
+            self.draft_nodes.inc(rnd.tree_size)
+            self.accepted.inc(accepted)
+            for depth in range(1, accepted + 1):
+                self.accepted_by_depth.labels(str(depth)).inc()
+            self.tree_size.observe(rnd.tree_size)
+            self.acceptance_length.observe(rnd.accepted)
+        self.phase.labels("other").observe(max(0.0, t.get("round_s", 0.0) - draft - verify))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

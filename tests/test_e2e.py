@@ -1,0 +1,238 @@
+"""End to end: `ddtree draft`, `ddtree verify` and `ddtree gateway` as real processes on loopback (and `ddtree serve`
+starting all three), on the tiny chat target. Greedy output through the services must equal the in-process loop;
+a killed drafter must not change it; a client that goes away must leave no session behind on either server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import make_drafter
+from tests.gateway_support import chat_ids, events, local_backends, make_chat_target, metric, reference
+from tests.services import (DRAFTER_SERVICE, START_DEADLINE_S, STOP_DEADLINE_S, VERIFIER_SERVICE, Service, free_ports,
+                            launch, wait_serving)
+
+STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
+LONG = 600
+MODEL = "tiny"
+DDTREE = [sys.executable, "-m", "ddtree.cli"]
+
+
+@dataclass
+class Services:
+    drafter: Service
+    verifier: Service
+    gateway: subprocess.Popen
+    url: str  # the gateway's
+    logs: Path
+
+    def output(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.logs.iterdir()))
+
+    def active_sessions(self) -> tuple[float | None, float | None]:
+        return (self.drafter.metric("ddtree_draft_active_sessions"),
+                self.verifier.metric("ddtree_verify_active_sessions"))
+
+
+def start(name: str, cmd: list[str], logs: Path) -> subprocess.Popen:
+    """A process that is not a gRPC service (the gateway, `serve`), in a session of its own like a daemon."""
+    with open(logs / f"{name}.log", "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def wait_ready(url: str, process: subprocess.Popen, output: Callable[[], str]) -> None:
+    """Until the gateway's /health says both backends serve; fails at once if the process dies."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited early with {process.returncode}\n{output()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    pytest.fail(f"not ready after {START_DEADLINE_S} s\n{output()}")
+
+
+def interrupt(process: subprocess.Popen) -> int:
+    """Ctrl-C, as a person stops it; returns the exit status."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    return make_chat_target(tmp_path_factory.mktemp("e2e_target")), make_drafter(tmp_path_factory.mktemp("e2e_drafter"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(models):
+    return AutoTokenizer.from_pretrained(models[0], local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def expected(models, tokenizer):
+    """What the in-process round loop generates, per conversation, computed once."""
+    backends = local_backends(*models)
+    cache: dict[tuple[str, int], tuple[str, list[int], str]] = {}
+
+    def get(messages, max_tokens: int) -> tuple[str, list[int], str]:
+        key = (messages[0]["content"], max_tokens)
+        if key not in cache:
+            cache[key] = asyncio.run(reference(backends, tokenizer, chat_ids(tokenizer, messages), max_tokens))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def services(models, tmp_path_factory) -> Iterator[Services]:
+    target, drafter = models
+    logs = tmp_path_factory.mktemp("e2e_logs")
+    draft, draft_metrics, verify, verify_metrics, http = free_ports(5)
+    dtype = ["--dtype", "float32"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `ddtree serve` sets it: see there
+        svc = Services(
+            drafter=launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter", str(drafter),
+                                             *dtype], (draft, draft_metrics), logs),
+            verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", MODEL,
+                                               *dtype], (verify, verify_metrics), logs),
+            gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
+                                      "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
+                                      "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5"], logs),
+            url=f"http://127.0.0.1:{http}", logs=logs,
+        )
+    try:
+        wait_serving(svc.drafter, svc.verifier)  # fails fast, with its log, if one of them dies
+        wait_ready(svc.url, svc.gateway, svc.output)
+        yield svc
+    finally:
+        codes = [interrupt(svc.gateway), svc.verifier.stop()]
+        svc.drafter.stop()  # the last test kills it
+    assert codes == [0, 0], f"the gateway or the verifier did not shut down cleanly\n{svc.output()}"
+
+
+def stream_text(lines: Iterable[str]) -> tuple[str, str | None]:
+    """An SSE chat stream's lines -> (content, finish reason)."""
+    text, finish = "", None
+    for chunk in events("".join(f"{line}\n" for line in lines)):
+        if chunk != "[DONE]" and chunk["choices"]:
+            text += chunk["choices"][0]["delta"].get("content") or ""
+            finish = chunk["choices"][0]["finish_reason"] or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "chain", "off"])
+def test_streamed_chat_equals_in_process_loop(services, expected, mode) -> None:
+    text, _, finish = expected(STORY, 120)
+    request = {"model": MODEL, "messages": STORY, "max_tokens": 120, "temperature": 0, "stream": True,
+               "speculation": {"mode": mode}}
+    drafts = [metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total")]
+    with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
+        assert r.status_code == 200
+        assert stream_text(r.iter_lines()) == (text, finish)
+    drafts.append(metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total"))
+    assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
+
+
+def test_openai_client(services, expected) -> None:
+    text, tokens, finish = expected(STORY, 60)
+    client = openai.OpenAI(base_url=f"{services.url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=60, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"speculation": {"mode": "ddtree", "budget": 16}})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+    whole = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=60, temperature=0)
+    assert whole.choices[0].message.content == text and whole.usage.completion_tokens == len(tokens)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=STORY)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=MODEL, messages=STORY, n=2)
+
+
+def test_client_disconnect_frees_both_sessions(services) -> None:
+    request = {"model": MODEL, "messages": STORY, "max_tokens": LONG, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
+        lines = r.iter_lines()  # kept referenced: a collected line iterator would close the connection early
+        for line in lines:  # until the first content after the role chunk: generation is under way
+            if '"content": "' in line and '"content": ""' not in line:
+                break
+        assert services.active_sessions() == (1, 1)
+    # the connection is closed here, mid-stream; both servers must drop the session (their TTL is minutes away)
+    for _ in range(300):
+        if services.active_sessions() == (0, 0):
+            break
+        time.sleep(0.1)
+    assert services.active_sessions() == (0, 0)
+    assert metric(httpx.get(f"{services.url}/metrics").text, "ddtree_requests_total", finish_reason="abort") == 1
+
+
+def test_killed_drafter_mid_stream_completes_autoregressively(services, expected) -> None:
+    """The drafter stays dead: the last test on `services`."""
+    text, _, finish = expected(STORY, LONG)
+    assert finish == "length"  # the reply must outlast the kill
+    request = {"model": MODEL, "messages": STORY, "max_tokens": LONG, "temperature": 0, "stream": True}
+    before = metric(httpx.get(f"{services.url}/metrics").text, "ddtree_fallbacks_total")
+    with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=120) as r:
+        lines = r.iter_lines()
+        head = [next(lines) for _ in range(6)]  # the role chunk and a few content chunks: the rounds are drafted
+        services.drafter.process.kill()
+        services.drafter.process.wait()
+        streamed, reason = stream_text(itertools.chain(head, lines))
+    assert (streamed, reason) == (text, finish)
+    gateway_metrics = httpx.get(f"{services.url}/metrics").text
+    assert metric(gateway_metrics, "ddtree_fallbacks_total") == before + 1
+    health = httpx.get(f"{services.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+
+
+def test_serve_runs_three_services_and_stops_cleanly(models, tmp_path, expected) -> None:
+    target, drafter = models
+    port, *ports = free_ports(5)
+    cmd = [*DDTREE, "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--draft-port", str(ports[0]), "--verify-port", str(ports[1]),
+           "--draft-metrics-port", str(ports[2]), "--verify-metrics-port", str(ports[3]), "--health-interval", "0.5",
+           "--served-model-name", MODEL]
+    serve = start("serve", cmd, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, serve, lambda: (tmp_path / "serve.log").read_text())
+        text, _, _ = expected(STORY, 30)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": STORY, "max_tokens": 30, "temperature": 0})
+        assert r.json()["choices"][0]["message"]["content"] == text
+    finally:
+        code = interrupt(serve)
+    log = (tmp_path / "serve.log").read_text()
+    assert code == 0, log
+    for name in ("draft", "verify", "gateway"):
+        assert f"[{name}] " in log and f"[{name}] Traceback" not in log
+    # the gateway stops first (ending its sessions), then the model services, each gracefully
+    finished = log.index("Finished server process")  # the gateway's (uvicorn's) last line
+    assert finished < log.index("Drafter: shutting down") and finished < log.index("Verifier: shutting down")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health")
