@@ -40,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-port", type=int, default=50062, help="gRPC port of the verifier")
     p.add_argument("--draft-metrics-port", type=int, default=9461, help="Prometheus metrics port of the drafter")
     p.add_argument("--verify-metrics-port", type=int, default=9462, help="Prometheus metrics port of the verifier")
+    p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
     GatewayConfig.add_arguments(p, exclude=CHOSEN)
     p.set_defaults(func=run)
 
@@ -63,7 +64,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
                          "--metrics-port", str(args.draft_metrics_port)]
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
-                      "--metrics-port", str(args.verify_metrics_port)]
+                      "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp)]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
                "--verifier", f"{LOOPBACK}:{args.verify_port}",
                "--drafter", f"{LOOPBACK}:{args.draft_port}" if drafter is not None else "none"]

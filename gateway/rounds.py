@@ -6,6 +6,7 @@ in-process (`ddtree generate`, benchmarks, tests) and against the gRPC services 
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -142,12 +143,15 @@ async def run_rounds(
                 step = await verifier.decode(session_id)
             timings = {**timings, **step.timings, "verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
     finally:
-        await verifier.end_session(session_id)
-        if drafter_session:
-            try:
-                await drafter.end_session(session_id)
-            except Exception:  # noqa: BLE001 - a dead drafter's sessions die with it (or expire by TTL)
-                pass
+        # shielded: a client that disconnects while we clean up must not leave a session behind on either service
+        await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, session_id))
+
+
+async def _end_sessions(verifier: VerifierClient, drafter: DrafterClient | None, session_id: str) -> None:
+    ends = [verifier.end_session(session_id)] + ([drafter.end_session(session_id)] if drafter else [])
+    results = await asyncio.gather(*ends, return_exceptions=True)
+    if isinstance(results[0], Exception):
+        raise results[0]  # a dead drafter's sessions die with it (or expire by TTL); the verifier's must not leak
 
 
 def _fall_back(exc: BaseException, on_fallback: Callable[[BaseException], None] | None) -> None:
