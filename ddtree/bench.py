@@ -38,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--out", default="bench/result.json")
+    p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
     curve.add_argument("--context", type=int, default=512, help="committed tokens before the timed steps")
@@ -98,6 +99,12 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    if args.gateway:
+        from ddtree.bench_gateway import run_gateway_bench
+
+        budgets = [int(b) for b in args.budgets.split(",")]
+        run_gateway_bench(args.gateway, args.prompts, args.num_prompts, budgets, args.max_new_tokens, Path(args.out))
+        return 0
     if args.cost_curve:
         from ddtree.cost_curve import run_cost_curve
 

@@ -174,6 +174,25 @@ def test_openai_client(services, expected) -> None:
         client.chat.completions.create(model=MODEL, messages=STORY, n=2)
 
 
+def test_bench_through_the_gateway(services, tmp_path) -> None:
+    """`ddtree bench --gateway`: every mode through the running services, same greedy text as AR, τ from the
+    gateway's counters."""
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (STORY, [{"role": "user", "content": "hi"}])))
+    out = tmp_path / "bench.json"
+    done = subprocess.run([*DDTREE, "bench", "--gateway", services.url, "--prompts", str(prompts), "--budgets", "4,16",
+                           "--max-new-tokens", "24", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["budget"]) for r in result["runs"]] == [("ar", 0), ("chain", 0), ("ddtree", 4), ("ddtree", 16)]
+    assert all(r["matches_ar"] == 1.0 and r["tokens"] > 0 for r in result["runs"])
+    assert result["runs"][0]["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in result["runs"][1:])
+    assert set(result["runs"][3]["phases_ms"]) == {"draft", "verify", "other"} and result["runs"][3]["phases_ms"]["draft"] > 0
+    assert "ddtree16/chain" in result["ratios"]
+
+
 def test_client_disconnect_frees_both_sessions(services) -> None:
     request = {"model": MODEL, "messages": STORY, "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:

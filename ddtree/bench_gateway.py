@@ -1,0 +1,113 @@
+"""`ddtree bench --gateway URL`: the same side-by-side comparison through running services.
+
+Each mode is one pass over the prompts with the per-request `speculation` override. τ and the per-phase round
+time come from the gateway's own Prometheus counters, read before and after each pass (passes run one at a time,
+so the deltas belong to that mode alone); `other` is transport and orchestration. Plain stdlib HTTP: nothing to
+install beyond the project.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+PHASES = ("draft", "verify", "other")
+
+
+def _request(url: str, body: dict | None = None) -> dict | str:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as reply:
+        raw = reply.read().decode()
+    return json.loads(raw) if reply.headers.get_content_type() == "application/json" else raw
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The speculation counters and per-phase sums, flattened to name[label] -> value."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(_request(f"{url}/metrics")):
+        for s in family.samples:
+            if s.name in ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total"):
+                values[s.name] = s.value
+            elif s.name == "ddtree_round_phase_seconds_sum":
+                values[f"phase[{s.labels['phase']}]"] = s.value
+    return values
+
+
+def load_chat_prompts(path: str, limit: int) -> list[list[dict]]:
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            prompts.append([m for m in record["messages"] if m["role"] != "assistant"])
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: list[int], max_new: int, out: Path) -> dict:
+    url = url.rstrip("/")
+    model = _request(f"{url}/v1/models")["data"][0]["id"]
+    prompts = load_chat_prompts(prompts_file, num_prompts)
+    specs = [("ar", {"mode": "off"}), ("chain", {"mode": "chain"})] + [
+        (f"ddtree/{b}", {"mode": "ddtree", "budget": b}) for b in budgets
+    ]
+
+    def one_pass(speculation: dict, label: str) -> tuple[list[str], float]:
+        texts, elapsed = [], 0.0
+        for messages in tqdm(prompts, desc=label, leave=False):
+            body = {"model": model, "messages": messages, "max_tokens": max_new, "temperature": 0,
+                    "speculation": speculation}
+            start = time.perf_counter()
+            reply = _request(f"{url}/v1/chat/completions", body)
+            elapsed += time.perf_counter() - start
+            texts.append(reply["choices"][0]["message"]["content"])
+        return texts, elapsed
+
+    one_pass({"mode": "ddtree", "budget": max(budgets)}, "warm-up")
+    runs = []
+    for label, speculation in specs:
+        before = _counters(url)
+        texts, elapsed = one_pass(speculation, label)
+        after = _counters(url)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        drafts = delta.get("ddtree_spec_drafts_total", 0.0)
+        tokens = delta.get("ddtree_generation_tokens_total", 0.0)
+        rounds = drafts or tokens  # an AR pass has one round per token
+        runs.append({
+            "mode": label.split("/")[0],
+            "budget": speculation.get("budget", 0),
+            "tokens": int(tokens),
+            "seconds": round(elapsed, 4),
+            "tokens_per_s": round(tokens / elapsed, 2),
+            "tau": round(1 + delta.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts, 3) if drafts else 1.0,
+            "phases_ms": {p: round(1000 * delta.get(f"phase[{p}]", 0.0) / max(rounds, 1), 3) for p in PHASES},
+            "texts": texts,
+        })
+    reference = runs[0]["texts"]
+    for r in runs:
+        r["matches_ar"] = sum(a == b for a, b in zip(r.pop("texts"), reference)) / len(reference)
+    ar, chain = runs[0], runs[1]
+    result = {
+        "hardware": {"gateway": url},
+        "model_pair": {"served_model": model},
+        "settings": {"prompts": prompts_file, "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": 0.0},
+        "runs": runs,
+        "ratios": {
+            "chain/ar": round(chain["tokens_per_s"] / ar["tokens_per_s"], 3),
+            **{f"ddtree{r['budget']}/ar": round(r["tokens_per_s"] / ar["tokens_per_s"], 3) for r in runs[2:]},
+            **{f"ddtree{r['budget']}/chain": round(r["tokens_per_s"] / chain["tokens_per_s"], 3) for r in runs[2:]},
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for r in runs:
+        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  {r['phases_ms']}  "
+              f"matches_ar {r['matches_ar']:.2f}")
+    print(json.dumps(result["ratios"]))
+    return result
