@@ -1,7 +1,8 @@
-"""The settings both model services share, and flags-with-env-fallback derived from a config dataclass.
+"""Flags-with-env-fallback derived from a config dataclass (FlagConfig), and the settings both model services
+share (ServiceConfig).
 
-Each service has ONE frozen config dataclass (draft_server/config.py, verify_server/config.py) extending
-ServiceConfig. Every field becomes a flag `--field-name` whose default comes from the env var
+Each service has ONE frozen config dataclass (draft_server/config.py, verify_server/config.py, gateway/config.py)
+extending FlagConfig. Every field becomes a flag `--field-name` whose default comes from the env var
 `<ENV_PREFIX><FIELD_NAME>` when set, else from the dataclass; the field's `help` metadata is the flag's help.
 """
 
@@ -13,11 +14,10 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
-C = TypeVar("C", bound="ServiceConfig")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1; below 1 MiB not even a small prefill's features fit.
 _MESSAGE_BYTES_RANGE = (2**20, 2**31 - 1)
@@ -29,8 +29,45 @@ def option(default: Any, help: str, **metadata: Any) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServiceConfig:
+class FlagConfig:
+    """A frozen config dataclass whose fields are also command-line flags with env-var defaults."""
+
     ENV_PREFIX: ClassVar[str] = "DDTREE_"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """One flag per field but `exclude` (fields a wrapper such as `ddtree serve` sets itself)."""
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in exclude:
+                continue
+            kind = _scalar_type(hints[f.name])
+            env = cls.env_var(f.name)
+            default = f.default
+            if os.environ.get(env):
+                try:
+                    default = kind(os.environ[env])
+                except ValueError:
+                    parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=kind,
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} [env {env}; default: %(default)s]",
+            )
+
+    @classmethod
+    def env_var(cls, field_name: str) -> str:
+        return cls.ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def values_from_args(cls, args: argparse.Namespace, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in exclude}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig(FlagConfig):
 
     host: str = option("0.0.0.0", "interface to listen on, for gRPC and for metrics")
     port: int = option(0, "gRPC port (0: any free port, logged)")
@@ -76,35 +113,6 @@ class ServiceConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            kind = _scalar_type(hints[f.name])
-            env = cls.env_var(f.name)
-            default = f.default
-            if os.environ.get(env):
-                try:
-                    default = kind(os.environ[env])
-                except ValueError:
-                    parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
-            parser.add_argument(
-                "--" + f.name.replace("_", "-"),
-                type=kind,
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} [env {env}; default: %(default)s]",
-            )
-
-    @classmethod
-    def env_var(cls, field_name: str) -> str:
-        return cls.ENV_PREFIX + field_name.upper()
-
-    @classmethod
-    def values_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
-        return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-
 
 def _scalar_type(hint: Any) -> type:
     """`int | None` -> int; the flag's parser for a field."""

@@ -1,26 +1,23 @@
 """GatewayConfig: every setting of the gateway, from flags with DDTREE_GATEWAY_* env fallbacks.
 
-Same conventions as the model services (ddtree/service_config.py): each field is a flag `--field-name` whose
+A FlagConfig (ddtree/service_config.py), like the model services': each field is a flag `--field-name` whose
 default comes from `DDTREE_GATEWAY_<FIELD_NAME>` when set, else from the dataclass.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ddtree.models import resolve_pair
-from ddtree.service_config import option
+from ddtree.service_config import FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewayConfig:
+class GatewayConfig(FlagConfig):
     ENV_PREFIX: ClassVar[str] = "DDTREE_GATEWAY_"
 
     target: str | None = option(
@@ -60,26 +57,8 @@ class GatewayConfig:
         return None if self.drafter.lower() in ("", "none") else self.drafter
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-        """One flag per field but `exclude` (`ddtree serve` chooses those itself)."""
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in exclude:
-                continue
-            kind = next(t for t in (str, int, float) if t in (hints[f.name], *typing.get_args(hints[f.name])))
-            env = cls.ENV_PREFIX + f.name.upper()
-            try:
-                default = kind(os.environ[env]) if os.environ.get(env) else f.default
-            except ValueError:
-                parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
-            parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default,
-                                choices=f.metadata.get("choices"),
-                                help=f"{f.metadata['help']} [env {env}; default: %(default)s]")
-
-    @classmethod
     def from_args(cls, args: argparse.Namespace, **chosen: Any) -> GatewayConfig:
         """`chosen`: values for the excluded fields."""
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name not in chosen}
-        values.update(chosen)
+        values = {**cls.values_from_args(args, exclude=tuple(chosen)), **chosen}
         values["target"] = resolve_pair(values["target"], None)[0]
         return cls(**values)
