@@ -8,11 +8,13 @@ needs no locks. The session table is the engine's own `sessions` dict, so a sess
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -263,3 +265,20 @@ async def serve(
         host.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any], Awaitable[None]]) -> int:
+    """The process around a model service: config from flags (exit 2 when invalid), serve, exit 1 when the model
+    directory cannot be loaded."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_cls.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(server(config))
+    except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
+        log.error("cannot serve: %s", exc)
+        return 1
+    return 0

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 import time
@@ -16,7 +15,7 @@ import uuid
 import grpc
 import torch
 
-from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, serve
+from ddtree.service import EngineHost, run_service, ServiceMetrics, check_capacity, check_session_id, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -180,18 +179,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = VerifyServerConfig.from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(run_server(config))
-    except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
-        log.error("cannot serve: %s", exc)
-        return 1
-    return 0
+    return run_service(VerifyServerConfig, args, run_server)
 
 
 def main(argv: list[str] | None = None) -> int:
