@@ -120,3 +120,26 @@ def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_targ
         drafter.stop()
         if verifier.process.poll() is None:
             verifier.process.kill()
+
+
+def test_hybrid_target_sharded_equals_hf(tmp_path: Path) -> None:
+    """Qwen3.5 hybrid (Gated DeltaNet + attention) over 2 ranks: linear-attention heads sharded too."""
+    from tests.conftest import make_drafter
+    from tests.test_hybrid import make_hybrid_target
+
+    target = make_hybrid_target("qwen3_5", tmp_path / "hybrid")
+    drafter_dir = make_drafter(tmp_path / "drafter", seed=4)
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, tp=2)
+    try:
+        layout = verifier.engine.engine.linear
+        assert (layout.heads, verifier.engine.engine.num_kv_heads) == (2, 1)  # rank 0 holds half of 4 and of 2
+        for prompt in prompts(4):
+            reference = hf_greedy(hf, prompt, 16)
+            for spec in (Speculation("ar"), Speculation("ddtree", 64)):
+                async def collect():
+                    return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, 16, [])]
+
+                assert [t for r in asyncio.run(collect()) for t in r.tokens] == reference, spec
+    finally:
+        verifier.close()
