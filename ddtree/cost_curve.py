@@ -57,12 +57,37 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (ms / 1000)
 
 
+# Hybrid (Gated DeltaNet + attention, every fourth layer full attention) Qwen3.5-architecture layer shapes.
+HYBRID_SHAPES = {
+    "qwen3.6-27b": dict(
+        hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, vocab_size=248320, rope_parameters={"rope_type": "default", "rope_theta": 1e7},
+    ),
+    "tiny-hybrid": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, vocab_size=512,
+    ),
+}
 RANDOM_PREFIX = "random:"
 
 
-def random_target(shape: str, device: torch.device | str, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    """An architecture-true Qwen3 target with seeded random weights, built on `device` (the same seed gives every
-    tensor-parallel rank the same full model before it keeps its own slice)."""
+def random_target(spec: str, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """An architecture-true target with seeded random weights, built on `device` (the same seed gives every
+    tensor-parallel rank the same full model before it keeps its own slice). `spec` is a SHAPES name, or
+    `<HYBRID_SHAPES name>:<layers>` for a hybrid with that many decoder layers."""
+    shape, _, layers = spec.partition(":")
+    if shape in HYBRID_SHAPES:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(
+            **HYBRID_SHAPES[shape], num_hidden_layers=int(layers or 8), max_position_embeddings=262144,
+            tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        )
+        torch.manual_seed(0)
+        with torch.device(device):
+            return Qwen3_5ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
     s = SHAPES[shape]
     config = Qwen3Config(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
