@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -20,7 +21,9 @@ from gateway.config import GatewayConfig
 from gateway.health import Backends
 from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat,
                                 validation_error)
-from gateway.service import GatewayService, GenerationRequest, ModelInfo
+from gateway.service import Delta, GatewayService, GenerationRequest, ModelInfo
+
+DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client is gone
 
 
 def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedTokenizerBase | None = None) -> FastAPI:
@@ -54,18 +57,20 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
         return await api_error(_request, APIError(exc.status_code, str(exc.detail), code=code))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
         prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
         gen = _generation(service, req, model, prompt, default_max_tokens=None)
-        return await _respond(service, gen, ResponseFormat(True, model.name, req.include_usage()), bool(req.stream))
+        fmt = ResponseFormat(True, model.name, req.include_usage())
+        return await _respond(service, gen, fmt, bool(req.stream), http)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
         prompt = service.text_prompt(req.prompt, model)
         gen = _generation(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
-        return await _respond(service, gen, ResponseFormat(False, model.name, req.include_usage()), bool(req.stream))
+        fmt = ResponseFormat(False, model.name, req.include_usage())
+        return await _respond(service, gen, fmt, bool(req.stream), http)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -96,14 +101,28 @@ def _generation(service: GatewayService, req: OpenAIRequest, model: ModelInfo, p
     )
 
 
-async def _respond(service: GatewayService, gen: GenerationRequest, fmt: ResponseFormat, stream: bool) -> Response:
+async def _respond(
+    service: GatewayService, gen: GenerationRequest, fmt: ResponseFormat, stream: bool, http: Request
+) -> Response:
     if stream:
         return EventStreamResponse(_events(service, gen, fmt))
+    # A non-streaming client that hangs up would otherwise keep both model services busy to the last token.
+    collect = asyncio.create_task(_collect(service, gen))
+    while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+        if await http.is_disconnected():
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)  # its round loop ends both sessions
+            return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+    text, delta = collect.result()
+    return JSONResponse(fmt.response(text, delta.finish_reason, len(gen.prompt), delta.completion_tokens))
+
+
+async def _collect(service: GatewayService, gen: GenerationRequest) -> tuple[str, Delta]:
     text = ""
     async with aclosing(service.generate(gen)) as deltas:
         async for delta in deltas:
             text += delta.text
-    return JSONResponse(fmt.response(text, delta.finish_reason, len(gen.prompt), delta.completion_tokens))
+    return text, delta
 
 
 async def _events(service: GatewayService, gen: GenerationRequest, fmt: ResponseFormat) -> AsyncIterator[str]:

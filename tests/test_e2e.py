@@ -210,6 +210,19 @@ def test_client_disconnect_frees_both_sessions(services) -> None:
     assert metric(httpx.get(f"{services.url}/metrics").text, "ddtree_requests_total", finish_reason="abort") == 1
 
 
+def test_non_streaming_client_disconnect_frees_both_sessions(services) -> None:
+    request = {"model": MODEL, "messages": STORY, "max_tokens": LONG, "temperature": 0}
+    aborted = metric(httpx.get(f"{services.url}/metrics").text, "ddtree_requests_total", finish_reason="abort") or 0
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 600 tokens are done
+        httpx.post(f"{services.url}/v1/chat/completions", json=request, timeout=httpx.Timeout(60, read=1.0))
+    for _ in range(300):
+        if services.active_sessions() == (0, 0):
+            break
+        time.sleep(0.1)
+    assert services.active_sessions() == (0, 0)
+    assert metric(httpx.get(f"{services.url}/metrics").text, "ddtree_requests_total", finish_reason="abort") == aborted + 1
+
+
 def test_killed_drafter_mid_stream_completes_autoregressively(services, expected) -> None:
     """The drafter stays dead: the last test on `services`."""
     text, _, finish = expected(STORY, LONG)
