@@ -127,29 +127,39 @@ def run(args: argparse.Namespace) -> int:
     reference = runs[0]["outputs"]
     for r in runs:
         r["matches_ar"] = sum(o == ref for o, ref in zip(r.pop("outputs"), reference)) / len(reference)
-    by = {(r["mode"], r["budget"]): r for r in runs}
-    ar, chain = runs[0], runs[1]
     result = {
         "hardware": _hardware(device),
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0},
         "runs": runs,
-        "ratios": {
-            "chain/ar": round(chain["tokens_per_s"] / ar["tokens_per_s"], 3),
-            **{f"ddtree{b}/ar": round(by[("ddtree", b)]["tokens_per_s"] / ar["tokens_per_s"], 3) for _, b in by if _ == "ddtree"},
-            **{f"ddtree{b}/chain": round(by[("ddtree", b)]["tokens_per_s"] / chain["tokens_per_s"], 3) for _, b in by if _ == "ddtree"},
-        },
+        "ratios": mode_ratios(runs),
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    for r in runs:
-        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
-              f"round {r['round_ms']:.2f} ms  {r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
-    print(json.dumps(result["ratios"]))
+    report(result, out)
     _plot(result, out.with_suffix(".png"))
     return 0
+
+
+def mode_ratios(runs: list[dict]) -> dict[str, float]:
+    """tokens/s ratios of runs ordered [ar, chain, ddtree budgets...]: chain/ar, ddtreeN/ar, ddtreeN/chain."""
+    ar, chain = runs[0]["tokens_per_s"], runs[1]["tokens_per_s"]
+    return {
+        "chain/ar": round(chain / ar, 3),
+        **{f"ddtree{r['budget']}/ar": round(r["tokens_per_s"] / ar, 3) for r in runs[2:]},
+        **{f"ddtree{r['budget']}/chain": round(r["tokens_per_s"] / chain, 3) for r in runs[2:]},
+    }
+
+
+def report(result: dict, out: Path) -> None:
+    """Writes the JSON and prints one line per run plus the ratios."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for r in result["runs"]:
+        round_ms = f"round {r['round_ms']:.2f} ms  " if "round_ms" in r else ""
+        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
+              f"{round_ms}{r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
+    print(json.dumps(result["ratios"]))
 
 
 def _hardware(device: torch.device) -> dict:

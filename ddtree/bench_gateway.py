@@ -14,6 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.bench import mode_ratios, report
 from tqdm import tqdm
 
 PHASES = ("draft", "verify", "other")
@@ -92,22 +94,12 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
     reference = runs[0]["texts"]
     for r in runs:
         r["matches_ar"] = sum(a == b for a, b in zip(r.pop("texts"), reference)) / len(reference)
-    ar, chain = runs[0], runs[1]
     result = {
         "hardware": {"gateway": url},
         "model_pair": {"served_model": model},
         "settings": {"prompts": prompts_file, "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": 0.0},
         "runs": runs,
-        "ratios": {
-            "chain/ar": round(chain["tokens_per_s"] / ar["tokens_per_s"], 3),
-            **{f"ddtree{r['budget']}/ar": round(r["tokens_per_s"] / ar["tokens_per_s"], 3) for r in runs[2:]},
-            **{f"ddtree{r['budget']}/chain": round(r["tokens_per_s"] / chain["tokens_per_s"], 3) for r in runs[2:]},
-        },
+        "ratios": mode_ratios(runs),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    for r in runs:
-        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  {r['phases_ms']}  "
-              f"matches_ar {r['matches_ar']:.2f}")
-    print(json.dumps(result["ratios"]))
+    report(result, out)
     return result
