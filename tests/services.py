@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +102,31 @@ def wait_serving(*services: Service) -> None:
                 except grpc.RpcError:
                     pass  # not listening yet
                 time.sleep(0.1)
+
+
+def wait_gateway_ready(url: str, process: subprocess.Popen, output: Callable[[], str]) -> None:
+    """Until the gateway's /health says both backends serve; fails at once if the process dies."""
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"exited early with {process.returncode}\n{output()}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if json.loads(reply.read()).get("status") == "ok":
+                    return
+        except (OSError, ValueError):
+            pass  # not listening yet, or 503 while the backends load
+        time.sleep(0.2)
+    raise AssertionError(f"not ready after {START_DEADLINE_S} s\n{output()}")
+
+
+def interrupt(process: subprocess.Popen) -> int:
+    """Ctrl-C, as a person stops it; returns the exit status (a process that ignores it fails the test)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            return process.wait(STOP_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    return process.returncode

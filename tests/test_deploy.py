@@ -14,7 +14,6 @@ import copy
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ from ddtree.cli import build_parser
 from ddtree.service import ServiceMetrics
 from tests.conftest import make_drafter
 from tests.gateway_support import make_chat_target
-from tests.services import START_DEADLINE_S, STOP_DEADLINE_S, free_ports
+from tests.services import free_ports, interrupt, wait_gateway_ready
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
@@ -554,31 +553,6 @@ def start(name: str, cmd: list[str], logs: Path) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def stop(process: subprocess.Popen) -> int:
-    """Ctrl-C, then the exit status (killed after STOP_DEADLINE_S)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            return process.wait(STOP_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    return process.wait()
-
-
-def wait_healthy(gateway: str, process: subprocess.Popen, log: Path) -> None:
-    """Until the gateway's /health says both backends serve; fails at once if `ddtree serve` exits."""
-    deadline = time.monotonic() + START_DEADLINE_S
-    while True:
-        assert process.poll() is None, f"exited with {process.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"not ready in {START_DEADLINE_S} s:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{gateway}/health", timeout=5).json().get("status") == "ok":
-                return
-        except httpx.HTTPError:
-            pass  # not listening yet
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     """`ddtree serve` on the tiny chat target and a tiny drafter (as tests/test_e2e.py starts it), after one
@@ -594,7 +568,7 @@ def live(tmp_path_factory):
     serve = start("serve", cmd, logs)
     gateway = f"http://127.0.0.1:{http}"
     try:
-        wait_healthy(gateway, serve, logs / "serve.log")
+        wait_gateway_ready(gateway, serve, (logs / "serve.log").read_text)
         for mode in ("ddtree", "off"):
             reply = httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
                 "model": "tiny", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 24,
@@ -605,7 +579,7 @@ def live(tmp_path_factory):
         pages = {name: httpx.get(url, timeout=10).text for name, url in metrics.items()}
         yield Live(gateway, f"127.0.0.1:{draft}", f"127.0.0.1:{verify}", metrics, pages)
     finally:
-        code = stop(serve)
+        code = interrupt(serve)
     assert code == 0, (logs / "serve.log").read_text()  # stopped cleanly after the tests
 
 
@@ -693,4 +667,4 @@ def test_dashboard_queries_evaluate_on_prometheus(live, tmp_path) -> None:
         for name in ("ddtree_requests_running", "ddtree_draft_active_sessions", "ddtree_verify_kv_cache_bytes"):
             assert f"sum({name})" not in empty and f"sum by (instance) ({name})" not in empty, name
     finally:
-        stop(process)
+        interrupt(process)

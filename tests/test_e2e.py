@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +20,8 @@ from transformers import AutoTokenizer
 
 from tests.conftest import make_drafter
 from tests.gateway_support import chat_ids, events, local_backends, make_chat_target, metric, reference
-from tests.services import (DRAFTER_SERVICE, START_DEADLINE_S, STOP_DEADLINE_S, VERIFIER_SERVICE, Service, free_ports,
-                            launch, wait_serving)
+from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports,
+                            interrupt, launch, wait_gateway_ready, wait_serving)
 
 STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
 LONG = 600
@@ -51,31 +50,6 @@ def start(name: str, cmd: list[str], logs: Path) -> subprocess.Popen:
     with open(logs / f"{name}.log", "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-
-
-def wait_ready(url: str, process: subprocess.Popen, output: Callable[[], str]) -> None:
-    """Until the gateway's /health says both backends serve; fails at once if the process dies."""
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"exited early with {process.returncode}\n{output()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":
-                return
-        except httpx.HTTPError:
-            pass  # not listening yet
-        time.sleep(0.2)
-    pytest.fail(f"not ready after {START_DEADLINE_S} s\n{output()}")
-
-
-def interrupt(process: subprocess.Popen) -> int:
-    """Ctrl-C, as a person stops it; returns the exit status."""
-    process.send_signal(signal.SIGINT)
-    try:
-        return process.wait(STOP_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +97,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
         )
     try:
         wait_serving(svc.drafter, svc.verifier)  # fails fast, with its log, if one of them dies
-        wait_ready(svc.url, svc.gateway, svc.output)
+        wait_gateway_ready(svc.url, svc.gateway, svc.output)
         yield svc
     finally:
         codes = [interrupt(svc.gateway), svc.verifier.stop()]
@@ -252,7 +226,7 @@ def test_serve_runs_three_services_and_stops_cleanly(models, tmp_path, expected)
     serve = start("serve", cmd, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, serve, lambda: (tmp_path / "serve.log").read_text())
+        wait_gateway_ready(url, serve, lambda: (tmp_path / "serve.log").read_text())
         text, _, _ = expected(STORY, 30)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                        json={"model": MODEL, "messages": STORY, "max_tokens": 30, "temperature": 0})
