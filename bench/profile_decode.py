@@ -1,36 +1,69 @@
-"""Where an AR decode step of the verifier spends its time (torch.profiler table), to explain step-time gaps.
-Usage: python bench/profile_decode.py TARGET_DIR [DEVICE] [DTYPE]"""
+"""Where a verifier step spends its time (torch.profiler, kernels sorted by device time), to explain the gap
+between a step and the weight-streaming bound.
+
+Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--compile] [--attention grouped] [--eager]
+TARGET: a model directory, or random:<shape> (ddtree/cost_curve.py SHAPES, e.g. random:qwen3-8b).
+"""
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ddtree.cost_curve import RANDOM_PREFIX, random_target
 from ddtree.types import SamplingParams
-from verify_server.verify import VerifyEngine
+from draft_server.tree import build_tree
+from verify_server.verify import VerifyEngine, load_target
 
 
 def main() -> None:
-    target = sys.argv[1]
-    device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
-    dtype = getattr(torch, sys.argv[3] if len(sys.argv) > 3 else "bfloat16")
-    engine = VerifyEngine.from_pretrained(target, device, dtype)
-    engine.start_session("p", 1024, SamplingParams(), [1, 3, 5])
-    engine.prefill("p", list(range(10, 200)))
-    for _ in range(10):
-        engine.decode("p")
-    start = time.perf_counter()
-    for _ in range(50):
-        engine.decode("p")
-    print(f"decode step: {(time.perf_counter() - start) / 50 * 1000:.3f} ms")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    with profile(activities=activities) as prof:
-        for _ in range(10):
-            engine.decode("p")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--nodes", default="0,63", help="tree sizes to profile (0: an AR step)")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--eager", action="store_true", help="the generic HF path")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fused layer step")
+    p.add_argument("--attention", default="sdpa", help="attention kernel of the fused steps: sdpa, grouped, flex")
+    p.add_argument("--rows", type=int, default=20)
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.target.startswith(RANDOM_PREFIX):
+        model = random_target(args.target.removeprefix(RANDOM_PREFIX), args.device, dtype)
+    else:
+        model = load_target(args.target, args.device, dtype)
+    engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager)
+    if engine.fused is not None:
+        engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention)
+    print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}")
+    prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)
+    for nodes in (int(n) for n in args.nodes.split(",")):
+        engine.start_session("p", args.context + 70 * (nodes + 1), SamplingParams(), [])
+        engine.prefill("p", prompt)
+        tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
+        step = (lambda: engine.verify("p", tree)) if tree is not None else (lambda: engine.decode("p"))
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) / 20 * 1000
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
+        print(f"\n=== {nodes} nodes: step {wall_ms:.3f} ms wall, {kernel_ms:.3f} ms of device kernels per step ===")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        engine.end_session("p")
 
 
 if __name__ == "__main__":

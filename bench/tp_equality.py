@@ -52,7 +52,7 @@ def random_outputs(spec: str, device: str, dtype: str, tp: int, prompts: int, ro
     from verify_server.tensor_parallel import TensorParallelGroup
 
     group = TensorParallelGroup(RANDOM_PREFIX + spec, tp, device, DTYPES[dtype]) if tp > 1 else None
-    engine = group.engine if group else VerifyEngine(random_target(spec, device, DTYPES[dtype]))
+    engine = group.engine if group else VerifyEngine(random_target(spec, device, DTYPES[dtype]), fused=False)
     outputs = []
     for i in range(prompts):
         gen = torch.Generator().manual_seed(i)

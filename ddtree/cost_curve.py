@@ -7,6 +7,7 @@ matching DFlash shape. Everything is a ratio against numbers taken in the same p
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -99,45 +100,37 @@ def random_target(spec: str, device: torch.device | str, dtype: torch.dtype) -> 
         return Qwen3ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
 
 
-def run_cost_curve(
-    shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path, tp: int = 1
-) -> dict:
-    s = SHAPES[shape]
-    device = torch.device(device_name if tp == 1 else "cuda:0" if device_name.startswith("cuda") else "cpu")
-    group = None
-    if tp > 1:
-        from verify_server.tensor_parallel import TensorParallelGroup
-
-        group = TensorParallelGroup(RANDOM_PREFIX + shape, tp, device_name, dtype)
-        engine = group.engine
-        model = engine.model
-    else:
-        model = random_target(shape, device, dtype)
-        engine = VerifyEngine(model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's share under TP
-    # a decode step reads every weight except the embedding table (only one row of it is read)
-    streamed = weight_bytes - model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
-    bandwidth = copy_bandwidth(device, min(4 * 2**30, streamed)) if device.type == "cuda" else None
-    prompt = torch.randint(0, s["vocab_size"], (context,)).tolist()
-    gen = torch.Generator().manual_seed(1)
+def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tree_logprobs: torch.Tensor,
+                   repeat: int) -> dict:
+    """AR step and verify(n nodes) times of one engine, each after a fresh prefill of `prompt`."""
+    device = engine.device
 
     def fresh_session(name: str, nodes: int) -> None:
         engine.end_session(name)
-        engine.start_session(name, context + nodes + 2 + repeat * (nodes + 1) * 2, SamplingParams(), [])
+        engine.start_session(name, len(prompt) + nodes + 2 + (repeat + 4) * (nodes + 1), SamplingParams(), [])
         engine.prefill(name, prompt)
 
     fresh_session("ar", 1)
     ar_ms = timed(lambda: engine.decode("ar"), device, repeat)
+    engine.end_session("ar")
     verify_ms = {}
     for n in sizes:
         fresh_session("tree", n)
-        logprobs = torch.log_softmax(torch.randn(s["block_size"] - 1, s["vocab_size"], generator=gen), -1).to(device)
-        tree = build_tree(logprobs, 0, n)
+        tree = build_tree(tree_logprobs, 0, n)
         # the random tree is rejected after the root almost surely, so the cache grows by ~1 slot per call
         verify_ms[n] = timed(lambda: engine.verify("tree", tree), device, repeat)
-    if group is not None:
-        group.close()
-    del engine, model
+        engine.end_session("tree")
+    return {
+        "ar_step_ms": round(ar_ms, 3),
+        "verify_ms": {str(n): round(v, 3) for n, v in verify_ms.items()},
+        "verify_over_ar": {str(n): round(v / ar_ms, 3) for n, v in verify_ms.items()},
+    }
+
+
+def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: int, sizes: list[int],
+                  repeat: int) -> dict:
+    """A whole draft call (context append of 4 accepted positions, block forward, tree build) at the DFlash shape
+    matching the target shape, per tree budget."""
     dcfg = DFlashConfig(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
@@ -149,27 +142,89 @@ def run_cost_curve(
     drafter = drafter.to(device, dtype).eval()
     head = TargetHead(torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02,
                       torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02)
-    draft_engine = DraftEngine(drafter, head)
-    draft_engine.start_session("d", context + 8)
+    engine = DraftEngine(drafter, head)
+    step = 4
     features = torch.randn(context, dcfg.num_taps * s["hidden_size"], device=device, dtype=dtype)
-    draft_engine.draft("d", features, 0, context, budget=32)
-    session = draft_engine.session("d")
-    draft_ms = timed(lambda: draft_engine._block_logprobs(session, 0, context), device, repeat)  # noqa: SLF001
-    tree_ms = {n: timed(lambda n=n: build_tree(torch.log_softmax(torch.randn(s["block_size"] - 1, s["vocab_size"], device=device), -1), 0, n), device, repeat) for n in sizes}
+    draft_ms = {}
+    for n in sizes:
+        engine.start_session("d", context + step * (repeat + 4) + 1)
+        engine.draft("d", features, 0, context, budget=n)
+        session = engine.session("d")
+        draft_ms[n] = timed(
+            lambda n=n: engine.draft("d", features[:step], 0, session.length + step, budget=n), device, repeat
+        )
+        engine.end_session("d")
+    return {"draft_ms": {str(n): round(v, 3) for n, v in draft_ms.items()}}
 
+
+def run_cost_curve(
+    shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path, tp: int = 1
+) -> dict:
+    """Every verifier forward this build has, side by side: the generic HF modules (eager), our fused forward, and
+    the fused forward replayed from CUDA graphs (on a GPU); with tp > 1 the sharded HF path only."""
+    s = SHAPES[shape]
+    device = torch.device(device_name if tp == 1 else "cuda:0" if device_name.startswith("cuda") else "cpu")
+    prompt = torch.randint(0, s["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    tree_logprobs = torch.log_softmax(
+        torch.randn(s["block_size"] - 1, s["vocab_size"], generator=torch.Generator().manual_seed(1)), -1
+    ).to(device)
+    paths: dict[str, dict] = {}
+    if tp > 1:
+        from verify_server.tensor_parallel import TensorParallelGroup
+
+        group = TensorParallelGroup(RANDOM_PREFIX + shape, tp, device_name, dtype)
+        model = group.engine.model
+        weight_bytes, embed = _weight_bytes(model)
+        paths["hf"] = verifier_curve(group.engine, prompt, sizes, tree_logprobs, repeat)
+        group.close()
+        del group, model
+    else:
+        model = random_target(shape, device, dtype)
+        weight_bytes, embed = _weight_bytes(model)
+        print(f"[cost-curve] {shape}: {weight_bytes / 1e9:.2f} GB of weights on {device}", flush=True)
+        paths["hf"] = verifier_curve(VerifyEngine(model, fused=False), prompt, sizes, tree_logprobs, repeat)
+        del model
+        engine = VerifyEngine(random_target(shape, device, dtype), fused=True, graphs=False)
+        paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
+        print(f"[cost-curve] {json.dumps(paths)}", flush=True)
+        variants = {"fused+graphs": (False, "sdpa"), "fused+graphs+compile": (True, "sdpa"),
+                    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+flex": (True, "flex")}
+        for name, (compiled, attention) in variants.items() if device.type == "cuda" else ():
+            start = time.perf_counter()
+            try:
+                engine.fused.configure(graphs=True, compile=compiled, attention=attention)
+                paths[name] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
+            except Exception as exc:  # a variant that fails to build is a finding, not the end of the run
+                paths[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            paths[name]["setup_and_timing_s"] = round(time.perf_counter() - start, 1)
+            print(f"[cost-curve] {name}: {json.dumps(paths[name])}", flush=True)
+        del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # a decode step reads every weight except the embedding table (only one row of it is read)
+    streamed = weight_bytes - embed
+    bandwidth = copy_bandwidth(device, min(4 * 2**30, streamed)) if device.type == "cuda" else None
     bound_ms = streamed / bandwidth * 1000 if bandwidth else None  # only meaningful on a GPU
+    for curve in paths.values():
+        if "ar_step_ms" in curve:
+            curve["ar_step_over_bound"] = bound_ms and round(curve["ar_step_ms"] / bound_ms, 2)
     result = {
         "hardware": {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__},
-        "shape": shape, "tp": tp, "dtype": str(dtype).removeprefix("torch."), "context": context, "eager": True,
+        "shape": shape, "tp": tp, "dtype": str(dtype).removeprefix("torch."), "context": context,
         "weight_bytes": weight_bytes, "streamed_bytes": streamed, "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9, 1),
         "weight_streaming_bound_ms": bound_ms and round(bound_ms, 3),
-        "ar_step_ms": round(ar_ms, 3), "ar_step_over_bound": bound_ms and round(ar_ms / bound_ms, 2),
-        "verify_ms": {str(n): round(v, 3) for n, v in verify_ms.items()},
-        "verify_over_ar": {str(n): round(v / ar_ms, 3) for n, v in verify_ms.items()},
-        "drafter_block_ms": round(draft_ms, 3),
-        "tree_build_ms": {str(n): round(v, 3) for n, v in tree_ms.items()},
+        "verifier": paths,
+        "drafter": drafter_curve(s, device, dtype, context, sizes, repeat),
+        "tree_build_ms": {str(n): round(timed(lambda n=n: build_tree(tree_logprobs, 0, n), device, repeat), 3) for n in sizes},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return result
+
+
+def _weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of all parameters, bytes of the input embedding) of this rank's model."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters()), embed.numel() * embed.element_size()

@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (GPUs cuda:0..N-1, or CPU processes)")
+    p.add_argument("--eager", action="store_true", help="generic HF forward: no static buffers, no CUDA graphs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -22,9 +22,13 @@ def attention(
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    gqa: bool | None = None,
 ) -> torch.Tensor:
-    """query [b, heads, q, d], key/value [b, kv_heads, k, d] (grouped-query when kv_heads < heads) -> [b, heads, q, d]."""
+    """query [b, heads, q, d], key/value [b, kv_heads, k, d] (grouped-query when kv_heads < heads) -> [b, heads, q, d].
+    gqa: whether kv_heads < heads (None: read from the shapes, which torch.compile with dynamic shapes cannot)."""
+    if gqa is None:
+        gqa = query.shape[1] != key.shape[1]
     with sdpa_kernel(list(BACKENDS)):
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )

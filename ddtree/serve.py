@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-metrics-port", type=int, default=9461, help="Prometheus metrics port of the drafter")
     p.add_argument("--verify-metrics-port", type=int, default=9462, help="Prometheus metrics port of the verifier")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
+    p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     GatewayConfig.add_arguments(p, exclude=CHOSEN)
     p.set_defaults(func=run)
 
@@ -58,7 +59,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if (args.drafter or "").lower() == "none":
         drafter = None
     ddtree = [sys.executable, "-m", "ddtree.cli"]
-    model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK]
+    model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
+             *(["--eager"] if args.eager else [])]
     cmds = {}
     if drafter is not None:
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),

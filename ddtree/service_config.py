@@ -46,16 +46,15 @@ class FlagConfig:
             default = f.default
             if os.environ.get(env):
                 try:
-                    default = kind(os.environ[env])
+                    default = _parse_bool(os.environ[env]) if kind is bool else kind(os.environ[env])
                 except ValueError:
                     parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
-            parser.add_argument(
-                "--" + f.name.replace("_", "-"),
-                type=kind,
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} [env {env}; default: %(default)s]",
-            )
+            flag = "--" + f.name.replace("_", "-")
+            help = f"{f.metadata['help']} [env {env}; default: %(default)s]"
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+            else:
+                parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help)
 
     @classmethod
     def env_var(cls, field_name: str) -> str:
@@ -78,6 +77,10 @@ class ServiceConfig(FlagConfig):
     max_session_tokens: int | None = option(
         None, "largest session capacity accepted (default: derived from the model's max_position_embeddings)"
     )
+    max_sessions: int = option(
+        16, "sessions held at once; the static (graph) path preallocates one cache slot per session up front"
+    )
+    eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
     max_message_bytes: int = option(256 * 2**20, "largest gRPC message sent or received, in bytes")
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
 
@@ -87,6 +90,8 @@ class ServiceConfig(FlagConfig):
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.session_ttl <= 0:
             raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_session_tokens is not None and self.max_session_tokens < 2:
             raise ValueError(f"max_session_tokens must be >= 2, got {self.max_session_tokens}")
         low, high = _MESSAGE_BYTES_RANGE
@@ -118,6 +123,16 @@ def _scalar_type(hint: Any) -> type:
     """`int | None` -> int; the flag's parser for a field."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    if hint not in (str, int, float):
-        raise TypeError(f"config fields must be str, int or float (optionally | None), not {hint}")
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"config fields must be str, int, float or bool (optionally | None), not {hint}")
     return hint
+
+
+def _parse_bool(text: str) -> bool:
+    """An env var's boolean: 1/true/yes/on or 0/false/no/off, any case."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)

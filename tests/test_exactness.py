@@ -33,11 +33,16 @@ def generate(verifier, drafter, prompt: list[int], spec: Speculation, eos: list[
     return asyncio.run(collect())
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "hf"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_greedy_equals_hf_generate(kind: str, qwen3_target: Path, llama_target: Path, drafter_dir: Path) -> None:
+def test_greedy_equals_hf_generate(
+    kind: str, eager: bool, qwen3_target: Path, llama_target: Path, drafter_dir: Path
+) -> None:
+    """Both verifier paths: our fused forward (static buffers, padded buckets) and the generic HF modules."""
     target = qwen3_target if kind == "qwen3" else llama_target
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32)
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=eager)
+    assert verifier.engine.path == ("hf" if eager else "fused")
     eos_stops = 0
     for i, prompt in enumerate(prompts()):
         reference = hf_greedy(hf, prompt, MAX_NEW)
@@ -57,7 +62,8 @@ def test_greedy_equals_hf_generate(kind: str, qwen3_target: Path, llama_target: 
     assert eos_stops >= 6
 
 
-def test_tiny_vocab_large_budget_accepts_deeply(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eager", [False, True], ids=["fused", "hf"])
+def test_tiny_vocab_large_budget_accepts_deeply(eager: bool, tmp_path: Path) -> None:
     """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
     most 4-token ones, so rounds accept several tokens, and the output must still be exactly the target's."""
     from tests.conftest import make_drafter, make_target
@@ -65,7 +71,7 @@ def test_tiny_vocab_large_budget_accepts_deeply(tmp_path: Path) -> None:
     target = make_target("qwen3", tmp_path / "t", vocab=4, seed=5)
     drafter_dir = make_drafter(tmp_path / "d", vocab=4, seed=6, std=0.01)
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32)
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=eager)
     accepted = []
     for prompt in ([1, 2, 3], [3, 0, 1, 1, 2], [2] * 17):
         reference = hf_greedy(hf, prompt, 60)

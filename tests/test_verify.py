@@ -55,11 +55,24 @@ def oracle_tree(rng: random.Random, root: int, truth: list[int], true_depth: int
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max_depth=max_depth)
 
 
+PATHS = ["hf", "fused", "fused-static"]
+
+
+def make_engine(target: Path, path: str) -> VerifyEngine:
+    """hf: the generic HF modules; fused: our forward, unpadded on CPU; fused-static: the code path CUDA graphs
+    replay (bucket padding, whole-slot attention under a device-built mask), forced on so the CPU runs it."""
+    engine = VerifyEngine.from_pretrained(target, eager=path == "hf")
+    if path == "fused-static":
+        engine.fused.static = True
+    return engine
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_deep_acceptance_with_compaction(kind: str, qwen3_target: Path, llama_target: Path) -> None:
+def test_deep_acceptance_with_compaction(kind: str, path: str, qwen3_target: Path, llama_target: Path) -> None:
     target = qwen3_target if kind == "qwen3" else llama_target
     rng = random.Random(7)
-    engine = VerifyEngine.from_pretrained(target)
+    engine = make_engine(target, path)
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]):
         truth = hf_greedy(AutoModelForCausalLM.from_pretrained(target).eval(), prompt, 80)
         engine.start_session("s", 200, SamplingParams(), taps=[1, 3])
@@ -81,8 +94,9 @@ def test_deep_acceptance_with_compaction(kind: str, qwen3_target: Path, llama_ta
         engine.end_session("s")
 
 
-def test_features_are_tapped_layer_outputs(qwen3_target: Path) -> None:
-    engine = VerifyEngine.from_pretrained(qwen3_target)
+@pytest.mark.parametrize("path", PATHS)
+def test_features_are_tapped_layer_outputs(path: str, qwen3_target: Path) -> None:
+    engine = make_engine(qwen3_target, path)
     prompt = [5, 7, 11, 13]
     engine.start_session("s", 32, SamplingParams(), taps=[0, 2])
     features = engine.prefill("s", prompt).features
@@ -101,8 +115,9 @@ def test_ancestor_matrix() -> None:
         assert set(anc[i].nonzero().flatten().tolist()) == want
 
 
-def test_session_errors_leave_state_intact(qwen3_target: Path) -> None:
-    engine = VerifyEngine.from_pretrained(qwen3_target)
+@pytest.mark.parametrize("path", PATHS)
+def test_session_errors_leave_state_intact(path: str, qwen3_target: Path) -> None:
+    engine = make_engine(qwen3_target, path)
     engine.start_session("s", 12, SamplingParams(), taps=[])
     with pytest.raises(SessionError, match="must be prefilled"):
         engine.decode("s")

@@ -20,11 +20,14 @@ class KVCache:
         capacity: int,
         device: torch.device,
         dtype: torch.dtype,
+        zero: bool = False,
     ) -> None:
+        """zero: start from zeros rather than uninitialised memory (for readers of not-yet-written slots)."""
         self.index = {layer: i for i, layer in enumerate(layer_ids)}  # decoder layer id -> first axis of k, v
         shape = (len(layer_ids), 1, num_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        alloc = torch.zeros if zero else torch.empty
+        self.k = alloc(shape, device=device, dtype=dtype)
+        self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
 
     @property

@@ -122,10 +122,12 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
         group = TensorParallelGroup(config.target, config.tp, str(device), dtype, max_tree_size=config.max_tree_size)
         engine = group.engine
     else:
-        engine = VerifyEngine.from_pretrained(config.target, device, dtype, max_tree_size=config.max_tree_size)
+        engine = VerifyEngine.from_pretrained(
+            config.target, device, dtype, config.max_tree_size, config.max_sessions, eager=config.eager
+        )
     log.info(
-        "target loaded in %.1f s: %d layers, hidden %d, vocab %d",
-        time.perf_counter() - start, engine.num_layers, engine.hidden_size, engine.vocab_size,
+        "target loaded in %.1f s: %d layers, hidden %d, vocab %d, %s forward",
+        time.perf_counter() - start, engine.num_layers, engine.hidden_size, engine.vocab_size, engine.path,
     )
     return engine
 

@@ -165,7 +165,7 @@ def load_sharded(
     else:
         model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
     shard_model(model, rank, world)
-    return VerifyEngine(model.to(device), max_tree_size)
+    return VerifyEngine(model.to(device), max_tree_size, fused=False)  # the fused path has no sharded form yet
 
 
 class _Channel:

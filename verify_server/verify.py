@@ -13,7 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, SamplingParams, StepResult
+from verify_server.fused import fused_unsupported
+from verify_server.fused_runner import FusedRunner
 from verify_server.kv_cache import KVCache
 from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.sampling import choose_tokens
@@ -47,6 +50,7 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: tor
 @dataclass
 class VerifySession:
     cache: KVCache
+    capacity: int  # committed slots the session asked for (the fused path's cache may be larger)
     params: SamplingParams
     generator: torch.Generator | None
     taps: list[int]
@@ -56,12 +60,21 @@ class VerifySession:
 
 
 class VerifyEngine:
-    def __init__(self, model: PreTrainedModel, max_tree_size: int = 1024) -> None:
-        """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch."""
-        self.model = model
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_tree_size: int = 1024,
+        max_sessions: int = 16,
+        fused: bool = True,
+        graphs: bool = True,
+    ) -> None:
+        """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
+        fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
+        buffers, CUDA graphs when `graphs` and on a GPU, and at most max_sessions cache slots; other targets, or
+        fused=False, take the generic path through the HF modules."""
         cfg = model.config
+        self.model = model
+        self.lm_head = model.get_output_embeddings()
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -70,6 +83,12 @@ class VerifyEngine:
         self.device = self.lm_head.weight.device
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
+        self.fused = None
+        if fused and fused_unsupported(cfg) is None:
+            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs)
+            self.linear, self.kv_layers, self.scratch = None, list(range(self.num_layers)), None
+            return
+        self.decoder = model.get_decoder()
         # Hybrid targets (Qwen3.5 / Qwen3-Next): gated-delta layers keep recurrent state instead of K/V. One forward
         # runs at a time, so one scratch for the per-node factors of the tree in flight serves every session.
         self.linear = install_linear_attention(model)
@@ -81,11 +100,25 @@ class VerifyEngine:
         for i, layer in enumerate(self.decoder.layers):
             layer.register_forward_hook(self._tap_hook(i))
 
+    @property
+    def path(self) -> str:
+        """Which forward runs: 'fused+graphs', 'fused' or 'hf'."""
+        if self.fused is None:
+            return "hf"
+        return "fused+graphs" if self.fused.graphs.enabled else "fused"
+
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, max_tree_size: int = 1024
+        cls,
+        path: str | Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_tree_size: int = 1024,
+        max_sessions: int = 16,
+        eager: bool = False,
     ) -> "VerifyEngine":
-        return cls(load_target(path, device, dtype), max_tree_size)
+        """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
+        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, fused=not eager, graphs=not eager)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
@@ -112,12 +145,21 @@ class VerifyEngine:
         if not params.greedy:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        if self.fused is not None:
+            try:
+                cache = self.fused.acquire(capacity)
+            except MemoryError as exc:
+                raise CapacityError(str(exc)) from None
+        else:
+            cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
-        self.sessions[session_id] = VerifySession(cache, params, generator, list(taps), states=states)
+        self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states)
 
     def end_session(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id, None) is not None
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None and self.fused is not None:
+            self.fused.release(sess.cache)
+        return sess is not None
 
     def session(self, session_id: str) -> VerifySession:
         try:
@@ -139,13 +181,15 @@ class VerifyEngine:
             raise SessionError("the prompt is empty")
         self._check_room(sess, len(prompt) + 1)  # the first token's K/V comes with the next step
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        start = time.perf_counter()
+        timer = StepTimer(self.device)
         logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, last_only=True)
+        timer.mark()
         first = choose_tokens(logits, sess.params, sess.generator)
         token = int(first.item())
         sess.cache.length = len(prompt)
         sess.root = token
-        return StepResult([token], features, forward_s=time.perf_counter() - start)
+        forward_s, _ = timer.split()
+        return StepResult([token], features, forward_s=forward_s)
 
     @torch.inference_mode()
     def decode(self, session_id: str) -> StepResult:
@@ -165,7 +209,7 @@ class VerifyEngine:
         if self.scratch is not None and q > self.scratch.max_nodes:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
-        start_t = time.perf_counter()
+        timer = StepTimer(self.device)
         start = sess.cache.length
         parents = tree.parents.to(self.device)
         depths = tree.depths.to(self.device)
@@ -173,8 +217,8 @@ class VerifyEngine:
         ids[0] = sess.root  # the root is the session's, whatever the drafter thought it was
         anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
         logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
+        timer.mark()
         choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
-        forward_done = time.perf_counter()
 
         match = ids == choice[parents.clamp(min=0)]
         match[0] = True
@@ -193,22 +237,22 @@ class VerifyEngine:
         sess.root = bonus
         if features is not None:
             features = features[keep]
-        done = time.perf_counter()
-        return StepResult(
-            tokens, features, forward_s=forward_done - start_t, timings={"walk_s": done - forward_done}
-        )
+        forward_s, walk_s = timer.split()
+        return StepResult(tokens, features, forward_s=forward_s, timings={"walk_s": walk_s})
 
     def _check_room(self, sess: VerifySession, new_tokens: int) -> None:
-        if sess.cache.length + new_tokens > sess.cache.capacity:
+        if sess.cache.length + new_tokens > sess.capacity:
             raise CapacityError(
                 f"session needs {sess.cache.length + new_tokens} KV slots but was started with capacity "
-                f"{sess.cache.capacity}"
+                f"{sess.capacity}"
             )
 
     def _forward(
         self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, last_only: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [q] -> logits [q or 1, V] fp32, features [q, taps*hidden] (None without taps)."""
+        if self.fused is not None:
+            return self.fused.forward(sess.cache, tuple(sess.taps), ids, positions, tree, last_only)
         step = AttentionStep(sess.cache, sess.cache.length, ids.shape[0], positions, tree)
         steps = {STEP_KWARG: step}
         if sess.states is not None:

@@ -1,0 +1,59 @@
+"""CUDA graphs captured per shape bucket, replayed with inputs written into static buffers in place.
+
+A step of a small or medium model is dominated by kernel launches when run eagerly (DESIGN §6); replaying a
+captured graph launches the whole step at once. The rule for callers: `fn` reads only tensors that live as long
+as the graph (static input buffers the caller fills before `run`, weights, KV caches) and returns its outputs;
+`run` returns the SAME output tensors on every replay, so a caller copies what it must keep before the next run.
+The first `run` of a key calls `fn` up to three times (warm-up, then capture), so `fn` must be idempotent: writing
+K/V into not-yet-committed cache slots is fine, appending to anything is not.
+Every graph of one `GraphPool` shares one memory pool, so buckets captured lazily cost little memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+WARMUP_RUNS = 2  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
+
+
+class GraphPool:
+    """Captured graphs keyed by whatever fixes their shapes and buffers (bucket size, cache slot, ...).
+
+    Disabled (every `run` is a plain call) on CPU, or when eager mode is asked for.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
+        """fn() the first time a key is seen (after warm-up, while capturing); a replay afterwards."""
+        if not self.enabled:
+            return fn()
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(fn)
+            self._graphs[key] = entry
+        graph, outputs = entry
+        graph.replay()
+        return outputs
+
+    def _capture(self, fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn()
+        return graph, outputs

@@ -1,0 +1,91 @@
+"""The fused verifier path: its slot pool, its buckets, and its features against the generic HF path."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, Qwen3Config
+
+from ddtree.types import SamplingParams
+from tests.conftest import hf_greedy
+from tests.test_verify import make_engine, oracle_tree
+from verify_server.config import VerifyServerConfig
+from verify_server.fused import fused_unsupported
+from verify_server.fused_runner import MAX_GRAPH_NODES, bucket, size_class
+from verify_server.verify import CapacityError, VerifyEngine
+
+
+def test_buckets_cover_every_query_count() -> None:
+    assert bucket(1) == 1
+    assert [bucket(q) for q in (2, 16, 17, 33, 128, 129, 257, MAX_GRAPH_NODES)] == [16, 16, 32, 48, 128, 256, 512, 512]
+    assert bucket(MAX_GRAPH_NODES + 1) is None  # runs eagerly
+    assert all(bucket(q) >= q for q in range(1, MAX_GRAPH_NODES + 1))
+    assert [size_class(c) for c in (1, 256, 257, 3000)] == [256, 256, 512, 4096]
+
+
+def test_slot_pool_bounds_sessions_and_reuses_caches(qwen3_target: Path) -> None:
+    engine = VerifyEngine.from_pretrained(qwen3_target, max_sessions=2)
+    engine.start_session("a", 100, SamplingParams(), [])
+    engine.start_session("b", 1000, SamplingParams(), [])
+    with pytest.raises(CapacityError, match="all 2 session slots"):
+        engine.start_session("c", 100, SamplingParams(), [])
+    cache = engine.sessions["a"].cache
+    engine.prefill("a", [1, 2, 3])
+    engine.end_session("a")
+    engine.start_session("c", 200, SamplingParams(), [])  # same size class: the freed cache, emptied
+    assert engine.sessions["c"].cache is cache and cache.length == 0
+    assert cache.capacity == size_class(200) + MAX_GRAPH_NODES  # room for the largest padded step
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_static_path_features_match_hf_path(kind: str, qwen3_target: Path, llama_target: Path) -> None:
+    """The padded, whole-slot step replays the HF path's accepted tokens AND its features (what the drafter sees)."""
+    from transformers import AutoModelForCausalLM
+
+    target = qwen3_target if kind == "qwen3" else llama_target
+    prompt = [4, 8, 15, 16, 23, 42]
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(target).eval(), prompt, 70)
+    runs = {}
+    for path in ("hf", "fused-static"):
+        engine = make_engine(target, path)
+        engine.start_session("s", 200, SamplingParams(), taps=[0, 2, 3])
+        rng = random.Random(3)
+        steps = [engine.prefill("s", prompt)]
+        got = list(steps[0].tokens)
+        while len(got) < 50:
+            depth = rng.randint(2, 7)
+            steps.append(engine.verify("s", oracle_tree(rng, got[-1], truth[len(got):], depth, depth)))
+            got += steps[-1].tokens
+        runs[path] = steps
+    assert [s.tokens for s in runs["hf"]] == [s.tokens for s in runs["fused-static"]]
+    for a, b in zip(runs["hf"], runs["fused-static"]):
+        torch.testing.assert_close(a.features, b.features, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
+    assert fused_unsupported(Qwen3Config()) is None
+    sliding = Qwen3Config(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
+    assert "sliding" in fused_unsupported(sliding)
+    from transformers import Qwen3_5TextConfig
+
+    assert "qwen3_5" in fused_unsupported(Qwen3_5TextConfig())
+    assert fused_unsupported(AutoConfig.for_model("gpt2")) is not None
+
+
+def test_eager_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    def parse(argv: list[str]) -> VerifyServerConfig:
+        parser = argparse.ArgumentParser()
+        VerifyServerConfig.add_arguments(parser)
+        return VerifyServerConfig(**VerifyServerConfig.values_from_args(parser.parse_args(["--target", "t", *argv])))
+
+    assert parse([]).eager is False
+    assert parse(["--eager"]).eager is True
+    monkeypatch.setenv("DDTREE_VERIFY_EAGER", "true")
+    assert parse([]).eager is True
+    assert parse(["--no-eager"]).eager is False
+    monkeypatch.setenv("DDTREE_VERIFY_MAX_SESSIONS", "3")
+    assert parse([]).max_sessions == 3

@@ -1,0 +1,248 @@
+"""The fast path for the Qwen3 / Llama / Qwen2 family: the same HF weights, fused and run by our own forward.
+
+HF's modules cost one kernel per projection, norm and RoPE step, and their attention call goes through a mask
+built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on
+the device from a start offset and the [q, q] ancestor matrix, so the whole forward has static shapes for a given
+(cache, query count) and can be captured in a CUDA graph (verify_server/runners.py). Numerics follow HF's
+modules op for op (fp32 RMSNorm, RoPE from the model's own rotary module), so greedy output is unchanged.
+Other architectures (hybrids, sliding windows, anything else) keep the generic HF path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ddtree.sdpa import attention
+from verify_server.kv_cache import KVCache
+
+FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+
+
+def fused_unsupported(config: PretrainedConfig) -> str | None:
+    """Why the fused path cannot run this target (None: it can)."""
+    if config.model_type not in FUSED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {FUSED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the fused MLP is SiLU-gated)"
+    if getattr(config, "mlp_bias", False):
+        return "an MLP with biases"
+    layer_types = getattr(config, "layer_types", None) or []
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        return "sliding-window attention layers"
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: statistics in fp32, the weight applied in the model dtype."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [q, heads, d] with cos/sin [q, 1, d] (the half-split convention of HF's rotate_half)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def step_mask(start: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """start: 0-d long, the first new slot; tree [q, q] bool, which new tokens each new token sees ->
+    [1, 1, q, kv_len] bool: every committed slot (< start) plus the visible new tokens. Device ops only, so the
+    same code runs inside a captured graph with `start` and `tree` rewritten in place."""
+    q = tree.shape[0]
+    rel = torch.arange(kv_len, device=tree.device) - start  # [kv_len] slot offset from the first new token
+    new = tree[:, rel.clamp(0, q - 1)] & ((rel >= 0) & (rel < q))[None, :]  # [q, kv_len]
+    return ((rel < 0)[None, :] | new)[None, None]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads != self.kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+@dataclass
+class FusedLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float, gqa: bool) -> torch.Tensor:
+    """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal) -> [1, heads, q, d].
+    gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot be derived."""
+    return attention(q, k, v, mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, gqa=gqa)
+
+
+def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract through flex attention, whose decoding kernel splits the keys across thread blocks
+    (a masked SDPA runs one block per head, which starves the GPU at q = 1). Needs a mask and torch.compile."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    visible = mask[0, 0]  # [q, kv]
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor):
+        return torch.where(visible[qi, ki], score, float("-inf"))
+
+    return flex_attention(q.contiguous(), k, v, score_mod=score_mod, scale=scale, enable_gqa=gqa)
+
+
+def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract with the query heads of each K/V group folded into the query axis: [1, kv_heads,
+    groups * q, d] against the shared K/V, so no kernel needs grouped-query support (masked SDPA with enable_gqa
+    falls back to the math kernel) and K/V are never expanded."""
+    if mask is None or not gqa:
+        return sdpa_attention(q, k, v, mask, scale, gqa)
+    _, heads, q_len, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    folded = q.reshape(1, kv_heads, groups * q_len, d)  # heads are kv-group-major, as HF's repeat_kv assumes
+    out = attention(folded, k, v, mask.repeat(1, 1, groups, 1), scale=scale, gqa=False)
+    return out.reshape(1, heads, q_len, d)
+
+
+ATTENTION_KERNELS = {"sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "flex": flex_tree_attention}
+
+
+def decoder_layer(
+    hidden: torch.Tensor,
+    layer: FusedLayer,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor | None,
+    shape: LayerShape,
+    attention_kernel: str,
+) -> torch.Tensor:
+    """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, kv, d] at `slots`
+    [q], attends over all kv slots under `mask`, returns the layer's output [q, hidden]."""
+    q_len, d = hidden.shape[0], shape.head_dim
+    x = rms_norm(hidden, layer.input_norm, shape.eps)
+    q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(
+        (shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1
+    )
+    q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, shape.eps), rms_norm(k, layer.k_norm, shape.eps)
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    keys.index_copy_(1, slots, k.transpose(0, 1))
+    values.index_copy_(1, slots, v.transpose(0, 1))
+    out = ATTENTION_KERNELS[attention_kernel](
+        q.transpose(0, 1)[None], keys[None], values[None], mask, shape.scale, shape.gqa
+    )
+    hidden = hidden + F.linear(out[0].transpose(0, 1).reshape(q_len, shape.heads * d), layer.o)
+    gate, up = F.linear(rms_norm(hidden, layer.post_norm, shape.eps), layer.gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, layer.down)
+
+
+class FusedDecoder:
+    """The decoder stack + lm_head of a supported HF causal LM, weights fused at load.
+
+    Takes the weights out of `model`: its decoder layers are emptied so the fused copies are the only ones held.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = fused_unsupported(model.config)
+        if reason is not None:
+            raise ValueError(f"no fused path for this target: {reason}")
+        cfg = model.config
+        decoder = model.get_decoder()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = LayerShape(cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.rms_norm_eps)
+        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
+        self.final_norm = decoder.norm.weight
+        self.lm_head = model.get_output_embeddings().weight  # [vocab, hidden], possibly tied to embed
+        self.rotary = decoder.rotary_emb  # the model's own RoPE (default, llama3, yarn, ... scaling)
+        self.layers = [self._fuse(layer) for layer in decoder.layers]
+        decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
+        self.attention = "sdpa"
+        self._compiled = decoder_layer
+
+    @staticmethod
+    def _fuse(layer: torch.nn.Module) -> FusedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = torch.cat([p.bias.detach() for p in projections])
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return FusedLayer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([p.weight.detach() for p in projections]),
+            qkv_bias=bias,
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat((mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())),
+            down=mlp.down_proj.weight.detach(),
+        )
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_len: int,
+        taps: tuple[int, ...],
+        compiled: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions, slots [q] (slots: where each new token's K/V goes); attention over cache slots
+        [0, kv_len) under mask [1, 1, q, kv_len] (None: causal over the new tokens, nothing committed before) ->
+        final-normed hidden [q, hidden], features [q, len(taps) * hidden] (None without taps).
+        compiled: run the layers through the torch.compile'd step (set_compiled), which needs a mask."""
+        hidden = F.embedding(ids, self.embed)  # [q, hidden]
+        cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
+        step, kernel = (self._compiled, self.attention) if compiled else (decoder_layer, "sdpa")
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            j = cache.index[i]
+            keys, values = cache.k[j, 0, :, :kv_len], cache.v[j, 0, :, :kv_len]  # [kv_heads, kv_len, d]
+            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel)
+            if i in taps:
+                tapped.append(hidden)
+        features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None
+        return rms_norm(hidden, self.final_norm, self.shape.eps), features
+
+    def set_compiled(self, enabled: bool, attention: str = "sdpa") -> None:
+        """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the attention
+        kernel of compiled steps: 'sdpa' (masked scaled-dot-product) or 'flex' (flex attention, split over keys)."""
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_KERNELS)}, got {attention!r}")
+        self.attention = attention
+        if not enabled:
+            self._compiled = decoder_layer
+            return
+        self._compiled = torch.compile(decoder_layer, fullgraph=True)  # automatic dynamic: q turns symbolic on first change
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> fp32 logits [n, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,160 @@
+"""Runs the fused decoder with static buffers and CUDA graphs per (cache slot, query bucket).
+
+A captured graph is bound to the addresses it was recorded with, so caches are not allocated per session but
+taken from a pool of slots (power-of-two size classes, reused after a session ends) and a graph is captured the
+first time a slot meets a query bucket. Inputs go into per-bucket static buffers; a tree smaller than its bucket
+is padded with nodes that see only the prefix and themselves, whose K/V land in the slot's spare tail and are
+never committed. Prefill and trees beyond the largest bucket run the same forward eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from ddtree.cuda_graphs import GraphPool
+from verify_server.fused import FusedDecoder, step_mask
+from verify_server.kv_cache import KVCache
+
+MIN_SLOT_TOKENS = 256
+MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
+
+
+def bucket(q: int) -> int | None:
+    """The captured query count a q-token step is padded to (None: run it eagerly). Multiples of 16 up to 128
+    keep padding small where trees usually are; powers of two beyond."""
+    if q == 1:
+        return 1
+    if q <= 128:
+        return -(-q // 16) * 16
+    if q <= MAX_GRAPH_NODES:
+        return 1 << (q - 1).bit_length()
+    return None
+
+
+def size_class(capacity: int) -> int:
+    return max(MIN_SLOT_TOKENS, 1 << (capacity - 1).bit_length())
+
+
+@dataclass
+class StepBuffers:
+    """One bucket's static inputs, rewritten in place before each replay."""
+
+    ids: torch.Tensor  # [qb] long
+    positions: torch.Tensor  # [qb] long
+    tree: torch.Tensor  # [qb, qb] bool
+    start: torch.Tensor  # [] long, the slot of the root
+    eye: torch.Tensor  # [qb, qb] bool, the tree of padding nodes: each sees itself only
+
+    @classmethod
+    def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
+        zeros = torch.zeros(qb, dtype=torch.long, device=device)
+        eye = torch.eye(qb, dtype=torch.bool, device=device)
+        return cls(zeros, zeros.clone(), eye.clone(), torch.zeros((), dtype=torch.long, device=device), eye)
+
+
+class FusedRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_kv_layers: int,
+        max_sessions: int,
+        graphs: bool,
+        compile: bool = False,
+        attention: str = "sdpa",
+    ) -> None:
+        """compile / attention: see FusedDecoder.set_compiled; they apply to the bucketed (graph) steps."""
+        self.decoder = FusedDecoder(model)
+        self.device = self.decoder.embed.device
+        self.dtype = self.decoder.embed.dtype
+        self.num_kv_layers = num_kv_layers
+        self.max_sessions = max_sessions
+        self.configure(graphs, compile, attention)
+
+    def configure(self, graphs: bool, compile: bool = False, attention: str = "sdpa") -> None:
+        """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
+        on one loaded model)."""
+        self.decoder.set_compiled(compile, attention)
+        self.graphs = GraphPool(self.device, enabled=graphs)
+        # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
+        # CPU runs so that the captured code path is checked where no GPU is.
+        self.static = self.graphs.enabled
+        self._slots: dict[int, int] = {}  # id(cache) -> slot number, for every cache ever allocated
+        self._free: dict[int, list[KVCache]] = {}  # size class -> caches not in use
+        self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
+
+    # ---- cache slots ----------------------------------------------------------------------------------------
+
+    def acquire(self, capacity: int) -> KVCache:
+        """A cache holding at least `capacity` committed slots plus room for the largest padded step."""
+        size = size_class(capacity)
+        free = self._free.setdefault(size, [])
+        if free:
+            return free.pop()
+        in_use = len(self._slots) - sum(len(f) for f in self._free.values())
+        if in_use >= self.max_sessions:
+            raise MemoryError(f"all {self.max_sessions} session slots are in use (raise --max-sessions)")
+        d = self.decoder
+        # zeros, not empty: padded steps read unwritten slots through masked-out attention weights, and 0 * NaN
+        # would still poison the output
+        cache = KVCache(list(range(self.num_kv_layers)), d.shape.kv_heads, d.shape.head_dim, size + MAX_GRAPH_NODES,
+                        self.device, self.dtype, zero=True)
+        self._slots[id(cache)] = len(self._slots)
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        cache.length = 0
+        self._free.setdefault(cache.capacity - MAX_GRAPH_NODES, []).append(cache)
+
+    # ---- forwards -------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        cache: KVCache,
+        taps: tuple[int, ...],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        tree: torch.Tensor | None,
+        last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions [q]; tree [q, q] bool (None: causal, the prompt) -> logits [q or 1, V] fp32, features
+        [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q)."""
+        q, start = ids.shape[0], cache.length
+        qb = bucket(q) if tree is not None and self.static else None
+        if qb is None:
+            slots = torch.arange(start, start + q, device=self.device)
+            mask = None if tree is None and start == 0 else step_mask(
+                torch.tensor(start, device=self.device),
+                tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=self.device).tril(),
+                start + q,
+            )
+            hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
+            return self.decoder.logits(hidden[-1:] if last_only else hidden), features
+        buf = self._write_inputs(qb, ids, positions, tree, start)
+        logits, features = self.graphs.run((self._slots[id(cache)], qb, taps), lambda: self._step(cache, buf, taps))
+        return logits[:q], None if features is None else features[:q]
+
+    def _step(self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        qb, kv_len = buf.ids.shape[0], cache.capacity
+        slots = buf.start + torch.arange(qb, device=self.device)
+        hidden, features = self.decoder.forward(
+            buf.ids, buf.positions, cache, slots, step_mask(buf.start, buf.tree, kv_len), kv_len, taps, compiled=True
+        )
+        return self.decoder.logits(hidden), features
+
+    def _write_inputs(
+        self, qb: int, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor, start: int
+    ) -> StepBuffers:
+        buf = self._buffers.get(qb)
+        if buf is None:
+            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+        q = ids.shape[0]
+        buf.ids[:q] = ids
+        buf.positions[:q] = positions
+        buf.positions[q:] = start  # padding: any valid position will do
+        buf.tree.copy_(buf.eye)
+        buf.tree[:q, :q] = tree
+        buf.start.fill_(start)
+        return buf
