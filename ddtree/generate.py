@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
 
     verifier, local_drafter = load_local(
-        target, drafter if args.mode != "ar" else None, args.device, DTYPES[args.dtype], tp=args.tp
+        target, drafter if args.mode != "ar" else None, args.device, DTYPES[args.dtype], tp=args.tp, eager=args.eager
     )
     eos = VerifyEngine.read_eos_ids(target)
     spec = Speculation(args.mode, args.budget)
