@@ -130,7 +130,7 @@ def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tr
 def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: int, sizes: list[int],
                   repeat: int) -> dict:
     """A whole draft call (context append of 4 accepted positions, block forward, tree build) at the DFlash shape
-    matching the target shape, per tree budget."""
+    matching the target shape, per tree budget: the eager path and the static one (CUDA graphs on a GPU)."""
     dcfg = DFlashConfig(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
@@ -142,19 +142,23 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     drafter = drafter.to(device, dtype).eval()
     head = TargetHead(torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02,
                       torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02)
-    engine = DraftEngine(drafter, head)
     step = 4
+    room = context + step * (repeat + 4) + 1
     features = torch.randn(context, dcfg.num_taps * s["hidden_size"], device=device, dtype=dtype)
-    draft_ms = {}
-    for n in sizes:
-        engine.start_session("d", context + step * (repeat + 4) + 1)
-        engine.draft("d", features, 0, context, budget=n)
-        session = engine.session("d")
-        draft_ms[n] = timed(
-            lambda n=n: engine.draft("d", features[:step], 0, session.length + step, budget=n), device, repeat
-        )
-        engine.end_session("d")
-    return {"draft_ms": {str(n): round(v, 3) for n, v in draft_ms.items()}}
+    result = {}
+    for name, eager in (("eager", True), ("static", False)):
+        engine = DraftEngine(drafter, head, eager=eager, max_context=room)
+        draft_ms = {}
+        for n in sizes:
+            engine.start_session("d", room)
+            engine.draft("d", features, 0, context, budget=n)
+            session = engine.session("d")
+            draft_ms[n] = timed(
+                lambda n=n: engine.draft("d", features[:step], 0, session.length + step, budget=n), device, repeat
+            )
+            engine.end_session("d")
+        result[name] = {str(n): round(v, 3) for n, v in draft_ms.items()}
+    return {"draft_ms": result}
 
 
 def run_cost_curve(

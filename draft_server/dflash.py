@@ -183,6 +183,10 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [b, s, n*d] -> [b, n, s, d]
 
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, q, hidden] -> q [b, heads, q, head_dim], normed and rotated."""
+        return apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+
     def key_value(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +205,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """x [b, q, hidden] block stream; ctx_k/ctx_v [b, kv_heads, c, head_dim] context K/V (already rotated);
         mask [b, 1, q, c+q] bool (True = attend) or None for full visibility (inference)."""
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)
+        q = self.query(x, cos, sin)
         k_blk, v_blk = self.key_value(x, cos, sin)
         k = torch.cat((ctx_k, k_blk), dim=2)
         v = torch.cat((ctx_v, v_blk), dim=2)

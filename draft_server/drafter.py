@@ -1,4 +1,9 @@
-"""The drafter engine: per-session context K/V caches and one draft step per round (transport-agnostic)."""
+"""The drafter engine: per-session context K/V caches and one draft step per round (transport-agnostic).
+
+Two paths share the session bookkeeping and the checks: the static one (default; draft_graphs.py: cache slots from
+a fixed pool, static buffers, CUDA graphs on a GPU, one host sync per round) and the eager one (`eager=True`:
+a cache allocated per session, shapes that follow the context, nothing captured; the reference for the other).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.timing import StepTimer
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, sliding_window_mask
+from draft_server.draft_graphs import StaticDrafter
 from draft_server.target_head import TargetHead
 from draft_server.tree import build_tree
 
@@ -22,7 +29,7 @@ class UnknownSessionError(SessionError):
 
 
 class CapacityError(SessionError):
-    """The session's preallocated context cache cannot hold the step."""
+    """The session's preallocated context cache cannot hold the step, or the engine has no room for the session."""
 
 
 @dataclass
@@ -30,25 +37,34 @@ class DraftSession:
     """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
     never stored, so `length` is always the next absolute position the context will cover."""
 
-    ctx_k: list[torch.Tensor]  # per layer [1, kv_heads, capacity, head_dim]
+    ctx_k: list[torch.Tensor]  # per layer [1, kv_heads, rows, head_dim]; rows >= capacity (a static slot has spare)
     ctx_v: list[torch.Tensor]
+    capacity: int  # positions the session asked for: the root must stay below it
+    slot: int | None = None  # the static path's cache slot
     length: int = 0
     last_used: float = 0.0
-
-    @property
-    def capacity(self) -> int:
-        return self.ctx_k[0].shape[2]
 
 
 @dataclass
 class DraftResult:
     tree: DraftTree
-    forward_s: float
-    tree_s: float
+    forward_s: float  # context append + block forward (static path on a GPU: their device time, from CUDA events)
+    tree_s: float  # tree build (static path: the rest of the call, the tree's copy to the host included)
 
 
 class DraftEngine:
-    def __init__(self, drafter: DFlashDrafter, head: TargetHead) -> None:
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        head: TargetHead,
+        *,
+        eager: bool = False,
+        max_sessions: int = 16,
+        max_context: int | None = None,
+    ) -> None:
+        """eager: the dynamic path (a cache per session, nothing captured). Otherwise the static path holds at most
+        `max_sessions` sessions of at most `max_context` positions each (default: the drafter's
+        max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
@@ -60,6 +76,10 @@ class DraftEngine:
         self.device = head.embed.device
         self.dtype = head.embed.dtype
         self.sessions: dict[str, DraftSession] = {}
+        max_context = max_context or cfg.max_position_embeddings
+        if max_sessions < 1 or max_context < 2:
+            raise ValueError(f"need max_sessions >= 1 and max_context >= 2, got {max_sessions} and {max_context}")
+        self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context)
 
     @property
     def block_size(self) -> int:
@@ -69,19 +89,40 @@ class DraftEngine:
     def feature_dim(self) -> int:
         return self.config.num_taps * self.config.hidden_size
 
+    @property
+    def eager(self) -> bool:
+        return self.static is None
+
     def start_session(self, session_id: str, capacity: int) -> None:
         if session_id in self.sessions:
             raise SessionError(f"session {session_id!r} already exists")
-        cfg = self.config
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        if capacity < 1:
+            raise SessionError(f"capacity must be >= 1, got {capacity}")
+        if self.static is None:
+            cfg = self.config
+            shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+            ctx_k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)]
+            ctx_v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)]
+            self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic())
+            return
+        if capacity > self.static.max_context:
+            raise CapacityError(f"capacity {capacity} exceeds the drafter's max_context {self.static.max_context}")
+        slot = self.static.slots.acquire()
+        if slot is None:
+            raise CapacityError(
+                f"all {self.static.slots.max_sessions} drafter session slots are in use "
+                "(end a session, or raise --max-sessions)"
+            )
+        slots = self.static.slots
         self.sessions[session_id] = DraftSession(
-            ctx_k=[torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)],
-            ctx_v=[torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)],
-            last_used=time.monotonic(),
+            slots.k[slot], slots.v[slot], capacity, slot=slot, last_used=time.monotonic()
         )
 
     def end_session(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id, None) is not None
+        sess = self.sessions.pop(session_id, None)
+        if sess is not None and sess.slot is not None:
+            self.static.slots.release(sess.slot)
+        return sess is not None
 
     def session(self, session_id: str) -> DraftSession:
         try:
@@ -101,7 +142,9 @@ class DraftEngine:
     ) -> DraftResult:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
         before `root_position`. Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
-        root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain)."""
+        root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
+        The static path returns the tree on the host (copying it there is the call's one host sync); the eager path
+        leaves it on the drafter's device."""
         sess = self.session(session_id)
         m = features.shape[0]
         if features.ndim != 2 or features.shape[1] != self.feature_dim:
@@ -115,8 +158,21 @@ class DraftEngine:
             raise CapacityError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
         if not 0 <= root_token < self.head.vocab_size:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
+        if budget < 1:
+            raise SessionError(f"budget must be >= 1, got {budget}")
         sess.last_used = time.monotonic()
         start = time.perf_counter()
+        if self.static is not None:
+            # device time of the append and the block (CUDA events, no extra sync); tree_s is the rest of the call
+            timer = StepTimer(self.device)
+            if m:
+                self.static.append(sess.slot, sess.length, features)
+                sess.length = root_position
+            self.static.block(sess.slot, root_token, root_position)
+            timer.mark()
+            tree = self.static.tree(budget, top_k)
+            forward_s, tree_s = timer.split()
+            return DraftResult(tree=tree, forward_s=forward_s, tree_s=tree_s)
         if m:
             positions = torch.arange(sess.length, root_position, device=self.device)[None]
             new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
@@ -134,6 +190,8 @@ class DraftEngine:
 
     def _block_logprobs(self, sess: DraftSession, root_token: int, root_position: int) -> torch.Tensor:
         """-> [B-1, vocab] fp32 log-probs; block position j predicts the token at root_position + j (no shift)."""
+        if self.static is not None:
+            return self.static.block_logprobs(sess.slot, root_token, root_position)
         b = self.block_size
         ids = torch.full((1, b), self.config.mask_token_id, dtype=torch.long, device=self.device)
         ids[0, 0] = root_token

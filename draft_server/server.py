@@ -104,12 +104,24 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     log.info("loading drafter from %s (%s, %s)", config.drafter, device, str(dtype).removeprefix("torch."))
     drafter = load_drafter(config.drafter, device, dtype)
     log.info("loading the target's embed_tokens and lm_head from %s", config.target)
-    engine = DraftEngine(drafter, TargetHead.load(config.target, device, dtype))
+    engine = DraftEngine(
+        drafter, TargetHead.load(config.target, device, dtype),
+        eager=config.eager, max_sessions=config.max_sessions, max_context=config.max_session_tokens,
+    )
     cfg = engine.config
     log.info(
         "drafter loaded in %.1f s: %d layers, block size %d, taps %s, vocab %d",
         time.perf_counter() - start, cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids, engine.head.vocab_size,
     )
+    if engine.static is None:
+        log.info("eager drafter: a context cache per session, no CUDA graphs")
+    else:
+        static = engine.static
+        log.info(
+            "static drafter: up to %d sessions of %d positions, %.1f MiB per session slot (allocated on first use), "
+            "CUDA graphs %s", static.slots.max_sessions, static.max_context, static.slots.slot_bytes / 2**20,
+            "on" if static.graphs.enabled else "off",
+        )
     return engine
 
 

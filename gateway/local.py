@@ -71,5 +71,7 @@ def load_local(
     if drafter is None:
         return verifier, None
     engine = verifier.engine
-    draft_engine = DraftEngine(load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model))
+    draft_engine = DraftEngine(
+        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager
+    )
     return verifier, LocalDrafter(draft_engine)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ddtree.sdpa import attention
+from ddtree.sdpa import attention, grouped_attention
 from verify_server.kv_cache import KVCache
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
@@ -110,17 +110,10 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract with the query heads of each K/V group folded into the query axis: [1, kv_heads,
-    groups * q, d] against the shared K/V, so no kernel needs grouped-query support (masked SDPA with enable_gqa
-    falls back to the math kernel) and K/V are never expanded."""
+    """The same contract with each K/V group's query heads folded into the query axis (ddtree.sdpa)."""
     if mask is None or not gqa:
         return sdpa_attention(q, k, v, mask, scale, gqa)
-    _, heads, q_len, d = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    folded = q.reshape(1, kv_heads, groups * q_len, d)  # heads are kv-group-major, as HF's repeat_kv assumes
-    out = attention(folded, k, v, mask.repeat(1, 1, groups, 1), scale=scale, gqa=False)
-    return out.reshape(1, heads, q_len, d)
+    return grouped_attention(q, k, v, mask, scale)
 
 
 ATTENTION_KERNELS = {"sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "flex": flex_tree_attention}

@@ -1,0 +1,211 @@
+"""The drafter's static path: fixed context-cache slots, inputs written into static buffers, and CUDA graphs.
+
+Eagerly, a Qwen3-8B-shaped drafter block costs ~4.75 ms against ~0.5 ms of weight streaming: it is launch bound,
+and its shapes change every round (the context grows by the m tokens the verifier accepted), so it cannot be
+captured as it stands. Here nothing a step reads changes shape or address between rounds:
+- each session holds one slot of a fixed pool of context caches, kept for the engine's life, and the append and
+  block graphs are captured per slot (and per append bucket / key bucket);
+- new features are padded to a power-of-two bucket and their K/V written at rows `start + i` (a device tensor),
+  so the padding lands past the committed length, where the next append overwrites it;
+- the block writes its own K/V into the slot's uncommitted rows [p, p+B) instead of concatenating them to the
+  context, and attends over a bucketed prefix of the slot under a mask built on the device from the position p;
+- the block's log-probs land in one static buffer, which the tree build (a graph per (budget, top_k), shared by
+  all slots) reads; the packed tree is the one thing copied to host, and the round's one host sync.
+Cache rows are absolute positions, so "row < p" is the committed context and the sliding-window rule compares rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.cuda_graphs import GraphPool
+from ddtree.sdpa import grouped_attention
+from ddtree.types import DraftTree
+from draft_server.dflash import DFlashConfig, DFlashDrafter
+from draft_server.target_head import TargetHead
+from draft_server.tree import build_tree
+
+KEY_ALIGN = 64  # smallest key bucket, and what slot sizes round up to (the mem-efficient kernel wants 16)
+
+
+def key_bucket(n: int, limit: int) -> int:
+    """How many cache rows a block that needs n attends over: the next of 64, 96, 128, 192, 256, 384, ... (at most
+    a third of the rows wasted, two graphs per doubling of the context), capped at the slot's rows."""
+    size = KEY_ALIGN
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return min(size, limit)
+
+
+def append_bucket(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+class ContextSlots:
+    """`max_sessions` context caches of `rows` positions per layer. A slot is allocated the first time it is
+    needed and kept for the engine's life: captured graphs hold its addresses, and a freed slot serves the next
+    session (so memory grows with the sessions held at once, not with max_sessions)."""
+
+    def __init__(self, cfg: DFlashConfig, max_sessions: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape = (1, cfg.num_key_value_heads, rows, cfg.head_dim)
+        self.num_layers = cfg.num_hidden_layers
+        self.max_sessions = max_sessions
+        self.device, self.dtype = device, dtype
+        self.k: list[list[torch.Tensor]] = []  # [slot][layer] -> [1, kv_heads, rows, head_dim]
+        self.v: list[list[torch.Tensor]] = []
+        self._free: list[int] = []
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * self.num_layers * torch.Size(self.shape).numel() * self.dtype.itemsize
+
+    def acquire(self) -> int | None:
+        """A free slot (None when all max_sessions are held); freed slots first, their graphs are captured."""
+        if self._free:
+            self._free.sort()
+            return self._free.pop(0)
+        if len(self.k) >= self.max_sessions:
+            return None
+        # zeros, not empty: blocks read unwritten rows under a -inf mask, and 0 * NaN garbage would still poison them
+        for caches in (self.k, self.v):
+            caches.append([torch.zeros(self.shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)])
+        return len(self.k) - 1
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)  # stale K/V stay: rows at or past a session's length are always masked out
+
+
+class StaticDrafter:
+    """The context append, the block forward and the tree build over static buffers, each replayed from a CUDA
+    graph per shape bucket when `graphs` and on a GPU (otherwise the same code runs as plain calls)."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, head: TargetHead, max_sessions: int, max_context: int, graphs: bool = True
+    ) -> None:
+        cfg = drafter.config
+        self.drafter, self.head, self.config = drafter, head, cfg
+        self.device, self.dtype = head.embed.device, head.embed.dtype
+        self.max_context = max_context
+        # m <= B every round (the accepted nodes and the root); bigger appends (prefill) run uncaptured
+        self.max_append = append_bucket(cfg.block_size)
+        # room past max_context for a padded append and the block's own rows [p, p+B)
+        self.rows = -(-(max_context + self.max_append) // KEY_ALIGN) * KEY_ALIGN
+        self.slots = ContextSlots(cfg, max_sessions, self.rows, self.device, self.dtype)
+        self.graphs = GraphPool(self.device, enabled=graphs)
+        long = {"dtype": torch.long, "device": self.device}
+        self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
+        self._pos = torch.zeros(1, **long)  # the root position p, == the committed context length
+        self._start = torch.zeros(1, **long)  # first row of an append
+        self._arange = torch.arange(self.rows, **long)  # row index == absolute position
+        # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
+        self._logprobs = torch.zeros(cfg.block_size - 1, head.vocab_size, device=self.device)
+        width = cfg.num_taps * cfg.hidden_size
+        self._features = torch.zeros(self.max_append, width, device=self.device, dtype=self.dtype)  # [P, taps*hidden]
+        self._staging = self._uploaded = None
+        if self.device.type == "cuda":
+            # host features go up through pinned memory: a pageable copy would sync the stream
+            self._staging = torch.zeros(self.max_append, width, dtype=self.dtype, pin_memory=True)
+            self._uploaded = torch.cuda.Event()
+
+    # ---- context ------------------------------------------------------------------------------------------------
+
+    def append(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """features [m, taps*hidden], target hidden states at positions [start, start+m) -> their K/V in the slot."""
+        m = features.shape[0]
+        self._start.fill_(start)
+        if m > self.max_append:  # prefill-sized: the same code, uncaptured, at its exact size
+            self._append(slot, features.to(self.device, self.dtype))
+            return
+        self._upload(features)
+        mb = append_bucket(m)
+        self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
+
+    def _upload(self, features: torch.Tensor) -> None:
+        m = features.shape[0]
+        if self._staging is None or features.device.type != "cpu":
+            self._features[:m].copy_(features)
+            return
+        self._uploaded.synchronize()  # the previous upload has left the staging buffer (long done, in practice)
+        self._staging[:m].copy_(features)
+        self._features[:m].copy_(self._staging[:m], non_blocking=True)
+        self._uploaded.record()
+
+    def _append(self, slot: int, features: torch.Tensor) -> None:
+        """features [n, taps*hidden] -> K/V at rows _start + [0, n). Rows past the real m get the K/V of stale
+        (finite) padding features: past the new length, so masked until the next append overwrites them."""
+        rows = self._start + self._arange[: features.shape[0]]  # [n]
+        new_kv = self.drafter.context_kv(features[None], rows[None])
+        for (k, v), k_cache, v_cache in zip(new_kv, self.slots.k[slot], self.slots.v[slot]):
+            k_cache.index_copy_(2, rows, k)
+            v_cache.index_copy_(2, rows, v)
+
+    # ---- block --------------------------------------------------------------------------------------------------
+
+    def block(self, slot: int, root: int, position: int) -> None:
+        """Drafts the block [root, MASK * (B-1)] at `position` (== the slot's committed length) into _logprobs."""
+        keys = self._write_block_inputs(root, position)
+        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+
+    def tree(self, budget: int, top_k: int | None) -> DraftTree:
+        """The tree over the last block's log-probs, on the host."""
+        k = min(top_k or budget, self.head.vocab_size, budget)
+        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k))
+        host = packed.cpu()  # [3, N+1]: the round's one host sync, into memory no replay overwrites
+        return DraftTree(tokens=host[0], parents=host[1], depths=host[2], max_depth=self.config.block_size - 1)
+
+    @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
+    def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:
+        """-> a copy of the [B-1, vocab] fp32 log-probs, uncaptured: the code `block` replays, for inspection."""
+        self._block(slot, self._write_block_inputs(root, position))
+        return self._logprobs.clone()
+
+    def _write_block_inputs(self, root: int, position: int) -> int:
+        self._ids[0, :1].fill_(root)
+        self._pos.fill_(position)
+        return key_bucket(position + self.config.block_size, self.rows)
+
+    def _tree(self, budget: int, top_k: int) -> torch.Tensor:
+        tree = build_tree(self._logprobs, self._ids[0, :1], budget, top_k)  # root as a device tensor: no upload
+        return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
+
+    def _block(self, slot: int, keys: int) -> None:
+        """The block at _pos, attending over the slot's rows [0, keys) -> _logprobs."""
+        cfg, drafter = self.config, self.drafter
+        positions = self._pos + self._arange[: cfg.block_size]  # [B] absolute positions, == the block's rows
+        full, sliding = self._masks(positions, keys)
+        x = self.head.embed_tokens(self._ids)  # [1, B, hidden]
+        cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
+        layers = zip(drafter.layers, cfg.layer_types, self.slots.k[slot], self.slots.v[slot])
+        for layer, kind, k_cache, v_cache in layers:  # DFlashLayer.forward, with the block's K/V kept in the slot
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = attn.key_value(h, cos, sin)
+            k_cache.index_copy_(2, positions, k)
+            v_cache.index_copy_(2, positions, v)
+            bias = sliding if kind == "sliding_attention" else full
+            out = grouped_attention(attn.query(h, cos, sin), k_cache[:, :, :keys], v_cache[:, :, :keys], bias)
+            x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = drafter.norm(x)
+        torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1, out=self._logprobs)
+
+    def _masks(self, positions: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """positions [B] -> additive biases [1, 1, rep*B, keys] for full and sliding layers (None without sliding
+        layers). Visible: the committed context (rows < p) and the block's own rows [p, p+B); through a sliding
+        layer, only context rows fewer than `sliding_window` positions behind the query (HF's convention: the
+        window counts the query's own position) but still the whole block, as sliding_window_mask does."""
+        cfg = self.config
+        rows = self._arange[:keys]  # [keys]
+        written = (rows <= positions[-1:])[None, :].expand(cfg.block_size, keys)  # [B, keys]
+        full = self._bias(written)
+        if not cfg.has_sliding_layers:
+            return full, None
+        near = (positions[:, None] - rows[None, :]) < cfg.sliding_window  # [B, keys]
+        in_block = (rows >= positions[:1])[None, :]  # [1, keys]
+        return full, self._bias(written & (near | in_block))
+
+    def _bias(self, visible: torch.Tensor) -> torch.Tensor:
+        """visible [B, keys] bool -> [1, 1, rep*B, keys] additive bias, built once per block for every layer."""
+        rep = self.config.num_attention_heads // self.config.num_key_value_heads
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(~visible, float("-inf"))
+        return bias.repeat(rep, 1)[None, None]

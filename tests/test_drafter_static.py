@@ -1,0 +1,144 @@
+"""The drafter's static path (slot pool, static buffers, device-built masks, graphs on a GPU) against the eager one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_server.config import DraftServerConfig
+from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, load_drafter
+from draft_server.draft_graphs import key_bucket
+from draft_server.drafter import CapacityError, DraftEngine
+from draft_server.server import load_engine
+from draft_server.target_head import TargetHead
+from tests.conftest import HIDDEN, VOCAB
+
+FEATURE_DIM = 2 * HIDDEN
+# (new features m, root, budget, top_k): prefill-sized (uncaptured append), every append bucket, m=0 (a re-draft
+# at the same position), the chain (top_k=1, budget=B-1), and contexts crossing the 64 / 96 / 128 key buckets
+ROUNDS = [(37, 3, 4, None), (1, 9, 10, 3), (8, 2, 12, 2), (0, 5, 6, None), (3, 17, 5, 1), (30, 4, 20, 4),
+          (5, 11, 4, None), (2, 0, 7, 1), (40, 6, 16, 3), (7, 1, 9, None)]
+
+
+def sliding_drafter(window: int = 5) -> DFlashDrafter:
+    cfg = DFlashConfig(
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, block_size=6, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2],
+        num_target_layers=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=window,
+    )
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.25, seed=2)
+    return model.eval()
+
+
+def engines(model: DFlashDrafter, device: str = "cpu", **static_kwargs) -> tuple[DraftEngine, DraftEngine]:
+    gen = torch.Generator().manual_seed(0)
+    head = TargetHead(torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen))
+    head = TargetHead(head.embed.to(device), head.lm_head.to(device))
+    model = model.to(device)
+    return DraftEngine(model, head, eager=True), DraftEngine(model, head, **static_kwargs)
+
+
+def assert_same_tree(got, want) -> None:
+    for name in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+    assert got.max_depth == want.max_depth
+
+
+def run_rounds(
+    eager: DraftEngine, static: DraftEngine, features: torch.Tensor, rounds=ROUNDS, atol: float = 1e-5
+) -> None:
+    for engine in (eager, static):
+        engine.start_session("s", capacity=features.shape[0] + 1)
+    seen = 0
+    for m, root, budget, top_k in rounds:
+        seen += m
+        new = features[seen - m : seen]
+        want = eager.draft("s", new, root, seen, budget, top_k).tree
+        got = static.draft("s", new, root, seen, budget, top_k).tree
+        assert got.tokens.device.type == "cpu"  # on the host already: the reply needs nothing more
+        assert_same_tree(got, want)
+        torch.testing.assert_close(
+            static._block_logprobs(static.session("s"), root, seen),  # noqa: SLF001 - the raw distributions
+            eager._block_logprobs(eager.session("s"), root, seen),  # noqa: SLF001
+            atol=atol, rtol=atol,
+        )
+    assert static.session("s").length == eager.session("s").length == seen
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_static_path_matches_eager(kind: str, drafter_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = load_drafter(drafter_dir) if kind == "full" else sliding_drafter()
+    eager, static = engines(model, max_sessions=2, max_context=256)
+    assert not static.eager and eager.eager
+    run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
+
+
+def test_freed_slot_serves_the_next_session_cleanly(drafter_dir: Path) -> None:
+    """A longer earlier session leaves K/V in the slot's rows; the next session must not see any of it."""
+    torch.manual_seed(1)
+    eager, static = engines(sliding_drafter(), max_sessions=1, max_context=128)
+    static.start_session("long", 120)
+    static.draft("long", torch.randn(100, FEATURE_DIM), 3, 100, budget=8)
+    first_slot = static.session("long").slot
+    assert static.end_session("long") and not static.end_session("long")
+    run_rounds(eager, static, torch.randn(30, FEATURE_DIM), rounds=[(12, 2, 8, None), (3, 5, 6, 2), (15, 7, 9, None)])
+    assert static.session("s").slot == first_slot
+
+
+def test_full_pool_and_capacity_errors(drafter_dir: Path) -> None:
+    _, static = engines(load_drafter(drafter_dir), max_sessions=2, max_context=64)
+    static.start_session("a", 64)
+    static.start_session("b", 8)
+    with pytest.raises(CapacityError, match="all 2 drafter session slots are in use"):
+        static.start_session("c", 8)
+    static.end_session("a")
+    with pytest.raises(CapacityError, match="capacity 65 exceeds the drafter's max_context 64"):
+        static.start_session("c", 65)
+    static.start_session("c", 64)
+    assert sorted(s.slot for s in static.sessions.values()) == [0, 1]
+    features = torch.randn(63, FEATURE_DIM)
+    tree = static.draft("c", features, 1, 63, budget=5).tree  # the last position the session holds
+    assert tree.num_nodes == 5
+    with pytest.raises(CapacityError, match="capacity 64 exhausted"):
+        static.draft("c", features[:1], 1, 64, budget=5)
+    with pytest.raises(CapacityError, match="capacity 8 exhausted"):
+        static.draft("b", features[:8], 1, 8, budget=5)
+
+
+def test_key_buckets_are_few_aligned_and_capped() -> None:
+    sizes = [key_bucket(n, 10**6) for n in range(1, 5000)]
+    assert all(s >= n and s % 32 == 0 for n, s in zip(range(1, 5000), sizes))
+    assert sorted(set(sizes))[:8] == [64, 96, 128, 192, 256, 384, 512, 768]
+    assert max(s / n for n, s in zip(range(64, 5000), sizes[63:])) <= 1.5
+    assert key_bucket(10_000, 4096) == 4096
+
+
+def test_server_passes_the_engine_flags(drafter_dir: Path, qwen3_target: Path) -> None:
+    common = {"drafter": str(drafter_dir), "target": str(qwen3_target), "device": "cpu", "max_session_tokens": 100}
+    assert load_engine(DraftServerConfig(**common, eager=True)).eager
+    engine = load_engine(DraftServerConfig(**common, max_sessions=3))
+    assert engine.static.slots.max_sessions == 3 and engine.static.max_context == 100
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_graphs_match_eager_on_gpu(kind: str, drafter_dir: Path) -> None:
+    """fp32 on the GPU: the captured path replays the same trees as the eager one, round after round."""
+    torch.manual_seed(0)
+    model = load_drafter(drafter_dir) if kind == "full" else sliding_drafter()
+    eager, static = engines(model, device="cuda", max_sessions=2, max_context=256)
+    assert static.static.graphs.enabled
+    features = torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM)
+    run_rounds(eager, static, features, atol=1e-4)
+    captured = len(static.static.graphs)
+    assert captured > 0
+    static.end_session("s")
+    eager.end_session("s")
+    run_rounds(eager, static, features.roll(1, 0).cuda(), atol=1e-4)  # same slot, features already on the GPU
+    assert len(static.static.graphs) == captured  # replays only
+    assert len(static.static.graphs) == captured
