@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--out", default="bench/result.json")
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
+    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layer step")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    verifier, drafter = load_local(target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager)
+    verifier, drafter = load_local(target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile)
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         "hardware": _hardware(device),
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                     "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path},
+                     "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
+                     "compile": args.compile},
         "runs": runs,
         "ratios": mode_ratios(runs),
     }

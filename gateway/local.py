@@ -52,12 +52,14 @@ class LocalVerifier:
 
 
 def load_local(
-    target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1, eager: bool = False
+    target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1, eager: bool = False,
+    compile: bool = False,
 ) -> tuple[LocalVerifier, LocalDrafter | None]:
     """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
-    forward without static buffers or CUDA graphs."""
+    forward without static buffers or CUDA graphs; compile: torch.compile the
+    verifier's fused layer step."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
@@ -67,7 +69,7 @@ def load_local(
         group = TensorParallelGroup(target, tp, device, dtype)
         verifier = LocalVerifier(group.engine, close=group.close)
     else:
-        verifier = LocalVerifier(VerifyEngine.from_pretrained(target, device, dtype, eager=eager))
+        verifier = LocalVerifier(VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile))
     if drafter is None:
         return verifier, None
     engine = verifier.engine

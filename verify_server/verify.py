@@ -67,11 +67,13 @@ class VerifyEngine:
         max_sessions: int = 16,
         fused: bool = True,
         graphs: bool = True,
+        compile: bool = False,
     ) -> None:
         """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
         fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
         buffers, CUDA graphs when `graphs` and on a GPU, and at most max_sessions cache slots; other targets, or
-        fused=False, take the generic path through the HF modules."""
+        fused=False, take the generic path through the HF modules. compile: torch.compile the fused layer step
+        (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use)."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()
@@ -85,7 +87,7 @@ class VerifyEngine:
         self.sessions: dict[str, VerifySession] = {}
         self.fused = None
         if fused and fused_unsupported(cfg) is None:
-            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs)
+            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile)
             self.linear, self.kv_layers, self.scratch = None, list(range(self.num_layers)), None
             return
         self.decoder = model.get_decoder()
@@ -116,9 +118,10 @@ class VerifyEngine:
         max_tree_size: int = 1024,
         max_sessions: int = 16,
         eager: bool = False,
+        compile: bool = False,
     ) -> "VerifyEngine":
         """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
-        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, fused=not eager, graphs=not eager)
+        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, not eager, not eager, compile)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
