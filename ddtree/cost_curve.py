@@ -191,8 +191,9 @@ def run_cost_curve(
         engine = VerifyEngine(random_target(shape, device, dtype), fused=True, graphs=False)
         paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
         print(f"[cost-curve] {json.dumps(paths)}", flush=True)
-        variants = {"fused+graphs": (False, "sdpa"), "fused+graphs+compile": (True, "sdpa"),
-                    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+flex": (True, "flex")}
+        variants = {"fused+graphs": (False, "sdpa"), "fused+graphs+grouped": (False, "grouped"),
+                    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+matmul": (True, "matmul"),
+                    "fused+graphs+compile+flex": (True, "flex")}
         for name, (compiled, attention) in variants.items() if device.type == "cuda" else ():
             start = time.perf_counter()
             try:

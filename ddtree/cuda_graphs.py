@@ -16,7 +16,18 @@ from typing import Any
 
 import torch
 
-WARMUP_RUNS = 2  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
+WARMUP_RUNS = 2
+KEY_ALIGN = 64  # smallest key bucket, and what cache sizes round up to (the mem-efficient kernel wants 16)  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
+
+
+def key_bucket(n: int, limit: int) -> int:
+    """How many cache rows a captured step that needs n of them attends over: the next of 64, 96, 128, 192, 256,
+    384, ... (at most a third of the rows wasted, two graphs per doubling of the context), capped at `limit`.
+    Attention then costs what the context costs, not what the cache could hold."""
+    size = KEY_ALIGN
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return min(size, limit)
 
 
 class GraphPool:

@@ -18,24 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.cuda_graphs import GraphPool
+from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, key_bucket
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashConfig, DFlashDrafter
 from draft_server.target_head import TargetHead
 from draft_server.tree import build_tree
-
-KEY_ALIGN = 64  # smallest key bucket, and what slot sizes round up to (the mem-efficient kernel wants 16)
-
-
-def key_bucket(n: int, limit: int) -> int:
-    """How many cache rows a block that needs n attends over: the next of 64, 96, 128, 192, 256, 384, ... (at most
-    a third of the rows wasted, two graphs per doubling of the context), capped at the slot's rows."""
-    size = KEY_ALIGN
-    while size < n:
-        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
-    return min(size, limit)
-
 
 def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()

@@ -9,7 +9,7 @@ import torch
 
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, load_drafter
-from draft_server.draft_graphs import key_bucket
+from ddtree.cuda_graphs import key_bucket
 from draft_server.drafter import CapacityError, DraftEngine
 from draft_server.server import load_engine
 from draft_server.target_head import TargetHead

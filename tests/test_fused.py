@@ -41,8 +41,9 @@ def test_slot_pool_bounds_sessions_and_reuses_caches(qwen3_target: Path) -> None
     assert cache.capacity == size_class(200) + MAX_GRAPH_NODES  # room for the largest padded step
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "grouped", "matmul"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
-def test_static_path_features_match_hf_path(kind: str, qwen3_target: Path, llama_target: Path) -> None:
+def test_static_path_features_match_hf_path(kind: str, attention: str, qwen3_target: Path, llama_target: Path) -> None:
     """The padded, whole-slot step replays the HF path's accepted tokens AND its features (what the drafter sees)."""
     from transformers import AutoModelForCausalLM
 
@@ -52,6 +53,8 @@ def test_static_path_features_match_hf_path(kind: str, qwen3_target: Path, llama
     runs = {}
     for path in ("hf", "fused-static"):
         engine = make_engine(target, path)
+        if engine.fused is not None:
+            engine.fused.decoder.set_compiled(False, attention)
         engine.start_session("s", 200, SamplingParams(), taps=[0, 2, 3])
         rng = random.Random(3)
         steps = [engine.prefill("s", prompt)]

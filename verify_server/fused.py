@@ -116,7 +116,26 @@ def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return grouped_attention(q, k, v, mask, scale)
 
 
-ATTENTION_KERNELS = {"sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "flex": flex_tree_attention}
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract as two batched matmuls around a masked fp32 softmax, query heads folded per K/V group.
+    For the few queries of a decode or small tree, cuBLAS spreads the keys over the whole GPU where the fused
+    attention kernels run a handful of thread blocks; under torch.compile the mask and softmax fuse into one kernel."""
+    if mask is None:
+        return sdpa_attention(q, k, v, mask, scale, gqa)
+    b, heads, q_len, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    folded = q.reshape(b, kv_heads, groups * q_len, d)
+    scores = torch.matmul(folded, k.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups*q, kv]
+    scores = scores.masked_fill(~mask.repeat(1, 1, groups, 1), float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # [b, kv_heads, groups*q, d]
+    return out.reshape(b, heads, q_len, d)
+
+
+ATTENTION_KERNELS = {
+    "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_attention, "flex": flex_tree_attention,
+}
 
 
 def decoder_layer(

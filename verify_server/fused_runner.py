@@ -2,7 +2,8 @@
 
 A captured graph is bound to the addresses it was recorded with, so caches are not allocated per session but
 taken from a pool of slots (power-of-two size classes, reused after a session ends) and a graph is captured the
-first time a slot meets a query bucket. Inputs go into per-bucket static buffers; a tree smaller than its bucket
+first time a slot meets a (query bucket, key bucket) pair; the key bucket keeps attention proportional to the
+context rather than to the slot. Inputs go into per-bucket static buffers; a tree smaller than its bucket
 is padded with nodes that see only the prefix and themselves, whose K/V land in the slot's spare tail and are
 never committed. Prefill and trees beyond the largest bucket run the same forward eagerly.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.cuda_graphs import GraphPool
+from ddtree.cuda_graphs import GraphPool, key_bucket
 from verify_server.fused import FusedDecoder, step_mask
 from verify_server.kv_cache import KVCache
 
@@ -133,11 +134,17 @@ class FusedRunner:
             hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
             return self.decoder.logits(hidden[-1:] if last_only else hidden), features
         buf = self._write_inputs(qb, ids, positions, tree, start)
-        logits, features = self.graphs.run((self._slots[id(cache)], qb, taps), lambda: self._step(cache, buf, taps))
+        kv_len = key_bucket(start + qb, cache.capacity)
+        logits, features = self.graphs.run(
+            (self._slots[id(cache)], qb, kv_len, taps), lambda: self._step(cache, buf, taps, kv_len)
+        )
         return logits[:q], None if features is None else features[:q]
 
-    def _step(self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        qb, kv_len = buf.ids.shape[0], cache.capacity
+    def _step(
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured step: attention over the first kv_len slots (a key bucket), whatever the context."""
+        qb = buf.ids.shape[0]
         slots = buf.start + torch.arange(qb, device=self.device)
         hidden, features = self.decoder.forward(
             buf.ids, buf.positions, cache, slots, step_mask(buf.start, buf.tree, kv_len), kv_len, taps, compiled=True
