@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.demo.data import cached_tokens, sample_batch
+from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
 from draft_server.training import (
     DrafterTrainConfig,
@@ -29,6 +29,7 @@ from draft_server.training import (
 CHECKPOINT = "train_state.pt"
 LOG = "training_log.json"
 DEFAULT_MASK_TOKEN = "<|mask|>"
+EVAL_WINDOWS = 128  # --eval-corpus windows: ~2000 blocks, enough for a τ estimate steady to a few hundredths
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
+    p.add_argument("--eval-corpus",
+                   help="chat JSONL the target answered for prompts the drafter never trains on (e.g. held-out "
+                        "packages): its loss and τ estimate at every checkpoint show how far the drafter "
+                        "generalises, which the training batches cannot")
     p.set_defaults(func=run)
 
 
@@ -72,6 +77,9 @@ def assistant_mask(tokens: np.ndarray, tokenizer) -> np.ndarray:
 
 
 def run(args: argparse.Namespace) -> int:
+    # The deadline counts from here, not from the first step: the command's wall-clock limit includes loading
+    # the target and tokenizing the corpus.
+    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes > 0 else float("inf")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = DrafterTrainConfig(**{f.name: getattr(args, f.name) for f in fields(DrafterTrainConfig) if f.name != "tap_layers"})
@@ -85,9 +93,15 @@ def run(args: argparse.Namespace) -> int:
     mask_id = int(args.mask_token) if args.mask_token.isdigit() else tokenizer.convert_tokens_to_ids(args.mask_token)
     if mask_id is None or mask_id == tokenizer.unk_token_id:
         raise SystemExit(f"mask token {args.mask_token!r} is not in the target's vocabulary; pass --mask-token ID")
-    tokens = cached_tokens(tokenizer, args.target, args.corpus, args.cache_dir or out / "cache")
+    cache_dir = args.cache_dir or out / "cache"
+    tokens = cached_tokens(tokenizer, args.target, args.corpus, cache_dir)
     valid = torch.from_numpy(assistant_mask(tokens, tokenizer))
     print(f"corpus: {len(tokens):,} tokens, {valid.float().mean().item():.0%} trainable (assistant) positions")
+    held_out = None
+    if args.eval_corpus:
+        eval_tokens = cached_tokens(tokenizer, args.target, args.eval_corpus, cache_dir)
+        held_out = (eval_windows(eval_tokens, cfg.window, EVAL_WINDOWS),
+                    eval_windows(assistant_mask(eval_tokens, tokenizer), cfg.window, EVAL_WINDOWS).bool())
 
     target = AutoModelForCausalLM.from_pretrained(
         args.target, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa", local_files_only=True
@@ -101,19 +115,20 @@ def run(args: argparse.Namespace) -> int:
     drafter = DFlashDrafter(dcfg)
     init_drafter_weights(drafter, seed=cfg.seed)
     drafter.to(device).train()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    step, log = 0, []
+    # fused: one kernel for the whole update, where a step of a small drafter is bound by kernel launches
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=on_gpu)
+    step, log, evals = 0, [], []
     if args.resume and (out / CHECKPOINT).is_file():
         state = torch.load(out / CHECKPOINT, map_location=device, weights_only=False)
         if DFlashConfig(**state["drafter_config"]) != dcfg:
             raise SystemExit("checkpoint was trained with a different drafter config; start a new --out")
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
-        step, log = state["step"], state["log"]
+        step, log, evals = state["step"], state["log"], state["evals"]
         print(f"resumed at step {step}")
 
     weights = loss_weights(dcfg.block_size, cfg.gamma).to(device)
-    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes > 0 else float("inf")
     bar = tqdm(total=cfg.steps, initial=step, desc="train-drafter", unit="step")
     gen = torch.Generator(device=device)
     while step < cfg.steps and time.monotonic() < deadline:
@@ -137,14 +152,18 @@ def run(args: argparse.Namespace) -> int:
             per_pos, tau = acceptance_stats(correct.detach())
             log.append({"step": step, "loss": round(loss.item(), 5), "tau_est": round(tau, 3),
                         "acc": [round(a, 3) for a in per_pos]})
-            bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{tau:.2f}", acc1=f"{per_pos[0]:.2f}", acc4=f"{per_pos[min(3, len(per_pos) - 1)]:.2f}")
+            # refresh=False: the bar redraws at its own pace (TQDM_MININTERVAL), not every 10 steps into a log
+            bar.set_postfix(loss=f"{loss.item():.3f}", tau=f"{tau:.2f}", acc1=f"{per_pos[0]:.2f}",
+                            acc4=f"{per_pos[min(3, len(per_pos) - 1)]:.2f}", refresh=False)
         bar.update(1)
         if step % args.save_every == 0:
-            _checkpoint(out, drafter, opt, step, log, dcfg)
+            _evaluate(held_out, evals, step, drafter, tapped, cfg, weights)
+            _checkpoint(out, drafter, opt, step, log, evals, dcfg)
     bar.close()
-    _checkpoint(out, drafter, opt, step, log, dcfg)
+    _evaluate(held_out, evals, step, drafter, tapped, cfg, weights)
+    _checkpoint(out, drafter, opt, step, log, evals, dcfg)
     save_drafter(drafter, out, dtype=getattr(torch, args.save_dtype))
-    (out / LOG).write_text(json.dumps({"config": asdict(cfg), "log": log}, indent=1))
+    (out / LOG).write_text(json.dumps({"config": asdict(cfg), "log": log, "eval": evals}, indent=1))
     print(f"saved drafter to {out} at step {step}/{cfg.steps}")
     return 0
 
@@ -155,8 +174,31 @@ def _window_starts(tokens: np.ndarray, cfg: DrafterTrainConfig, step: int) -> np
     return rng.integers(0, len(tokens) - cfg.window, size=cfg.batch_size)
 
 
-def _checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, log: list, dcfg: DFlashConfig) -> None:
+@torch.no_grad()
+def _evaluate(held_out: tuple[torch.Tensor, torch.Tensor] | None, evals: list, step: int, drafter: DFlashDrafter,
+              tapped: TappedTarget, cfg: DrafterTrainConfig, weights: torch.Tensor) -> None:
+    """Loss and τ estimate on the --eval-corpus windows, with the same anchors every time, appended to evals
+    (once per step: a resumed run that ends where it started does not measure again)."""
+    if held_out is None or (evals and evals[-1]["step"] == step):
+        return
+    device = weights.device
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    losses, correct = [], []
+    for ids, ok in zip(*(t.split(cfg.batch_size) for t in held_out)):
+        ids, ok = ids.to(device), ok.to(device)
+        anchors = sample_anchors(ok, cfg.blocks_per_window, drafter.config.block_size, gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss, hits = drafter_loss(drafter, tapped.head, ids, tapped.features(ids), anchors, ok, weights)
+        losses.append(loss.item())
+        correct.append(hits)
+    _, tau = acceptance_stats(torch.cat(correct))
+    evals.append({"step": step, "loss": round(sum(losses) / len(losses), 5), "tau_est": round(tau, 3)})
+    tqdm.write(f"step {step}: held-out loss {evals[-1]['loss']:.3f}, τ estimate {tau:.2f}")
+
+
+def _checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, log: list, evals: list,
+                dcfg: DFlashConfig) -> None:
     tmp = out / (CHECKPOINT + ".tmp")
     torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step, "log": log,
-                "drafter_config": asdict(dcfg)}, tmp)
+                "evals": evals, "drafter_config": asdict(dcfg)}, tmp)
     tmp.replace(out / CHECKPOINT)

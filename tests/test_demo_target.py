@@ -127,3 +127,25 @@ def test_train_target_tiny_run(corpus_dir: Path, tmp_path: Path) -> None:
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_keep_best_exports_the_lowest_heldout_loss(corpus_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # held-out losses with their minimum in the middle, as when a small corpus starts being memorised
+    losses = iter([3.0, 2.5, 2.7, 2.9])
+    monkeypatch.setattr(train_target.TargetTrainer, "heldout_loss", lambda self: next(losses))
+    out, work = tmp_path / "model", tmp_path / "work"
+    argv = ["--out", str(out), "--work-dir", str(work), "--corpus", str(corpus_dir), "--vocab-size", "600",
+            "--steps", "40", "--batch-size", "4", "--seq-len", "32", "--save-every", "10", "--device", "cpu",
+            "--no-progress", "--keep-best", "--hidden-size", "32", "--num-layers", "1", "--num-heads", "2",
+            "--num-kv-heads", "1", "--head-dim", "16", "--intermediate-size", "64"]
+    assert train_target_main(argv) == 0
+    log = json.loads((out / "training_log.json").read_text())
+    assert [e["heldout_loss"] for e in log["eval"]] == [3.0, 2.5, 2.7, 2.9]
+    assert log["step"] == 40 and log["exported_step"] == 20
+    exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).state_dict()
+    best = torch.load(work / train_target.BEST_FILE, weights_only=True)
+    last = torch.load(work / train_target.CHECKPOINT_FILE, weights_only=True)["model"]
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(exported[name], best["model"][name].to(torch.bfloat16))
+    assert not torch.equal(exported[name], last[name].to(torch.bfloat16))

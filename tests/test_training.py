@@ -118,15 +118,20 @@ def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
         args = parser.parse_args([
             "train-drafter", "--target", str(target_dir), "--corpus", str(tmp_path / "corpus" / TRAIN_FILE),
             "--out", str(out), "--device", "cpu", "--block-size", "4", "--num-layers", "1", "--window", "48",
-            "--batch-size", "4", "--blocks-per-window", "4", "--warmup-steps", "2", "--save-every", "5", *extra,
+            "--batch-size", "4", "--blocks-per-window", "4", "--warmup-steps", "2", "--save-every", "5",
+            "--eval-corpus", str(tmp_path / "corpus" / TRAIN_FILE), *extra,
         ])
         return args.func(args)
 
     assert main("--steps", "10") == 0
     assert main("--steps", "20", "--resume") == 0  # continues from step 10, not from scratch
-    log = json.loads((out / "training_log.json").read_text())["log"]
+    training_log = json.loads((out / "training_log.json").read_text())
+    log = training_log["log"]
     assert [e["step"] for e in log] == [10, 20]
     assert len(log[0]["acc"]) == 3  # per-position accuracy for block positions 1..B-1
+    evals = training_log["eval"]
+    assert [e["step"] for e in evals] == [5, 10, 15, 20]  # every checkpoint, once, across the resume
+    assert all(1.0 <= e["tau_est"] <= 4.0 and e["loss"] > 0 for e in evals)
     drafter = load_drafter(out)
     assert drafter.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")
     assert drafter.config.block_size == 4 and drafter.config.num_target_layers == 3

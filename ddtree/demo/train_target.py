@@ -2,7 +2,8 @@
 
 The GPU machines give at most ~10 minutes per command, so training is built to be cut into slices: the same
 command line with `--resume` continues from the last checkpoint, `--max-minutes` stops cleanly before the slot
-ends, and every stop also exports the current model, so there is always a usable model in `--out`.
+ends, and every stop also exports the current model (with `--keep-best`, the evaluated weights with the lowest
+held-out loss), so there is always a usable model in `--out`.
 
 The loss is next-token prediction on every token of the packed stream, prompts included: the prompts are
 themselves stdlib code and prose (more signal per step), and the drafter is later trained on this model's
@@ -34,6 +35,7 @@ from ddtree.demo.tokenizer import (DEFAULT_VOCAB_SIZE, ENDOFTEXT, IM_END, load_t
                                    save_tokenizer, train_tokenizer)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+BEST_FILE = "best.pt"
 LOG_FILE = "training_log.json"
 EVAL_WINDOWS = 64  # held-out windows per evaluation: enough for a stable number, cheap next to training
 
@@ -62,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="continue from the checkpoint in WORK_DIR if there is one (model shape comes from it)")
     p.add_argument("--max-minutes", type=float, help="stop, checkpoint and export once this much wall time passed")
     p.add_argument("--save-every", type=int, default=250, help="steps between checkpoints (and held-out evals)")
+    p.add_argument("--keep-best", action="store_true",
+                   help="export the evaluated weights with the lowest held-out loss, not the last ones: a small "
+                        "corpus is memorised long before the schedule ends")
     p.add_argument("--log-every", type=int, default=10, help="steps per logged mean loss")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     model = p.add_argument_group("model shape (new runs only)")
@@ -194,10 +199,24 @@ class TargetTrainer:
         self.model.train()
         return round(total / len(self.heldout), 5)
 
+    def is_best(self) -> bool:
+        """Whether the latest held-out loss is lower than every earlier one (ties keep the earlier weights)."""
+        *earlier, latest = [e["heldout_loss"] for e in self.state["eval"]]
+        return latest is not None and latest < min((x for x in earlier if x is not None), default=math.inf)
+
+    def save_best(self, step: int) -> None:
+        """The weights --keep-best exports, in the work dir so that a resumed run still has them."""
+        best_path = self.checkpoint_path.with_name(BEST_FILE)
+        tmp = best_path.with_suffix(".tmp")
+        torch.save({"step": step, "model": self.model.state_dict()}, tmp)
+        os.replace(tmp, best_path)
+
     def checkpoint(self, step: int) -> None:
         """Evaluate, save model + optimizer + state atomically, and print one line for plain-text logs."""
         if not self.state["eval"] or self.state["eval"][-1]["step"] != step:
             self.state["eval"].append({"step": step, "heldout_loss": self.heldout_loss()})
+            if self.args.keep_best and self.is_best():
+                self.save_best(step)
         now = time.monotonic()
         rate = (step - self.slice_first_step) * self.args.batch_size * self.args.seq_len / (now - self.slice_start)
         self.state.update(step=step, train_seconds=self.state["train_seconds"] + now - self.slice_start)
@@ -244,14 +263,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"a checkpoint exists in {work}; pass --resume to continue it, or delete it to start over",
               file=sys.stderr)
         return 2
+    best_path = work / BEST_FILE
+    if not args.resume:
+        best_path.unlink(missing_ok=True)  # a previous run's best weights must not be exported for this one
     tokenizer, streams, manifest = prepare_data(args, work, progress)
     trainer = TargetTrainer(args, tokenizer, streams, checkpoint_path)
     params = sum(p.numel() for p in trainer.model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters, {len(streams['train']):,} training tokens, "
           f"starting at step {trainer.state['step']} of {args.steps}", file=sys.stderr)
     step = trainer.train(deadline, progress)
+    exported_step = step
+    if args.keep_best and best_path.exists():
+        best = torch.load(best_path, map_location=trainer.device, weights_only=True)
+        trainer.model.load_state_dict(best["model"])
+        exported_step = best["step"]
     log = {
-        "complete": step >= args.steps, "step": step, "steps": args.steps, "parameters": params,
+        "complete": step >= args.steps, "step": step, "exported_step": exported_step, "steps": args.steps,
+        "parameters": params,
         "tokens_per_step": args.batch_size * args.seq_len, "train_seconds": round(trainer.state["train_seconds"], 1),
         "hyperparameters": {k: v for k, v in vars(args).items()
                             if k not in ("func", "out", "work_dir", "corpus")},
@@ -259,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
         "loss": trainer.state["loss"], "eval": trainer.state["eval"],
     }
     export(trainer.model, tokenizer, args.out, log)
-    print(f"{'finished' if log['complete'] else 'paused'} at step {step}/{args.steps}; model in {args.out}"
+    print(f"{'finished' if log['complete'] else 'paused'} at step {step}/{args.steps}; model (step {exported_step}) "
+          f"in {args.out}"
           + ("" if log["complete"] else "; run again with --resume to continue"), file=sys.stderr)
     return 0
