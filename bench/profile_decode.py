@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eager", action="store_true", help="the generic HF path")
     p.add_argument("--compile", action="store_true", help="torch.compile the fused layer step")
-    p.add_argument("--attention", default="sdpa", help="attention kernel of the fused steps: sdpa, grouped, flex")
+    p.add_argument("--attention", help="attention kernel of the fused steps: sdpa, grouped, matmul, flex (default: per mode)")
     p.add_argument("--rows", type=int, default=20)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)

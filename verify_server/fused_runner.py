@@ -64,7 +64,7 @@ class FusedRunner:
         max_sessions: int,
         graphs: bool,
         compile: bool = False,
-        attention: str = "sdpa",
+        attention: str | None = None,
     ) -> None:
         """compile / attention: see FusedDecoder.set_compiled; they apply to the bucketed (graph) steps."""
         self.decoder = FusedDecoder(model)
@@ -74,10 +74,11 @@ class FusedRunner:
         self.max_sessions = max_sessions
         self.configure(graphs, compile, attention)
 
-    def configure(self, graphs: bool, compile: bool = False, attention: str = "sdpa") -> None:
+    def configure(self, graphs: bool, compile: bool = False, attention: str | None = None) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
-        on one loaded model)."""
-        self.decoder.set_compiled(compile, attention)
+        on one loaded model). attention None: the fastest measured kernel for the mode (bench/README.md, Qwen3-8B
+        shapes on an H200): folded-group SDPA eager, matmul + fused softmax when compiled."""
+        self.decoder.set_compiled(compile, attention or ("matmul" if compile else "grouped"))
         self.graphs = GraphPool(self.device, enabled=graphs)
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.
