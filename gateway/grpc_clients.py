@@ -4,6 +4,9 @@ in-process backends of gateway/local.py, so `run_rounds` cannot tell them apart.
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
+Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the gateway only
+hands them from one service to the other, so they are never decoded to torch tensors and re-encoded here.
+
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
     ...
@@ -114,14 +117,10 @@ class GrpcDrafter(_Client):
         self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
     ) -> tuple[DraftTree, dict[str, float]]:
         request = pb.DraftRequest(
-            session_id=session_id,
-            features=tensors.tensor_to_pb(features),
-            root_token=root_token,
-            root_position=root_position,
-            budget=budget,
-            top_k=top_k or 0,
+            session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0
         )
-        return tensors.draft_from_pb(await self._call("Draft", self._stub.Draft, request))
+        tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
+        return tensors.draft_from_pb(await self._call("Draft", self._stub.Draft, request), wire=True)
 
     async def end_session(self, session_id: str) -> None:
         await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
@@ -145,14 +144,16 @@ class GrpcVerifier(_Client):
 
     async def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt)
-        return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request))
+        return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
-        request = pb.VerifyRequest(session_id=session_id, tree=tensors.tree_to_pb(tree))
-        return tensors.step_from_pb(await self._call("Verify", self._stub.Verify, request))
+        request = pb.VerifyRequest(session_id=session_id)
+        request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
+        return tensors.step_from_pb(await self._call("Verify", self._stub.Verify, request), wire=True)
 
     async def decode(self, session_id: str) -> StepResult:
-        return tensors.step_from_pb(await self._call("Decode", self._stub.Decode, pb.DecodeRequest(session_id=session_id)))
+        request = pb.DecodeRequest(session_id=session_id)
+        return tensors.step_from_pb(await self._call("Decode", self._stub.Decode, request), wire=True)
 
     async def end_session(self, session_id: str) -> None:
         await self._call("EndSession", self._stub.EndSession, pb.VerifierEndSessionRequest(session_id=session_id))

@@ -3,13 +3,21 @@
 Servers and clients call only these functions, so a field added to the .proto is wired up here and nowhere else.
 Decoding never trusts the sender: a wrong dtype or byte count is a ValueError, which servers answer with
 INVALID_ARGUMENT. Decoding does not check trees against a session (verify_server/validate.py does).
+
+The gateway only carries features from the verifier to the drafter and trees from the drafter to the verifier, so
+its decoders (`wire=True`) keep them in their wire form: a `WireTensor` and a `WireDraftTree` hold the received
+message, decode only if something looks inside, and encode back to that very message. A round then makes no
+torch call and no copy in the gateway (each costs ~0.1 ms there: between rounds the models' forwards evict it
+from the caches).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
@@ -24,17 +32,76 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
 }
 _WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()}
+# numpy reads the bytes (far fewer instructions than a torch call); bfloat16, which numpy lacks, as int16 words.
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.float16, "int64": np.int64, "int32": np.int32}
+FLOAT_WIRE_DTYPES = frozenset(name for name, dtype in WIRE_DTYPES.items() if dtype.is_floating_point)
 _MAX_DIMS = 8
 
 
-def tensor_to_pb(tensor: torch.Tensor) -> pb.Tensor:
-    """Any-device tensor -> raw bytes (one device-to-host copy); bf16 goes as its raw 2-byte words."""
+class WireTensor:
+    """A tensor still in its wire form: `message` as received, decoded (once, by `tensor_from_pb`) only when used
+    as a tensor. torch functions and tensor attributes work on it through the decoded tensor; `tensor_to_pb`
+    returns `message` itself. Read-only by contract: it stands for the message, which it never changes."""
+
+    __slots__ = ("message", "_tensor")
+
+    def __init__(self, message: pb.Tensor) -> None:
+        self.message = message
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.message.shape)
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = tensor_from_pb(self.message)
+        return self._tensor
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in WireTensor.__slots__:  # copy/pickle probes, a half-built instance
+            raise AttributeError(name)
+        return getattr(self.tensor(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, WireTensor):
+                return x.tensor()
+            if isinstance(x, (list, tuple)):
+                return type(x)(unwrap(y) for y in x)
+            return x
+
+        return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+    def __repr__(self) -> str:
+        return f"WireTensor(dtype={self.message.dtype}, shape={list(self.message.shape)})"
+
+
+def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
+    """Any-device tensor -> raw bytes (one device-to-host copy); bf16 goes as its raw 2-byte words.
+    out: a (sub)message to fill in place (a submessage given to a constructor or CopyFrom is copied once more).
+    A WireTensor is already a message: it is returned as it came (or copied into `out`)."""
+    if isinstance(tensor, WireTensor):
+        if out is None:
+            return tensor.message
+        out.CopyFrom(tensor.message)
+        return out
     name = _WIRE_NAMES.get(tensor.dtype)
     if name is None:
         raise ValueError(f"dtype {tensor.dtype} has no wire encoding (supported: {', '.join(WIRE_DTYPES)})")
-    # Viewed as bytes so dtypes numpy lacks (bfloat16) need no conversion.
-    raw = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return pb.Tensor(data=raw.numpy().tobytes(), dtype=name, shape=list(tensor.shape))
+    host = tensor.detach() if tensor.requires_grad else tensor
+    if host.device.type != "cpu":
+        host = host.cpu()
+    if name == "bfloat16":
+        host = host.view(torch.int16)  # numpy has no bfloat16: the same 2-byte words under another name
+    # numpy writes row-major order whatever the strides, so a non-contiguous view costs no extra copy.
+    msg = pb.Tensor() if out is None else out
+    msg.data = host.numpy().tobytes()
+    msg.dtype = name
+    msg.shape[:] = tensor.shape
+    return msg
 
 
 def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
@@ -42,40 +109,79 @@ def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
     dtype = WIRE_DTYPES.get(msg.dtype)
     if dtype is None:
         raise ValueError(f"tensor dtype {msg.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
-    shape = list(msg.shape)
+    shape = tuple(msg.shape)
     if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
-        raise ValueError(f"bad tensor shape {shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    expected = math.prod(shape) * itemsize
-    if len(msg.data) != expected:
-        raise ValueError(f"tensor of shape {shape} and dtype {msg.dtype} needs {expected} bytes, got {len(msg.data)}")
+        raise ValueError(f"bad tensor shape {list(shape)}")
+    expected = math.prod(shape) * _ITEMSIZES[msg.dtype]
+    data = msg.data  # read once: every read of a bytes field is a fresh copy
+    if len(data) != expected:
+        raise ValueError(f"tensor of shape {list(shape)} and dtype {msg.dtype} needs {expected} bytes, got {len(data)}")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     # bytearray: a writable copy the tensor keeps alive (torch warns on read-only buffers).
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
+    tensor = torch.from_numpy(np.frombuffer(bytearray(data), dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape))
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
-def timings_to_pb(forward_s: float, detail: Mapping[str, float]) -> pb.Timings:
-    """total_s is filled by the server once the answer is ready."""
-    return pb.Timings(forward_s=forward_s, detail=dict(detail))
+def timings_to_pb(forward_s: float, detail: Mapping[str, float], out: pb.Timings | None = None) -> pb.Timings:
+    """total_s is filled by the server once the answer is ready. out: a (sub)message to fill in place."""
+    msg = pb.Timings() if out is None else out
+    msg.forward_s = forward_s
+    msg.detail.update(detail)
+    return msg
 
 
 # ---- draft trees and sampling -----------------------------------------------------------------------------------
 
 
-def tree_to_pb(tree: DraftTree) -> pb.DraftTree:
+class WireDraftTree(DraftTree):
+    """A DraftTree still in its wire form: `message` as received; the tensors are decoded (once) on first use,
+    `num_nodes` and `max_depth` need no decoding, and `tree_to_pb` returns `message` itself. Read-only by contract."""
+
+    def __init__(self, message: pb.DraftTree) -> None:  # noqa: D107 - not the dataclass's init: nothing decoded yet
+        self.message = message
+        self.max_depth = message.max_depth
+        self._decoded: DraftTree | None = None
+
+    def _tree(self) -> DraftTree:
+        if self._decoded is None:
+            self._decoded = tree_from_pb(self.message)
+        return self._decoded
+
+    tokens = property(lambda self: self._tree().tokens)  # type: ignore[assignment]
+    parents = property(lambda self: self._tree().parents)  # type: ignore[assignment]
+    depths = property(lambda self: self._tree().depths)  # type: ignore[assignment]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.message.tokens) - 1
+
+
+def tree_to_pb(tree: DraftTree, out: pb.DraftTree | None = None) -> pb.DraftTree:
+    """out: a (sub)message to fill in place. A WireDraftTree is already a message: returned as it came (or copied
+    into `out`)."""
+    if isinstance(tree, WireDraftTree):
+        if out is None:
+            return tree.message
+        out.CopyFrom(tree.message)
+        return out
     tokens, parents, depths = torch.stack((tree.tokens, tree.parents, tree.depths)).tolist()  # one host sync
-    return pb.DraftTree(tokens=tokens, parents=parents, depths=depths, max_depth=tree.max_depth)
+    msg = pb.DraftTree() if out is None else out
+    msg.tokens[:] = tokens
+    msg.parents[:] = parents
+    msg.depths[:] = depths
+    msg.max_depth = tree.max_depth
+    return msg
 
 
 def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
     """Shape only; whether the arrays form a tree is verify_server/validate.py's question."""
-    return DraftTree(
-        tokens=torch.tensor(list(msg.tokens), dtype=torch.long),
-        parents=torch.tensor(list(msg.parents), dtype=torch.long),
-        depths=torch.tensor(list(msg.depths), dtype=torch.long),
-        max_depth=msg.max_depth,
-    )
+    rows = list(msg.tokens), list(msg.parents), list(msg.depths)
+    if len(rows[0]) == len(rows[1]) == len(rows[2]):
+        tokens, parents, depths = torch.tensor(rows, dtype=torch.long)  # one torch call: [3, n], a row per field
+    else:  # ragged: kept as sent, for the validator to name
+        tokens, parents, depths = (torch.tensor(row, dtype=torch.long) for row in rows)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, max_depth=msg.max_depth)
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
@@ -95,13 +201,17 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def draft_to_pb(tree: DraftTree, forward_s: float, tree_s: float) -> pb.DraftResponse:
-    return pb.DraftResponse(tree=tree_to_pb(tree), timings=timings_to_pb(forward_s, {"tree_s": tree_s}))
+    msg = pb.DraftResponse()  # submessages filled in place rather than built and copied in
+    tree_to_pb(tree, out=msg.tree)
+    timings_to_pb(forward_s, {"tree_s": tree_s}, out=msg.timings)
+    return msg
 
 
-def draft_from_pb(msg: pb.DraftResponse) -> tuple[DraftTree, dict[str, float]]:
-    """-> the tree and the round loop's timing keys (those of the in-process drafter, plus the server total)."""
+def draft_from_pb(msg: pb.DraftResponse, wire: bool = False) -> tuple[DraftTree, dict[str, float]]:
+    """-> the tree and the round loop's timing keys (those of the in-process drafter, plus the server total).
+    wire: the tree stays a WireDraftTree (the gateway passes it on to the verifier as it came)."""
     timings = {"draft_s": msg.timings.forward_s, **msg.timings.detail, "draft_server_s": msg.timings.total_s}
-    return tree_from_pb(msg.tree), timings
+    return WireDraftTree(msg.tree) if wire else tree_from_pb(msg.tree), timings
 
 
 def drafter_info_to_pb(info: DrafterInfo) -> pb.DrafterInfoResponse:
@@ -130,14 +240,18 @@ def drafter_info_from_pb(msg: pb.DrafterInfoResponse) -> DrafterInfo:
 
 
 def step_to_pb(result: StepResult) -> pb.StepResponse:
-    msg = pb.StepResponse(tokens=result.tokens, timings=timings_to_pb(result.forward_s, result.timings))
+    msg = pb.StepResponse(tokens=result.tokens)  # submessages filled in place rather than built and copied in
+    timings_to_pb(result.forward_s, result.timings, out=msg.timings)
     if result.features is not None:
-        msg.features.CopyFrom(tensor_to_pb(result.features))
+        tensor_to_pb(result.features, out=msg.features)
     return msg
 
 
-def step_from_pb(msg: pb.StepResponse) -> StepResult:
-    features = tensor_from_pb(msg.features) if msg.HasField("features") else None
+def step_from_pb(msg: pb.StepResponse, wire: bool = False) -> StepResult:
+    """wire: the features stay a WireTensor (the gateway passes them on to the drafter as they came)."""
+    features = None
+    if msg.HasField("features"):
+        features = WireTensor(msg.features) if wire else tensor_from_pb(msg.features)
     timings = {**msg.timings.detail, "verify_server_s": msg.timings.total_s}
     return StepResult(list(msg.tokens), features, forward_s=msg.timings.forward_s, timings=timings)
 
