@@ -13,7 +13,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddtree.cost_curve import RANDOM_PREFIX, random_target
+from ddtree.cost_curve import RANDOM_PREFIX, copy_bandwidth, random_target
 from ddtree.types import SamplingParams
 from draft_server.tree import build_tree
 from verify_server.verify import VerifyEngine, load_target
@@ -36,6 +36,10 @@ def main() -> None:
         model = random_target(args.target.removeprefix(RANDOM_PREFIX), args.device, dtype)
     else:
         model = load_target(args.target, args.device, dtype)
+    embed = model.get_input_embeddings().weight
+    streamed = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    bound_ms = streamed / copy_bandwidth(torch.device(args.device), min(4 * 2**30, streamed)) * 1000
+    print(f"weight-streaming bound {bound_ms:.3f} ms ({streamed / 1e9:.2f} GB streamed per step)")
     engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager)
     if engine.fused is not None:
         engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention)
@@ -61,7 +65,8 @@ def main() -> None:
             torch.cuda.synchronize()
         events = prof.key_averages()
         kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
-        print(f"\n=== {nodes} nodes: step {wall_ms:.3f} ms wall, {kernel_ms:.3f} ms of device kernels per step ===")
+        print(f"\n=== {nodes} nodes: step {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x the bound), "
+              f"{kernel_ms:.3f} ms of device kernels per step ===")
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
         engine.end_session("p")
 

@@ -18,6 +18,8 @@ from transformers import PreTrainedModel
 from ddtree.cuda_graphs import GraphPool, key_bucket
 from verify_server.fused import FusedDecoder, step_mask
 from verify_server.kv_cache import KVCache
+from verify_server.tree_attention import ancestor_matrix
+from verify_server.walk import accept_path
 
 MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
@@ -45,15 +47,20 @@ class StepBuffers:
 
     ids: torch.Tensor  # [qb] long
     positions: torch.Tensor  # [qb] long
-    tree: torch.Tensor  # [qb, qb] bool
+    tree: torch.Tensor  # [qb, qb] bool ancestor-or-self matrix
+    parents: torch.Tensor  # [qb] long (padding: 0)
+    depths: torch.Tensor  # [qb] long (padding: 0)
     start: torch.Tensor  # [] long, the slot of the root
+    num: torch.Tensor  # [] long, real nodes (the rest is padding)
     eye: torch.Tensor  # [qb, qb] bool, the tree of padding nodes: each sees itself only
 
     @classmethod
     def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
-        zeros = torch.zeros(qb, dtype=torch.long, device=device)
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
         eye = torch.eye(qb, dtype=torch.bool, device=device)
-        return cls(zeros, zeros.clone(), eye.clone(), torch.zeros((), dtype=torch.long, device=device), eye)
+        return cls(zeros(qb), zeros(qb), eye.clone(), zeros(qb), zeros(qb), zeros(), zeros(), eye)
 
 
 class FusedRunner:
@@ -141,20 +148,72 @@ class FusedRunner:
         )
         return logits[:q], None if features is None else features[:q]
 
-    def _step(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
+    def greedy_round(
+        self,
+        cache: KVCache,
+        taps: tuple[int, ...],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        max_depth: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A whole greedy verify round in one replay: forward, argmax, acceptance walk (verify_server/walk.py) and
+        compaction of the accepted path's K/V to slots [length, length+k+1). -> (packed [2 + qb] as accept_path
+        returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None); None when
+        the step is not captured (eager mode, or a tree beyond the largest bucket): run it the general way.
+        Inputs as in forward, plus parents, depths [q] and the tree's max_depth (the ancestor matrix is built inside
+        the graph); the caller sets cache.length afterwards."""
+        q = ids.shape[0]
+        qb = bucket(q) if self.static else None
+        if qb is None:
+            return None
+        start = cache.length
+        buf = self._write_inputs(qb, ids, positions, None, start)
+        buf.parents[:q] = parents.clamp(min=0)  # the root, and every padding node, hang off the root
+        buf.parents[q:] = 0
+        buf.depths[:q] = depths
+        buf.depths[q:] = 0
+        buf.num.fill_(q)
+        kv_len = key_bucket(start + qb, cache.capacity)
+        return self.graphs.run(
+            (self._slots[id(cache)], qb, kv_len, taps, max_depth),
+            lambda: self._greedy(cache, buf, taps, kv_len, max_depth),
+        )
+
+    def _greedy(
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured step: attention over the first kv_len slots (a key bucket), whatever the context."""
+        """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
+        compaction only reads slots in that range. Padding nodes are children of the root that only match when
+        valid, so they are never accepted."""
+        anc = ancestor_matrix(buf.parents, max_depth)  # [qb, qb]
+        logits, features = self._step(cache, buf, taps, kv_len, anc)
+        qb = buf.ids.shape[0]
+        nodes = torch.arange(qb, device=self.device)
+        packed, path = accept_path(buf.ids, buf.parents, buf.depths, anc, logits.argmax(dim=-1), nodes < buf.num)
+        order = path.clamp(max=qb - 1)  # the path first; the filler's slots are beyond the committed length
+        cache.k.index_copy_(3, buf.start + nodes, cache.k.index_select(3, buf.start + order))
+        cache.v.index_copy_(3, buf.start + nodes, cache.v.index_select(3, buf.start + order))
+        return packed, None if features is None else features[order]
+
+    def _step(
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, tree: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured step: attention over the first kv_len slots (a key bucket), whatever the context.
+        tree [qb, qb] bool: the visibility among new tokens (None: buf.tree)."""
         qb = buf.ids.shape[0]
         slots = buf.start + torch.arange(qb, device=self.device)
+        mask = step_mask(buf.start, buf.tree if tree is None else tree, kv_len)
         hidden, features = self.decoder.forward(
-            buf.ids, buf.positions, cache, slots, step_mask(buf.start, buf.tree, kv_len), kv_len, taps, compiled=True
+            buf.ids, buf.positions, cache, slots, mask, kv_len, taps, compiled=True
         )
         return self.decoder.logits(hidden), features
 
     def _write_inputs(
-        self, qb: int, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor, start: int
+        self, qb: int, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, start: int
     ) -> StepBuffers:
+        """tree None: the caller's graph builds the visibility itself (buf.tree is left as it is)."""
         buf = self._buffers.get(qb)
         if buf is None:
             buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
@@ -162,7 +221,8 @@ class FusedRunner:
         buf.ids[:q] = ids
         buf.positions[:q] = positions
         buf.positions[q:] = start  # padding: any valid position will do
-        buf.tree.copy_(buf.eye)
-        buf.tree[:q, :q] = tree
+        if tree is not None:
+            buf.tree.copy_(buf.eye)
+            buf.tree[:q, :q] = tree
         buf.start.fill_(start)
         return buf

@@ -22,6 +22,7 @@ from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, instal
 from verify_server.sampling import choose_tokens
 from verify_server.state_cache import StateCache, TreeScratch
 from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
+from verify_server.walk import accept_path
 
 
 class SessionError(ValueError):
@@ -218,30 +219,35 @@ class VerifyEngine:
         depths = tree.depths.to(self.device)
         ids = tree.tokens.to(self.device).clone()
         ids[0] = sess.root  # the root is the session's, whatever the drafter thought it was
-        anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
-        logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
-        timer.mark()
-        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
-
-        match = ids == choice[parents.clamp(min=0)]
-        match[0] = True
-        accepted = ~(anc & ~match[None, :]).any(dim=1)  # node and all its ancestors are target choices
-        deepest = torch.where(accepted, depths, -1).argmax()
-        node_idx = torch.arange(q, device=self.device)
-        path = torch.where(anc[deepest], node_idx, q).sort().values  # path nodes first (root..deepest), then q
-        packed = torch.cat((depths[deepest].view(1), choice[deepest].view(1), ids[path.clamp(max=q - 1)]))
-        host = packed.tolist()  # the round's single host sync
-        k, bonus = host[0], host[1]
-        tokens = host[3 : 3 + k] + [bonus]
-        keep = path[: k + 1]
-        sess.cache.compact(start, keep)
-        if sess.states is not None:
-            sess.states.commit(self.scratch, keep)
+        captured = None
+        if self.fused is not None and sess.params.greedy:
+            captured = self.fused.greedy_round(
+                sess.cache, tuple(sess.taps), ids, start + depths, parents, depths, tree.max_depth
+            )
+        if captured is not None:  # forward, walk and compaction in one graph replay
+            packed, path_features = captured
+            timer.mark()
+            host = packed.tolist()  # the round's single host sync
+            k, bonus = host[0], host[1]
+            sess.cache.length = start + k + 1
+            features = None if path_features is None else path_features[: k + 1].clone()
+        else:
+            anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
+            logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
+            timer.mark()
+            choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
+            packed, path = accept_path(ids, parents, depths, anc, choice)
+            host = packed.tolist()  # the round's single host sync
+            k, bonus = host[0], host[1]
+            keep = path[: k + 1]
+            sess.cache.compact(start, keep)
+            if sess.states is not None:
+                sess.states.commit(self.scratch, keep)
+            if features is not None:
+                features = features[keep]
         sess.root = bonus
-        if features is not None:
-            features = features[keep]
         forward_s, walk_s = timer.split()
-        return StepResult(tokens, features, forward_s=forward_s, timings={"walk_s": walk_s})
+        return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
 
     def _check_room(self, sess: VerifySession, new_tokens: int) -> None:
         if sess.cache.length + new_tokens > sess.capacity:

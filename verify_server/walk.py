@@ -1,0 +1,33 @@
+"""The acceptance walk: which root-to-node path of a scored tree the target agrees with, on the device."""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_path(
+    ids: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    anc: torch.Tensor,
+    choice: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, parents, depths [q] (parents[0] = -1); anc [q, q] bool ancestor-or-self matrix; choice [q]: the target's
+    token after each node; valid [q] bool (None: all), False for padding nodes that must never be accepted ->
+    packed [2 + q] = (accepted depth k, the bonus token, the path's tokens root..deepest, then filler) and
+    path [q] = the path's node indices root..deepest, then q for the rest.
+
+    A node is accepted when it and all its ancestors are the target's choices after their parents; the deepest
+    accepted node ends the path. Fixed shapes and no host sync: the same code runs eagerly or inside a graph."""
+    q = ids.shape[0]
+    match = ids == choice[parents.clamp(min=0)]
+    match[0] = True
+    if valid is not None:
+        match &= valid
+    accepted = ~(anc & ~match[None, :]).any(dim=1)  # [q]
+    deepest = torch.where(accepted, depths, -1).argmax()
+    nodes = torch.arange(q, device=ids.device)
+    path = torch.where(anc[deepest], nodes, q).sort().values  # ancestors have smaller indices than descendants
+    packed = torch.cat((depths[deepest].view(1), choice[deepest].view(1), ids[path.clamp(max=q - 1)]))
+    return packed, path
