@@ -26,12 +26,12 @@ def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     n = parents.shape[0]
     idx = torch.arange(n, device=parents.device)
     up = parents.clamp(min=0)  # the root is its own parent, so walking past it stays put
-    anc = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    anc[idx, idx] = True
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
+    true = torch.ones(n, dtype=torch.bool, device=parents.device)  # device values: capturable in a CUDA graph
     cur = idx
     for _ in range(max_depth):
         cur = up[cur]
-        anc[idx, cur] = True
+        anc.index_put_((idx, cur), true)
     return anc
 
 

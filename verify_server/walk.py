@@ -21,13 +21,12 @@ def accept_path(
     A node is accepted when it and all its ancestors are the target's choices after their parents; the deepest
     accepted node ends the path. Fixed shapes and no host sync: the same code runs eagerly or inside a graph."""
     q = ids.shape[0]
-    match = ids == choice[parents.clamp(min=0)]
-    match[0] = True
+    nodes = torch.arange(q, device=ids.device)
+    match = (ids == choice[parents.clamp(min=0)]) | (nodes == 0)  # the root is given
     if valid is not None:
         match &= valid
     accepted = ~(anc & ~match[None, :]).any(dim=1)  # [q]
     deepest = torch.where(accepted, depths, -1).argmax()
-    nodes = torch.arange(q, device=ids.device)
     path = torch.where(anc[deepest], nodes, q).sort().values  # ancestors have smaller indices than descendants
     packed = torch.cat((depths[deepest].view(1), choice[deepest].view(1), ids[path.clamp(max=q - 1)]))
     return packed, path
