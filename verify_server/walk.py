@@ -26,7 +26,9 @@ def accept_path(
     if valid is not None:
         match &= valid
     accepted = ~(anc & ~match[None, :]).any(dim=1)  # [q]
-    deepest = torch.where(accepted, depths, -1).argmax()
-    path = torch.where(anc[deepest], nodes, q).sort().values  # ancestors have smaller indices than descendants
-    packed = torch.cat((depths[deepest].view(1), choice[deepest].view(1), ids[path.clamp(max=q - 1)]))
+    # index_select with a device index, never t[0-d tensor]: that reads the index on the host (a sync, and an
+    # error inside graph capture)
+    deepest = torch.where(accepted, depths, -1).argmax().view(1)
+    path = torch.where(anc.index_select(0, deepest)[0], nodes, q).sort().values  # ancestors come before descendants
+    packed = torch.cat((depths.index_select(0, deepest), choice.index_select(0, deepest), ids[path.clamp(max=q - 1)]))
     return packed, path
