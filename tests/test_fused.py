@@ -92,3 +92,23 @@ def test_eager_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse(["--no-eager"]).eager is False
     monkeypatch.setenv("DDTREE_VERIFY_MAX_SESSIONS", "3")
     assert parse([]).max_sessions == 3
+
+
+def test_sampled_sessions_on_the_static_path_follow_the_hf_path(qwen3_target: Path) -> None:
+    """Sampling is not captured (the walk runs after the graphed forward): with the same seed and the same logits
+    up to float noise, both paths draw the same tokens, deep trees included."""
+    params = SamplingParams(temperature=1.0, seed=123)
+    runs = {}
+    for path in ("hf", "fused-static"):
+        engine = make_engine(qwen3_target, path)
+        engine.start_session("s", 300, params, taps=[1])
+        rng = random.Random(5)
+        got = list(engine.prefill("s", [7, 3, 9, 1]).tokens)
+        for _ in range(12):
+            depth = rng.randint(1, 6)
+            truth = [rng.randrange(40) for _ in range(depth)]
+            got += engine.verify("s", oracle_tree(rng, got[-1], truth, depth, depth)).tokens
+            got += engine.decode("s").tokens
+        assert engine.sessions["s"].cache.length == 4 + len(got) - 1
+        runs[path] = got
+    assert runs["hf"] == runs["fused-static"]
