@@ -124,8 +124,12 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     specs = [Speculation("ar"), Speculation("chain")] + [Speculation("ddtree", int(b)) for b in args.budgets.split(",")]
-    for spec in specs:  # every mode's shapes once: CUDA graphs captured, compiled kernels built, before any timing
-        measure(verifier, drafter, prompts[:1], spec, 24, eos, sync)
+    # Warm-up: every mode over the shortest and the longest prompt at full length, so the CUDA graphs (and, with
+    # --compile, the kernels) of every query and key bucket the timed runs meet are built before any timing.
+    by_length = sorted(prompts, key=len)
+    for spec in specs:
+        measure(verifier, drafter, [by_length[0], by_length[-1]], spec, args.max_new_tokens, eos, sync)
+    graphs_before = captured_graphs(verifier, drafter)
     runs = [measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync) for spec in specs]
     reference = runs[0]["outputs"]
     for r in runs:
@@ -135,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
-                     "compile": args.compile},
+                     "compile": args.compile,
+                     "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
         "runs": runs,
         "ratios": mode_ratios(runs),
     }
@@ -143,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
     report(result, out)
     _plot(result, out.with_suffix(".png"))
     return 0
+
+
+def captured_graphs(verifier, drafter) -> int:
+    """CUDA graphs both engines hold: any captured while timing put a capture (and maybe a compile) in a figure."""
+    fused, static = verifier.engine.fused, drafter.engine.static if drafter is not None else None
+    return (len(fused.graphs) if fused is not None else 0) + (len(static.graphs) if static is not None else 0)
 
 
 def mode_ratios(runs: list[dict]) -> dict[str, float]:
