@@ -9,6 +9,8 @@ install beyond the project.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 import urllib.request
 from pathlib import Path
@@ -81,6 +83,7 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
         drafts = delta.get("ddtree_spec_drafts_total", 0.0)
         tokens = delta.get("ddtree_generation_tokens_total", 0.0)
         rounds = drafts or tokens  # an AR pass has one round per token
+        phases_ms = {p: round(1000 * delta.get(f"phase[{p}]", 0.0) / max(rounds, 1), 3) for p in PHASES}
         runs.append({
             "mode": label.split("/")[0],
             "budget": speculation.get("budget", 0),
@@ -88,14 +91,18 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
             "seconds": round(elapsed, 4),
             "tokens_per_s": round(tokens / elapsed, 2),
             "tau": round(1 + delta.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts, 3) if drafts else 1.0,
-            "phases_ms": {p: round(1000 * delta.get(f"phase[{p}]", 0.0) / max(rounds, 1), 3) for p in PHASES},
+            "round_ms": round(sum(phases_ms.values()), 3),
+            "phases_ms": phases_ms,
             "texts": texts,
         })
     reference = runs[0]["texts"]
     for r in runs:
         r["matches_ar"] = sum(a == b for a, b in zip(r.pop("texts"), reference)) / len(reference)
     result = {
-        "hardware": {"gateway": url},
+        "hardware": {
+            "gateway": url, "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+        },
         "model_pair": {"served_model": model},
         "settings": {"prompts": prompts_file, "num_prompts": len(prompts), "max_new_tokens": max_new, "temperature": 0.0},
         "runs": runs,

@@ -15,7 +15,9 @@ import uuid
 import grpc
 import torch
 
-from ddtree.service import EngineHost, run_service, RequestError, ServiceMetrics, check_capacity, check_session_id, serve
+from ddtree.service import (
+    EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, run_service, serve, streamed,
+)
 from ddtree.types import DrafterInfo
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
@@ -59,6 +61,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         return await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
+
+    DraftStream = streamed(Draft)  # a session's rounds over one stream
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
         return tensors.drafter_info_to_pb(

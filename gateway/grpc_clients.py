@@ -4,8 +4,10 @@ in-process backends of gateway/local.py, so `run_rounds` cannot tell them apart.
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
-Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the gateway only
-hands them from one service to the other, so they are never decoded to torch tensors and re-encoded here.
+A session's round calls (those in a client's STREAMED) go over one stream per session and call (the .proto's
+XStream), each answer within the deadline of a call; a server without the stream forms (UNIMPLEMENTED) gets the
+unary calls. Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
+gateway only hands them from one service to the other, so they are never decoded to torch tensors here.
 
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
@@ -15,6 +17,8 @@ hands them from one service to the other, so they are never decoded to torch ten
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -42,8 +46,17 @@ class BackendError(RuntimeError):
         self.details = details
 
 
+@dataclass
+class _Stream:
+    call: Any  # grpc.aio.StreamStreamCall
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order
+
+
 class _Client:
-    """One channel to one service, with deadlines, message limits and status mapping."""
+    """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
+
+    remote = True  # run_rounds starts a round's first call before handing the previous round over
+    STREAMED: frozenset[str] = frozenset()  # session calls made over the session's stream of <rpc>Stream
 
     def __init__(self, address: str, service: str, timeout_s: float, max_message_bytes: int) -> None:
         self.address = address
@@ -57,12 +70,58 @@ class _Client:
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._streams: dict[tuple[str, str], _Stream] = {}  # (rpc, session id) -> that session's open stream
+        self._unary_only: set[str] = set()  # RPCs whose stream form this server lacks
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
             return await method(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise BackendError(self.address, f"{self._service}/{rpc}", exc.code(), exc.details() or "") from None
+
+    async def _session_call(self, rpc: str, session_id: str, request: Any) -> Any:
+        """`rpc` for one session: over the session's stream of `<rpc>Stream` (opened on first use), or the unary
+        call where the server has no stream form. Any failure ends the stream; the next call opens a new one."""
+        if rpc not in self.STREAMED or rpc in self._unary_only:
+            return await self._call(rpc, getattr(self._stub, rpc), request)
+        key = (rpc, session_id)
+        stream = self._streams.get(key)
+        if stream is None:  # no deadline on the stream itself: it lives as long as the session, each answer has one
+            stream = self._streams[key] = _Stream(getattr(self._stub, f"{rpc}Stream")())
+        async with stream.lock:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await stream.call.write(request)
+                    response = await stream.call.read()
+                if response is not grpc.aio.EOF:
+                    return response
+                code, details = grpc.StatusCode.UNKNOWN, "the server ended the stream without an answer"
+            except TimeoutError:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details() or ""
+            except asyncio.InvalidStateError:  # written to a stream the server had already ended
+                code, details = await stream.call.code(), await stream.call.details()
+            except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
+                self._drop(key, stream)
+                raise
+            self._drop(key, stream)
+        if code == grpc.StatusCode.UNIMPLEMENTED:  # a server without the stream forms: unary calls from now on
+            self._unary_only.add(rpc)
+            return await self._call(rpc, getattr(self._stub, rpc), request)
+        raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
+
+    def _drop(self, key: tuple[str, str], stream: _Stream) -> None:
+        if self._streams.get(key) is stream:
+            del self._streams[key]
+        stream.call.cancel()  # whatever it was doing, nobody will read it
+
+    async def _end_streams(self, session_id: str) -> None:
+        """Half-closes the session's streams; the server ends each once it has answered everything."""
+        for key in [k for k in self._streams if k[1] == session_id]:
+            stream = self._streams.pop(key)
+            async with stream.lock:  # after any answer still awaited (it is cancelled with the stream otherwise)
+                await stream.call.done_writing()
 
     async def health(self) -> bool:
         """True when the service reports SERVING (models loaded and warmed up); False otherwise or unreachable."""
@@ -83,6 +142,8 @@ class _Client:
 
 
 class GrpcDrafter(_Client):
+    STREAMED = frozenset({"Draft"})
+
     def __init__(
         self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
@@ -114,19 +175,28 @@ class GrpcDrafter(_Client):
         )
 
     async def draft(
-        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
+        self,
+        session_id: str,
+        features: torch.Tensor | tensors.WireTensor,
+        root_token: int,
+        root_position: int,
+        budget: int,
+        top_k: int | None,
     ) -> tuple[DraftTree, dict[str, float]]:
         request = pb.DraftRequest(
             session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0
         )
         tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
-        return tensors.draft_from_pb(await self._call("Draft", self._stub.Draft, request), wire=True)
+        return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
 
     async def end_session(self, session_id: str) -> None:
+        await self._end_streams(session_id)
         await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
 
 
 class GrpcVerifier(_Client):
+    STREAMED = frozenset({"Verify", "Decode"})
+
     def __init__(
         self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     ) -> None:
@@ -149,11 +219,12 @@ class GrpcVerifier(_Client):
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)
         request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
-        return tensors.step_from_pb(await self._call("Verify", self._stub.Verify, request), wire=True)
+        return tensors.step_from_pb(await self._session_call("Verify", session_id, request), wire=True)
 
     async def decode(self, session_id: str) -> StepResult:
         request = pb.DecodeRequest(session_id=session_id)
-        return tensors.step_from_pb(await self._call("Decode", self._stub.Decode, request), wire=True)
+        return tensors.step_from_pb(await self._session_call("Decode", session_id, request), wire=True)
 
     async def end_session(self, session_id: str) -> None:
+        await self._end_streams(session_id)
         await self._call("EndSession", self._stub.EndSession, pb.VerifierEndSessionRequest(session_id=session_id))

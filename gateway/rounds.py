@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Protocol
 
 import torch
@@ -22,6 +23,9 @@ MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
 
 
 class DrafterClient(Protocol):
+    """Clients may also set `remote = True`: their calls go to another process, so the round loop starts a round's
+    first call before it hands the previous round to its caller (see run_rounds)."""
+
     block_size: int
     target_layer_ids: list[int]
 
@@ -35,6 +39,8 @@ class DrafterClient(Protocol):
 
 
 class VerifierClient(Protocol):
+    """`remote = True` as for DrafterClient."""
+
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
 
     async def prefill(self, session_id: str, prompt: list[int]) -> StepResult: ...
@@ -102,6 +108,7 @@ async def run_rounds(
     stops = set(stop_token_ids)
 
     drafter_session = False
+    pending: asyncio.Future | None = None  # the next round's first call, started before this round is handed over
     await verifier.start_session(session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
         if use_drafter:
@@ -119,30 +126,52 @@ async def run_rounds(
         while True:
             tokens, finish = _trim(step.tokens, stops, max_new_tokens - generated)
             generated += len(tokens)
-            yield Round(index, tokens, tree_size, finish, timings)
             if finish:
+                yield Round(index, tokens, tree_size, finish, timings)
                 return
-            index += 1
-            root_position = len(prompt) + generated - 1
-            t0 = time.perf_counter()
-            tree = None
             if use_drafter:
+                root_token, root_position = step.tokens[-1], len(prompt) + generated - 1
+                first = partial(use_drafter.draft, session_id, step.features, root_token, root_position, budget, top_k)
+            else:
+                first = partial(verifier.decode, session_id)
+            # A remote backend's first call of the next round goes out before this round is handed over, so what
+            # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
+            # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
+            # own). An in-process call would simply run first, so it is made after the hand-over.
+            t0 = time.perf_counter()
+            if getattr(use_drafter or verifier, "remote", False):
+                pending = asyncio.ensure_future(first())
+                await asyncio.sleep(0)
+            yield Round(index, tokens, tree_size, None, timings)
+            index += 1
+            if pending is None:
+                t0 = time.perf_counter()
+                call = first()
+            else:
+                call, pending = pending, None
+            tree_size, timings = 0, {}
+            if not use_drafter:
+                step = await call
+            else:
+                tree = None
                 try:
-                    tree, timings = await use_drafter.draft(
-                        session_id, step.features, step.tokens[-1], root_position, budget, top_k
-                    )
+                    tree, timings = await call
                 except Exception as exc:  # noqa: BLE001 - see above
                     use_drafter = _fall_back(exc, on_fallback)
-            if tree is not None:
-                tree_size = tree.num_nodes
-                t1 = time.perf_counter()
-                step = await verifier.verify(session_id, tree)
-                timings = {**timings, "draft_rpc_s": t1 - t0}
-            else:
-                tree_size, timings = 0, {}
-                step = await verifier.decode(session_id)
+                if tree is not None:
+                    tree_size = tree.num_nodes
+                    t1 = time.perf_counter()
+                    step = await verifier.verify(session_id, tree)
+                    timings = {**timings, "draft_rpc_s": t1 - t0}
+                else:
+                    step = await verifier.decode(session_id)
             timings = {**timings, **step.timings, "verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
     finally:
+        if pending is not None:  # the caller stopped at a round while the next one's first call was in flight
+            if not pending.done():
+                pending.cancel()
+            elif not pending.cancelled():
+                pending.exception()  # retrieved: a failure of a call nobody waits for any more is no error
         # shielded: a client that disconnects while we clean up must not leave a session behind on either service
         await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, session_id))
 

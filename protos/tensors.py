@@ -34,8 +34,9 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
 _WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _ITEMSIZES = {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()}
 # numpy reads the bytes (far fewer instructions than a torch call); bfloat16, which numpy lacks, as int16 words.
-_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.float16, "int64": np.int64, "int32": np.int32}
-FLOAT_WIRE_DTYPES = frozenset(name for name, dtype in WIRE_DTYPES.items() if dtype.is_floating_point)
+_NUMPY_DTYPES = {
+    "float32": np.float32, "bfloat16": np.int16, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+}
 _MAX_DIMS = 8
 
 
@@ -44,7 +45,7 @@ class WireTensor:
     as a tensor. torch functions and tensor attributes work on it through the decoded tensor; `tensor_to_pb`
     returns `message` itself. Read-only by contract: it stands for the message, which it never changes."""
 
-    __slots__ = ("message", "_tensor")
+    __slots__ = ("_tensor", "message")
 
     def __init__(self, message: pb.Tensor) -> None:
         self.message = message
@@ -138,7 +139,7 @@ class WireDraftTree(DraftTree):
     """A DraftTree still in its wire form: `message` as received; the tensors are decoded (once) on first use,
     `num_nodes` and `max_depth` need no decoding, and `tree_to_pb` returns `message` itself. Read-only by contract."""
 
-    def __init__(self, message: pb.DraftTree) -> None:  # noqa: D107 - not the dataclass's init: nothing decoded yet
+    def __init__(self, message: pb.DraftTree) -> None:  # not the dataclass's __init__: nothing is decoded yet
         self.message = message
         self.max_depth = message.max_depth
         self._decoded: DraftTree | None = None

@@ -122,3 +122,51 @@ def test_info_round_trips():
     assert tensors.drafter_info_from_pb(_wire(tensors.drafter_info_to_pb(drafter))) == drafter
     verifier = VerifierInfo("Qwen3-8B", 151936, 40960, [151645, 151643], 36, 4096, 1024, 64, 42000)
     assert tensors.verifier_info_from_pb(_wire(tensors.verifier_info_to_pb(verifier))) == verifier
+
+
+# ---- the gateway's pass-through (wire=True) --------------------------------------------------------------------
+
+
+def test_features_pass_through_the_gateway_as_the_same_message():
+    features = torch.randn(3, 16).to(torch.bfloat16)
+    received = _wire(tensors.step_to_pb(StepResult([4, 9, 1], features, forward_s=0.25)))
+    step = tensors.step_from_pb(received, wire=True)
+    assert isinstance(step.features, tensors.WireTensor) and step.features._tensor is None  # nothing decoded
+    assert tensors.tensor_to_pb(step.features) is received.features  # handed on as it came: no copy, no re-encoding
+    request = pb.DraftRequest()
+    tensors.tensor_to_pb(step.features, out=request.features)
+    assert _wire(request).features == received.features
+    # used as a tensor, it is one: shape without decoding, everything else through the decoded tensor
+    assert step.features.shape == (3, 16) and step.features._tensor is None
+    assert step.features.dtype == torch.bfloat16 and step.features.ndim == 2
+    assert torch.equal(step.features, features) and torch.equal(torch.cat([step.features]), features)
+    assert torch.equal(step.features.to("cpu", torch.float32)[None][0], features.float())
+
+
+def test_trees_pass_through_the_gateway_as_the_same_message():
+    torch.manual_seed(0)
+    tree = build_tree(torch.log_softmax(torch.randn(7, 48), -1), root_token=5, budget=20)
+    received = _wire(tensors.draft_to_pb(tree, forward_s=0.125, tree_s=0.0625))
+    wire_tree, timings = tensors.draft_from_pb(received, wire=True)
+    assert isinstance(wire_tree, tensors.WireDraftTree) and isinstance(wire_tree, type(tree))
+    assert wire_tree.num_nodes == 20 and wire_tree.max_depth == tree.max_depth and wire_tree._decoded is None
+    assert tensors.tree_to_pb(wire_tree) is received.tree
+    assert timings == {"draft_s": 0.125, "tree_s": 0.0625, "draft_server_s": 0.0}
+    for name in ("tokens", "parents", "depths"):  # decoded on first use
+        assert torch.equal(getattr(wire_tree, name), getattr(tree, name))
+    verify = pb.VerifyRequest()
+    tensors.tree_to_pb(wire_tree, out=verify.tree)
+    assert verify.tree == received.tree
+
+
+def test_ragged_trees_decode_as_sent_for_the_validator():
+    back = tensors.tree_from_pb(pb.DraftTree(tokens=[3, 4], parents=[-1], depths=[0, 1], max_depth=1))
+    assert back.tokens.tolist() == [3, 4] and back.parents.tolist() == [-1] and back.depths.tolist() == [0, 1]
+
+
+def test_step_features_are_written_in_place_and_decode_writable():
+    features = torch.randn(5, 4)
+    msg = tensors.step_to_pb(StepResult([1], features.t()))  # non-contiguous: sent in row-major order
+    back = tensors.step_from_pb(_wire(msg)).features
+    assert torch.equal(back, features.t())
+    back += 1  # owns writable memory

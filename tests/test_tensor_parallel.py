@@ -80,7 +80,10 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_target: Path) -> None:
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended while we listed
+            continue
     return kids
 
 

@@ -15,7 +15,7 @@ import uuid
 import grpc
 import torch
 
-from ddtree.service import EngineHost, run_service, ServiceMetrics, check_capacity, check_session_id, serve
+from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, run_service, serve, streamed
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -67,6 +67,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call(
             "Decode", context, lambda engine: tensors.step_to_pb(engine.decode(request.session_id)), forward=True
         )
+
+    VerifyStream = streamed(Verify)  # a session's rounds over one stream
+    DecodeStream = streamed(Decode)
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
         return tensors.verifier_info_to_pb(

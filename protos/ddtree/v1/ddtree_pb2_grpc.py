@@ -56,6 +56,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftStream = channel.stream_stream(
+                '/ddtree.v1.Drafter/DraftStream',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -91,6 +96,13 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftStream(self, request_iterator, context):
+        """Draft over one stream, for the rounds of a session: see "Streams" above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_DrafterServicer_to_server(servicer, server):
             ),
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftStream,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
             ),
@@ -235,6 +252,33 @@ class Drafter:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DraftStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.Drafter/DraftStream',
+            ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierStub:
     """The target model: prefill, tree verification in one forward with lossless acceptance, AR decoding. Holds,
@@ -274,6 +318,16 @@ class VerifierStub:
                 _registered_method=True)
         self.Decode = channel.unary_unary(
                 '/ddtree.v1.Verifier/Decode',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/ddtree.v1.Verifier/VerifyStream',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/ddtree.v1.Verifier/DecodeStream',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
                 _registered_method=True)
@@ -326,6 +380,20 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify over one stream, for the rounds of a session: see "Streams" above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """Decode over one stream, for the rounds of a session: see "Streams" above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -356,6 +424,16 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'Decode': grpc.unary_unary_rpc_method_handler(
                     servicer.Decode,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
             ),
@@ -522,6 +600,60 @@ class Verifier:
             request,
             target,
             '/ddtree.v1.Verifier/Decode',
+            ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.Verifier/VerifyStream',
+            ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ddtree.v1.Verifier/DecodeStream',
             ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
             options,

@@ -1,0 +1,363 @@
+"""What keeps a round's overhead low through the services, without changing what a round does: per-round steps run
+on the service's event loop when the engine is idle (EngineHost), metrics are recorded after the answer, a
+session's rounds go over one stream per call (with the unary calls' answers and statuses), and the round loop
+starts a remote backend's next call before it hands a round to its caller."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed
+from ddtree.types import DraftTree, SamplingParams, StepResult
+from gateway.grpc_clients import BackendError, GrpcDrafter
+from gateway.rounds import Speculation, run_rounds
+from protos import tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+
+# ---- EngineHost: where engine calls run ------------------------------------------------------------------------
+
+
+@dataclass
+class FakeSession:
+    nbytes: int
+    last_used: float = 0.0
+
+
+@dataclass
+class FakeEngine:
+    sessions: dict[str, FakeSession] = field(default_factory=dict)
+    threads: list[str] = field(default_factory=list)
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.pop(session_id, None) is not None
+
+    def step(self, forward_s: float = 0.5) -> pb.StepResponse:
+        self.threads.append(threading.current_thread().name)
+        return pb.StepResponse(tokens=[1], timings=pb.Timings(forward_s=forward_s))
+
+
+class TensorParallelEngine(FakeEngine):
+    def alive(self) -> bool:
+        return True
+
+
+class AbortContext:
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise RuntimeError("aborted")  # what grpc.aio's abort does: the handler ends here
+
+
+def _host() -> EngineHost:
+    metrics = ServiceMetrics("test", "cache_bytes", "test", torch.device("cpu"))
+    return EngineHost(metrics, (), lambda session: session.nbytes, session_ttl=60.0)
+
+
+def _sample(host: EngineHost, name: str, **labels: str) -> float | None:
+    return host.metrics.registry.get_sample_value(name, labels or None)
+
+
+async def _loaded(host: EngineHost, engine: FakeEngine) -> None:
+    await host.load(lambda: engine, lambda _engine: None)
+
+
+def test_round_steps_run_on_the_event_loop_and_the_rest_on_the_engine_thread():
+    host, engine = _host(), FakeEngine()
+
+    async def scenario():
+        await _loaded(host, engine)
+        loop_thread = threading.current_thread().name
+        for rpc in ("Draft", "Verify", "Decode", "Prefill", "StartSession"):
+            response = await host.call(rpc, AbortContext(), lambda e: e.step(), forward=True)
+            assert response.timings.total_s > 0
+        return loop_thread
+
+    loop_thread = asyncio.run(scenario())
+    assert engine.threads[:3] == [loop_thread] * 3
+    assert all(name.startswith("engine") for name in engine.threads[3:])
+
+
+def test_a_round_step_queues_behind_work_on_the_engine_thread():
+    host, engine = _host(), FakeEngine()
+    release = threading.Event()
+    order: list[str] = []
+
+    def long_prefill(e: FakeEngine) -> pb.StepResponse:
+        release.wait(10)
+        order.append("prefill")
+        return e.step()
+
+    def verify(e: FakeEngine) -> pb.StepResponse:
+        order.append("verify")
+        return e.step()
+
+    async def scenario():
+        await _loaded(host, engine)
+        prefill = asyncio.create_task(host.call("Prefill", AbortContext(), long_prefill))
+        await asyncio.sleep(0.05)  # the prefill holds the engine thread
+        verifying = asyncio.create_task(host.call("Verify", AbortContext(), verify))
+        await asyncio.sleep(0.05)
+        assert order == []  # not run on the loop while the engine is busy
+        release.set()
+        await asyncio.gather(prefill, verifying)
+
+    asyncio.run(scenario())
+    assert order == ["prefill", "verify"]
+    assert all(name.startswith("engine") for name in engine.threads)
+
+
+def test_tensor_parallel_engines_keep_every_step_on_the_engine_thread():
+    host, engine = _host(), TensorParallelEngine()
+
+    async def scenario():
+        await _loaded(host, engine)
+        await host.call("Verify", AbortContext(), lambda e: e.step())
+
+    asyncio.run(scenario())
+    assert host.inline_rpcs == frozenset()
+    assert engine.threads[0].startswith("engine")
+
+
+def test_metrics_are_recorded_once_answered_and_gauges_read_the_sessions_when_scraped():
+    host, engine = _host(), FakeEngine()
+
+    def failing(_engine):
+        raise RequestError("bad tree")
+
+    async def scenario():
+        assert _sample(host, "test_active_sessions") == 0  # before the engine exists
+        await _loaded(host, engine)
+        await host.call("Verify", AbortContext(), lambda e: e.step(0.25), forward=True)
+        context = AbortContext()
+        with pytest.raises(RuntimeError, match="aborted"):
+            await host.call("Verify", context, failing, forward=True)
+        await asyncio.sleep(0)  # the loop's next turn records them
+        return context.aborted
+
+    aborted = asyncio.run(scenario())
+    assert aborted == (grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
+    assert _sample(host, "test_requests_total", rpc="Verify", code="OK") == 1
+    assert _sample(host, "test_requests_total", rpc="Verify", code="INVALID_ARGUMENT") == 1
+    assert _sample(host, "test_forward_duration_seconds_count", rpc="Verify") == 1
+    assert _sample(host, "test_forward_duration_seconds_sum", rpc="Verify") == 0.25
+    assert _sample(host, "test_request_duration_seconds_count", rpc="Verify") == 2
+    engine.sessions.update(a=FakeSession(100), b=FakeSession(20))
+    assert _sample(host, "test_active_sessions") == 2 and _sample(host, "test_cache_bytes") == 120
+    engine.end_session("a")
+    assert _sample(host, "test_active_sessions") == 1 and _sample(host, "test_cache_bytes") == 20
+
+
+# ---- the round loop: a remote backend's next call overlaps the caller's work -------------------------------------
+
+
+class Remote:
+    remote = True
+    block_size = 4
+    target_layer_ids = [0]
+
+    def __init__(self, log: list[str], fail_draft: bool = False) -> None:
+        self.log = log
+        self.fail_draft = fail_draft
+        self.cancelled = 0
+
+    async def _answer(self, name: str, value):
+        self.log.append(f"{name} sent")
+        try:
+            await asyncio.sleep(0.01)  # in flight
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return value
+
+    async def start_session(self, session_id: str, capacity: int, *args) -> None:
+        pass
+
+    async def end_session(self, session_id: str) -> None:
+        self.log.append("end")
+
+    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
+        return await self._answer("prefill", StepResult([7], torch.zeros(len(prompt), 2)))
+
+    async def draft(self, session_id, features, root_token, root_position, budget, top_k):
+        if self.fail_draft:
+            self.log.append("draft sent")
+            raise ConnectionError("drafter down")
+        nodes = torch.tensor([root_token, 5])
+        tree = DraftTree(nodes, torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1)
+        return await self._answer("draft", (tree, {"draft_s": 0.0, "tree_s": 0.0}))
+
+    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+        return await self._answer("verify", StepResult([5, 6], torch.zeros(2, 2)))
+
+    async def decode(self, session_id: str) -> StepResult:
+        return await self._answer("decode", StepResult([8], torch.zeros(1, 2)))
+
+
+class InProcess(Remote):
+    remote = False
+
+
+async def _handled(backend: Remote, mode: str, max_new: int, stop_after: int | None = None, fallbacks=None):
+    """Runs the loop as the gateway does (each round handled in another task) and logs when each is handled."""
+    rounds = run_rounds(backend, backend, [1, 2, 3], SamplingParams(), Speculation(mode, 1), max_new, [],
+                        None if fallbacks is None else fallbacks.append)
+    tokens = []
+    async with contextlib.aclosing(rounds) as loop:
+        async for rnd in loop:
+            await asyncio.sleep(0)  # the caller's own turn: detokenising, metrics, streaming
+            backend.log.append(f"round {rnd.index} handled")
+            tokens += rnd.tokens
+            if stop_after is not None and rnd.index == stop_after:
+                break
+    return tokens
+
+
+@pytest.mark.parametrize("mode, first_call", [("ddtree", "draft"), ("ar", "decode")])
+def test_a_remote_backends_next_call_goes_out_before_the_round_is_handed_over(mode, first_call):
+    log: list[str] = []
+    tokens = asyncio.run(_handled(Remote(log), mode, max_new=5))
+    sent = [i for i, entry in enumerate(log) if entry == f"{first_call} sent"]
+    handled = [i for i, entry in enumerate(log) if entry.endswith("handled")]
+    assert len(sent) == len(handled) - 1  # every round but the last one is followed by a call
+    assert all(s < h for s, h in zip(sent, handled))  # ... which went out before that round was handled
+    expected = [7, 5, 6, 5, 6] if mode == "ddtree" else [7, 8, 8, 8, 8]
+    assert tokens == expected and log[-1] == "end"
+
+
+def test_in_process_backends_are_called_after_the_hand_over():
+    log: list[str] = []
+    tokens = asyncio.run(_handled(InProcess(log), "ddtree", max_new=3))
+    assert log.index("round 0 handled") < log.index("draft sent")
+    assert tokens == [7, 5, 6]
+
+
+def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
+    log: list[str] = []
+    backend = Remote(log)
+    tokens = asyncio.run(_handled(backend, "ddtree", max_new=20, stop_after=1))
+    assert tokens == [7, 5, 6]
+    assert backend.cancelled == 1  # round 2's draft, sent before round 1 was handed over
+    assert log[-2:] == ["end", "end"]
+
+
+def test_a_prefetched_draft_that_fails_falls_back_to_decoding(recwarn):
+    log: list[str] = []
+    fallbacks: list[BaseException] = []
+    tokens = asyncio.run(_handled(Remote(log, fail_draft=True), "ddtree", max_new=3, fallbacks=fallbacks))
+    assert tokens == [7, 8, 8] and len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
+    assert not [w for w in recwarn if "never retrieved" in str(w.message)]
+
+
+# ---- a session's rounds over one stream -------------------------------------------------------------------------
+
+
+class UnaryDrafter(pb_grpc.DrafterServicer):
+    """Answers Draft with a chain [root, root + 1] after `delay` seconds; root token 0 is refused, as a bad request
+    is. No stream form, like a server from before the streams."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.streams = 0  # streams opened by clients
+
+    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
+        if request.root_token == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "root token 0")
+        await asyncio.sleep(self.delay)
+        root = request.root_token
+        tree = DraftTree(torch.tensor([root, root + 1]), torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1)
+        return tensors.draft_to_pb(tree, forward_s=0.0, tree_s=0.0)
+
+    async def EndSession(self, request, context) -> pb.DrafterEndSessionResponse:
+        return pb.DrafterEndSessionResponse(existed=True)
+
+
+class StreamDrafter(UnaryDrafter):
+    _stream = streamed(UnaryDrafter.Draft)
+
+    async def DraftStream(self, requests, context):
+        self.streams += 1
+        async for answer in self._stream(requests, context):
+            yield answer
+
+
+async def _with_server(servicer: pb_grpc.DrafterServicer, scenario):
+    server = grpc.aio.server()
+    pb_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=5) as client:
+            return await scenario(client)
+    finally:
+        await server.stop(None)
+
+
+async def _root_of_draft(client: GrpcDrafter, session: str, root: int) -> int:
+    tree, _ = await client.draft(session, torch.zeros(0, 4), root, 1, 1, None)
+    return tree.tokens.tolist()[1] - 1  # the root the server drafted from
+
+
+def test_a_sessions_drafts_share_one_stream_and_a_failure_ends_only_that_stream():
+    servicer = StreamDrafter()
+
+    async def scenario(client: GrpcDrafter):
+        roots = [await _root_of_draft(client, "a", root) for root in (5, 6, 7)]
+        roots.append(await _root_of_draft(client, "b", 9))  # another session: a stream of its own
+        assert servicer.streams == 2 and set(client._streams) == {("Draft", "a"), ("Draft", "b")}
+        with pytest.raises(BackendError) as err:
+            await _root_of_draft(client, "a", 0)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.details == "root token 0"
+        assert ("Draft", "a") not in client._streams
+        roots.append(await _root_of_draft(client, "a", 8))  # a new stream, and the right answer
+        assert servicer.streams == 3
+        await client.end_session("a")  # closes the session's stream
+        assert set(client._streams) == {("Draft", "b")}
+        return roots
+
+    assert asyncio.run(_with_server(servicer, scenario)) == [5, 6, 7, 9, 8]
+
+
+def test_an_abandoned_answer_is_never_read_as_the_next_one():
+    servicer = StreamDrafter(delay=0.2)
+
+    async def scenario(client: GrpcDrafter):
+        slow = asyncio.create_task(_root_of_draft(client, "a", 5))
+        await asyncio.sleep(0.05)
+        slow.cancel()  # the round loop gives up a call in flight (its caller stopped)
+        with contextlib.suppress(asyncio.CancelledError):
+            await slow
+        return await _root_of_draft(client, "a", 6)
+
+    assert asyncio.run(_with_server(servicer, scenario)) == 6
+
+
+def test_an_answer_late_past_the_deadline_is_deadline_exceeded():
+    async def scenario(client: GrpcDrafter):
+        client.timeout_s = 0.05
+        with pytest.raises(BackendError) as err:
+            await _root_of_draft(client, "a", 5)
+        return err.value.code, dict(client._streams)
+
+    code, streams = asyncio.run(_with_server(StreamDrafter(delay=0.5), scenario))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and streams == {}
+
+
+def test_servers_without_the_stream_forms_get_unary_calls():
+    async def scenario(client: GrpcDrafter):
+        roots = [await _root_of_draft(client, "a", root) for root in (5, 6)]
+        with pytest.raises(BackendError) as err:
+            await _root_of_draft(client, "a", 0)
+        return roots, client._unary_only, err.value.code
+
+    roots, unary_only, code = asyncio.run(_with_server(UnaryDrafter(), scenario))
+    assert roots == [5, 6] and unary_only == {"Draft"} and code == grpc.StatusCode.INVALID_ARGUMENT
