@@ -136,15 +136,19 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
 
 
 def warm_up(engine: VerifyEngine) -> None:
-    """A prefill, an AR step and a two-node tree: every forward shape family runs once before clients arrive."""
+    """A prefill, an AR step and trees of 1, 15 and 31 nodes (query buckets 16 and 32) before clients arrive:
+    every forward shape family runs once, and under --compile the layer step has met two query lengths, so it is
+    compiled dynamic in them and later trees need no compile of their own."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
-    engine.start_session(session_id, 8, SamplingParams(), [engine.num_layers - 1])
+    engine.start_session(session_id, 64, SamplingParams(), [engine.num_layers - 1])
     try:
         start = time.perf_counter()
         engine.prefill(session_id, [0, 0])
         root = engine.decode(session_id).tokens[-1]
-        nodes = torch.tensor([root, 0])
-        engine.verify(session_id, DraftTree(nodes, torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1))
+        for nodes in (1, 15, 31):
+            chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
+            tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
+            root = engine.verify(session_id, DraftTree(tokens, chain - 1, chain, max_depth=nodes)).tokens[-1]
         log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
     finally:
         engine.end_session(session_id)
