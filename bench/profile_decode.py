@@ -50,7 +50,7 @@ def main() -> None:
         engine.start_session("p", args.context + 70 * (nodes + 1), SamplingParams(), [])
         engine.prefill("p", prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
-        step = (lambda: engine.verify("p", tree)) if tree is not None else (lambda: engine.decode("p"))
+        step = (lambda tree=tree: engine.verify("p", tree)) if tree is not None else (lambda: engine.decode("p"))
         for _ in range(5):
             step()
         torch.cuda.synchronize()

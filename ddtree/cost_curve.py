@@ -118,7 +118,7 @@ def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tr
         fresh_session("tree", n)
         tree = build_tree(tree_logprobs, 0, n)
         # the random tree is rejected after the root almost surely, so the cache grows by ~1 slot per call
-        verify_ms[n] = timed(lambda: engine.verify("tree", tree), device, repeat)
+        verify_ms[n] = timed(lambda tree=tree: engine.verify("tree", tree), device, repeat)
         engine.end_session("tree")
     return {
         "ar_step_ms": round(ar_ms, 3),
@@ -154,7 +154,11 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
             engine.draft("d", features, 0, context, budget=n)
             session = engine.session("d")
             draft_ms[n] = timed(
-                lambda n=n: engine.draft("d", features[:step], 0, session.length + step, budget=n), device, repeat
+                lambda n=n, engine=engine, session=session: engine.draft(
+                    "d", features[:step], 0, session.length + step, budget=n
+                ),
+                device,
+                repeat,
             )
             engine.end_session("d")
         result[name] = {str(n): round(v, 3) for n, v in draft_ms.items()}
@@ -199,7 +203,7 @@ def run_cost_curve(
             try:
                 engine.fused.configure(graphs=True, compile=compiled, attention=attention)
                 paths[name] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
-            except Exception as exc:  # a variant that fails to build is a finding, not the end of the run
+            except Exception as exc:  # noqa: BLE001 - a variant that fails to build is a finding, not the end of the run
                 paths[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             paths[name]["setup_and_timing_s"] = round(time.perf_counter() - start, 1)
             print(f"[cost-curve] {name}: {json.dumps(paths[name])}", flush=True)

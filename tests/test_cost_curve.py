@@ -1,0 +1,22 @@
+"""`ddtree bench --cost-curve` runs end to end at tiny shapes on the CPU and reports every path it measures (the
+figures themselves are the GPU's business: nothing here is timed against anything)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ddtree.cost_curve import run_cost_curve
+
+
+def test_tiny_cost_curve_reports_every_cpu_path(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    run_cost_curve("tiny", "cpu", torch.float32, context=40, sizes=[3, 15], repeat=2, out=out)
+    result = json.loads(out.read_text())
+    assert set(result["verifier"]) == {"hf", "fused"}  # graph variants need a GPU
+    for curve in result["verifier"].values():
+        assert curve["ar_step_ms"] > 0 and set(curve["verify_ms"]) == {"3", "15"}
+    assert set(result["drafter"]["draft_ms"]) == {"eager", "static"}
+    assert result["weight_streaming_bound_ms"] is None  # no copy bandwidth on a CPU
