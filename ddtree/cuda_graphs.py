@@ -12,10 +12,11 @@ Every graph of one `GraphPool` shares one memory pool, so buckets captured lazil
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
+T = TypeVar("T")
 WARMUP_RUNS = 2
 KEY_ALIGN = 64  # smallest key bucket, and what cache sizes round up to (the mem-efficient kernel wants 16)  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
 
@@ -68,3 +69,35 @@ class GraphPool:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = fn()
         return graph, outputs
+
+
+class SlotPool(Generic[T]):
+    """Per-session buffers that captured graphs read and write (KV caches), so their addresses must never change:
+    each is allocated the first time a buffer of its size is needed, kept for the engine's life, and handed to the
+    next session of that size once released. Memory grows with the sessions held at once, up to `max_sessions`
+    held. A buffer's slot number is fixed, so graphs are keyed by it."""
+
+    def __init__(self, max_sessions: int, allocate: Callable[[int], T]) -> None:
+        self.max_sessions = max_sessions
+        self._allocate = allocate  # size -> a new buffer (zeroed: graphs read masked-out, never-written rows)
+        self._items: list[T] = []
+        self._sizes: list[int] = []  # per slot
+        self._free: set[int] = set()
+
+    def acquire(self, size: int = 0) -> int | None:
+        """The lowest free slot of this size, else a new one; None when max_sessions slots are held."""
+        free = [slot for slot in self._free if self._sizes[slot] == size]
+        if free:
+            self._free.remove(min(free))
+            return min(free)
+        if len(self._items) - len(self._free) >= self.max_sessions:
+            return None
+        self._items.append(self._allocate(size))
+        self._sizes.append(size)
+        return len(self._items) - 1
+
+    def release(self, slot: int) -> None:
+        self._free.add(slot)  # its contents stay: rows at or past a session's length are always masked out
+
+    def __getitem__(self, slot: int) -> T:
+        return self._items[slot]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, key_bucket
+from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashConfig, DFlashDrafter
@@ -27,40 +27,6 @@ from draft_server.tree import build_tree
 
 def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
-
-
-class ContextSlots:
-    """`max_sessions` context caches of `rows` positions per layer. A slot is allocated the first time it is
-    needed and kept for the engine's life: captured graphs hold its addresses, and a freed slot serves the next
-    session (so memory grows with the sessions held at once, not with max_sessions)."""
-
-    def __init__(self, cfg: DFlashConfig, max_sessions: int, rows: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.shape = (1, cfg.num_key_value_heads, rows, cfg.head_dim)
-        self.num_layers = cfg.num_hidden_layers
-        self.max_sessions = max_sessions
-        self.device, self.dtype = device, dtype
-        self.k: list[list[torch.Tensor]] = []  # [slot][layer] -> [1, kv_heads, rows, head_dim]
-        self.v: list[list[torch.Tensor]] = []
-        self._free: list[int] = []
-
-    @property
-    def slot_bytes(self) -> int:
-        return 2 * self.num_layers * torch.Size(self.shape).numel() * self.dtype.itemsize
-
-    def acquire(self) -> int | None:
-        """A free slot (None when all max_sessions are held); freed slots first, their graphs are captured."""
-        if self._free:
-            self._free.sort()
-            return self._free.pop(0)
-        if len(self.k) >= self.max_sessions:
-            return None
-        # zeros, not empty: blocks read unwritten rows under a -inf mask, and 0 * NaN garbage would still poison them
-        for caches in (self.k, self.v):
-            caches.append([torch.zeros(self.shape, device=self.device, dtype=self.dtype) for _ in range(self.num_layers)])
-        return len(self.k) - 1
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)  # stale K/V stay: rows at or past a session's length are always masked out
 
 
 class StaticDrafter:
@@ -78,7 +44,15 @@ class StaticDrafter:
         self.max_append = append_bucket(cfg.block_size)
         # room past max_context for a padded append and the block's own rows [p, p+B)
         self.rows = -(-(max_context + self.max_append) // KEY_ALIGN) * KEY_ALIGN
-        self.slots = ContextSlots(cfg, max_sessions, self.rows, self.device, self.dtype)
+        self.slot_shape = (1, cfg.num_key_value_heads, self.rows, cfg.head_dim)  # per layer, K and V alike
+        # slot -> (K per layer, V per layer); zeros, not empty: blocks read unwritten rows under a -inf mask, and
+        # 0 * NaN garbage would still poison them
+        self.slots: SlotPool[tuple[list[torch.Tensor], list[torch.Tensor]]] = SlotPool(
+            max_sessions, lambda _size: tuple(
+                [torch.zeros(self.slot_shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)]
+                for _ in range(2)
+            ),
+        )
         self.graphs = GraphPool(self.device, enabled=graphs)
         long = {"dtype": torch.long, "device": self.device}
         self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
@@ -94,6 +68,10 @@ class StaticDrafter:
             # host features go up through pinned memory: a pageable copy would sync the stream
             self._staging = torch.zeros(self.max_append, width, dtype=self.dtype, pin_memory=True)
             self._uploaded = torch.cuda.Event()
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * self.config.num_hidden_layers * torch.Size(self.slot_shape).numel() * self.dtype.itemsize
 
     # ---- context ------------------------------------------------------------------------------------------------
 
@@ -123,7 +101,7 @@ class StaticDrafter:
         (finite) padding features: past the new length, so masked until the next append overwrites them."""
         rows = self._start + self._arange[: features.shape[0]]  # [n]
         new_kv = self.drafter.context_kv(features[None], rows[None])
-        for (k, v), k_cache, v_cache in zip(new_kv, self.slots.k[slot], self.slots.v[slot]):
+        for (k, v), k_cache, v_cache in zip(new_kv, *self.slots[slot]):
             k_cache.index_copy_(2, rows, k)
             v_cache.index_copy_(2, rows, v)
 
@@ -163,7 +141,7 @@ class StaticDrafter:
         full, sliding = self._masks(positions, keys)
         x = self.head.embed_tokens(self._ids)  # [1, B, hidden]
         cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
-        layers = zip(drafter.layers, cfg.layer_types, self.slots.k[slot], self.slots.v[slot])
+        layers = zip(drafter.layers, cfg.layer_types, *self.slots[slot])
         for layer, kind, k_cache, v_cache in layers:  # DFlashLayer.forward, with the block's K/V kept in the slot
             attn = layer.self_attn
             h = layer.input_layernorm(x)

@@ -113,10 +113,8 @@ class DraftEngine:
                 f"all {self.static.slots.max_sessions} drafter session slots are in use "
                 "(end a session, or raise --max-sessions)"
             )
-        slots = self.static.slots
-        self.sessions[session_id] = DraftSession(
-            slots.k[slot], slots.v[slot], capacity, slot=slot, last_used=time.monotonic()
-        )
+        ctx_k, ctx_v = self.static.slots[slot]
+        self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic())
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)

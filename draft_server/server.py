@@ -123,7 +123,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
         static = engine.static
         log.info(
             "static drafter: up to %d sessions of %d positions, %.1f MiB per session slot (allocated on first use), "
-            "CUDA graphs %s", static.slots.max_sessions, static.max_context, static.slots.slot_bytes / 2**20,
+            "CUDA graphs %s", static.slots.max_sessions, static.max_context, static.slot_bytes / 2**20,
             "on" if static.graphs.enabled else "off",
         )
     return engine

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.cuda_graphs import GraphPool, key_bucket
+from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
 from verify_server.fused import FusedDecoder, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
@@ -78,7 +78,9 @@ class FusedRunner:
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
         self.num_kv_layers = num_kv_layers
-        self.max_sessions = max_sessions
+        self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
+        self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
+        self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
         self.configure(graphs, compile, attention)
 
     def configure(self, graphs: bool, compile: bool = False, attention: str | None = None) -> None:
@@ -90,32 +92,27 @@ class FusedRunner:
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.
         self.static = self.graphs.enabled
-        self._slots: dict[int, int] = {}  # id(cache) -> slot number, for every cache ever allocated
-        self._free: dict[int, list[KVCache]] = {}  # size class -> caches not in use
-        self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 
     def acquire(self, capacity: int) -> KVCache:
         """A cache holding at least `capacity` committed slots plus room for the largest padded step."""
-        size = size_class(capacity)
-        free = self._free.setdefault(size, [])
-        if free:
-            return free.pop()
-        in_use = len(self._slots) - sum(len(f) for f in self._free.values())
-        if in_use >= self.max_sessions:
-            raise MemoryError(f"all {self.max_sessions} session slots are in use (raise --max-sessions)")
-        d = self.decoder
-        # zeros, not empty: padded steps read unwritten slots through masked-out attention weights, and 0 * NaN
-        # would still poison the output
-        cache = KVCache(list(range(self.num_kv_layers)), d.shape.kv_heads, d.shape.head_dim, size + MAX_GRAPH_NODES,
-                        self.device, self.dtype, zero=True)
-        self._slots[id(cache)] = len(self._slots)
+        slot = self.slots.acquire(size_class(capacity))
+        if slot is None:
+            raise MemoryError(f"all {self.slots.max_sessions} session slots are in use (raise --max-sessions)")
+        cache = self.slots[slot]
+        cache.length = 0
+        self._slot_of[id(cache)] = slot
         return cache
 
     def release(self, cache: KVCache) -> None:
-        cache.length = 0
-        self._free.setdefault(cache.capacity - MAX_GRAPH_NODES, []).append(cache)
+        self.slots.release(self._slot_of[id(cache)])
+
+    def _new_cache(self, size: int) -> KVCache:
+        # zeroed: padded steps read never-written slots through masked-out weights, and 0 * NaN would still poison
+        shape = self.decoder.shape
+        return KVCache(list(range(self.num_kv_layers)), shape.kv_heads, shape.head_dim, size + MAX_GRAPH_NODES,
+                       self.device, self.dtype, zero=True)
 
     # ---- forwards -------------------------------------------------------------------------------------------
 
@@ -144,7 +141,7 @@ class FusedRunner:
         buf = self._write_inputs(qb, ids, positions, tree, start)
         kv_len = key_bucket(start + qb, cache.capacity)
         logits, features = self.graphs.run(
-            (self._slots[id(cache)], qb, kv_len, taps), lambda: self._step(cache, buf, taps, kv_len)
+            (self._slot_of[id(cache)], qb, kv_len, taps), lambda: self._step(cache, buf, taps, kv_len)
         )
         return logits[:q], None if features is None else features[:q]
 
@@ -177,7 +174,7 @@ class FusedRunner:
         buf.num.fill_(q)
         kv_len = key_bucket(start + qb, cache.capacity)
         return self.graphs.run(
-            (self._slots[id(cache)], qb, kv_len, taps, max_depth),
+            (self._slot_of[id(cache)], qb, kv_len, taps, max_depth),
             lambda: self._greedy(cache, buf, taps, kv_len, max_depth),
         )
 
