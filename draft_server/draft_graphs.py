@@ -21,9 +21,10 @@ import torch
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
-from draft_server.dflash import DFlashConfig, DFlashDrafter
+from draft_server.dflash import DFlashDrafter
 from draft_server.target_head import TargetHead
 from draft_server.tree import build_tree
+
 
 def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
