@@ -34,17 +34,23 @@ def attention(
         )
 
 
+def fold_groups(query: torch.Tensor, kv_heads: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [b, heads, q, d] -> [b, kv_heads, groups*q, d], the query heads sharing a K/V head folded into the
+    query axis (heads are group-major, as HF's repeat_kv assumes); mask [b, 1, q, k] -> [b, 1, groups*q, k] (a mask
+    already folded passes as is)."""
+    b, heads, q_len, d = query.shape
+    groups = heads // kv_heads
+    if mask.shape[2] != groups * q_len:
+        mask = mask.repeat(1, 1, groups, 1)
+    return query.reshape(b, kv_heads, groups * q_len, d), mask
+
+
 def grouped_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """Masked grouped-query attention with the query heads that share a K/V head folded into the query axis:
-    query [b, heads, q, d], key/value [b, kv_heads, k, d], mask [b, 1, q, k] (or already folded: [b, 1, groups*q, k],
-    rows in (head within its group, query) order), bool or additive -> [b, heads, q, d].
+    """Masked grouped-query attention on folded query heads (fold_groups): query [b, heads, q, d], key/value
+    [b, kv_heads, k, d], mask [b, 1, q, k] or already folded, bool or additive -> [b, heads, q, d].
     SDPA's memory-efficient kernel takes a mask but not enable_gqa, and the math fallback would copy the whole K/V
     once per query head; folded, every kernel sees plain multi-head attention and K/V are read once."""
-    b, heads, q_len, d = query.shape
-    groups = heads // key.shape[1]
-    if mask.shape[2] != groups * q_len:
-        mask = mask.repeat(1, 1, groups, 1)
-    out = attention(query.reshape(b, key.shape[1], groups * q_len, d), key, value, mask, scale=scale, gqa=False)
-    return out.reshape(b, heads, q_len, d)
+    folded, mask = fold_groups(query, key.shape[1], mask)
+    return attention(folded, key, value, mask, scale=scale, gqa=False).reshape(query.shape)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ddtree.sdpa import attention, grouped_attention
+from ddtree.sdpa import attention, fold_groups, grouped_attention
 from verify_server.kv_cache import KVCache
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
@@ -123,14 +123,11 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     attention kernels run a handful of thread blocks; under torch.compile the mask and softmax fuse into one kernel."""
     if mask is None:
         return sdpa_attention(q, k, v, mask, scale, gqa)
-    b, heads, q_len, d = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    folded = q.reshape(b, kv_heads, groups * q_len, d)
+    folded, mask = fold_groups(q, k.shape[1], mask)
     scores = torch.matmul(folded, k.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups*q, kv]
-    scores = scores.masked_fill(~mask.repeat(1, 1, groups, 1), float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # [b, kv_heads, groups*q, d]
-    return out.reshape(b, heads, q_len, d)
+    return out.reshape(q.shape)
 
 
 ATTENTION_KERNELS = {
