@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     curve.add_argument("--sizes", default="1,4,16,32,64,128,256", help="tree sizes (nodes) to time")
     curve.add_argument("--repeat", type=int, default=20)
     curve.add_argument("--tp", type=int, default=1, help="shard the random target over N ranks")
+    curve.add_argument("--paths", help="comma-separated verifier paths to time (default: all; see bench/README.md)")
     p.set_defaults(func=run)
 
 
@@ -85,6 +86,8 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
     phases = {k.removesuffix("_s"): 1000 * sum(r.timings.get(k, 0.0) for r in rounds_all) / n for k in PHASES}
     round_ms = 1000 * sum(r.timings.get("round_s", 0.0) for r in rounds_all) / n
     phases["other"] = round_ms - sum(phases.values())
+    # the round's overhead: everything but the drafter's and the verifier's forwards
+    overhead = round_ms - phases["draft"] - phases["verify"]
     return {
         "mode": spec.mode,
         "budget": spec.budget if spec.mode == "ddtree" else (drafter.block_size - 1 if spec.mode == "chain" else 0),
@@ -94,6 +97,7 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
         "tau": round(sum(r.accepted for r in rounds_all) / n, 3),
         "round_ms": round(round_ms, 3),
         "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+        "overhead_share": round(overhead / round_ms, 3) if round_ms else None,
         "outputs": outputs,
     }
 
@@ -110,9 +114,13 @@ def run(args: argparse.Namespace) -> int:
     if args.cost_curve:
         from ddtree.cost_curve import run_cost_curve
 
+        from ddtree.cost_curve import PATHS
+
         sizes = [int(n) for n in args.sizes.split(",")]
+        paths = tuple(args.paths.split(",")) if args.paths else PATHS
         run_cost_curve(
-            args.cost_curve, args.device, DTYPES[args.dtype], args.context, sizes, args.repeat, Path(args.out), args.tp
+            args.cost_curve, args.device, DTYPES[args.dtype], args.context, sizes, args.repeat, Path(args.out), args.tp,
+            paths,
         )
         return 0
 
@@ -172,8 +180,9 @@ def report(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=1) + "\n")
     for r in result["runs"]:
         round_ms = f"round {r['round_ms']:.2f} ms  " if "round_ms" in r else ""
+        overhead = f"overhead {r['overhead_share']:.1%}  " if r.get("overhead_share") is not None else ""
         print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
-              f"{round_ms}{r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
+              f"{round_ms}{overhead}{r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
     print(json.dumps(result["ratios"]))
 
 

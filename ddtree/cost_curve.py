@@ -165,11 +165,24 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     return {"draft_ms": result}
 
 
+VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel)
+    "fused+graphs": (False, "sdpa"), "fused+graphs+grouped": (False, "grouped"),
+    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+matmul": (True, "matmul"),
+    "fused+graphs+compile+flex": (True, "flex"),
+}
+PATHS = ("hf", "fused", *VARIANTS)
+
+
 def run_cost_curve(
-    shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path, tp: int = 1
+    shape: str, device_name: str, dtype: torch.dtype, context: int, sizes: list[int], repeat: int, out: Path, tp: int = 1,
+    paths_wanted: tuple[str, ...] = PATHS,
 ) -> dict:
-    """Every verifier forward this build has, side by side: the generic HF modules (eager), our fused forward, and
-    the fused forward replayed from CUDA graphs (on a GPU); with tp > 1 the sharded HF path only."""
+    """Every verifier forward this build has (or those in `paths_wanted`), side by side: the generic HF modules
+    (eager), our fused forward, and the fused forward replayed from CUDA graphs (on a GPU); with tp > 1 the
+    sharded HF path only."""
+    unknown = set(paths_wanted) - set(PATHS)
+    if unknown:
+        raise ValueError(f"unknown verifier paths {sorted(unknown)}; known: {', '.join(PATHS)}")
     s = SHAPES[shape]
     device = torch.device(device_name if tp == 1 else "cuda:0" if device_name.startswith("cuda") else "cpu")
     prompt = torch.randint(0, s["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -190,15 +203,15 @@ def run_cost_curve(
         model = random_target(shape, device, dtype)
         weight_bytes, embed = _weight_bytes(model)
         print(f"[cost-curve] {shape}: {weight_bytes / 1e9:.2f} GB of weights on {device}", flush=True)
-        paths["hf"] = verifier_curve(VerifyEngine(model, fused=False), prompt, sizes, tree_logprobs, repeat)
+        if "hf" in paths_wanted:
+            paths["hf"] = verifier_curve(VerifyEngine(model, fused=False), prompt, sizes, tree_logprobs, repeat)
         del model
         engine = VerifyEngine(random_target(shape, device, dtype), fused=True, graphs=False)
-        paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
-        print(f"[cost-curve] {json.dumps(paths)}", flush=True)
-        variants = {"fused+graphs": (False, "sdpa"), "fused+graphs+grouped": (False, "grouped"),
-                    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+matmul": (True, "matmul"),
-                    "fused+graphs+compile+flex": (True, "flex")}
-        for name, (compiled, attention) in variants.items() if device.type == "cuda" else ():
+        if "fused" in paths_wanted:
+            paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
+            print(f"[cost-curve] {json.dumps(paths)}", flush=True)
+        variants = {name: v for name, v in VARIANTS.items() if name in paths_wanted and device.type == "cuda"}
+        for name, (compiled, attention) in variants.items():
             start = time.perf_counter()
             try:
                 engine.fused.configure(graphs=True, compile=compiled, attention=attention)

@@ -1,26 +1,36 @@
 """Splitting a step's time into its device forward and the rest without adding host syncs.
 
 On a GPU the host runs ahead of the kernels, so a wall clock read right after launching a forward measures the
-launch, not the forward. CUDA events recorded around it are read once the step's own host sync has happened.
+launch, not the forward; and when the drafter and the verifier share a GPU, a step's kernels queue behind the
+previous step's, so a wall clock around one call would also count the other's. CUDA events recorded around the
+step's own kernels are read once a host sync has happened (the round's one sync, which may come later).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 import torch
 
+T = TypeVar("T")
+
 
 class StepTimer:
-    """start -> (forward launched) mark() -> (step synced) split() = (forward_s, rest_s)."""
+    """start -> (forward queued) mark() -> (rest queued) end() or sync(read) -> split() = (forward_s, rest_s).
+
+    On a GPU both parts are device time between events, and `rest` adds the host time spent after `sync` (the
+    host side of the step, e.g. reading the accepted path). Without a GPU they are wall times."""
 
     def __init__(self, device: torch.device) -> None:
         self._wall = time.perf_counter()
         self._events = None
         if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3))
             self._events[0].record()
-        self._marked = 0.0
+        self._marked = self._ended = self._synced = None
+        self._split: tuple[float, float] | None = None
 
     def mark(self) -> None:
         """The forward's kernels are queued."""
@@ -28,11 +38,59 @@ class StepTimer:
             self._events[1].record()
         self._marked = time.perf_counter()
 
+    def end(self) -> None:
+        """All of the step's kernels are queued (no sync: the caller's consumer syncs later)."""
+        if self._events is not None:
+            self._events[2].record()
+        self._ended = time.perf_counter()
+
+    def sync(self, read: Callable[[], T]) -> T:
+        """end(), then the step's host sync: `read` copies what the host needs (e.g. `tensor.tolist()`)."""
+        self.end()
+        out = read()
+        self._synced = time.perf_counter()
+        return out
+
     def split(self) -> tuple[float, float]:
-        """After a host sync that followed mark(): (forward seconds, everything else in seconds)."""
-        total = time.perf_counter() - self._wall
+        """(forward seconds, everything else in seconds); waits for the step's kernels if nobody synced yet."""
+        if self._split is not None:
+            return self._split
+        now = time.perf_counter()
+        marked = self._marked if self._marked is not None else now
+        ended = self._ended if self._ended is not None else now
+        host_after = 0.0 if self._synced is None else now - self._synced
         if self._events is None:
-            forward = self._marked - self._wall
+            forward, rest = marked - self._wall, (now if self._synced is not None else ended) - marked
         else:
+            if self._marked is None:
+                self.mark()
+            if self._ended is None:
+                self.end()
+            self._events[2].synchronize()
             forward = self._events[0].elapsed_time(self._events[1]) / 1000
-        return forward, max(0.0, total - forward)
+            rest = self._events[1].elapsed_time(self._events[2]) / 1000 + host_after
+        self._split = (forward, max(0.0, rest))
+        return self._split
+
+
+class DeferredTimings(Mapping[str, float]):
+    """Timings computed on first read, so that reading CUDA events waits for nothing: a drafter call returns
+    before its kernels ran, and the round loop reads its timings after the verifier's host sync."""
+
+    def __init__(self, resolve: Callable[[], dict[str, float]]) -> None:
+        self._resolve = resolve
+        self._values: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._values is None:
+            self._values = self._resolve()
+        return self._values
+
+    def __getitem__(self, key: str) -> float:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())

@@ -49,6 +49,13 @@ class DraftTree:
         """Nodes other than the root (what `budget` counts)."""
         return self.tokens.shape[0] - 1
 
+    def cpu(self) -> DraftTree:
+        """The tree on the host, in one device-to-host copy (a sync) rather than one per array."""
+        if self.tokens.device.type == "cpu":
+            return self
+        host = torch.stack((self.tokens, self.parents, self.depths)).cpu()  # [3, N+1]
+        return DraftTree(tokens=host[0], parents=host[1], depths=host[2], max_depth=self.max_depth)
+
 
 @dataclass
 class StepResult:

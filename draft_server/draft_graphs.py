@@ -10,7 +10,8 @@ captured as it stands. Here nothing a step reads changes shape or address betwee
 - the block writes its own K/V into the slot's uncommitted rows [p, p+B) instead of concatenating them to the
   context, and attends over a bucketed prefix of the slot under a mask built on the device from the position p;
 - the block's log-probs land in one static buffer, which the tree build (a graph per (budget, top_k), shared by
-  all slots) reads; the packed tree is the one thing copied to host, and the round's one host sync.
+  all slots) reads; the tree stays on the device (a co-located verifier reads it there; the service copies it
+  to the host in one piece), so a draft waits for nothing.
 Cache rows are absolute positions, so "row < p" is the committed context and the sliding-window rule compares rows.
 """
 
@@ -114,11 +115,10 @@ class StaticDrafter:
         self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
 
     def tree(self, budget: int, top_k: int | None) -> DraftTree:
-        """The tree over the last block's log-probs, on the host."""
+        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites."""
         k = min(top_k or budget, self.head.vocab_size, budget)
-        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k))
-        host = packed.cpu()  # [3, N+1]: the round's one host sync, into memory no replay overwrites
-        return DraftTree(tokens=host[0], parents=host[1], depths=host[2], max_depth=self.config.block_size - 1)
+        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k)).clone()  # [3, N+1]
+        return DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
 
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
     def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:

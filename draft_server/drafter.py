@@ -47,9 +47,19 @@ class DraftSession:
 
 @dataclass
 class DraftResult:
+    """A drafted tree, on the drafter's device: nothing waits for the draft's kernels until the tree is read (the
+    verifier's host sync in-process, `tree.cpu()` in the service)."""
+
     tree: DraftTree
-    forward_s: float  # context append + block forward (static path on a GPU: their device time, from CUDA events)
-    tree_s: float  # tree build (static path: the rest of the call, the tree's copy to the host included)
+    timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)
+
+    @property
+    def forward_s(self) -> float:
+        return self.timer.split()[0]
+
+    @property
+    def tree_s(self) -> float:
+        return self.timer.split()[1]
 
 
 class DraftEngine:
@@ -141,8 +151,8 @@ class DraftEngine:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
         before `root_position`. Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
         root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
-        The static path returns the tree on the host (copying it there is the call's one host sync); the eager path
-        leaves it on the drafter's device."""
+        Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
+        the round's one host sync is the verifier's."""
         sess = self.session(session_id)
         m = features.shape[0]
         if features.ndim != 2 or features.shape[1] != self.feature_dim:
@@ -159,18 +169,16 @@ class DraftEngine:
         if budget < 1:
             raise SessionError(f"budget must be >= 1, got {budget}")
         sess.last_used = time.monotonic()
-        start = time.perf_counter()
+        timer = StepTimer(self.device)
         if self.static is not None:
-            # device time of the append and the block (CUDA events, no extra sync); tree_s is the rest of the call
-            timer = StepTimer(self.device)
             if m:
                 self.static.append(sess.slot, sess.length, features)
                 sess.length = root_position
             self.static.block(sess.slot, root_token, root_position)
             timer.mark()
             tree = self.static.tree(budget, top_k)
-            forward_s, tree_s = timer.split()
-            return DraftResult(tree=tree, forward_s=forward_s, tree_s=tree_s)
+            timer.end()
+            return DraftResult(tree, timer)
         if m:
             positions = torch.arange(sess.length, root_position, device=self.device)[None]
             new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
@@ -179,12 +187,10 @@ class DraftEngine:
                 sess.ctx_v[layer][:, :, sess.length : root_position] = v
             sess.length = root_position
         logprobs = self._block_logprobs(sess, root_token, root_position)
-        drafted = time.perf_counter()
+        timer.mark()
         tree = build_tree(logprobs, root_token, budget, top_k)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the timings mean something; the reply needs the tree on host
-        done = time.perf_counter()
-        return DraftResult(tree=tree, forward_s=drafted - start, tree_s=done - drafted)
+        timer.end()
+        return DraftResult(tree, timer)
 
     def _block_logprobs(self, sess: DraftSession, root_token: int, root_position: int) -> torch.Tensor:
         """-> [B-1, vocab] fp32 log-probs; block position j predicts the token at root_position + j (no shift)."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
+from ddtree.timing import DeferredTimings
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from draft_server.drafter import DraftEngine
 from verify_server.verify import VerifyEngine
@@ -22,9 +23,10 @@ class LocalDrafter:
 
     async def draft(
         self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, dict[str, float]]:
+    ) -> tuple[DraftTree, Mapping[str, float]]:
         result = self.engine.draft(session_id, features, root_token, root_position, budget, top_k)
-        return result.tree, {"draft_s": result.forward_s, "tree_s": result.tree_s}
+        # the tree stays on the device for the verifier; its timings are read after the verifier's host sync
+        return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
 
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)

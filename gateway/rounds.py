@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Protocol
@@ -33,7 +33,7 @@ class DrafterClient(Protocol):
 
     async def draft(
         self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, dict[str, float]]: ...
+    ) -> tuple[DraftTree, Mapping[str, float]]: ...
 
     async def end_session(self, session_id: str) -> None: ...
 

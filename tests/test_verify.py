@@ -94,6 +94,31 @@ def test_deep_acceptance_with_compaction(kind: str, path: str, qwen3_target: Pat
         engine.end_session("s")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_rounds_take_host_and_device_trees_on_gpu(qwen3_target: Path) -> None:
+    """fp32 on the GPU, every round a graph replay: trees sent from the host (the service) and trees already on the
+    device (a co-located drafter's) give the target's own greedy tokens, and an AR step copies only scalars."""
+    rng = random.Random(11)
+    engine = VerifyEngine.from_pretrained(qwen3_target, device="cuda")
+    assert engine.path == "fused+graphs"
+    prompt = [3, 1, 4, 1, 5]
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 80)
+    engine.start_session("s", 200, SamplingParams(), taps=[1, 3])
+    got = list(engine.prefill("s", prompt).tokens)
+    rounds = 0
+    while len(got) < 60:
+        max_depth = rng.randint(1, 7)
+        tree = oracle_tree(rng, got[-1], truth[len(got):], max_depth, max_depth)
+        if rounds % 2:
+            tree = DraftTree(tree.tokens.cuda(), tree.parents.cuda(), tree.depths.cuda(), tree.max_depth)
+        step = engine.verify("s", tree) if rounds % 3 else engine.decode("s")
+        assert step.tokens == truth[len(got) : len(got) + len(step.tokens)]
+        got += step.tokens
+        rounds += 1
+    assert len(got) - 1 > 2 * rounds  # deep acceptance
+    assert len(engine.fused.graphs) > 0
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_features_are_tapped_layer_outputs(path: str, qwen3_target: Path) -> None:
     engine = make_engine(qwen3_target, path)

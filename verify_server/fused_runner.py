@@ -3,9 +3,10 @@
 A captured graph is bound to the addresses it was recorded with, so caches are not allocated per session but
 taken from a pool of slots (power-of-two size classes, reused after a session ends) and a graph is captured the
 first time a slot meets a (query bucket, key bucket) pair; the key bucket keeps attention proportional to the
-context rather than to the slot. Inputs go into per-bucket static buffers; a tree smaller than its bucket
-is padded with nodes that see only the prefix and themselves, whose K/V land in the slot's spare tail and are
-never committed. Prefill and trees beyond the largest bucket run the same forward eagerly.
+context rather than to the slot. A step's inputs are the tree's three arrays and three scalars, copied into a
+per-bucket static buffer in one or a few copies; the graph derives ids, positions and the padding from them. A tree
+smaller than its bucket is padded with children of the root that are never accepted, whose K/V land in the slot's
+spare tail and are never committed. Prefill and trees beyond the largest bucket run the same forward eagerly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
+from ddtree.types import DraftTree
 from verify_server.fused import FusedDecoder, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
@@ -43,24 +45,64 @@ def size_class(capacity: int) -> int:
 
 @dataclass
 class StepBuffers:
-    """One bucket's static inputs, rewritten in place before each replay."""
+    """One query bucket's static inputs, rewritten before each replay in one or a few copies (no per-field
+    kernels): the tree's arrays and three scalars, from which the graph derives ids, positions and the padding.
 
-    ids: torch.Tensor  # [qb] long
-    positions: torch.Tensor  # [qb] long
-    tree: torch.Tensor  # [qb, qb] bool ancestor-or-self matrix
-    parents: torch.Tensor  # [qb] long (padding: 0)
-    depths: torch.Tensor  # [qb] long (padding: 0)
-    start: torch.Tensor  # [] long, the slot of the root
-    num: torch.Tensor  # [] long, real nodes (the rest is padding)
-    eye: torch.Tensor  # [qb, qb] bool, the tree of padding nodes: each sees itself only
+    inputs  [3 * qb + 3] long on the device: tokens, parents, depths (rows of qb; past the tree's real q they
+            hold stale values the graph masks out), then start (the root's slot), num (real nodes), the root token
+    staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars; safe
+            to rewrite at the next step, since every step ends with a host sync
+    """
+
+    inputs: torch.Tensor
+    staging: torch.Tensor
+    nodes: torch.Tensor  # [qb] 0, 1, ...: node indices
 
     @classmethod
     def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device=device)
+        inputs = torch.zeros(3 * qb + 3, dtype=torch.long, device=device)
+        staging = torch.zeros(3 * qb + 3, dtype=torch.long, pin_memory=device.type == "cuda")
+        return cls(inputs, staging, torch.arange(qb, device=device))
 
-        eye = torch.eye(qb, dtype=torch.bool, device=device)
-        return cls(zeros(qb), zeros(qb), eye.clone(), zeros(qb), zeros(qb), zeros(), zeros(), eye)
+    @property
+    def qb(self) -> int:
+        return self.nodes.shape[0]
+
+    def write(self, tree: DraftTree, start: int, root: int) -> None:
+        q, qb = tree.tokens.shape[0], self.qb
+        host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        host[3 * qb :] = (start, q, root)
+        if q > 1 and tree.tokens.device.type == "cpu":
+            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                host[row * qb : row * qb + q] = values.numpy()
+            self.inputs.copy_(self.staging, non_blocking=True)
+            return
+        if q > 1:  # a tree already on the device (a co-located drafter's): device-to-device copies
+            rows = self.inputs[: 3 * qb].view(3, qb)
+            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                rows[row, :q].copy_(values, non_blocking=True)
+        self.inputs[3 * qb :].copy_(self.staging[3 * qb :], non_blocking=True)
+
+    def read(self) -> TreeInputs:
+        """Inside the graph: the step's inputs from the raw buffer (device ops only)."""
+        qb = self.qb
+        tokens, parents, depths = self.inputs[: 3 * qb].view(3, qb)
+        start, num, root = self.inputs[3 * qb :].unbind()  # 0-d views
+        valid = self.nodes < num
+        ids = torch.where(self.nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
+        parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
+        depths = torch.where(valid, depths, 0)
+        return TreeInputs(ids, parents, depths, start + depths, start, valid)
+
+
+@dataclass
+class TreeInputs:
+    ids: torch.Tensor  # [qb]
+    parents: torch.Tensor  # [qb], clamped: the root's is 0
+    depths: torch.Tensor  # [qb]
+    positions: torch.Tensor  # [qb] start + depth
+    start: torch.Tensor  # [] the root's slot
+    valid: torch.Tensor  # [qb] bool, False for padding
 
 
 class FusedRunner:
@@ -125,101 +167,92 @@ class FusedRunner:
         tree: torch.Tensor | None,
         last_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions [q]; tree [q, q] bool (None: causal, the prompt) -> logits [q or 1, V] fp32, features
-        [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q)."""
+        """The uncaptured forward (prefill, trees beyond the largest bucket, eager mode): ids, positions [q];
+        tree [q, q] bool (None: causal, the prompt) -> logits [q or 1, V] fp32, features [q, taps*hidden] (None
+        without taps). New K/V go to slots [length, length+q)."""
         q, start = ids.shape[0], cache.length
-        qb = bucket(q) if tree is not None and self.static else None
-        if qb is None:
-            slots = torch.arange(start, start + q, device=self.device)
-            mask = None if tree is None and start == 0 else step_mask(
-                torch.tensor(start, device=self.device),
-                tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=self.device).tril(),
-                start + q,
-            )
-            hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
-            return self.decoder.logits(hidden[-1:] if last_only else hidden), features
-        buf = self._write_inputs(qb, ids, positions, tree, start)
-        kv_len = key_bucket(start + qb, cache.capacity)
-        logits, features = self.graphs.run(
-            (self._slot_of[id(cache)], qb, kv_len, taps), lambda: self._step(cache, buf, taps, kv_len)
+        slots = torch.arange(start, start + q, device=self.device)
+        mask = None if tree is None and start == 0 else step_mask(
+            torch.tensor(start, device=self.device),
+            tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=self.device).tril(),
+            start + q,
         )
-        return logits[:q], None if features is None else features[:q]
+        hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
+        return self.decoder.logits(hidden[-1:] if last_only else hidden), features
 
     def greedy_round(
-        self,
-        cache: KVCache,
-        taps: tuple[int, ...],
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        parents: torch.Tensor,
-        depths: torch.Tensor,
-        max_depth: int,
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A whole greedy verify round in one replay: forward, argmax, acceptance walk (verify_server/walk.py) and
         compaction of the accepted path's K/V to slots [length, length+k+1). -> (packed [2 + qb] as accept_path
         returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None); None when
         the step is not captured (eager mode, or a tree beyond the largest bucket): run it the general way.
-        Inputs as in forward, plus parents, depths [q] and the tree's max_depth (the ancestor matrix is built inside
-        the graph); the caller sets cache.length afterwards."""
-        q = ids.shape[0]
-        qb = bucket(q) if self.static else None
+        The tree may be on the host or the device; `root` replaces its root token. The caller sets cache.length
+        afterwards."""
+        run = self._prepare(cache, tree, root)
+        if run is None:
+            return None
+        buf, kv_len = run
+        return self.graphs.run(
+            (self._slot_of[id(cache)], buf.qb, kv_len, taps, tree.max_depth, "greedy"),
+            lambda: self._greedy(cache, buf, taps, kv_len, tree.max_depth),
+        )
+
+    def tree_forward(
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
+        ancestor matrix [q, q]) for the caller's sampling and walk; None as for greedy_round."""
+        run = self._prepare(cache, tree, root)
+        if run is None:
+            return None
+        buf, kv_len = run
+        logits, features, anc = self.graphs.run(
+            (self._slot_of[id(cache)], buf.qb, kv_len, taps, tree.max_depth, "scores"),
+            lambda: self._scores(cache, buf, taps, kv_len, tree.max_depth),
+        )
+        q = tree.tokens.shape[0]
+        return logits[:q], None if features is None else features[:q], anc[:q, :q]
+
+    def _prepare(self, cache: KVCache, tree: DraftTree, root: int) -> tuple[StepBuffers, int] | None:
+        qb = bucket(tree.tokens.shape[0]) if self.static else None
         if qb is None:
             return None
-        start = cache.length
-        buf = self._write_inputs(qb, ids, positions, None, start)
-        buf.parents[:q] = parents.clamp(min=0)  # the root, and every padding node, hang off the root
-        buf.parents[q:] = 0
-        buf.depths[:q] = depths
-        buf.depths[q:] = 0
-        buf.num.fill_(q)
-        kv_len = key_bucket(start + qb, cache.capacity)
-        return self.graphs.run(
-            (self._slot_of[id(cache)], qb, kv_len, taps, max_depth),
-            lambda: self._greedy(cache, buf, taps, kv_len, max_depth),
-        )
+        buf = self._buffers.get(qb)
+        if buf is None:
+            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+        buf.write(tree, cache.length, root)
+        return buf, key_bucket(cache.length + qb, cache.capacity)
 
     def _greedy(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
-        compaction only reads slots in that range. Padding nodes are children of the root that only match when
-        valid, so they are never accepted."""
-        anc = ancestor_matrix(buf.parents, max_depth)  # [qb, qb]
-        logits, features = self._step(cache, buf, taps, kv_len, anc)
-        qb = buf.ids.shape[0]
-        nodes = torch.arange(qb, device=self.device)
-        packed, path = accept_path(buf.ids, buf.parents, buf.depths, anc, logits.argmax(dim=-1), nodes < buf.num)
-        order = path.clamp(max=qb - 1)  # the path first; the filler's slots are beyond the committed length
-        cache.k.index_copy_(3, buf.start + nodes, cache.k.index_select(3, buf.start + order))
-        cache.v.index_copy_(3, buf.start + nodes, cache.v.index_select(3, buf.start + order))
+        compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
+        accepted."""
+        x = buf.read()
+        anc = ancestor_matrix(x.parents, max_depth)  # [qb, qb]
+        logits, features = self._step(cache, x, anc, kv_len, taps)
+        packed, path = accept_path(x.ids, x.parents, x.depths, anc, logits.argmax(dim=-1), x.valid)
+        order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
+        cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))
+        cache.v.index_copy_(3, x.start + buf.nodes, cache.v.index_select(3, x.start + order))
         return packed, None if features is None else features[order]
 
-    def _step(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, tree: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured step: attention over the first kv_len slots (a key bucket), whatever the context.
-        tree [qb, qb] bool: the visibility among new tokens (None: buf.tree)."""
-        qb = buf.ids.shape[0]
-        slots = buf.start + torch.arange(qb, device=self.device)
-        mask = step_mask(buf.start, buf.tree if tree is None else tree, kv_len)
-        hidden, features = self.decoder.forward(
-            buf.ids, buf.positions, cache, slots, mask, kv_len, taps, compiled=True
-        )
-        return self.decoder.logits(hidden), features
+    def _scores(
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        x = buf.read()
+        anc = ancestor_matrix(x.parents, max_depth)  # [qb, qb]
+        logits, features = self._step(cache, x, anc, kv_len, taps)
+        return logits, features, anc
 
-    def _write_inputs(
-        self, qb: int, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, start: int
-    ) -> StepBuffers:
-        """tree None: the caller's graph builds the visibility itself (buf.tree is left as it is)."""
-        buf = self._buffers.get(qb)
-        if buf is None:
-            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
-        q = ids.shape[0]
-        buf.ids[:q] = ids
-        buf.positions[:q] = positions
-        buf.positions[q:] = start  # padding: any valid position will do
-        if tree is not None:
-            buf.tree.copy_(buf.eye)
-            buf.tree[:q, :q] = tree
-        buf.start.fill_(start)
-        return buf
+    def _step(
+        self, cache: KVCache, x: TreeInputs, tree: torch.Tensor, kv_len: int, taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured forward: attention over the first kv_len slots (a key bucket), whatever the context;
+        tree [qb, qb] bool: which new tokens each new token sees."""
+        slots = x.start + torch.arange(tree.shape[0], device=self.device)  # [qb]
+        mask = step_mask(x.start, tree, kv_len)
+        hidden, features = self.decoder.forward(x.ids, x.positions, cache, slots, mask, kv_len, taps, compiled=True)
+        return self.decoder.logits(hidden), features

@@ -25,6 +25,11 @@ from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionSt
 from verify_server.walk import accept_path
 
 
+# An AR step is a verify of the root alone; on the host, so a captured step copies nothing but its scalars.
+ROOT_ONLY = DraftTree(tokens=torch.zeros(1, dtype=torch.long), parents=torch.full((1,), -1), depths=torch.zeros(1, dtype=torch.long),
+                      max_depth=0)
+
+
 class SessionError(ValueError):
     """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
 
@@ -189,7 +194,7 @@ class VerifyEngine:
         logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, last_only=True)
         timer.mark()
         first = choose_tokens(logits, sess.params, sess.generator)
-        token = int(first.item())
+        token = timer.sync(lambda: int(first.item()))
         sess.cache.length = len(prompt)
         sess.root = token
         forward_s, _ = timer.split()
@@ -198,13 +203,14 @@ class VerifyEngine:
     @torch.inference_mode()
     def decode(self, session_id: str) -> StepResult:
         """One plain autoregressive step: a tree holding only the root."""
-        root = torch.zeros(1, dtype=torch.long, device=self.device)
-        return self.verify(session_id, DraftTree(tokens=root, parents=root - 1, depths=root, max_depth=0))
+        return self.verify(session_id, ROOT_ONLY)
 
     @torch.inference_mode()
     def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
-        appends the target's choice after it (the bonus), and compacts the cache to that path."""
+        appends the target's choice after it (the bonus), and compacts the cache to that path. The tree may be on
+        the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
+        session's."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
@@ -214,30 +220,32 @@ class VerifyEngine:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
         timer = StepTimer(self.device)
-        start = sess.cache.length
-        parents = tree.parents.to(self.device)
-        depths = tree.depths.to(self.device)
-        ids = tree.tokens.to(self.device).clone()
-        ids[0] = sess.root  # the root is the session's, whatever the drafter thought it was
+        start, taps = sess.cache.length, tuple(sess.taps)
         captured = None
         if self.fused is not None and sess.params.greedy:
-            captured = self.fused.greedy_round(
-                sess.cache, tuple(sess.taps), ids, start + depths, parents, depths, tree.max_depth
-            )
+            captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root)
         if captured is not None:  # forward, walk and compaction in one graph replay
             packed, path_features = captured
             timer.mark()
-            host = packed.tolist()  # the round's single host sync
+            host = timer.sync(packed.tolist)  # the round's single host sync
             k, bonus = host[0], host[1]
             sess.cache.length = start + k + 1
             features = None if path_features is None else path_features[: k + 1].clone()
         else:
-            anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
-            logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
+            parents = tree.parents.to(self.device)
+            depths = tree.depths.to(self.device)
+            ids = tree.tokens.to(self.device).clone()
+            ids[0] = sess.root
+            scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
+            if scored is not None:
+                logits, features, anc = scored
+            else:
+                anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
+                logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
             timer.mark()
             choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
             packed, path = accept_path(ids, parents, depths, anc, choice)
-            host = packed.tolist()  # the round's single host sync
+            host = timer.sync(packed.tolist)  # the round's single host sync
             k, bonus = host[0], host[1]
             keep = path[: k + 1]
             sess.cache.compact(start, keep)
