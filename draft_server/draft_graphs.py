@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
-from ddtree.sdpa import grouped_attention
+from ddtree.sdpa import matmul_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter
 from draft_server.target_head import TargetHead
-from draft_server.tree import build_tree
+from draft_server.tree import TreeLayout, build_tree
 
 
 def append_bucket(m: int) -> int:
@@ -56,6 +56,7 @@ class StaticDrafter:
             ),
         )
         self.graphs = GraphPool(self.device, enabled=graphs)
+        self._layouts: dict[tuple[int, int], TreeLayout] = {}  # (budget, top_k) -> the tree graph's constants
         long = {"dtype": torch.long, "device": self.device}
         self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
         self._pos = torch.zeros(1, **long)  # the root position p, == the committed context length
@@ -117,7 +118,10 @@ class StaticDrafter:
     def tree(self, budget: int, top_k: int | None) -> DraftTree:
         """The tree over the last block's log-probs, on the device, in memory no later replay overwrites."""
         k = min(top_k or budget, self.head.vocab_size, budget)
-        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k)).clone()  # [3, N+1]
+        layout = self._layouts.get((budget, k))
+        if layout is None:
+            layout = self._layouts[budget, k] = TreeLayout.build(self.config.block_size - 1, k, budget, self.device)
+        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
         return DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
 
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
@@ -131,8 +135,8 @@ class StaticDrafter:
         self._pos.fill_(position)
         return key_bucket(position + self.config.block_size, self.rows)
 
-    def _tree(self, budget: int, top_k: int) -> torch.Tensor:
-        tree = build_tree(self._logprobs, self._ids[0, :1], budget, top_k)  # root as a device tensor: no upload
+    def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
+        tree = build_tree(self._logprobs, self._ids[0, :1], budget, top_k, layout)  # root as a device tensor: no upload
         return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
 
     def _block(self, slot: int, keys: int) -> None:
@@ -150,7 +154,7 @@ class StaticDrafter:
             k_cache.index_copy_(2, positions, k)
             v_cache.index_copy_(2, positions, v)
             bias = sliding if kind == "sliding_attention" else full
-            out = grouped_attention(attn.query(h, cos, sin), k_cache[:, :, :keys], v_cache[:, :, :keys], bias)
+            out = matmul_attention(attn.query(h, cos, sin), k_cache[:, :, :keys], v_cache[:, :, :keys], bias)
             x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = drafter.norm(x)

@@ -12,6 +12,8 @@ The linear DFlash chain is the case top_k=1, budget=B-1.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ddtree.types import DraftTree
@@ -26,48 +28,86 @@ def beam_widths(num_depths: int, top_k: int, budget: int) -> list[int]:
     return widths
 
 
-def build_tree(logprobs: torch.Tensor, root_token: torch.Tensor | int, budget: int, top_k: int | None = None) -> DraftTree:
+def contenders(parents: int, top_k: int, width: int) -> list[int] | None:
+    """Which of a depth's parents * top_k candidates (parent-major ids) can make its beam of `width`; None: all.
+    Parent i (the beam's i-th best) with its j-th best token is beaten by every (i' <= i, j' <= j) pair: each scores
+    at least as much (beam and top-k values are sorted) and comes first in the stable order, so (i+1)(j+1) > width
+    rules it out. ~width * ln(width) survive of width * top_k, which makes the sort per depth far smaller."""
+    kept = [i * top_k + j for i in range(parents) for j in range(min(top_k, width // (i + 1)))]
+    return None if len(kept) == parents * top_k else kept
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """Constants of one (depths, top_k, budget) shape, with candidates depth-major as the beams are:
+    depth_row [sum w]: the depth (0-based row of logprobs) of each beam entry; parent_base [sum w]: the candidate
+    id where the previous depth's beam starts (-1 at depth 0, so the root's children point at -1); contenders per
+    depth (see `contenders`). Built once per shape outside any CUDA graph (a host-to-device copy cannot be
+    captured)."""
+
+    depth_row: torch.Tensor
+    parent_base: torch.Tensor
+    contenders: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def build(cls, num_depths: int, top_k: int, budget: int, device: torch.device) -> TreeLayout:
+        widths = beam_widths(num_depths, top_k, budget)
+        starts = [sum(widths[:d]) for d in range(num_depths)]
+        rows = [d for d, w in enumerate(widths) for _ in range(w)]
+        bases = [-1 if d == 0 else starts[d - 1] for d, w in enumerate(widths) for _ in range(w)]
+        kept = [contenders(1 if d == 0 else widths[d - 1], top_k, w) for d, w in enumerate(widths)]
+        return cls(
+            torch.tensor(rows, device=device), torch.tensor(bases, device=device),
+            tuple(None if ids is None else torch.tensor(ids, device=device) for ids in kept),
+        )
+
+
+def build_tree(
+    logprobs: torch.Tensor,
+    root_token: torch.Tensor | int,
+    budget: int,
+    top_k: int | None = None,
+    layout: TreeLayout | None = None,
+) -> DraftTree:
     """logprobs [D, V] per-depth log-probabilities (depth d = row d-1) -> a DraftTree of min(budget, #prefixes)
-    nodes plus the root. `top_k` defaults to min(budget, V)."""
+    nodes plus the root. `top_k` defaults to min(budget, V). `layout`: TreeLayout.build for this shape, made ahead
+    by a caller that captures this function (built here otherwise)."""
     num_depths, vocab = logprobs.shape
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     k = min(top_k or budget, vocab, budget)
     device = logprobs.device
+    layout = layout or TreeLayout.build(num_depths, k, budget, device)
     top_vals, top_ids = logprobs.float().topk(k, dim=-1)  # [D, k] each, sorted descending per depth
     widths = beam_widths(num_depths, k, budget)
 
-    scores, tokens, parent_pos = [], [], []  # per depth: [w_d] each
+    # The loop is sequential (each beam extends the last), so it does only what the next depth needs: one sort of
+    # the candidates that can make the beam, whose sorted values are the next beam. Tokens and parents are gathered
+    # for all depths at once afterwards.
+    scores, orders = [], []  # per depth: [w_d] each
     beam = torch.zeros(1, device=device)  # the root's score
-    for d in range(num_depths):
+    for d, kept in enumerate(layout.contenders):
         cand = (beam[:, None] + top_vals[d][None, :]).flatten()  # [w_{d-1} * k], parent-major order
-        order = torch.sort(cand, descending=True, stable=True).indices[: widths[d]]
-        beam = cand[order]
+        if kept is not None:
+            cand = cand[kept]  # [c] in the same (parent-major) order, so the stable sort ranks them alike
+        ranked = torch.sort(cand, descending=True, stable=True)
+        beam = ranked.values[: widths[d]]
         scores.append(beam)
-        tokens.append(top_ids[d][order % k])
-        parent_pos.append(order // k)
-
+        orders.append(ranked.indices[: widths[d]] if kept is None else kept[ranked.indices[: widths[d]]])
+    order = torch.cat(orders)  # [sum w]: each candidate's index among its depth's candidates
     all_scores = torch.cat(scores)  # [sum w], depth-major so the stable sort breaks ties by depth
     num_nodes = min(budget, all_scores.shape[0])
     chosen = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]  # [N] candidate ids
-
-    offsets = [0]
-    for w in widths[:-1]:
-        offsets.append(offsets[-1] + w)
-    depth_of = torch.cat([torch.full((w,), d + 1, device=device, dtype=torch.long) for d, w in enumerate(widths)])
-    # a candidate's parent, as a candidate id (-1 = root): parent beam position + the previous depth's offset
-    parent_cand = torch.cat(
-        [parent_pos[0].new_full((widths[0],), -1)]
-        + [parent_pos[d] + offsets[d - 1] for d in range(1, num_depths)]
-    )
+    # a candidate's parent as a candidate id (-1 = root): its beam position in the previous depth + where that starts
+    parent_cand = layout.parent_base + order // k  # [sum w]
     node_index = torch.zeros(all_scores.shape[0] + 1, dtype=torch.long, device=device)  # cand id + 1 -> node index
     node_index[chosen + 1] = torch.arange(1, num_nodes + 1, device=device)
 
     root = torch.as_tensor(root_token, dtype=torch.long, device=device).reshape(1)
-    parents = node_index[parent_cand[chosen] + 1]  # root's slot (0) maps to node 0
+    rows = layout.depth_row[chosen]  # [N]
     return DraftTree(
-        tokens=torch.cat((root, torch.cat(tokens)[chosen])),
-        parents=torch.cat((root.new_full((1,), -1), parents)),
-        depths=torch.cat((root.new_zeros(1), depth_of[chosen])),
+        tokens=torch.cat((root, top_ids[rows, order[chosen] % k])),
+        parents=torch.cat((root.new_full((1,), -1), node_index[parent_cand[chosen] + 1])),  # root's slot (0) -> 0
+        depths=torch.cat((root.new_zeros(1), rows + 1)),
         max_depth=num_depths,
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_server.tree import build_tree
+from draft_server.tree import TreeLayout, build_tree
 
 
 def brute_force(logprobs: torch.Tensor, budget: int, top_k: int) -> list[tuple[int, ...]]:
@@ -86,3 +86,19 @@ def test_small_space_caps_the_tree() -> None:
     tree = build_tree(logprobs, 0, budget=100)
     assert tree.num_nodes == 12
     assert sorted(tree_prefixes(tree)) == sorted(brute_force(logprobs, 100, 3))
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+@pytest.mark.parametrize("budget", [8, 32, 128])
+def test_contender_pruning_changes_nothing(budget: int, quantised: bool) -> None:
+    """At DFlash shapes (15 depths, a real vocabulary) the pruned beams give the tree of the full sorts, ties too."""
+    gen = torch.Generator().manual_seed(budget)
+    logits = torch.randn(15, 300, generator=gen) * 3
+    logprobs = -torch.randint(0, 4, (15, 300), generator=gen).float() if quantised else torch.log_softmax(logits, -1)
+    full = TreeLayout.build(15, budget, budget, torch.device("cpu"))
+    assert any(c is not None for c in full.contenders)  # pruning really happens at this shape
+    unpruned = TreeLayout(full.depth_row, full.parent_base, (None,) * 15)
+    pruned_tree, full_tree = build_tree(logprobs, 5, budget, layout=full), build_tree(logprobs, 5, budget, layout=unpruned)
+    for a, b in zip((pruned_tree.tokens, pruned_tree.parents, pruned_tree.depths),
+                    (full_tree.tokens, full_tree.parents, full_tree.depths), strict=True):
+        assert torch.equal(a, b)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ddtree.sdpa import attention, fold_groups, grouped_attention
+from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
@@ -116,22 +116,16 @@ def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return grouped_attention(q, k, v, mask, scale)
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract as two batched matmuls around a masked fp32 softmax, query heads folded per K/V group.
-    For the few queries of a decode or small tree, cuBLAS spreads the keys over the whole GPU where the fused
-    attention kernels run a handful of thread blocks; under torch.compile the mask and softmax fuse into one kernel."""
+def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract through ddtree.sdpa.matmul_attention (two batched matmuls around a masked softmax)."""
     if mask is None:
         return sdpa_attention(q, k, v, mask, scale, gqa)
-    folded, mask = fold_groups(q, k.shape[1], mask)
-    scores = torch.matmul(folded, k.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups*q, kv]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)  # [b, kv_heads, groups*q, d]
-    return out.reshape(q.shape)
+    return matmul_attention(q, k, v, mask, scale)
 
 
 ATTENTION_KERNELS = {
-    "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_attention, "flex": flex_tree_attention,
+    "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention, "flex": flex_tree_attention,
 }
 
 

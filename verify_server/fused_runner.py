@@ -127,9 +127,9 @@ class FusedRunner:
 
     def configure(self, graphs: bool, compile: bool = False, attention: str | None = None) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
-        on one loaded model). attention None: the fastest measured kernel for the mode (bench/README.md, Qwen3-8B
-        shapes on an H200): folded-group SDPA eager, matmul + fused softmax when compiled."""
-        self.decoder.set_compiled(compile, attention or ("matmul" if compile else "grouped"))
+        on one loaded model). attention None: two matmuls around a masked softmax, the fastest measured for the
+        few queries of a decode or a tree (bench/README.md: Qwen3-8B shapes and the demo pair on an H200)."""
+        self.decoder.set_compiled(compile, attention or "matmul")
         self.graphs = GraphPool(self.device, enabled=graphs)
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.

@@ -1,0 +1,85 @@
+"""Where an in-process round of a model pair goes, part by part (torch.profiler): the drafter's block, its tree
+build and the verifier's round, each replayed on its own so that its kernels can be counted and timed.
+
+Usage: python bench/profile_round.py [--target DIR --drafter DIR] [--budget 32] [--dtype float32] [--compile]
+
+For a small pair every part is bound by how many kernels run one after another (each costs a few microseconds
+whatever its size), so the table reports kernels per call next to the wall time of a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.models import resolve_pair
+from ddtree.types import SamplingParams
+from gateway.local import load_local
+
+CALLS = 50
+
+
+def measure(name: str, fn: Callable[[], object], rows: int) -> None:
+    """Wall time per call (synced) and the kernels a call runs."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / CALLS * 1000
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    count = sum(e.count for e in kernels) / 10
+    device_ms = sum(e.self_device_time_total for e in kernels) / 10 / 1000
+    print(f"\n=== {name}: {wall_ms:.3f} ms wall per call, {count:.0f} kernels ({device_ms:.3f} ms of kernels) ===")
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
+    for e in top:
+        print(f"{e.count / 10:6.1f} x {e.self_device_time_total / e.count:7.2f} us  {e.key[:100]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--drafter")
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's layer step")
+    p.add_argument("--context", type=int, default=520)
+    p.add_argument("--rows", type=int, default=12)
+    args = p.parse_args()
+    target, drafter_dir = resolve_pair(args.target, args.drafter)
+    verifier, drafter = load_local(target, drafter_dir, "cuda", getattr(torch, args.dtype), compile=args.compile)
+    v, d = verifier.engine, drafter.engine
+    prompt = torch.randint(10, v.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    capacity = min(v.model.config.max_position_embeddings, d.static.max_context) - 8
+    v.start_session("s", capacity, SamplingParams(), list(d.config.target_layer_ids))
+    d.start_session("s", capacity)
+    step = v.prefill("s", prompt)
+    root, position = step.tokens[-1], args.context
+    d.draft("s", step.features, root, position, args.budget)
+    no_features = step.features[:0]
+    static = d.static
+    print(f"pair {target} + {drafter_dir}, {args.dtype}, budget {args.budget}, context {args.context}, "
+          f"verifier {v.path}, compile={args.compile}")
+    # the drafter's block again at the same position (idempotent: no new features), then its tree alone
+    measure("draft call (block + tree)", lambda: d.draft("s", no_features, root, position, args.budget), args.rows)
+    measure("block forward", lambda: static.block(d.sessions["s"].slot, root, position), args.rows)
+    measure("tree build", lambda: static.tree(args.budget, None), args.rows)
+    tree = d.draft("s", no_features, root, position, args.budget).tree
+    # the same drafted tree every round (the verifier puts the session's root in): it matches the target less and
+    # less, so the context grows by a few tokens a call and stays within one key bucket
+    measure("verify round", lambda: v.verify("s", tree), args.rows)
+    measure("AR step", lambda: v.decode("s"), args.rows)
+
+
+if __name__ == "__main__":
+    main()
