@@ -60,7 +60,7 @@ def matmul_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """The contract of grouped_attention as two batched matmuls around a masked fp32 softmax (mask bool, True =
-    attend, or additive). For the few queries of a decode step, a tree or a drafter block, cuBLAS spreads the keys
+    attend, or additive). For the few queries of a decode step or a small tree, cuBLAS spreads the keys
     over the whole GPU where the fused attention kernels run a handful of thread blocks one key tile after another
     (~95 us a layer at 768 keys on an H200 against a few us here); under torch.compile the mask and the softmax
     fuse into one kernel."""
