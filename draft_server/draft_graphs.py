@@ -36,7 +36,8 @@ class StaticDrafter:
     graph per shape bucket when `graphs` and on a GPU (otherwise the same code runs as plain calls)."""
 
     def __init__(
-        self, drafter: DFlashDrafter, head: TargetHead, max_sessions: int, max_context: int, graphs: bool = True
+        self, drafter: DFlashDrafter, head: TargetHead, max_sessions: int, max_context: int, graphs: bool = True,
+        compile: bool = False,
     ) -> None:
         cfg = drafter.config
         self.drafter, self.head, self.config = drafter, head, cfg
@@ -57,6 +58,9 @@ class StaticDrafter:
         )
         self.graphs = GraphPool(self.device, enabled=graphs)
         self._layouts: dict[tuple[int, int], TreeLayout] = {}  # (budget, top_k) -> the tree graph's constants
+        # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost; compiled, the
+        # elementwise work around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
+        self._build_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else build_tree
         long = {"dtype": torch.long, "device": self.device}
         self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
         self._pos = torch.zeros(1, **long)  # the root position p, == the committed context length
@@ -136,7 +140,7 @@ class StaticDrafter:
         return key_bucket(position + self.config.block_size, self.rows)
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
-        tree = build_tree(self._logprobs, self._ids[0, :1], budget, top_k, layout)  # root as a device tensor: no upload
+        tree = self._build_tree(self._logprobs, self._ids[0, :1], budget, top_k, layout)  # root on the device: no upload
         return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
 
     def _block(self, slot: int, keys: int) -> None:

@@ -71,10 +71,12 @@ class DraftEngine:
         eager: bool = False,
         max_sessions: int = 16,
         max_context: int | None = None,
+        compile: bool = False,
     ) -> None:
         """eager: the dynamic path (a cache per session, nothing captured). Otherwise the static path holds at most
         `max_sessions` sessions of at most `max_context` positions each (default: the drafter's
-        max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU."""
+        max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU.
+        compile: torch.compile the static path's tree build (fewer, fused kernels; one compile per budget)."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
@@ -89,7 +91,7 @@ class DraftEngine:
         max_context = max_context or cfg.max_position_embeddings
         if max_sessions < 1 or max_context < 2:
             raise ValueError(f"need max_sessions >= 1 and max_context >= 2, got {max_sessions} and {max_context}")
-        self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context)
+        self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile)
 
     @property
     def block_size(self) -> int:

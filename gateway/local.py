@@ -61,7 +61,7 @@ def load_local(
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
     forward without static buffers or CUDA graphs; compile: torch.compile the
-    verifier's fused layer step."""
+    verifier's fused layer step and the drafter's tree build."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
@@ -76,6 +76,6 @@ def load_local(
         return verifier, None
     engine = verifier.engine
     draft_engine = DraftEngine(
-        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager
+        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager, compile=compile
     )
     return verifier, LocalDrafter(draft_engine)

@@ -59,7 +59,7 @@ def run_rounds(
         new = features[seen - m : seen]
         want = eager.draft("s", new, root, seen, budget, top_k).tree
         got = static.draft("s", new, root, seen, budget, top_k).tree
-        assert got.tokens.device.type == "cpu"  # on the host already: the reply needs nothing more
+        assert got.tokens.device == static.device  # left on the drafter's device for a co-located verifier
         assert_same_tree(got, want)
         torch.testing.assert_close(
             static._block_logprobs(static.session("s"), root, seen),  # noqa: SLF001 - the raw distributions
@@ -76,6 +76,13 @@ def test_static_path_matches_eager(kind: str, drafter_dir: Path) -> None:
     eager, static = engines(model, max_sessions=2, max_context=256)
     assert not static.eager and eager.eager
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
+
+
+def test_compiled_tree_build_gives_the_same_trees(drafter_dir: Path) -> None:
+    """--compile on the drafter: its tree build through torch.compile (one compile for the one budget here)."""
+    torch.manual_seed(3)
+    eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
+    run_rounds(eager, static, torch.randn(30, FEATURE_DIM), rounds=[(12, 2, 8, None), (3, 5, 8, None), (15, 7, 8, None)])
 
 
 def test_freed_slot_serves_the_next_session_cleanly(drafter_dir: Path) -> None:
