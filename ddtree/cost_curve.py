@@ -21,7 +21,7 @@ from ddtree.types import SamplingParams
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
-from draft_server.tree import build_tree
+from draft_server.tree import TreeLayout, build_tree
 from verify_server.tree_attention import ATTENTION_NAME
 from verify_server.verify import VerifyEngine
 
@@ -238,7 +238,9 @@ def run_cost_curve(
         "weight_streaming_bound_ms": bound_ms and round(bound_ms, 3),
         "verifier": paths,
         "drafter": drafter_curve(s, device, dtype, context, sizes, repeat),
-        "tree_build_ms": {str(n): round(timed(lambda n=n: build_tree(tree_logprobs, 0, n), device, repeat), 3) for n in sizes},
+        "tree_build_ms": {str(n): round(timed(lambda n=n, layout=TreeLayout.build(s["block_size"] - 1, n, n, device):
+                                                     build_tree(tree_logprobs, 0, n, layout=layout), device, repeat), 3)
+                          for n in sizes},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
