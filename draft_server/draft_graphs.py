@@ -24,7 +24,7 @@ from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayout, build_tree
+from draft_server.tree import TreeLayout, TreeLayouts, build_tree
 
 
 def append_bucket(m: int) -> int:
@@ -57,7 +57,7 @@ class StaticDrafter:
             ),
         )
         self.graphs = GraphPool(self.device, enabled=graphs)
-        self._layouts: dict[tuple[int, int], TreeLayout] = {}  # (budget, top_k) -> the tree graph's constants
+        self.layouts = TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)  # the tree graphs' constants
         # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost; compiled, the
         # elementwise work around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
         self._build_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else build_tree
@@ -121,10 +121,7 @@ class StaticDrafter:
 
     def tree(self, budget: int, top_k: int | None) -> DraftTree:
         """The tree over the last block's log-probs, on the device, in memory no later replay overwrites."""
-        k = min(top_k or budget, self.head.vocab_size, budget)
-        layout = self._layouts.get((budget, k))
-        if layout is None:
-            layout = self._layouts[budget, k] = TreeLayout.build(self.config.block_size - 1, k, budget, self.device)
+        k, layout = self.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
         return DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
 

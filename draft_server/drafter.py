@@ -17,7 +17,7 @@ from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, sliding_window_mask
 from draft_server.draft_graphs import StaticDrafter
 from draft_server.target_head import TargetHead
-from draft_server.tree import build_tree
+from draft_server.tree import TreeLayouts, build_tree
 
 
 class SessionError(ValueError):
@@ -92,6 +92,10 @@ class DraftEngine:
         if max_sessions < 1 or max_context < 2:
             raise ValueError(f"need max_sessions >= 1 and max_context >= 2, got {max_sessions} and {max_context}")
         self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile)
+        # the tree shapes' constants, kept per (budget, top_k); the static path's, when there is one
+        self.layouts = (
+            self.static.layouts if self.static else TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)
+        )
 
     @property
     def block_size(self) -> int:
@@ -190,7 +194,7 @@ class DraftEngine:
             sess.length = root_position
         logprobs = self._block_logprobs(sess, root_token, root_position)
         timer.mark()
-        tree = build_tree(logprobs, root_token, budget, top_k)
+        tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
         timer.end()
         return DraftResult(tree, timer)
 

@@ -62,6 +62,23 @@ class TreeLayout:
         )
 
 
+class TreeLayouts:
+    """One drafter's TreeLayouts, per (budget, top_k), built on first use and kept: building one is Python work
+    (~ms at large budgets) that no round should repeat."""
+
+    def __init__(self, num_depths: int, vocab: int, device: torch.device) -> None:
+        self.num_depths, self.vocab, self.device = num_depths, vocab, device
+        self._built: dict[tuple[int, int], TreeLayout] = {}
+
+    def get(self, budget: int, top_k: int | None) -> tuple[int, TreeLayout]:
+        """-> (the top_k build_tree will use, its layout)."""
+        k = min(top_k or budget, self.vocab, budget)
+        layout = self._built.get((budget, k))
+        if layout is None:
+            layout = self._built[budget, k] = TreeLayout.build(self.num_depths, k, budget, self.device)
+        return k, layout
+
+
 def build_tree(
     logprobs: torch.Tensor,
     root_token: torch.Tensor | int,

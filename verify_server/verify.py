@@ -26,8 +26,10 @@ from verify_server.walk import accept_path
 
 
 # An AR step is a verify of the root alone; on the host, so a captured step copies nothing but its scalars.
-ROOT_ONLY = DraftTree(tokens=torch.zeros(1, dtype=torch.long), parents=torch.full((1,), -1), depths=torch.zeros(1, dtype=torch.long),
-                      max_depth=0)
+ROOT_ONLY = DraftTree(
+    tokens=torch.zeros(1, dtype=torch.long), parents=torch.full((1,), -1), depths=torch.zeros(1, dtype=torch.long),
+    max_depth=0,
+)
 
 
 class SessionError(ValueError):
