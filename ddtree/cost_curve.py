@@ -168,7 +168,8 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
 VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel)
     "fused+graphs": (False, "sdpa"), "fused+graphs+grouped": (False, "grouped"), "fused+graphs+matmul": (False, "matmul"),
     "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+matmul": (True, "matmul"),
-    "fused+graphs+compile+flex": (True, "flex"),
+    "fused+graphs+compile+flex": (True, "flex"), "fused+graphs+flash": (False, "flash"),
+    "fused+graphs+compile+flash": (True, "flash"),
 }
 PATHS = ("hf", "fused", *VARIANTS)
 

@@ -21,7 +21,7 @@ class DraftServerConfig(ServiceConfig):
     port: int = option(50061, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
     max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
-    compile: bool = option(False, "torch.compile the tree build (one compile per budget, in warm-up or on first use)")
+    compile: bool = option(False, "torch.compile the block layers, context append and tree build (compiles in warm-up, and once per new budget)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

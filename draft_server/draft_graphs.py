@@ -20,15 +20,51 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
+from ddtree.flash_tree import flash_supported, flash_tree_attention
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
-from draft_server.dflash import DFlashDrafter
+from draft_server.dflash import DFlashDrafter, DFlashLayer
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
 
 
+TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
+
+
 def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
+
+
+def block_layer(
+    x: torch.Tensor,
+    layer: DFlashLayer,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    keys: int,
+    bias: torch.Tensor | None,
+    block: torch.Tensor,
+) -> torch.Tensor:
+    """DFlashLayer.forward on the block stream x [1, B, hidden] at `positions` [B] (== its rows in the slot), with
+    the block's K/V written into the slot's caches [1, kv_heads, rows, d] and attention over rows [0, keys).
+    bias: [1, 1, rep*B, keys] additive (grouped SDPA); None: flash-decoding with the block as a [B, B] all-visible
+    `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    k, v = attn.key_value(h, cos, sin)
+    k_cache.index_copy_(2, positions, k)
+    v_cache.index_copy_(2, positions, v)
+    q = attn.query(h, cos, sin)  # [1, heads, B, d]
+    if bias is None:
+        out = flash_tree_attention(
+            q[0].transpose(0, 1), k_cache[0, :, :keys], v_cache[0, :, :keys], positions[0], block, attn.head_dim**-0.5
+        )[None]  # [1, B, heads, d]
+    else:
+        out = grouped_attention(q, k_cache[:, :, :keys], v_cache[:, :, :keys], bias).transpose(1, 2)
+    x = x + attn.o_proj(out.flatten(2))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class StaticDrafter:
@@ -60,9 +96,17 @@ class StaticDrafter:
         self.layouts = TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)  # the tree graphs' constants
         # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost; compiled, the
         # elementwise work around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
-        self._build_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else build_tree
+        self._compiled_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else None
+        self._compiled_shapes: set[tuple[int, int]] = set()  # (budget, top_k) the compiled tree build has seen
+        # the block's layers: eagerly ~60 kernels each (HF-style modules); compiled, the norms, RoPE and SiLU fuse.
+        # One compile serves every layer and slot (weights and caches are inputs); keys turns symbolic on change.
+        self._layer = torch.compile(block_layer, fullgraph=True) if compile else block_layer
+        self._context_kv = torch.compile(drafter.context_kv, fullgraph=True) if compile else drafter.context_kv
+        # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
+        self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
         long = {"dtype": torch.long, "device": self.device}
         self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
+        self._block_tree = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool, device=self.device)
         self._pos = torch.zeros(1, **long)  # the root position p, == the committed context length
         self._start = torch.zeros(1, **long)  # first row of an append
         self._arange = torch.arange(self.rows, **long)  # row index == absolute position
@@ -107,7 +151,7 @@ class StaticDrafter:
         """features [n, taps*hidden] -> K/V at rows _start + [0, n). Rows past the real m get the K/V of stale
         (finite) padding features: past the new length, so masked until the next append overwrites them."""
         rows = self._start + self._arange[: features.shape[0]]  # [n]
-        new_kv = self.drafter.context_kv(features[None], rows[None])
+        new_kv = self._context_kv(features[None], rows[None])
         for (k, v), k_cache, v_cache in zip(new_kv, *self.slots[slot]):
             k_cache.index_copy_(2, rows, k)
             v_cache.index_copy_(2, rows, v)
@@ -137,29 +181,30 @@ class StaticDrafter:
         return key_bucket(position + self.config.block_size, self.rows)
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
-        tree = self._build_tree(self._logprobs, self._ids[0, :1], budget, top_k, layout)  # root on the device: no upload
+        args = (self._logprobs, self._ids[0, :1], budget, top_k, layout)  # the root on the device: no upload
+        shape = (budget, top_k)
+        if self._compiled_tree is not None and (shape in self._compiled_shapes or len(self._compiled_shapes) < TREE_COMPILES):
+            # each (budget, top_k) is its own compile (static shapes). Dynamo's limit of 8 per function, counted
+            # over the whole process, would make the ninth budget a hard error under fullgraph: the bound here is
+            # ours, per engine, and Dynamo's is lifted for this call
+            self._compiled_shapes.add(shape)
+            with torch._dynamo.config.patch(recompile_limit=2**20):
+                tree = self._compiled_tree(*args)
+        else:
+            tree = build_tree(*args)  # beyond TREE_COMPILES budgets (or uncompiled): the same code, unfused
         return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
 
     def _block(self, slot: int, keys: int) -> None:
         """The block at _pos, attending over the slot's rows [0, keys) -> _logprobs."""
         cfg, drafter = self.config, self.drafter
         positions = self._pos + self._arange[: cfg.block_size]  # [B] absolute positions, == the block's rows
-        full, sliding = self._masks(positions, keys)
+        full, sliding = (None, None) if self.flash else self._masks(positions, keys)
         x = self.head.embed_tokens(self._ids)  # [1, B, hidden]
         cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
         layers = zip(drafter.layers, cfg.layer_types, *self.slots[slot])
-        for layer, kind, k_cache, v_cache in layers:  # DFlashLayer.forward, with the block's K/V kept in the slot
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            k, v = attn.key_value(h, cos, sin)
-            k_cache.index_copy_(2, positions, k)
-            v_cache.index_copy_(2, positions, v)
+        for layer, kind, k_cache, v_cache in layers:
             bias = sliding if kind == "sliding_attention" else full
-            # the fused SDPA kernel, not ddtree.sdpa.matmul_attention: for the drafter's block (16 queries) the
-            # matmul form was slower on the demo pair (H200: 0.82 vs 0.72 ms a draft in bf16, 1.24 vs 1.22 in fp32)
-            out = grouped_attention(attn.query(h, cos, sin), k_cache[:, :, :keys], v_cache[:, :, :keys], bias)
-            x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree)
         hidden = drafter.norm(x)
         torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1, out=self._logprobs)
 

@@ -76,7 +76,8 @@ class DraftEngine:
         """eager: the dynamic path (a cache per session, nothing captured). Otherwise the static path holds at most
         `max_sessions` sessions of at most `max_context` positions each (default: the drafter's
         max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU.
-        compile: torch.compile the static path's tree build (fewer, fused kernels; one compile per budget)."""
+        compile: torch.compile the static path's context append, block layers and tree build (fewer, fused
+        kernels; a few compiles in warm-up, then one per new budget)."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")

@@ -78,11 +78,22 @@ def test_static_path_matches_eager(kind: str, drafter_dir: Path) -> None:
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
 
 
-def test_compiled_tree_build_gives_the_same_trees(drafter_dir: Path) -> None:
-    """--compile on the drafter: its tree build through torch.compile (one compile for the one budget here)."""
+def test_compiled_drafter_gives_the_same_trees(drafter_dir: Path) -> None:
+    """--compile on the drafter: context append, block layers and tree build through torch.compile."""
     torch.manual_seed(3)
     eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
     run_rounds(eager, static, torch.randn(30, FEATURE_DIM), rounds=[(12, 2, 8, None), (3, 5, 8, None), (15, 7, 8, None)])
+
+
+def test_compiled_drafter_takes_any_number_of_budgets(drafter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the compiled tree shapes (Dynamo would refuse a ninth recompile under fullgraph), budgets still draft,
+    through the uncompiled build; the limit is lowered here so that CPU compiles stay few."""
+    monkeypatch.setattr("draft_server.draft_graphs.TREE_COMPILES", 2)
+    torch.manual_seed(4)
+    eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
+    rounds = [(6, 2, 4, None), (3, 5, 5, 2), (5, 7, 6, None), (4, 1, 4, None), (2, 3, 9, 1)]
+    run_rounds(eager, static, torch.randn(20, FEATURE_DIM), rounds=rounds)
+    assert static.static._compiled_shapes == {(4, 4), (5, 2)}  # noqa: SLF001
 
 
 def test_freed_slot_serves_the_next_session_cleanly(drafter_dir: Path) -> None:
@@ -133,13 +144,14 @@ def test_server_passes_the_engine_flags(drafter_dir: Path, qwen3_target: Path) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kind", ["full", "sliding", "full-compiled"])
 def test_graphs_match_eager_on_gpu(kind: str, drafter_dir: Path) -> None:
-    """fp32 on the GPU: the captured path replays the same trees as the eager one, round after round."""
+    """fp32 on the GPU: the captured path replays the same trees as the eager one, round after round; the full
+    drafter's block attends through the flash-decoding kernel, the sliding one through grouped SDPA."""
     torch.manual_seed(0)
-    model = load_drafter(drafter_dir) if kind == "full" else sliding_drafter()
-    eager, static = engines(model, device="cuda", max_sessions=2, max_context=256)
-    assert static.static.graphs.enabled
+    model = load_drafter(drafter_dir) if kind.startswith("full") else sliding_drafter()
+    eager, static = engines(model, device="cuda", max_sessions=2, max_context=256, compile=kind == "full-compiled")
+    assert static.static.graphs.enabled and static.static.flash == (kind != "sliding")
     features = torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM)
     run_rounds(eager, static, features, atol=1e-4)
     captured = len(static.static.graphs)

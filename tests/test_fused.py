@@ -41,10 +41,14 @@ def test_slot_pool_bounds_sessions_and_reuses_caches(qwen3_target: Path) -> None
     assert cache.capacity == size_class(200) + MAX_GRAPH_NODES  # room for the largest padded step
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "grouped", "matmul"])
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize(
+    "kind,attention",
+    [("qwen3", "sdpa"), ("qwen3", "grouped"), ("qwen3", "matmul"), ("llama", "sdpa"), ("llama", "grouped"),
+     ("llama", "matmul"), ("qwen3", "matmul-compiled")],
+)
 def test_static_path_features_match_hf_path(kind: str, attention: str, qwen3_target: Path, llama_target: Path) -> None:
-    """The padded, whole-slot step replays the HF path's accepted tokens AND its features (what the drafter sees)."""
+    """The padded, whole-slot step replays the HF path's accepted tokens AND its features (what the drafter sees);
+    matmul-compiled: the layers, the buffer unpacking + ancestor matrix and the walk through torch.compile."""
     from transformers import AutoModelForCausalLM
 
     target = qwen3_target if kind == "qwen3" else llama_target
@@ -54,7 +58,8 @@ def test_static_path_features_match_hf_path(kind: str, attention: str, qwen3_tar
     for path in ("hf", "fused-static"):
         engine = make_engine(target, path)
         if engine.fused is not None:
-            engine.fused.decoder.set_compiled(False, attention)
+            engine.fused.configure(graphs=False, compile=attention.endswith("-compiled"), attention=attention.split("-")[0])
+            engine.fused.static = True
         engine.start_session("s", 200, SamplingParams(), taps=[0, 2, 3])
         rng = random.Random(3)
         steps = [engine.prefill("s", prompt)]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ddtree.flash_tree import flash_supported, flash_tree_attention
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
 
@@ -127,6 +128,18 @@ def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 ATTENTION_KERNELS = {
     "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention, "flex": flex_tree_attention,
 }
+FLASH = "flash"  # ddtree.flash_tree: reads the step's start and tree instead of a materialised mask
+ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
+
+
+@dataclass(frozen=True)
+class StepVisibility:
+    """What a captured step's new tokens see, in the two forms the kernels take: start (0-d long, the first new
+    row) and tree [q, q] bool for flash; the dense [1, 1, q, kv_len] mask (step_mask) for the others."""
+
+    start: torch.Tensor
+    tree: torch.Tensor
+    dense: torch.Tensor | None
 
 
 def decoder_layer(
@@ -137,12 +150,13 @@ def decoder_layer(
     keys: torch.Tensor,
     values: torch.Tensor,
     slots: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | StepVisibility | None,
     shape: LayerShape,
     attention_kernel: str,
 ) -> torch.Tensor:
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, kv, d] at `slots`
-    [q], attends over all kv slots under `mask`, returns the layer's output [q, hidden]."""
+    [q], attends over all kv slots under `mask` (a dense mask, a StepVisibility, or None: causal over the new
+    tokens), returns the layer's output [q, hidden]."""
     q_len, d = hidden.shape[0], shape.head_dim
     x = rms_norm(hidden, layer.input_norm, shape.eps)
     q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split(
@@ -154,10 +168,14 @@ def decoder_layer(
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     keys.index_copy_(1, slots, k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
-    out = ATTENTION_KERNELS[attention_kernel](
-        q.transpose(0, 1)[None], keys[None], values[None], mask, shape.scale, shape.gqa
-    )
-    hidden = hidden + F.linear(out[0].transpose(0, 1).reshape(q_len, shape.heads * d), layer.o)
+    if attention_kernel == FLASH:
+        out = flash_tree_attention(q, keys, values, mask.start, mask.tree, shape.scale)  # [q, heads, d]
+    else:
+        dense = mask.dense if isinstance(mask, StepVisibility) else mask
+        out = ATTENTION_KERNELS[attention_kernel](
+            q.transpose(0, 1)[None], keys[None], values[None], dense, shape.scale, shape.gqa
+        )[0].transpose(0, 1)
+    hidden = hidden + F.linear(out.reshape(q_len, shape.heads * d), layer.o)
     gate, up = F.linear(rms_norm(hidden, layer.post_norm, shape.eps), layer.gate_up).chunk(2, dim=-1)
     return hidden + F.linear(F.silu(gate) * up, layer.down)
 
@@ -212,7 +230,7 @@ class FusedDecoder:
         positions: torch.Tensor,
         cache: KVCache,
         slots: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | StepVisibility | None,
         kv_len: int,
         taps: tuple[int, ...],
         compiled: bool = False,
@@ -220,7 +238,7 @@ class FusedDecoder:
         """ids, positions, slots [q] (slots: where each new token's K/V goes); attention over cache slots
         [0, kv_len) under mask [1, 1, q, kv_len] (None: causal over the new tokens, nothing committed before) ->
         final-normed hidden [q, hidden], features [q, len(taps) * hidden] (None without taps).
-        compiled: run the layers through the torch.compile'd step (set_compiled), which needs a mask."""
+        compiled: run the layers through the configured step (set_compiled), which takes a StepVisibility."""
         hidden = F.embedding(ids, self.embed)  # [q, hidden]
         cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
@@ -237,9 +255,11 @@ class FusedDecoder:
 
     def set_compiled(self, enabled: bool, attention: str = "sdpa") -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the attention
-        kernel of compiled steps: 'sdpa' (masked scaled-dot-product) or 'flex' (flex attention, split over keys)."""
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {sorted(ATTENTION_KERNELS)}, got {attention!r}")
+        kernel of configured steps (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported)."""
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
+        if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):
+            raise ValueError("flash attention needs Triton, a CUDA device and a power-of-two head_dim >= 16")
         self.attention = attention
         if not enabled:
             self._compiled = decoder_layer

@@ -18,7 +18,8 @@ from transformers import PreTrainedModel
 
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
 from ddtree.types import DraftTree
-from verify_server.fused import FusedDecoder, step_mask
+from ddtree.flash_tree import flash_supported
+from verify_server.fused import FLASH, FusedDecoder, StepVisibility, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.walk import accept_path
@@ -83,17 +84,6 @@ class StepBuffers:
                 rows[row, :q].copy_(values, non_blocking=True)
         self.inputs[3 * qb :].copy_(self.staging[3 * qb :], non_blocking=True)
 
-    def read(self) -> TreeInputs:
-        """Inside the graph: the step's inputs from the raw buffer (device ops only)."""
-        qb = self.qb
-        tokens, parents, depths = self.inputs[: 3 * qb].view(3, qb)
-        start, num, root = self.inputs[3 * qb :].unbind()  # 0-d views
-        valid = self.nodes < num
-        ids = torch.where(self.nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
-        parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
-        depths = torch.where(valid, depths, 0)
-        return TreeInputs(ids, parents, depths, start + depths, start, valid)
-
 
 @dataclass
 class TreeInputs:
@@ -103,6 +93,25 @@ class TreeInputs:
     positions: torch.Tensor  # [qb] start + depth
     start: torch.Tensor  # [] the root's slot
     valid: torch.Tensor  # [qb] bool, False for padding
+    anc: torch.Tensor  # [qb, qb] bool: which new tokens each new token sees (ancestor-or-self)
+
+
+def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order (device ops
+    only; a tuple so that torch.compile returns it as is)."""
+    qb = nodes.shape[0]
+    tokens, parents, depths = inputs[: 3 * qb].view(3, qb)
+    start, num, root = inputs[3 * qb :].unbind()  # 0-d views
+    valid = nodes < num
+    ids = torch.where(nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
+    parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
+    depths = torch.where(valid, depths, 0)
+    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, max_depth)
+
+
+def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [qb, V] -> accept_path's (packed, path) for the target's greedy choices."""
+    return accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
 
 
 class FusedRunner:
@@ -127,9 +136,19 @@ class FusedRunner:
 
     def configure(self, graphs: bool, compile: bool = False, attention: str | None = None) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
-        on one loaded model). attention None: two matmuls around a masked softmax, the fastest measured for the
-        few queries of a decode or a tree (bench/README.md: Qwen3-8B shapes and the demo pair on an H200)."""
-        self.decoder.set_compiled(compile, attention or "matmul")
+        on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
+        (bench/README.md, H200): compiled, two matmuls around a masked softmax (fused by the compiler; at Qwen3-8B
+        shapes 5.67 ms an AR step against 5.73 for flash); uncompiled, flash-decoding over the tree
+        (ddtree/flash_tree.py: 2 kernels a layer where the matmul form runs 5, ~6 against ~21 us at 8B shapes)
+        where it runs, else the matmul form."""
+        if attention is None:
+            flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
+            attention = FLASH if flash else "matmul"
+        self.decoder.set_compiled(compile, attention)
+        # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's max_depth
+        # steps, the walk); compiled, they fuse into a few
+        self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
+        self._accept = torch.compile(greedy_accept, fullgraph=True) if compile else greedy_accept
         self.graphs = GraphPool(self.device, enabled=graphs)
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.
@@ -230,10 +249,9 @@ class FusedRunner:
         """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
         compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
         accepted."""
-        x = buf.read()
-        anc = ancestor_matrix(x.parents, max_depth)  # [qb, qb]
-        logits, features = self._step(cache, x, anc, kv_len, taps)
-        packed, path = accept_path(x.ids, x.parents, x.depths, anc, logits.argmax(dim=-1), x.valid)
+        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
+        logits, features = self._step(cache, x, kv_len, taps)
+        packed, path = self._accept(x, logits)
         order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
         cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))
         cache.v.index_copy_(3, x.start + buf.nodes, cache.v.index_select(3, x.start + order))
@@ -242,17 +260,16 @@ class FusedRunner:
     def _scores(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        x = buf.read()
-        anc = ancestor_matrix(x.parents, max_depth)  # [qb, qb]
-        logits, features = self._step(cache, x, anc, kv_len, taps)
-        return logits, features, anc
+        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
+        logits, features = self._step(cache, x, kv_len, taps)
+        return logits, features, x.anc
 
     def _step(
-        self, cache: KVCache, x: TreeInputs, tree: torch.Tensor, kv_len: int, taps: tuple[int, ...]
+        self, cache: KVCache, x: TreeInputs, kv_len: int, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured forward: attention over the first kv_len slots (a key bucket), whatever the context;
-        tree [qb, qb] bool: which new tokens each new token sees."""
-        slots = x.start + torch.arange(tree.shape[0], device=self.device)  # [qb]
-        mask = step_mask(x.start, tree, kv_len)
+        """The captured forward: attention over the first kv_len slots (a key bucket), whatever the context."""
+        slots = x.start + torch.arange(x.anc.shape[0], device=self.device)  # [qb]
+        dense = None if self.decoder.attention == FLASH else step_mask(x.start, x.anc, kv_len)
+        mask = StepVisibility(x.start, x.anc, dense)
         hidden, features = self.decoder.forward(x.ids, x.positions, cache, slots, mask, kv_len, taps, compiled=True)
         return self.decoder.logits(hidden), features

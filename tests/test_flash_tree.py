@@ -1,0 +1,88 @@
+"""The Triton flash-decoding tree attention against the plain masked attention it replaces (GPU only: Triton does
+not run on the CPU). Shapes cover a decode step (one node), small and large trees, several chunks of keys and
+a single one, key counts that are not a multiple of the tile, and the demo pair's and Qwen3-8B's head layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.flash_tree import flash_supported, flash_tree_attention, plan
+from ddtree.sdpa import matmul_attention
+from verify_server.fused import step_mask
+from verify_server.tree_attention import ancestor_matrix
+
+CUDA = torch.device("cuda")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a CUDA device")
+
+
+def random_tree(q: int, gen: torch.Generator) -> torch.Tensor:
+    """parents [q]: -1 for the root, then each node hangs off an earlier one."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q)]
+    return torch.tensor(parents)
+
+
+def test_plan_covers_every_key_once() -> None:
+    for q, heads, kv_heads, kv_len in [(1, 32, 8, 640), (64, 32, 8, 640), (256, 32, 8, 4096), (1, 6, 2, 96), (33, 6, 2, 65)]:
+        p = plan(q, heads, kv_heads, kv_len)
+        assert p.chunk % 64 == 0 and (p.splits - 1) * p.chunk < kv_len <= p.splits * p.chunk
+        assert p.tiles * p.block_m >= q * heads // kv_heads
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_len,heads,kv_heads,head_dim,kv_len,start",
+    [
+        (1, 32, 8, 128, 640, 511),  # Qwen3-8B decode: many chunks
+        (64, 32, 8, 128, 640, 512),  # Qwen3-8B tree of 63 nodes
+        (256, 32, 8, 128, 1024, 700),  # a large tree: several row tiles
+        (1, 6, 2, 64, 96, 40),  # demo pair decode
+        (33, 6, 2, 64, 200, 150),  # demo tree; keys not a multiple of 64
+        (16, 4, 4, 64, 64, 0),  # no committed context, no GQA
+    ],
+)
+def test_flash_equals_masked_attention(
+    dtype: torch.dtype, q_len: int, heads: int, kv_heads: int, head_dim: int, kv_len: int, start: int
+) -> None:
+    assert flash_supported(CUDA, head_dim)
+    gen = torch.Generator().manual_seed(q_len * 1000 + kv_len)
+    q = torch.randn(q_len, heads, head_dim, generator=gen).to(CUDA, dtype)
+    # a cache view: [kv_heads, kv_len, d] cut out of a longer slot, as the verifier passes it
+    k = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
+    v = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
+    tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA), q_len)  # [q, q]
+    start_t = torch.tensor(start, device=CUDA)
+    scale = head_dim**-0.5
+
+    got = flash_tree_attention(q, k, v, start_t, tree, scale)  # [q, heads, d]
+    mask = step_mask(start_t, tree, kv_len)  # [1, 1, q, kv_len]
+    want = matmul_attention(q.transpose(0, 1)[None].float(), k[None].float(), v[None].float(), mask, scale)
+    want = want[0].transpose(0, 1)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # a node that sees nothing of the tree but itself and the context gives the context-only answer: the root
+    # row must differ from a row that also sees other new tokens, or visibility was ignored
+    if q_len > 1:
+        assert not torch.allclose(got[0].float(), got[-1].float())
+
+
+@needs_gpu
+def test_flash_under_compile_and_graph_capture() -> None:
+    """The custom op inside a compiled function with changing shapes, replayed from a CUDA graph."""
+    fn = torch.compile(lambda q, k, v, s, t: flash_tree_attention(q * 1.0, k, v, s, t, 0.125) + 0.0, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    for q_len, kv_len in [(1, 128), (16, 192), (32, 256)]:
+        q = torch.randn(q_len, 8, 64, generator=gen).to(CUDA)
+        k, v = (torch.randn(2, kv_len, 64, generator=gen).to(CUDA) for _ in range(2))
+        tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA), q_len)
+        start = torch.tensor(kv_len - q_len - 3, device=CUDA)
+        want = flash_tree_attention(q, k, v, start, tree, 0.125)
+        fn(q, k, v, start, tree)  # warm-up outside capture (Triton compiles on first launch)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(q, k, v, start, tree)
+        q.copy_(torch.randn(q_len, 8, 64, generator=gen).to(CUDA))  # new inputs in place, then replay
+        graph.replay()
+        torch.testing.assert_close(out, flash_tree_attention(q, k, v, start, tree, 0.125))
+        assert not torch.allclose(out, want)
