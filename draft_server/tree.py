@@ -19,6 +19,23 @@ import torch
 from ddtree.types import DraftTree
 
 
+TOPK_CHUNK = 128  # vocabulary entries per first-stage top-k
+
+
+def top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs [D, V] -> the k largest values per row, descending, and their token ids ([D, k] each), as topk.
+    One topk over a long row runs about one thread block per row (52 us of a 150 us tree build on the demo pair,
+    H200: bench/results/profile_round_demo_bf16_compile_flash.txt); in two stages (the top k of every chunk of
+    TOPK_CHUNK tokens, then of those D * V/TOPK_CHUNK * k candidates) the first spreads over D * V/TOPK_CHUNK."""
+    rows, vocab = logprobs.shape
+    if k > TOPK_CHUNK or vocab % TOPK_CHUNK or vocab < 8 * TOPK_CHUNK:
+        return logprobs.topk(k, dim=-1)
+    vals, ids = logprobs.view(rows, vocab // TOPK_CHUNK, TOPK_CHUNK).topk(k, dim=-1, sorted=False)  # [D, chunks, k]
+    ids = ids + torch.arange(0, vocab, TOPK_CHUNK, device=logprobs.device)[:, None]  # chunk-local -> token ids
+    top_vals, best = vals.flatten(1).topk(k, dim=-1)  # [D, k]
+    return top_vals, ids.flatten(1).gather(1, best)
+
+
 def beam_widths(num_depths: int, top_k: int, budget: int) -> list[int]:
     """Host-side beam sizes per depth, min(budget, top_k^d): shapes are known without reading the GPU."""
     widths, width = [], 1
@@ -95,7 +112,7 @@ def build_tree(
     k = min(top_k or budget, vocab, budget)
     device = logprobs.device
     layout = layout or TreeLayout.build(num_depths, k, budget, device)
-    top_vals, top_ids = logprobs.float().topk(k, dim=-1)  # [D, k] each, sorted descending per depth
+    top_vals, top_ids = top_candidates(logprobs.float(), k)  # [D, k] each, sorted descending per depth
     widths = beam_widths(num_depths, k, budget)
 
     # The loop is sequential (each beam extends the last), so it does only what the next depth needs: one sort of

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_server.tree import TreeLayout, build_tree
+from draft_server.tree import TOPK_CHUNK, TreeLayout, build_tree, top_candidates
 
 
 def brute_force(logprobs: torch.Tensor, budget: int, top_k: int) -> list[tuple[int, ...]]:
@@ -102,3 +102,17 @@ def test_contender_pruning_changes_nothing(budget: int, quantised: bool) -> None
     for a, b in zip((pruned_tree.tokens, pruned_tree.parents, pruned_tree.depths),
                     (full_tree.tokens, full_tree.parents, full_tree.depths), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("k", [1, 8, 32, 128])
+def test_two_stage_top_k_equals_topk(k: int) -> None:
+    """The chunked top-k (vocabularies of at least 8 chunks) returns torch.topk's values and ids, in order."""
+    gen = torch.Generator().manual_seed(k)
+    logprobs = torch.log_softmax(torch.randn(15, 64 * TOPK_CHUNK, generator=gen) * 3, dim=-1)
+    vals, ids = top_candidates(logprobs, k)
+    want_vals, want_ids = logprobs.topk(k, dim=-1)
+    assert torch.equal(vals, want_vals) and torch.equal(ids, want_ids)
+    assert torch.equal(logprobs.gather(1, ids), vals)
+    if k <= 8:  # the brute force enumerates k ** depth prefixes
+        tree = build_tree(logprobs[:3], 2, budget=k)
+        assert tree_prefixes(tree) == brute_force(logprobs[:3], k, k)
