@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16" if torch.cuda.is_available() else "float32")
     p.add_argument("--out", default="bench/result.json")
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
-    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layer step")
+    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")

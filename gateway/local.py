@@ -60,8 +60,8 @@ def load_local(
     """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
-    forward without static buffers or CUDA graphs; compile: torch.compile the
-    verifier's fused layer step and the drafter's tree build."""
+    forward without static buffers or CUDA graphs; compile: torch.compile the verifier's fused layers and round,
+    and the drafter's block layers, context append and tree build."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
