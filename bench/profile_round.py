@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--drafter")
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's layer step")
+    p.add_argument("--compile", action="store_true", help="torch.compile the verifier's layers and round and the drafter's block, append and tree build")
     p.add_argument("--context", type=int, default=520)
     p.add_argument("--rows", type=int, default=12)
     args = p.parse_args()

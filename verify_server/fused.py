@@ -3,7 +3,7 @@
 HF's modules cost one kernel per projection, norm and RoPE step, and their attention call goes through a mask
 built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on
 the device from a start offset and the [q, q] ancestor matrix, so the whole forward has static shapes for a given
-(cache, query count) and can be captured in a CUDA graph (verify_server/runners.py). Numerics follow HF's
+(cache, query count) and can be captured in a CUDA graph (verify_server/fused_runner.py). Numerics follow HF's
 modules op for op (fp32 RMSNorm, RoPE from the model's own rotary module), so greedy output is unchanged.
 Other architectures (hybrids, sliding windows, anything else) keep the generic HF path.
 """
