@@ -95,6 +95,11 @@ class TreeInputs:
     valid: torch.Tensor  # [qb] bool, False for padding
     anc: torch.Tensor  # [qb, qb] bool: which new tokens each new token sees (ancestor-or-self)
 
+    def head(self, q: int) -> TreeInputs:
+        """The first q nodes (the real tree, without the bucket's padding)."""
+        return TreeInputs(self.ids[:q], self.parents[:q], self.depths[:q], self.positions[:q], self.start,
+                          self.valid[:q], self.anc[:q, :q])
+
 
 def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, ...]:
     """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order (device ops
@@ -219,19 +224,20 @@ class FusedRunner:
 
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs] | None:
         """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
-        ancestor matrix [q, q]) for the caller's sampling and walk; None as for greedy_round."""
+        the tree as the graph read it: ids with the session's root, parents, depths, ancestor matrix [q, q]) for
+        the caller's sampling and walk, all on the device; None as for greedy_round."""
         run = self._prepare(cache, tree, root)
         if run is None:
             return None
         buf, kv_len = run
-        logits, features, anc = self.graphs.run(
+        logits, features, x = self.graphs.run(
             (self._slot_of[id(cache)], buf.qb, kv_len, taps, tree.max_depth, "scores"),
             lambda: self._scores(cache, buf, taps, kv_len, tree.max_depth),
         )
         q = tree.tokens.shape[0]
-        return logits[:q], None if features is None else features[:q], anc[:q, :q]
+        return logits[:q], None if features is None else features[:q], x.head(q)
 
     def _prepare(self, cache: KVCache, tree: DraftTree, root: int) -> tuple[StepBuffers, int] | None:
         qb = bucket(tree.tokens.shape[0]) if self.static else None
@@ -259,10 +265,10 @@ class FusedRunner:
 
     def _scores(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs]:
         x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
         logits, features = self._step(cache, x, kv_len, taps)
-        return logits, features, x.anc
+        return logits, features, x
 
     def _step(
         self, cache: KVCache, x: TreeInputs, kv_len: int, taps: tuple[int, ...]

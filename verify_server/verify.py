@@ -234,14 +234,15 @@ class VerifyEngine:
             sess.cache.length = start + k + 1
             features = None if path_features is None else path_features[: k + 1].clone()
         else:
-            parents = tree.parents.to(self.device)
-            depths = tree.depths.to(self.device)
-            ids = tree.tokens.to(self.device).clone()
-            ids[0] = sess.root
             scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
-            if scored is not None:
-                logits, features, anc = scored
+            if scored is not None:  # the tree as the graph read it: no second upload
+                logits, features, x = scored
+                ids, parents, depths, anc = x.ids, x.parents, x.depths, x.anc
             else:
+                parents = tree.parents.to(self.device)
+                depths = tree.depths.to(self.device)
+                ids = tree.tokens.to(self.device).clone()
+                ids[0] = sess.root
                 anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
                 logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
             timer.mark()
