@@ -17,8 +17,8 @@ from typing import Any, Generic, TypeVar
 import torch
 
 T = TypeVar("T")
-WARMUP_RUNS = 2
-KEY_ALIGN = 64  # smallest key bucket, and what cache sizes round up to (the mem-efficient kernel wants 16)  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
+WARMUP_RUNS = 2  # lazy inits (cuBLAS handles, compiled kernels' autotuning) must happen before capture
+KEY_ALIGN = 64  # smallest key bucket, and what cache sizes round up to (the mem-efficient kernel wants 16)
 
 
 def key_bucket(n: int, limit: int) -> int:

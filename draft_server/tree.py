@@ -36,6 +36,12 @@ def top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     return top_vals, ids.flatten(1).gather(1, best)
 
 
+def tree_top_k(budget: int, top_k: int | None, vocab: int) -> int:
+    """The tokens per depth a tree considers: top_k (default: the budget), never more than the vocabulary or the
+    budget (a beam never holds more than `budget` of them)."""
+    return min(top_k or budget, vocab, budget)
+
+
 def beam_widths(num_depths: int, top_k: int, budget: int) -> list[int]:
     """Host-side beam sizes per depth, min(budget, top_k^d): shapes are known without reading the GPU."""
     widths, width = [], 1
@@ -89,7 +95,7 @@ class TreeLayouts:
 
     def get(self, budget: int, top_k: int | None) -> tuple[int, TreeLayout]:
         """-> (the top_k build_tree will use, its layout)."""
-        k = min(top_k or budget, self.vocab, budget)
+        k = tree_top_k(budget, top_k, self.vocab)
         layout = self._built.get((budget, k))
         if layout is None:
             layout = self._built[budget, k] = TreeLayout.build(self.num_depths, k, budget, self.device)
@@ -109,7 +115,7 @@ def build_tree(
     num_depths, vocab = logprobs.shape
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
-    k = min(top_k or budget, vocab, budget)
+    k = tree_top_k(budget, top_k, vocab)
     device = logprobs.device
     layout = layout or TreeLayout.build(num_depths, k, budget, device)
     top_vals, top_ids = top_candidates(logprobs.float(), k)  # [D, k] each, sorted descending per depth
