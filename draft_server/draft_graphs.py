@@ -25,7 +25,8 @@ from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayout, TreeLayouts, build_tree
+from draft_server.tree import TreeLayout, TreeLayouts, build_tree, top_candidates
+from draft_server.tree_kernel import beam_tree, kernel_supported, sort_sizes
 
 
 TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
@@ -94,8 +95,10 @@ class StaticDrafter:
         )
         self.graphs = GraphPool(self.device, enabled=graphs)
         self.layouts = TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)  # the tree graphs' constants
-        # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost; compiled, the
-        # elementwise work around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
+        # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost: on a GPU with Triton
+        # the beam search is one program (tree_kernel.py); elsewhere, compiled, the elementwise work around the
+        # sorts fuses. Shapes are static per (budget, top_k): one compile each.
+        self.tree_kernel = kernel_supported(self.device)
         self._compiled_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else None
         self._compiled_shapes: set[tuple[int, int]] = set()  # (budget, top_k) the compiled tree build has seen
         # the block's layers: eagerly ~60 kernels each (HF-style modules); compiled, the norms, RoPE and SiLU fuse.
@@ -181,7 +184,12 @@ class StaticDrafter:
         return key_bucket(position + self.config.block_size, self.rows)
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
-        args = (self._logprobs, self._ids[0, :1], budget, top_k, layout)  # the root on the device: no upload
+        root = self._ids[0, :1]  # on the device: no upload
+        sizes = sort_sizes(layout) if self.tree_kernel else None
+        if sizes is not None:  # the beam search in one program (tree_kernel.py), after the two-stage top-k
+            top_vals, top_ids = top_candidates(self._logprobs, top_k)
+            return beam_tree(top_vals, top_ids, root, budget, layout, sizes)
+        args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)
         if self._compiled_tree is not None and (shape in self._compiled_shapes or len(self._compiled_shapes) < TREE_COMPILES):
             # each (budget, top_k) is its own compile (static shapes). Dynamo's limit of 8 per function, counted

@@ -1,0 +1,24 @@
+"""The Triton kernels (flash-decoding tree attention, the one-program tree build) checked on the CPU through
+Triton's interpreter, in a process of their own (the interpreter is chosen when triton is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("check", ["tree", "flash"])
+def test_kernel_in_the_interpreter(check: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.triton_interpreted", check], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{check} ok" in done.stdout

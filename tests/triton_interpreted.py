@@ -1,0 +1,62 @@
+"""Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
+triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own):
+`python -m tests.triton_interpreted {tree,flash}`. The same kernels run compiled on a GPU in test_flash_tree.py
+and test_drafter_static.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ddtree.flash_tree import launch, plan
+from ddtree.sdpa import matmul_attention
+from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
+from draft_server.tree_kernel import beam_tree, sort_sizes
+from verify_server.fused import step_mask
+from verify_server.tree_attention import ancestor_matrix
+
+CPU = torch.device("cpu")
+
+
+def check_tree() -> None:
+    """The one-program beam search equals build_tree exactly (tokens, parents, depths), ties included."""
+    gen = torch.Generator().manual_seed(0)
+    # (depths, vocab, budget, top_k): the demo pair's ddtree 32 and chain, a narrow top_k, tiny shapes
+    for depths, vocab, budget, top_k in [(15, 1024, 32, None), (15, 1024, 15, 1), (15, 300, 48, 4), (4, 50, 10, 3),
+                                         (7, 64, 8, None), (3, 5, 40, None)]:
+        for ties in (False, True):
+            logprobs = torch.log_softmax(3 * torch.randn(depths, vocab, generator=gen), -1)
+            if ties:  # coarse values: many equal scores, so the tie order is exercised
+                logprobs = (4 * logprobs).round() / 4
+            k = tree_top_k(budget, top_k, vocab)
+            layout = TreeLayout.build(depths, k, budget, CPU)
+            root = torch.tensor([7])
+            want = build_tree(logprobs, root, budget, top_k, layout)
+            top_vals, top_ids = top_candidates(logprobs, k)
+            got = beam_tree(top_vals, top_ids, root, budget, layout, sort_sizes(layout))
+            assert torch.equal(got, torch.stack((want.tokens, want.parents, want.depths))), (depths, vocab, budget, top_k)
+            assert got.shape[1] == min(budget, layout.depth_row.shape[0]) + 1 and want.depths.max() > 1
+            print("tree ok", depths, vocab, budget, top_k, "ties" if ties else "")
+
+
+def check_flash() -> None:
+    """Flash-decoding over a tree equals the masked attention, several key chunks and row tiles included."""
+    gen = torch.Generator().manual_seed(1)
+    for q_len, heads, kv_heads, kv_len, start in [(1, 6, 2, 300, 200), (9, 6, 2, 130, 100), (20, 4, 4, 64, 0)]:
+        q = torch.randn(q_len, heads, 64, generator=gen)
+        k, v = (torch.randn(kv_heads, kv_len + 8, 64, generator=gen)[:, :kv_len] for _ in range(2))
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)])
+        tree = ancestor_matrix(parents, q_len)
+        start_t = torch.tensor(start)
+        p = plan(q_len, heads, kv_heads, kv_len, 64, target=8)  # few programs: several chunks at these key counts
+        got = launch(q, k, v, start_t, tree, 0.125, p)
+        want = matmul_attention(q.transpose(0, 1)[None], k[None], v[None], step_mask(start_t, tree, kv_len), 0.125)
+        torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        print("flash ok", q_len, heads, kv_heads, kv_len, start, "splits", p.splits)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    {"tree": check_tree, "flash": check_flash}[sys.argv[1]]()
