@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_contender_pruning_changes_nothing(budget: int, quantised: bool) -> None
     logprobs = -torch.randint(0, 4, (15, 300), generator=gen).float() if quantised else torch.log_softmax(logits, -1)
     full = TreeLayout.build(15, budget, budget, torch.device("cpu"))
     assert any(c is not None for c in full.contenders)  # pruning really happens at this shape
-    unpruned = TreeLayout(full.depth_row, full.parent_base, (None,) * 15)
+    unpruned = dataclasses.replace(full, contenders=(None,) * 15)
     pruned_tree, full_tree = build_tree(logprobs, 5, budget, layout=full), build_tree(logprobs, 5, budget, layout=unpruned)
     for a, b in zip((pruned_tree.tokens, pruned_tree.parents, pruned_tree.depths),
                     (full_tree.tokens, full_tree.parents, full_tree.depths), strict=True):
