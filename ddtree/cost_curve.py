@@ -165,11 +165,13 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     return {"draft_ms": result}
 
 
-VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel)
-    "fused+graphs": (False, "sdpa"), "fused+graphs+grouped": (False, "grouped"), "fused+graphs+matmul": (False, "matmul"),
-    "fused+graphs+compile+grouped": (True, "grouped"), "fused+graphs+compile+matmul": (True, "matmul"),
-    "fused+graphs+compile+flex": (True, "flex"), "fused+graphs+flash": (False, "flash"),
-    "fused+graphs+compile+flash": (True, "flash"),
+VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused GEMVs)
+    "fused+graphs": (False, "sdpa", False), "fused+graphs+grouped": (False, "grouped", False),
+    "fused+graphs+matmul": (False, "matmul", False), "fused+graphs+compile+grouped": (True, "grouped", False),
+    "fused+graphs+compile+matmul": (True, "matmul", False), "fused+graphs+compile+flex": (True, "flex", False),
+    "fused+graphs+flash": (False, "flash", False), "fused+graphs+compile+flash": (True, "flash", False),
+    "fused+graphs+flash+gemv": (False, "flash", True), "fused+graphs+compile+matmul+gemv": (True, "matmul", True),
+    "fused+graphs+compile+flash+gemv": (True, "flash", True),
 }
 PATHS = ("hf", "fused", *VARIANTS)
 
@@ -212,10 +214,10 @@ def run_cost_curve(
             paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             print(f"[cost-curve] {json.dumps(paths)}", flush=True)
         variants = {name: v for name, v in VARIANTS.items() if name in paths_wanted and device.type == "cuda"}
-        for name, (compiled, attention) in variants.items():
+        for name, (compiled, attention, gemv) in variants.items():
             start = time.perf_counter()
             try:
-                engine.fused.configure(graphs=True, compile=compiled, attention=attention)
+                engine.fused.configure(graphs=True, compile=compiled, attention=attention, gemv=gemv)
                 paths[name] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to build is a finding, not the end of the run
                 paths[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}

@@ -94,3 +94,22 @@ class DeferredTimings(Mapping[str, float]):
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+def graph_call_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Device µs per call of fn, from a CUDA graph of `calls` back-to-back calls (launch costs out of the picture,
+    as in a captured step); for the kernel tuners in bench/."""
+    fn()  # compiles (Triton) and warms up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * calls)

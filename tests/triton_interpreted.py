@@ -1,6 +1,6 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own):
-`python -m tests.triton_interpreted {tree,flash}`. The same kernels run compiled on a GPU in test_flash_tree.py
+`python -m tests.triton_interpreted {tree,flash,gemv}`. The same kernels run compiled on a GPU in test_flash_tree.py
 and test_drafter_static.py."""
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ import sys
 
 import torch
 
+import torch.nn.functional as F
+
 from ddtree.flash_tree import launch, plan
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan
+from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import beam_tree, sort_sizes
-from verify_server.fused import step_mask
+from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
 CPU = torch.device("cpu")
@@ -41,6 +45,38 @@ def check_tree() -> None:
             print("tree ok", depths, vocab, budget, top_k, "ties" if ties else "")
 
 
+def check_gemv() -> None:
+    """The fused GEMVs equal the unfused ops (fp32: to rounding; bf16: within one rounding of the output), alone
+    and inside a decoder layer's one-row step."""
+    gen = torch.Generator().manual_seed(2)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2 ** -6)):
+        for n, k in ((100, 300), (64, 512), (33, 1000)):
+            w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+            x, gate_up = torch.randn(1, k, generator=gen).to(dtype), torch.randn(1, 2 * k, generator=gen).to(dtype)
+            norm, res = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype), torch.randn(1, n, generator=gen).to(dtype)
+            gate, up = gate_up.chunk(2, dim=-1)
+            p = GemvPlan(8, 128, 4, 1)
+            for got, want in ((gemv(x, w, norm, None, 1e-6, RMSNORM, p), F.linear(rms_norm(x, norm, 1e-6), w)),
+                              (gemv(x, w, None, res, 0.0, NONE, p), res + F.linear(x, w)),
+                              (gemv(gate_up, w, None, res, 0.0, SWIGLU, p), res + F.linear(F.silu(gate) * up, w))):
+                assert got.dtype == dtype and got.shape == (1, n)
+                torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
+            print("gemv ok", dtype, n, k)
+    shape = LayerShape(heads=4, kv_heads=2, head_dim=16, eps=1e-6)
+    hidden, inter, qkv_rows = 64, 96, (4 + 2 * 2) * 16
+    rand = lambda *size: torch.randn(*size, generator=gen) / size[-1] ** 0.5  # noqa: E731
+    layer = FusedLayer(1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, 1 + rand(16),
+                       1 + rand(16), rand(hidden, 64), 1 + rand(hidden), rand(2 * inter, hidden), rand(hidden, inter))
+    x = torch.randn(1, hidden, generator=gen)
+    cos, sin = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)
+    outs = []
+    for fused in (False, True):
+        keys, values = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)), torch.zeros(2, 10, 16)
+        outs.append(decoder_layer(x, layer, cos, sin, keys, values, torch.tensor([9]), None, shape, "sdpa", fused))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    print("gemv ok decoder layer")
+
+
 def check_flash() -> None:
     """Flash-decoding over a tree equals the masked attention, several key chunks and row tiles included."""
     gen = torch.Generator().manual_seed(1)
@@ -59,4 +95,4 @@ def check_flash() -> None:
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    {"tree": check_tree, "flash": check_flash}[sys.argv[1]]()
+    {"tree": check_tree, "flash": check_flash, "gemv": check_gemv}[sys.argv[1]]()

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
 from ddtree.types import DraftTree
 from ddtree.flash_tree import flash_supported
+from ddtree.gemv import gemv_supported
 from verify_server.fused import FLASH, FusedDecoder, StepVisibility, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
@@ -139,17 +140,20 @@ class FusedRunner:
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
         self.configure(graphs, compile, attention)
 
-    def configure(self, graphs: bool, compile: bool = False, attention: str | None = None) -> None:
+    def configure(
+        self, graphs: bool, compile: bool = False, attention: str | None = None, gemv: bool | None = None
+    ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
         (bench/README.md, H200): compiled, two matmuls around a masked softmax (fused by the compiler; at Qwen3-8B
         shapes 5.67 ms an AR step against 5.73 for flash); uncompiled, flash-decoding over the tree
         (ddtree/flash_tree.py: 2 kernels a layer where the matmul form runs 5, ~6 against ~21 us at 8B shapes)
-        where it runs, else the matmul form."""
+        where it runs, else the matmul form. gemv None: one-row steps use the fused GEMVs (ddtree/gemv.py)
+        wherever they run."""
         if attention is None:
             flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
-        self.decoder.set_compiled(compile, attention)
+        self.decoder.set_compiled(compile, attention, gemv_supported(self.device) if gemv is None else gemv)
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's max_depth
         # steps, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step

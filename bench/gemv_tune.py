@@ -1,0 +1,101 @@
+"""Times a decode step's projections (one query row) at Qwen3-8B and demo-pair shapes: cuBLAS (F.linear alone,
+and with the unfused norm / SiLU gate / residual add around it, as an uncompiled layer runs them) against the
+fused Triton GEMVs of ddtree/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
+as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back calls.
+
+Usage: python bench/gemv_tune.py [--out FILE.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.cost_curve import copy_bandwidth
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, gemv_plan, launch
+from ddtree.timing import graph_call_us
+from verify_server.fused import rms_norm
+
+# name -> (out, in, prologue, residual): a layer's four projections at each model's shapes
+SHAPES = {
+    "8b-qkv": (6144, 4096, RMSNORM, False), "8b-o": (4096, 4096, NONE, True),
+    "8b-gate_up": (24576, 4096, RMSNORM, False), "8b-down": (4096, 12288, SWIGLU, True),
+    "demo-qkv": (640, 384, RMSNORM, False), "demo-o": (384, 384, NONE, True),
+    "demo-gate_up": (2048, 384, RMSNORM, False), "demo-down": (384, 1024, SWIGLU, True),
+}
+
+
+def unfused(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, res: torch.Tensor, prologue: int, residual: bool):
+    if prologue == RMSNORM:
+        x = rms_norm(x, norm, 1e-6)
+    elif prologue == SWIGLU:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = F.linear(x, w)
+    return y + res if residual else y
+
+
+def sweep(quick: bool) -> dict:
+    bandwidth = copy_bandwidth(torch.device("cuda"), 2**30)
+    print(f"[gemv-tune] copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    results: dict = {"copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "shapes": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    plans = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3)))
+    if quick:
+        plans = [p for p in plans if p[2] == 4 and p[3] == 1]
+    for name, (n, k, prologue, residual) in SHAPES.items():
+        bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+        w = torch.randn(n, k, generator=gen, **bf16) / k**0.5
+        x = torch.randn(1, 2 * k if prologue == SWIGLU else k, generator=gen, **bf16)
+        norm = 1 + 0.1 * torch.randn(k, generator=gen, **bf16)
+        res = torch.randn(1, n, generator=gen, **bf16)
+        args = (x, w, norm if prologue == RMSNORM else None, res if residual else None, 1e-6, prologue)
+        xin = x[:, :k]
+
+        def share(us: float) -> float:  # of the copy bandwidth, streaming the weight once
+            return round(w.numel() * w.element_size() / (us * 1e-6) / bandwidth, 3)
+
+        timings = {
+            "cublas_linear": graph_call_us(lambda: F.linear(xin, w)),
+            "cublas_unfused": graph_call_us(lambda: unfused(x, w, norm, res, prologue, residual)),
+            "gemv_default": graph_call_us(lambda: launch(*args, gemv_plan(n, k))),
+        }
+        swept = []
+        for block_n, block_k, warps, stages in plans:
+            p = GemvPlan(block_n, block_k, warps, stages)
+            try:
+                swept.append((graph_call_us(lambda: launch(*args, p)), p))
+            except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers)
+                print(f"[gemv-tune] {name} {p}: {type(exc).__name__}", flush=True)
+        swept.sort(key=lambda t: t[0])
+        want = unfused(x, w, norm, res, prologue, residual).float()
+        err = (launch(*args, gemv_plan(n, k)).float() - want).abs().max().item()
+        results["shapes"][name] = {
+            "shape": [n, k], "us": {form: round(t, 2) for form, t in timings.items()},
+            "share_of_copy_bw": {form: share(t) for form, t in timings.items()},
+            "default": gemv_plan(n, k).__dict__, "best_us": round(swept[0][0], 2), "best": swept[0][1].__dict__,
+            "best_share": share(swept[0][0]), "top5": [[round(t, 2), p.__dict__] for t, p in swept[:5]],
+            "max_abs_diff_vs_unfused": err,
+        }
+        print(f"[gemv-tune] {name} {n}x{k}: {results['shapes'][name]['us']} best {swept[0][0]:.2f} us {swept[0][1]} "
+              f"shares {results['shapes'][name]['share_of_copy_bw']} best {share(swept[0][0])}", flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out")
+    p.add_argument("--quick", action="store_true", help="sweep only 4 warps, 1 stage")
+    args = p.parse_args()
+    result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
