@@ -1,7 +1,8 @@
 """Times a decode step's projections (one query row) at Qwen3-8B and demo-pair shapes: cuBLAS (F.linear alone,
 and with the unfused norm / SiLU gate / residual add around it, as an uncompiled layer runs them) against the
 fused Triton GEMVs of ddtree/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
-as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back calls.
+as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back
+calls that cycle through enough copies of the weight to stream it from memory, as a decode step does.
 
 Usage: python bench/gemv_tune.py [--out FILE.json] [--quick]
 """
@@ -12,6 +13,8 @@ import argparse
 import itertools
 import json
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +23,7 @@ from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, gemv_plan, launch
 from ddtree.timing import graph_call_us
 from verify_server.fused import rms_norm
 
+L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through
 # name -> (out, in, prologue, residual): a layer's four projections at each model's shapes
 SHAPES = {
     "8b-qkv": (6144, 4096, RMSNORM, False), "8b-o": (4096, 4096, NONE, True),
@@ -44,12 +48,17 @@ def sweep(quick: bool) -> dict:
     print(f"[gemv-tune] copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     results: dict = {"copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    plans = list(itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (1, 3)))
+    plans = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3, 4)))
     if quick:
         plans = [p for p in plans if p[2] == 4 and p[3] == 1]
     for name, (n, k, prologue, residual) in SHAPES.items():
         bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-        w = torch.randn(n, k, generator=gen, **bf16) / k**0.5
+        # as many copies of the weight as it takes to overflow the L2 cache (50 MB on an H200) four times over,
+        # used in turn: a step streams every weight from memory, a loop over one small weight would hit L2
+        # (the demo pair's whole model fits in L2, so its shapes are timed on one weight)
+        copies = -(-L2_OVERFLOW // (n * k * 2)) if name.startswith("8b") else 1
+        weights = [torch.randn(n, k, generator=gen, **bf16) / k**0.5 for _ in range(copies)]
+        w = weights[0]
         x = torch.randn(1, 2 * k if prologue == SWIGLU else k, generator=gen, **bf16)
         norm = 1 + 0.1 * torch.randn(k, generator=gen, **bf16)
         res = torch.randn(1, n, generator=gen, **bf16)
@@ -59,16 +68,19 @@ def sweep(quick: bool) -> dict:
         def share(us: float) -> float:  # of the copy bandwidth, streaming the weight once
             return round(w.numel() * w.element_size() / (us * 1e-6) / bandwidth, 3)
 
+        def per_weight_us(fn: Callable[[torch.Tensor], object]) -> float:
+            return graph_call_us(lambda: [fn(wi) for wi in weights], calls=2) / copies
+
         timings = {
-            "cublas_linear": graph_call_us(lambda: F.linear(xin, w)),
-            "cublas_unfused": graph_call_us(lambda: unfused(x, w, norm, res, prologue, residual)),
-            "gemv_default": graph_call_us(lambda: launch(*args, gemv_plan(n, k))),
+            "cublas_linear": per_weight_us(lambda wi: F.linear(xin, wi)),
+            "cublas_unfused": per_weight_us(lambda wi: unfused(x, wi, norm, res, prologue, residual)),
+            "gemv_default": per_weight_us(lambda wi: launch(x, wi, *args[2:], gemv_plan(n, k))),
         }
         swept = []
         for block_n, block_k, warps, stages in plans:
             p = GemvPlan(block_n, block_k, warps, stages)
             try:
-                swept.append((graph_call_us(lambda: launch(*args, p)), p))
+                swept.append((per_weight_us(lambda wi: launch(x, wi, *args[2:], p)), p))
             except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers)
                 print(f"[gemv-tune] {name} {p}: {type(exc).__name__}", flush=True)
         swept.sort(key=lambda t: t[0])

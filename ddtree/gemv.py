@@ -45,8 +45,7 @@ class GemvPlan:
 def gemv_plan(n: int, k: int) -> GemvPlan:
     """Enough programs to keep every SM streaming (an H200 has 132) without rows so few that the loop overhead
     shows; bench/gemv_tune.py sweeps the alternatives."""
-    block_n = 4 if n <= 8192 else 8
-    return GemvPlan(block_n=block_n, block_k=512, warps=4, stages=2)
+    return GemvPlan(block_n=8, block_k=512, warps=4, stages=3)
 
 
 if triton is not None:

@@ -1,5 +1,6 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
-triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own):
+triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
+on a GPU when run there without it:
 `python -m tests.triton_interpreted {tree,flash,gemv}`. The same kernels run compiled on a GPU in test_flash_tree.py
 and test_drafter_static.py."""
 
@@ -21,7 +22,8 @@ from draft_server.tree_kernel import beam_tree, sort_sizes
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
-CPU = torch.device("cpu")
+# the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 
 
 def check_tree() -> None:
@@ -34,9 +36,10 @@ def check_tree() -> None:
             logprobs = torch.log_softmax(3 * torch.randn(depths, vocab, generator=gen), -1)
             if ties:  # coarse values: many equal scores, so the tie order is exercised
                 logprobs = (4 * logprobs).round() / 4
+            logprobs = logprobs.to(DEVICE)
             k = tree_top_k(budget, top_k, vocab)
-            layout = TreeLayout.build(depths, k, budget, CPU)
-            root = torch.tensor([7])
+            layout = TreeLayout.build(depths, k, budget, DEVICE)
+            root = torch.tensor([7], device=DEVICE)
             want = build_tree(logprobs, root, budget, top_k, layout)
             top_vals, top_ids = top_candidates(logprobs, k)
             got = beam_tree(top_vals, top_ids, root, budget, layout, sort_sizes(layout))
@@ -54,6 +57,7 @@ def check_gemv() -> None:
             w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
             x, gate_up = torch.randn(1, k, generator=gen).to(dtype), torch.randn(1, 2 * k, generator=gen).to(dtype)
             norm, res = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype), torch.randn(1, n, generator=gen).to(dtype)
+            w, x, gate_up, norm, res = (t.to(DEVICE) for t in (w, x, gate_up, norm, res))
             gate, up = gate_up.chunk(2, dim=-1)
             p = GemvPlan(8, 128, 4, 1)
             for got, want in ((gemv(x, w, norm, None, 1e-6, RMSNORM, p), F.linear(rms_norm(x, norm, 1e-6), w)),
@@ -65,14 +69,17 @@ def check_gemv() -> None:
     shape = LayerShape(heads=4, kv_heads=2, head_dim=16, eps=1e-6)
     hidden, inter, qkv_rows = 64, 96, (4 + 2 * 2) * 16
     rand = lambda *size: torch.randn(*size, generator=gen) / size[-1] ** 0.5  # noqa: E731
-    layer = FusedLayer(1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, 1 + rand(16),
-                       1 + rand(16), rand(hidden, 64), 1 + rand(hidden), rand(2 * inter, hidden), rand(hidden, inter))
-    x = torch.randn(1, hidden, generator=gen)
-    cos, sin = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)
+    weights = (1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, 1 + rand(16), 1 + rand(16),
+               rand(hidden, 64), 1 + rand(hidden), rand(2 * inter, hidden), rand(hidden, inter))
+    layer = FusedLayer(*(None if t is None else t.to(DEVICE) for t in weights))
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE)
+    cos, sin = torch.ones(1, 1, 16, device=DEVICE), torch.zeros(1, 1, 16, device=DEVICE)
     outs = []
     for fused in (False, True):
-        keys, values = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)), torch.zeros(2, 10, 16)
-        outs.append(decoder_layer(x, layer, cos, sin, keys, values, torch.tensor([9]), None, shape, "sdpa", fused))
+        keys = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        values = torch.zeros(2, 10, 16, device=DEVICE)
+        slot = torch.tensor([9], device=DEVICE)
+        outs.append(decoder_layer(x, layer, cos, sin, keys, values, slot, None, shape, "sdpa", fused))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     print("gemv ok decoder layer")
 
@@ -84,8 +91,8 @@ def check_flash() -> None:
         q = torch.randn(q_len, heads, 64, generator=gen)
         k, v = (torch.randn(kv_heads, kv_len + 8, 64, generator=gen)[:, :kv_len] for _ in range(2))
         parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)])
-        tree = ancestor_matrix(parents, q_len)
-        start_t = torch.tensor(start)
+        q, k, v, tree = (t.to(DEVICE) for t in (q, k, v, ancestor_matrix(parents, q_len)))
+        start_t = torch.tensor(start, device=DEVICE)
         p = plan(q_len, heads, kv_heads, kv_len, 64, target=8)  # few programs: several chunks at these key counts
         got = launch(q, k, v, start_t, tree, 0.125, p)
         want = matmul_attention(q.transpose(0, 1)[None], k[None], v[None], step_mask(start_t, tree, kv_len), 0.125)
@@ -94,5 +101,5 @@ def check_flash() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv}[sys.argv[1]]()
