@@ -2,6 +2,7 @@
 build and the verifier's round, each replayed on its own so that its kernels can be counted and timed.
 
 Usage: python bench/profile_round.py [--target DIR --drafter DIR] [--budget 32] [--dtype float32] [--compile]
+       [--host-rounds TOKENS]
 
 For a small pair every part is bound by how many kernels run one after another (each costs a few microseconds
 whatever its size), so the table reports kernels per call next to the wall time of a call.
@@ -10,6 +11,9 @@ whatever its size), so the table reports kernels per call next to the wall time 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import cProfile
+import pstats
 import time
 from collections.abc import Callable
 
@@ -19,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
+from gateway.rounds import Speculation, run_rounds
 
 CALLS = 50
 
@@ -55,6 +60,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's layers and round and the drafter's block, append and tree build")
     p.add_argument("--context", type=int, default=520)
     p.add_argument("--rows", type=int, default=12)
+    p.add_argument("--host-rounds", type=int, default=0, metavar="TOKENS",
+                   help="also profile the host side of a generation of TOKENS tokens (cProfile)")
     args = p.parse_args()
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     verifier, drafter = load_local(target, drafter_dir, "cuda", getattr(torch, args.dtype), compile=args.compile)
@@ -79,6 +86,27 @@ def main() -> None:
     # less, so the context grows by a few tokens a call and stays within one key bucket
     measure("verify round", lambda: v.verify("s", tree), args.rows)
     measure("AR step", lambda: v.decode("s"), args.rows)
+    v.end_session("s")
+    d.end_session("s")
+    if args.host_rounds:
+        host_profile(verifier, drafter, prompt[:64], args.budget, args.host_rounds, args.rows)
+
+
+def host_profile(verifier, drafter, prompt: list[int], budget: int, tokens: int, rows: int) -> None:
+    """The host side of whole in-process generations (round loop, engines, launches) under cProfile: where the
+    time goes that the GPU spends waiting (the bench's `other`). cProfile slows Python down, so compare shares."""
+    spec = Speculation("ddtree", budget)
+
+    async def generate() -> int:
+        return len([r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, tokens, [])])
+
+    asyncio.run(generate())  # warm-up: graphs for this prompt's buckets
+    profiler = cProfile.Profile()
+    profiler.enable()
+    rounds = asyncio.run(generate())
+    profiler.disable()
+    print(f"\n=== host profile: {rounds - 1} rounds of ddtree {budget} (cProfile; tottime = own time) ===")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(rows)
 
 
 if __name__ == "__main__":

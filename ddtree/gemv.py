@@ -43,9 +43,16 @@ class GemvPlan:
 
 
 def gemv_plan(n: int, k: int) -> GemvPlan:
-    """Enough programs to keep every SM streaming (an H200 has 132) without rows so few that the loop overhead
-    shows; bench/gemv_tune.py sweeps the alternatives."""
-    return GemvPlan(block_n=8, block_k=512, warps=4, stages=3)
+    """The fastest or within ~2% of it in bench/gemv_tune.py's sweep on an H200 (weights streamed from memory,
+    bench/results/gemv_tune_h200.json), by the weight's aspect: long rows (down) take short row blocks, tall
+    weights (gate/up) many rows a program, square ones (o) long column steps."""
+    if k >= 2 * n:
+        return GemvPlan(block_n=8, block_k=512, warps=4, stages=3)
+    if n >= 4 * k:
+        return GemvPlan(block_n=32, block_k=256, warps=8, stages=1)
+    if n <= k:
+        return GemvPlan(block_n=16, block_k=1024, warps=8, stages=1) if k >= 1024 else GemvPlan(4, 512, 8, 3)
+    return GemvPlan(block_n=16, block_k=512, warps=8, stages=3)
 
 
 if triton is not None:

@@ -24,7 +24,6 @@ except ImportError:  # CPU-only installs: build_tree runs instead (kernel_suppor
     triton = None
 
 MAX_SORT = 8192  # largest sort one program holds in registers; bigger trees fall back to build_tree
-PAD_KEY = 2**63 - 1  # sorts after every real key
 
 
 def kernel_supported(device: torch.device) -> bool:
@@ -40,6 +39,7 @@ def sort_sizes(layout: TreeLayout) -> tuple[int, int] | None:
 
 
 if triton is not None:
+    PAD_KEY = tl.constexpr(2**63 - 1)  # sorts after every real key
 
     @triton.jit
     def _pack(score, index):
