@@ -1,11 +1,10 @@
-"""Times a step's projections (one row: a decode step; several: a tree) at Qwen3-8B and demo-pair shapes: cuBLAS
-(F.linear alone, and with the unfused norm / SiLU gate / residual add around it, as an uncompiled layer runs them),
-against the
-fused Triton kernels of ddtree/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
+"""Times a decode step's projections (one query row) at Qwen3-8B and demo-pair shapes: cuBLAS (F.linear alone,
+and with the unfused norm / SiLU gate / residual add around it, as an uncompiled layer runs them) against the
+fused Triton GEMVs of ddtree/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
 as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back
 calls that cycle through enough copies of the weight to stream it from memory, as a decode step does.
 
-Usage: python bench/gemv_tune.py [--out FILE.json] [--rows 1,16,64] [--quick]
+Usage: python bench/gemv_tune.py [--out FILE.json] [--quick]
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.cost_curve import copy_bandwidth
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, launch, plan
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, gemv_plan, launch
 from ddtree.timing import graph_call_us
 from verify_server.fused import rms_norm
 
@@ -44,21 +43,15 @@ def unfused(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, res: torch.Ten
     return y + res if residual else y
 
 
-def plans_for(rows: int, quick: bool) -> list[GemvPlan]:
-    if rows == 1:
-        grid = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3, 4))
-    else:  # tensor-core tiles
-        grid = itertools.product((16, 32, 64, 128), (64, 128), (4, 8), (3, 5))
-    plans = [GemvPlan(*p) for p in grid]
-    return [p for p in plans if p.warps == 4 and p.stages in (1, 3)] if quick else plans
-
-
-def sweep(rows_wanted: list[int], quick: bool) -> dict:
+def sweep(quick: bool) -> dict:
     bandwidth = copy_bandwidth(torch.device("cuda"), 2**30)
     print(f"[gemv-tune] copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     results: dict = {"copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for (name, (n, k, prologue, residual)), rows in itertools.product(SHAPES.items(), rows_wanted):
+    plans = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3, 4)))
+    if quick:
+        plans = [p for p in plans if p[2] == 4 and p[3] == 1]
+    for name, (n, k, prologue, residual) in SHAPES.items():
         bf16 = {"device": "cuda", "dtype": torch.bfloat16}
         # as many copies of the weight as it takes to overflow the L2 cache (50 MB on an H200) four times over,
         # used in turn: a step streams every weight from memory, a loop over one small weight would hit L2
@@ -66,10 +59,10 @@ def sweep(rows_wanted: list[int], quick: bool) -> dict:
         copies = -(-L2_OVERFLOW // (n * k * 2)) if name.startswith("8b") else 1
         weights = [torch.randn(n, k, generator=gen, **bf16) / k**0.5 for _ in range(copies)]
         w = weights[0]
-        x = torch.randn(rows, 2 * k if prologue == SWIGLU else k, generator=gen, **bf16)
+        x = torch.randn(1, 2 * k if prologue == SWIGLU else k, generator=gen, **bf16)
         norm = 1 + 0.1 * torch.randn(k, generator=gen, **bf16)
-        res = torch.randn(rows, n, generator=gen, **bf16)
-        extra = (norm if prologue == RMSNORM else None, res if residual else None, 1e-6, prologue)
+        res = torch.randn(1, n, generator=gen, **bf16)
+        args = (x, w, norm if prologue == RMSNORM else None, res if residual else None, 1e-6, prologue)
         xin = x[:, :k]
 
         def share(us: float) -> float:  # of the copy bandwidth, streaming the weight once
@@ -78,41 +71,39 @@ def sweep(rows_wanted: list[int], quick: bool) -> dict:
         def per_weight_us(fn: Callable[[torch.Tensor], object]) -> float:
             return graph_call_us(lambda: [fn(wi) for wi in weights], calls=2) / copies
 
-        default = plan(rows, n, k)
         timings = {
             "cublas_linear": per_weight_us(lambda wi: F.linear(xin, wi)),
             "cublas_unfused": per_weight_us(lambda wi: unfused(x, wi, norm, res, prologue, residual)),
-            "fused_default": per_weight_us(lambda wi: launch(x, wi, *extra, default)),
+            "gemv_default": per_weight_us(lambda wi: launch(x, wi, *args[2:], gemv_plan(n, k))),
         }
         swept = []
-        for p in plans_for(rows, quick):
+        for block_n, block_k, warps, stages in plans:
+            p = GemvPlan(block_n, block_k, warps, stages)
             try:
-                swept.append((per_weight_us(lambda wi: launch(x, wi, *extra, p)), p))
-            except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers, shared memory)
+                swept.append((per_weight_us(lambda wi: launch(x, wi, *args[2:], p)), p))
+            except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers)
                 print(f"[gemv-tune] {name} {p}: {type(exc).__name__}", flush=True)
         swept.sort(key=lambda t: t[0])
         want = unfused(x, w, norm, res, prologue, residual).float()
-        err = (launch(x, w, *extra, default).float() - want).abs().max().item()
-        key = f"{name}-m{rows}"
-        results["shapes"][key] = {
-            "shape": [n, k], "rows": rows, "us": {form: round(t, 2) for form, t in timings.items()},
+        err = (launch(*args, gemv_plan(n, k)).float() - want).abs().max().item()
+        results["shapes"][name] = {
+            "shape": [n, k], "us": {form: round(t, 2) for form, t in timings.items()},
             "share_of_copy_bw": {form: share(t) for form, t in timings.items()},
-            "default": default.__dict__, "best_us": round(swept[0][0], 2), "best": swept[0][1].__dict__,
+            "default": gemv_plan(n, k).__dict__, "best_us": round(swept[0][0], 2), "best": swept[0][1].__dict__,
             "best_share": share(swept[0][0]), "top5": [[round(t, 2), p.__dict__] for t, p in swept[:5]],
             "max_abs_diff_vs_unfused": err,
         }
-        print(f"[gemv-tune] {key} {n}x{k}: {results['shapes'][key]['us']} best {swept[0][0]:.2f} us {swept[0][1]} "
-              f"max diff {err:.3g}", flush=True)
+        print(f"[gemv-tune] {name} {n}x{k}: {results['shapes'][name]['us']} best {swept[0][0]:.2f} us {swept[0][1]} "
+              f"shares {results['shapes'][name]['share_of_copy_bw']} best {share(swept[0][0])}", flush=True)
     return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out")
-    p.add_argument("--rows", default="1,16,64", help="rows (tokens) per step to time, comma-separated")
-    p.add_argument("--quick", action="store_true", help="sweep only 4 warps and 1 or 3 stages")
+    p.add_argument("--quick", action="store_true", help="sweep only 4 warps, 1 stage")
     args = p.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(), **sweep([int(r) for r in args.rows.split(",")], args.quick)}
+    result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

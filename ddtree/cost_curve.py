@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ddtree.gemv import MAX_ROWS
 from ddtree.types import SamplingParams
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights
 from draft_server.drafter import DraftEngine
@@ -166,15 +165,13 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     return {"draft_ms": result}
 
 
-VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused_rows)
-    "fused+graphs": (False, "sdpa", 0), "fused+graphs+grouped": (False, "grouped", 0),
-    "fused+graphs+matmul": (False, "matmul", 0), "fused+graphs+compile+grouped": (True, "grouped", 0),
-    "fused+graphs+compile+matmul": (True, "matmul", 0), "fused+graphs+compile+flex": (True, "flex", 0),
-    "fused+graphs+flash": (False, "flash", 0), "fused+graphs+compile+flash": (True, "flash", 0),
-    # +gemv: one-row steps through ddtree/gemv.py; +rows: steps up to MAX_ROWS rows as well
-    "fused+graphs+flash+gemv": (False, "flash", 1), "fused+graphs+compile+matmul+gemv": (True, "matmul", 1),
-    "fused+graphs+compile+flash+gemv": (True, "flash", 1), "fused+graphs+compile+matmul+gemv+rows": (True, "matmul", MAX_ROWS),
-    "fused+graphs+compile+flash+gemv+rows": (True, "flash", MAX_ROWS),
+VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused GEMVs)
+    "fused+graphs": (False, "sdpa", False), "fused+graphs+grouped": (False, "grouped", False),
+    "fused+graphs+matmul": (False, "matmul", False), "fused+graphs+compile+grouped": (True, "grouped", False),
+    "fused+graphs+compile+matmul": (True, "matmul", False), "fused+graphs+compile+flex": (True, "flex", False),
+    "fused+graphs+flash": (False, "flash", False), "fused+graphs+compile+flash": (True, "flash", False),
+    "fused+graphs+flash+gemv": (False, "flash", True), "fused+graphs+compile+matmul+gemv": (True, "matmul", True),
+    "fused+graphs+compile+flash+gemv": (True, "flash", True),
 }
 PATHS = ("hf", "fused", *VARIANTS)
 
@@ -217,10 +214,10 @@ def run_cost_curve(
             paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             print(f"[cost-curve] {json.dumps(paths)}", flush=True)
         variants = {name: v for name, v in VARIANTS.items() if name in paths_wanted and device.type == "cuda"}
-        for name, (compiled, attention, fused_rows) in variants.items():
+        for name, (compiled, attention, gemv) in variants.items():
             start = time.perf_counter()
             try:
-                engine.fused.configure(graphs=True, compile=compiled, attention=attention, fused_rows=fused_rows)
+                engine.fused.configure(graphs=True, compile=compiled, attention=attention, gemv=gemv)
                 paths[name] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to build is a finding, not the end of the run
                 paths[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}

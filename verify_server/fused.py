@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ddtree.flash_tree import flash_supported, flash_tree_attention
-from ddtree.gemv import MAX_ROWS, NONE, RMSNORM, SWIGLU, fused_linear, gemv_supported
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
 
@@ -154,17 +154,16 @@ def decoder_layer(
     mask: torch.Tensor | StepVisibility | None,
     shape: LayerShape,
     attention_kernel: str,
-    fused_rows: int = 0,
+    gemv: bool = False,
 ) -> torch.Tensor:
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, kv, d] at `slots`
     [q], attends over all kv slots under `mask` (a dense mask, a StepVisibility, or None: causal over the new
-    tokens), returns the layer's output [q, hidden]. fused_rows: a step of at most this many rows runs its
-    projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv kernels (a GPU
-    with Triton; 0: never)."""
+    tokens), returns the layer's output [q, hidden]. gemv: a one-row step runs its projections, with the norms,
+    the SiLU gate and the residual adds folded in, as ddtree.gemv kernels (a GPU with Triton)."""
     q_len, d = hidden.shape[0], shape.head_dim
-    fused = q_len <= fused_rows  # a guard under torch.compile (q = 1 is specialised anyway)
-    if fused:
-        qkv = fused_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
+    gemv = gemv and q_len == 1  # static under torch.compile: dimensions of size 1 are specialised
+    if gemv:
+        qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
         qkv = qkv if layer.qkv_bias is None else qkv + layer.qkv_bias
     else:
         qkv = F.linear(rms_norm(hidden, layer.input_norm, shape.eps), layer.qkv, layer.qkv_bias)
@@ -183,10 +182,10 @@ def decoder_layer(
             q.transpose(0, 1)[None], keys[None], values[None], dense, shape.scale, shape.gqa
         )[0].transpose(0, 1)
     out = out.reshape(q_len, shape.heads * d)
-    if fused:
-        hidden = fused_linear(out, layer.o, None, hidden, 0.0, NONE)
-        gate_up = fused_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
-        return fused_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
+    if gemv:
+        hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
+        gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
+        return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
     hidden = hidden + F.linear(out, layer.o)
     gate, up = F.linear(rms_norm(hidden, layer.post_norm, shape.eps), layer.gate_up).chunk(2, dim=-1)
     return hidden + F.linear(F.silu(gate) * up, layer.down)
@@ -213,7 +212,7 @@ class FusedDecoder:
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.attention = "sdpa"
-        self.fused_rows = 0
+        self.gemv = False
         self._compiled = decoder_layer
 
     @staticmethod
@@ -255,30 +254,28 @@ class FusedDecoder:
         hidden = F.embedding(ids, self.embed)  # [q, hidden]
         cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
-        step, kernel, rows = (self._compiled, self.attention, self.fused_rows) if compiled else (decoder_layer, "sdpa", 0)
+        step, kernel, gemv = (self._compiled, self.attention, self.gemv) if compiled else (decoder_layer, "sdpa", False)
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]
             keys, values = cache.k[j, 0, :, :kv_len], cache.v[j, 0, :, :kv_len]  # [kv_heads, kv_len, d]
-            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel, rows)
+            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel, gemv)
             if i in taps:
                 tapped.append(hidden)
         features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None
         return rms_norm(hidden, self.final_norm, self.shape.eps), features
 
-    def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
+    def set_compiled(self, enabled: bool, attention: str = "sdpa", gemv: bool = False) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
-        configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for steps
-        of at most fused_rows rows (<= ddtree.gemv.MAX_ROWS), the fused projections (ddtree.gemv; a GPU too)."""
+        configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for
+        one-row steps, the fused GEMVs (ddtree.gemv; a GPU too)."""
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):
             raise ValueError("flash attention needs Triton, a CUDA device and a power-of-two head_dim >= 16")
-        if not 0 <= fused_rows <= MAX_ROWS:
-            raise ValueError(f"fused_rows must be in [0, {MAX_ROWS}], got {fused_rows}")
-        if fused_rows and not gemv_supported(self.embed.device):
-            raise ValueError("the fused projections need Triton and a CUDA device")
-        self.attention, self.fused_rows = attention, fused_rows
+        if gemv and not gemv_supported(self.embed.device):
+            raise ValueError("the fused GEMVs need Triton and a CUDA device")
+        self.attention, self.gemv = attention, gemv
         if not enabled:
             self._compiled = decoder_layer
             return

@@ -141,21 +141,19 @@ class FusedRunner:
         self.configure(graphs, compile, attention)
 
     def configure(
-        self, graphs: bool, compile: bool = False, attention: str | None = None, fused_rows: int | None = None
+        self, graphs: bool, compile: bool = False, attention: str | None = None, gemv: bool | None = None
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
         (bench/README.md, H200): compiled, two matmuls around a masked softmax (fused by the compiler; at Qwen3-8B
         shapes 5.67 ms an AR step against 5.73 for flash); uncompiled, flash-decoding over the tree
         (ddtree/flash_tree.py: 2 kernels a layer where the matmul form runs 5, ~6 against ~21 us at 8B shapes)
-        where it runs, else the matmul form. fused_rows None: one-row steps use the fused GEMVs
-        (ddtree/gemv.py) wherever they run; at Qwen3-8B shapes an AR step fell from 5.40 to 4.79 ms."""
+        where it runs, else the matmul form. gemv None: one-row steps use the fused GEMVs (ddtree/gemv.py)
+        wherever they run."""
         if attention is None:
             flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
-        if fused_rows is None:
-            fused_rows = 1 if gemv_supported(self.device) else 0
-        self.decoder.set_compiled(compile, attention, fused_rows)
+        self.decoder.set_compiled(compile, attention, gemv_supported(self.device) if gemv is None else gemv)
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's max_depth
         # steps, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
