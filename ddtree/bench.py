@@ -40,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/result.json")
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
-    p.add_argument("--fused-rows", type=int, metavar="N",
-                   help="verifier steps of at most N rows run the fused Triton projections (ddtree/gemv.py; 0: cuBLAS; default: per device)")
+    p.add_argument("--no-gemv", action="store_true",
+                   help="one-row verifier steps through cuBLAS, not the fused Triton GEMVs (ddtree/gemv.py)")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     verifier, drafter = load_local(target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile)
-    if args.fused_rows is not None and verifier.engine.fused is not None:
-        verifier.engine.fused.configure(graphs=not args.eager, compile=args.compile, fused_rows=args.fused_rows)
+    if args.no_gemv and verifier.engine.fused is not None:
+        verifier.engine.fused.configure(graphs=not args.eager, compile=args.compile, gemv=False)
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
                      "compile": args.compile,
-                     "fused_rows": verifier.engine.fused.decoder.fused_rows if verifier.engine.fused else 0,
+                     "gemv": verifier.engine.fused is not None and verifier.engine.fused.decoder.gemv,
                      "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
         "runs": runs,
         "ratios": mode_ratios(runs),
