@@ -26,7 +26,8 @@ from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree, top_candidates
-from draft_server.tree_kernel import beam_tree, kernel_supported, sort_sizes
+from draft_server.tree_kernel import beam_tree, kernel_supported, sort_sizes, top_plan
+from draft_server.tree_kernel import top_k as top_k_kernel
 
 
 TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
@@ -186,8 +187,9 @@ class StaticDrafter:
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         root = self._ids[0, :1]  # on the device: no upload
         sizes = sort_sizes(layout) if self.tree_kernel else None
-        if sizes is not None:  # the beam search in one program (tree_kernel.py), after the two-stage top-k
-            top_vals, top_ids = top_candidates(self._logprobs, top_k)
+        if sizes is not None:  # the top-k and the beam search as Triton kernels (tree_kernel.py)
+            top = top_plan(self.head.vocab_size, top_k)
+            top_vals, top_ids = top_candidates(self._logprobs, top_k) if top is None else top_k_kernel(self._logprobs, top_k, top)
             return beam_tree(top_vals, top_ids, root, budget, layout, sizes)
         args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)

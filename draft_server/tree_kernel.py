@@ -1,11 +1,14 @@
-"""The tree build's beam search in one Triton program: the same tree as `tree.build_tree`, bit for bit.
+"""The tree build in three Triton kernels: a two-stage top-k over the vocabulary, then the beam search in one
+program, the same tree as `tree.build_tree`, bit for bit (up to the order of equal log-probs in the top-k).
 
 Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a
 gather, a sort and slices; compiled and captured it still ran 52 kernels, 0.13 ms of a 1.04 ms round on the demo
 pair (bench/results/profile_round_demo_bf16_compile_flash_topk2.txt), each kernel a few µs however small its
 sort. Here one thread block walks every depth: per depth it scores the contenders (parent beam score + the
 token's log-prob), sorts them in registers by a packed key, and writes the beam to a scratch buffer the next depth
-reads after a barrier; a last sort picks the tree and maps parents to node numbers.
+reads after a barrier; a last sort picks the tree and maps parents to node numbers. The top-k before it (torch.topk
+in two stages was 2 x 17 us of the 0.07 ms left after that) sorts chunks of the vocabulary in parallel, then
+merges each depth's chunk winners.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above the candidate's index
 (ascending), so ties break by index as a stable sort does, and the scores are the same fp32 sums.
@@ -24,6 +27,7 @@ except ImportError:  # CPU-only installs: build_tree runs instead (kernel_suppor
     triton = None
 
 MAX_SORT = 8192  # largest sort one program holds in registers; bigger trees fall back to build_tree
+MERGE_TARGET = 2048  # candidates per depth the top-k's merge should sort (it sets the chunk size)
 
 
 def kernel_supported(device: torch.device) -> bool:
@@ -98,6 +102,52 @@ if triton is not None:
         tl.store(Out, tl.load(Root))
         tl.store(Out + N1, -1)
         tl.store(Out + 2 * N1, 0)
+
+
+    @triton.jit
+    def _chunk_top_kernel(LogProbs, Cand, vocab, stride_l, CHUNK: tl.constexpr, KP: tl.constexpr):
+        """One (depth, chunk of CHUNK tokens): the chunk's KP best (log-prob, token) keys, best first, into
+        Cand [D, chunks * KP]."""
+        depth, chunk = tl.program_id(0), tl.program_id(1)
+        token = chunk * CHUNK + tl.arange(0, CHUNK)
+        ok = token < vocab
+        value = tl.load(LogProbs + depth * stride_l + token, mask=ok, other=0.0)
+        key = tl.sort(tl.where(ok, _pack(value, token), PAD_KEY))
+        rank = tl.arange(0, CHUNK)
+        tl.store(Cand + (depth * tl.num_programs(1) + chunk) * KP + rank, key, mask=rank < KP)
+
+    @triton.jit
+    def _merge_top_kernel(Cand, Vals, Ids, candidates, k, CANDS: tl.constexpr):
+        """One depth: the k best of its chunks' candidates -> Vals [D, k] fp32 and Ids [D, k] long."""
+        depth = tl.program_id(0)
+        slot = tl.arange(0, CANDS)
+        key = tl.sort(tl.load(Cand + depth * candidates + slot, mask=slot < candidates, other=PAD_KEY))
+        keep = slot < k
+        tl.store(Vals + depth * k + slot, _unpack_score(key), mask=keep)
+        tl.store(Ids + depth * k + slot, key & 0xFFFFFFFF, mask=keep)
+
+
+def top_plan(vocab: int, k: int) -> tuple[int, int, int] | None:
+    """(chunk, per-chunk keep, merge width) for the two-stage top-k, all powers of two, or None when a sort would
+    not fit one program. Chunks are small enough for many programs and big enough that the merge stays short."""
+    keep = max(2, triton.next_power_of_2(k))
+    chunk = max(256, keep, triton.next_power_of_2(-(-vocab * keep // MERGE_TARGET)))
+    merge = max(2, triton.next_power_of_2(-(-vocab // chunk) * keep))
+    return None if max(chunk, merge) > MAX_SORT else (chunk, keep, merge)
+
+
+def top_k(logprobs: torch.Tensor, k: int, top: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs [D, V] fp32 -> the k largest per row, descending, and their token ids ([D, k] each), as
+    tree.top_candidates; equal values come in token order. Two kernels: per-chunk sorts, then one merge per row."""
+    depths, vocab = logprobs.shape
+    chunk, keep, merge = top
+    chunks = -(-vocab // chunk)
+    cand = torch.empty(depths, chunks * keep, dtype=torch.int64, device=logprobs.device)  # packed keys, per chunk
+    vals = torch.empty(depths, k, dtype=torch.float32, device=logprobs.device)
+    ids = torch.empty(depths, k, dtype=torch.int64, device=logprobs.device)
+    _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep, num_warps=4)
+    _merge_top_kernel[(depths,)](cand, vals, ids, chunks * keep, k, CANDS=merge, num_warps=4)
+    return vals, ids
 
 
 def beam_tree(

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("check", ["tree", "flash", "gemv"])
+@pytest.mark.parametrize("check", ["tree", "flash", "gemv", "drafter"])
 def test_kernel_in_the_interpreter(check: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_interpreted", check], cwd=ROOT, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv}`. The same kernels run compiled on a GPU in test_flash_tree.py
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter}`. The same kernels run compiled on a GPU in test_flash_tree.py
 and test_drafter_static.py."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan
 from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
-from draft_server.tree_kernel import beam_tree, sort_sizes
+from draft_server.tree_kernel import beam_tree, sort_sizes, top_k, top_plan
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
@@ -27,25 +27,44 @@ DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "c
 
 
 def check_tree() -> None:
-    """The one-program beam search equals build_tree exactly (tokens, parents, depths), ties included."""
+    """The kernels' top-k equals torch.topk, and the one-program beam search equals build_tree exactly (tokens,
+    parents, depths), ties included."""
     gen = torch.Generator().manual_seed(0)
-    # (depths, vocab, budget, top_k): the demo pair's ddtree 32 and chain, a narrow top_k, tiny shapes
-    for depths, vocab, budget, top_k in [(15, 1024, 32, None), (15, 1024, 15, 1), (15, 300, 48, 4), (4, 50, 10, 3),
-                                         (7, 64, 8, None), (3, 5, 40, None)]:
+    # (depths, vocab, budget, top_k): the demo pair's ddtree 32 and chain, a narrow top_k, tiny shapes, a vocabulary
+    # of several top-k chunks with a partial last one
+    for depths, vocab, budget, k_wanted in [(15, 1024, 32, None), (15, 1024, 15, 1), (15, 300, 48, 4), (4, 50, 10, 3),
+                                            (7, 64, 8, None), (3, 5, 40, None), (15, 3000, 32, None)]:
         for ties in (False, True):
             logprobs = torch.log_softmax(3 * torch.randn(depths, vocab, generator=gen), -1)
             if ties:  # coarse values: many equal scores, so the tie order is exercised
                 logprobs = (4 * logprobs).round() / 4
             logprobs = logprobs.to(DEVICE)
-            k = tree_top_k(budget, top_k, vocab)
+            k = tree_top_k(budget, k_wanted, vocab)
             layout = TreeLayout.build(depths, k, budget, DEVICE)
             root = torch.tensor([7], device=DEVICE)
-            want = build_tree(logprobs, root, budget, top_k, layout)
+            want = build_tree(logprobs, root, budget, k_wanted, layout)
             top_vals, top_ids = top_candidates(logprobs, k)
+            if not ties:  # the kernels' top-k equals torch.topk (equal values would come in token order); on the
+                # first rows only, on the CPU (the interpreter takes ~0.3 s a program)
+                rows = depths if DEVICE.type == "cuda" else 2
+                got_vals, got_ids = top_k(logprobs[:rows], k, top_plan(vocab, k))
+                assert torch.equal(got_vals, top_vals[:rows]) and torch.equal(got_ids, top_ids[:rows])
             got = beam_tree(top_vals, top_ids, root, budget, layout, sort_sizes(layout))
-            assert torch.equal(got, torch.stack((want.tokens, want.parents, want.depths))), (depths, vocab, budget, top_k)
+            assert torch.equal(got, torch.stack((want.tokens, want.parents, want.depths))), (depths, vocab, budget, k_wanted)
             assert got.shape[1] == min(budget, layout.depth_row.shape[0]) + 1 and want.depths.max() > 1
-            print("tree ok", depths, vocab, budget, top_k, "ties" if ties else "")
+            print("tree ok", depths, vocab, budget, k_wanted, "ties" if ties else "")
+
+
+def check_drafter() -> None:
+    """The static drafter with its tree built by the kernels drafts the eager drafter's trees, round after round
+    (on a GPU the kernels are its default; on the CPU they are switched on here)."""
+    from tests.test_drafter_static import FEATURE_DIM, ROUNDS, engines, run_rounds, sliding_drafter
+
+    torch.manual_seed(0)
+    eager, static = engines(sliding_drafter(), DEVICE.type, max_sessions=2, max_context=256)
+    static.static.tree_kernel = True
+    run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM, device=DEVICE))
+    print("drafter ok", len(ROUNDS), "rounds")
 
 
 def check_gemv() -> None:
@@ -102,4 +121,4 @@ def check_flash() -> None:
 
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    {"tree": check_tree, "flash": check_flash, "gemv": check_gemv}[sys.argv[1]]()
+    {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter}[sys.argv[1]]()
