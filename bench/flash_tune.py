@@ -15,7 +15,7 @@ import json
 import torch
 
 from ddtree.flash_tree import launch, plan
-from ddtree.timing import graph_call_us
+from ddtree.timing import graph_call_us, ranked
 from ddtree.sdpa import matmul_attention
 from verify_server.fused import step_mask
 
@@ -47,14 +47,12 @@ def attention_sweep() -> dict:
                 timings.append((graph_call_us(lambda: launch(q, k, v, start, tree, scale, p)), p))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile (registers, shared memory)
                 print(f"[flash-tune] {name} {p}: {type(exc).__name__}", flush=True)
-        best_us, best = min(timings, key=lambda t: t[0])
+        best = ranked(timings)
         results[name] = {
-            "matmul_us": round(matmul_us, 2), "default_us": round(default_us, 2), "default": default.__dict__,
-            "best_us": round(best_us, 2), "best": best.__dict__,
-            "top5": [[round(t, 2), p.__dict__] for t, p in sorted(timings, key=lambda t: t[0])[:5]],
+            "matmul_us": round(matmul_us, 2), "default_us": round(default_us, 2), "default": default.__dict__, **best,
         }
-        print(f"[flash-tune] {name}: matmul {matmul_us:.2f} us, flash default {default_us:.2f} us, best {best_us:.2f} us "
-              f"{best}", flush=True)
+        print(f"[flash-tune] {name}: matmul {matmul_us:.2f} us, flash default {default_us:.2f} us, best "
+              f"{best['best_us']} us {best['best']}", flush=True)
     return results
 
 

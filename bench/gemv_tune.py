@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ddtree.cost_curve import copy_bandwidth
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, gemv_plan, launch
-from ddtree.timing import graph_call_us
+from ddtree.timing import graph_call_us, ranked
 from verify_server.fused import rms_norm
 
 L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through
@@ -83,18 +83,16 @@ def sweep(quick: bool) -> dict:
                 swept.append((per_weight_us(lambda wi: launch(x, wi, *args[2:], p)), p))
             except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers)
                 print(f"[gemv-tune] {name} {p}: {type(exc).__name__}", flush=True)
-        swept.sort(key=lambda t: t[0])
         want = unfused(x, w, norm, res, prologue, residual).float()
         err = (launch(*args, gemv_plan(n, k)).float() - want).abs().max().item()
-        results["shapes"][name] = {
+        best = ranked(swept)
+        results["shapes"][name] = row = {
             "shape": [n, k], "us": {form: round(t, 2) for form, t in timings.items()},
-            "share_of_copy_bw": {form: share(t) for form, t in timings.items()},
-            "default": gemv_plan(n, k).__dict__, "best_us": round(swept[0][0], 2), "best": swept[0][1].__dict__,
-            "best_share": share(swept[0][0]), "top5": [[round(t, 2), p.__dict__] for t, p in swept[:5]],
-            "max_abs_diff_vs_unfused": err,
+            "share_of_copy_bw": {form: share(t) for form, t in timings.items()}, "default": gemv_plan(n, k).__dict__,
+            **best, "best_share": share(best["best_us"]), "max_abs_diff_vs_unfused": err,
         }
-        print(f"[gemv-tune] {name} {n}x{k}: {results['shapes'][name]['us']} best {swept[0][0]:.2f} us {swept[0][1]} "
-              f"shares {results['shapes'][name]['share_of_copy_bw']} best {share(swept[0][0])}", flush=True)
+        print(f"[gemv-tune] {name} {n}x{k}: {row['us']} best {best['best_us']} us {best['best']} shares "
+              f"{row['share_of_copy_bw']} best {row['best_share']}", flush=True)
     return results
 
 

@@ -43,7 +43,7 @@ def main() -> None:
     print(f"weight-streaming bound {bound_ms:.3f} ms ({streamed / 1e9:.2f} GB streamed per step)")
     engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager)
     if engine.fused is not None:
-        engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention, gemv=False if args.no_gemv else None)
+        engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention, gemv=not args.no_gemv)
     print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, gemv={not args.no_gemv}")
     prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)

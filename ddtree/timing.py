@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -113,3 +113,10 @@ def graph_call_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000 / (replays * calls)
+
+
+def ranked(timings: list[tuple[float, Any]], keep: int = 5) -> dict:
+    """(µs, plan dataclass) pairs -> a tuner's summary: best_us, best and the `keep` fastest (top5), fastest first."""
+    order = sorted(timings, key=lambda t: t[0])
+    return {"best_us": round(order[0][0], 2), "best": order[0][1].__dict__,
+            "top5": [[round(us, 2), plan.__dict__] for us, plan in order[:keep]]}

@@ -84,7 +84,7 @@ def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
     assert fused_unsupported(AutoConfig.for_model("gpt2")) is not None
 
 
-def test_eager_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_and_gemv_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     def parse(argv: list[str]) -> VerifyServerConfig:
         parser = argparse.ArgumentParser()
         VerifyServerConfig.add_arguments(parser)
@@ -97,6 +97,9 @@ def test_eager_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse(["--no-eager"]).eager is False
     monkeypatch.setenv("DDTREE_VERIFY_MAX_SESSIONS", "3")
     assert parse([]).max_sessions == 3
+    assert parse([]).gemv is True and parse(["--no-gemv"]).gemv is False
+    monkeypatch.setenv("DDTREE_VERIFY_GEMV", "0")
+    assert parse([]).gemv is False
 
 
 def test_sampled_sessions_on_the_static_path_follow_the_hf_path(qwen3_target: Path) -> None:

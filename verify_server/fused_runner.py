@@ -129,8 +129,9 @@ class FusedRunner:
         graphs: bool,
         compile: bool = False,
         attention: str | None = None,
+        gemv: bool = True,
     ) -> None:
-        """compile / attention: see FusedDecoder.set_compiled; they apply to the bucketed (graph) steps."""
+        """compile / attention / gemv: see configure; they apply to the bucketed (graph) steps."""
         self.decoder = FusedDecoder(model)
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
@@ -138,22 +139,22 @@ class FusedRunner:
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
-        self.configure(graphs, compile, attention)
+        self.configure(graphs, compile, attention, gemv)
 
     def configure(
-        self, graphs: bool, compile: bool = False, attention: str | None = None, gemv: bool | None = None
+        self, graphs: bool, compile: bool = False, attention: str | None = None, gemv: bool = True
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
         (bench/README.md, H200): compiled, two matmuls around a masked softmax (fused by the compiler; at Qwen3-8B
         shapes 5.67 ms an AR step against 5.73 for flash); uncompiled, flash-decoding over the tree
         (ddtree/flash_tree.py: 2 kernels a layer where the matmul form runs 5, ~6 against ~21 us at 8B shapes)
-        where it runs, else the matmul form. gemv None: one-row steps use the fused GEMVs (ddtree/gemv.py)
-        wherever they run."""
+        where it runs, else the matmul form. gemv: one-row steps use the fused GEMVs (ddtree/gemv.py) wherever
+        they run (at Qwen3-8B shapes an AR step fell from 5.40 to 4.79 ms, bench/README.md)."""
         if attention is None:
             flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
-        self.decoder.set_compiled(compile, attention, gemv_supported(self.device) if gemv is None else gemv)
+        self.decoder.set_compiled(compile, attention, gemv and gemv_supported(self.device))
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's max_depth
         # steps, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step

@@ -126,7 +126,8 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
         engine = group.engine
     else:
         engine = VerifyEngine.from_pretrained(
-            config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compile
+            config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compile,
+            config.gemv,
         )
     log.info(
         "target loaded in %.1f s: %d layers, hidden %d, vocab %d, %s forward",
