@@ -75,14 +75,16 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
         return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos)]
 
     outputs, rounds_all, elapsed = [], [], 0.0
-    for prompt in tqdm(prompts, desc=f"{spec.mode}{'' if spec.mode != 'ddtree' else f'/{spec.budget}'}", leave=False):
-        sync()
-        start = time.perf_counter()
-        rounds = asyncio.run(one(prompt))
-        sync()
-        elapsed += time.perf_counter() - start
-        outputs.append([t for r in rounds for t in r.tokens])
-        rounds_all += rounds[1:]  # round 0 is the prefill
+    # one event loop for every request, as a server has: a fresh loop per prompt would time its set-up and teardown
+    with asyncio.Runner() as runner:
+        for prompt in tqdm(prompts, desc=f"{spec.mode}{'' if spec.mode != 'ddtree' else f'/{spec.budget}'}", leave=False):
+            sync()
+            start = time.perf_counter()
+            rounds = runner.run(one(prompt))
+            sync()
+            elapsed += time.perf_counter() - start
+            outputs.append([t for r in rounds for t in r.tokens])
+            rounds_all += rounds[1:]  # round 0 is the prefill
     tokens = sum(len(o) for o in outputs)
     n = max(1, len(rounds_all))
     phases = {k.removesuffix("_s"): 1000 * sum(r.timings.get(k, 0.0) for r in rounds_all) / n for k in PHASES}

@@ -167,6 +167,26 @@ def test_bench_through_the_gateway(services, tmp_path) -> None:
     assert "ddtree16/chain" in result["ratios"]
 
 
+def test_bench_in_process(tmp_path) -> None:
+    """`ddtree bench` in-process on the bundled demo pair (fp32, CPU): every mode, AR's greedy output in each, deep
+    acceptance, per-phase times and the overhead share, JSON + ratios."""
+    import json
+
+    out = tmp_path / "bench.json"
+    done = subprocess.run([*DDTREE, "bench", "--num-prompts", "2", "--budgets", "4,16", "--max-new-tokens", "24",
+                           "--device", "cpu", "--dtype", "float32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert [(r["mode"], r["budget"]) for r in result["runs"]] == [("ar", 0), ("chain", 15), ("ddtree", 4), ("ddtree", 16)]
+    assert all(r["matches_ar"] == 1.0 and r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in result["runs"])
+    assert result["runs"][0]["tau"] == 1.0 and result["runs"][3]["tau"] > 2  # the demo drafter accepts deeply
+    phases = result["runs"][3]["phases_ms"]
+    assert set(phases) == {"draft", "tree", "verify", "walk", "other"} and phases["draft"] > 0 and phases["verify"] > 0
+    assert 0 < result["runs"][3]["overhead_share"] < 1 and result["settings"]["gemv"] is False  # no GPU here
+    assert result["settings"]["graphs_captured_while_timing"] == 0 and "ddtree16/ar" in result["ratios"]
+
+
 def test_client_disconnect_frees_both_sessions(services) -> None:
     request = {"model": MODEL, "messages": STORY, "max_tokens": LONG, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
