@@ -26,7 +26,9 @@ try:
 except ImportError:  # CPU-only installs: build_tree runs instead (kernel_supported() is False)
     triton = None
 
-MAX_SORT = 8192  # largest sort one program holds in registers; bigger trees fall back to build_tree
+# largest sort one program holds in registers (the largest run on the H200: the beam search of a 255-node tree at
+# Qwen3-8B shapes); bigger trees fall back to build_tree, bigger top-k merges to torch.topk
+MAX_SORT = 4096
 MERGE_TARGET = 2048  # candidates per depth the top-k's merge should sort (it sets the chunk size)
 
 
