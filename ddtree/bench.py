@@ -116,9 +116,7 @@ def run(args: argparse.Namespace) -> int:
         run_gateway_bench(args.gateway, args.prompts, args.num_prompts, budgets, args.max_new_tokens, Path(args.out))
         return 0
     if args.cost_curve:
-        from ddtree.cost_curve import run_cost_curve
-
-        from ddtree.cost_curve import PATHS
+        from ddtree.cost_curve import PATHS, run_cost_curve
 
         sizes = [int(n) for n in args.sizes.split(",")]
         paths = tuple(args.paths.split(",")) if args.paths else PATHS
@@ -131,9 +129,9 @@ def run(args: argparse.Namespace) -> int:
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
-    verifier, drafter = load_local(target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile)
-    if args.no_gemv and verifier.engine.fused is not None:
-        verifier.engine.fused.configure(graphs=not args.eager, compile=args.compile, gemv=False)
+    verifier, drafter = load_local(
+        target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile, gemv=not args.no_gemv
+    )
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

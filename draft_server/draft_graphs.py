@@ -189,7 +189,10 @@ class StaticDrafter:
         sizes = sort_sizes(layout) if self.tree_kernel else None
         if sizes is not None:  # the top-k and the beam search as Triton kernels (tree_kernel.py)
             top = top_plan(self.head.vocab_size, top_k)
-            top_vals, top_ids = top_candidates(self._logprobs, top_k) if top is None else top_k_kernel(self._logprobs, top_k, top)
+            if top is None:  # a merge too wide for one program: torch's two-stage top-k
+                top_vals, top_ids = top_candidates(self._logprobs, top_k)
+            else:
+                top_vals, top_ids = top_k_kernel(self._logprobs, top_k, top)
             return beam_tree(top_vals, top_ids, root, budget, layout, sizes)
         args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)

@@ -105,7 +105,6 @@ if triton is not None:
         tl.store(Out + N1, -1)
         tl.store(Out + 2 * N1, 0)
 
-
     @triton.jit
     def _chunk_top_kernel(LogProbs, Cand, vocab, stride_l, CHUNK: tl.constexpr, KP: tl.constexpr):
         """One (depth, chunk of CHUNK tokens): the chunk's KP best (log-prob, token) keys, best first, into

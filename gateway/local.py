@@ -55,13 +55,14 @@ class LocalVerifier:
 
 def load_local(
     target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1, eager: bool = False,
-    compile: bool = False,
+    compile: bool = False, gemv: bool = True,
 ) -> tuple[LocalVerifier, LocalDrafter | None]:
     """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
     forward without static buffers or CUDA graphs; compile: torch.compile the verifier's fused layers and round,
-    and the drafter's block layers, context append and tree build."""
+    and the drafter's block layers, context append and tree build; gemv: the verifier's fused decode GEMVs where they
+    run (VerifyEngine)."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
@@ -71,7 +72,9 @@ def load_local(
         group = TensorParallelGroup(target, tp, device, dtype)
         verifier = LocalVerifier(group.engine, close=group.close)
     else:
-        verifier = LocalVerifier(VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile))
+        verifier = LocalVerifier(
+            VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile, gemv=gemv)
+        )
     if drafter is None:
         return verifier, None
     engine = verifier.engine

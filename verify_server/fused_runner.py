@@ -260,8 +260,7 @@ class FusedRunner:
         """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
         compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
         accepted."""
-        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
-        logits, features = self._step(cache, x, kv_len, taps)
+        logits, features, x = self._scores(cache, buf, taps, kv_len, max_depth)
         packed, path = self._accept(x, logits)
         order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
         cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))

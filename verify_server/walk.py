@@ -15,8 +15,8 @@ def accept_path(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids, parents, depths [q] (the root's parent, -1 or 0, is never read); anc [q, q] bool ancestor-or-self
     matrix; choice [q]: the target's token after each node; valid [q] bool (None: all), False for padding nodes
-    that must never be accepted -> packed [2 + q] = (accepted depth k, the bonus token, the path's tokens root..deepest, then filler) and
-    path [q] = the path's node indices root..deepest, then q for the rest.
+    that must never be accepted -> packed [2 + q] = (accepted depth k, the bonus token, the path's tokens
+    root..deepest, then filler) and path [q] = the path's node indices root..deepest, then q for the rest.
 
     A node is accepted when it and all its ancestors are the target's choices after their parents; the deepest
     accepted node ends the path. Fixed shapes and no host sync: the same code runs eagerly or inside a graph."""
