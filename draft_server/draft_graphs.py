@@ -31,6 +31,9 @@ from draft_server.tree_kernel import top_k as top_k_kernel
 
 
 TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
+# Rows one captured append takes: a round's m <= B, a prompt's features come in chunks of this many. Uncaptured,
+# a prompt's append cost ~1 ms of launches, twice a whole later draft on the demo pair (bench/README.md).
+MAX_APPEND = 512
 
 
 def append_bucket(m: int) -> int:
@@ -81,8 +84,7 @@ class StaticDrafter:
         self.drafter, self.head, self.config = drafter, head, cfg
         self.device, self.dtype = head.embed.device, head.embed.dtype
         self.max_context = max_context
-        # m <= B every round (the accepted nodes and the root); bigger appends (prefill) run uncaptured
-        self.max_append = append_bucket(cfg.block_size)
+        self.max_append = append_bucket(max(cfg.block_size, MAX_APPEND))
         # room past max_context for a padded append and the block's own rows [p, p+B)
         self.rows = -(-(max_context + self.max_append) // KEY_ALIGN) * KEY_ALIGN
         self.slot_shape = (1, cfg.num_key_value_heads, self.rows, cfg.head_dim)  # per layer, K and V alike
@@ -131,15 +133,14 @@ class StaticDrafter:
     # ---- context ------------------------------------------------------------------------------------------------
 
     def append(self, slot: int, start: int, features: torch.Tensor) -> None:
-        """features [m, taps*hidden], target hidden states at positions [start, start+m) -> their K/V in the slot."""
-        m = features.shape[0]
-        self._start.fill_(start)
-        if m > self.max_append:  # prefill-sized: the same code, uncaptured, at its exact size
-            self._append(slot, features.to(self.device, self.dtype))
-            return
-        self._upload(features)
-        mb = append_bucket(m)
-        self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
+        """features [m, taps*hidden], target hidden states at positions [start, start+m) -> their K/V in the slot,
+        max_append rows per captured step (only the last chunk is padded, so no chunk overwrites another's rows)."""
+        for begin in range(0, features.shape[0], self.max_append):
+            chunk = features[begin : begin + self.max_append]
+            self._start.fill_(start + begin)
+            self._upload(chunk)
+            mb = append_bucket(chunk.shape[0])
+            self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
 
     def _upload(self, features: torch.Tensor) -> None:
         m = features.shape[0]

@@ -16,7 +16,7 @@ from draft_server.target_head import TargetHead
 from tests.conftest import HIDDEN, VOCAB
 
 FEATURE_DIM = 2 * HIDDEN
-# (new features m, root, budget, top_k): prefill-sized (uncaptured append), every append bucket, m=0 (a re-draft
+# (new features m, root, budget, top_k): prefill-sized, every append bucket, m=0 (a re-draft
 # at the same position), the chain (top_k=1, budget=B-1), and contexts crossing the 64 / 96 / 128 key buckets
 ROUNDS = [(37, 3, 4, None), (1, 9, 10, 3), (8, 2, 12, 2), (0, 5, 6, None), (3, 17, 5, 1), (30, 4, 20, 4),
           (5, 11, 4, None), (2, 0, 7, 1), (40, 6, 16, 3), (7, 1, 9, None)]
@@ -69,12 +69,18 @@ def run_rounds(
     assert static.session("s").length == eager.session("s").length == seen
 
 
-@pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_static_path_matches_eager(kind: str, drafter_dir: Path) -> None:
+@pytest.mark.parametrize("kind", ["full", "sliding", "chunked"])
+def test_static_path_matches_eager(kind: str, drafter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """chunked: captured appends of at most B rows, so the prompt-sized ones (37, 30, 40) go in chunks."""
+    from draft_server import draft_graphs
+
+    if kind == "chunked":
+        monkeypatch.setattr(draft_graphs, "MAX_APPEND", 1)
     torch.manual_seed(0)
-    model = load_drafter(drafter_dir) if kind == "full" else sliding_drafter()
+    model = load_drafter(drafter_dir) if kind != "sliding" else sliding_drafter()
     eager, static = engines(model, max_sessions=2, max_context=256)
     assert not static.eager and eager.eager
+    assert static.static.max_append == (model.config.block_size if kind == "chunked" else draft_graphs.MAX_APPEND)
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
 
 

@@ -6,7 +6,9 @@ first time a slot meets a (query bucket, key bucket) pair; the key bucket keeps 
 context rather than to the slot. A step's inputs are the tree's three arrays and three scalars, copied into a
 per-bucket static buffer in one or a few copies; the graph derives ids, positions and the padding from them. A tree
 smaller than its bucket is padded with children of the root that are never accepted, whose K/V land in the slot's
-spare tail and are never committed. Prefill and trees beyond the largest bucket run the same forward eagerly.
+spare tail and are never committed. A prompt is prefilled in captured chunks of up to MAX_GRAPH_NODES tokens
+(causal over the chunk, after the chunks before it): uncaptured, its few hundred launches were most of a short
+request's time outside its rounds. Trees beyond the largest bucket run the same forward eagerly.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ class StepBuffers:
     def qb(self) -> int:
         return self.nodes.shape[0]
 
+    def write_prompt(self, chunk: list[int], start: int) -> None:
+        """A prefill chunk: its tokens in the first row (parents and depths are implied: a chain)."""
+        host = self.staging.numpy()
+        host[: len(chunk)] = chunk
+        host[3 * self.qb :] = (start, len(chunk), chunk[0])
+        self.inputs.copy_(self.staging, non_blocking=True)
+
     def write(self, tree: DraftTree, start: int, root: int) -> None:
         q, qb = tree.tokens.shape[0], self.qb
         host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
@@ -113,6 +122,15 @@ def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tu
     parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
     depths = torch.where(valid, depths, 0)
     return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, max_depth)
+
+
+def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' `inputs` holding a prefill chunk -> ids [qb], positions [qb], start [],
+    num [] and the chunk's causal visibility [qb, qb] (padding comes after the real tokens, so none of them sees it)."""
+    qb = nodes.shape[0]
+    start, num = inputs[3 * qb], inputs[3 * qb + 1]
+    ids = torch.where(nodes < num, inputs[:qb], 0)
+    return ids, start + nodes, start, num, nodes[:, None] >= nodes[None, :]
 
 
 def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +227,30 @@ class FusedRunner:
         hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
         return self.decoder.logits(hidden[-1:] if last_only else hidden), features
 
+    def prefill(
+        self, cache: KVCache, taps: tuple[int, ...], prompt: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The prompt's forward as captured chunks of up to MAX_GRAPH_NODES tokens from slot cache.length on ->
+        (logits of its last token [1, V] fp32, features [len(prompt), taps*hidden] or None); None when steps are
+        not captured (eager mode): run it the general way. The caller sets cache.length afterwards."""
+        if not self.static:
+            return None
+        features = []
+        for begin in range(0, len(prompt), MAX_GRAPH_NODES):
+            chunk = prompt[begin : begin + MAX_GRAPH_NODES]
+            qb, start = bucket(len(chunk)), cache.length + begin
+            buf = self._buffers.get(qb)
+            if buf is None:
+                buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+            buf.write_prompt(chunk, start)
+            kv_len = key_bucket(start + qb, cache.capacity)
+            logits, tapped = self.graphs.run(
+                (self._slot_of[id(cache)], qb, kv_len, taps, "prefill"), lambda: self._prompt(cache, buf, taps, kv_len)
+            )
+            if tapped is not None:  # copied out of the graph's output before the next chunk's replay rewrites it
+                features.append(tapped[: len(chunk)].clone())
+        return logits, torch.cat(features) if len(features) > 1 else (features[0] if features else None)
+
     def greedy_round(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -273,6 +315,16 @@ class FusedRunner:
         x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
         logits, features = self._step(cache, x, kv_len, taps)
         return logits, features, x
+
+    def _prompt(
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A captured prefill chunk: the plain layers (SDPA under the chunk's dense mask, which takes long queries
+        well) -> (logits of the chunk's last real token [1, V] fp32, features [qb, taps*hidden] or None)."""
+        ids, positions, start, num, causal = prompt_step(buf.inputs, buf.nodes)
+        mask = step_mask(start, causal, kv_len)
+        hidden, features = self.decoder.forward(ids, positions, cache, positions, mask, kv_len, taps)
+        return self.decoder.logits(hidden.index_select(0, (num - 1).view(1))), features
 
     def _step(
         self, cache: KVCache, x: TreeInputs, kv_len: int, taps: tuple[int, ...]

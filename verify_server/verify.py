@@ -194,9 +194,13 @@ class VerifyEngine:
         if not prompt:
             raise SessionError("the prompt is empty")
         self._check_room(sess, len(prompt) + 1)  # the first token's K/V comes with the next step
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
         timer = StepTimer(self.device)
-        logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, last_only=True)
+        captured = None if self.fused is None else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
+        if captured is not None:
+            logits, features = captured
+        else:
+            ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+            logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, True)
         timer.mark()
         first = choose_tokens(logits, sess.params, sess.generator)
         token = timer.sync(lambda: int(first.item()))
