@@ -95,16 +95,20 @@ def test_deep_acceptance_with_compaction(kind: str, path: str, qwen3_target: Pat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graph_rounds_take_host_and_device_trees_on_gpu(qwen3_target: Path) -> None:
+@pytest.mark.parametrize("prompt_len", [5, 600])
+def test_graph_rounds_take_host_and_device_trees_on_gpu(prompt_len: int, qwen3_target: Path) -> None:
     """fp32 on the GPU, every round a graph replay: trees sent from the host (the service) and trees already on the
-    device (a co-located drafter's) give the target's own greedy tokens, and an AR step copies only scalars."""
+    device (a co-located drafter's) give the target's own greedy tokens, and an AR step copies only scalars. The
+    prompt is prefilled in captured chunks (600 tokens: one of 512, one of 88)."""
     rng = random.Random(11)
     engine = VerifyEngine.from_pretrained(qwen3_target, device="cuda")
     assert engine.path == "fused+graphs"
-    prompt = [3, 1, 4, 1, 5]
+    prompt = [3, 1, 4, 1, 5] if prompt_len == 5 else [(7 * i + 3) % 40 for i in range(prompt_len)]
     truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 80)
-    engine.start_session("s", 200, SamplingParams(), taps=[1, 3])
-    got = list(engine.prefill("s", prompt).tokens)
+    engine.start_session("s", prompt_len + 100, SamplingParams(), taps=[1, 3])
+    first = engine.prefill("s", prompt)
+    assert first.features.shape == (prompt_len, 2 * 64)
+    got = list(first.tokens)
     rounds = 0
     while len(got) < 60:
         max_depth = rng.randint(1, 7)
