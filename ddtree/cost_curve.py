@@ -102,8 +102,16 @@ def random_target(spec: str, device: torch.device | str, dtype: torch.dtype) -> 
 
 def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tree_logprobs: torch.Tensor,
                    repeat: int) -> dict:
-    """AR step and verify(n nodes) times of one engine, each after a fresh prefill of `prompt`."""
+    """Prefill of `prompt`, AR step and verify(n nodes) times of one engine, each step after a fresh prefill."""
     device = engine.device
+
+    def prefill() -> None:
+        engine.end_session("prefill")
+        engine.start_session("prefill", len(prompt) + 1, SamplingParams(), [])
+        engine.prefill("prefill", prompt)
+
+    prefill_ms = timed(prefill, device, repeat)
+    engine.end_session("prefill")
 
     def fresh_session(name: str, nodes: int) -> None:
         engine.end_session(name)
@@ -121,6 +129,7 @@ def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tr
         verify_ms[n] = timed(lambda tree=tree: engine.verify("tree", tree), device, repeat)
         engine.end_session("tree")
     return {
+        "prefill_ms": round(prefill_ms, 3),
         "ar_step_ms": round(ar_ms, 3),
         "verify_ms": {str(n): round(v, 3) for n, v in verify_ms.items()},
         "verify_over_ar": {str(n): round(v / ar_ms, 3) for n, v in verify_ms.items()},

@@ -17,6 +17,6 @@ def test_tiny_cost_curve_reports_every_cpu_path(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert set(result["verifier"]) == {"hf", "fused"}  # graph variants need a GPU
     for curve in result["verifier"].values():
-        assert curve["ar_step_ms"] > 0 and set(curve["verify_ms"]) == {"3", "15"}
+        assert curve["prefill_ms"] > 0 and curve["ar_step_ms"] > 0 and set(curve["verify_ms"]) == {"3", "15"}
     assert set(result["drafter"]["draft_ms"]) == {"eager", "static"}
     assert result["weight_streaming_bound_ms"] is None  # no copy bandwidth on a CPU

@@ -184,6 +184,7 @@ def test_bench_in_process(tmp_path) -> None:
     phases = result["runs"][3]["phases_ms"]
     assert set(phases) == {"draft", "tree", "verify", "walk", "other"} and phases["draft"] > 0 and phases["verify"] > 0
     assert 0 < result["runs"][3]["overhead_share"] < 1 and result["settings"]["gemv"] is False  # no GPU here
+    assert all(r["prefill_ms"] > 0 for r in result["runs"])
     assert result["settings"]["graphs_captured_while_timing"] == 0 and "ddtree16/ar" in result["ratios"]
 
 

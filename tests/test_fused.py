@@ -99,6 +99,20 @@ def test_long_prompts_prefill_in_chunks_like_the_hf_path(qwen3_target: Path, mon
     torch.testing.assert_close(runs["hf"][0].features, runs["fused-static"][0].features, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("prompt", [[5], [5, 9]])
+def test_one_and_two_token_prompts_on_the_static_path(prompt: list[int], qwen3_target: Path) -> None:
+    """The shortest prompts: a captured first chunk pads them into a bucket with unwritten rows after them."""
+    from transformers import AutoModelForCausalLM
+
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 10)
+    engine = make_engine(qwen3_target, "fused-static")
+    engine.start_session("s", 64, SamplingParams(), taps=[])
+    got = list(engine.prefill("s", prompt).tokens)
+    while len(got) < 10:
+        got += engine.decode("s").tokens
+    assert got == truth
+
+
 def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
     assert fused_unsupported(Qwen3Config()) is None
     sliding = Qwen3Config(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2)
