@@ -16,9 +16,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
-PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
+PHASES = ("draft", "verify", "server", "transport")
 
 
 class Metrics:
@@ -49,8 +50,10 @@ class Metrics:
                                            "Tokens committed per drafted round (accepted + bonus)",
                                            buckets=ACCEPT_BUCKETS, registry=r)
         self.phase = Histogram("ddtree_round_phase_seconds",
-                               "Time per decode round by phase: draft and verify are server-side compute, "
-                               "other is transport and orchestration", ["phase"], buckets=PHASE_BUCKETS, registry=r)
+                               "Time per decode round by phase: draft and verify are the model services' device "
+                               "work, server their host work around it (request decoding, host syncs, answer "
+                               "encoding), transport the rest (gRPC both ways and the gateway's orchestration)",
+                               ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)
@@ -59,7 +62,7 @@ class Metrics:
             self.requests.labels(reason)
         for service in ("verifier", "drafter"):
             self.backend_up.labels(service)
-        for phase in ("draft", "verify", "other"):
+        for phase in PHASES:
             self.phase.labels(phase)
 
     def observe_round(self, rnd: Round) -> None:
@@ -82,7 +85,10 @@ class Metrics:
                 self.accepted_by_depth.labels(str(depth)).inc()
             self.tree_size.observe(rnd.tree_size)
             self.acceptance_length.observe(rnd.accepted)
-        self.phase.labels("other").observe(max(0.0, t.get("round_s", 0.0) - draft - verify))
+        # the services' own totals bound their compute; backends that report none (in-process) have no server part
+        server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
+        self.phase.labels("server").observe(server)
+        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

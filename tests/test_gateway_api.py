@@ -20,7 +20,8 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
 from gateway.health import Backends
-from gateway.rounds import Speculation
+from gateway.metrics import PHASES, Metrics
+from gateway.rounds import Round, Speculation
 from tests.conftest import make_drafter
 from tests.gateway_support import MAX_CONTEXT, chat_ids, events, local_backends, make_chat_target, metric, reference
 
@@ -324,6 +325,21 @@ async def test_speculation_metrics_add_up(target, backends) -> None:
     assert metric(text, "ddtree_time_to_first_token_seconds_count") == 1
     assert metric(text, "ddtree_inter_token_latency_seconds_count") == generated - 1  # all but the prefill's
     assert metric(text, "ddtree_backend_up", service="drafter") == 1
+
+
+def test_round_phases_split_each_round_without_remainder() -> None:
+    """draft and verify: the services' device time; server: their totals beyond it; transport: the rest. A round
+    from backends that report no totals (in-process) has no server part."""
+    metrics = Metrics()
+    metrics.observe_round(Round(1, [1, 2, 3], 8, None, {
+        "draft_s": 0.002, "tree_s": 0.001, "draft_server_s": 0.004, "verify_s": 0.005, "walk_s": 0.001,
+        "verify_server_s": 0.0075, "round_s": 0.02,
+    }))
+    metrics.observe_round(Round(2, [4], 0, None, {"verify_s": 0.001, "round_s": 0.003}))
+    text = metrics.render().decode()
+    phases = {p: metric(text, "ddtree_round_phase_seconds_sum", phase=p) for p in PHASES}
+    assert phases == pytest.approx({"draft": 0.003, "verify": 0.007, "server": 0.0025, "transport": 0.0105})
+    assert sum(phases.values()) == pytest.approx(0.023)  # the two rounds' time, all of it
 
 
 async def test_closing_a_stream_ends_both_sessions(target, backends, tokenizer) -> None:

@@ -1,0 +1,209 @@
+"""Where a round's time goes between the services: each one-way hop, each server's job and the GPU inside it.
+
+Every process on one host reads the same monotonic clock (time.perf_counter is CLOCK_MONOTONIC on Linux), so a
+server that stamps when a call reaches its engine and when the answer leaves lets the caller split a call into
+the way in, the server's job (its GPU phases and its host work) and the way back.
+
+    python bench/rpc_hops.py echo                     # gRPC's own floor: a stream echo, idle gaps or not
+    python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
+    python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
+                                   --max-new-tokens 96 --out FILE]
+
+The probe runs the gateway's round loop (gateway/rounds.py over gateway/grpc_clients.py, no HTTP) against the
+stamped services and reports per-round medians in microseconds. Linux only (the shared clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+# ---- gRPC's floor --------------------------------------------------------------------------------------------
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+async def _echo_server(port: int, mode: str, work_s: float) -> None:
+    """Answers each message with the clock at its arrival and at its answer, after `work_s` busy or asleep."""
+
+    async def echo(requests, _context):
+        async for _ in requests:
+            arrived = time.perf_counter()
+            if mode == "busy":
+                while time.perf_counter() - arrived < work_s:
+                    pass
+            elif mode == "sleep":
+                time.sleep(work_s)
+            yield f"{arrived!r} {time.perf_counter()!r}".encode()
+
+    handler = grpc.method_handlers_generic_handler("echo.Echo", {"S": grpc.stream_stream_rpc_method_handler(echo, _raw, _raw)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _run_echo_server(port: int, mode: str, work_s: float) -> None:
+    asyncio.run(_echo_server(port, mode, work_s))
+
+
+async def _echo_client(port: int, calls: int, gap_s: float) -> tuple[float, float]:
+    """-> median (way in, way back) in microseconds over `calls` messages on one stream."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stream = channel.stream_stream("/echo.Echo/S", request_serializer=_raw, response_deserializer=_raw)()
+    ins, backs = [], []
+    for i in range(calls + 50):  # the first 50 warm the stream up
+        if gap_s:
+            time.sleep(gap_s)
+        sent = time.perf_counter()
+        await stream.write(b"x" * 100)
+        arrived, answered = map(float, (await stream.read()).split())
+        if i >= 50:
+            ins.append(arrived - sent)
+            backs.append(time.perf_counter() - answered)
+    await channel.close()
+    return 1e6 * statistics.median(ins), 1e6 * statistics.median(backs)
+
+
+def echo(calls: int = 400) -> dict[str, dict[str, float]]:
+    cases = {"steady": ("none", 0.0, 0.0), "server busy 1 ms": ("busy", 1e-3, 0.0),
+             "server asleep 1 ms": ("sleep", 1e-3, 0.0), "client idle 2 ms": ("none", 0.0, 2e-3)}
+    result = {}
+    for port, (name, (mode, work_s, gap_s)) in enumerate(cases.items(), start=50990):
+        server = multiprocessing.Process(target=_run_echo_server, args=(port, mode, work_s), daemon=True)
+        server.start()
+        time.sleep(1.5)
+        way_in, way_back = asyncio.run(_echo_client(port, calls, gap_s))
+        server.terminate()
+        result[name] = {"in_us": round(way_in, 1), "back_us": round(way_back, 1)}
+        print(f"{name:20s} in {way_in:6.0f} us  back {way_back:6.0f} us", flush=True)
+    return result
+
+
+# ---- stamped services ----------------------------------------------------------------------------------------
+
+
+def serve(argv: list[str]) -> int:
+    """`ddtree <argv>` with every engine call's arrival and answer stamped into its response's timings."""
+    from ddtree import service
+    from ddtree.cli import main
+
+    call = service.EngineHost.call
+
+    async def stamped(self, rpc, context, job, forward=False):
+        arrived = time.perf_counter()
+
+        def timed_job(engine):
+            started = time.perf_counter()
+            response = job(engine)
+            detail = response.timings.detail
+            detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, time.perf_counter()
+            return response
+
+        response = await call(self, rpc, context, timed_job, forward)
+        response.timings.detail[f"{rpc}.arrived"], response.timings.detail[f"{rpc}.answered"] = arrived, time.perf_counter()
+        return response
+
+    service.EngineHost.call = stamped
+    return main(argv)
+
+
+# ---- the probe -----------------------------------------------------------------------------------------------
+
+
+def hops(t: dict[str, float]) -> dict[str, float]:
+    """One round's timings (client send/receive stamps and the servers' stamps) -> its parts in seconds."""
+    return {
+        "draft in": t["Draft.arrived"] - t["draft.sent"],
+        "draft job": t["Draft.job_end"] - t["Draft.job_start"],
+        "draft gpu": t["draft_s"] + t["tree_s"],
+        "draft back": t["draft.received"] - t["Draft.answered"],
+        "gateway": t["verify.sent"] - t["draft.received"],
+        "verify in": t["Verify.arrived"] - t["verify.sent"],
+        "verify job": t["Verify.job_end"] - t["Verify.job_start"],
+        "verify gpu": t["verify_s"] + t.get("walk_s", 0.0),
+        "verify back": t["verify.received"] - t["Verify.answered"],
+        "servers outside the job": sum(t[f"{r}.answered"] - t[f"{r}.arrived"] - t[f"{r}.job_end"] + t[f"{r}.job_start"]
+                                       for r in ("Draft", "Verify")),
+        "round": t["round_s"],
+    }
+
+
+async def probe(args: argparse.Namespace) -> dict:
+    from transformers import AutoTokenizer
+
+    from ddtree.bench import load_prompts
+    from ddtree.models import resolve_pair
+    from ddtree.types import SamplingParams
+    from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+    from gateway.rounds import Speculation, run_rounds
+
+    class Drafter(GrpcDrafter):
+        async def draft(self, *a):
+            sent = time.perf_counter()
+            tree, timings = await super().draft(*a)
+            return tree, {**timings, "draft.sent": sent, "draft.received": time.perf_counter()}
+
+    class Verifier(GrpcVerifier):
+        async def verify(self, *a):
+            sent = time.perf_counter()
+            step = await super().verify(*a)
+            step.timings.update({"verify.sent": sent, "verify.received": time.perf_counter()})
+            return step
+
+    target, _ = resolve_pair(args.target, None)
+    prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(target, local_files_only=True), args.num_prompts)
+    drafter, verifier = Drafter(args.drafter), Verifier(args.verifier)
+    await drafter.info()
+    eos = (await verifier.info()).eos_token_ids
+    spec = Speculation("ddtree", args.budget)
+    rows = []
+    for timed_pass in (False, True):  # the first pass captures every graph the second one meets
+        for prompt in prompts:
+            async for rnd in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, args.max_new_tokens, eos):
+                if timed_pass and rnd.index and "draft.sent" in rnd.timings:
+                    rows.append(hops(rnd.timings))
+    await drafter.close()
+    await verifier.close()
+    result = {"rounds": len(rows), "median_us": {k: round(1e6 * statistics.median(r[k] for r in rows), 1) for k in rows[0]}}
+    for name, us in result["median_us"].items():
+        print(f"{name:24s} {us:8.1f} us")
+    return result
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "serve":
+        return serve(sys.argv[2:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("echo", "probe"))
+    p.add_argument("--drafter", default="127.0.0.1:50061")
+    p.add_argument("--verifier", default="127.0.0.1:50062")
+    p.add_argument("--target", help="its tokenizer (default: the bundled demo target)")
+    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--num-prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--out")
+    args = p.parse_args()
+    result = echo() if args.what == "echo" else asyncio.run(probe(args))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
