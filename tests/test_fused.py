@@ -74,23 +74,21 @@ def test_static_path_features_match_hf_path(kind: str, attention: str, qwen3_tar
         torch.testing.assert_close(a.features, b.features, atol=1e-4, rtol=1e-4)
 
 
-def test_long_prompts_prefill_in_chunks_like_the_hf_path(qwen3_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt longer than the largest captured step is prefilled chunk by chunk, each chunk after the ones
-    before it (a 16-node limit here: chunks of 16, 16 and 9): the same first token, the same features for every
-    prompt position, and the same greedy continuation afterwards."""
+@pytest.mark.parametrize("length", [100, MAX_GRAPH_NODES + 88])
+def test_prompts_within_and_beyond_the_captured_prefill_match_the_hf_path(length: int, qwen3_target: Path) -> None:
+    """A prompt up to the largest bucket is prefilled by the static (captured) step, padded into its bucket; a
+    longer one by the uncaptured forward. Either way: the HF path's first token, its features for every prompt
+    position, and the target's own greedy continuation."""
     from transformers import AutoModelForCausalLM
 
-    from verify_server import fused_runner
-
-    monkeypatch.setattr(fused_runner, "MAX_GRAPH_NODES", 16)
-    prompt = [(7 * i + 3) % 40 for i in range(41)]
+    prompt = [(7 * i + 3) % 40 for i in range(length)]
     truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 12)
     runs = {}
     for path in ("hf", "fused-static"):
         engine = make_engine(qwen3_target, path)
-        engine.start_session("s", 200, SamplingParams(), taps=[1, 3])
+        engine.start_session("s", length + 100, SamplingParams(), taps=[1, 3])
         first = engine.prefill("s", prompt)
-        assert first.features.shape[0] == len(prompt)
+        assert first.features.shape[0] == length
         got = list(first.tokens)
         while len(got) < 12:
             got += engine.decode("s").tokens

@@ -6,9 +6,10 @@ first time a slot meets a (query bucket, key bucket) pair; the key bucket keeps 
 context rather than to the slot. A step's inputs are the tree's three arrays and three scalars, copied into a
 per-bucket static buffer in one or a few copies; the graph derives ids, positions and the padding from them. A tree
 smaller than its bucket is padded with children of the root that are never accepted, whose K/V land in the slot's
-spare tail and are never committed. A prompt is prefilled in captured chunks of up to MAX_GRAPH_NODES tokens
-(causal over the chunk, after the chunks before it): uncaptured, its few hundred launches were most of a short
-request's time outside its rounds. Trees beyond the largest bucket run the same forward eagerly.
+spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a captured graph
+too: uncaptured, its few hundred launches were most of a short request's time outside its rounds. Longer prompts
+(bound by their matmuls, where the graph saves nothing), one-token prompts and trees beyond the largest bucket run
+the same forward eagerly.
 """
 
 from __future__ import annotations
@@ -55,36 +56,29 @@ class StepBuffers:
     inputs  [3 * qb + 3] long on the device: tokens, parents, depths (rows of qb; past the tree's real q they
             hold stale values the graph masks out), then start (the root's slot), num (real nodes), the root token
     staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars; safe
-            to rewrite at the next step, since every step ends with a host sync. Prefill chunks follow each other
-            without one, so a chunk waits for `uploaded` (its predecessor's copy) before rewriting it.
+            to rewrite at the next step, since every step (a prefill too) ends with a host sync
     """
 
     inputs: torch.Tensor
     staging: torch.Tensor
     nodes: torch.Tensor  # [qb] 0, 1, ...: node indices
-    uploaded: torch.cuda.Event | None  # recorded after a prefill chunk's copy (None on CPU: copies are synchronous)
 
     @classmethod
     def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
         inputs = torch.zeros(3 * qb + 3, dtype=torch.long, device=device)
         staging = torch.zeros(3 * qb + 3, dtype=torch.long, pin_memory=device.type == "cuda")
-        uploaded = torch.cuda.Event() if device.type == "cuda" else None
-        return cls(inputs, staging, torch.arange(qb, device=device), uploaded)
+        return cls(inputs, staging, torch.arange(qb, device=device))
 
     @property
     def qb(self) -> int:
         return self.nodes.shape[0]
 
-    def write_prompt(self, chunk: list[int], start: int) -> None:
-        """A prefill chunk: its tokens in the first row (parents and depths are implied: a chain)."""
-        if self.uploaded is not None:  # the previous chunk's copy may still be queued behind its forward
-            self.uploaded.synchronize()
+    def write_prompt(self, prompt: list[int]) -> None:
+        """A prompt: its tokens in the first row (parents and depths are implied: a chain from slot 0)."""
         host = self.staging.numpy()
-        host[: len(chunk)] = chunk
-        host[3 * self.qb :] = (start, len(chunk), chunk[0])
+        host[: len(prompt)] = prompt
+        host[3 * self.qb :] = (0, len(prompt), prompt[0])
         self.inputs.copy_(self.staging, non_blocking=True)
-        if self.uploaded is not None:
-            self.uploaded.record()
 
     def write(self, tree: DraftTree, start: int, root: int) -> None:
         q, qb = tree.tokens.shape[0], self.qb
@@ -131,13 +125,11 @@ def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tu
     return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, max_depth)
 
 
-def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Inside the graph: a StepBuffers' `inputs` holding a prefill chunk -> ids [qb], positions [qb], start [],
-    num [] and the chunk's causal visibility [qb, qb] (padding comes after the real tokens, so none of them sees it)."""
-    qb = nodes.shape[0]
-    start, num = inputs[3 * qb], inputs[3 * qb + 1]
-    ids = torch.where(nodes < num, inputs[:qb], 0)
-    return ids, start + nodes, start, num, nodes[:, None] >= nodes[None, :]
+def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inside the graph: a StepBuffers' `inputs` holding a prompt -> ids [qb] (0 past the prompt), num [] (its
+    length). Its positions and slots are the node indices."""
+    num = inputs[3 * nodes.shape[0] + 1]
+    return torch.where(nodes < num, inputs[: nodes.shape[0]], 0), num
 
 
 def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,27 +229,20 @@ class FusedRunner:
     def prefill(
         self, cache: KVCache, taps: tuple[int, ...], prompt: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The prompt's forward as captured chunks of up to MAX_GRAPH_NODES tokens from slot cache.length on ->
-        (logits of its last token [1, V] fp32, features [len(prompt), taps*hidden] or None); None when steps are
-        not captured (eager mode): run it the general way. The caller sets cache.length afterwards."""
-        if not self.static:
+        """The prompt's forward from slot 0, captured -> (logits of its last token [1, V] fp32, features
+        [len(prompt), taps*hidden] or None); None when it is not captured (eager mode, a one-token prompt, a prompt
+        beyond the largest bucket): run it the general way. The caller sets cache.length afterwards."""
+        qb = bucket(len(prompt)) if self.static and len(prompt) > 1 else None
+        if qb is None:
             return None
-        features = []
-        for begin in range(0, len(prompt), MAX_GRAPH_NODES):
-            chunk = prompt[begin : begin + MAX_GRAPH_NODES]
-            qb, start = bucket(len(chunk)), cache.length + begin
-            buf = self._buffers.get(qb)
-            if buf is None:
-                buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
-            buf.write_prompt(chunk, start)
-            kv_len, first = key_bucket(start + qb, cache.capacity), start == 0 and qb > 1
-            logits, tapped = self.graphs.run(
-                (self._slot_of[id(cache)], qb, kv_len, taps, "prefill", first),
-                lambda: self._prompt(cache, buf, taps, kv_len, first),
-            )
-            if tapped is not None:  # copied out of the graph's output before the next chunk's replay rewrites it
-                features.append(tapped[: len(chunk)].clone())
-        return logits, torch.cat(features) if len(features) > 1 else (features[0] if features else None)
+        buf = self._buffers.get(qb)
+        if buf is None:
+            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+        buf.write_prompt(prompt)
+        logits, features = self.graphs.run(
+            (self._slot_of[id(cache)], qb, taps, "prefill"), lambda: self._prompt(cache, buf, taps)
+        )
+        return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
@@ -325,17 +310,16 @@ class FusedRunner:
         return logits, features, x
 
     def _prompt(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, first: bool
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A captured prefill chunk through the plain layers, whose SDPA takes long queries well -> (logits of the
-        chunk's last real token [1, V] fp32, features [qb, taps*hidden] or None). A first chunk of several tokens
-        sees nothing before it: SDPA's own causal mask (top-left aligned, so the rows past the chunk stay unseen),
-        the kernels of the uncaptured prefill, which took 25.6 ms where the captured one under a dense mask took
-        28.5 at Qwen3-8B shapes and 512 tokens (bench/README.md). Later chunks, and a one-token prompt (SDPA applies
-        no causal mask to a single query), see the committed rows through the dense mask."""
-        ids, positions, start, num, causal = prompt_step(buf.inputs, buf.nodes)
-        mask = None if first else step_mask(start, causal, kv_len)
-        hidden, features = self.decoder.forward(ids, positions, cache, positions, mask, kv_len, taps)
+        """A captured prompt through the plain layers -> (logits of its last real token [1, V] fp32, features
+        [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows past the prompt (its
+        padding, up to the key bucket) stay unseen, and the kernels are those of the uncaptured prefill. (A dense
+        mask cost more: at Qwen3-8B shapes a captured 512-token prefill under it took 28.5 ms where the uncaptured
+        causal one took 25.6, bench/README.md.)"""
+        ids, num = prompt_step(buf.inputs, buf.nodes)
+        kv_len = key_bucket(buf.qb, cache.capacity)
+        hidden, features = self.decoder.forward(ids, buf.nodes, cache, buf.nodes, None, kv_len, taps)
         return self.decoder.logits(hidden.index_select(0, (num - 1).view(1))), features
 
     def _step(
