@@ -79,7 +79,8 @@ def main() -> None:
     for method in ("start_session", "end_session"):
         times.wrap(DraftEngine, method, lambda *a, m=method: f"drafter.{m}")
     first = drafter.block_size  # a round appends at most B features; the first draft appends the prompt's
-    times.wrap(DraftEngine, "draft", lambda sid, features, *a: "drafter.draft " + ("first" if features.shape[0] > first else "round"))
+    times.wrap(DraftEngine, "draft",
+               lambda sid, features, *a: "drafter.draft " + ("first" if features.shape[0] > first else "round"))
 
     def generate(spec: Speculation) -> float:
         async def one(prompt: list[int]) -> None:

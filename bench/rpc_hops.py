@@ -49,7 +49,8 @@ async def _echo_server(port: int, mode: str, work_s: float) -> None:
                 time.sleep(work_s)
             yield f"{arrived!r} {time.perf_counter()!r}".encode()
 
-    handler = grpc.method_handlers_generic_handler("echo.Echo", {"S": grpc.stream_stream_rpc_method_handler(echo, _raw, _raw)})
+    method = grpc.stream_stream_rpc_method_handler(echo, _raw, _raw)
+    handler = grpc.method_handlers_generic_handler("echo.Echo", {"S": method})
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -115,7 +116,8 @@ def serve(argv: list[str]) -> int:
             return response
 
         response = await call(self, rpc, context, timed_job, forward)
-        response.timings.detail[f"{rpc}.arrived"], response.timings.detail[f"{rpc}.answered"] = arrived, time.perf_counter()
+        detail = response.timings.detail
+        detail[f"{rpc}.arrived"], detail[f"{rpc}.answered"] = arrived, time.perf_counter()
         return response
 
     service.EngineHost.call = stamped
@@ -179,7 +181,8 @@ async def probe(args: argparse.Namespace) -> dict:
                     rows.append(hops(rnd.timings))
     await drafter.close()
     await verifier.close()
-    result = {"rounds": len(rows), "median_us": {k: round(1e6 * statistics.median(r[k] for r in rows), 1) for k in rows[0]}}
+    medians = {k: round(1e6 * statistics.median(r[k] for r in rows), 1) for k in rows[0]}
+    result = {"rounds": len(rows), "median_us": medians}
     for name, us in result["median_us"].items():
         print(f"{name:24s} {us:8.1f} us")
     return result

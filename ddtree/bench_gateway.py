@@ -23,7 +23,6 @@ from gateway.metrics import PHASES
 from tqdm import tqdm
 
 
-
 def _request(url: str, body: dict | None = None) -> dict | str:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
