@@ -17,6 +17,9 @@ class LocalDrafter:
         self.engine = engine
         self.block_size = engine.block_size
         self.target_layer_ids = list(engine.config.target_layer_ids)
+        # the static path on a GPU returns once its kernels are queued (DraftEngine.draft): the round loop drafts
+        # before handing the previous round over (gateway/rounds.py)
+        self.queues = engine.static is not None and engine.device.type == "cuda"
 
     async def start_session(self, session_id: str, capacity: int) -> None:
         self.engine.start_session(session_id, capacity)

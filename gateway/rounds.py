@@ -16,6 +16,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from ddtree.timing import DeferredTimings
 from ddtree.types import DraftTree, SamplingParams, StepResult
 
 Mode = Literal["ar", "chain", "ddtree"]
@@ -23,8 +24,9 @@ MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
 
 
 class DrafterClient(Protocol):
-    """Clients may also set `remote = True`: their calls go to another process, so the round loop starts a round's
-    first call before it hands the previous round to its caller (see run_rounds)."""
+    """Clients may also set `remote = True` (their calls go to another process) or `queues = True` (in-process,
+    a draft only queues device work and returns): either way the round loop starts a round's first call before it
+    hands the previous round to its caller (see run_rounds)."""
 
     block_size: int
     target_layer_ids: list[int]
@@ -75,7 +77,7 @@ class Round:
     tokens: list[int]
     tree_size: int = 0
     finish_reason: str | None = None  # "stop" (EOS) or "length" on the last round
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def accepted(self) -> int:
@@ -137,9 +139,11 @@ async def run_rounds(
             # A remote backend's first call of the next round goes out before this round is handed over, so what
             # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
             # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
-            # own). An in-process call would simply run first, so it is made after the hand-over.
+            # own). So does an in-process draft that only queues device work: the device drafts while the round is
+            # handed over. Any other in-process call would simply run first, so it is made after the hand-over.
             t0 = time.perf_counter()
-            if getattr(use_drafter or verifier, "remote", False):
+            client = use_drafter or verifier
+            if getattr(client, "remote", False) or (use_drafter is not None and getattr(use_drafter, "queues", False)):
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
             yield Round(index, tokens, tree_size, None, timings)
@@ -149,7 +153,7 @@ async def run_rounds(
                 call = first()
             else:
                 call, pending = pending, None
-            tree_size, timings = 0, {}
+            tree_size, timings, rpc = 0, {}, {}
             if not use_drafter:
                 step = await call
             else:
@@ -162,10 +166,11 @@ async def run_rounds(
                     tree_size = tree.num_nodes
                     t1 = time.perf_counter()
                     step = await verifier.verify(session_id, tree)
-                    timings = {**timings, "draft_rpc_s": t1 - t0}
+                    rpc = {"draft_rpc_s": t1 - t0}
                 else:
                     step = await verifier.decode(session_id)
-            timings = {**timings, **step.timings, "verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
+            # merged when read: an in-process drafter's timings wait on device events, off the round's critical path
+            timings = _merged(timings, rpc, step, time.perf_counter() - t0)
     finally:
         if pending is not None:  # the caller stopped at a round while the next one's first call was in flight
             if not pending.done():
@@ -174,6 +179,11 @@ async def run_rounds(
                 pending.exception()  # retrieved: a failure of a call nobody waits for any more is no error
         # shielded: a client that disconnects while we clean up must not leave a session behind on either service
         await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, session_id))
+
+
+def _merged(draft: Mapping[str, float], rpc: dict[str, float], step: StepResult, round_s: float) -> Mapping[str, float]:
+    verify, verify_s = step.timings, step.forward_s  # not the step: its features would live as long as the round
+    return DeferredTimings(lambda: {**draft, **rpc, **verify, "verify_s": verify_s, "round_s": round_s})
 
 
 async def _end_sessions(verifier: VerifierClient, drafter: DrafterClient | None, session_id: str) -> None:

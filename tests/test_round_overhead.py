@@ -207,6 +207,12 @@ class InProcess(Remote):
     remote = False
 
 
+class Queued(InProcess):
+    """An in-process drafter whose drafts only queue device work (LocalDrafter on a GPU)."""
+
+    queues = True
+
+
 async def _handled(backend: Remote, mode: str, max_new: int, stop_after: int | None = None, fallbacks=None):
     """Runs the loop as the gateway does (each round handled in another task) and logs when each is handled."""
     rounds = run_rounds(backend, backend, [1, 2, 3], SamplingParams(), Speculation(mode, 1), max_new, [],
@@ -239,6 +245,15 @@ def test_in_process_backends_are_called_after_the_hand_over():
     tokens = asyncio.run(_handled(InProcess(log), "ddtree", max_new=3))
     assert log.index("round 0 handled") < log.index("draft sent")
     assert tokens == [7, 5, 6]
+
+
+def test_queued_in_process_drafts_go_before_the_hand_over_and_decodes_after():
+    log: list[str] = []
+    assert asyncio.run(_handled(Queued(log), "ddtree", max_new=3)) == [7, 5, 6]
+    assert log.index("draft sent") < log.index("round 0 handled")  # the device drafts while the round is handed over
+    log.clear()
+    assert asyncio.run(_handled(Queued(log), "ar", max_new=3)) == [7, 8, 8]
+    assert log.index("round 0 handled") < log.index("decode sent")  # a decode syncs: it would delay the hand-over
 
 
 def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
