@@ -189,7 +189,8 @@ def report(result: dict, out: Path) -> None:
     for r in result["runs"]:
         round_ms = f"round {r['round_ms']:.2f} ms  " if "round_ms" in r else ""
         overhead = f"overhead {r['overhead_share']:.1%}  " if r.get("overhead_share") is not None else ""
-        prefill = f"prefill {r['prefill_ms']:.2f} ms  " if "prefill_ms" in r else ""
+        prefill = "".join(f"{name} {r[key]:.2f} ms  " for key, name in (("prefill_ms", "prefill"), ("ttft_ms", "ttft"))
+                          if key in r)
         print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
               f"{round_ms}{overhead}{prefill}{r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
     print(json.dumps(result["ratios"]))

@@ -36,7 +36,8 @@ def _counters(url: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(_request(f"{url}/metrics")):
         for s in family.samples:
-            if s.name in ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total"):
+            if s.name in ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total",
+                          "ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count"):
                 values[s.name] = s.value
             elif s.name == "ddtree_round_phase_seconds_sum":
                 values[f"phase[{s.labels['phase']}]"] = s.value
@@ -93,6 +94,9 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
             "tokens_per_s": round(tokens / elapsed, 2),
             "tau": round(1 + delta.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts, 3) if drafts else 1.0,
             "round_ms": round(sum(phases_ms.values()), 3),
+            # arrival to first token at the gateway: tokenising, the prefill, and the transport both ways
+            "ttft_ms": round(1000 * delta.get("ddtree_time_to_first_token_seconds_sum", 0.0)
+                             / max(1.0, delta.get("ddtree_time_to_first_token_seconds_count", 0.0)), 3),
             "phases_ms": phases_ms,
             # the services' host work and the transport: the gateway's draft and verify phases include the tree
             # build and the walk, which the in-process bench reports apart

@@ -165,6 +165,7 @@ def test_bench_through_the_gateway(services, tmp_path) -> None:
     assert result["runs"][0]["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in result["runs"][1:])
     phases = result["runs"][3]["phases_ms"]
     assert set(phases) == {"draft", "verify", "server", "transport"} and phases["draft"] > 0 and phases["server"] > 0
+    assert all(r["ttft_ms"] > 0 for r in result["runs"])
     assert "ddtree16/chain" in result["ratios"]
 
 
