@@ -23,6 +23,10 @@ from gateway.metrics import PHASES
 from tqdm import tqdm
 
 
+COUNTERS = ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total",
+            "ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
+
+
 def _request(url: str, body: dict | None = None) -> dict | str:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
@@ -36,8 +40,7 @@ def _counters(url: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(_request(f"{url}/metrics")):
         for s in family.samples:
-            if s.name in ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total",
-                          "ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count"):
+            if s.name in COUNTERS:
                 values[s.name] = s.value
             elif s.name == "ddtree_round_phase_seconds_sum":
                 values[f"phase[{s.labels['phase']}]"] = s.value
