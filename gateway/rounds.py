@@ -142,8 +142,8 @@ async def run_rounds(
             # own). So does an in-process draft that only queues device work: the device drafts while the round is
             # handed over. Any other in-process call would simply run first, so it is made after the hand-over.
             t0 = time.perf_counter()
-            client = use_drafter or verifier
-            if getattr(client, "remote", False) or (use_drafter is not None and getattr(use_drafter, "queues", False)):
+            queued = use_drafter is not None and getattr(use_drafter, "queues", False)
+            if getattr(use_drafter or verifier, "remote", False) or queued:
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
             yield Round(index, tokens, tree_size, None, timings)
@@ -181,7 +181,9 @@ async def run_rounds(
         await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, session_id))
 
 
-def _merged(draft: Mapping[str, float], rpc: dict[str, float], step: StepResult, round_s: float) -> Mapping[str, float]:
+def _merged(
+    draft: Mapping[str, float], rpc: dict[str, float], step: StepResult, round_s: float
+) -> Mapping[str, float]:
     verify, verify_s = step.timings, step.forward_s  # not the step: its features would live as long as the round
     return DeferredTimings(lambda: {**draft, **rpc, **verify, "verify_s": verify_s, "round_s": round_s})
 
