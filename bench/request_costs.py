@@ -21,16 +21,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from ddtree.bench import load_prompts
+from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from draft_server.drafter import DraftEngine
 from gateway.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from verify_server.verify import VerifyEngine
-
-PROMPTS = Path(__file__).with_name("prompts.jsonl")
-
 
 class CallTimes:
     """Wraps engine methods so that, while `on`, each call is timed between two device syncs, by name."""
@@ -61,7 +58,7 @@ def main() -> None:
     p.add_argument("--target")
     p.add_argument("--drafter")
     p.add_argument("--budget", type=int, default=32)
-    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--device", default="cuda")

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import grpc
 
-PROMPTS = Path(__file__).with_name("prompts.jsonl")
-
+from ddtree.bench import DEFAULT_PROMPTS
 
 # ---- gRPC's floor --------------------------------------------------------------------------------------------
 
@@ -196,7 +195,7 @@ def main() -> int:
     p.add_argument("--drafter", default="127.0.0.1:50061")
     p.add_argument("--verifier", default="127.0.0.1:50062")
     p.add_argument("--target", help="its tokenizer (default: the bundled demo target)")
-    p.add_argument("--prompts", default=str(PROMPTS))
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=32)

@@ -235,9 +235,7 @@ class FusedRunner:
         qb = bucket(len(prompt)) if self.static and len(prompt) > 1 else None
         if qb is None:
             return None
-        buf = self._buffers.get(qb)
-        if buf is None:
-            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+        buf = self._buffer(qb)
         buf.write_prompt(prompt)
         logits, features = self.graphs.run(
             (self._slot_of[id(cache)], qb, taps, "prefill"), lambda: self._prompt(cache, buf, taps)
@@ -283,11 +281,16 @@ class FusedRunner:
         qb = bucket(tree.tokens.shape[0]) if self.static else None
         if qb is None:
             return None
+        buf = self._buffer(qb)
+        buf.write(tree, cache.length, root)
+        return buf, key_bucket(cache.length + qb, cache.capacity)
+
+    def _buffer(self, qb: int) -> StepBuffers:
+        """The static inputs of query bucket qb, allocated on first use (a tree's and a prompt's alike)."""
         buf = self._buffers.get(qb)
         if buf is None:
             buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
-        buf.write(tree, cache.length, root)
-        return buf, key_bucket(cache.length + qb, cache.capacity)
+        return buf
 
     def _greedy(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
