@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
     p.add_argument("--no-gemv", action="store_true",
                    help="one-row verifier steps through cuBLAS, not the fused Triton GEMVs (ddtree/gemv.py)")
+    p.add_argument("--no-chain", action="store_true",
+                   help="read each round on the host before queueing the next (gateway/rounds.py _chained_rounds)")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     verifier, drafter = load_local(
-        target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile, gemv=not args.no_gemv
+        target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile,
+        gemv=not args.no_gemv, chain=not args.no_chain,
     )
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
-                     "compile": args.compile,
+                     "compile": args.compile, "chained": verifier.chain,
                      "gemv": verifier.engine.fused is not None and verifier.engine.fused.decoder.gemv,
                      "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
         "runs": runs,

@@ -47,8 +47,12 @@ class StepTimer:
         self._ended = time.perf_counter()
 
     def sync(self, read: Callable[[], T]) -> T:
-        """end(), then the step's host sync: `read` copies what the host needs (e.g. `tensor.tolist()`)."""
-        self.end()
+        """end() unless done already, then the step's host sync: waits for the step's kernels, then `read` takes
+        what the host needs (e.g. `tensor.tolist()`, of a pinned copy the step queued)."""
+        if self._ended is None:
+            self.end()
+        if self._events is not None:
+            self._events[2].synchronize()
         out = read()
         self._synced = time.perf_counter()
         return out

@@ -168,6 +168,14 @@ class StaticDrafter:
         keys = self._write_block_inputs(root, position)
         self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
 
+    def block_after(self, slot: int, cursor: torch.Tensor, bound: int) -> None:
+        """The block with its position and root read on the device from cursor [2] = (position, root token), a
+        verify round's outcome not yet known on the host; `bound` >= that position sizes the key bucket."""
+        self._pos.copy_(cursor[:1])
+        self._ids[0, :1].copy_(cursor[1:])
+        keys = key_bucket(bound + self.config.block_size, self.rows)
+        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+
     def tree(self, budget: int, top_k: int | None) -> DraftTree:
         """The tree over the last block's log-probs, on the device, in memory no later replay overwrites."""
         k, layout = self.layouts.get(budget, top_k)

@@ -42,7 +42,17 @@ class DraftSession:
     capacity: int  # positions the session asked for: the root must stay below it
     slot: int | None = None  # the static path's cache slot
     length: int = 0
+    # after a draft_after, the context's end is the outcome of a verify round the host has not read: somewhere in
+    # [length, length_max]; the next draft names it (its features' first position)
+    length_max: int = 0
     last_used: float = 0.0
+
+    def settle(self, start: int) -> None:
+        """The context ends at `start`: where the next draft's features begin."""
+        if not self.length <= start <= self.length_max:
+            known = f"{self.length}" if self.length == self.length_max else f"[{self.length}, {self.length_max}]"
+            raise SessionError(f"context covers positions [0, {known}), so new features cannot start at {start}")
+        self.length = self.length_max = start
 
 
 @dataclass
@@ -162,25 +172,23 @@ class DraftEngine:
         the round's one host sync is the verifier's."""
         sess = self.session(session_id)
         m = features.shape[0]
-        if features.ndim != 2 or features.shape[1] != self.feature_dim:
-            raise SessionError(f"features must be [m, {self.feature_dim}], got {list(features.shape)}")
-        if sess.length + m != root_position:
+        self._check_features(features)
+        if sess.length == sess.length_max and sess.length + m != root_position:
             raise SessionError(
                 f"context covers positions [0, {sess.length}) and {m} new features were sent, "
                 f"so the root must be at position {sess.length + m}, not {root_position}"
             )
-        if root_position + 1 > sess.capacity:
-            raise CapacityError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
+        self._check_room(sess, session_id, root_position)
         if not 0 <= root_token < self.head.vocab_size:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
-        if budget < 1:
-            raise SessionError(f"budget must be >= 1, got {budget}")
+        self._check_budget(budget)
+        sess.settle(root_position - m)
         sess.last_used = time.monotonic()
         timer = StepTimer(self.device)
         if self.static is not None:
             if m:
                 self.static.append(sess.slot, sess.length, features)
-                sess.length = root_position
+                sess.length = sess.length_max = root_position
             self.static.block(sess.slot, root_token, root_position)
             timer.mark()
             tree = self.static.tree(budget, top_k)
@@ -192,12 +200,62 @@ class DraftEngine:
             for layer, (k, v) in enumerate(new_kv):
                 sess.ctx_k[layer][:, :, sess.length : root_position] = k
                 sess.ctx_v[layer][:, :, sess.length : root_position] = v
-            sess.length = root_position
+            sess.length = sess.length_max = root_position
         logprobs = self._block_logprobs(sess, root_token, root_position)
         timer.mark()
         tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
         timer.end()
         return DraftResult(tree, timer)
+
+    @torch.inference_mode()
+    def draft_after(
+        self,
+        session_id: str,
+        features: torch.Tensor,
+        start: int,
+        cursor: torch.Tensor,
+        budget: int,
+        top_k: int | None = None,
+    ) -> DraftResult:
+        """The draft of the round after a verify round still in flight on this device (static path only): features
+        [n, taps*hidden] on the device are that round's path features for positions [start, start+n), of which
+        only its accepted k+1 are real; cursor [2] = (start + k + 1, the bonus token) is its outcome there. All n
+        rows are appended (those past k+1 land where the block's own rows, then later appends, overwrite them) and
+        the block is drafted at the cursor's position, so nothing here waits for the round. The host learns k at
+        the next draft, which starts its features at start + k + 1."""
+        sess = self.session(session_id)
+        if self.static is None:
+            raise SessionError("only the static path drafts after a round in flight")
+        n = features.shape[0]
+        self._check_features(features)
+        if not 0 < n <= self.block_size or features.device != self.device:
+            raise SessionError(f"a draft after a round takes 1 to {self.block_size} feature rows on {self.device}")
+        self._check_room(sess, session_id, start + n)
+        self._check_budget(budget)
+        sess.settle(start)
+        sess.last_used = time.monotonic()
+        timer = StepTimer(self.device)
+        self.static.append(sess.slot, start, features)
+        sess.length, sess.length_max = start + 1, start + n
+        self.static.block_after(sess.slot, cursor, start + n)
+        timer.mark()
+        tree = self.static.tree(budget, top_k)
+        timer.end()
+        return DraftResult(tree, timer)
+
+    def _check_features(self, features: torch.Tensor) -> None:
+        if features.ndim != 2 or features.shape[1] != self.feature_dim:
+            raise SessionError(f"features must be [m, {self.feature_dim}], got {list(features.shape)}")
+
+    @staticmethod
+    def _check_room(sess: DraftSession, session_id: str, root_position: int) -> None:
+        if root_position + 1 > sess.capacity:
+            raise CapacityError(f"session {session_id!r} context capacity {sess.capacity} exhausted")
+
+    @staticmethod
+    def _check_budget(budget: int) -> None:
+        if budget < 1:
+            raise SessionError(f"budget must be >= 1, got {budget}")
 
     def _block_logprobs(self, sess: DraftSession, root_token: int, root_position: int) -> torch.Tensor:
         """-> [B-1, vocab] fp32 log-probs; block position j predicts the token at root_position + j (no shift)."""

@@ -9,7 +9,7 @@ import torch
 from ddtree.timing import DeferredTimings
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from draft_server.drafter import DraftEngine
-from verify_server.verify import VerifyEngine
+from verify_server.verify import ROOT_ONLY, PendingRound, VerifyEngine
 
 
 class LocalDrafter:
@@ -20,6 +20,8 @@ class LocalDrafter:
         # the static path on a GPU returns once its kernels are queued (DraftEngine.draft): the round loop drafts
         # before handing the previous round over (gateway/rounds.py)
         self.queues = engine.static is not None and engine.device.type == "cuda"
+        # ... and can draft after a verify round still in flight (DraftEngine.draft_after)
+        self.chains = engine.static is not None
 
     async def start_session(self, session_id: str, capacity: int) -> None:
         self.engine.start_session(session_id, capacity)
@@ -31,14 +33,32 @@ class LocalDrafter:
         # the tree stays on the device for the verifier; its timings are read after the verifier's host sync
         return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
 
+    async def draft_after(
+        self, session_id: str, last: PendingRound, start: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, Mapping[str, float]]:
+        result = self.engine.draft_after(session_id, last.features, start, last.cursor, budget, top_k)
+        return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
+
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
 
 
 class LocalVerifier:
-    def __init__(self, engine: VerifyEngine, close: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: VerifyEngine, close: Callable[[], None] | None = None, chain: bool | None = None) -> None:
+        """chain: queue greedy rounds on the device ahead of the host (gateway/rounds.py: _chained_rounds) where
+        the engine can; default on a GPU, where the host's turn between rounds would leave the device idle."""
         self.engine = engine
         self.close = close or (lambda: None)
+        self.chain = getattr(engine, "device", torch.device("cpu")).type == "cuda" if chain is None else chain
+
+    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+        return self.chain and isinstance(self.engine, VerifyEngine) and self.engine.can_launch(params, max_nodes)
+
+    def launch(self, session_id: str, tree: DraftTree | None) -> PendingRound:
+        return self.engine.launch(session_id, ROOT_ONLY if tree is None else tree)
+
+    async def collect(self, queued: PendingRound) -> StepResult:
+        return self.engine.collect(queued)
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         self.engine.start_session(session_id, capacity, params, taps)
@@ -58,14 +78,14 @@ class LocalVerifier:
 
 def load_local(
     target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1, eager: bool = False,
-    compile: bool = False, gemv: bool = True,
+    compile: bool = False, gemv: bool = True, chain: bool = True,
 ) -> tuple[LocalVerifier, LocalDrafter | None]:
     """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
     forward without static buffers or CUDA graphs; compile: torch.compile the verifier's fused layers and round,
     and the drafter's block layers, context append and tree build; gemv: the verifier's fused decode GEMVs where they
-    run (VerifyEngine)."""
+    run (VerifyEngine); chain: queue greedy rounds ahead of the host on a GPU (LocalVerifier)."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
@@ -76,7 +96,8 @@ def load_local(
         verifier = LocalVerifier(group.engine, close=group.close)
     else:
         verifier = LocalVerifier(
-            VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile, gemv=gemv)
+            VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile, gemv=gemv),
+            chain=None if chain else False,
         )
     if drafter is None:
         return verifier, None

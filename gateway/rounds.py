@@ -54,6 +54,38 @@ class VerifierClient(Protocol):
     async def end_session(self, session_id: str) -> None: ...
 
 
+class QueuedRound(Protocol):
+    """A verify round queued on the device and not read yet."""
+
+    advance: int  # the most tokens it can commit
+
+
+class ChainingVerifier(VerifierClient, Protocol):
+    """An in-process verifier that queues rounds without waiting for the one before (gateway/local.py)."""
+
+    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""
+        ...
+
+    def launch(self, session_id: str, tree: DraftTree | None) -> QueuedRound:
+        """Queues a verify round of `tree` (None: an AR step); with a round in flight, from its outcome."""
+        ...
+
+    async def collect(self, queued: QueuedRound) -> StepResult: ...
+
+
+class ChainingDrafter(DrafterClient, Protocol):
+    """An in-process drafter on the verifier's device; `chains = True`."""
+
+    chains: bool
+
+    async def draft_after(
+        self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, Mapping[str, float]]:
+        """The draft of the round after `last` (queued, its root at position `start`), from its outcome."""
+        ...
+
+
 @dataclass(frozen=True)
 class Speculation:
     mode: Mode = "ddtree"
@@ -97,53 +129,102 @@ async def run_rounds(
     """Yields one Round per step; the sessions on both services end however the iteration ends.
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
-    output is unchanged, only slower. `on_fallback` hears about it (metrics, logs)."""
+    output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Greedy requests on clients
+    that chain rounds (`ChainingVerifier`, `ChainingDrafter`: in-process on a GPU) run with the next round queued
+    on the device before the host reads the last one (see _chained_rounds)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if spec.mode != "ar" and drafter is None:
         raise ValueError(f"mode {spec.mode!r} needs a drafter")
-    session_id = uuid.uuid4().hex
-    use_drafter = drafter if spec.mode != "ar" else None
-    block = use_drafter.block_size if use_drafter else 1
-    budget, top_k = spec.tree_shape(block)
-    taps = use_drafter.target_layer_ids if use_drafter else []
-    stops = set(stop_token_ids)
+    run = _Request(verifier, drafter if spec.mode != "ar" else None, len(prompt), max_new_tokens, spec,
+                   set(stop_token_ids), on_fallback)
+    block = run.drafter.block_size if run.drafter else 1
+    taps = run.drafter.target_layer_ids if run.drafter else []
 
     drafter_session = False
-    pending: asyncio.Future | None = None  # the next round's first call, started before this round is handed over
-    await verifier.start_session(session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
+    await verifier.start_session(run.session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
-        if use_drafter:
+        if run.drafter:
             try:
-                await use_drafter.start_session(session_id, len(prompt) + max_new_tokens)
+                await run.drafter.start_session(run.session_id, len(prompt) + max_new_tokens)
                 drafter_session = True
             except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
-                use_drafter = _fall_back(exc, on_fallback)
+                run.fall_back(exc)
         t0 = time.perf_counter()
-        step = await verifier.prefill(session_id, prompt)
+        step = await verifier.prefill(run.session_id, prompt)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
-        generated = 0
-        index = 0
-        tree_size = 0
+        chains = getattr(verifier, "chains", None)
+        chained = chains is not None and chains(params, spec.max_nodes(block)) and (
+            run.drafter is None or getattr(run.drafter, "chains", False)
+        )
+        async for rnd in (_chained_rounds if chained else _stepped_rounds)(run, step, timings):
+            yield rnd
+    finally:
+        # shielded: a client that disconnects while we clean up must not leave a session behind on either service
+        await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
+
+
+@dataclass
+class _Request:
+    """What a request's round loop tracks across its rounds."""
+
+    verifier: VerifierClient
+    drafter: DrafterClient | None  # None in AR mode, and from a drafter failure on
+    prompt_len: int
+    max_new_tokens: int
+    spec: Speculation
+    stops: set[int]
+    on_fallback: Callable[[BaseException], None] | None
+    generated: int = 0
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def tree_shape(self) -> tuple[int, int | None]:
+        return self.spec.tree_shape(self.drafter.block_size)
+
+    def take(self, step: StepResult) -> tuple[list[int], str | None]:
+        """A step's tokens, cut after the first stop token (kept, like HF generate) or at the token limit."""
+        tokens, finish = _trim(step.tokens, self.stops, self.max_new_tokens - self.generated)
+        self.generated += len(tokens)
+        return tokens, finish
+
+    @property
+    def root_position(self) -> int:
+        """The position of the last token taken: the next round's root."""
+        return self.prompt_len + self.generated - 1
+
+    def fall_back(self, exc: BaseException) -> None:
+        self.drafter = None
+        if self.on_fallback is not None:
+            self.on_fallback(exc)
+
+
+async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+    """One round at a time: each starts from the host's copy of the last one's outcome."""
+    session_id = run.session_id
+    pending: asyncio.Future | None = None  # the next round's first call, started before this round is handed over
+    index = 0
+    tree_size = 0
+    try:
         while True:
-            tokens, finish = _trim(step.tokens, stops, max_new_tokens - generated)
-            generated += len(tokens)
+            tokens, finish = run.take(step)
             if finish:
                 yield Round(index, tokens, tree_size, finish, timings)
                 return
-            if use_drafter:
-                root_token, root_position = step.tokens[-1], len(prompt) + generated - 1
-                first = partial(use_drafter.draft, session_id, step.features, root_token, root_position, budget, top_k)
+            drafter = run.drafter
+            if drafter:
+                budget, top_k = run.tree_shape()
+                first = partial(drafter.draft, session_id, step.features, step.tokens[-1], run.root_position, budget,
+                                top_k)
             else:
-                first = partial(verifier.decode, session_id)
+                first = partial(run.verifier.decode, session_id)
             # A remote backend's first call of the next round goes out before this round is handed over, so what
             # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
             # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
             # own). So does an in-process draft that only queues device work: the device drafts while the round is
             # handed over. Any other in-process call would simply run first, so it is made after the hand-over.
             t0 = time.perf_counter()
-            queued = use_drafter is not None and getattr(use_drafter, "queues", False)
-            if getattr(use_drafter or verifier, "remote", False) or queued:
+            queued = drafter is not None and getattr(drafter, "queues", False)
+            if getattr(drafter or run.verifier, "remote", False) or queued:
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
             yield Round(index, tokens, tree_size, None, timings)
@@ -154,21 +235,21 @@ async def run_rounds(
             else:
                 call, pending = pending, None
             tree_size, timings, rpc = 0, {}, {}
-            if not use_drafter:
+            if not drafter:
                 step = await call
             else:
                 tree = None
                 try:
                     tree, timings = await call
-                except Exception as exc:  # noqa: BLE001 - see above
-                    use_drafter = _fall_back(exc, on_fallback)
+                except Exception as exc:  # noqa: BLE001 - see run_rounds
+                    run.fall_back(exc)
                 if tree is not None:
                     tree_size = tree.num_nodes
                     t1 = time.perf_counter()
-                    step = await verifier.verify(session_id, tree)
+                    step = await run.verifier.verify(session_id, tree)
                     rpc = {"draft_rpc_s": t1 - t0}
                 else:
-                    step = await verifier.decode(session_id)
+                    step = await run.verifier.decode(session_id)
             # merged when read: an in-process drafter's timings wait on device events, off the round's critical path
             timings = _merged(timings, rpc, step, time.perf_counter() - t0)
     finally:
@@ -177,8 +258,77 @@ async def run_rounds(
                 pending.cancel()
             elif not pending.cancelled():
                 pending.exception()  # retrieved: a failure of a call nobody waits for any more is no error
-        # shielded: a client that disconnects while we clean up must not leave a session behind on either service
-        await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, session_id))
+
+
+@dataclass
+class _Queued:
+    """A round queued on the device (ChainingVerifier.launch) with what the loop reports about it."""
+
+    pending: QueuedRound
+    tree_size: int
+    draft_timings: Mapping[str, float]
+
+
+async def _chained_rounds(run: _Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+    """Greedy rounds with the next one queued on the device before the host reads the last one: its draft and
+    verify take their root, position and context features from the last round's outcome where it lies on the
+    device, so the device goes from round to round without waiting for the host (whose reading, stop checks and
+    hand-over overlap the next round). The next round is queued only when the last one cannot end the request by
+    length (so it stays inside the sessions' capacities); a stop token wastes it, and the sessions end anyway.
+    Round timings: round_s is the time between two rounds' results."""
+    verifier: ChainingVerifier = run.verifier
+    tokens, finish = run.take(step)
+    if finish:
+        yield Round(0, tokens, 0, finish, timings)
+        return
+    t0 = time.perf_counter()
+    queued = await _queue_from(run, step)
+    yield Round(0, tokens, 0, None, timings)
+    index = 0
+    while True:
+        index += 1
+        following = None
+        if run.generated + queued.pending.advance < run.max_new_tokens:
+            following = await _queue_after(run, queued)
+        step = await verifier.collect(queued.pending)
+        now = time.perf_counter()
+        tokens, finish = run.take(step)
+        timings = _merged(queued.draft_timings, {}, step, now - t0)
+        t0 = now
+        if finish:
+            yield Round(index, tokens, queued.tree_size, finish, timings)
+            return
+        tree_size = queued.tree_size
+        queued = following or await _queue_from(run, step)
+        yield Round(index, tokens, tree_size, None, timings)
+
+
+async def _queue_from(run: _Request, step: StepResult) -> _Queued:
+    """Queues the next round from the host's copy of the last step (the prefill, or a round collected first)."""
+    tree, draft_timings = None, {}
+    if run.drafter:
+        budget, top_k = run.tree_shape()
+        try:
+            tree, draft_timings = await run.drafter.draft(
+                run.session_id, step.features, step.tokens[-1], run.root_position, budget, top_k
+            )
+        except Exception as exc:  # noqa: BLE001 - see run_rounds
+            run.fall_back(exc)
+    return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
+
+
+async def _queue_after(run: _Request, last: _Queued) -> _Queued:
+    """Queues the round after `last`, still in flight: from its outcome on the device."""
+    tree, draft_timings = None, {}
+    if run.drafter:
+        budget, top_k = run.tree_shape()
+        try:
+            tree, draft_timings = await run.drafter.draft_after(
+                run.session_id, last.pending, run.root_position, budget, top_k
+            )
+        except Exception as exc:  # noqa: BLE001 - see run_rounds
+            run.fall_back(exc)
+    return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
 
 
 def _merged(
@@ -193,12 +343,6 @@ async def _end_sessions(verifier: VerifierClient, drafter: DrafterClient | None,
     results = await asyncio.gather(*ends, return_exceptions=True)
     if isinstance(results[0], Exception):
         raise results[0]  # a dead drafter's sessions die with it (or expire by TTL); the verifier's must not leak
-
-
-def _fall_back(exc: BaseException, on_fallback: Callable[[BaseException], None] | None) -> None:
-    if on_fallback is not None:
-        on_fallback(exc)
-    return None
 
 
 def _trim(tokens: list[int], stops: set[int], room: int) -> tuple[list[int], str | None]:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddtree.types import SamplingParams
-from gateway.local import load_local
+from gateway.local import LocalVerifier, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import VOCAB, hf_greedy
 
@@ -33,16 +33,44 @@ def generate(verifier, drafter, prompt: list[int], spec: Speculation, eos: list[
     return asyncio.run(collect())
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["fused", "hf"])
+class LoggedVerifier(LocalVerifier):
+    """Logs queued rounds, so a test can see that rounds were queued ahead of the host."""
+
+    def __init__(self, engine, log: list[str]) -> None:
+        super().__init__(engine, chain=True)
+        self.log = log
+
+    def launch(self, session_id, tree):
+        self.log.append("launch")
+        return super().launch(session_id, tree)
+
+    async def collect(self, queued):
+        self.log.append("collect")
+        return await super().collect(queued)
+
+
+def load(target: Path, drafter_dir: Path, path: str, log: list[str] | None = None):
+    """fused / hf as load_local makes them on the CPU; chained: the fused path's captured code (what the GPU
+    replays, forced on) with rounds queued on the device ahead of the host (gateway/rounds.py _chained_rounds)."""
+    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=path == "hf")
+    if path == "chained":
+        verifier.engine.fused.static = True
+        verifier = LoggedVerifier(verifier.engine, [] if log is None else log)
+    return verifier, drafter
+
+
+@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_greedy_equals_hf_generate(
-    kind: str, eager: bool, qwen3_target: Path, llama_target: Path, drafter_dir: Path
+    kind: str, path: str, qwen3_target: Path, llama_target: Path, drafter_dir: Path
 ) -> None:
-    """Both verifier paths: our fused forward (static buffers, padded buckets) and the generic HF modules."""
+    """Both verifier paths: our fused forward (static buffers, padded buckets) and the generic HF modules; and
+    the captured path with chained rounds."""
     target = qwen3_target if kind == "qwen3" else llama_target
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=eager)
-    assert verifier.engine.path == ("hf" if eager else "fused")
+    log: list[str] = []
+    verifier, drafter = load(target, drafter_dir, path, log)
+    assert verifier.engine.path == ("hf" if path == "hf" else "fused")
     eos_stops = 0
     for i, prompt in enumerate(prompts()):
         reference = hf_greedy(hf, prompt, MAX_NEW)
@@ -60,10 +88,13 @@ def test_greedy_equals_hf_generate(
             if spec.mode == "ddtree":
                 assert all(r.tree_size == min(spec.budget, 1000) for r in rounds[1:])
     assert eos_stops >= 6
+    if path == "chained":  # rounds really were queued before the one ahead of them was read
+        assert "launch,launch,collect" in ",".join(log)
+        assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["fused", "hf"])
-def test_tiny_vocab_large_budget_accepts_deeply(eager: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+def test_tiny_vocab_large_budget_accepts_deeply(path: str, tmp_path: Path) -> None:
     """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
     most 4-token ones, so rounds accept several tokens, and the output must still be exactly the target's."""
     from tests.conftest import make_drafter, make_target
@@ -71,7 +102,7 @@ def test_tiny_vocab_large_budget_accepts_deeply(eager: bool, tmp_path: Path) -> 
     target = make_target("qwen3", tmp_path / "t", vocab=4, seed=5)
     drafter_dir = make_drafter(tmp_path / "d", vocab=4, seed=6, std=0.01)
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=eager)
+    verifier, drafter = load(target, drafter_dir, path)
     accepted = []
     for prompt in ([1, 2, 3], [3, 0, 1, 1, 2], [2] * 17):
         reference = hf_greedy(hf, prompt, 60)
@@ -80,3 +111,23 @@ def test_tiny_vocab_large_budget_accepts_deeply(eager: bool, tmp_path: Path) -> 
         accepted += [r.accepted for r in rounds[1:-1]]
     assert sum(accepted) / len(accepted) > 3.5
     assert max(accepted) >= 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_chained_rounds_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir: Path) -> None:
+    """fp32 on the GPU: every round a graph replay queued before the host read the one ahead of it, the drafter
+    reading its root, position and features on the device."""
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cuda", torch.float32)
+    log: list[str] = []
+    verifier = LoggedVerifier(verifier.engine, log)
+    assert verifier.engine.path == "fused+graphs" and drafter.chains
+    for i, prompt in enumerate(prompts(6)):
+        reference = hf_greedy(hf, prompt, 40)
+        eos = [reference[9]] if i % 2 else []
+        if eos:
+            reference = hf_greedy(hf, prompt, 40, eos)
+        for spec in (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 16), Speculation("ddtree", 64)):
+            rounds = generate(verifier, drafter, prompt, spec, eos, max_new=40)
+            assert [t for r in rounds for t in r.tokens] == reference, (i, spec)
+    assert "launch,launch,collect" in ",".join(log)

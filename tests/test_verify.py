@@ -157,3 +157,30 @@ def test_session_errors_leave_state_intact(path: str, qwen3_target: Path) -> Non
     with pytest.raises(SessionError, match="unknown verifier session"):
         engine.decode("other")
     assert len(engine.decode("s").tokens) == 1  # still usable after the rejected requests
+
+
+def test_queued_rounds_chain_on_the_device_and_are_collected_in_order(qwen3_target: Path) -> None:
+    """launch() queues a round whose start and root come from the round still in flight; collect() commits them
+    in order. The captured code path, forced on for the CPU."""
+    engine = make_engine(qwen3_target, "fused-static")
+    prompt = [3, 1, 4, 1, 5]
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 40)
+    engine.start_session("s", 100, SamplingParams(), taps=[1])
+    got = list(engine.prefill("s", prompt).tokens)
+    rng = random.Random(3)
+    # the second tree is built for where the first one's path will end (its root token is replaced on the device)
+    first = oracle_tree(rng, got[-1], truth[1:], 4, 5)
+    second = oracle_tree(rng, 0, truth[1 + 5 :], 3, 4)
+    a = engine.launch("s", first)
+    b = engine.launch("s", second)
+    with pytest.raises(SessionError, match="collect one first"):
+        engine.launch("s", second)
+    with pytest.raises(SessionError, match="queued rounds"):
+        engine.verify("s", second)
+    with pytest.raises(SessionError, match="order they were queued"):
+        engine.collect(b)
+    step_a, step_b = engine.collect(a), engine.collect(b)
+    assert step_a.tokens == truth[1:6] and step_a.features.shape == (5, 64)
+    assert step_b.tokens == truth[6:10]
+    assert engine.sessions["s"].cache.length == len(prompt) + 9
+    assert engine.decode("s").tokens == truth[10:11]  # the session goes on from the collected state

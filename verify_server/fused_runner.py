@@ -55,19 +55,22 @@ class StepBuffers:
 
     inputs  [3 * qb + 3] long on the device: tokens, parents, depths (rows of qb; past the tree's real q they
             hold stale values the graph masks out), then start (the root's slot), num (real nodes), the root token
-    staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars; safe
-            to rewrite at the next step, since every step (a prefill too) ends with a host sync
+    staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars. Its
+            copy is asynchronous and a chained round (write_after) is queued without a host sync in between, so
+            `copied` marks when the last copy has left it; a rewrite waits for that (long done, in practice)
     """
 
     inputs: torch.Tensor
     staging: torch.Tensor
     nodes: torch.Tensor  # [qb] 0, 1, ...: node indices
+    copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
 
     @classmethod
     def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
         inputs = torch.zeros(3 * qb + 3, dtype=torch.long, device=device)
         staging = torch.zeros(3 * qb + 3, dtype=torch.long, pin_memory=device.type == "cuda")
-        return cls(inputs, staging, torch.arange(qb, device=device))
+        copied = torch.cuda.Event() if device.type == "cuda" else None
+        return cls(inputs, staging, torch.arange(qb, device=device), copied)
 
     @property
     def qb(self) -> int:
@@ -75,25 +78,50 @@ class StepBuffers:
 
     def write_prompt(self, prompt: list[int]) -> None:
         """A prompt: its tokens in the first row (parents and depths are implied: a chain from slot 0)."""
-        host = self.staging.numpy()
+        host = self._host()
         host[: len(prompt)] = prompt
         host[3 * self.qb :] = (0, len(prompt), prompt[0])
-        self.inputs.copy_(self.staging, non_blocking=True)
+        self._upload(self.inputs, self.staging)
 
     def write(self, tree: DraftTree, start: int, root: int) -> None:
         q, qb = tree.tokens.shape[0], self.qb
-        host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        host = self._host()  # numpy item writes cost ~0.1 us where a torch call costs several
         host[3 * qb :] = (start, q, root)
         if q > 1 and tree.tokens.device.type == "cpu":
             for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
                 host[row * qb : row * qb + q] = values.numpy()
-            self.inputs.copy_(self.staging, non_blocking=True)
+            self._upload(self.inputs, self.staging)
             return
-        if q > 1:  # a tree already on the device (a co-located drafter's): device-to-device copies
+        self._copy_tree(tree)
+        self._upload(self.inputs[3 * qb :], self.staging[3 * qb :])
+
+    def write_after(self, tree: DraftTree, cursor: torch.Tensor) -> None:
+        """A round queued before the previous one is read: its start and root come from that round's outcome on
+        the device, cursor [2] = (next start, bonus token); nothing goes through the host."""
+        q, qb = tree.tokens.shape[0], self.qb
+        if q > 1 and tree.tokens.device != self.inputs.device:
+            raise ValueError("a chained round takes its tree on the device")
+        self._copy_tree(tree)
+        self.inputs[3 * qb + 1].fill_(q)  # a kernel argument, not a read of host memory
+        self.inputs[3 * qb :: 2].copy_(cursor)  # start and root
+
+    def _copy_tree(self, tree: DraftTree) -> None:
+        """A tree already on the device (a co-located drafter's): device-to-device copies."""
+        q, qb = tree.tokens.shape[0], self.qb
+        if q > 1:
             rows = self.inputs[: 3 * qb].view(3, qb)
             for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
                 rows[row, :q].copy_(values, non_blocking=True)
-        self.inputs[3 * qb :].copy_(self.staging[3 * qb :], non_blocking=True)
+
+    def _host(self):
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has left the staging buffer
+        return self.staging.numpy()
+
+    def _upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        device.copy_(host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 @dataclass
@@ -243,15 +271,18 @@ class FusedRunner:
         return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
-        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, start: int,
+        after: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """A whole greedy verify round in one replay: forward, argmax, acceptance walk (verify_server/walk.py) and
-        compaction of the accepted path's K/V to slots [length, length+k+1). -> (packed [2 + qb] as accept_path
-        returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None); None when
-        the step is not captured (eager mode, or a tree beyond the largest bucket): run it the general way.
-        The tree may be on the host or the device; `root` replaces its root token. The caller sets cache.length
-        afterwards."""
-        run = self._prepare(cache, tree, root)
+        compaction of the accepted path's K/V to slots [start, start+k+1). -> (packed [2 + qb] as accept_path
+        returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None, cursor [2] =
+        (the next round's start, the bonus token)); None when the step is not captured (eager mode, or a tree
+        beyond the largest bucket): run it the general way. The tree may be on the host or the device; `root`
+        replaces its root token. `after`: the cursor of a round still in flight, whose outcome gives this round
+        its start and root on the device; `start` is then an upper bound (it sizes the key bucket). Every output
+        is rewritten by the next replay of the same graph. The caller tracks the committed length."""
+        run = self._prepare(cache, tree, root, start, after)
         if run is None:
             return None
         buf, kv_len = run
@@ -266,7 +297,7 @@ class FusedRunner:
         """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
         the tree as the graph read it: ids with the session's root, parents, depths, ancestor matrix [q, q]) for
         the caller's sampling and walk, all on the device; None as for greedy_round."""
-        run = self._prepare(cache, tree, root)
+        run = self._prepare(cache, tree, root, cache.length)
         if run is None:
             return None
         buf, kv_len = run
@@ -277,13 +308,18 @@ class FusedRunner:
         q = tree.tokens.shape[0]
         return logits[:q], None if features is None else features[:q], x.head(q)
 
-    def _prepare(self, cache: KVCache, tree: DraftTree, root: int) -> tuple[StepBuffers, int] | None:
+    def _prepare(
+        self, cache: KVCache, tree: DraftTree, root: int, start: int, after: torch.Tensor | None = None
+    ) -> tuple[StepBuffers, int] | None:
         qb = bucket(tree.tokens.shape[0]) if self.static else None
         if qb is None:
             return None
         buf = self._buffer(qb)
-        buf.write(tree, cache.length, root)
-        return buf, key_bucket(cache.length + qb, cache.capacity)
+        if after is None:
+            buf.write(tree, start, root)
+        else:
+            buf.write_after(tree, after)
+        return buf, key_bucket(start + qb, cache.capacity)
 
     def _buffer(self, qb: int) -> StepBuffers:
         """The static inputs of query bucket qb, allocated on first use (a tree's and a prompt's alike)."""
@@ -294,7 +330,7 @@ class FusedRunner:
 
     def _greedy(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
         compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
         accepted."""
@@ -303,7 +339,8 @@ class FusedRunner:
         order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
         cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))
         cache.v.index_copy_(3, x.start + buf.nodes, cache.v.index_select(3, x.start + order))
-        return packed, None if features is None else features[order]
+        cursor = torch.stack((x.start + packed[0] + 1, packed[1]))  # [2] where the next round starts, its root
+        return packed, None if features is None else features[order], cursor
 
     def _scores(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int

@@ -7,6 +7,7 @@ x[n-1], whose K/V is written by the next step (so a step's input always starts w
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.fused import fused_unsupported
-from verify_server.fused_runner import FusedRunner
+from verify_server.fused_runner import MAX_GRAPH_NODES, FusedRunner, bucket
 from verify_server.kv_cache import KVCache
 from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.sampling import choose_tokens
@@ -65,6 +66,34 @@ class VerifySession:
     root: int | None = None  # None until prefill
     last_used: float = field(default_factory=time.monotonic)
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
+    inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
+    readback: list[torch.Tensor] = field(default_factory=list)  # pinned [2 + MAX_GRAPH_NODES] host buffers
+    queued: int = 0  # rounds queued so far (picks the readback buffer)
+
+
+# Rounds of one session queued and not yet collected, at most: the one the host waits for and the next.
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class PendingRound:
+    """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
+
+    packed    [2 + qb] host copy of accept_path's packed result, filled once the round has run
+    features  [advance, taps*hidden] on the device, in memory of its own: the path's features (first k+1 rows
+              valid, the rest finite filler), or None without taps
+    cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
+              session's next launch, which reads it
+    advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
+              next round's start
+    """
+
+    session_id: str
+    packed: torch.Tensor
+    features: torch.Tensor | None
+    cursor: torch.Tensor
+    advance: int
+    timer: StepTimer
 
 
 class VerifyEngine:
@@ -193,7 +222,7 @@ class VerifyEngine:
             raise SessionError(f"session {session_id!r} is already prefilled")
         if not prompt:
             raise SessionError("the prompt is empty")
-        self._check_room(sess, len(prompt) + 1)  # the first token's K/V comes with the next step
+        self._check_room(sess, 0, len(prompt) + 1)  # the first token's K/V comes with the next step
         timer = StepTimer(self.device)
         captured = None if self.fused is None else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
         if captured is not None:
@@ -223,55 +252,111 @@ class VerifyEngine:
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
+        if sess.inflight:
+            raise SessionError(f"session {session_id!r} has queued rounds: collect them first")
         q = tree.tokens.shape[0]
-        self._check_room(sess, q)
         if self.scratch is not None and q > self.scratch.max_nodes:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
+        pending = self._launch(session_id, sess, tree)
+        if pending is not None:  # forward, walk and compaction in one graph replay
+            return self.collect(pending)
+        self._check_room(sess, sess.cache.length, q)
         timer = StepTimer(self.device)
         start, taps = sess.cache.length, tuple(sess.taps)
-        captured = None
-        if self.fused is not None and sess.params.greedy:
-            captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root)
-        if captured is not None:  # forward, walk and compaction in one graph replay
-            packed, path_features = captured
-            timer.mark()
-            host = timer.sync(packed.tolist)  # the round's single host sync
-            k, bonus = host[0], host[1]
-            sess.cache.length = start + k + 1
-            features = None if path_features is None else path_features[: k + 1].clone()
+        scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
+        if scored is not None:  # the tree as the graph read it: no second upload
+            logits, features, x = scored
+            ids, parents, depths, anc = x.ids, x.parents, x.depths, x.anc
         else:
-            scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
-            if scored is not None:  # the tree as the graph read it: no second upload
-                logits, features, x = scored
-                ids, parents, depths, anc = x.ids, x.parents, x.depths, x.anc
-            else:
-                parents = tree.parents.to(self.device)
-                depths = tree.depths.to(self.device)
-                ids = tree.tokens.to(self.device).clone()
-                ids[0] = sess.root
-                anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
-                logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
-            timer.mark()
-            choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
-            packed, path = accept_path(ids, parents, depths, anc, choice)
-            host = timer.sync(packed.tolist)  # the round's single host sync
-            k, bonus = host[0], host[1]
-            keep = path[: k + 1]
-            sess.cache.compact(start, keep)
-            if sess.states is not None:
-                sess.states.commit(self.scratch, keep)
-            if features is not None:
-                features = features[keep]
+            parents = tree.parents.to(self.device)
+            depths = tree.depths.to(self.device)
+            ids = tree.tokens.to(self.device).clone()
+            ids[0] = sess.root
+            anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
+            logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
+        timer.mark()
+        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
+        packed, path = accept_path(ids, parents, depths, anc, choice)
+        host = timer.sync(packed.tolist)  # the round's single host sync
+        k, bonus = host[0], host[1]
+        keep = path[: k + 1]
+        sess.cache.compact(start, keep)
+        if sess.states is not None:
+            sess.states.commit(self.scratch, keep)
+        if features is not None:
+            features = features[keep]
         sess.root = bonus
         forward_s, walk_s = timer.split()
         return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
 
-    def _check_room(self, sess: VerifySession, new_tokens: int) -> None:
-        if sess.cache.length + new_tokens > sess.capacity:
+    def can_launch(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes."""
+        return self.fused is not None and self.fused.static and params.greedy and bucket(max_nodes + 1) is not None
+
+    @torch.inference_mode()
+    def launch(self, session_id: str, tree: DraftTree) -> PendingRound:
+        """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
+        session still in flight, this one takes its start and root from that round's outcome on the device, so
+        the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
+        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, the
+        uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify() runs those."""
+        sess = self.session(session_id)
+        if sess.root is None:
+            raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
+        pending = self._launch(session_id, sess, tree)
+        if pending is None:
+            raise SessionError("only greedy rounds on the captured path can be queued; use verify")
+        return pending
+
+    def collect(self, pending: PendingRound) -> StepResult:
+        """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
+        sess = self.session(pending.session_id)
+        if not sess.inflight or sess.inflight[0] is not pending:
+            raise SessionError("queued rounds are collected in the order they were queued")
+        host = pending.timer.sync(pending.packed.tolist)  # the round's single host sync
+        k, bonus = host[0], host[1]
+        sess.inflight.popleft()
+        sess.cache.length += k + 1
+        sess.root = bonus
+        forward_s, walk_s = pending.timer.split()
+        features = None if pending.features is None else pending.features[: k + 1]
+        return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
+
+    def _launch(self, session_id: str, sess: VerifySession, tree: DraftTree) -> PendingRound | None:
+        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured."""
+        if self.fused is None or not sess.params.greedy:
+            return None
+        if len(sess.inflight) >= MAX_IN_FLIGHT:
+            raise SessionError(f"{MAX_IN_FLIGHT} rounds of session {session_id!r} are queued: collect one first")
+        q = tree.tokens.shape[0]
+        # exact with nothing in flight; else the furthest the rounds in flight can take it (sizes the key bucket)
+        start = sess.cache.length + sum(p.advance for p in sess.inflight)
+        self._check_room(sess, start, q)
+        after = sess.inflight[-1].cursor if sess.inflight else None
+        timer = StepTimer(self.device)
+        captured = self.fused.greedy_round(sess.cache, tuple(sess.taps), tree, sess.root, start, after)
+        if captured is None:
+            return None
+        packed, path_features, cursor = captured
+        timer.mark()
+        if not sess.readback:
+            pinned = self.device.type == "cuda"
+            sess.readback = [torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        host = sess.readback[sess.queued % MAX_IN_FLIGHT][: packed.shape[0]]
+        sess.queued += 1
+        host.copy_(packed, non_blocking=True)
+        advance = min(tree.max_depth + 1, packed.shape[0] - 2)
+        features = None if path_features is None else path_features[:advance].clone()
+        timer.end()
+        pending = PendingRound(session_id, host, features, cursor, advance, timer)
+        sess.inflight.append(pending)
+        return pending
+
+    def _check_room(self, sess: VerifySession, start: int, new_tokens: int) -> None:
+        if start + new_tokens > sess.capacity:
             raise CapacityError(
-                f"session needs {sess.cache.length + new_tokens} KV slots but was started with capacity "
-                f"{sess.capacity}"
+                f"session needs {start + new_tokens} KV slots but was started with capacity {sess.capacity}"
             )
 
     def _forward(
