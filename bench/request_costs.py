@@ -68,7 +68,9 @@ def main() -> None:
     args = p.parse_args()
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(target, local_files_only=True), args.num_prompts)
-    verifier, drafter = load_local(target, drafter_dir, args.device, getattr(torch, args.dtype), compile=args.compile)
+    # rounds one at a time: a chained round's calls return before its work has run, so a sync would time both
+    verifier, drafter = load_local(target, drafter_dir, args.device, getattr(torch, args.dtype), compile=args.compile,
+                                   chain=False)
     eos = verifier.engine.read_eos_ids(target)
     times = CallTimes(torch.device(args.device))
     for method in ("start_session", "end_session", "prefill", "verify"):

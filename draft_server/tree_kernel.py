@@ -30,6 +30,16 @@ except ImportError:  # CPU-only installs: build_tree runs instead (kernel_suppor
 # Qwen3-8B shapes); bigger trees fall back to build_tree, bigger top-k merges to torch.topk
 MAX_SORT = 4096
 MERGE_TARGET = 2048  # candidates per depth the top-k's merge should sort (it sets the chunk size)
+# Thread blocks of 16 warps for the sorts of 512 keys or more (bench/tree_tune.py, H200, demo vocabulary: a 64-node
+# tree's beam search 70 -> 51 us, a 128-node one's 220 -> 116 us; the top-k of a 32- to 128-node tree, whose merge
+# takes 1024-2048 keys, 8.9-21.9 -> 7.8-17.5 us); 4 below that, where more warps only add synchronisation (a
+# 32-node tree's beam search: 23 us at 4, 26 at 16).
+WIDE_SORT, WIDE_WARPS, NARROW_WARPS = 512, 16, 4
+
+
+def sort_warps(keys: int) -> int:
+    """Warps for a program whose largest sort holds `keys` keys."""
+    return WIDE_WARPS if keys >= WIDE_SORT else NARROW_WARPS
 
 
 def kernel_supported(device: torch.device) -> bool:
@@ -106,6 +116,13 @@ if triton is not None:
         tl.store(Out + 2 * N1, 0)
 
     @triton.jit
+    def _smallest(key, KP: tl.constexpr):
+        """The KP smallest keys, ascending. tl.topk (a bitonic sort that halves the keys after each merge) keeps
+        the largest, so it runs on the negated keys: exact, as no packed key is -2**63. Keeping 16 of 2048 keys
+        takes ~45 compare-and-swap stages this way (our count), on fewer keys each time; a whole sort takes 66."""
+        return -tl.topk(-key, KP)
+
+    @triton.jit
     def _chunk_top_kernel(LogProbs, Cand, vocab, stride_l, CHUNK: tl.constexpr, KP: tl.constexpr):
         """One (depth, chunk of CHUNK tokens): the chunk's KP best (log-prob, token) keys, best first, into
         Cand [D, chunks * KP]."""
@@ -113,19 +130,20 @@ if triton is not None:
         token = chunk * CHUNK + tl.arange(0, CHUNK)
         ok = token < vocab
         value = tl.load(LogProbs + depth * stride_l + token, mask=ok, other=0.0)
-        key = tl.sort(tl.where(ok, _pack(value, token), PAD_KEY))
-        rank = tl.arange(0, CHUNK)
-        tl.store(Cand + (depth * tl.num_programs(1) + chunk) * KP + rank, key, mask=rank < KP)
+        key = _smallest(tl.where(ok, _pack(value, token), PAD_KEY), KP)
+        rank = tl.arange(0, KP)
+        tl.store(Cand + (depth * tl.num_programs(1) + chunk) * KP + rank, key)
 
     @triton.jit
-    def _merge_top_kernel(Cand, Vals, Ids, candidates, k, CANDS: tl.constexpr):
-        """One depth: the k best of its chunks' candidates -> Vals [D, k] fp32 and Ids [D, k] long."""
+    def _merge_top_kernel(Cand, Vals, Ids, candidates, k, CANDS: tl.constexpr, KP: tl.constexpr):
+        """One depth: the k <= KP best of its chunks' candidates -> Vals [D, k] fp32 and Ids [D, k] long."""
         depth = tl.program_id(0)
         slot = tl.arange(0, CANDS)
-        key = tl.sort(tl.load(Cand + depth * candidates + slot, mask=slot < candidates, other=PAD_KEY))
-        keep = slot < k
-        tl.store(Vals + depth * k + slot, _unpack_score(key), mask=keep)
-        tl.store(Ids + depth * k + slot, key & 0xFFFFFFFF, mask=keep)
+        key = _smallest(tl.load(Cand + depth * candidates + slot, mask=slot < candidates, other=PAD_KEY), KP)
+        rank = tl.arange(0, KP)
+        keep = rank < k
+        tl.store(Vals + depth * k + rank, _unpack_score(key), mask=keep)
+        tl.store(Ids + depth * k + rank, key & 0xFFFFFFFF, mask=keep)
 
 
 def top_plan(vocab: int, k: int) -> tuple[int, int, int] | None:
@@ -137,23 +155,27 @@ def top_plan(vocab: int, k: int) -> tuple[int, int, int] | None:
     return None if max(chunk, merge) > MAX_SORT else (chunk, keep, merge)
 
 
-def top_k(logprobs: torch.Tensor, k: int, top: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(
+    logprobs: torch.Tensor, k: int, top: tuple[int, int, int], warps: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs [D, V] fp32 -> the k largest per row, descending, and their token ids ([D, k] each), as
     tree.top_candidates; equal values come in token order. Two kernels: per-chunk sorts, then one merge per row."""
     depths, vocab = logprobs.shape
     chunk, keep, merge = top
     chunks = -(-vocab // chunk)
+    warps = warps or (NARROW_WARPS, sort_warps(merge))  # (per-chunk sort, merge): see WIDE_SORT
     cand = torch.empty(depths, chunks * keep, dtype=torch.int64, device=logprobs.device)  # packed keys, per chunk
     vals = torch.empty(depths, k, dtype=torch.float32, device=logprobs.device)
     ids = torch.empty(depths, k, dtype=torch.int64, device=logprobs.device)
-    _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep, num_warps=4)
-    _merge_top_kernel[(depths,)](cand, vals, ids, chunks * keep, k, CANDS=merge, num_warps=4)
+    _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep,
+                                        num_warps=warps[0])
+    _merge_top_kernel[(depths,)](cand, vals, ids, chunks * keep, k, CANDS=merge, KP=keep, num_warps=warps[1])
     return vals, ids
 
 
 def beam_tree(
     top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor, budget: int, layout: TreeLayout,
-    sizes: tuple[int, int],
+    sizes: tuple[int, int], warps: int | None = None,
 ) -> torch.Tensor:
     """top_vals [D, k] fp32 (descending per depth), top_ids [D, k] long, root [1] long -> [3, N+1] long
     (tokens, parents, depths; root first), N = min(budget, candidates), as build_tree's DraftTree stacked."""
@@ -168,6 +190,6 @@ def beam_tree(
     _beam_tree_kernel[(1,)](
         top_vals.contiguous(), top_ids.contiguous(), layout.contender_table, layout.widths, layout.starts, layout.depth_row,
         layout.parent_base, root, scores, order, node_of, out, total, num_nodes,
-        DEPTHS=depths, K=k, CMAX=cmax, TOTAL=total_slots, N1=num_nodes + 1, num_warps=4,
+        DEPTHS=depths, K=k, CMAX=cmax, TOTAL=total_slots, N1=num_nodes + 1, num_warps=warps or sort_warps(cmax),
     )
     return out

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 
 from ddtree.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
-from gateway.rounds import DrafterClient, VerifierClient
+from gateway.backends import DrafterClient, VerifierClient
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The round loop: prefill, then draft -> verify rounds (or AR steps) until EOS or the token limit.
 
-It talks to the drafter and the verifier only through the two small protocols below, so the same loop runs
-in-process (`ddtree generate`, benchmarks, tests) and against the gRPC services (the gateway).
+It talks to the drafter and the verifier only through the small protocols of gateway/backends.py, so the same loop
+runs in-process (`ddtree generate`, benchmarks, tests) and against the gRPC services (the gateway).
 """
 
 from __future__ import annotations
@@ -12,78 +12,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, Protocol
-
-import torch
+from typing import Literal
 
 from ddtree.timing import DeferredTimings
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from ddtree.types import SamplingParams, StepResult
+from gateway.backends import ChainingVerifier, DrafterClient, QueuedRound, VerifierClient
 
 Mode = Literal["ar", "chain", "ddtree"]
 MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
-
-
-class DrafterClient(Protocol):
-    """Clients may also set `remote = True` (their calls go to another process) or `queues = True` (in-process,
-    a draft only queues device work and returns): either way the round loop starts a round's first call before it
-    hands the previous round to its caller (see run_rounds)."""
-
-    block_size: int
-    target_layer_ids: list[int]
-
-    async def start_session(self, session_id: str, capacity: int) -> None: ...
-
-    async def draft(
-        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, Mapping[str, float]]: ...
-
-    async def end_session(self, session_id: str) -> None: ...
-
-
-class VerifierClient(Protocol):
-    """`remote = True` as for DrafterClient."""
-
-    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
-
-    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult: ...
-
-    async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...
-
-    async def decode(self, session_id: str) -> StepResult: ...
-
-    async def end_session(self, session_id: str) -> None: ...
-
-
-class QueuedRound(Protocol):
-    """A verify round queued on the device and not read yet."""
-
-    advance: int  # the most tokens it can commit
-
-
-class ChainingVerifier(VerifierClient, Protocol):
-    """An in-process verifier that queues rounds without waiting for the one before (gateway/local.py)."""
-
-    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
-        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""
-        ...
-
-    def launch(self, session_id: str, tree: DraftTree | None) -> QueuedRound:
-        """Queues a verify round of `tree` (None: an AR step); with a round in flight, from its outcome."""
-        ...
-
-    async def collect(self, queued: QueuedRound) -> StepResult: ...
-
-
-class ChainingDrafter(DrafterClient, Protocol):
-    """An in-process drafter on the verifier's device; `chains = True`."""
-
-    chains: bool
-
-    async def draft_after(
-        self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, Mapping[str, float]]:
-        """The draft of the round after `last` (queued, its root at position `start`), from its outcome."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -282,14 +218,14 @@ async def _chained_rounds(run: _Request, step: StepResult, timings: Mapping[str,
         yield Round(0, tokens, 0, finish, timings)
         return
     t0 = time.perf_counter()
-    queued = await _queue_from(run, step)
+    queued = await _queue(run, step)
     yield Round(0, tokens, 0, None, timings)
     index = 0
     while True:
         index += 1
         following = None
         if run.generated + queued.pending.advance < run.max_new_tokens:
-            following = await _queue_after(run, queued)
+            following = await _queue(run, last=queued)
         step = await verifier.collect(queued.pending)
         now = time.perf_counter()
         tokens, finish = run.take(step)
@@ -299,33 +235,23 @@ async def _chained_rounds(run: _Request, step: StepResult, timings: Mapping[str,
             yield Round(index, tokens, queued.tree_size, finish, timings)
             return
         tree_size = queued.tree_size
-        queued = following or await _queue_from(run, step)
+        queued = following or await _queue(run, step)
         yield Round(index, tokens, tree_size, None, timings)
 
 
-async def _queue_from(run: _Request, step: StepResult) -> _Queued:
-    """Queues the next round from the host's copy of the last step (the prefill, or a round collected first)."""
+async def _queue(run: _Request, step: StepResult | None = None, last: _Queued | None = None) -> _Queued:
+    """Queues the next round: from the host's copy of the last step (the prefill, or a round collected first), or
+    from the outcome of `last`, still in flight, on the device."""
     tree, draft_timings = None, {}
     if run.drafter:
         budget, top_k = run.tree_shape()
+        session_id, position = run.session_id, run.root_position
         try:
-            tree, draft_timings = await run.drafter.draft(
-                run.session_id, step.features, step.tokens[-1], run.root_position, budget, top_k
-            )
-        except Exception as exc:  # noqa: BLE001 - see run_rounds
-            run.fall_back(exc)
-    return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
-
-
-async def _queue_after(run: _Request, last: _Queued) -> _Queued:
-    """Queues the round after `last`, still in flight: from its outcome on the device."""
-    tree, draft_timings = None, {}
-    if run.drafter:
-        budget, top_k = run.tree_shape()
-        try:
-            tree, draft_timings = await run.drafter.draft_after(
-                run.session_id, last.pending, run.root_position, budget, top_k
-            )
+            if last is None:
+                call = run.drafter.draft(session_id, step.features, step.tokens[-1], position, budget, top_k)
+            else:
+                call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
+            tree, draft_timings = await call
         except Exception as exc:  # noqa: BLE001 - see run_rounds
             run.fall_back(exc)
     return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)

@@ -273,6 +273,98 @@ def test_a_prefetched_draft_that_fails_falls_back_to_decoding(recwarn):
     assert not [w for w in recwarn if "never retrieved" in str(w.message)]
 
 
+class ChainingVerifier(InProcess):
+    """A verifier that queues rounds (as LocalVerifier on a GPU): every tree's one node is accepted."""
+
+    def __init__(self, log: list[str], stop_at: int | None = None) -> None:
+        super().__init__(log)
+        self.stop_at, self.queued = stop_at, 0
+
+    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+        return params.greedy
+
+    def launch(self, session_id: str, tree: DraftTree | None) -> Launched:
+        self.queued += 1
+        self.log.append(f"launch {self.queued} {'tree' if tree is not None else 'decode'}")
+        return Launched(self.queued, 2 if tree is not None else 1)
+
+    async def collect(self, queued: Launched) -> StepResult:
+        self.log.append(f"collect {queued.number}")
+        tokens = [2] if queued.number == self.stop_at else [5, 6] if queued.advance == 2 else [8]
+        return StepResult(tokens, torch.zeros(len(tokens), 2))
+
+
+class ChainingDrafter(InProcess):
+    """A drafter that drafts after a round in flight (as LocalDrafter), failing from round `fail_after` on."""
+
+    chains = True
+
+    def __init__(self, log: list[str], fail_after: int | None = None) -> None:
+        super().__init__(log)
+        self.fail_after = fail_after
+
+    async def draft_after(self, session_id, last: Launched, start: int, budget: int, top_k):
+        self.log.append(f"draft after {last.number} at {start}")
+        if self.fail_after is not None and last.number >= self.fail_after:
+            raise ConnectionError("drafter gone")
+        tree = DraftTree(torch.tensor([0, 5]), torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1)
+        return tree, {"draft_s": 0.0, "tree_s": 0.0}
+
+
+@dataclass
+class Launched:
+    number: int
+    advance: int
+
+
+def _chained(log: list[str], mode: str, max_new: int, stop_at=None, fail_after=None, params=SamplingParams(),
+             fallbacks=None) -> list:
+    verifier, drafter = ChainingVerifier(log, stop_at), ChainingDrafter(log, fail_after)
+
+    async def run():
+        rounds = run_rounds(verifier, drafter, [1, 2, 3], params, Speculation(mode, 1), max_new, [2],
+                            None if fallbacks is None else fallbacks.append)
+        return [r async for r in rounds]
+
+    return asyncio.run(run())
+
+
+def test_chained_rounds_queue_the_next_round_before_reading_the_last():
+    log: list[str] = []
+    rounds = _chained(log, "ddtree", max_new=7)
+    assert [t for r in rounds for t in r.tokens] == [7, 5, 6, 5, 6, 5, 6]
+    assert rounds[-1].finish_reason == "length" and all(r.tree_size == 1 for r in rounds[1:])
+    # round 2 is queued from round 1's outcome (its root at position 3, the prompt's end) before round 1 is read
+    assert log[:6] == ["prefill sent", "draft sent", "launch 1 tree", "draft after 1 at 3", "launch 2 tree",
+                       "collect 1"]
+    # round 3 could end the request by length (5 of 7 tokens taken, 2 to come), so nothing is queued after it
+    assert log[6:] == ["draft after 2 at 5", "launch 3 tree", "collect 2", "collect 3", "end", "end"]
+
+
+def test_chained_ar_steps_and_a_stop_token_ending_the_request_with_a_round_in_flight():
+    log: list[str] = []
+    rounds = _chained(log, "ar", max_new=20, stop_at=2)
+    assert [t for r in rounds for t in r.tokens] == [7, 8, 2] and rounds[-1].finish_reason == "stop"
+    assert log.index("launch 3 decode") < log.index("collect 2")  # queued, then wasted: the sessions end
+    assert "collect 3" not in log and log[-1] == "end"  # the verifier's session (AR mode starts no drafter one)
+
+
+def test_a_drafter_failing_after_a_round_in_flight_falls_back_to_chained_decodes():
+    log: list[str] = []
+    fallbacks: list[BaseException] = []
+    rounds = _chained(log, "ddtree", max_new=6, fail_after=1, fallbacks=fallbacks)
+    assert [t for r in rounds for t in r.tokens] == [7, 5, 6, 8, 8, 8]
+    assert len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
+    assert "launch 2 decode" in log and log.count("draft after 1 at 3") == 1 and "draft after 2" not in str(log)
+
+
+def test_sampled_requests_do_not_chain():
+    log: list[str] = []
+    rounds = _chained(log, "ddtree", max_new=5, params=SamplingParams(temperature=1.0, seed=0))
+    assert [t for r in rounds for t in r.tokens] == [7, 5, 6, 5, 6]
+    assert not [entry for entry in log if entry.startswith(("launch", "collect", "draft after"))]
+
+
 # ---- a session's rounds over one stream -------------------------------------------------------------------------
 
 

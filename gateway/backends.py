@@ -1,0 +1,74 @@
+"""The round loop's view of the drafter and the verifier (gateway/rounds.py): the calls it makes, whichever side of
+a process boundary they are on. gateway/grpc_clients.py implements them over gRPC, gateway/local.py in-process."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from ddtree.types import DraftTree, SamplingParams, StepResult
+
+
+class DrafterClient(Protocol):
+    """Clients may also set `remote = True` (their calls go to another process) or `queues = True` (in-process,
+    a draft only queues device work and returns): either way the round loop starts a round's first call before it
+    hands the previous round to its caller (see run_rounds)."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    async def start_session(self, session_id: str, capacity: int) -> None: ...
+
+    async def draft(
+        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, Mapping[str, float]]: ...
+
+    async def end_session(self, session_id: str) -> None: ...
+
+
+class VerifierClient(Protocol):
+    """`remote = True` as for DrafterClient."""
+
+    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
+
+    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult: ...
+
+    async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...
+
+    async def decode(self, session_id: str) -> StepResult: ...
+
+    async def end_session(self, session_id: str) -> None: ...
+
+
+class QueuedRound(Protocol):
+    """A verify round queued on the device and not read yet."""
+
+    advance: int  # the most tokens it can commit
+
+
+class ChainingVerifier(VerifierClient, Protocol):
+    """An in-process verifier that queues rounds without waiting for the one before (gateway/local.py)."""
+
+    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""
+        ...
+
+    def launch(self, session_id: str, tree: DraftTree | None) -> QueuedRound:
+        """Queues a verify round of `tree` (None: an AR step); with a round in flight, from its outcome."""
+        ...
+
+    async def collect(self, queued: QueuedRound) -> StepResult: ...
+
+
+class ChainingDrafter(DrafterClient, Protocol):
+    """An in-process drafter on the verifier's device; `chains = True`."""
+
+    chains: bool
+
+    async def draft_after(
+        self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, Mapping[str, float]]:
+        """The draft of the round after `last` (queued, its root at position `start`), from its outcome."""
+        ...
