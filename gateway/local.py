@@ -8,7 +8,7 @@ import torch
 
 from ddtree.timing import DeferredTimings
 from ddtree.types import DraftTree, SamplingParams, StepResult
-from draft_server.drafter import DraftEngine
+from draft_server.drafter import DraftEngine, DraftResult
 from verify_server.verify import ROOT_ONLY, PendingRound, VerifyEngine
 
 
@@ -29,18 +29,20 @@ class LocalDrafter:
     async def draft(
         self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
     ) -> tuple[DraftTree, Mapping[str, float]]:
-        result = self.engine.draft(session_id, features, root_token, root_position, budget, top_k)
-        # the tree stays on the device for the verifier; its timings are read after the verifier's host sync
-        return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
+        return _handed(self.engine.draft(session_id, features, root_token, root_position, budget, top_k))
 
     async def draft_after(
         self, session_id: str, last: PendingRound, start: int, budget: int, top_k: int | None
     ) -> tuple[DraftTree, Mapping[str, float]]:
-        result = self.engine.draft_after(session_id, last.features, start, last.cursor, budget, top_k)
-        return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
+        return _handed(self.engine.draft_after(session_id, last.features, start, last.cursor, budget, top_k))
 
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
+
+
+def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:
+    """The tree stays on the device for the verifier; its timings are read after the verifier's host sync."""
+    return result.tree, DeferredTimings(lambda: {"draft_s": result.forward_s, "tree_s": result.tree_s})
 
 
 class LocalVerifier:

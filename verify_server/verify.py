@@ -342,7 +342,9 @@ class VerifyEngine:
         timer.mark()
         if not sess.readback:
             pinned = self.device.type == "cuda"
-            sess.readback = [torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+            sess.readback = [
+                torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(MAX_IN_FLIGHT)
+            ]
         host = sess.readback[sess.queued % MAX_IN_FLIGHT][: packed.shape[0]]
         sess.queued += 1
         host.copy_(packed, non_blocking=True)
