@@ -5,7 +5,7 @@ costs are out of the picture as they are in a captured draft. `chunk` and `merge
 kernels) with that kernel's warps swept and the other's at 4; `beam` times the beam search alone. Results are
 written after each shape (the sweep compiles a kernel per launch plan, ~1 s each).
 
-Usage: python bench/tree_tune.py [--out FILE.json]
+Usage: python bench/tree_tune.py [--vocabs demo,qwen3-8b] [--budgets 16,32,64,128] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from draft_server.tree_kernel import beam_tree, sort_sizes, top_k, top_plan
 DEPTHS = 15  # block size 16: the demo drafter's and the Qwen3-8B DFlash drafter's
 VOCABS = {"demo": 8192, "qwen3-8b": 151936}
 BUDGETS = (16, 32, 64, 128)
-WARPS = (4, 8, 16)  # 1 and 2: at most 0.8 us faster anywhere, up to 4x slower (bench/README.md)
+WARPS = (4, 8, 16)  # 1 and 2: at most 0.8 us faster anywhere, up to 2.7x slower (bench/README.md)
 
 
 @dataclass
@@ -32,14 +32,15 @@ class Warps:
     warps: int
 
 
-def sweep(out: Path | None) -> dict:
+def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
     results = {}
     gen = torch.Generator().manual_seed(0)
-    for name, vocab in VOCABS.items():
+    for name in vocabs:
+        vocab = VOCABS[name]
         logprobs = torch.log_softmax(3 * torch.randn(DEPTHS, vocab, generator=gen), -1).cuda()
         root = torch.zeros(1, dtype=torch.long, device="cuda")
         layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
-        for budget in BUDGETS:
+        for budget in budgets:
             k, layout = layouts.get(budget, None)
             sizes, top = sort_sizes(layout), top_plan(vocab, k)
             vals, ids = top_k(logprobs, k, top)
@@ -63,10 +64,16 @@ def sweep(out: Path | None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocabs", default=",".join(VOCABS), help=f"comma-separated, of {', '.join(VOCABS)}")
+    p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    vocabs, budgets = args.vocabs.split(","), [int(b) for b in args.budgets.split(",")]
+    if unknown := [v for v in vocabs if v not in VOCABS]:
+        p.error(f"unknown vocabularies {unknown}")
     out = Path(args.out) if args.out else None
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "depths": DEPTHS, "tree": sweep(out)}
+    tree = sweep(vocabs, budgets, out)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "depths": DEPTHS, "tree": tree}
     if out:
         out.write_text(json.dumps(result, indent=1))
 
