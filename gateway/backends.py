@@ -51,7 +51,7 @@ class QueuedRound(Protocol):
 class ChainingVerifier(VerifierClient, Protocol):
     """An in-process verifier that queues rounds without waiting for the one before (gateway/local.py)."""
 
-    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
         """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""
         ...
 

@@ -53,7 +53,7 @@ class LocalVerifier:
         self.close = close or (lambda: None)
         self.chain = getattr(engine, "device", torch.device("cpu")).type == "cuda" if chain is None else chain
 
-    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
         return self.chain and isinstance(self.engine, VerifyEngine) and self.engine.can_launch(params, max_nodes)
 
     def launch(self, session_id: str, tree: DraftTree | None) -> PendingRound:

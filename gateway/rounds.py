@@ -89,8 +89,8 @@ async def run_rounds(
         t0 = time.perf_counter()
         step = await verifier.prefill(run.session_id, prompt)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
-        chains = getattr(verifier, "chains", None)
-        chained = chains is not None and chains(params, spec.max_nodes(block)) and (
+        can_chain = getattr(verifier, "can_chain", None)
+        chained = can_chain is not None and can_chain(params, spec.max_nodes(block)) and (
             run.drafter is None or getattr(run.drafter, "chains", False)
         )
         async for rnd in (_chained_rounds if chained else _stepped_rounds)(run, step, timings):

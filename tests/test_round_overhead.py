@@ -280,7 +280,7 @@ class ChainingVerifier(InProcess):
         super().__init__(log)
         self.stop_at, self.queued = stop_at, 0
 
-    def chains(self, params: SamplingParams, max_nodes: int) -> bool:
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
         return params.greedy
 
     def launch(self, session_id: str, tree: DraftTree | None) -> Launched:
