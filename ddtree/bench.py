@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
-                     "compile": args.compile, "chained": verifier.chain,
+                     "compile": args.compile, "chained": chained(verifier, drafter, specs),
                      "gemv": verifier.engine.fused is not None and verifier.engine.fused.decoder.gemv,
                      "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
         "runs": runs,
@@ -167,6 +167,14 @@ def run(args: argparse.Namespace) -> int:
     report(result, out)
     _plot(result, out.with_suffix(".png"))
     return 0
+
+
+def chained(verifier, drafter, specs: list[Speculation]) -> bool:
+    """Whether every mode's rounds were queued ahead of the host (gateway/rounds.py _chained_rounds), as the round
+    loop decides it: the switch alone says nothing on the paths that cannot chain (HF, CPU, tensor parallel)."""
+    return drafter is not None and drafter.chains and all(
+        verifier.can_chain(SamplingParams(), spec.max_nodes(drafter.block_size)) for spec in specs
+    )
 
 
 def captured_graphs(verifier, drafter) -> int:
