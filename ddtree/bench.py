@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from ddtree.generate import DTYPES
+from ddtree.heap import freeze_startup_heap
 from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
@@ -76,7 +78,7 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
     async def one(prompt: list[int]) -> list[Round]:
         return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos)]
 
-    outputs, rounds_all, prefills, elapsed = [], [], [], 0.0
+    outputs, rounds_all, prefills, requests = [], [], [], []
     # one event loop for every request, as a server has: a fresh loop per prompt would time its set-up and teardown
     with asyncio.Runner() as runner:
         for prompt in tqdm(prompts, desc=f"{spec.mode}{'' if spec.mode != 'ddtree' else f'/{spec.budget}'}", leave=False):
@@ -84,11 +86,11 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
             start = time.perf_counter()
             rounds = runner.run(one(prompt))
             sync()
-            elapsed += time.perf_counter() - start
+            requests.append(time.perf_counter() - start)
             outputs.append([t for r in rounds for t in r.tokens])
             prefills.append(rounds[0].timings.get("round_s", 0.0))  # round 0 is the prefill
             rounds_all += rounds[1:]
-    tokens = sum(len(o) for o in outputs)
+    tokens, elapsed = sum(len(o) for o in outputs), sum(requests)
     n = max(1, len(rounds_all))
     phases = {k.removesuffix("_s"): 1000 * sum(r.timings.get(k, 0.0) for r in rounds_all) / n for k in PHASES}
     round_ms = 1000 * sum(r.timings.get("round_s", 0.0) for r in rounds_all) / n
@@ -106,9 +108,16 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
         # the prompt's forward and the first token, as a request's time to first token sees them
         "prefill_ms": round(1000 * sum(prefills) / max(1, len(prefills)), 3),
         "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+        "request_ms": request_stats(requests),
         "overhead_share": round(overhead / round_ms, 3) if round_ms else None,
         "outputs": outputs,
     }
+
+
+def request_stats(seconds: list[float]) -> dict[str, float]:
+    """Median and slowest request, ms: one slow request (a compile, a capture, a collector pause) shows as a max far
+    above the median, where the mean tokens/s alone would only look low."""
+    return {"median": round(1000 * statistics.median(seconds), 3), "max": round(1000 * max(seconds), 3)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     # captures in the first timed mode, ~0.3 ms a round of the chain's draft on the demo pair)
     for spec in specs:
         measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync)
+    freeze_startup_heap()  # a full collection over the warm-up's objects paused a timed mode for up to 0.6 s
     graphs_before = captured_graphs(verifier, drafter)
     runs = [measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync) for spec in specs]
     reference = runs[0]["outputs"]

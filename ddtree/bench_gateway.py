@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.bench import mode_ratios, report
+from ddtree.bench import mode_ratios, report, request_stats
 from gateway.metrics import PHASES
 from tqdm import tqdm
 
@@ -66,23 +66,24 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
         (f"ddtree/{b}", {"mode": "ddtree", "budget": b}) for b in budgets
     ]
 
-    def one_pass(speculation: dict, label: str) -> tuple[list[str], float]:
-        texts, elapsed = [], 0.0
+    def one_pass(speculation: dict, label: str) -> tuple[list[str], list[float]]:
+        texts, seconds = [], []
         for messages in tqdm(prompts, desc=label, leave=False):
             body = {"model": model, "messages": messages, "max_tokens": max_new, "temperature": 0,
                     "speculation": speculation}
             start = time.perf_counter()
             reply = _request(f"{url}/v1/chat/completions", body)
-            elapsed += time.perf_counter() - start
+            seconds.append(time.perf_counter() - start)
             texts.append(reply["choices"][0]["message"]["content"])
-        return texts, elapsed
+        return texts, seconds
 
     for label, speculation in specs:  # every mode once first: no graph capture or compile inside a timed pass
         one_pass(speculation, f"warm-up {label}")
     runs = []
     for label, speculation in specs:
         before = _counters(url)
-        texts, elapsed = one_pass(speculation, label)
+        texts, seconds = one_pass(speculation, label)
+        elapsed = sum(seconds)
         after = _counters(url)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         drafts = delta.get("ddtree_spec_drafts_total", 0.0)
@@ -101,6 +102,7 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
             "ttft_ms": round(1000 * delta.get("ddtree_time_to_first_token_seconds_sum", 0.0)
                              / max(1.0, delta.get("ddtree_time_to_first_token_seconds_count", 0.0)), 3),
             "phases_ms": phases_ms,
+            "request_ms": request_stats(seconds),
             # the services' host work and the transport: the gateway's draft and verify phases include the tree
             # build and the walk, which the in-process bench reports apart
             "overhead_share": round((phases_ms["server"] + phases_ms["transport"]) / sum(phases_ms.values()), 3)

@@ -34,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ddtree.heap import freeze_startup_heap
 from ddtree.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -297,6 +298,7 @@ async def serve(
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
             loading.result()  # a failed load ends the process with its error
+            freeze_startup_heap()
             for name in ("", service_name):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s: SERVING", service_name)

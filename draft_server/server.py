@@ -131,13 +131,19 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
 
 
 def warm_up(engine: DraftEngine) -> None:
-    """One real draft (context projection, block forward, tree build) so the first client pays no first-call costs."""
+    """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
+    the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
+    request after SERVING waits seconds for a compile (tests/test_warm_up.py). The tree build compiles per budget on
+    the CPU; on a GPU its Triton kernels are built per budget on first use (~1 s, then cached on disk)."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
-    engine.start_session(session_id, 2)
+    rows = (1, 16, 100, 3)
+    engine.start_session(session_id, sum(rows) + engine.block_size)
+    start, length = time.perf_counter(), 0
     try:
-        features = torch.zeros(1, engine.feature_dim)
-        result = engine.draft(session_id, features, 0, 1, budget=engine.block_size - 1)
-        log.info("warm-up draft done (forward %.3f s)", result.forward_s)
+        for m in rows:  # key buckets 64 then 128
+            length += m
+            engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
+        log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)
     finally:
         engine.end_session(session_id)
 

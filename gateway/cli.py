@@ -18,6 +18,7 @@ import uvicorn
 from transformers import PreTrainedTokenizerBase
 
 from ddtree.demo.tokenizer import load_tokenizer
+from ddtree.heap import freeze_startup_heap
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
@@ -54,6 +55,7 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
         # One worker: the gateway's state (health, queue, metrics) lives in this process.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
                                         timeout_graceful_shutdown=config.shutdown_grace))
+        freeze_startup_heap()
         await server.serve()
     finally:
         await verifier.close()

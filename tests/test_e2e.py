@@ -166,6 +166,7 @@ def test_bench_through_the_gateway(services, tmp_path) -> None:
     phases = result["runs"][3]["phases_ms"]
     assert set(phases) == {"draft", "verify", "server", "transport"} and phases["draft"] > 0 and phases["server"] > 0
     assert all(r["ttft_ms"] > 0 for r in result["runs"])
+    assert all(r["request_ms"]["max"] >= r["request_ms"]["median"] > 0 for r in result["runs"])
     assert "ddtree16/chain" in result["ratios"]
 
 
@@ -187,6 +188,9 @@ def test_bench_in_process(tmp_path) -> None:
     assert set(phases) == {"draft", "tree", "verify", "walk", "other"} and phases["draft"] > 0 and phases["verify"] > 0
     assert 0 < result["runs"][3]["overhead_share"] < 1 and result["settings"]["gemv"] is False  # no GPU here
     assert all(r["prefill_ms"] > 0 for r in result["runs"])
+    # each mode's requests together take its seconds: two prompts, so the slowest is at least the median
+    assert all(r["request_ms"]["max"] >= r["request_ms"]["median"] > 0 for r in result["runs"])
+    assert all(abs(r["seconds"] * 1000 - 2 * r["request_ms"]["median"]) < 1 for r in result["runs"])
     assert result["settings"]["graphs_captured_while_timing"] == 0 and "ddtree16/ar" in result["ratios"]
 
 

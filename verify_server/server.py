@@ -136,23 +136,34 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     return engine
 
 
+# The trees of a b16 DFlash drafter (the published ones): under --compile the step's ancestor walk is specialised to
+# a tree's max_depth, so a drafter with another block size pays one compile on its first round.
+WARM_UP_DEPTHS = 15
+
+
 def warm_up(engine: VerifyEngine) -> None:
-    """A prefill, an AR step and trees of 1, 15 and 31 nodes (query buckets 16 and 32) before clients arrive:
-    every forward shape family runs once, and under --compile the layer step has met two query lengths, so it is
-    compiled dynamic in them and later trees need no compile of their own."""
-    session_id = f"warm-up-{uuid.uuid4().hex}"
-    engine.start_session(session_id, 64, SamplingParams(), [engine.num_layers - 1])
-    try:
-        start = time.perf_counter()
-        engine.prefill(session_id, [0, 0])
-        root = engine.decode(session_id).tokens[-1]
-        for nodes in (1, 15, 31):
-            chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
-            tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
-            root = engine.verify(session_id, DraftTree(tokens, chain - 1, chain, max_depth=nodes)).tokens[-1]
-        log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
-    finally:
-        engine.end_session(session_id)
+    """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
+    cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
+    it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
+    prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
+    (tests/test_warm_up.py)."""
+    start = time.perf_counter()
+    for capacity, prompt in ((64, 2), (300, 100)):  # slots of 256 and 512 rows; key buckets 64 and 128-192
+        session_id = f"warm-up-{uuid.uuid4().hex}"
+        engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
+        try:
+            engine.prefill(session_id, [0] * prompt)
+            root = engine.decode(session_id).tokens[-1]
+            for nodes in (1, 15, 31):  # query buckets 16 and 32: a chain down to WARM_UP_DEPTHS, the rest on the root
+                parents = torch.tensor([-1] + [i if i < WARM_UP_DEPTHS else 0 for i in range(nodes)])
+                depths = torch.tensor([0] + [min(i + 1, WARM_UP_DEPTHS) if i < WARM_UP_DEPTHS else 1 for i in range(nodes)])
+                tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
+                tree = DraftTree(tokens, parents, depths, max_depth=WARM_UP_DEPTHS)
+                root = engine.verify(session_id, tree).tokens[-1]
+            engine.decode(session_id)
+        finally:
+            engine.end_session(session_id)
+    log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
 
 
 async def run_server(config: VerifyServerConfig) -> None:

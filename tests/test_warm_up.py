@@ -1,0 +1,66 @@
+"""The services' warm-ups leave nothing to compile: under --compile, a request that meets a new context length, tree
+size or number of new features must not stall for seconds on a Dynamo recompile after the service says SERVING
+(on the H200 the first requests after SERVING used to pay two recompiles in each service, 3-8 s)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+from ddtree.types import DraftTree, SamplingParams
+from draft_server.dflash import load_drafter
+from draft_server.server import warm_up as warm_up_drafter
+from tests.test_drafter_static import FEATURE_DIM, engines
+from tests.test_verify import make_engine
+from verify_server.server import warm_up as warm_up_verifier
+
+BLOCK_DEPTHS = 15  # a b16 drafter's trees, as the verifier's warm-up assumes
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def random_tree(rng: random.Random, root: int, nodes: int, vocab: int) -> DraftTree:
+    """`nodes` nodes under `root`, each hung off a random earlier node, no deeper than a b16 block."""
+    parents, depths = [-1], [0]
+    for _ in range(nodes):
+        parent = rng.choice([i for i, d in enumerate(depths) if d < BLOCK_DEPTHS])
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    tokens = [root] + [rng.randrange(vocab) for _ in range(nodes)]
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max_depth=BLOCK_DEPTHS)
+
+
+def test_verifier_warm_up_compiles_every_step_shape(qwen3_target: Path) -> None:
+    engine = make_engine(qwen3_target, "fused-static")
+    engine.fused.configure(graphs=False, compile=True, attention="matmul")
+    engine.fused.static = True  # the bucketed steps CUDA graphs replay, forced on so that the CPU runs them
+    warm_up_verifier(engine)
+    before = compiled_graphs()
+    rng = random.Random(5)
+    for prompt_length in (3, 40, 200):  # key buckets 64 to 384, prompt buckets 16 to 256
+        engine.start_session("s", 400, SamplingParams(), taps=[1, 3])
+        root = engine.prefill("s", [rng.randrange(engine.vocab_size) for _ in range(prompt_length)]).tokens[-1]
+        for nodes in (1, 0, 9, 31, 47, 0, 63, 100):  # 0: an AR step
+            step = engine.decode("s") if nodes == 0 else engine.verify("s", random_tree(rng, root, nodes, engine.vocab_size))
+            root = step.tokens[-1]
+        engine.end_session("s")
+    assert compiled_graphs() == before
+
+
+def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:
+    _, engine = engines(load_drafter(drafter_dir), max_sessions=1, max_context=400, compile=True)
+    warm_up_drafter(engine)
+    before = compiled_graphs()
+    budget = engine.block_size - 1  # the warm-up's tree shape: on the CPU each tree shape compiles on first use
+    engine.start_session("s", 400)
+    length = 0
+    for new in (3, 1, 16, 7, 60, 2, 200, 5):  # new features per draft: a prompt's, then a round's; key buckets 64-384
+        features = torch.randn(new, FEATURE_DIM)
+        engine.draft("s", features, 1, length + new, budget=budget)
+        length += new
+    assert compiled_graphs() == before
