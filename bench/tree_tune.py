@@ -1,9 +1,9 @@
 """Sweeps the tree build's Triton kernels (draft_server/tree_kernel.py: the two-stage top-k and the one-program
-beam search) over their thread-block sizes, at the demo pair's and Qwen3-8B's vocabularies and the budgets the
-bench runs, against build_tree in torch. Times are per call, from CUDA graphs of back-to-back calls, so launch
+best-first search) over their thread-block sizes, at the demo pair's and Qwen3-8B's vocabularies and the budgets
+the bench runs, against build_tree in torch. Times are per call, from CUDA graphs of back-to-back calls, so launch
 costs are out of the picture as they are in a captured draft. `chunk` and `merge` each time the whole top-k (both
-kernels) with that kernel's warps swept and the other's at 4; `beam` times the beam search alone. Results are
-written after each shape (the sweep compiles a kernel per launch plan, ~1 s each).
+kernels) with that kernel's warps swept and the other's at 4; `best_first` times the best-first search alone.
+Results are written after each shape (the sweep compiles a kernel per launch plan, ~1 s each).
 
 Usage: python bench/tree_tune.py [--vocabs demo,qwen3-8b] [--budgets 16,32,64,128] [--out FILE.json]
 """
@@ -19,12 +19,13 @@ import torch
 
 from ddtree.timing import graph_call_us, ranked
 from draft_server.tree import TreeLayouts, build_tree
-from draft_server.tree_kernel import beam_tree, sort_sizes, top_k, top_plan
+from draft_server.tree_kernel import best_first_tree, top_k, top_plan
 
 DEPTHS = 15  # block size 16: the demo drafter's and the Qwen3-8B DFlash drafter's
 VOCABS = {"demo": 8192, "qwen3-8b": 151936}
 BUDGETS = (16, 32, 64, 128)
 WARPS = (4, 8, 16)  # 1 and 2: at most 0.8 us faster anywhere, up to 2.7x slower (bench/README.md)
+BEST_FIRST_WARPS = (1, 2, 4)  # its frontier is one reduction per node: the fewer warps, the fewer barriers
 
 
 @dataclass
@@ -42,21 +43,20 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
         layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
         for budget in budgets:
             k, layout = layouts.get(budget, None)
-            sizes, top = sort_sizes(layout), top_plan(vocab, k)
+            top = top_plan(vocab, k)
             vals, ids = top_k(logprobs, k, top)
             torch_us = graph_call_us(lambda: build_tree(logprobs, root, budget, None, layout))
             chunk = [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w)) for w in WARPS]
             merge = [(graph_call_us(lambda: top_k(logprobs, k, top, (4, w))), Warps(w)) for w in WARPS]
-            beam = [(graph_call_us(lambda: beam_tree(vals, ids, root, budget, layout, sizes, w)), Warps(w))
-                    for w in WARPS]
+            best_first = [(graph_call_us(lambda: best_first_tree(vals, ids, root, layout.nodes, w)), Warps(w))
+                          for w in BEST_FIRST_WARPS]
             key = f"{name}-{budget}"
-            results[key] = {"sort_sizes": sizes, "top_plan": top, "build_tree_torch_us": round(torch_us, 2),
+            results[key] = {"top_plan": top, "build_tree_torch_us": round(torch_us, 2),
                             "top_k_at_4_warps_us": round(chunk[0][0], 2),
-                            "chunk": ranked(chunk), "merge": ranked(merge), "beam": ranked(beam),
-                            "beam_at_4_warps_us": round(beam[0][0], 2)}
-            print(f"[tree-tune] {key}: sizes {sizes} top {top}; torch {torch_us:.1f} us; chunk "
-                  f"{[round(t, 1) for t, _ in chunk]}; merge {[round(t, 1) for t, _ in merge]}; beam "
-                  f"{[round(t, 1) for t, _ in beam]} us at warps {WARPS}", flush=True)
+                            "chunk": ranked(chunk), "merge": ranked(merge), "best_first": ranked(best_first)}
+            print(f"[tree-tune] {key}: top {top}; torch {torch_us:.1f} us; chunk "
+                  f"{[round(t, 1) for t, _ in chunk]}; merge {[round(t, 1) for t, _ in merge]} us at warps {WARPS}; "
+                  f"best-first {[round(t, 1) for t, _ in best_first]} us at warps {BEST_FIRST_WARPS}", flush=True)
             if out:  # written as it goes: each new launch plan compiles (~1 s)
                 out.write_text(json.dumps(results, indent=1))
     return results

@@ -26,7 +26,7 @@ from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree, top_candidates
-from draft_server.tree_kernel import beam_tree, kernel_supported, sort_sizes, top_plan
+from draft_server.tree_kernel import best_first_fits, best_first_tree, kernel_supported, top_plan
 from draft_server.tree_kernel import top_k as top_k_kernel
 
 
@@ -99,8 +99,8 @@ class StaticDrafter:
         self.graphs = GraphPool(self.device, enabled=graphs)
         self.layouts = TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)  # the tree graphs' constants
         # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost: on a GPU with Triton
-        # the beam search is one program (tree_kernel.py); elsewhere, compiled, the elementwise work around the
-        # sorts fuses. Shapes are static per (budget, top_k): one compile each.
+        # the tree is one best-first program after the top-k (tree_kernel.py); elsewhere, compiled, the work
+        # around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
         self.tree_kernel = kernel_supported(self.device)
         self._compiled_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else None
         self._compiled_shapes: set[tuple[int, int]] = set()  # (budget, top_k) the compiled tree build has seen
@@ -195,14 +195,13 @@ class StaticDrafter:
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         root = self._ids[0, :1]  # on the device: no upload
-        sizes = sort_sizes(layout) if self.tree_kernel else None
-        if sizes is not None:  # the top-k and the beam search as Triton kernels (tree_kernel.py)
+        if self.tree_kernel and best_first_fits(layout.nodes, self.config.block_size - 1):  # Triton kernels (tree_kernel.py)
             top = top_plan(self.head.vocab_size, top_k)
             if top is None:  # a merge too wide for one program: torch's two-stage top-k
                 top_vals, top_ids = top_candidates(self._logprobs, top_k)
             else:
                 top_vals, top_ids = top_k_kernel(self._logprobs, top_k, top)
-            return beam_tree(top_vals, top_ids, root, budget, layout, sizes)
+            return best_first_tree(top_vals, top_ids, root, layout.nodes)
         args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)
         if self._compiled_tree is not None and (shape in self._compiled_shapes or len(self._compiled_shapes) < TREE_COMPILES):

@@ -66,16 +66,13 @@ class TreeLayout:
     """Constants of one (depths, top_k, budget) shape, with candidates depth-major as the beams are:
     depth_row [sum w]: the depth (0-based row of logprobs) of each beam entry; parent_base [sum w]: the candidate
     id where the previous depth's beam starts (-1 at depth 0, so the root's children point at -1); contenders per
-    depth (see `contenders`). For the one-program build (tree_kernel.py): contender_table [D, C] int32, every
-    depth's contender ids padded with -1 to C (a power of two), and widths / starts [D] int32, each depth's beam
-    width and first slot. Built once per shape outside any CUDA graph (a host-to-device copy cannot be captured)."""
+    depth (see `contenders`); nodes: how many the tree holds, min(budget, sum w). Built once per shape outside any
+    CUDA graph (a host-to-device copy cannot be captured)."""
 
     depth_row: torch.Tensor
     parent_base: torch.Tensor
     contenders: tuple[torch.Tensor | None, ...]
-    contender_table: torch.Tensor
-    widths: torch.Tensor
-    starts: torch.Tensor
+    nodes: int
 
     @classmethod
     def build(cls, num_depths: int, top_k: int, budget: int, device: torch.device) -> TreeLayout:
@@ -85,14 +82,10 @@ class TreeLayout:
         bases = [-1 if d == 0 else starts[d - 1] for d, w in enumerate(widths) for _ in range(w)]
         parents = [1] + widths[:-1]
         kept = [contenders(p, top_k, w) for p, w in zip(parents, widths)]
-        ids = [list(range(p * top_k)) if k is None else k for p, k in zip(parents, kept)]
-        slots = max(2, 1 << (max(len(i) for i in ids) - 1).bit_length())  # a sort of one is a special case in Triton
-        table = [i + [-1] * (slots - len(i)) for i in ids]
         as_tensor = partial(torch.tensor, device=device)
         return cls(
             as_tensor(rows), as_tensor(bases), tuple(None if k is None else as_tensor(k) for k in kept),
-            as_tensor(table, dtype=torch.int32), as_tensor(widths, dtype=torch.int32),
-            as_tensor(starts, dtype=torch.int32),
+            min(budget, len(rows)),
         )
 
 

@@ -1,24 +1,26 @@
-"""The tree build in three Triton kernels: a two-stage top-k over the vocabulary, then the beam search in one
+"""The tree build in three Triton kernels: a two-stage top-k over the vocabulary, then a best-first search in one
 program, the same tree as `tree.build_tree`, bit for bit (up to the order of equal log-probs in the top-k).
 
 Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a
 gather, a sort and slices; compiled and captured it still ran 52 kernels, 0.13 ms of a 1.04 ms round on the demo
-pair (bench/results/profile_round_demo_bf16_compile_flash_topk2.txt), each kernel a few µs however small its
-sort. Here one thread block walks every depth: per depth it scores the contenders (parent beam score + the
-token's log-prob), sorts them in registers by a packed key, and writes the beam to a scratch buffer the next depth
-reads after a barrier; a last sort picks the tree and maps parents to node numbers. The top-k before it (torch.topk
-in two stages was 2 x 17 us of the 0.07 ms left after that) sorts chunks of the vocabulary in parallel, then
-merges each depth's chunk winners.
+pair (bench/results/profile_round_demo_bf16_compile_flash_topk2.txt), each kernel a few µs however small its sort.
+Here one warp runs DESIGN §4's best-first search itself: the frontier (at most one entry per node so far, plus the
+root's first child) sits in its registers, and each step pops the best entry as the next node and pushes that
+node's next sibling and first child. A step is one reduction and a few loads, so a tree costs what its nodes cost:
+5.1 / 8.6 / 17.8 / 42.2 us for 16 / 32 / 64 / 128 nodes on the H200, against 16.8 / 23.1 / 50.7 / 115.5 for the
+beam search by depth it replaced, whose every depth sorted up to ~w ln w contenders in registers
+(bench/results/tree_tune_best_first_h200.json). The top-k before it (torch.topk in two stages was 2 x 17 us) sorts
+chunks of the vocabulary in parallel, then merges each depth's chunk winners.
 
-Ordering equals build_tree's stable sorts: a key packs the score (descending) above the candidate's index
-(ascending), so ties break by index as a stable sort does, and the scores are the same fp32 sums.
+Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
+break as a stable sort does, and the scores are the same fp32 sums (a parent's score + the token's log-prob). In
+the best-first search the index is (depth, parent node, rank): a node's number orders it within its depth as its
+beam slot does in build_tree, and an entry is pushed before any entry that ties with it could need it.
 """
 
 from __future__ import annotations
 
 import torch
-
-from draft_server.tree import TreeLayout
 
 try:
     import triton
@@ -26,14 +28,17 @@ try:
 except ImportError:  # CPU-only installs: build_tree runs instead (kernel_supported() is False)
     triton = None
 
-# largest sort one program holds in registers (the largest run on the H200: the beam search of a 255-node tree at
-# Qwen3-8B shapes); bigger trees fall back to build_tree, bigger top-k merges to torch.topk
+# largest sort one program holds in registers (4096 ran on the H200 at Qwen3-8B shapes); wider top-k merges fall
+# back to torch.topk
 MAX_SORT = 4096
+# A best-first entry's index bits, below its score: depth, then parent node, then rank, so that equal scores pop in
+# build_tree's order (depth, the parent's place in its beam, the token's rank). Kernel arguments: Triton's
+# interpreter cannot shift by a global constexpr.
+FIELD_BITS = 10
 MERGE_TARGET = 2048  # candidates per depth the top-k's merge should sort (it sets the chunk size)
-# Thread blocks of 16 warps for the sorts of 512 keys or more (bench/tree_tune.py, H200, demo vocabulary: a 64-node
-# tree's beam search 70 -> 51 us, a 128-node one's 220 -> 116 us; the top-k of a 32- to 128-node tree, whose merge
-# takes 1024-2048 keys, 8.9-21.9 -> 7.8-17.5 us); 4 below that, where more warps only add synchronisation (a
-# 32-node tree's beam search: 23 us at 4, 26 at 16).
+# Thread blocks of 16 warps for the sorts of 512 keys or more (bench/tree_tune.py, H200, demo vocabulary: the top-k
+# of a 32- to 128-node tree, whose merge takes 1024-2048 keys, 8.9-21.9 -> 7.8-17.5 us); 4 below that, where more
+# warps only add synchronisation.
 WIDE_SORT, WIDE_WARPS, NARROW_WARPS = 512, 16, 4
 
 
@@ -44,14 +49,6 @@ def sort_warps(keys: int) -> int:
 
 def kernel_supported(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
-
-
-def sort_sizes(layout: TreeLayout) -> tuple[int, int] | None:
-    """(contender slots per depth, candidate slots over all depths), both powers of two, or None when a sort
-    would not fit one program."""
-    per_depth = layout.contender_table.shape[1]  # a power of two already
-    total = max(2, triton.next_power_of_2(layout.depth_row.shape[0]))
-    return None if max(per_depth, total) > MAX_SORT else (per_depth, total)
 
 
 if triton is not None:
@@ -70,47 +67,36 @@ if triton is not None:
         return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _beam_tree_kernel(
-        Vals, Ids, Contenders, Widths, Starts, DepthRow, ParentBase, Root, Scores, Order, NodeOf, Out,
-        total, num_nodes,
-        DEPTHS: tl.constexpr, K: tl.constexpr, CMAX: tl.constexpr, TOTAL: tl.constexpr, N1: tl.constexpr,
-    ):
-        """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Contenders [DEPTHS, CMAX]
-        int32 candidate ids (parent rank * K + token rank; -1 pads); Widths/Starts [DEPTHS]: beam width and first
-        slot of each depth in the depth-major scratch Scores/Order [total]; DepthRow/ParentBase [total] as in
-        TreeLayout; NodeOf [total] int32 scratch; Out [3, N1] long: tokens, parents, depths of root + nodes."""
-        slots = tl.arange(0, CMAX)
-        for d in range(DEPTHS):
-            cand = tl.load(Contenders + d * CMAX + slots)
-            real = cand >= 0
-            parent, rank = cand // K, cand % K
-            prev = tl.load(Starts + tl.maximum(d - 1, 0))
-            base = tl.load(Scores + prev + parent, mask=real & (d > 0), other=0.0)  # the root's score is 0
-            score = base + tl.load(Vals + d * K + rank, mask=real, other=0.0)
-            key = tl.sort(tl.where(real, _pack(score, cand), PAD_KEY))
-            keep = slots < tl.load(Widths + d)
-            first = tl.load(Starts + d)
-            tl.store(Scores + first + slots, _unpack_score(key), mask=keep)
-            tl.store(Order + first + slots, (key & 0xFFFFFFFF).to(tl.int32), mask=keep)
-            tl.debug_barrier()  # the next depth reads this beam from other threads' stores
-
-        # the tree: the best num_nodes of all beams, ties by depth then beam rank (their depth-major slot)
-        slot = tl.arange(0, TOTAL)
-        score = tl.load(Scores + slot, mask=slot < total, other=0.0)
-        key = tl.sort(tl.where(slot < total, _pack(score, slot), PAD_KEY))
-        chosen = (key & 0xFFFFFFFF).to(tl.int32)  # [TOTAL] slots, best first
-        node = tl.arange(0, TOTAL) + 1  # node numbers; 0 is the root
-        picked = node <= num_nodes
-        tl.store(NodeOf + chosen, node, mask=picked)
-        tl.debug_barrier()  # parents are looked up in other threads' stores
-        order = tl.load(Order + chosen, mask=picked, other=0)
-        depth = tl.load(DepthRow + chosen, mask=picked, other=0)
-        parent_slot = tl.load(ParentBase + chosen, mask=picked, other=-1) + order // K  # -1: the root
-        parent = tl.load(NodeOf + parent_slot, mask=picked & (parent_slot >= 0), other=0)
-        token = tl.load(Ids + depth * K + order % K, mask=picked, other=0)
-        tl.store(Out + node, token, mask=picked)
-        tl.store(Out + N1 + node, parent.to(tl.int64), mask=picked)
-        tl.store(Out + 2 * N1 + node, depth.to(tl.int64) + 1, mask=picked)
+    def _best_first_kernel(Vals, Ids, Root, Out, num_nodes, K: tl.constexpr, DEPTHS: tl.constexpr, F: tl.constexpr,
+                           N1: tl.constexpr, BITS: tl.constexpr):
+        """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Out [3, N1] long: tokens,
+        parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry: slot 0
+        starts as the root's first child, slot n takes node n's first child, and a popped entry's slot takes its
+        next sibling, whose parent's score (`base`) is that slot's already."""
+        slot = tl.arange(0, F)
+        base = tl.zeros([F], dtype=tl.float32)  # [F] the score of each entry's parent (the root's: 0)
+        first = _pack(base + tl.load(Vals), tl.full([F], 1, tl.int32) << (2 * BITS))
+        key = tl.where(slot == 0, first, PAD_KEY)  # [F] packed (score, depth, parent, rank); PAD: empty
+        for node in range(1, num_nodes + 1):
+            best = tl.min(key, axis=0)  # unique: the index bits differ
+            popped = key == best
+            score = _unpack_score(best)
+            index = (best & 0xFFFFFFFF).to(tl.int32)
+            field = (1 << BITS) - 1
+            depth, parent, rank = index >> (2 * BITS), (index >> BITS) & field, index & field
+            row = (depth - 1) * K
+            tl.store(Out + node, tl.load(Ids + row + rank))
+            tl.store(Out + N1 + node, parent.to(tl.int64))
+            tl.store(Out + 2 * N1 + node, depth.to(tl.int64))
+            more = rank + 1 < K
+            sibling = _pack(base + tl.load(Vals + row + rank + 1, mask=more, other=0.0), index + 1)
+            key = tl.where(popped, tl.where(more, sibling, PAD_KEY), key)
+            deeper = depth < DEPTHS
+            child = _pack(score + tl.load(Vals + row + K, mask=deeper, other=0.0),
+                          ((depth + 1) << (2 * BITS)) | (tl.full([], node, tl.int32) << BITS))
+            fresh = slot == node
+            key = tl.where(fresh, tl.where(deeper, child, PAD_KEY), key)
+            base = tl.where(fresh, score, base)
         tl.store(Out, tl.load(Root))
         tl.store(Out + N1, -1)
         tl.store(Out + 2 * N1, 0)
@@ -173,23 +159,22 @@ def top_k(
     return vals, ids
 
 
-def beam_tree(
-    top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor, budget: int, layout: TreeLayout,
-    sizes: tuple[int, int], warps: int | None = None,
+def best_first_fits(num_nodes: int, depths: int) -> bool:
+    """Whether best_first_tree can pack a tree's fields (nodes and ranks below 1024, depths below 64)."""
+    return num_nodes < 1 << FIELD_BITS and depths < 1 << (32 - 2 * FIELD_BITS - 1)
+
+
+def best_first_tree(
+    top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor, num_nodes: int, warps: int = 1
 ) -> torch.Tensor:
-    """top_vals [D, k] fp32 (descending per depth), top_ids [D, k] long, root [1] long -> [3, N+1] long
-    (tokens, parents, depths; root first), N = min(budget, candidates), as build_tree's DraftTree stacked."""
+    """top_vals [D, k] fp32 (descending per depth), top_ids [D, k] long, root [1] long -> [3, N+1] long (tokens,
+    parents, depths; root first), N = num_nodes (TreeLayout.nodes), the same tree as build_tree. One warp: more
+    only adds barriers to every step's reduction (1 / 2 / 4 warps at 32 nodes: 8.6 / 10.6 / 11.0 us)."""
     depths, k = top_vals.shape
-    cmax, total_slots = sizes
-    total = layout.depth_row.shape[0]
-    num_nodes = min(budget, total)
-    scores = torch.empty(total, dtype=torch.float32, device=top_vals.device)  # [sum w] beam scores, depth-major
-    order = torch.empty(total, dtype=torch.int32, device=top_vals.device)  # [sum w] candidate id per beam slot
-    node_of = torch.empty(total, dtype=torch.int32, device=top_vals.device)  # [sum w] slot -> node number
     out = torch.empty(3, num_nodes + 1, dtype=torch.long, device=top_vals.device)
-    _beam_tree_kernel[(1,)](
-        top_vals.contiguous(), top_ids.contiguous(), layout.contender_table, layout.widths, layout.starts, layout.depth_row,
-        layout.parent_base, root, scores, order, node_of, out, total, num_nodes,
-        DEPTHS=depths, K=k, CMAX=cmax, TOTAL=total_slots, N1=num_nodes + 1, num_warps=warps or sort_warps(cmax),
+    _best_first_kernel[(1,)](
+        top_vals.contiguous(), top_ids.contiguous(), root, out, num_nodes,
+        K=k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes + 1)), N1=num_nodes + 1, BITS=FIELD_BITS,
+        num_warps=warps,
     )
     return out

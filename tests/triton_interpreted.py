@@ -18,7 +18,7 @@ from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan
 from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
-from draft_server.tree_kernel import beam_tree, sort_sizes, top_k, top_plan
+from draft_server.tree_kernel import best_first_tree, top_k, top_plan
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
@@ -27,8 +27,8 @@ DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "c
 
 
 def check_tree() -> None:
-    """The kernels' top-k equals torch.topk, and the one-program beam search equals build_tree exactly (tokens,
-    parents, depths), ties included."""
+    """The kernels' top-k equals torch.topk, and the one-program best-first search equals build_tree exactly
+    (tokens, parents, depths), ties included."""
     gen = torch.Generator().manual_seed(0)
     # (depths, vocab, budget, top_k): the demo pair's ddtree 32 and chain, a narrow top_k, tiny shapes, a vocabulary
     # of several top-k chunks with a partial last one
@@ -49,9 +49,10 @@ def check_tree() -> None:
                 rows = depths if DEVICE.type == "cuda" else 2
                 got_vals, got_ids = top_k(logprobs[:rows], k, top_plan(vocab, k))
                 assert torch.equal(got_vals, top_vals[:rows]) and torch.equal(got_ids, top_ids[:rows])
-            got = beam_tree(top_vals, top_ids, root, budget, layout, sort_sizes(layout))
-            assert torch.equal(got, torch.stack((want.tokens, want.parents, want.depths))), (depths, vocab, budget, k_wanted)
-            assert got.shape[1] == min(budget, layout.depth_row.shape[0]) + 1 and want.depths.max() > 1
+            want = torch.stack((want.tokens, want.parents, want.depths))
+            got = best_first_tree(top_vals, top_ids, root, layout.nodes)
+            assert torch.equal(got, want), (depths, vocab, budget, k_wanted)
+            assert got.shape[1] == min(budget, layout.depth_row.shape[0]) + 1 and want[2].max() > 1
             print("tree ok", depths, vocab, budget, k_wanted, "ties" if ties else "")
 
 
