@@ -21,7 +21,8 @@ from ddtree.types import SamplingParams
 from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayout, build_tree
+from draft_server.tree import TreeLayouts, build_tree
+from draft_server.tree_kernel import kernel_supported, kernel_tree
 from verify_server.tree_attention import ATTENTION_NAME
 from verify_server.verify import VerifyEngine
 
@@ -139,7 +140,9 @@ def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tr
 def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: int, sizes: list[int],
                   repeat: int) -> dict:
     """A whole draft call (context append of 4 accepted positions, block forward, tree build) at the DFlash shape
-    matching the target shape, per tree budget: the eager path and the static one (CUDA graphs on a GPU)."""
+    matching the target shape, per tree budget: the eager path, the static one (CUDA graphs on a GPU) and, on a GPU,
+    the static one compiled (what `ddtree draft --compile` runs). read_bytes: what a draft must read at least, the
+    drafter's weights and the target's lm_head (its bound, once the copy bandwidth is known)."""
     dcfg = DFlashConfig(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
@@ -155,8 +158,11 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     room = context + step * (repeat + 4) + 1
     features = torch.randn(context, dcfg.num_taps * s["hidden_size"], device=device, dtype=dtype)
     result = {}
-    for name, eager in (("eager", True), ("static", False)):
-        engine = DraftEngine(drafter, head, eager=eager, max_context=room)
+    variants = {"eager": (True, False), "static": (False, False)}
+    if device.type == "cuda":
+        variants["static+compile"] = (False, True)
+    for name, (eager, compiled) in variants.items():
+        engine = DraftEngine(drafter, head, eager=eager, max_context=room, compile=compiled)
         draft_ms = {}
         for n in sizes:
             engine.start_session("d", room)
@@ -171,7 +177,22 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
             )
             engine.end_session("d")
         result[name] = {str(n): round(v, 3) for n, v in draft_ms.items()}
-    return {"draft_ms": result}
+    weights = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    return {"draft_ms": result, "read_bytes": weights + head.lm_head.numel() * head.lm_head.element_size()}
+
+
+def tree_curve(s: dict, logprobs: torch.Tensor, sizes: list[int], repeat: int) -> dict:
+    """The tree build alone per budget, from the block's [B-1, vocab] log-probs: build_tree in torch (uncaptured:
+    what the CPU runs, and the GPU without Triton) and, on a GPU, the kernels a static draft runs (tree_kernel.py)."""
+    device = logprobs.device
+    layouts = TreeLayouts(s["block_size"] - 1, s["vocab_size"], device)
+    builds = {"torch": lambda n, k, layout: build_tree(logprobs, 0, n, layout=layout)}
+    if kernel_supported(device):
+        root = torch.zeros(1, dtype=torch.long, device=device)
+        builds["kernels"] = lambda n, k, layout: kernel_tree(logprobs, root, k, layout)
+    return {name: {str(n): round(timed(lambda n=n, shape=layouts.get(n, None): build(n, *shape), device, repeat), 3)
+                   for n in sizes}
+            for name, build in builds.items()}
 
 
 VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused GEMVs)
@@ -243,16 +264,19 @@ def run_cost_curve(
     for curve in paths.values():
         if "ar_step_ms" in curve:
             curve["ar_step_over_bound"] = bound_ms and round(curve["ar_step_ms"] / bound_ms, 2)
+    drafter = drafter_curve(s, device, dtype, context, sizes, repeat)
+    if bandwidth:
+        drafter["bound_ms"] = round(drafter["read_bytes"] / bandwidth * 1000, 3)
+        drafter["over_bound"] = {name: {n: round(ms / drafter["bound_ms"], 2) for n, ms in curve.items()}
+                                 for name, curve in drafter["draft_ms"].items()}
     result = {
         "hardware": {"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "torch": torch.__version__},
         "shape": shape, "tp": tp, "dtype": str(dtype).removeprefix("torch."), "context": context,
         "weight_bytes": weight_bytes, "streamed_bytes": streamed, "copy_bandwidth_gbs": bandwidth and round(bandwidth / 1e9, 1),
         "weight_streaming_bound_ms": bound_ms and round(bound_ms, 3),
         "verifier": paths,
-        "drafter": drafter_curve(s, device, dtype, context, sizes, repeat),
-        "tree_build_ms": {str(n): round(timed(lambda n=n, layout=TreeLayout.build(s["block_size"] - 1, n, n, device):
-                                                     build_tree(tree_logprobs, 0, n, layout=layout), device, repeat), 3)
-                          for n in sizes},
+        "drafter": drafter,
+        "tree_build_ms": tree_curve(s, tree_logprobs, sizes, repeat),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -25,9 +25,8 @@ from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayout, TreeLayouts, build_tree, top_candidates
-from draft_server.tree_kernel import best_first_fits, best_first_tree, kernel_supported, top_plan
-from draft_server.tree_kernel import top_k as top_k_kernel
+from draft_server.tree import TreeLayout, TreeLayouts, build_tree
+from draft_server.tree_kernel import kernel_supported, kernel_tree
 
 
 TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
@@ -195,13 +194,8 @@ class StaticDrafter:
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         root = self._ids[0, :1]  # on the device: no upload
-        if self.tree_kernel and best_first_fits(layout.nodes, self.config.block_size - 1):  # Triton kernels (tree_kernel.py)
-            top = top_plan(self.head.vocab_size, top_k)
-            if top is None:  # a merge too wide for one program: torch's two-stage top-k
-                top_vals, top_ids = top_candidates(self._logprobs, top_k)
-            else:
-                top_vals, top_ids = top_k_kernel(self._logprobs, top_k, top)
-            return best_first_tree(top_vals, top_ids, root, layout.nodes)
+        if self.tree_kernel and (tree := kernel_tree(self._logprobs, root, top_k, layout)) is not None:
+            return tree
         args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)
         if self._compiled_tree is not None and (shape in self._compiled_shapes or len(self._compiled_shapes) < TREE_COMPILES):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from draft_server.tree import TreeLayout, top_candidates
+
 try:
     import triton
     import triton.language as tl
@@ -134,9 +136,11 @@ if triton is not None:
 
 def top_plan(vocab: int, k: int) -> tuple[int, int, int] | None:
     """(chunk, per-chunk keep, merge width) for the two-stage top-k, all powers of two, or None when a sort would
-    not fit one program. Chunks are small enough for many programs and big enough that the merge stays short."""
+    not fit one program. Chunks are small enough for many programs and big enough that the merge stays short; at
+    most MAX_SORT, the merge then longer (a 64-node tree at Qwen3-8B's vocabulary: chunks of 4096, a merge of
+    4096, where a chunk of 8192 left it all to torch.topk, 0.27 ms)."""
     keep = max(2, triton.next_power_of_2(k))
-    chunk = max(256, keep, triton.next_power_of_2(-(-vocab * keep // MERGE_TARGET)))
+    chunk = min(MAX_SORT, max(256, keep, triton.next_power_of_2(-(-vocab * keep // MERGE_TARGET))))
     merge = max(2, triton.next_power_of_2(-(-vocab // chunk) * keep))
     return None if max(chunk, merge) > MAX_SORT else (chunk, keep, merge)
 
@@ -178,3 +182,14 @@ def best_first_tree(
         num_warps=warps,
     )
     return out
+
+
+def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, layout: TreeLayout) -> torch.Tensor | None:
+    """logprobs [D, V] fp32, root [1] long -> build_tree's tree of the top k tokens per depth (TreeLayouts.get's k)
+    as [3, N+1] long (tokens, parents, depths), from the kernels: the two-stage top-k (torch's where its merge would not fit one program), then the best-first search.
+    None where the search cannot pack the tree (build_tree it is, then)."""
+    if not best_first_fits(layout.nodes, logprobs.shape[0]):
+        return None
+    top = top_plan(logprobs.shape[1], k)
+    top_vals, top_ids = top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)
+    return best_first_tree(top_vals, top_ids, root, layout.nodes)

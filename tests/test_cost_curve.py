@@ -18,5 +18,7 @@ def test_tiny_cost_curve_reports_every_cpu_path(tmp_path: Path) -> None:
     assert set(result["verifier"]) == {"hf", "fused"}  # graph variants need a GPU
     for curve in result["verifier"].values():
         assert curve["prefill_ms"] > 0 and curve["ar_step_ms"] > 0 and set(curve["verify_ms"]) == {"3", "15"}
-    assert set(result["drafter"]["draft_ms"]) == {"eager", "static"}
+    assert set(result["drafter"]["draft_ms"]) == {"eager", "static"}  # the compiled drafter too on a GPU
+    assert result["drafter"]["read_bytes"] > 0 and "bound_ms" not in result["drafter"]
+    assert set(result["tree_build_ms"]) == {"torch"} and set(result["tree_build_ms"]["torch"]) == {"3", "15"}
     assert result["weight_streaming_bound_ms"] is None  # no copy bandwidth on a CPU
