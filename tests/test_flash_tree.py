@@ -51,7 +51,7 @@ def test_flash_equals_masked_attention(
     # a cache view: [kv_heads, kv_len, d] cut out of a longer slot, as the verifier passes it
     k = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
     v = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
-    tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA), q_len)  # [q, q]
+    tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA))  # [q, q]
     start_t = torch.tensor(start, device=CUDA)
     scale = head_dim**-0.5
 
@@ -75,7 +75,7 @@ def test_flash_under_compile_and_graph_capture() -> None:
     for q_len, kv_len in [(1, 128), (16, 192), (32, 256)]:
         q = torch.randn(q_len, 8, 64, generator=gen).to(CUDA)
         k, v = (torch.randn(2, kv_len, 64, generator=gen).to(CUDA) for _ in range(2))
-        tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA), q_len)
+        tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA))
         start = torch.tensor(kv_len - q_len - 3, device=CUDA)
         want = flash_tree_attention(q, k, v, start, tree, 0.125)
         fn(q, k, v, start, tree)  # warm-up outside capture (Triton compiles on first launch)

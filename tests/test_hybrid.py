@@ -76,7 +76,7 @@ def test_tree_delta_rule_and_commit_follow_each_path() -> None:
     torch.manual_seed(0)
     q, heads, dk, dv, kernel, conv_dim = 12, 2, 8, 6, 4, 5
     parents = random_tree(random.Random(3), q)
-    anc = ancestor_matrix(parents, q)
+    anc = ancestor_matrix(parents)
     query, key = torch.randn(q, heads, dk), torch.randn(q, heads, dk)
     value, beta = torch.randn(q, heads, dv), torch.rand(q, heads)
     g = -torch.rand(q, heads) * 3

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddtree.types import DraftTree, SamplingParams
+from verify_server.fused_runner import ANCESTOR_STEPS, MAX_GRAPH_NODES
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.verify import SessionError, VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
@@ -138,10 +139,27 @@ def test_features_are_tapped_layer_outputs(path: str, qwen3_target: Path) -> Non
 
 def test_ancestor_matrix() -> None:
     parents = torch.tensor([-1, 0, 0, 1, 3, 2])
-    anc = ancestor_matrix(parents, max_depth=3)
+    anc = ancestor_matrix(parents)
     expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {0, 2, 5}}
     for i, want in expected.items():
         assert set(anc[i].nonzero().flatten().tolist()) == want
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 64, 65, 300])
+def test_ancestor_matrix_of_any_depth_equals_walking_up(n: int) -> None:
+    """Pointer doubling against walking up node by node: a chain (depth n - 1, the deepest n nodes can be), a
+    random tree, and the padded buckets' constant step count."""
+    rng = random.Random(n)
+    for parents in ([-1] + list(range(n - 1)), [-1] + [rng.randrange(i) for i in range(1, n)]):
+        want = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[i, j] = True
+                j = parents[j]
+        assert torch.equal(ancestor_matrix(torch.tensor(parents)), want)
+        if n <= MAX_GRAPH_NODES:
+            assert torch.equal(ancestor_matrix(torch.tensor(parents), ANCESTOR_STEPS), want)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -17,7 +17,7 @@ from tests.test_drafter_static import FEATURE_DIM, engines
 from tests.test_verify import make_engine
 from verify_server.server import warm_up as warm_up_verifier
 
-BLOCK_DEPTHS = 15  # a b16 drafter's trees, as the verifier's warm-up assumes
+BLOCK_DEPTHS = 9  # a b10 drafter's trees, where the warm-up's are chains of up to 31: a tree's depth changes nothing
 
 
 def compiled_graphs() -> int:
@@ -25,7 +25,7 @@ def compiled_graphs() -> int:
 
 
 def random_tree(rng: random.Random, root: int, nodes: int, vocab: int) -> DraftTree:
-    """`nodes` nodes under `root`, each hung off a random earlier node, no deeper than a b16 block."""
+    """`nodes` nodes under `root`, each hung off a random earlier node, no deeper than BLOCK_DEPTHS."""
     parents, depths = [-1], [0]
     for _ in range(nodes):
         parent = rng.choice([i for i, d in enumerate(depths) if d < BLOCK_DEPTHS])

@@ -114,7 +114,7 @@ def check_flash() -> None:
         q = torch.randn(q_len, heads, 64, generator=gen)
         k, v = (torch.randn(kv_heads, kv_len + 8, 64, generator=gen)[:, :kv_len] for _ in range(2))
         parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)])
-        q, k, v, tree = (t.to(DEVICE) for t in (q, k, v, ancestor_matrix(parents, q_len)))
+        q, k, v, tree = (t.to(DEVICE) for t in (q, k, v, ancestor_matrix(parents)))
         start_t = torch.tensor(start, device=DEVICE)
         p = plan(q_len, heads, kv_heads, kv_len, 64, target=8)  # few programs: several chunks at these key counts
         got = launch(q, k, v, start_t, tree, 0.125, p)

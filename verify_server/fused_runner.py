@@ -30,6 +30,7 @@ from verify_server.walk import accept_path
 
 MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
+ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # every captured tree's ancestor matrix, whatever its depth
 
 
 def bucket(q: int) -> int | None:
@@ -140,7 +141,7 @@ class TreeInputs:
                           self.valid[:q], self.anc[:q, :q])
 
 
-def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, ...]:
+def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order (device ops
     only; a tuple so that torch.compile returns it as is)."""
     qb = nodes.shape[0]
@@ -150,7 +151,7 @@ def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor, max_depth: int) -> tu
     ids = torch.where(nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
     parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
     depths = torch.where(valid, depths, 0)
-    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, max_depth)
+    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, ANCESTOR_STEPS)
 
 
 def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +201,7 @@ class FusedRunner:
             flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
         self.decoder.set_compiled(compile, attention, gemv and gemv_supported(self.device))
-        # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's max_depth
+        # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
         # steps, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
         self._accept = torch.compile(greedy_accept, fullgraph=True) if compile else greedy_accept
@@ -287,8 +288,8 @@ class FusedRunner:
             return None
         buf, kv_len = run
         return self.graphs.run(
-            (self._slot_of[id(cache)], buf.qb, kv_len, taps, tree.max_depth, "greedy"),
-            lambda: self._greedy(cache, buf, taps, kv_len, tree.max_depth),
+            (self._slot_of[id(cache)], buf.qb, kv_len, taps, "greedy"),
+            lambda: self._greedy(cache, buf, taps, kv_len),
         )
 
     def tree_forward(
@@ -302,8 +303,8 @@ class FusedRunner:
             return None
         buf, kv_len = run
         logits, features, x = self.graphs.run(
-            (self._slot_of[id(cache)], buf.qb, kv_len, taps, tree.max_depth, "scores"),
-            lambda: self._scores(cache, buf, taps, kv_len, tree.max_depth),
+            (self._slot_of[id(cache)], buf.qb, kv_len, taps, "scores"),
+            lambda: self._scores(cache, buf, taps, kv_len),
         )
         q = tree.tokens.shape[0]
         return logits[:q], None if features is None else features[:q], x.head(q)
@@ -329,12 +330,12 @@ class FusedRunner:
         return buf
 
     def _greedy(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
         compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
         accepted."""
-        logits, features, x = self._scores(cache, buf, taps, kv_len, max_depth)
+        logits, features, x = self._scores(cache, buf, taps, kv_len)
         packed, path = self._accept(x, logits)
         order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
         cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))
@@ -343,9 +344,9 @@ class FusedRunner:
         return packed, None if features is None else features[order], cursor
 
     def _scores(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int, max_depth: int
+        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs]:
-        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes, max_depth))
+        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes))
         logits, features = self._step(cache, x, kv_len, taps)
         return logits, features, x
 

@@ -136,11 +136,6 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     return engine
 
 
-# The trees of a b16 DFlash drafter (the published ones): under --compile the step's ancestor walk is specialised to
-# a tree's max_depth, so a drafter with another block size pays one compile on its first round.
-WARM_UP_DEPTHS = 15
-
-
 def warm_up(engine: VerifyEngine) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
@@ -154,12 +149,10 @@ def warm_up(engine: VerifyEngine) -> None:
         try:
             engine.prefill(session_id, [0] * prompt)
             root = engine.decode(session_id).tokens[-1]
-            for nodes in (1, 15, 31):  # query buckets 16 and 32: a chain down to WARM_UP_DEPTHS, the rest on the root
-                parents = torch.tensor([-1] + [i if i < WARM_UP_DEPTHS else 0 for i in range(nodes)])
-                depths = torch.tensor([0] + [min(i + 1, WARM_UP_DEPTHS) if i < WARM_UP_DEPTHS else 1 for i in range(nodes)])
+            for nodes in (1, 15, 31):  # query buckets 16 and 32
+                chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
                 tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
-                tree = DraftTree(tokens, parents, depths, max_depth=WARM_UP_DEPTHS)
-                root = engine.verify(session_id, tree).tokens[-1]
+                root = engine.verify(session_id, DraftTree(tokens, chain - 1, chain, max_depth=nodes)).tokens[-1]
             engine.decode(session_id)
         finally:
             engine.end_session(session_id)

@@ -20,18 +20,18 @@ ATTENTION_NAME = "ddtree_tree"
 STEP_KWARG = "ddtree_step"
 
 
-def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+def ancestor_matrix(parents: torch.Tensor, steps: int | None = None) -> torch.Tensor:
     """parents [n] (-1 for the root, parent index < own index) -> anc [n, n] bool, anc[i, j] = j is i or one of
-    its ancestors. Walks up max_depth times with vectorised gathers: no host sync, no per-node loop."""
+    its ancestors. Pointer doubling: after step k each row holds the ancestors less than 2**k levels up, so `steps`
+    = ceil(log2(n)) (the default) covers any tree of n nodes; a captured step passes the bound of its largest
+    bucket instead, a constant, so that the code depends on neither the tree's depth nor its size. No host sync,
+    no per-node loop."""
     n = parents.shape[0]
-    idx = torch.arange(n, device=parents.device)
-    up = parents.clamp(min=0)  # the root is its own parent, so walking past it stays put
-    anc = torch.eye(n, dtype=torch.bool, device=parents.device)
-    true = torch.ones(n, dtype=torch.bool, device=parents.device)  # device values: capturable in a CUDA graph
-    cur = idx
-    for _ in range(max_depth):
-        cur = up[cur]
-        anc.index_put_((idx, cur), true)
+    up = parents.clamp(min=0)  # [n] the 2**k-th ancestor; the root is its own parent, so walking past it stays put
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device)  # [n, n] ancestors less than 1 level up: itself
+    for _ in range((n - 1).bit_length() if steps is None else steps):
+        anc = anc | anc[up]  # [n, n] and those of the 2**k-th ancestor
+        up = up[up]
     return anc
 
 

@@ -273,7 +273,7 @@ class VerifyEngine:
             depths = tree.depths.to(self.device)
             ids = tree.tokens.to(self.device).clone()
             ids[0] = sess.root
-            anc = ancestor_matrix(parents, tree.max_depth)  # [q, q]
+            anc = ancestor_matrix(parents)  # [q, q]
             logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
         timer.mark()
         choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
