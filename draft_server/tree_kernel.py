@@ -164,7 +164,7 @@ def top_k(
 
 
 def best_first_fits(num_nodes: int, depths: int) -> bool:
-    """Whether best_first_tree can pack a tree's fields (nodes and ranks below 1024, depths below 64)."""
+    """Whether best_first_tree can pack a tree's fields (nodes and ranks below 1024, depths below 2048)."""
     return num_nodes < 1 << FIELD_BITS and depths < 1 << (32 - 2 * FIELD_BITS - 1)
 
 
