@@ -130,17 +130,23 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     return engine
 
 
+WARM_UP_ROWS = (1, 16, 100, 3)  # new features per warm-up draft: one, a round's, a prompt's; key buckets 64 then 128
+
+
 def warm_up(engine: DraftEngine) -> None:
     """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
     the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
     request after SERVING waits seconds for a compile (tests/test_warm_up.py). The tree build compiles per budget on
-    the CPU; on a GPU its Triton kernels are built per budget on first use (~1 s, then cached on disk)."""
+    the CPU; on a GPU its Triton kernels are built per budget on first use (~1 s, then cached on disk). A context
+    limit below the four drafts' 136 positions keeps those that fit."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
-    rows = (1, 16, 100, 3)
+    room = engine.static.max_context if engine.static is not None else None
+    rows = [m for i, m in enumerate(WARM_UP_ROWS)
+            if room is None or sum(WARM_UP_ROWS[: i + 1]) + engine.block_size <= room]
     engine.start_session(session_id, sum(rows) + engine.block_size)
     start, length = time.perf_counter(), 0
     try:
-        for m in rows:  # key buckets 64 then 128
+        for m in rows:
             length += m
             engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
         log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)

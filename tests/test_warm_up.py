@@ -64,3 +64,12 @@ def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:
         engine.draft("s", features, 1, length + new, budget=budget)
         length += new
     assert compiled_graphs() == before
+
+
+def test_drafter_warm_up_keeps_to_a_small_context_limit(drafter_dir: Path) -> None:
+    """A drafter started with a small --max-session-tokens still warms up (the drafts that fit) and serves."""
+    _, engine = engines(load_drafter(drafter_dir), max_sessions=1, max_context=40)
+    warm_up_drafter(engine)
+    assert not engine.sessions  # the warm-up session is gone, its slot free for a client
+    engine.start_session("s", 40)
+    engine.draft("s", torch.randn(20, FEATURE_DIM), 1, 20, budget=engine.block_size - 1)
