@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ddtree.heap import freeze_startup_heap
+from ddtree.heap import freeze_startup_heap, watch_collector
 from ddtree.service_config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class ServiceMetrics:
 
     def __init__(self, prefix: str, cache_metric: str, cache_help: str, device: torch.device) -> None:
         self.registry = CollectorRegistry()
+        self.prefix = prefix
         r = self.registry
         self.requests = Counter(
             f"{prefix}_requests", "RPCs answered, by method and gRPC status", ["rpc", "code"], registry=r
@@ -287,6 +288,7 @@ async def serve(
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
+    unwatch = watch_collector(host.metrics.registry, host.metrics.prefix)
     log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics", service_name, config.host, port, config.host,
              httpd.server_port)
 
@@ -314,6 +316,7 @@ async def serve(
             task.cancel()
         httpd.shutdown()
         httpd.server_close()
+        unwatch()
         host.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

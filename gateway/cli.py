@@ -18,7 +18,7 @@ import uvicorn
 from transformers import PreTrainedTokenizerBase
 
 from ddtree.demo.tokenizer import load_tokenizer
-from ddtree.heap import freeze_startup_heap
+from ddtree.heap import freeze_startup_heap, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
@@ -52,11 +52,15 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
     drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
+        unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
                                         timeout_graceful_shutdown=config.shutdown_grace))
         freeze_startup_heap()
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            unwatch()
     finally:
         await verifier.close()
         if drafter is not None:

@@ -278,6 +278,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     [target(quantile(0.99, "ddtree_verify_request_duration_seconds", "rpc"), "verify {{rpc}}"),
                      target(quantile(0.99, "ddtree_draft_request_duration_seconds", "rpc"), "draft {{rpc}}")],
                     "s"), 8, 8),
+        (timeseries("Collector pauses p99", "Python garbage-collector pauses of each process, any generation: "
+                    "every request in flight on that process waits them out. The processes freeze their start-up "
+                    "heap after warm-up, so pauses stay in the milliseconds; long ones mean a growing heap.",
+                    [target(quantile(0.99, "ddtree_gc_pause_seconds"), "gateway"),
+                     target(quantile(0.99, "ddtree_verify_gc_pause_seconds"), "verifier"),
+                     target(quantile(0.99, "ddtree_draft_gc_pause_seconds"), "drafter")], "s"), 8, 8),
     ]
     sessions = [
         (timeseries("Active sessions", "Requests the gateway is decoding or queueing, and the sessions the model "
