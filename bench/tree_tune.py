@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ddtree.timing import graph_call_us, ranked
-from draft_server.tree import TreeLayouts, build_tree
+from draft_server.tree import TreeLayouts, build_tree, top_candidates
 from draft_server.tree_kernel import best_first_tree, top_k, top_plan
 
 DEPTHS = 15  # block size 16: the demo drafter's and the Qwen3-8B DFlash drafter's
@@ -43,17 +43,19 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
         layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
         for budget in budgets:
             k, layout = layouts.get(budget, None)
-            top = top_plan(vocab, k)
-            vals, ids = top_k(logprobs, k, top)
+            top = top_plan(vocab, k)  # None: a merge too wide for one program, torch's top-k runs instead
+            vals, ids = top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)
             torch_us = graph_call_us(lambda: build_tree(logprobs, root, budget, None, layout))
-            chunk = [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w)) for w in WARPS]
-            merge = [(graph_call_us(lambda: top_k(logprobs, k, top, (4, w))), Warps(w)) for w in WARPS]
+            chunk = [] if top is None else [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w))
+                                            for w in WARPS]
+            merge = [] if top is None else [(graph_call_us(lambda: top_k(logprobs, k, top, (4, w))), Warps(w))
+                                            for w in WARPS]
             best_first = [(graph_call_us(lambda: best_first_tree(vals, ids, root, layout.nodes, w)), Warps(w))
                           for w in BEST_FIRST_WARPS]
             key = f"{name}-{budget}"
             results[key] = {"top_plan": top, "build_tree_torch_us": round(torch_us, 2),
-                            "top_k_at_4_warps_us": round(chunk[0][0], 2),
-                            "chunk": ranked(chunk), "merge": ranked(merge), "best_first": ranked(best_first)}
+                            "top_k_at_4_warps_us": round(chunk[0][0], 2) if chunk else None,
+                            "chunk": chunk and ranked(chunk), "merge": merge and ranked(merge), "best_first": ranked(best_first)}
             print(f"[tree-tune] {key}: top {top}; torch {torch_us:.1f} us; chunk "
                   f"{[round(t, 1) for t, _ in chunk]}; merge {[round(t, 1) for t, _ in merge]} us at warps {WARPS}; "
                   f"best-first {[round(t, 1) for t, _ in best_first]} us at warps {BEST_FIRST_WARPS}", flush=True)
