@@ -55,7 +55,8 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
             key = f"{name}-{budget}"
             results[key] = {"top_plan": top, "build_tree_torch_us": round(torch_us, 2),
                             "top_k_at_4_warps_us": round(chunk[0][0], 2) if chunk else None,
-                            "chunk": chunk and ranked(chunk), "merge": merge and ranked(merge), "best_first": ranked(best_first)}
+                            "chunk": chunk and ranked(chunk), "merge": merge and ranked(merge),
+                            "best_first": ranked(best_first)}
             print(f"[tree-tune] {key}: top {top}; torch {torch_us:.1f} us; chunk "
                   f"{[round(t, 1) for t, _ in chunk]}; merge {[round(t, 1) for t, _ in merge]} us at warps {WARPS}; "
                   f"best-first {[round(t, 1) for t, _ in best_first]} us at warps {BEST_FIRST_WARPS}", flush=True)
