@@ -63,8 +63,9 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
              *(["--eager"] if args.eager else [])]
     cmds = {}
     if drafter is not None:
+        # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
-                         "--metrics-port", str(args.draft_metrics_port)]
+                         "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget)]
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp)]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),

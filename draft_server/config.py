@@ -22,6 +22,10 @@ class DraftServerConfig(ServiceConfig):
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
     max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
     compile: bool = option(False, "torch.compile the block layers, context append and tree build (compiles in warm-up, and once per new budget)")
+    warm_up_budgets: str = option(
+        "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
+        "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -29,6 +33,16 @@ class DraftServerConfig(ServiceConfig):
             raise ValueError("the drafter service needs both a drafter and a target directory")
         if self.max_budget < 1:
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        try:
+            budgets = self.warm_up_budget_list
+        except ValueError:
+            raise ValueError(f"warm_up_budgets must be comma-separated integers, got {self.warm_up_budgets!r}") from None
+        if any(not 1 <= b <= self.max_budget for b in budgets):
+            raise ValueError(f"warm_up_budgets must each be in [1, max_budget={self.max_budget}], got {budgets}")
+
+    @property
+    def warm_up_budget_list(self) -> tuple[int, ...]:
+        return tuple(int(b) for b in self.warm_up_budgets.split(",") if b.strip())
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DraftServerConfig:

@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -133,12 +134,13 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
 WARM_UP_ROWS = (1, 16, 100, 3)  # new features per warm-up draft: one, a round's, a prompt's; key buckets 64 then 128
 
 
-def warm_up(engine: DraftEngine) -> None:
+def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
     the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
-    request after SERVING waits seconds for a compile (tests/test_warm_up.py). The tree build compiles per budget on
-    the CPU; on a GPU its Triton kernels are built per budget on first use (~1 s, then cached on disk). A context
-    limit below the four drafts' 136 positions keeps those that fit."""
+    request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
+    each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
+    on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
+    positions keeps those that fit."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
     room = engine.static.max_context if engine.static is not None else None
     rows = [m for i, m in enumerate(WARM_UP_ROWS)
@@ -149,6 +151,8 @@ def warm_up(engine: DraftEngine) -> None:
         for m in rows:
             length += m
             engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
+        for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
+            engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
         log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)
     finally:
         engine.end_session(session_id)
@@ -166,7 +170,7 @@ async def run_server(config: DraftServerConfig) -> None:
         SERVICE_NAME,
         lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server),
         lambda: load_engine(config),
-        warm_up,
+        lambda engine: warm_up(engine, config.warm_up_budget_list),
     )
 
 

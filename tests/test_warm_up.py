@@ -7,10 +7,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from ddtree.types import DraftTree, SamplingParams
+from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.server import warm_up as warm_up_drafter
 from tests.test_drafter_static import FEATURE_DIM, engines
@@ -54,14 +56,16 @@ def test_verifier_warm_up_compiles_every_step_shape(qwen3_target: Path) -> None:
 
 def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:
     _, engine = engines(load_drafter(drafter_dir), max_sessions=1, max_context=400, compile=True)
-    warm_up_drafter(engine)
+    warm_up_drafter(engine, budgets=(5,))
     before = compiled_graphs()
-    budget = engine.block_size - 1  # the warm-up's tree shape: on the CPU each tree shape compiles on first use
+    # the warm-up's tree shapes (on the CPU each tree shape compiles on first use): its own, the chain's, budget 5
+    shapes = [(engine.block_size - 1, None), (engine.block_size - 1, 1), (5, None)]
     engine.start_session("s", 400)
     length = 0
-    for new in (3, 1, 16, 7, 60, 2, 200, 5):  # new features per draft: a prompt's, then a round's; key buckets 64-384
+    for i, new in enumerate((3, 1, 16, 7, 60, 2, 200, 5)):  # a prompt's features, then a round's; key buckets 64-384
         features = torch.randn(new, FEATURE_DIM)
-        engine.draft("s", features, 1, length + new, budget=budget)
+        budget, top_k = shapes[i % len(shapes)]
+        engine.draft("s", features, 1, length + new, budget=budget, top_k=top_k)
         length += new
     assert compiled_graphs() == before
 
@@ -73,3 +77,12 @@ def test_drafter_warm_up_keeps_to_a_small_context_limit(drafter_dir: Path) -> No
     assert not engine.sessions  # the warm-up session is gone, its slot free for a client
     engine.start_session("s", 40)
     engine.draft("s", torch.randn(20, FEATURE_DIM), 1, 20, budget=engine.block_size - 1)
+
+
+def test_drafter_warm_up_budgets_are_checked() -> None:
+    config = dict(drafter="d", target="t", max_budget=64)
+    assert DraftServerConfig(**config, warm_up_budgets="32, 64").warm_up_budget_list == (32, 64)
+    assert DraftServerConfig(**config, warm_up_budgets="").warm_up_budget_list == ()
+    for bad in ("32,x", "0", "65"):
+        with pytest.raises(ValueError, match="warm_up_budgets"):
+            DraftServerConfig(**config, warm_up_budgets=bad)
