@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ddtree.timing import graph_call_us, ranked
-from draft_server.tree import TreeLayouts, build_tree, top_candidates
-from draft_server.tree_kernel import best_first_tree, top_k, top_plan
+from draft_server.tree import TreeLayouts, build_tree
+from draft_server.tree_kernel import best_first_tree, top_k, top_k_any, top_plan
 
 DEPTHS = 15  # block size 16: the demo drafter's and the Qwen3-8B DFlash drafter's
 VOCABS = {"demo": 8192, "qwen3-8b": 151936}
@@ -44,7 +44,7 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
         for budget in budgets:
             k, layout = layouts.get(budget, None)
             top = top_plan(vocab, k)  # None: a merge too wide for one program, torch's top-k runs instead
-            vals, ids = top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)
+            vals, ids = top_k_any(logprobs, k)
             torch_us = graph_call_us(lambda: build_tree(logprobs, root, budget, None, layout))
             chunk = [] if top is None else [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w))
                                             for w in WARPS]

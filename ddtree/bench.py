@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     # captures in the first timed mode, ~0.3 ms a round of the chain's draft on the demo pair)
     for spec in specs:
         measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync)
-    freeze_startup_heap()  # a full collection over the warm-up's objects paused a timed mode for up to 0.6 s
+    freeze_startup_heap()  # a full collection over the warm-up's objects took up to 0.6 s on the H200
     graphs_before = captured_graphs(verifier, drafter)
     runs = [measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync) for spec in specs]
     reference = runs[0]["outputs"]

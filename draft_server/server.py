@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from itertools import accumulate
 
 import grpc
 import torch
@@ -143,8 +144,8 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     positions keeps those that fit."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
     room = engine.static.max_context if engine.static is not None else None
-    rows = [m for i, m in enumerate(WARM_UP_ROWS)
-            if room is None or sum(WARM_UP_ROWS[: i + 1]) + engine.block_size <= room]
+    fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
+    rows = [m for m, fit in zip(WARM_UP_ROWS, fits) if fit]
     engine.start_session(session_id, sum(rows) + engine.block_size)
     start, length = time.perf_counter(), 0
     try:

@@ -140,7 +140,7 @@ def build_tree(
         orders.append(ranked.indices[: widths[d]] if kept is None else kept[ranked.indices[: widths[d]]])
     order = torch.cat(orders)  # [sum w]: each candidate's index among its depth's candidates
     all_scores = torch.cat(scores)  # [sum w], depth-major so the stable sort breaks ties by depth
-    num_nodes = min(budget, all_scores.shape[0])
+    num_nodes = layout.nodes
     chosen = torch.sort(all_scores, descending=True, stable=True).indices[:num_nodes]  # [N] candidate ids
     # a candidate's parent as a candidate id (-1 = root): its beam position in the previous depth + where that starts
     parent_cand = layout.parent_base + order // k  # [sum w]

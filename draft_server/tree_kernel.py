@@ -186,10 +186,14 @@ def best_first_tree(
 
 def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, layout: TreeLayout) -> torch.Tensor | None:
     """logprobs [D, V] fp32, root [1] long -> build_tree's tree of the top k tokens per depth (TreeLayouts.get's k)
-    as [3, N+1] long (tokens, parents, depths), from the kernels: the two-stage top-k (torch's where its merge would not fit one program), then the best-first search.
-    None where the search cannot pack the tree (build_tree it is, then)."""
+    as [3, N+1] long (tokens, parents, depths), from the kernels: the two-stage top-k (top_k_any), then the
+    best-first search. None where the search cannot pack the tree (build_tree it is, then)."""
     if not best_first_fits(layout.nodes, logprobs.shape[0]):
         return None
+    return best_first_tree(*top_k_any(logprobs, k), root, layout.nodes)
+
+
+def top_k_any(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k where its plan fits one program per merge, torch's two-stage top-k (tree.top_candidates) elsewhere."""
     top = top_plan(logprobs.shape[1], k)
-    top_vals, top_ids = top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)
-    return best_first_tree(top_vals, top_ids, root, layout.nodes)
+    return top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)
