@@ -32,6 +32,9 @@ SHAPES = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=5, block_size=16),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=1, block_size=16),
+    # the bundled demo pair's shapes (models/demo)
+    "demo": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=64, vocab_size=8192, drafter_layers=3, block_size=16),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, drafter_layers=2, block_size=8),
 }
@@ -137,12 +140,8 @@ def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tr
     }
 
 
-def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: int, sizes: list[int],
-                  repeat: int) -> dict:
-    """A whole draft call (context append of 4 accepted positions, block forward, tree build) at the DFlash shape
-    matching the target shape, per tree budget: the eager path, the static one (CUDA graphs on a GPU) and, on a GPU,
-    the static one compiled (what `ddtree draft --compile` runs). read_bytes: what a draft must read at least, the
-    drafter's weights and the target's lm_head (its bound, once the copy bandwidth is known)."""
+def random_drafter(s: dict, device: torch.device | str, dtype: torch.dtype) -> tuple[DFlashDrafter, TargetHead]:
+    """The DFlash drafter matching a SHAPES entry, and a target head of its vocabulary: random weights."""
     dcfg = DFlashConfig(
         hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["drafter_layers"],
         num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
@@ -154,6 +153,17 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
     drafter = drafter.to(device, dtype).eval()
     head = TargetHead(torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02,
                       torch.randn(s["vocab_size"], s["hidden_size"], device=device, dtype=dtype) * 0.02)
+    return drafter, head
+
+
+def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: int, sizes: list[int],
+                  repeat: int) -> dict:
+    """A whole draft call (context append of 4 accepted positions, block forward, tree build) at the DFlash shape
+    matching the target shape, per tree budget: the eager path, the static one (CUDA graphs on a GPU) and, on a GPU,
+    the static one compiled (what `ddtree draft --compile` runs). read_bytes: what a draft must read at least, the
+    drafter's weights and the target's lm_head (its bound, once the copy bandwidth is known)."""
+    drafter, head = random_drafter(s, device, dtype)
+    dcfg = drafter.config
     step = 4
     room = context + step * (repeat + 4) + 1
     features = torch.randn(context, dcfg.num_taps * s["hidden_size"], device=device, dtype=dtype)

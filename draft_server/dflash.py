@@ -179,6 +179,17 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weight, bias) laid end to end: fuse()
+
+    def fuse(self) -> None:
+        """Lays the q, k and v projections end to end, one [(heads + 2 kv_heads) * d, hidden] weight whose slices
+        the three modules' weights become (no second copy), so a block projects in one GEMM and a context append
+        its k|v in one. Separately, at Qwen3-8B shapes the k and v GEMMs ran at ~38% of the copy bandwidth, and
+        on small drafters every GEMM is mostly its launch (bench/README.md). Call it once the model has its final
+        device and dtype: a later .to() would copy the slices apart again."""
+        if self.qkv is not None:
+            return
+        self.qkv = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.head_dim).transpose(1, 2)  # [b, s, n*d] -> [b, n, s, d]
@@ -191,8 +202,28 @@ class DFlashAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, hidden] -> k, v [b, kv_heads, s, head_dim], k normed and rotated."""
-        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), cos, sin)
-        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+        if self.qkv is None:
+            return self._key_value(self.k_proj(x), self.v_proj(x), cos, sin)
+        weight, bias = self.qkv
+        q_dim = self.num_heads * self.head_dim
+        k, v = F.linear(x, weight[q_dim:], None if bias is None else bias[q_dim:]).chunk(2, dim=-1)
+        return self._key_value(k, v, cos, sin)
+
+    def query_key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, q, hidden] -> q [b, heads, q, head_dim], k, v [b, kv_heads, q, head_dim]: query and key_value."""
+        if self.qkv is None:
+            return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
+        kv_dim = self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, *self.qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
+        return (apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin), *self._key_value(k, v, cos, sin))
+
+    def _key_value(
+        self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected k, v [b, s, kv_heads * d] -> [b, kv_heads, s, d] each, k normed and rotated."""
+        return apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin), self._heads(v, self.num_kv_heads)
 
     def forward(
         self,
@@ -205,8 +236,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         """x [b, q, hidden] block stream; ctx_k/ctx_v [b, kv_heads, c, head_dim] context K/V (already rotated);
         mask [b, 1, q, c+q] bool (True = attend) or None for full visibility (inference)."""
-        q = self.query(x, cos, sin)
-        k_blk, v_blk = self.key_value(x, cos, sin)
+        q, k_blk, v_blk = self.query_key_value(x, cos, sin)
         k = torch.cat((ctx_k, k_blk), dim=2)
         v = torch.cat((ctx_v, v_blk), dim=2)
         out = attention(q, k, v, mask)  # [b, heads, q, head_dim]
@@ -219,9 +249,18 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2 * intermediate, hidden], gate then up: fuse()
+
+    def fuse(self) -> None:
+        """gate and up in one weight, as DFlashAttention.fuse does for q, k and v."""
+        if self.gate_up is None:
+            self.gate_up = _fuse_linears((self.gate_proj, self.up_proj))[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DFlashLayer(nn.Module):
@@ -249,6 +288,12 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
+    def fuse(self) -> None:
+        """Every layer's q|k|v and gate|up projections in one weight each (DFlashAttention.fuse): inference only."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features [b, c, taps*hidden] target hidden states at absolute positions [b, c]
         -> per layer (k, v), each [b, kv_heads, c, head_dim], rotated at those positions."""
@@ -273,6 +318,22 @@ class DFlashDrafter(nn.Module):
         for layer, kind, (ctx_k, ctx_v) in zip(self.layers, self.config.layer_types, ctx_kv):
             x = layer(x, cos, sin, ctx_k, ctx_v, sliding_mask if kind == "sliding_attention" else mask)
         return self.norm(x)
+
+
+def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (weight, bias) of the linears laid end to end along their outputs; each linear's weight (and bias) becomes
+    a slice of them, so the memory is not doubled and the modules still compute what they did."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if has_bias:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += lin.out_features
+    return weight, bias
 
 
 def init_drafter_weights(model: DFlashDrafter, std: float = 0.02, seed: int | None = None) -> None:

@@ -57,10 +57,9 @@ def block_layer(
     `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    k, v = attn.key_value(h, cos, sin)
+    q, k, v = attn.query_key_value(h, cos, sin)  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
     k_cache.index_copy_(2, positions, k)
     v_cache.index_copy_(2, positions, v)
-    q = attn.query(h, cos, sin)  # [1, heads, B, d]
     if bias is None:
         out = flash_tree_attention(
             q[0].transpose(0, 1), k_cache[0, :, :keys], v_cache[0, :, :keys], positions[0], block, attn.head_dim**-0.5
@@ -80,6 +79,7 @@ class StaticDrafter:
         compile: bool = False,
     ) -> None:
         cfg = drafter.config
+        drafter.fuse()  # one GEMM for q|k|v and one for gate|up per layer, one for k|v per append: in place, shared
         self.drafter, self.head, self.config = drafter, head, cfg
         self.device, self.dtype = head.embed.device, head.embed.dtype
         self.max_context = max_context
@@ -103,10 +103,13 @@ class StaticDrafter:
         self.tree_kernel = kernel_supported(self.device)
         self._compiled_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else None
         self._compiled_shapes: set[tuple[int, int]] = set()  # (budget, top_k) the compiled tree build has seen
-        # the block's layers: eagerly ~60 kernels each (HF-style modules); compiled, the norms, RoPE and SiLU fuse.
-        # One compile serves every layer and slot (weights and caches are inputs); keys turns symbolic on change.
-        self._layer = torch.compile(block_layer, fullgraph=True) if compile else block_layer
-        self._context_kv = torch.compile(drafter.context_kv, fullgraph=True) if compile else drafter.context_kv
+        # The block and the append: eagerly ~60 kernels a layer (HF-style modules); compiled, the norms, RoPE and
+        # SiLU fuse into the projections' neighbours, and so do the work around the layers (the embedding, the
+        # rotary tables, the final norm, the log-softmax and the cache writes: ~20 more launches a draft on the
+        # demo pair, bench/results/profile_draft_demo_compile.txt). One compile serves every slot (caches are
+        # inputs); keys turns symbolic on change.
+        self._block_step = torch.compile(self._block_body, fullgraph=True) if compile else self._block_body
+        self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
         long = {"dtype": torch.long, "device": self.device}
@@ -154,9 +157,12 @@ class StaticDrafter:
     def _append(self, slot: int, features: torch.Tensor) -> None:
         """features [n, taps*hidden] -> K/V at rows _start + [0, n). Rows past the real m get the K/V of stale
         (finite) padding features: past the new length, so masked until the next append overwrites them."""
+        self._append_step(features, *self.slots[slot])
+
+    def _append_body(self, features: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         rows = self._start + self._arange[: features.shape[0]]  # [n]
-        new_kv = self._context_kv(features[None], rows[None])
-        for (k, v), k_cache, v_cache in zip(new_kv, *self.slots[slot]):
+        new_kv = self.drafter.context_kv(features[None], rows[None])
+        for (k, v), k_cache, v_cache in zip(new_kv, k_caches, v_caches):
             k_cache.index_copy_(2, rows, k)
             v_cache.index_copy_(2, rows, v)
 
@@ -211,17 +217,22 @@ class StaticDrafter:
 
     def _block(self, slot: int, keys: int) -> None:
         """The block at _pos, attending over the slot's rows [0, keys) -> _logprobs."""
+        self._block_step(*self.slots[slot], keys)
+
+    def _block_body(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], keys: int) -> None:
         cfg, drafter = self.config, self.drafter
         positions = self._pos + self._arange[: cfg.block_size]  # [B] absolute positions, == the block's rows
         full, sliding = (None, None) if self.flash else self._masks(positions, keys)
         x = self.head.embed_tokens(self._ids)  # [1, B, hidden]
         cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
-        layers = zip(drafter.layers, cfg.layer_types, *self.slots[slot])
-        for layer, kind, k_cache, v_cache in layers:
+        for layer, kind, k_cache, v_cache in zip(drafter.layers, cfg.layer_types, k_caches, v_caches):
             bias = sliding if kind == "sliding_attention" else full
-            x = self._layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree)
-        hidden = drafter.norm(x)
-        torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1, out=self._logprobs)
+            x = block_layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree)
+        logits = self.head.logits(drafter.norm(x)[0, 1:]).float()  # [B-1, vocab]
+        if torch.compiler.is_compiling():  # Dynamo takes no out=; compiled, the copy fuses into the log-softmax
+            self._logprobs.copy_(torch.log_softmax(logits, dim=-1))
+        else:
+            torch.log_softmax(logits, dim=-1, out=self._logprobs)
 
     def _masks(self, positions: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """positions [B] -> additive biases [1, 1, rep*B, keys] for full and sliding layers (None without sliding

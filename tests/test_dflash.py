@@ -134,3 +134,27 @@ def test_draft_rejects_inconsistent_positions(drafter_dir: Path) -> None:
         engine.draft("nope", torch.randn(4, 2 * HIDDEN), 1, 4, budget=4)
     tree = engine.draft("s", torch.randn(4, 2 * HIDDEN), 1, 4, budget=4).tree  # the session is still usable
     assert tree.num_nodes == 4 and tree.parents[1].item() == 0
+
+
+def test_fused_projections_share_the_weights_and_compute_the_same(drafter_dir: Path) -> None:
+    """fuse() lays q|k|v and gate|up end to end: the checkpoint reads the same, no weight is held twice, and the
+    block's and the context's projections come out as the separate modules compute them."""
+    torch.manual_seed(0)
+    plain, fused = load_drafter(drafter_dir), load_drafter(drafter_dir)
+    fused.fuse()
+    fused.fuse()  # idempotent
+    state = fused.state_dict()
+    assert state.keys() == plain.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
+    qkv = attn.qkv[0]
+    assert attn.v_proj.weight.data_ptr() == qkv.data_ptr() + (qkv.shape[0] - attn.v_proj.out_features) * qkv.stride(0) * qkv.element_size()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.out_features :].data_ptr()
+    x, positions = torch.randn(1, BLOCK, HIDDEN), torch.arange(3, 3 + BLOCK)[None]
+    cos, sin = fused.rotary.cos_sin(positions, x.dtype)
+    for got, want in zip(attn.query_key_value(x, cos, sin), plain.layers[0].self_attn.query_key_value(x, cos, sin)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(mlp(x), plain.layers[0].mlp(x))
+    features = torch.randn(1, 7, 2 * HIDDEN)
+    for got, want in zip(fused.context_kv(features, positions[:, :7]), plain.context_kv(features, positions[:, :7])):
+        torch.testing.assert_close(got, want)

@@ -1,0 +1,72 @@
+"""Where a draft call spends its time (torch.profiler, kernels sorted by device time), to explain the gap between a
+draft and its weight-streaming bound (the drafter's weights and the target's lm_head, read once per draft).
+
+A draft call is what the drafter service runs per round: the context append of a round's accepted positions, the
+block forward and the tree build, on the static path (CUDA graphs), compiled or not.
+
+Usage: python bench/profile_draft.py [SHAPE] [--budgets 15,63] [--compile] [--accepted 4]
+SHAPE: a ddtree/cost_curve.py SHAPES name (default qwen3-8b): random weights at the published DFlash drafter's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ddtree.cost_curve import SHAPES, copy_bandwidth, random_drafter
+from draft_server.drafter import DraftEngine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shape", nargs="?", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--budgets", default="15,63", help="tree budgets to profile")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--accepted", type=int, default=4, help="new feature rows per draft (a round's accepted path)")
+    p.add_argument("--compile", action="store_true", help="as `ddtree draft --compile`")
+    p.add_argument("--rows", type=int, default=25)
+    args = p.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    drafter, head = random_drafter(SHAPES[args.shape], device, dtype)
+    read = sum(t.numel() * t.element_size() for t in (*drafter.parameters(), head.lm_head))
+    bound_ms = read / copy_bandwidth(device, min(4 * 2**30, read)) * 1000
+    print(f"weight-streaming bound {bound_ms:.3f} ms ({read / 1e9:.2f} GB: drafter weights + lm_head)")
+    room = args.context + args.accepted * 200
+    engine = DraftEngine(drafter, head, max_context=room, compile=args.compile)
+    features = torch.randn(args.context, engine.feature_dim, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for budget in (int(b) for b in args.budgets.split(",")):
+        engine.start_session("p", room)
+        engine.draft("p", features, 0, args.context, budget=budget)
+        session = engine.session("p")
+
+        def step(session=session, budget: int = budget) -> None:
+            engine.draft("p", features[: args.accepted], 0, session.length + args.accepted, budget=budget)
+
+        for _ in range(5):
+            step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(20):
+            step()
+        sync()
+        wall_ms = (time.perf_counter() - start) / 20 * 1000
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                step()
+            sync()
+        events = prof.key_averages()
+        kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
+        print(f"\n=== budget {budget}: draft {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x the bound), "
+              f"{kernel_ms:.3f} ms of device kernels per draft ===")
+        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        engine.end_session("p")
+
+
+if __name__ == "__main__":
+    main()
