@@ -8,12 +8,11 @@ TARGET: a model directory, or random:<shape> (ddtree/cost_curve.py SHAPES, e.g. 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ddtree.cost_curve import RANDOM_PREFIX, copy_bandwidth, random_target
+from ddtree.timing import profiled_calls
 from ddtree.types import SamplingParams
 from draft_server.tree import build_tree
 from verify_server.verify import VerifyEngine, load_target
@@ -52,23 +51,10 @@ def main() -> None:
         engine.prefill("p", prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
         step = (lambda tree=tree: engine.verify("p", tree)) if tree is not None else (lambda: engine.decode("p"))
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - start) / 20 * 1000
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                step()
-            torch.cuda.synchronize()
-        events = prof.key_averages()
-        kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
+        wall_ms, kernel_ms, table = profiled_calls(step, torch.cuda.synchronize, args.rows)
         print(f"\n=== {nodes} nodes: step {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x the bound), "
               f"{kernel_ms:.3f} ms of device kernels per step ===")
-        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        print(table)
         engine.end_session("p")
 
 

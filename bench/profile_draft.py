@@ -11,12 +11,11 @@ SHAPE: a ddtree/cost_curve.py SHAPES name (default qwen3-8b): random weights at 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ddtree.cost_curve import SHAPES, copy_bandwidth, random_drafter
+from ddtree.timing import profiled_calls
 from draft_server.drafter import DraftEngine
 
 
@@ -48,23 +47,10 @@ def main() -> None:
         def step(session=session, budget: int = budget) -> None:
             engine.draft("p", features[: args.accepted], 0, session.length + args.accepted, budget=budget)
 
-        for _ in range(5):
-            step()
-        sync()
-        start = time.perf_counter()
-        for _ in range(20):
-            step()
-        sync()
-        wall_ms = (time.perf_counter() - start) / 20 * 1000
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                step()
-            sync()
-        events = prof.key_averages()
-        kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
+        wall_ms, kernel_ms, table = profiled_calls(step, sync, args.rows)
         print(f"\n=== budget {budget}: draft {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x the bound), "
               f"{kernel_ms:.3f} ms of device kernels per draft ===")
-        print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
+        print(table)
         engine.end_session("p")
 
 

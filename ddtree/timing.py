@@ -121,6 +121,28 @@ def graph_call_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) 
     return start.elapsed_time(end) * 1000 / (replays * calls)
 
 
+def profiled_calls(step: Callable[[], object], sync: Callable[[], None], rows: int) -> tuple[float, float, str]:
+    """-> (wall ms per call of `step`, 20 back to back after 5 to warm up; device-kernel ms per call and the
+    kernel table, by device time, from torch.profiler over 10 more calls): for the profilers in bench/."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(20):
+        step()
+    sync()
+    wall_ms = (time.perf_counter() - start) / 20 * 1000
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        sync()
+    events = prof.key_averages()
+    kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
+    return wall_ms, kernel_ms, events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+
+
 def ranked(timings: list[tuple[float, Any]], keep: int = 5) -> dict:
     """(µs, plan dataclass) pairs -> a tuner's summary: best_us, best and the `keep` fastest (top5), fastest first."""
     order = sorted(timings, key=lambda t: t[0])
