@@ -106,8 +106,8 @@ class StaticDrafter:
         # The block and the append: eagerly ~60 kernels a layer (HF-style modules); compiled, the norms, RoPE and
         # SiLU fuse into the projections' neighbours, and so do the work around the layers (the embedding, the
         # rotary tables, the final norm, the log-softmax and the cache writes: ~20 more launches a draft on the
-        # demo pair, bench/results/profile_draft_demo_compile.txt). One compile serves every slot (caches are
-        # inputs); keys turns symbolic on change.
+        # demo pair, bench/results/profile_draft_demo_compile_separate_projections.txt). One compile serves every
+        # slot (caches are inputs); keys turns symbolic on change.
         self._block_step = torch.compile(self._block_body, fullgraph=True) if compile else self._block_body
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)

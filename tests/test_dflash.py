@@ -148,7 +148,7 @@ def test_fused_projections_share_the_weights_and_compute_the_same(drafter_dir: P
     assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
     attn, mlp = fused.layers[0].self_attn, fused.layers[0].mlp
     qkv = attn.qkv[0]
-    assert attn.v_proj.weight.data_ptr() == qkv.data_ptr() + (qkv.shape[0] - attn.v_proj.out_features) * qkv.stride(0) * qkv.element_size()
+    assert attn.v_proj.weight.data_ptr() == qkv[qkv.shape[0] - attn.v_proj.out_features :].data_ptr()
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[mlp.gate_proj.out_features :].data_ptr()
     x, positions = torch.randn(1, BLOCK, HIDDEN), torch.arange(3, 3 + BLOCK)[None]
     cos, sin = fused.rotary.cos_sin(positions, x.dtype)
