@@ -84,10 +84,13 @@ def test_static_path_matches_eager(kind: str, drafter_dir: Path, monkeypatch: py
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
 
 
-def test_compiled_drafter_gives_the_same_trees(drafter_dir: Path) -> None:
-    """--compile on the drafter: context append, block layers and tree build through torch.compile."""
+@pytest.mark.parametrize("kind", ["full", "sliding"])
+def test_compiled_drafter_gives_the_same_trees(kind: str, drafter_dir: Path) -> None:
+    """--compile on the drafter: the context append, the whole block (its masks, for sliding layers, included) and
+    the tree build through torch.compile."""
     torch.manual_seed(3)
-    eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
+    model = load_drafter(drafter_dir) if kind == "full" else sliding_drafter()
+    eager, static = engines(model, max_sessions=1, max_context=64, compile=True)
     run_rounds(eager, static, torch.randn(30, FEATURE_DIM), rounds=[(12, 2, 8, None), (3, 5, 8, None), (15, 7, 8, None)])
 
 
