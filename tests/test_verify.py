@@ -124,6 +124,35 @@ def test_graph_rounds_take_host_and_device_trees_on_gpu(prompt_len: int, qwen3_t
     assert len(engine.fused.graphs) > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_host_features_equal_device_features(device: str, qwen3_target: Path) -> None:
+    """host_features (the service's rounds): a captured round hands its path's features over in host memory, copied
+    within the round; they equal what the round leaves on the device for an in-process drafter, AR steps too."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    rng = random.Random(5)
+    engine = VerifyEngine.from_pretrained(qwen3_target, device=device)
+    engine.fused.static = True  # the captured code path, on the CPU too
+    prompt = [3, 1, 4, 1, 5]
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 40)
+    for session in ("device", "host"):
+        engine.start_session(session, 100, SamplingParams(), taps=[1, 3])
+        engine.prefill(session, prompt)
+    got = [truth[0]]
+    while len(got) < 30:
+        depth = rng.randint(0, 6)
+        tree = oracle_tree(rng, got[-1], truth[len(got):], depth, 6) if depth else None
+        on_device, on_host = (
+            engine.verify(session, tree, host_features=session == "host") if tree is not None
+            else engine.decode(session, host_features=session == "host") for session in ("device", "host")
+        )
+        assert on_host.tokens == on_device.tokens == truth[len(got) : len(got) + len(on_host.tokens)]
+        assert on_device.features.device.type == device and on_host.features.device.type == "cpu"
+        assert on_host.features.is_pinned() == (device == "cuda")
+        assert torch.equal(on_host.features, on_device.features.cpu())
+        got += on_host.tokens
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_features_are_tapped_layer_outputs(path: str, qwen3_target: Path) -> None:
     engine = make_engine(qwen3_target, path)

@@ -65,7 +65,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         return await self.host.call(
-            "Decode", context, lambda engine: tensors.step_to_pb(engine.decode(request.session_id)), forward=True
+            "Decode", context, lambda engine: tensors.step_to_pb(engine.decode(request.session_id, host_features=True)),
+            forward=True,
         )
 
     VerifyStream = streamed(Verify)  # a session's rounds over one stream
@@ -104,7 +105,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         tree = tensors.tree_from_pb(request.tree)
         root = engine.session(request.session_id).root  # NOT_FOUND before any complaint about the tree
         check_tree(tree, root, TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth))
-        return tensors.step_to_pb(engine.verify(request.session_id, tree))
+        return tensors.step_to_pb(engine.verify(request.session_id, tree, host_features=True))
 
 
 def kv_cache_bytes(session: VerifySession) -> int:

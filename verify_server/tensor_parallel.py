@@ -229,13 +229,13 @@ class TensorParallelEngine:
         self.channel.send("prefill", {"id": session_id, "prompt": prompt})
         return self.engine.prefill(session_id, prompt)
 
-    def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+    def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)
-        return self.engine.verify(session_id, tree)
+        return self.engine.verify(session_id, tree, host_features)  # only rank 0's features leave the process
 
-    def decode(self, session_id: str) -> StepResult:
+    def decode(self, session_id: str, host_features: bool = False) -> StepResult:
         self.channel.send("decode", {"id": session_id})
-        return self.engine.decode(session_id)
+        return self.engine.decode(session_id, host_features)
 
     def shutdown(self) -> None:
         self.channel.send("shutdown", {})

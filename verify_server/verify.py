@@ -80,8 +80,9 @@ class PendingRound:
     """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
 
     packed    [2 + qb] host copy of accept_path's packed result, filled once the round has run
-    features  [advance, taps*hidden] on the device, in memory of its own: the path's features (first k+1 rows
-              valid, the rest finite filler), or None without taps
+    features  [advance, taps*hidden] in memory of its own, on the device (or the host, in pinned memory, for a
+              host_features round): the path's features (first k+1 rows valid, the rest finite filler), or None
+              without taps
     cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
               session's next launch, which reads it
     advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
@@ -239,16 +240,19 @@ class VerifyEngine:
         return StepResult([token], features, forward_s=forward_s)
 
     @torch.inference_mode()
-    def decode(self, session_id: str) -> StepResult:
+    def decode(self, session_id: str, host_features: bool = False) -> StepResult:
         """One plain autoregressive step: a tree holding only the root."""
-        return self.verify(session_id, ROOT_ONLY)
+        return self.verify(session_id, ROOT_ONLY, host_features)
 
     @torch.inference_mode()
-    def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+    def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
         appends the target's choice after it (the bonus), and compacts the cache to that path. The tree may be on
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
-        session's."""
+        session's. host_features: a captured round copies the path's features to host memory within the round,
+        so a caller that sends them on (the service) waits for no copy after the round's one sync (a copy after
+        it was ~13% of the verifier's host samples in a services bench, bench/README.md); otherwise they stay on
+        the device, where an in-process drafter reads them."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
@@ -258,7 +262,7 @@ class VerifyEngine:
         if self.scratch is not None and q > self.scratch.max_nodes:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
-        pending = self._launch(session_id, sess, tree)
+        pending = self._launch(session_id, sess, tree, host_features)
         if pending is not None:  # forward, walk and compaction in one graph replay
             return self.collect(pending)
         self._check_room(sess, sess.cache.length, q)
@@ -323,7 +327,9 @@ class VerifyEngine:
         features = None if pending.features is None else pending.features[: k + 1]
         return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
 
-    def _launch(self, session_id: str, sess: VerifySession, tree: DraftTree) -> PendingRound | None:
+    def _launch(
+        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False
+    ) -> PendingRound | None:
         """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured."""
         if self.fused is None or not sess.params.greedy:
             return None
@@ -349,7 +355,15 @@ class VerifyEngine:
         sess.queued += 1
         host.copy_(packed, non_blocking=True)
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
-        features = None if path_features is None else path_features[:advance].clone()
+        features = None
+        if path_features is not None:
+            # in memory of its own: the next replay overwrites the graph's output
+            rows = path_features[:advance]  # [advance, taps*hidden]
+            if host_features:
+                features = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
+                features.copy_(rows, non_blocking=True)
+            else:
+                features = rows.clone()
         timer.end()
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
