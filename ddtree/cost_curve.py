@@ -18,7 +18,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.types import SamplingParams
-from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights
+from draft_server.dflash import DFlashDrafter, init_drafter_weights
+from draft_server.dflash_config import DFlashConfig
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayouts, build_tree

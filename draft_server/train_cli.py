@@ -14,7 +14,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
-from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.dflash import DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.dflash_config import DFlashConfig
 from draft_server.training import (
     DrafterTrainConfig,
     TappedTarget,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draft_server.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from draft_server.dflash import DFlashDrafter
+from draft_server.dflash_config import DFlashConfig, default_target_layer_ids
 from draft_server.target_head import TargetHead
 
 

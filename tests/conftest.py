@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.dflash import DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.dflash_config import DFlashConfig
 
 # Tiny models run fastest single-threaded, and tests then don't fight each other (or CI neighbours) for cores.
 torch.set_num_threads(1)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draft_server.config import DraftServerConfig
-from draft_server.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, load_drafter
+from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
+from draft_server.dflash_config import DFlashConfig
 from ddtree.cuda_graphs import key_bucket
 from draft_server.drafter import CapacityError, DraftEngine
 from draft_server.server import load_engine

@@ -19,7 +19,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_d
 
 from bench import hybrid_cost
 from ddtree.types import SamplingParams
-from draft_server.dflash import DFlashConfig, DFlashDrafter, apply_rope, init_drafter_weights
+from draft_server.dflash import DFlashDrafter, apply_rope, init_drafter_weights
+from draft_server.dflash_config import DFlashConfig
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
 from draft_server.training import block_attention_mask
