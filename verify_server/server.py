@@ -142,19 +142,20 @@ def warm_up(engine: VerifyEngine) -> None:
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
     it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
     prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
-    (tests/test_warm_up.py)."""
+    (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features)."""
     start = time.perf_counter()
     for capacity, prompt in ((64, 2), (300, 100)):  # slots of 256 and 512 rows; key buckets 64 and 128-192
         session_id = f"warm-up-{uuid.uuid4().hex}"
         engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
         try:
             engine.prefill(session_id, [0] * prompt)
-            root = engine.decode(session_id).tokens[-1]
+            root = engine.decode(session_id, host_features=True).tokens[-1]
             for nodes in (1, 15, 31):  # query buckets 16 and 32
                 chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
                 tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
-                root = engine.verify(session_id, DraftTree(tokens, chain - 1, chain, max_depth=nodes)).tokens[-1]
-            engine.decode(session_id)
+                tree = DraftTree(tokens, chain - 1, chain, max_depth=nodes)
+                root = engine.verify(session_id, tree, host_features=True).tokens[-1]
+            engine.decode(session_id, host_features=True)
         finally:
             engine.end_session(session_id)
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
