@@ -16,7 +16,7 @@ import torch
 
 from ddtree.cost_curve import SHAPES, copy_bandwidth, random_drafter
 from ddtree.timing import profiled_calls
-from draft_server.drafter import DraftEngine
+from draft_server.drafter import DraftEngine, DraftSession
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         engine.draft("p", features, 0, args.context, budget=budget)
         session = engine.session("p")
 
-        def step(session=session, budget: int = budget) -> None:
+        def step(session: DraftSession = session, budget: int = budget) -> None:
             engine.draft("p", features[: args.accepted], 0, session.length + args.accepted, budget=budget)
 
         wall_ms, kernel_ms, table = profiled_calls(step, sync, args.rows)

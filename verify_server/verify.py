@@ -346,8 +346,8 @@ class VerifyEngine:
             return None
         packed, path_features, cursor = captured
         timer.mark()
+        pinned = self.device.type == "cuda"  # host copies queued within the round: page-locked, so they stay async
         if not sess.readback:
-            pinned = self.device.type == "cuda"
             sess.readback = [
                 torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(MAX_IN_FLIGHT)
             ]
@@ -360,7 +360,7 @@ class VerifyEngine:
             # in memory of its own: the next replay overwrites the graph's output
             rows = path_features[:advance]  # [advance, taps*hidden]
             if host_features:
-                features = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
+                features = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pinned)
                 features.copy_(rows, non_blocking=True)
             else:
                 features = rows.clone()
