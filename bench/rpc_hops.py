@@ -9,10 +9,11 @@ the way in, the server's job (its GPU phases and its host work) and the way back
                                                       # sockets, and a plain asyncio socket
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
-                                   --max-new-tokens 96 --out FILE]
+                                   --max-new-tokens 96 --transports lane,grpc --out FILE]
 
 The probe runs the gateway's round loop (gateway/rounds.py over gateway/grpc_clients.py, no HTTP) against the
-stamped services and reports per-round medians in microseconds. Linux only (the shared clock).
+stamped services, with the round calls over the services' round lanes and over gRPC streams one after the other,
+and reports per-round medians in microseconds. Linux only (the shared clock).
 """
 
 from __future__ import annotations
@@ -276,22 +277,29 @@ async def probe(args: argparse.Namespace) -> dict:
 
     target, _ = resolve_pair(args.target, None)
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(target, local_files_only=True), args.num_prompts)
-    drafter, verifier = Drafter(args.drafter), Verifier(args.verifier)
-    await drafter.info()
-    eos = (await verifier.info()).eos_token_ids
     spec = Speculation("ddtree", args.budget)
-    rows = []
+    transports = args.transports.split(",")
+    rows: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     for timed_pass in (False, True):  # the first pass captures every graph the second one meets
-        for prompt in prompts:
-            async for rnd in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, args.max_new_tokens, eos):
-                if timed_pass and rnd.index and "draft.sent" in rnd.timings:
-                    rows.append(hops(rnd.timings))
-    await drafter.close()
-    await verifier.close()
-    medians = {k: round(1e6 * statistics.median(r[k] for r in rows), 1) for k in rows[0]}
-    result = {"rounds": len(rows), "median_us": medians}
-    for name, us in result["median_us"].items():
-        print(f"{name:24s} {us:8.1f} us")
+        for transport in transports:  # one after the other over the same prompts, on the same warm services
+            drafter = Drafter(args.drafter, lanes=transport == "lane")
+            verifier = Verifier(args.verifier, lanes=transport == "lane")
+            await drafter.info()
+            eos = (await verifier.info()).eos_token_ids
+            for prompt in prompts:
+                loop = run_rounds(verifier, drafter, prompt, SamplingParams(), spec, args.max_new_tokens, eos)
+                async for rnd in loop:
+                    if timed_pass and rnd.index and "draft.sent" in rnd.timings:
+                        rows[transport].append(hops(rnd.timings))
+            await drafter.close()
+            await verifier.close()
+    result = {}
+    for transport, timed in rows.items():
+        medians = {k: round(1e6 * statistics.median(r[k] for r in timed), 1) for k in timed[0]}
+        result[transport] = {"rounds": len(timed), "median_us": medians}
+    print(f"{'median us':24s}" + "".join(f"{t:>10s}" for t in transports))
+    for name in result[transports[0]]["median_us"]:
+        print(f"{name:24s}" + "".join(f"{result[t]['median_us'][name]:10.1f}" for t in transports))
     return result
 
 
@@ -307,6 +315,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=32)
+    p.add_argument("--transports", default="lane,grpc",
+                   help="probe: the round calls over the services' round lanes and/or gRPC streams, side by side")
     p.add_argument("--out")
     args = p.parse_args()
     result = {"echo": echo, "transports": transports}.get(args.what, lambda: asyncio.run(probe(args)))()

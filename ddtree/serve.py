@@ -72,8 +72,11 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                "--verifier", f"{LOOPBACK}:{args.verify_port}",
                "--drafter", f"{LOOPBACK}:{args.draft_port}" if drafter is not None else "none"]
     for name in (f.name for f in dataclasses.fields(GatewayConfig) if f.name not in CHOSEN):
-        if getattr(args, name) is not None:
-            gateway += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        value, flag = getattr(args, name), name.replace("_", "-")
+        if isinstance(value, bool):  # a --flag / --no-flag switch
+            gateway.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            gateway += [f"--{flag}", str(value)]
     cmds["gateway"] = gateway
     return cmds
 

@@ -12,7 +12,8 @@ keep every step on the engine thread, so the loop can still notice a dead rank.
 
 The session table is the engine's own `sessions` dict, so a session lives in exactly one place; the session
 gauges read it when scraped. Per-call metrics are recorded after the answer is on its way. `streamed` turns a unary
-servicer method into its stream form (the .proto's XStream), which the gateway uses for a session's rounds.
+servicer method into its stream form (the .proto's XStream); the round lane (protos/lane.py) serves the same
+methods over plain TCP beside the gRPC port, and the gateway sends a session's rounds over it when announced.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from ddtree.heap import freeze_startup_heap, watch_collector
 from ddtree.service_config import ServiceConfig
+from protos.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ class EngineHost(Generic[E]):
         """inline_rpcs: the RPCs run on the event loop when the engine is idle (empty: all on the engine thread)."""
         self.metrics = metrics
         self.engine: E | None = None
+        self.lane_port = 0  # the round lane's bound port, announced through Info (0: no lane)
         self.inline_rpcs = inline_rpcs
         self._statuses = (*statuses, *_COMMON_STATUSES)
         self._session_bytes = session_bytes
@@ -266,10 +269,12 @@ async def serve(
     add_servicer: Callable[[grpc.aio.Server], None],
     load: Callable[[], E],
     warm_up: Callable[[E], None],
+    lane_routes: dict[str, Route],
     alive: Callable[[E], bool] | None = None,
 ) -> None:
     """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
     (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds.
+    `lane_routes`: the round calls the round lane serves (protos/lane.py), unless config.lane_port is -1.
     `alive(engine)`, polled every second while serving, ends the service (NOT_SERVING, then exit) when False."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -287,6 +292,10 @@ async def serve(
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
+    lane = LaneServer(lane_routes, config.max_message_bytes)
+    if config.lane_port >= 0:
+        host.lane_port = await lane.start(config.host, config.lane_port)
+        log.info("%s: round lane (%s) on %s:%d", service_name, ", ".join(lane_routes), config.host, host.lane_port)
     httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
     unwatch = watch_collector(host.metrics.registry, host.metrics.prefix)
     log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics", service_name, config.host, port, config.host,
@@ -312,6 +321,7 @@ async def serve(
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(config.shutdown_grace)
+        await lane.close()
         for task in tasks:
             task.cancel()
         httpd.shutdown()

@@ -81,13 +81,19 @@ class ServiceConfig(FlagConfig):
         16, "sessions held at once; the static (graph) path preallocates one cache slot per session up front"
     )
     eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
-    max_message_bytes: int = option(256 * 2**20, "largest gRPC message sent or received, in bytes")
+    lane_port: int = option(
+        0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
+        "through Info; 0: any free port; -1: no lane, rounds over gRPC only)"
+    )
+    max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent or received, in bytes")
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if not -1 <= self.lane_port <= 65535:
+            raise ValueError(f"lane_port must be in [-1, 65535], got {self.lane_port}")
         if self.session_ttl <= 0:
             raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
         if self.max_sessions < 1:

@@ -28,6 +28,7 @@ from draft_server.target_head import TargetHead
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from protos.lane import Route
 
 log = logging.getLogger("draft_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -66,8 +67,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
+    def lane_routes(self) -> dict[str, Route]:
+        """The calls the round lane serves (protos/lane.py)."""
+        return {"Draft": (pb.DraftRequest, self.Draft)}
+
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
-        return tensors.drafter_info_to_pb(
+        info = tensors.drafter_info_to_pb(
             DrafterInfo(
                 block_size=engine.block_size,
                 target_layer_ids=list(engine.config.target_layer_ids),
@@ -77,6 +82,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 max_session_tokens=self.max_session_tokens(engine),
             )
         )
+        info.lane_port = self.host.lane_port
+        return info
 
     def _start_session(self, engine: DraftEngine, request: pb.DrafterStartSessionRequest) -> pb.DrafterStartSessionResponse:
         check_session_id(request.session_id)
@@ -172,6 +179,7 @@ async def run_server(config: DraftServerConfig) -> None:
         lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server),
         lambda: load_engine(config),
         lambda engine: warm_up(engine, config.warm_up_budget_list),
+        servicer.lane_routes(),
     )
 
 

@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    verifier = GrpcVerifier(config.verifier, config.rpc_timeout, config.max_message_bytes)
+    verifier = GrpcVerifier(config.verifier, config.rpc_timeout, config.max_message_bytes, config.lanes)
     address = config.drafter_address
-    drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes) if address else None
+    drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes, config.lanes) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")

@@ -35,7 +35,9 @@ class GatewayConfig(FlagConfig):
     max_running: int = option(16, "requests decoding at once; later ones wait in a queue")
     health_interval: float = option(5.0, "seconds between health checks of the backends (also their time limit)")
     rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
-    max_message_bytes: int = option(256 * 2**20, "largest gRPC message sent to or received from a backend")
+    lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
+                               "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
+    max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent to or received from a backend")
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:

@@ -4,9 +4,10 @@ in-process backends of gateway/local.py, so `run_rounds` cannot tell them apart.
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
-A session's round calls (those in a client's STREAMED) go over one stream per session and call (the .proto's
-XStream), each answer within the deadline of a call; a server without the stream forms (UNIMPLEMENTED) gets the
-unary calls. Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
+A session's round calls (those in a client's STREAMED) go over one connection per session and call, each answer
+within the deadline of a call: to the service's round lane (protos/lane.py; the port comes from its Info answer)
+where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's XStream); a server without
+the stream forms (UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
 gateway only hands them from one service to the other, so they are never decoded to torch tensors here.
 
     drafter = GrpcDrafter("drafter:50061")
@@ -18,17 +19,23 @@ gateway only hands them from one service to the other, so they are never decoded
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from protos import tensors
+from protos.lane import CallFailed, Lane
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20  # the servers' default; features of long prompts are large
@@ -46,9 +53,36 @@ class BackendError(RuntimeError):
         self.details = details
 
 
+class _GrpcStream:
+    """A session's calls of one RPC over one gRPC stream (the .proto's XStream)."""
+
+    def __init__(self, call: Any) -> None:  # a grpc.aio.StreamStreamCall
+        self._call = call
+
+    async def exchange(self, request: Message) -> Message:
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise CallFailed(exc.code(), exc.details() or "") from None
+        except asyncio.InvalidStateError:  # written to a stream the server had already ended
+            raise CallFailed(await self._call.code(), await self._call.details()) from None
+        if response is grpc.aio.EOF:
+            raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the stream without an answer")
+        return response
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def end(self) -> None:
+        await self._call.done_writing()  # the server ends the stream once it has answered everything
+
+
 @dataclass
 class _Stream:
-    call: Any  # grpc.aio.StreamStreamCall
+    """A session's calls of one RPC, in order: over the service's round lane, or a gRPC stream."""
+
+    transport: Lane | _GrpcStream | None = None  # opened by the first call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order
 
 
@@ -56,12 +90,14 @@ class _Client:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
     remote = True  # run_rounds starts a round's first call before handing the previous round over
-    STREAMED: frozenset[str] = frozenset()  # session calls made over the session's stream of <rpc>Stream
+    STREAMED: dict[str, type[Message]] = {}  # session calls made over a stream or lane -> their response type
+    INFO_REQUEST: type[Message]
 
-    def __init__(self, address: str, service: str, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(self, address: str, service: str, timeout_s: float, max_message_bytes: int, lanes: bool) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._service = service
+        self._max_message_bytes = max_message_bytes
         self._channel = grpc.aio.insecure_channel(
             address,
             options=[
@@ -70,8 +106,12 @@ class _Client:
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._streams: dict[tuple[str, str], _Stream] = {}  # (rpc, session id) -> that session's open stream
+        self._streams: dict[tuple[str, str], _Stream] = {}  # (rpc, session id) -> that session's calls of rpc
         self._unary_only: set[str] = set()  # RPCs whose stream form this server lacks
+        host, _, port = address.rpartition(":")  # only a plain HOST:PORT address has a host a lane port adds to
+        self._lane_host = host.strip("[]") if host and port.isdigit() and "/" not in host else ""
+        self._lanes = lanes and bool(self._lane_host)
+        self._lane_port: int | None = None  # the service's round lane; None: not asked yet, 0: it has none
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
@@ -79,29 +119,30 @@ class _Client:
         except grpc.aio.AioRpcError as exc:
             raise BackendError(self.address, f"{self._service}/{rpc}", exc.code(), exc.details() or "") from None
 
+    async def _info(self) -> Any:
+        """The service's Info answer; learns its round lane from it."""
+        reply = await self._call("Info", self._stub.Info, self.INFO_REQUEST())
+        self._lane_port = reply.lane_port
+        return reply
+
     async def _session_call(self, rpc: str, session_id: str, request: Any) -> Any:
-        """`rpc` for one session: over the session's stream of `<rpc>Stream` (opened on first use), or the unary
-        call where the server has no stream form. Any failure ends the stream; the next call opens a new one."""
+        """`rpc` for one session: over the session's lane connection or stream of `<rpc>Stream` (opened on first
+        use), or the unary call where the server has no stream form. Any failure ends that connection or stream;
+        the next call opens a new one."""
         if rpc not in self.STREAMED or rpc in self._unary_only:
             return await self._call(rpc, getattr(self._stub, rpc), request)
         key = (rpc, session_id)
-        stream = self._streams.get(key)
-        if stream is None:  # no deadline on the stream itself: it lives as long as the session, each answer has one
-            stream = self._streams[key] = _Stream(getattr(self._stub, f"{rpc}Stream")())
+        stream = self._streams.setdefault(key, _Stream())
         async with stream.lock:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    await stream.call.write(request)
-                    response = await stream.call.read()
-                if response is not grpc.aio.EOF:
-                    return response
-                code, details = grpc.StatusCode.UNKNOWN, "the server ended the stream without an answer"
+                    if stream.transport is None:
+                        stream.transport = await self._open(rpc)
+                    return await stream.transport.exchange(request)
             except TimeoutError:
                 code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
-            except grpc.aio.AioRpcError as exc:
-                code, details = exc.code(), exc.details() or ""
-            except asyncio.InvalidStateError:  # written to a stream the server had already ended
-                code, details = await stream.call.code(), await stream.call.details()
+            except CallFailed as exc:
+                code, details = exc.code, exc.details
             except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
                 self._drop(key, stream)
                 raise
@@ -111,17 +152,36 @@ class _Client:
             return await self._call(rpc, getattr(self._stub, rpc), request)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
+    async def _open(self, rpc: str) -> Lane | _GrpcStream:
+        """A new connection to the service's round lane, or a new gRPC stream where it has none or it is
+        unreachable (the port is asked for again at the next session's first call: the service may have moved)."""
+        if self._lanes and self._lane_port is None:
+            with contextlib.suppress(BackendError):
+                await self._info()
+        if self._lanes and self._lane_port:
+            try:
+                return await Lane.open(self._lane_host, self._lane_port, rpc, self.STREAMED[rpc],
+                                       self._max_message_bytes)
+            except OSError as exc:
+                log.warning("round lane %s:%d of %s unreachable (%s): this session's %s calls go over gRPC",
+                            self._lane_host, self._lane_port, self.address, exc, rpc)
+                self._lane_port = None
+        # No deadline on the stream itself: it lives as long as the session, each answer has one.
+        return _GrpcStream(getattr(self._stub, f"{rpc}Stream")())
+
     def _drop(self, key: tuple[str, str], stream: _Stream) -> None:
         if self._streams.get(key) is stream:
             del self._streams[key]
-        stream.call.cancel()  # whatever it was doing, nobody will read it
+        if stream.transport is not None:
+            stream.transport.close()  # whatever it was doing, nobody will read it
 
     async def _end_streams(self, session_id: str) -> None:
-        """Half-closes the session's streams; the server ends each once it has answered everything."""
+        """Ends the session's streams and lane connections once every answer awaited has come."""
         for key in [k for k in self._streams if k[1] == session_id]:
             stream = self._streams.pop(key)
             async with stream.lock:  # after any answer still awaited (it is cancelled with the stream otherwise)
-                await stream.call.done_writing()
+                if stream.transport is not None:
+                    await stream.transport.end()
 
     async def health(self) -> bool:
         """True when the service reports SERVING (models loaded and warmed up); False otherwise or unreachable."""
@@ -142,14 +202,20 @@ class _Client:
 
 
 class GrpcDrafter(_Client):
-    STREAMED = frozenset({"Draft"})
+    STREAMED = {"Draft": pb.DraftResponse}
+    INFO_REQUEST = pb.DrafterInfoRequest
 
     def __init__(
-        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        lanes: bool = True,
     ) -> None:
-        super().__init__(address, pb.DESCRIPTOR.services_by_name["Drafter"].full_name, timeout_s, max_message_bytes)
+        name = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+        super().__init__(address, name, timeout_s, max_message_bytes, lanes)
         self._stub = pb_grpc.DrafterStub(self._channel)
-        self._info: DrafterInfo | None = None
+        self._known: DrafterInfo | None = None
 
     @property
     def block_size(self) -> int:
@@ -160,14 +226,14 @@ class GrpcDrafter(_Client):
         return list(self._known_info().target_layer_ids)
 
     def _known_info(self) -> DrafterInfo:
-        if self._info is None:
+        if self._known is None:
             raise RuntimeError(f"call `await info()` on the drafter at {self.address} before using it")
-        return self._info
+        return self._known
 
     async def info(self) -> DrafterInfo:
         """Asks the server (and remembers the answer for block_size and target_layer_ids)."""
-        self._info = tensors.drafter_info_from_pb(await self._call("Info", self._stub.Info, pb.DrafterInfoRequest()))
-        return self._info
+        self._known = tensors.drafter_info_from_pb(await self._info())
+        return self._known
 
     async def start_session(self, session_id: str, capacity: int) -> None:
         await self._call(
@@ -195,16 +261,22 @@ class GrpcDrafter(_Client):
 
 
 class GrpcVerifier(_Client):
-    STREAMED = frozenset({"Verify", "Decode"})
+    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse}
+    INFO_REQUEST = pb.VerifierInfoRequest
 
     def __init__(
-        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        lanes: bool = True,
     ) -> None:
-        super().__init__(address, pb.DESCRIPTOR.services_by_name["Verifier"].full_name, timeout_s, max_message_bytes)
+        name = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+        super().__init__(address, name, timeout_s, max_message_bytes, lanes)
         self._stub = pb_grpc.VerifierStub(self._channel)
 
     async def info(self) -> VerifierInfo:
-        return tensors.verifier_info_from_pb(await self._call("Info", self._stub.Info, pb.VerifierInfoRequest()))
+        return tensors.verifier_info_from_pb(await self._info())
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         request = pb.VerifierStartSessionRequest(

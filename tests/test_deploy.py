@@ -254,6 +254,17 @@ def test_defaults_serve_the_bundled_demo_pair() -> None:
                 assert (REPO / volume.split(":")[0]).exists(), f"{name}: {volume}"
 
 
+def test_serve_hands_gateway_settings_and_switches_to_the_gateway() -> None:
+    from ddtree.serve import commands
+
+    args = build_parser().parse_args(["serve", "--no-lanes", "--budget", "16", "--drafter", "none"])
+    gateway = commands(args)["gateway"]
+    assert "--no-lanes" in gateway and gateway[gateway.index("--budget") + 1] == "16"
+    parsed = build_parser().parse_args(gateway[gateway.index("gateway"):])  # as the gateway process will
+    assert (parsed.lanes, parsed.budget, parsed.drafter) == (False, 16, "none")
+    assert "--lanes" in commands(build_parser().parse_args(["serve"]))["gateway"]
+
+
 def test_service_commands_parse_with_the_real_cli() -> None:
     """The compose commands are accepted by the `ddtree` parsers as they are now (flags get renamed, too), and the
     DDTREE_* variables compose sets are settings the services read."""
@@ -283,7 +294,8 @@ def test_ports_agree_between_services_healthchecks_and_prometheus() -> None:
     assert flag(gateway, "--drafter") == f"draft:{flag(draft, '--port')}"
     assert flag(gateway, "--verifier") == f"verify:{flag(verify, '--port')}"
     for name, command in (("draft", draft), ("verify", verify)):
-        assert {flag(command, "--port"), flag(command, "--metrics-port")} <= set(services[name]["expose"])
+        ports = {flag(command, "--port"), flag(command, "--lane-port"), flag(command, "--metrics-port")}
+        assert ports <= set(services[name]["expose"])
         check = services[name]["healthcheck"]["test"]
         assert check[:3] == ["CMD", "python", "/app/grpc_healthcheck.py"]
         assert check[3] == f"127.0.0.1:{flag(command, '--port')}"

@@ -86,9 +86,20 @@ async def _rounds(verifier, drafter, mode: str, params: SamplingParams) -> tuple
     return [r async for r in loop], fallbacks
 
 
-async def _remote_rounds(services: Services, mode: str, params: SamplingParams):
-    async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
+async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None):
+    """The round loop against the services; `opened` collects the kind of every connection a session's calls open
+    (Lane: the service's round lane, _GrpcStream: a gRPC stream)."""
+    async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
+                GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
+        for client in (verifier, drafter):
+            async def recorded(rpc: str, open_=client._open):
+                transport = await open_(rpc)
+                if opened is not None:
+                    opened.append(type(transport).__name__)
+                return transport
+
+            client._open = recorded
         return await _rounds(verifier, drafter, mode, params)
 
 
@@ -109,7 +120,9 @@ async def _status(call) -> grpc.StatusCode:
 def test_serving_after_warm_up_with_info_and_reflection(services):
     async def ask():
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
-            return await verifier.health(), await drafter.health(), await verifier.info(), await drafter.info()
+            infos = await verifier.info(), await drafter.info()
+            assert verifier._lane_port > 0 and drafter._lane_port > 0  # each announces its round lane
+            return await verifier.health(), await drafter.health(), *infos
 
     verifier_ok, drafter_ok, verifier_info, drafter_info = asyncio.run(ask())
     assert verifier_ok and drafter_ok
@@ -151,7 +164,8 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
         host = EngineHost(metrics, draft_server.STATUSES, draft_server.context_cache_bytes, config.session_ttl)
         servicer = draft_server.DrafterServicer(host, config)
         add = lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server)  # noqa: E731
-        serving = asyncio.create_task(serve(config, host, DRAFTER_SERVICE, add, gated_load, recorded_warm_up))
+        serving = asyncio.create_task(serve(config, host, DRAFTER_SERVICE, add, gated_load, recorded_warm_up,
+                                                 servicer.lane_routes()))
         try:
             async with grpc.aio.insecure_channel(address) as channel, GrpcDrafter(address, timeout_s=10) as client:
                 request = health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE)
@@ -177,10 +191,13 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
 # ---- the round loop over gRPC -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, services, local, hf_tokens):
-    remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams()))
+@pytest.mark.parametrize("mode, lanes", [(mode, True) for mode in MODES] + [("ddtree", False)],
+                         ids=[*MODES, "ddtree-grpc-streams"])
+def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, services, local, hf_tokens):
+    opened: list[str] = []
+    remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
+    assert set(opened) == {"Lane" if lanes else "_GrpcStream"}
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round

@@ -1,12 +1,14 @@
 """What keeps a round's overhead low through the services, without changing what a round does: per-round steps run
 on the service's event loop when the engine is idle (EngineHost), metrics are recorded after the answer, a
-session's rounds go over one stream per call (with the unary calls' answers and statuses), and the round loop
-starts a remote backend's next call before it hands a round to its caller."""
+session's rounds go over one connection per call, to the service's round lane or over a gRPC stream (with the unary
+calls' answers and statuses), and the round loop starts a remote backend's next call before it hands a round to its
+caller."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -21,6 +23,7 @@ from gateway.rounds import Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from protos.lane import LaneServer
 
 # ---- EngineHost: where engine calls run ------------------------------------------------------------------------
 
@@ -397,15 +400,28 @@ class StreamDrafter(UnaryDrafter):
             yield answer
 
 
-async def _with_server(servicer: pb_grpc.DrafterServicer, scenario):
+class LaneDrafter(StreamDrafter):
+    """Also serves Draft on a round lane, announced through Info (`lane_port` 0 until the lane listens)."""
+
+    lane_port = 0
+
+    async def Info(self, request, context) -> pb.DrafterInfoResponse:
+        return pb.DrafterInfoResponse(lane_port=self.lane_port)
+
+
+async def _with_server(servicer: pb_grpc.DrafterServicer, scenario, lanes: bool = True):
     server = grpc.aio.server()
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    lane = LaneServer({"Draft": (pb.DraftRequest, servicer.Draft)}, 2**20)
+    if isinstance(servicer, LaneDrafter):
+        servicer.lane_port = await lane.start("127.0.0.1", 0)
     try:
-        async with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=5) as client:
+        async with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=5, lanes=lanes) as client:
             return await scenario(client)
     finally:
+        await lane.close()
         await server.stop(None)
 
 
@@ -414,28 +430,38 @@ async def _root_of_draft(client: GrpcDrafter, session: str, root: int) -> int:
     return tree.tokens.tolist()[1] - 1  # the root the server drafted from
 
 
-def test_a_sessions_drafts_share_one_stream_and_a_failure_ends_only_that_stream():
-    servicer = StreamDrafter()
+def _transport(client: GrpcDrafter, session: str) -> object:
+    return client._streams[("Draft", session)].transport
+
+
+@pytest.mark.parametrize("servicer_cls, transport", [(StreamDrafter, "_GrpcStream"), (LaneDrafter, "Lane")])
+def test_a_sessions_drafts_share_one_connection_and_a_failure_ends_only_that_one(servicer_cls, transport):
+    servicer = servicer_cls()
 
     async def scenario(client: GrpcDrafter):
-        roots = [await _root_of_draft(client, "a", root) for root in (5, 6, 7)]
-        roots.append(await _root_of_draft(client, "b", 9))  # another session: a stream of its own
-        assert servicer.streams == 2 and set(client._streams) == {("Draft", "a"), ("Draft", "b")}
+        roots = [await _root_of_draft(client, "a", 5)]
+        first = _transport(client, "a")
+        roots += [await _root_of_draft(client, "a", root) for root in (6, 7)]
+        assert _transport(client, "a") is first and type(first).__name__ == transport
+        roots.append(await _root_of_draft(client, "b", 9))  # another session: a connection of its own
+        assert set(client._streams) == {("Draft", "a"), ("Draft", "b")} and _transport(client, "b") is not first
         with pytest.raises(BackendError) as err:
             await _root_of_draft(client, "a", 0)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.details == "root token 0"
         assert ("Draft", "a") not in client._streams
-        roots.append(await _root_of_draft(client, "a", 8))  # a new stream, and the right answer
-        assert servicer.streams == 3
-        await client.end_session("a")  # closes the session's stream
+        roots.append(await _root_of_draft(client, "a", 8))  # a new connection, and the right answer
+        assert _transport(client, "a") is not first
+        await client.end_session("a")  # closes the session's connection
         assert set(client._streams) == {("Draft", "b")}
         return roots
 
     assert asyncio.run(_with_server(servicer, scenario)) == [5, 6, 7, 9, 8]
+    assert servicer.streams == (3 if transport == "_GrpcStream" else 0)
 
 
-def test_an_abandoned_answer_is_never_read_as_the_next_one():
-    servicer = StreamDrafter(delay=0.2)
+@pytest.mark.parametrize("servicer_cls", [StreamDrafter, LaneDrafter])
+def test_an_abandoned_answer_is_never_read_as_the_next_one(servicer_cls):
+    servicer = servicer_cls(delay=0.2)
 
     async def scenario(client: GrpcDrafter):
         slow = asyncio.create_task(_root_of_draft(client, "a", 5))
@@ -448,15 +474,40 @@ def test_an_abandoned_answer_is_never_read_as_the_next_one():
     assert asyncio.run(_with_server(servicer, scenario)) == 6
 
 
-def test_an_answer_late_past_the_deadline_is_deadline_exceeded():
+@pytest.mark.parametrize("servicer_cls", [StreamDrafter, LaneDrafter])
+def test_an_answer_late_past_the_deadline_is_deadline_exceeded(servicer_cls):
     async def scenario(client: GrpcDrafter):
         client.timeout_s = 0.05
         with pytest.raises(BackendError) as err:
             await _root_of_draft(client, "a", 5)
         return err.value.code, dict(client._streams)
 
-    code, streams = asyncio.run(_with_server(StreamDrafter(delay=0.5), scenario))
+    code, streams = asyncio.run(_with_server(servicer_cls(delay=0.5), scenario))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and streams == {}
+
+
+def test_a_lane_unreachable_or_turned_off_leaves_the_rounds_on_grpc_streams():
+    servicer = LaneDrafter()
+
+    async def scenario(client: GrpcDrafter):
+        servicer.lane_port = _closed_port()  # announced, but nothing listens there
+        roots = [await _root_of_draft(client, "a", root) for root in (5, 6)]
+        return roots, type(_transport(client, "a")).__name__
+
+    assert asyncio.run(_with_server(servicer, scenario)) == ([5, 6], "_GrpcStream")
+    off = asyncio.run(_with_server(LaneDrafter(), lambda c: _first_transport(c), lanes=False))
+    assert off == "_GrpcStream"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _first_transport(client: GrpcDrafter) -> str:
+    await _root_of_draft(client, "a", 5)
+    return type(_transport(client, "a")).__name__
 
 
 def test_servers_without_the_stream_forms_get_unary_calls():

@@ -20,6 +20,7 @@ from ddtree.types import DraftTree, SamplingParams, VerifierInfo
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from protos.lane import Route
 from verify_server.config import VerifyServerConfig
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import CapacityError, UnknownSessionError, VerifyEngine, VerifySession
@@ -72,8 +73,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     VerifyStream = streamed(Verify)  # a session's rounds over one stream
     DecodeStream = streamed(Decode)
 
+    def lane_routes(self) -> dict[str, Route]:
+        """The calls the round lane serves (protos/lane.py)."""
+        return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode)}
+
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
-        return tensors.verifier_info_to_pb(
+        info = tensors.verifier_info_to_pb(
             VerifierInfo(
                 model_name=self.config.served_name,
                 vocab_size=engine.vocab_size,
@@ -86,6 +91,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 max_session_tokens=self.max_session_tokens(engine),
             )
         )
+        info.lane_port = self.host.lane_port
+        return info
 
     def _start_session(
         self, engine: VerifyEngine, request: pb.VerifierStartSessionRequest
@@ -175,6 +182,7 @@ async def run_server(config: VerifyServerConfig) -> None:
             lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
             lambda: load_engine(config),
             warm_up,
+            servicer.lane_routes(),
             alive=ranks_alive,
         )
     finally:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x64tree/v1/ddtree.proto\x12\tddtree.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8c\x01\n\x07Timings\x12\x11\n\tforward_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12.\n\x06\x64\x65tail\x18\x03 \x03(\x0b\x32\x1e.ddtree.v1.Timings.DetailEntry\x1a-\n\x0b\x44\x65tailEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x03\x12\x11\n\tmax_depth\x18\x04 \x01(\x05\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x14\n\x12\x44rafterInfoRequest\"\xc1\x01\n\x13\x44rafterInfoResponse\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nmax_budget\x18\x05 \x01(\x05\x12\x1a\n\x12max_session_tokens\x18\x06 \x01(\x03\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"B\n\x1a\x44rafterStartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\"B\n\x1b\x44rafterStartSessionResponse\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\".\n\x18\x44rafterEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"Q\n\x19\x44rafterEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x91\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x12\n\nroot_token\x18\x03 \x01(\x03\x12\x15\n\rroot_position\x18\x04 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\r\n\x05top_k\x18\x06 \x01(\x05\"X\n\rDraftResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x15\n\x13VerifierInfoRequest\"\x8a\x02\n\x14VerifierInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x15\n\rmax_tree_size\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x08 \x01(\x05\x12\x1a\n\x12max_session_tokens\x18\t \x01(\x03\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x84\x01\n\x1bVerifierStartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x12\n\ntap_layers\x18\x04 \x03(\x05\"C\n\x1cVerifierStartSessionResponse\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"/\n\x19VerifierEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"R\n\x1aVerifierEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"4\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\"G\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\"#\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"h\n\x0cStepResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings2\x8a\x03\n\x07\x44rafter\x12\x45\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x1e.ddtree.v1.DrafterInfoResponse\x12]\n\x0cStartSession\x12%.ddtree.v1.DrafterStartSessionRequest\x1a&.ddtree.v1.DrafterStartSessionResponse\x12W\n\nEndSession\x12#.ddtree.v1.DrafterEndSessionRequest\x1a$.ddtree.v1.DrafterEndSessionResponse\x12:\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse\x12\x44\n\x0b\x44raftStream\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse(\x01\x30\x01\x32\xd6\x04\n\x08Verifier\x12G\n\x04Info\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x1f.ddtree.v1.VerifierInfoResponse\x12_\n\x0cStartSession\x12&.ddtree.v1.VerifierStartSessionRequest\x1a\'.ddtree.v1.VerifierStartSessionResponse\x12Y\n\nEndSession\x12$.ddtree.v1.VerifierEndSessionRequest\x1a%.ddtree.v1.VerifierEndSessionResponse\x12=\n\x07Prefill\x12\x19.ddtree.v1.PrefillRequest\x1a\x17.ddtree.v1.StepResponse\x12;\n\x06Verify\x12\x18.ddtree.v1.VerifyRequest\x1a\x17.ddtree.v1.StepResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.ddtree.v1.DecodeRequest\x1a\x17.ddtree.v1.StepResponse\x12\x45\n\x0cVerifyStream\x12\x18.ddtree.v1.VerifyRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x12\x45\n\x0c\x44\x65\x63odeStream\x12\x18.ddtree.v1.DecodeRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64\x64tree/v1/ddtree.proto\x12\tddtree.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x8c\x01\n\x07Timings\x12\x11\n\tforward_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\x12.\n\x06\x64\x65tail\x18\x03 \x03(\x0b\x32\x1e.ddtree.v1.Timings.DetailEntry\x1a-\n\x0b\x44\x65tailEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"O\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12\x0f\n\x07parents\x18\x02 \x03(\x03\x12\x0e\n\x06\x64\x65pths\x18\x03 \x03(\x03\x12\x11\n\tmax_depth\x18\x04 \x01(\x05\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x14\n\x12\x44rafterInfoRequest\"\xd4\x01\n\x13\x44rafterInfoResponse\x12\x12\n\nblock_size\x18\x01 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x12\n\nmax_budget\x18\x05 \x01(\x05\x12\x1a\n\x12max_session_tokens\x18\x06 \x01(\x03\x12\x11\n\tlane_port\x18\x07 \x01(\r\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"B\n\x1a\x44rafterStartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\"B\n\x1b\x44rafterStartSessionResponse\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\".\n\x18\x44rafterEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"Q\n\x19\x44rafterEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x91\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x12\n\nroot_token\x18\x03 \x01(\x03\x12\x15\n\rroot_position\x18\x04 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x05 \x01(\x05\x12\r\n\x05top_k\x18\x06 \x01(\x05\"X\n\rDraftResponse\x12\"\n\x04tree\x18\x01 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x15\n\x13VerifierInfoRequest\"\x9d\x02\n\x14VerifierInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1a\n\x12max_context_length\x18\x03 \x01(\x03\x12\x15\n\reos_token_ids\x18\x04 \x03(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x15\n\rmax_tree_size\x18\x07 \x01(\x05\x12\x16\n\x0emax_tree_depth\x18\x08 \x01(\x05\x12\x1a\n\x12max_session_tokens\x18\t \x01(\x03\x12\x11\n\tlane_port\x18\n \x01(\r\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"\x84\x01\n\x1bVerifierStartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ddtree.v1.SamplingParams\x12\x12\n\ntap_layers\x18\x04 \x03(\x05\"C\n\x1cVerifierStartSessionResponse\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"/\n\x19VerifierEndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"R\n\x1aVerifierEndSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings\"4\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\x03\"G\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x04tree\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.DraftTree\"#\n\rDecodeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"h\n\x0cStepResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x03\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12#\n\x07timings\x18\x0f \x01(\x0b\x32\x12.ddtree.v1.Timings2\x8a\x03\n\x07\x44rafter\x12\x45\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x1e.ddtree.v1.DrafterInfoResponse\x12]\n\x0cStartSession\x12%.ddtree.v1.DrafterStartSessionRequest\x1a&.ddtree.v1.DrafterStartSessionResponse\x12W\n\nEndSession\x12#.ddtree.v1.DrafterEndSessionRequest\x1a$.ddtree.v1.DrafterEndSessionResponse\x12:\n\x05\x44raft\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse\x12\x44\n\x0b\x44raftStream\x12\x17.ddtree.v1.DraftRequest\x1a\x18.ddtree.v1.DraftResponse(\x01\x30\x01\x32\xd6\x04\n\x08Verifier\x12G\n\x04Info\x12\x1e.ddtree.v1.VerifierInfoRequest\x1a\x1f.ddtree.v1.VerifierInfoResponse\x12_\n\x0cStartSession\x12&.ddtree.v1.VerifierStartSessionRequest\x1a\'.ddtree.v1.VerifierStartSessionResponse\x12Y\n\nEndSession\x12$.ddtree.v1.VerifierEndSessionRequest\x1a%.ddtree.v1.VerifierEndSessionResponse\x12=\n\x07Prefill\x12\x19.ddtree.v1.PrefillRequest\x1a\x17.ddtree.v1.StepResponse\x12;\n\x06Verify\x12\x18.ddtree.v1.VerifyRequest\x1a\x17.ddtree.v1.StepResponse\x12;\n\x06\x44\x65\x63ode\x12\x18.ddtree.v1.DecodeRequest\x1a\x17.ddtree.v1.StepResponse\x12\x45\n\x0cVerifyStream\x12\x18.ddtree.v1.VerifyRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x12\x45\n\x0c\x44\x65\x63odeStream\x12\x18.ddtree.v1.DecodeRequest\x1a\x17.ddtree.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,41 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERINFOREQUEST']._serialized_start=427
   _globals['_DRAFTERINFOREQUEST']._serialized_end=447
   _globals['_DRAFTERINFORESPONSE']._serialized_start=450
-  _globals['_DRAFTERINFORESPONSE']._serialized_end=643
-  _globals['_DRAFTERSTARTSESSIONREQUEST']._serialized_start=645
-  _globals['_DRAFTERSTARTSESSIONREQUEST']._serialized_end=711
-  _globals['_DRAFTERSTARTSESSIONRESPONSE']._serialized_start=713
-  _globals['_DRAFTERSTARTSESSIONRESPONSE']._serialized_end=779
-  _globals['_DRAFTERENDSESSIONREQUEST']._serialized_start=781
-  _globals['_DRAFTERENDSESSIONREQUEST']._serialized_end=827
-  _globals['_DRAFTERENDSESSIONRESPONSE']._serialized_start=829
-  _globals['_DRAFTERENDSESSIONRESPONSE']._serialized_end=910
-  _globals['_DRAFTREQUEST']._serialized_start=913
-  _globals['_DRAFTREQUEST']._serialized_end=1058
-  _globals['_DRAFTRESPONSE']._serialized_start=1060
-  _globals['_DRAFTRESPONSE']._serialized_end=1148
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=1150
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=1171
-  _globals['_VERIFIERINFORESPONSE']._serialized_start=1174
-  _globals['_VERIFIERINFORESPONSE']._serialized_end=1440
-  _globals['_VERIFIERSTARTSESSIONREQUEST']._serialized_start=1443
-  _globals['_VERIFIERSTARTSESSIONREQUEST']._serialized_end=1575
-  _globals['_VERIFIERSTARTSESSIONRESPONSE']._serialized_start=1577
-  _globals['_VERIFIERSTARTSESSIONRESPONSE']._serialized_end=1644
-  _globals['_VERIFIERENDSESSIONREQUEST']._serialized_start=1646
-  _globals['_VERIFIERENDSESSIONREQUEST']._serialized_end=1693
-  _globals['_VERIFIERENDSESSIONRESPONSE']._serialized_start=1695
-  _globals['_VERIFIERENDSESSIONRESPONSE']._serialized_end=1777
-  _globals['_PREFILLREQUEST']._serialized_start=1779
-  _globals['_PREFILLREQUEST']._serialized_end=1831
-  _globals['_VERIFYREQUEST']._serialized_start=1833
-  _globals['_VERIFYREQUEST']._serialized_end=1904
-  _globals['_DECODEREQUEST']._serialized_start=1906
-  _globals['_DECODEREQUEST']._serialized_end=1941
-  _globals['_STEPRESPONSE']._serialized_start=1943
-  _globals['_STEPRESPONSE']._serialized_end=2047
-  _globals['_DRAFTER']._serialized_start=2050
-  _globals['_DRAFTER']._serialized_end=2444
-  _globals['_VERIFIER']._serialized_start=2447
-  _globals['_VERIFIER']._serialized_end=3045
+  _globals['_DRAFTERINFORESPONSE']._serialized_end=662
+  _globals['_DRAFTERSTARTSESSIONREQUEST']._serialized_start=664
+  _globals['_DRAFTERSTARTSESSIONREQUEST']._serialized_end=730
+  _globals['_DRAFTERSTARTSESSIONRESPONSE']._serialized_start=732
+  _globals['_DRAFTERSTARTSESSIONRESPONSE']._serialized_end=798
+  _globals['_DRAFTERENDSESSIONREQUEST']._serialized_start=800
+  _globals['_DRAFTERENDSESSIONREQUEST']._serialized_end=846
+  _globals['_DRAFTERENDSESSIONRESPONSE']._serialized_start=848
+  _globals['_DRAFTERENDSESSIONRESPONSE']._serialized_end=929
+  _globals['_DRAFTREQUEST']._serialized_start=932
+  _globals['_DRAFTREQUEST']._serialized_end=1077
+  _globals['_DRAFTRESPONSE']._serialized_start=1079
+  _globals['_DRAFTRESPONSE']._serialized_end=1167
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=1169
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=1190
+  _globals['_VERIFIERINFORESPONSE']._serialized_start=1193
+  _globals['_VERIFIERINFORESPONSE']._serialized_end=1478
+  _globals['_VERIFIERSTARTSESSIONREQUEST']._serialized_start=1481
+  _globals['_VERIFIERSTARTSESSIONREQUEST']._serialized_end=1613
+  _globals['_VERIFIERSTARTSESSIONRESPONSE']._serialized_start=1615
+  _globals['_VERIFIERSTARTSESSIONRESPONSE']._serialized_end=1682
+  _globals['_VERIFIERENDSESSIONREQUEST']._serialized_start=1684
+  _globals['_VERIFIERENDSESSIONREQUEST']._serialized_end=1731
+  _globals['_VERIFIERENDSESSIONRESPONSE']._serialized_start=1733
+  _globals['_VERIFIERENDSESSIONRESPONSE']._serialized_end=1815
+  _globals['_PREFILLREQUEST']._serialized_start=1817
+  _globals['_PREFILLREQUEST']._serialized_end=1869
+  _globals['_VERIFYREQUEST']._serialized_start=1871
+  _globals['_VERIFYREQUEST']._serialized_end=1942
+  _globals['_DECODEREQUEST']._serialized_start=1944
+  _globals['_DECODEREQUEST']._serialized_end=1979
+  _globals['_STEPRESPONSE']._serialized_start=1981
+  _globals['_STEPRESPONSE']._serialized_end=2085
+  _globals['_DRAFTER']._serialized_start=2088
+  _globals['_DRAFTER']._serialized_end=2482
+  _globals['_VERIFIER']._serialized_start=2485
+  _globals['_VERIFIER']._serialized_end=3083
 # @@protoc_insertion_point(module_scope)
