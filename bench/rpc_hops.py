@@ -8,8 +8,9 @@ the way in, the server's job (its GPU phases and its host work) and the way back
     python bench/rpc_hops.py transports               # that echo over gRPC's sync and aio stacks, TCP and Unix
                                                       # sockets, and a plain asyncio socket
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
+    python bench/rpc_hops.py serve --profile-jobs FILE verify ARGS...   # and cProfile of the round calls' jobs
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
-                                   --max-new-tokens 96 --transports lane,grpc --out FILE]
+                                   --max-new-tokens 96 --transports lane,grpc --profile FILE --out FILE]
 
 The probe runs the gateway's round loop (gateway/rounds.py over gateway/grpc_clients.py, no HTTP) against the
 stamped services, with the round calls over the services' round lanes and over gRPC streams one after the other,
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import multiprocessing
+import pstats
 import queue
 import statistics
 import sys
@@ -207,18 +210,31 @@ def transports(calls: int = 300) -> dict[str, dict[str, float]]:
 
 
 def serve(argv: list[str]) -> int:
-    """`ddtree <argv>` with every engine call's arrival and answer stamped into its response's timings."""
+    """`ddtree <argv>` with every engine call's arrival and answer stamped into its response's timings. With
+    `--profile-jobs FILE` first, the round calls' jobs (Draft, Verify, Decode) also run under cProfile, whose
+    table (by own time, then by cumulative time) goes to FILE when the service stops."""
     from ddtree import service
     from ddtree.cli import main
 
+    profile_to = None
+    if argv[:1] == ["--profile-jobs"]:
+        profile_to, argv = Path(argv[1]), argv[2:]
+    profiler = cProfile.Profile()
     call = service.EngineHost.call
 
     async def stamped(self, rpc, context, job, forward=False):
         arrived = time.perf_counter()
+        profiled = profile_to is not None and rpc in service.ROUND_RPCS
 
         def timed_job(engine):
             started = time.perf_counter()
-            response = job(engine)
+            if profiled:
+                profiler.enable()
+            try:
+                response = job(engine)
+            finally:
+                if profiled:
+                    profiler.disable()
             detail = response.timings.detail
             detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, time.perf_counter()
             return response
@@ -229,7 +245,14 @@ def serve(argv: list[str]) -> int:
         return response
 
     service.EngineHost.call = stamped
-    return main(argv)
+    try:
+        return main(argv)
+    finally:
+        if profile_to is not None:
+            with profile_to.open("w") as out:
+                stats = pstats.Stats(profiler, stream=out)
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(40)
 
 
 # ---- the probe -----------------------------------------------------------------------------------------------
@@ -279,6 +302,7 @@ async def probe(args: argparse.Namespace) -> dict:
     prompts = load_prompts(args.prompts, AutoTokenizer.from_pretrained(target, local_files_only=True), args.num_prompts)
     spec = Speculation("ddtree", args.budget)
     transports = args.transports.split(",")
+    profiler = cProfile.Profile()  # the client's side of the first transport's timed pass, with --profile
     rows: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     for timed_pass in (False, True):  # the first pass captures every graph the second one meets
         for transport in transports:  # one after the other over the same prompts, on the same warm services
@@ -286,13 +310,21 @@ async def probe(args: argparse.Namespace) -> dict:
             verifier = Verifier(args.verifier, lanes=transport == "lane")
             await drafter.info()
             eos = (await verifier.info()).eos_token_ids
+            profiled = timed_pass and args.profile and transport == transports[0]
+            if profiled:
+                profiler.enable()
             for prompt in prompts:
                 loop = run_rounds(verifier, drafter, prompt, SamplingParams(), spec, args.max_new_tokens, eos)
                 async for rnd in loop:
                     if timed_pass and rnd.index and "draft.sent" in rnd.timings:
                         rows[transport].append(hops(rnd.timings))
+            if profiled:
+                profiler.disable()
             await drafter.close()
             await verifier.close()
+    if args.profile:
+        with open(args.profile, "w") as out:
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(50)
     result = {}
     for transport, timed in rows.items():
         medians = {k: round(1e6 * statistics.median(r[k] for r in timed), 1) for k in timed[0]}
@@ -317,6 +349,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=32)
     p.add_argument("--transports", default="lane,grpc",
                    help="probe: the round calls over the services' round lanes and/or gRPC streams, side by side")
+    p.add_argument("--profile", help="probe: cProfile of the round loop's own host work (first transport) to FILE")
     p.add_argument("--out")
     args = p.parse_args()
     result = {"echo": echo, "transports": transports}.get(args.what, lambda: asyncio.run(probe(args)))()

@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-metrics-port", type=int, default=9462, help="Prometheus metrics port of the verifier")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model services' steps (default: on with a CUDA device)")
     GatewayConfig.add_arguments(p, exclude=CHOSEN)
     p.set_defaults(func=run)
 
@@ -60,7 +62,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         drafter = None
     ddtree = [sys.executable, "-m", "ddtree.cli"]
     model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
-             *(["--eager"] if args.eager else [])]
+             *(["--eager"] if args.eager else []),
+             *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"])]
     cmds = {}
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing

@@ -81,6 +81,11 @@ class ServiceConfig(FlagConfig):
         16, "sessions held at once; the static (graph) path preallocates one cache slot per session up front"
     )
     eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
+    compile: bool | None = option(
+        None, "torch.compile the captured steps (the verifier's fused Qwen3 / Llama layers and round; the drafter's "
+        "block, context append and tree build), compiled in warm-up; fewer, fused kernels (at Qwen3-8B shapes a "
+        "verify step costs ~0.55x the uncompiled one). Default: on with a CUDA device, off on the CPU"
+    )
     lane_port: int = option(
         0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
         "through Info; 0: any free port; -1: no lane, rounds over gRPC only)"
@@ -106,6 +111,11 @@ class ServiceConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         self.torch_device()  # a malformed device string fails at startup, not after loading
+
+    @property
+    def compiles(self) -> bool:
+        """`compile`, or its default for the device."""
+        return self.compile if self.compile is not None else self.torch_device().type == "cuda"
 
     @property
     def sweep_interval(self) -> float:

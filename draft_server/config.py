@@ -21,7 +21,6 @@ class DraftServerConfig(ServiceConfig):
     port: int = option(50061, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
     max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
-    compile: bool = option(False, "torch.compile the block layers, context append and tree build (compiles in warm-up, and once per new budget)")
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
         "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"

@@ -120,7 +120,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     engine = DraftEngine(
         drafter, TargetHead.load(config.target, device, dtype),
         eager=config.eager, max_sessions=config.max_sessions, max_context=config.max_session_tokens,
-        compile=config.compile,
+        compile=config.compiles,
     )
     cfg = engine.config
     log.info(

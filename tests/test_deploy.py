@@ -254,7 +254,7 @@ def test_defaults_serve_the_bundled_demo_pair() -> None:
                 assert (REPO / volume.split(":")[0]).exists(), f"{name}: {volume}"
 
 
-def test_serve_hands_gateway_settings_and_switches_to_the_gateway() -> None:
+def test_serve_hands_settings_and_switches_to_the_services() -> None:
     from ddtree.serve import commands
 
     args = build_parser().parse_args(["serve", "--no-lanes", "--budget", "16", "--drafter", "none"])
@@ -263,6 +263,13 @@ def test_serve_hands_gateway_settings_and_switches_to_the_gateway() -> None:
     parsed = build_parser().parse_args(gateway[gateway.index("gateway"):])  # as the gateway process will
     assert (parsed.lanes, parsed.budget, parsed.drafter) == (False, 16, "none")
     assert "--lanes" in commands(build_parser().parse_args(["serve"]))["gateway"]
+    for flags, passed in (([], None), (["--no-compile"], "--no-compile"), (["--compile"], "--compile")):
+        services = commands(build_parser().parse_args(["serve", *flags]))
+        for name in ("draft", "verify"):
+            given = [a for a in services[name] if a.endswith("compile")]
+            assert given == ([] if passed is None else [passed])
+            parsed = build_parser().parse_args(services[name][services[name].index(name):])
+            assert parsed.compile == {None: None, "--compile": True, "--no-compile": False}[passed]
 
 
 def test_service_commands_parse_with_the_real_cli() -> None:

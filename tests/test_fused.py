@@ -121,7 +121,7 @@ def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
     assert fused_unsupported(AutoConfig.for_model("gpt2")) is not None
 
 
-def test_eager_and_gemv_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_gemv_and_compile_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     def parse(argv: list[str]) -> VerifyServerConfig:
         parser = argparse.ArgumentParser()
         VerifyServerConfig.add_arguments(parser)
@@ -137,6 +137,12 @@ def test_eager_and_gemv_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse([]).gemv is True and parse(["--no-gemv"]).gemv is False
     monkeypatch.setenv("DDTREE_VERIFY_GEMV", "0")
     assert parse([]).gemv is False
+    # compile: on by default with a CUDA device only; a flag or the env var decides otherwise
+    assert parse(["--device", "cpu"]).compiles is False and parse(["--device", "cuda"]).compiles is True
+    assert parse(["--device", "cuda", "--no-compile"]).compiles is False
+    assert parse(["--device", "cpu", "--compile"]).compiles is True
+    monkeypatch.setenv("DDTREE_VERIFY_COMPILE", "off")
+    assert parse(["--device", "cuda"]).compiles is False
 
 
 def test_sampled_sessions_on_the_static_path_follow_the_hf_path(qwen3_target: Path) -> None:

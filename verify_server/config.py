@@ -21,7 +21,6 @@ class VerifyServerConfig(ServiceConfig):
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
     max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
     max_tree_depth: int = option(64, "largest max_depth (drafter block size - 1) Verify accepts")
-    compile: bool = option(False, "torch.compile the fused layers and round (Qwen3 / Llama targets; compiles in warm-up)")
     gemv: bool = option(True, "decode steps run their projections as fused Triton GEMVs (Qwen3 / Llama targets on a GPU)")
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
 

@@ -134,7 +134,7 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
         engine = group.engine
     else:
         engine = VerifyEngine.from_pretrained(
-            config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compile,
+            config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compiles,
             config.gemv,
         )
     log.info(
