@@ -3,15 +3,19 @@ connection beside the gRPC port, answered with gRPC status codes, so a lane call
 interchangeable answer for answer.
 
 Why: gRPC Python spends ~130-200 us of every one-way hop in its own machinery (its poller thread hands each event
-to the event loop; `bench/rpc_hops.py transports`), and a round makes four hops. A plain asyncio stream carries
-the same bytes in ~30-60 us. Everything that is not a round (Info, sessions, prefill, health, reflection) stays on
-gRPC, and a service announces its lane's port in its Info answer (0: none), so a client without lanes, or a
-server without one, simply uses the gRPC streams.
+to the event loop; `bench/rpc_hops.py transports`), and a round makes four hops. Everything that is not a round
+(Info, sessions, prefill, health, reflection) stays on gRPC, and a service announces its lane's port in its Info
+answer (0: none), so a client without lanes, or a server without one, simply uses the gRPC streams.
 
-Wire format (integers little-endian):
-    client, once:  b"DDTREE-LANE/1 <Rpc>\\n"        one connection carries one RPC of one session
-    request:       u32 length | request message      (length <= the server's max_message_bytes)
-    answer:        u32 length | u8 gRPC status code | response message (OK) or UTF-8 details (any other code)
+Both ends read with asyncio's BufferedProtocol: the socket is read straight into one growing buffer per connection
+and messages are parsed from it in place. asyncio's StreamReader instead wakes its reader per chunk and copies as
+its buffer grows: on loopback a 400 kB message (a round's features at Qwen3-8B shapes) took it 0.3-0.6 ms, the
+buffered read ~0.15 ms.
+
+Wire format: frames of  u32 length | u8 tag | payload  (integers little-endian).
+    client, first:  tag 0, payload b"DDTREE-LANE/1 <Rpc>"   one connection carries one RPC of one session
+    request:        tag 0, payload the request message      (length <= the server's max_message_bytes)
+    answer:         tag = gRPC status code, payload the response message (OK) or UTF-8 details (any other code)
 Answers come in request order. A failure answer ends the connection, as a failure ends a gRPC stream; the
 session is left as the unary call would leave it.
 """
@@ -30,12 +34,10 @@ from google.protobuf.message import DecodeError, Message
 log = logging.getLogger(__name__)
 
 MAGIC = b"DDTREE-LANE/1 "
-_LENGTH = struct.Struct("<I")
-_ANSWER = struct.Struct("<IB")
+MAX_HELLO_BYTES = 256
+HEADER = struct.Struct("<IB")  # payload length, tag
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-# Read-buffer limit of a connection: a hello line longer than it is refused, and messages up to it arrive without
-# the transport pausing (round messages are a few kB to a few hundred kB).
-_BUFFER_BYTES = 2**20
+_FIRST_BUFFER_BYTES = 1 << 16
 
 # rpc name -> (request message class, the servicer's unary method: (request, context) -> response)
 Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Message]]]
@@ -50,6 +52,61 @@ class CallFailed(Exception):
         self.details = details
 
 
+class _Frames(asyncio.BufferedProtocol):
+    """Cuts a connection's bytes into frames: the socket is read into one buffer, grown to the largest frame, and
+    each whole frame goes to `frame(tag, payload)` as a memoryview valid only during that call."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray(_FIRST_BUFFER_BYTES)
+        self._have = 0  # bytes of self._buffer filled
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._have == len(self._buffer):
+            self._grow(2 * len(self._buffer))
+        return memoryview(self._buffer)[self._have:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._have += nbytes
+        start = 0
+        with memoryview(self._buffer) as view:
+            while self._have - start >= HEADER.size:
+                size, tag = HEADER.unpack_from(view, start)
+                if size > self.max_bytes:
+                    self.oversized(size)
+                    return
+                end = start + HEADER.size + size
+                if end > self._have:
+                    break
+                self.frame(tag, view[start + HEADER.size : end])
+                start = end
+        if start:  # keep the unfinished frame at the front
+            self._buffer[: self._have - start] = self._buffer[start : self._have]
+            self._have -= start
+        needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
+        if needed > len(self._buffer):
+            self._grow(needed)
+
+    def _grow(self, size: int) -> None:
+        # a new buffer, not a resize: the transport may still hold a view of the old one
+        grown = bytearray(size)
+        grown[: self._have] = self._buffer[: self._have]
+        self._buffer = grown
+
+    def send(self, tag: int, payload: bytes) -> None:
+        self.transport.writelines((HEADER.pack(len(payload), tag), payload))
+
+    def frame(self, tag: int, payload: memoryview) -> None:
+        raise NotImplementedError
+
+    def oversized(self, size: int) -> None:
+        raise NotImplementedError
+
+
 class _Context:
     """The part of grpc.aio.ServicerContext a servicer method uses: `abort`, which ends the call with a status."""
 
@@ -57,121 +114,154 @@ class _Context:
         raise CallFailed(code, details)
 
 
+class _ServerConnection(_Frames):
+    """One client connection: its first frame names the RPC; its requests are answered one at a time, in order."""
+
+    def __init__(self, server: LaneServer) -> None:
+        super().__init__(server.max_bytes)
+        self._server = server
+        self._route: Route | None = None
+        self._requests: asyncio.Queue[Message | CallFailed | None] = asyncio.Queue()  # None: the client is gone
+        self._task: asyncio.Task | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._server.connections.add(self)
+        self._task = asyncio.get_running_loop().create_task(self._answer_all())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        self._requests.put_nowait(None)
+
+    def frame(self, tag: int, payload: memoryview) -> None:
+        if self.transport.is_closing():
+            return  # frames after a failure answer are never read
+        if self._route is None:  # the hello
+            hello = bytes(payload)
+            if len(hello) > MAX_HELLO_BYTES or not hello.startswith(MAGIC):
+                self.transport.close()  # not a lane client: nothing it could read
+                return
+            rpc = hello[len(MAGIC):].decode(errors="replace")
+            self._route = self._server.routes.get(rpc)
+            if self._route is None:
+                self._fail(CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"no lane for {rpc!r}"))
+            return
+        request_cls = self._route[0]
+        try:
+            self._requests.put_nowait(request_cls.FromString(payload))  # parsed in place, before the buffer moves on
+        except DecodeError as exc:
+            self._requests.put_nowait(CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_cls.__name__}: {exc}"))
+
+    def oversized(self, size: int) -> None:
+        if self._route is None:  # no hello yet: not a lane client
+            self.transport.close()
+            return
+        details = f"request of {size} bytes exceeds this server's max_message_bytes {self.max_bytes}"
+        self._fail(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+
+    def _fail(self, failure: CallFailed) -> None:
+        self.send(failure.code.value[0], failure.details.encode())
+        self.transport.close()
+
+    async def _answer_all(self) -> None:
+        while (request := await self._requests.get()) is not None:
+            if isinstance(request, CallFailed):
+                self._fail(request)
+                return
+            try:
+                response = await self._route[1](request, _Context())
+            except CallFailed as failure:
+                self._fail(failure)
+                return
+            except Exception as exc:  # noqa: BLE001 - a servicer maps its own failures; anything else is INTERNAL
+                log.exception("lane call failed")
+                self._fail(CallFailed(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+                return
+            if self.transport.is_closing():
+                return  # the client went away while its call ran
+            self.send(grpc.StatusCode.OK.value[0], response.SerializeToString())
+
+
 class LaneServer:
-    """Serves `routes` on one TCP port, one task per connection; the methods run as their gRPC forms do."""
+    """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection."""
 
     def __init__(self, routes: dict[str, Route], max_message_bytes: int) -> None:
-        self._routes = routes
-        self._max = max_message_bytes
+        self.routes = routes
+        self.max_bytes = max_message_bytes
+        self.connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed on shutdown
 
     async def start(self, host: str, port: int) -> int:
         """Listens; returns the bound port (`port` 0: any free one)."""
-        self._server = await asyncio.start_server(self._serve, host, port, limit=_BUFFER_BYTES)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerConnection(self), host, port)
         return self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         """Stops listening and closes every connection between its answers (a call in progress still runs)."""
-        if self._server is not None:
-            self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        if self._server is not None:
-            await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            hello = await reader.readline()
-            if not hello.startswith(MAGIC) or not hello.endswith(b"\n"):
-                return  # not a lane client: nothing it could read
-            rpc = hello[len(MAGIC):-1].decode(errors="replace")
-            route = self._routes.get(rpc)
-            if route is None:
-                await _answer(writer, grpc.StatusCode.UNIMPLEMENTED, f"no lane for {rpc!r}".encode())
-                return
-            while await self._one_call(reader, writer, route):
-                pass
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):  # ValueError: a hello past the limit
-            pass
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _one_call(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route) -> bool:
-        """Answers one request; False when the connection is done (the client's end, or a failure answered)."""
-        try:
-            (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        except asyncio.IncompleteReadError:
-            return False  # the client ended the session's calls
-        if size > self._max:
-            details = f"request of {size} bytes exceeds this server's max_message_bytes {self._max}"
-            await _answer(writer, grpc.StatusCode.RESOURCE_EXHAUSTED, details.encode())
-            return False
-        request_cls, method = route
-        try:
-            request = request_cls.FromString(await reader.readexactly(size))
-        except DecodeError as exc:
-            await _answer(writer, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_cls.__name__}: {exc}".encode())
-            return False
-        try:
-            response = await method(request, _Context())
-        except CallFailed as exc:
-            await _answer(writer, exc.code, exc.details.encode())
-            return False
-        except Exception as exc:  # noqa: BLE001 - a servicer maps its own failures; anything else is INTERNAL
-            log.exception("lane call failed")
-            await _answer(writer, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}".encode())
-            return False
-        await _answer(writer, grpc.StatusCode.OK, response.SerializeToString())
-        return True
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self.connections):
+            connection.transport.close()
+        await self._server.wait_closed()
 
 
-async def _answer(writer: asyncio.StreamWriter, code: grpc.StatusCode, body: bytes) -> None:
-    writer.write(_ANSWER.pack(len(body), code.value[0]) + body)
-    await writer.drain()
-
-
-class Lane:
+class Lane(_Frames):
     """The client end of one lane connection: one RPC of one session, one call at a time."""
 
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response_cls: type[Message], max_bytes: int
-    ) -> None:
-        self._reader = reader
-        self._writer = writer
+    def __init__(self, response_cls: type[Message], max_bytes: int) -> None:
+        super().__init__(max_bytes)
         self._response_cls = response_cls
-        self._max = max_bytes
+        self._waiter: asyncio.Future[Message] | None = None
+        self._lost: CallFailed | None = None
 
     @classmethod
     async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message], max_bytes: int) -> Lane:
         """Connects (OSError when the port does not answer) and names the RPC."""
-        reader, writer = await asyncio.open_connection(host, port, limit=_BUFFER_BYTES)
-        writer.write(MAGIC + rpc.encode() + b"\n")
-        return cls(reader, writer, response_cls, max_bytes)
+        _, lane = await asyncio.get_running_loop().create_connection(lambda: cls(response_cls, max_bytes), host, port)
+        lane.send(0, MAGIC + rpc.encode())
+        return lane
 
     async def exchange(self, request: Message) -> Message:
         """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
-        body = request.SerializeToString()
+        if self._lost is not None:
+            raise self._lost
+        self._waiter = asyncio.get_running_loop().create_future()
+        self.send(0, request.SerializeToString())
         try:
-            self._writer.write(_LENGTH.pack(len(body)) + body)
-            await self._writer.drain()
-            size, code = _ANSWER.unpack(await self._reader.readexactly(_ANSWER.size))
-            if size > self._max:
-                raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"answer of {size} bytes exceeds this client's max_message_bytes {self._max}")
-            payload = await self._reader.readexactly(size)
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"the lane connection broke: {exc!r}") from None
-        status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+            return await self._waiter
+        finally:
+            self._waiter = None
+
+    def frame(self, tag: int, payload: memoryview) -> None:
+        if self._waiter is None or self._waiter.done():
+            return  # an answer nobody waits for any more (the caller gave up; the lane is being closed)
+        status = _CODES.get(tag, grpc.StatusCode.UNKNOWN)
         if status != grpc.StatusCode.OK:
-            raise CallFailed(status, payload.decode(errors="replace"))
-        return self._response_cls.FromString(payload)
+            self._waiter.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
+            return
+        try:
+            self._waiter.set_result(self._response_cls.FromString(payload))
+        except DecodeError as exc:
+            self._waiter.set_exception(CallFailed(grpc.StatusCode.INTERNAL, f"malformed answer: {exc}"))
+
+    def oversized(self, size: int) -> None:
+        self._break(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"answer of {size} bytes exceeds this client's max_message_bytes {self.max_bytes}"))
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._break(CallFailed(grpc.StatusCode.UNAVAILABLE, f"the lane connection closed ({exc!r})"))
+
+    def _break(self, failure: CallFailed) -> None:
+        self._lost = self._lost or failure
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(failure)
 
     def close(self) -> None:
         """Ends the connection; an answer in flight belongs to nobody."""
-        self._writer.close()
+        self.transport.close()
 
     async def end(self) -> None:
         """Ends the session's calls (the server's task for the connection ends with it)."""

@@ -4,13 +4,13 @@ input answered or refused without taking the server down, and a shutdown that do
 from __future__ import annotations
 
 import asyncio
-import struct
+import os
 
 import grpc
 import pytest
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.lane import MAGIC, CallFailed, Lane, LaneServer
+from protos.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer
 
 MAX_BYTES = 4096
 
@@ -26,8 +26,15 @@ async def _draft(request: pb.DraftRequest, context) -> pb.DraftResponse:
     return response
 
 
-async def _with_lane(scenario):
-    server = LaneServer({"Draft": (pb.DraftRequest, _draft)}, MAX_BYTES)
+async def _echo(request: pb.DraftRequest, context) -> pb.StepResponse:
+    """The request's features back, as a verifier's answer carries them."""
+    response = pb.StepResponse(tokens=[request.root_token])
+    response.features.CopyFrom(request.features)
+    return response
+
+
+async def _with_lane(scenario, max_bytes: int = MAX_BYTES):
+    server = LaneServer({"Draft": (pb.DraftRequest, _draft), "Echo": (pb.DraftRequest, _echo)}, max_bytes)
     port = await server.start("127.0.0.1", 0)
     try:
         return await scenario(port)
@@ -41,10 +48,10 @@ async def _raw(port: int, hello: bytes, frame: bytes) -> tuple[grpc.StatusCode |
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(hello + frame)
     await writer.drain()
-    head = await reader.read(5)
+    head = await reader.read(HEADER.size)
     status, body = None, b""
-    if len(head) == 5:
-        size, code = struct.unpack("<IB", head)
+    if len(head) == HEADER.size:
+        size, code = HEADER.unpack(head)
         body = await reader.readexactly(size)
         status = next(c for c in grpc.StatusCode if c.value[0] == code)
     closed = await asyncio.wait_for(reader.read(1), 5) == b""
@@ -53,7 +60,10 @@ async def _raw(port: int, hello: bytes, frame: bytes) -> tuple[grpc.StatusCode |
 
 
 def _frame(message: bytes) -> bytes:
-    return struct.pack("<I", len(message)) + message
+    return HEADER.pack(len(message), 0) + message
+
+
+HELLO = _frame(MAGIC + b"Draft")
 
 
 def test_answers_in_order_over_one_connection_and_statuses_as_grpc():
@@ -79,19 +89,20 @@ def test_answers_in_order_over_one_connection_and_statuses_as_grpc():
 
 def test_a_failure_answer_ends_the_connection():
     status, body, closed = asyncio.run(_with_lane(
-        lambda port: _raw(port, MAGIC + b"Draft\n", _frame(pb.DraftRequest(root_token=0).SerializeToString()))))
+        lambda port: _raw(port, HELLO, _frame(pb.DraftRequest(root_token=0).SerializeToString()))))
     assert (status, body, closed) == (grpc.StatusCode.INVALID_ARGUMENT, b"root token 0", True)
 
 
 @pytest.mark.parametrize(
     "hello, frame, status",
     [
-        (MAGIC + b"Draft\n", struct.pack("<I", MAX_BYTES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (MAGIC + b"Draft\n", _frame(b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT),
-        (MAGIC + b"Verify\n", b"", grpc.StatusCode.UNIMPLEMENTED),
-        (b"GET / HTTP/1.1\r\n", b"", None),  # not a lane client: closed without an answer
+        (HELLO, HEADER.pack(MAX_BYTES + 1, 0), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (HELLO, _frame(b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT),
+        (_frame(MAGIC + b"Verify"), b"", grpc.StatusCode.UNIMPLEMENTED),
+        (b"GET / HTTP/1.1\r\n\r\n", b"", None),  # not a lane client: closed without an answer
+        (_frame(b"hello"), _frame(b"x"), None),
     ],
-    ids=["oversized", "not-a-message", "unknown-rpc", "wrong-hello"],
+    ids=["oversized", "not-a-message", "unknown-rpc", "http", "wrong-hello"],
 )
 def test_malformed_input_is_answered_with_a_status_or_refused(hello, frame, status):
     async def scenario(port: int):
@@ -128,3 +139,30 @@ def test_a_server_gone_is_unavailable():
         return err.value.code
 
     assert asyncio.run(scenario()) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_messages_of_any_size_and_frames_back_to_back_arrive_whole():
+    """Messages from a byte to several times the connection's first buffer, in both directions; and requests
+    written in one go, answered one by one in order."""
+
+    async def scenario(port: int):
+        lane = await Lane.open("127.0.0.1", port, "Echo", pb.StepResponse, 2**24)
+        echoed = []
+        for size in (1, 100_000, 3_000_000, 10, 700_000):
+            request = pb.DraftRequest(root_token=size)
+            request.features.data = os.urandom(size)
+            answer = await lane.exchange(request)
+            echoed.append(answer.tokens == [size] and answer.features.data == request.features.data)
+        lane.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_frame(MAGIC + b"Echo") + b"".join(_frame(pb.DraftRequest(root_token=t).SerializeToString())
+                                                        for t in (7, 8, 9)))
+        tokens = []
+        for _ in range(3):
+            size, code = HEADER.unpack(await reader.readexactly(HEADER.size))
+            tokens += pb.StepResponse.FromString(await reader.readexactly(size)).tokens
+        writer.close()
+        return echoed, tokens
+
+    echoed, tokens = asyncio.run(_with_lane(scenario, max_bytes=2**24))
+    assert echoed == [True] * 5 and tokens == [7, 8, 9]
