@@ -7,6 +7,7 @@ the way in, the server's job (its GPU phases and its host work) and the way back
     python bench/rpc_hops.py echo                     # gRPC's own floor: a stream echo, idle gaps or not
     python bench/rpc_hops.py transports               # that echo over gRPC's sync and aio stacks, TCP and Unix
                                                       # sockets, and a plain asyncio socket
+    python bench/rpc_hops.py sizes                    # a round's messages by size: gRPC stream vs round lane
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
     python bench/rpc_hops.py serve --profile-jobs FILE verify ARGS...   # and cProfile of the round calls' jobs
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
@@ -35,6 +36,9 @@ from pathlib import Path
 import grpc
 
 from ddtree.bench import DEFAULT_PROMPTS
+from ddtree.service import message_size_options
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.lane import Lane, LaneServer
 
 # ---- gRPC's floor, and other transports ---------------------------------------------------------------------
 
@@ -63,7 +67,7 @@ async def _aio_server(address: str, mode: str, work_s: float) -> None:
         async for _ in requests:
             yield _answer(mode, work_s)
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=message_size_options(2**28))
     server.add_generic_rpc_handlers((_echo_handler(echo),))
     server.add_insecure_port(address)
     await server.start()
@@ -95,11 +99,25 @@ async def _socket_server(address: str, mode: str, work_s: float) -> None:
     await server.serve_forever()
 
 
+async def _lane_server(address: str, mode: str, work_s: float) -> None:
+    """The answers over a round lane (protos/lane.py): a DraftRequest in, a StepResponse carrying them out."""
+
+    async def echo(_request: pb.DraftRequest, _context) -> pb.StepResponse:
+        response = pb.StepResponse()
+        response.features.data = _answer(mode, work_s)
+        return response
+
+    host, port = address.rsplit(":", 1)
+    await LaneServer({"Echo": (pb.DraftRequest, echo)}, 2**28).start(host, int(port))
+    await asyncio.Event().wait()
+
+
 def _run_server(stack: str, address: str, mode: str, work_s: float) -> None:
     if stack == "sync":
         _sync_server(address, mode, work_s)
     else:
-        asyncio.run((_aio_server if stack == "aio" else _socket_server)(address, mode, work_s))
+        servers = {"aio": _aio_server, "socket": _socket_server, "lane": _lane_server}
+        asyncio.run(servers[stack](address, mode, work_s))
 
 
 class _Timings:
@@ -119,17 +137,32 @@ class _Timings:
         return 1e6 * statistics.median(self.ins), 1e6 * statistics.median(self.backs)
 
 
-async def _aio_client(address: str, calls: int, gap_s: float) -> tuple[float, float]:
-    channel = grpc.aio.insecure_channel(address)
+async def _aio_client(address: str, calls: int, gap_s: float, size: int = 100) -> tuple[float, float]:
+    channel = grpc.aio.insecure_channel(address, options=message_size_options(2**28))
     stream = channel.stream_stream("/echo.Echo/S", request_serializer=_raw, response_deserializer=_raw)()
     timings = _Timings()
     for i in range(calls + 50):
         if gap_s:
             time.sleep(gap_s)
         sent = time.perf_counter()
-        await stream.write(b"x" * 100)
+        await stream.write(b"x" * size)
         timings.add(i, sent, await stream.read())
     await channel.close()
+    return timings.medians()
+
+
+async def _lane_client(address: str, calls: int, gap_s: float, size: int = 100) -> tuple[float, float]:
+    host, port = address.rsplit(":", 1)
+    lane = await Lane.open(host, int(port), "Echo", pb.StepResponse, 2**28)
+    timings = _Timings()
+    for i in range(calls + 50):
+        if gap_s:
+            time.sleep(gap_s)
+        sent = time.perf_counter()
+        request = pb.DraftRequest()
+        request.features.data = b"x" * size
+        timings.add(i, sent, (await lane.exchange(request)).features.data)
+    lane.close()
     return timings.medians()
 
 
@@ -166,14 +199,18 @@ async def _socket_client(address: str, calls: int, gap_s: float) -> tuple[float,
     return timings.medians()
 
 
-def _echo_case(stack: str, address: str, mode: str, work_s: float, gap_s: float, calls: int) -> tuple[float, float]:
+def _echo_case(
+    stack: str, address: str, mode: str, work_s: float, gap_s: float, calls: int, size: int = 100
+) -> tuple[float, float]:
     server = multiprocessing.Process(target=_run_server, args=(stack, address, mode, work_s), daemon=True)
     server.start()
     time.sleep(1.5)
     try:
         if stack == "sync":
             return _sync_client(address, calls, gap_s)
-        return asyncio.run((_aio_client if stack == "aio" else _socket_client)(address, calls, gap_s))
+        if stack == "socket":
+            return asyncio.run(_socket_client(address, calls, gap_s))
+        return asyncio.run((_aio_client if stack == "aio" else _lane_client)(address, calls, gap_s, size))
     finally:
         server.terminate()
 
@@ -204,6 +241,21 @@ def transports(calls: int = 300) -> dict[str, dict[str, float]]:
              "grpc sync both ends, Unix socket": ("sync", "unix:///tmp/ddtree_rpc_hops_sync.sock"),
              "asyncio stream, TCP (no gRPC)": ("socket", "127.0.0.1:50997")}
     return _report({name: (*case, "busy", 1e-3, 0.0) for name, case in cases.items()}, calls)
+
+
+def sizes(calls: int = 200) -> dict[str, dict[str, float]]:
+    """A round's messages by size (a tree; the features of 1 and of 7 accepted positions at Qwen3-8B shapes, 40 kB
+    each) over the services' gRPC stream and over their round lane, the server busy 1 ms per message."""
+    cases = {}
+    for port, size in enumerate((100, 40_000, 280_000), start=50980):
+        cases[f"grpc.aio stream, {size} B"] = ("aio", f"127.0.0.1:{port}", size)
+        cases[f"round lane, {size} B"] = ("lane", f"127.0.0.1:{port + 10}", size)
+    result = {}
+    for name, (stack, address, size) in cases.items():
+        way_in, way_back = _echo_case(stack, address, "busy", 1e-3, 0.0, calls, size)
+        result[name] = {"in_us": round(way_in, 1), "back_us": round(way_back, 1)}
+        print(f"{name:44s} in {way_in:6.0f} us  back {way_back:6.0f} us", flush=True)
+    return result
 
 
 # ---- stamped services ----------------------------------------------------------------------------------------
@@ -339,7 +391,7 @@ def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
         return serve(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("echo", "transports", "probe"))
+    p.add_argument("what", choices=("echo", "transports", "sizes", "probe"))
     p.add_argument("--drafter", default="127.0.0.1:50061")
     p.add_argument("--verifier", default="127.0.0.1:50062")
     p.add_argument("--target", help="its tokenizer (default: the bundled demo target)")
@@ -352,7 +404,7 @@ def main() -> int:
     p.add_argument("--profile", help="probe: cProfile of the round loop's own host work (first transport) to FILE")
     p.add_argument("--out")
     args = p.parse_args()
-    result = {"echo": echo, "transports": transports}.get(args.what, lambda: asyncio.run(probe(args)))()
+    result = {"echo": echo, "transports": transports, "sizes": sizes}.get(args.what, lambda: asyncio.run(probe(args)))()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
