@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from ddtree.types import DraftTree, SamplingParams
 from verify_server.fused_runner import ANCESTOR_STEPS, MAX_GRAPH_NODES
+from verify_server.session import SessionError
 from verify_server.tree_attention import ancestor_matrix
-from verify_server.verify import SessionError, VerifyEngine
+from verify_server.verify import VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
 
 

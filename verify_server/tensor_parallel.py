@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddtree.types import DraftTree, SamplingParams, StepResult
-from verify_server.verify import SessionError, VerifyEngine
+from verify_server.session import SessionError
+from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("ddtree.verify.tp")
 

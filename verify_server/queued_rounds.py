@@ -1,0 +1,123 @@
+"""Greedy verify rounds queued on the device before the host reads the previous one (chained rounds).
+
+A captured greedy round (forward, argmax, acceptance walk and KV compaction in one graph replay) can be queued
+while the session's previous round is still in flight: it takes its start slot and root token from that round's
+outcome on the device (its `cursor`), so the host waits for nothing between rounds and reads each round once, in
+order. QueuedRounds is VerifyEngine's half that does this; it uses the engine's `fused` runner, `device`,
+`session()` and `_check_room()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.timing import StepTimer
+from ddtree.types import DraftTree, SamplingParams, StepResult
+from verify_server.fused_runner import MAX_GRAPH_NODES, bucket
+from verify_server.session import SessionError, VerifySession
+
+# Rounds of one session queued and not yet collected, at most: the one the host waits for and the next.
+MAX_IN_FLIGHT = 2
+
+
+@dataclass
+class PendingRound:
+    """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
+
+    packed    [2 + qb] host copy of accept_path's packed result, filled once the round has run
+    features  [advance, taps*hidden] in memory of its own, on the device (or the host, in pinned memory, for a
+              host_features round): the path's features (first k+1 rows valid, the rest finite filler), or None
+              without taps
+    cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
+              session's next launch, which reads it
+    advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
+              next round's start
+    """
+
+    session_id: str
+    packed: torch.Tensor
+    features: torch.Tensor | None
+    cursor: torch.Tensor
+    advance: int
+    timer: StepTimer
+
+
+class QueuedRounds:
+    """launch / collect: the engine's queued greedy rounds (see the module docstring)."""
+
+    def can_launch(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes."""
+        return self.fused is not None and self.fused.static and params.greedy and bucket(max_nodes + 1) is not None
+
+    @torch.inference_mode()
+    def launch(self, session_id: str, tree: DraftTree) -> PendingRound:
+        """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
+        session still in flight, this one takes its start and root from that round's outcome on the device, so
+        the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
+        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, the
+        uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify() runs those."""
+        sess = self.session(session_id)
+        if sess.root is None:
+            raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
+        pending = self._launch(session_id, sess, tree)
+        if pending is None:
+            raise SessionError("only greedy rounds on the captured path can be queued; use verify")
+        return pending
+
+    def collect(self, pending: PendingRound) -> StepResult:
+        """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
+        sess = self.session(pending.session_id)
+        if not sess.inflight or sess.inflight[0] is not pending:
+            raise SessionError("queued rounds are collected in the order they were queued")
+        host = pending.timer.sync(pending.packed.tolist)  # the round's single host sync
+        k, bonus = host[0], host[1]
+        sess.inflight.popleft()
+        sess.cache.length += k + 1
+        sess.root = bonus
+        forward_s, walk_s = pending.timer.split()
+        features = None if pending.features is None else pending.features[: k + 1]
+        return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
+
+    def _launch(
+        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False
+    ) -> PendingRound | None:
+        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured."""
+        if self.fused is None or not sess.params.greedy:
+            return None
+        if len(sess.inflight) >= MAX_IN_FLIGHT:
+            raise SessionError(f"{MAX_IN_FLIGHT} rounds of session {session_id!r} are queued: collect one first")
+        q = tree.tokens.shape[0]
+        # exact with nothing in flight; else the furthest the rounds in flight can take it (sizes the key bucket)
+        start = sess.cache.length + sum(p.advance for p in sess.inflight)
+        self._check_room(sess, start, q)
+        after = sess.inflight[-1].cursor if sess.inflight else None
+        timer = StepTimer(self.device)
+        captured = self.fused.greedy_round(sess.cache, tuple(sess.taps), tree, sess.root, start, after)
+        if captured is None:
+            return None
+        packed, path_features, cursor = captured
+        timer.mark()
+        pinned = self.device.type == "cuda"  # host copies queued within the round: page-locked, so they stay async
+        if not sess.readback:
+            sess.readback = [
+                torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(MAX_IN_FLIGHT)
+            ]
+        host = sess.readback[sess.queued % MAX_IN_FLIGHT][: packed.shape[0]]
+        sess.queued += 1
+        host.copy_(packed, non_blocking=True)
+        advance = min(tree.max_depth + 1, packed.shape[0] - 2)
+        features = None
+        if path_features is not None:
+            # in memory of its own: the next replay overwrites the graph's output
+            rows = path_features[:advance]  # [advance, taps*hidden]
+            if host_features:
+                features = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pinned)
+                features.copy_(rows, non_blocking=True)
+            else:
+                features = rows.clone()
+        timer.end()
+        pending = PendingRound(session_id, host, features, cursor, advance, timer)
+        sess.inflight.append(pending)
+        return pending

@@ -1,0 +1,48 @@
+"""A verifier session's state, and the errors of requests that do not fit it.
+
+Session state at rest: the cache holds K/V for committed positions [0, n-1); `root` is the last committed token
+x[n-1], whose K/V is written by the next step (so a step's input always starts with the root, at slot n-1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddtree.types import SamplingParams
+from verify_server.kv_cache import KVCache
+from verify_server.state_cache import StateCache
+
+if TYPE_CHECKING:
+    from verify_server.queued_rounds import PendingRound
+
+
+class SessionError(ValueError):
+    """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
+
+
+class UnknownSessionError(SessionError):
+    """No such session: never started, already ended, or expired."""
+
+
+class CapacityError(SessionError):
+    """The session's preallocated KV cache cannot hold the step."""
+
+
+@dataclass
+class VerifySession:
+    cache: KVCache
+    capacity: int  # committed slots the session asked for (the fused path's cache may be larger)
+    params: SamplingParams
+    generator: torch.Generator | None
+    taps: list[int]
+    root: int | None = None  # None until prefill
+    last_used: float = field(default_factory=time.monotonic)
+    states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
+    inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
+    readback: list[torch.Tensor] = field(default_factory=list)  # pinned [2 + MAX_GRAPH_NODES] host buffers
+    queued: int = 0  # rounds queued so far (picks the readback buffer)
