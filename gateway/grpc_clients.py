@@ -112,6 +112,7 @@ class _Client:
         self._lane_host = host.strip("[]") if host and port.isdigit() and "/" not in host else ""
         self._lanes = lanes and bool(self._lane_host)
         self._lane_port: int | None = None  # the service's round lane; None: not asked yet, 0: it has none
+        self._lane_logged: int | None = None  # the lane port last announced in the log
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
@@ -160,8 +161,13 @@ class _Client:
                 await self._info()
         if self._lanes and self._lane_port:
             try:
-                return await Lane.open(self._lane_host, self._lane_port, rpc, self.STREAMED[rpc],
+                lane = await Lane.open(self._lane_host, self._lane_port, rpc, self.STREAMED[rpc],
                                        self._max_message_bytes)
+                if self._lane_logged != self._lane_port:
+                    log.info("%s: round calls over its round lane at %s:%d", self.address, self._lane_host,
+                             self._lane_port)
+                    self._lane_logged = self._lane_port
+                return lane
             except OSError as exc:
                 log.warning("round lane %s:%d of %s unreachable (%s): this session's %s calls go over gRPC",
                             self._lane_host, self._lane_port, self.address, exc, rpc)
