@@ -490,11 +490,15 @@ def test_a_lane_unreachable_or_turned_off_leaves_the_rounds_on_grpc_streams():
     servicer = LaneDrafter()
 
     async def scenario(client: GrpcDrafter):
-        servicer.lane_port = _closed_port()  # announced, but nothing listens there
+        listening, servicer.lane_port = servicer.lane_port, _closed_port()  # announced, but nothing listens there
         roots = [await _root_of_draft(client, "a", root) for root in (5, 6)]
-        return roots, type(_transport(client, "a")).__name__
+        kinds = [type(_transport(client, "a")).__name__]
+        servicer.lane_port = listening  # the service came back on another port: the next session asks again
+        roots.append(await _root_of_draft(client, "b", 7))
+        kinds.append(type(_transport(client, "b")).__name__)
+        return roots, kinds
 
-    assert asyncio.run(_with_server(servicer, scenario)) == ([5, 6], "_GrpcStream")
+    assert asyncio.run(_with_server(servicer, scenario)) == ([5, 6, 7], ["_GrpcStream", "Lane"])
     off = asyncio.run(_with_server(LaneDrafter(), lambda c: _first_transport(c), lanes=False))
     assert off == "_GrpcStream"
 
