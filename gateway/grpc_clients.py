@@ -7,8 +7,9 @@ back to AR decoding on any drafter exception. Cancelling the awaiting task cance
 A session's round calls (those in a client's STREAMED) go over one connection per session and call, each answer
 within the deadline of a call: to the service's round lane (protos/lane.py; the port comes from its Info answer)
 where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's XStream); a server without
-the stream forms (UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
-gateway only hands them from one service to the other, so they are never decoded to torch tensors here.
+the stream forms (UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form
+(protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
+are never decoded to torch tensors here.
 
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
@@ -31,9 +32,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from protos import tensors
-from protos.lane import CallFailed, Lane
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from protos.lane import CallFailed, Lane
 
 log = logging.getLogger(__name__)
 

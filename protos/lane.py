@@ -38,6 +38,7 @@ MAX_HELLO_BYTES = 256
 HEADER = struct.Struct("<IB")  # payload length, tag
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _FIRST_BUFFER_BYTES = 1 << 16
+_KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
 
 # rpc name -> (request message class, the servicer's unary method: (request, context) -> response)
 Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Message]]]
@@ -90,9 +91,12 @@ class _Frames(asyncio.BufferedProtocol):
         needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
         if needed > len(self._buffer):
             self._grow(needed)
+        elif len(self._buffer) > _KEPT_BUFFER_BYTES and max(needed, self._have) <= _FIRST_BUFFER_BYTES:
+            self._grow(_FIRST_BUFFER_BYTES)  # a rare large message does not keep its buffer for the connection's life
 
     def _grow(self, size: int) -> None:
-        # a new buffer, not a resize: the transport may still hold a view of the old one
+        """Moves the filled bytes into a new buffer of `size` bytes (a new one, not a resize: the transport may
+        still hold a view of the old one)."""
         grown = bytearray(size)
         grown[: self._have] = self._buffer[: self._have]
         self._buffer = grown
@@ -150,7 +154,8 @@ class _ServerConnection(_Frames):
         try:
             self._requests.put_nowait(request_cls.FromString(payload))  # parsed in place, before the buffer moves on
         except DecodeError as exc:
-            self._requests.put_nowait(CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_cls.__name__}: {exc}"))
+            details = f"malformed {request_cls.__name__}: {exc}"
+            self._requests.put_nowait(CallFailed(grpc.StatusCode.INVALID_ARGUMENT, details))
 
     def oversized(self, size: int) -> None:
         if self._route is None:  # no hello yet: not a lane client
