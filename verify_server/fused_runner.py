@@ -30,7 +30,7 @@ from verify_server.walk import accept_path
 
 MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
-ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # every captured tree's ancestor matrix, whatever its depth
+ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
 
 
 def bucket(q: int) -> int | None:
@@ -151,7 +151,10 @@ def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor
     ids = torch.where(nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
     parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
     depths = torch.where(valid, depths, 0)
-    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, ANCESTOR_STEPS)
+    # Compiled, the doubling steps fuse and a constant count keeps a symbolic bucket free of guards; uncompiled,
+    # each step is ~3 launches, so a bucket takes only the steps its size needs (4 for 16 nodes, not 9).
+    steps = ANCESTOR_STEPS if torch.compiler.is_compiling() else None
+    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, steps)
 
 
 def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
