@@ -3,7 +3,7 @@ connection beside the gRPC port, answered with gRPC status codes, so a lane call
 interchangeable answer for answer.
 
 Why: gRPC Python spends ~130-200 us of every one-way hop in its own machinery (its poller thread hands each event
-to the event loop; `bench/rpc_hops.py transports`), and a round makes four hops. Everything that is not a round
+to the event loop; `bench/rpc_echo.py transports`), and a round makes four hops. Everything that is not a round
 (Info, sessions, prefill, health, reflection) stays on gRPC, and a service announces its lane's port in its Info
 answer (0: none), so a client without lanes, or a server without one, simply uses the gRPC streams.
 
