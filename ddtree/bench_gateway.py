@@ -3,8 +3,8 @@
 Each mode is one pass over the prompts with the per-request `speculation` override. τ and the per-phase round
 time come from the gateway's own Prometheus counters, read before and after each pass (passes run one at a time,
 so the deltas belong to that mode alone): draft and verify are the services' device work, `server` their host
-work around it, `transport` gRPC both ways and the gateway's orchestration (gateway/metrics.py). Plain stdlib
-HTTP: nothing to install beyond the project.
+work around it, `transport` both ways (round lane or gRPC) and the gateway's orchestration (gateway/metrics.py).
+Plain stdlib HTTP: nothing to install beyond the project.
 """
 
 from __future__ import annotations

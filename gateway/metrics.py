@@ -53,7 +53,8 @@ class Metrics:
         self.phase = Histogram("ddtree_round_phase_seconds",
                                "Time per decode round by phase: draft and verify are the model services' device "
                                "work, server their host work around it (request decoding, host syncs, answer "
-                               "encoding), transport the rest (gRPC both ways and the gateway's orchestration)",
+                               "encoding), transport the rest (both ways over the round lane or gRPC, and the "
+                               "gateway's orchestration)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)

@@ -247,8 +247,8 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
     rounds = [
         (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter forward "
                     "+ tree build), verify (target forward + acceptance walk), server (the model services' host "
-                    "work around them: request decoding, host syncs, answer encoding), transport (gRPC both ways "
-                    "and orchestration). The stack is the mean round time.",
+                    "work around them: request decoding, host syncs, answer encoding), transport (both ways over "
+                    "the round lane or gRPC, and orchestration). The stack is the mean round time.",
                     [target(mean("ddtree_round_phase_seconds", "phase"), "{{phase}}")], "s", stack=True,
                     overrides=[color("draft", "purple"), color("verify", "blue"), color("server", "orange"),
                                color("transport", "yellow")]), 8, 8),
