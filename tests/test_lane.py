@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 
 import grpc
 import pytest
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer
+from protos.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, _Frames
 
 MAX_BYTES = 4096
 
@@ -166,3 +167,33 @@ def test_messages_of_any_size_and_frames_back_to_back_arrive_whole():
 
     echoed, tokens = asyncio.run(_with_lane(scenario, max_bytes=2**24))
     assert echoed == [True] * 5 and tokens == [7, 8, 9]
+
+
+class _Recorder(_Frames):
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.frames: list[tuple[int, bytes]] = []
+
+    def frame(self, tag: int, payload: memoryview) -> None:
+        self.frames.append((tag, bytes(payload)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_frames_come_out_whole_whatever_the_reads_cut(seed):
+    """The bytes of many frames (empty to several buffers long) handed over in reads cut at random, as the socket
+    delivers them: every frame comes out whole, in order, and the buffer keeps no large size once drained."""
+    rng = random.Random(seed)
+    sizes = [0, 1, 5, 70_000, 3, 5_000_000, 12, 65_531, 65_536, 200_000] + [rng.randrange(0, 3000) for _ in range(30)]
+    rng.shuffle(sizes)
+    sent = [(rng.randrange(256), rng.randbytes(size)) for size in sizes]
+    stream = b"".join(HEADER.pack(len(payload), tag) + payload for tag, payload in sent)
+    frames = _Recorder(max_bytes=2**23)
+    at = 0
+    while at < len(stream):
+        room = frames.get_buffer(-1)  # the socket reads at most what the buffer has room for
+        n = min(len(room), len(stream) - at, rng.choice((1, 7, 4096, 65_536, 1 << 20)))
+        room[:n] = stream[at : at + n]
+        at += n
+        frames.buffer_updated(n)
+    assert frames.frames == sent
+    assert len(frames._buffer) <= 1 << 22
