@@ -176,12 +176,12 @@ def tree_to_pb(tree: DraftTree, out: pb.DraftTree | None = None) -> pb.DraftTree
 
 
 def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
-    """Shape only; whether the arrays form a tree is verify_server/validate.py's question."""
-    rows = list(msg.tokens), list(msg.parents), list(msg.depths)
-    if len(rows[0]) == len(rows[1]) == len(rows[2]):
-        tokens, parents, depths = torch.tensor(rows, dtype=torch.long)  # one torch call: [3, n], a row per field
-    else:  # ragged: kept as sent, for the validator to name
-        tokens, parents, depths = (torch.tensor(row, dtype=torch.long) for row in rows)
+    """Shape only (ragged fields are kept as sent); whether the arrays form a tree is verify_server/validate.py's
+    question. numpy reads the repeated fields: a 65-node tree in 11 us where torch.tensor took 22 (this CPU class)."""
+    tokens, parents, depths = (
+        torch.from_numpy(np.fromiter(field, dtype=np.int64, count=len(field)))
+        for field in (msg.tokens, msg.parents, msg.depths)
+    )
     return DraftTree(tokens=tokens, parents=parents, depths=depths, max_depth=msg.max_depth)
 
 
