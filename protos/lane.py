@@ -122,7 +122,7 @@ class _ServerConnection(_Frames):
     """One client connection: its first frame names the RPC; its requests are answered one at a time, in order."""
 
     def __init__(self, server: LaneServer) -> None:
-        super().__init__(server.max_bytes)
+        super().__init__(MAX_HELLO_BYTES)  # until a lane client has said hello: a stranger gets no large buffer
         self._server = server
         self._route: Route | None = None
         self._requests: asyncio.Queue[Message | CallFailed | None] = asyncio.Queue()  # None: the client is gone
@@ -142,13 +142,14 @@ class _ServerConnection(_Frames):
             return  # frames after a failure answer are never read
         if self._route is None:  # the hello
             hello = bytes(payload)
-            if len(hello) > MAX_HELLO_BYTES or not hello.startswith(MAGIC):
+            if not hello.startswith(MAGIC):
                 self.transport.close()  # not a lane client: nothing it could read
                 return
             rpc = hello[len(MAGIC):].decode(errors="replace")
             self._route = self._server.routes.get(rpc)
             if self._route is None:
                 self._fail(CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"no lane for {rpc!r}"))
+            self.max_bytes = self._server.max_bytes
             return
         request_cls = self._route[0]
         try:
@@ -165,8 +166,9 @@ class _ServerConnection(_Frames):
         self._fail(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
 
     def _fail(self, failure: CallFailed) -> None:
-        self.send(failure.code.value[0], failure.details.encode())
-        self.transport.close()
+        if not self.transport.is_closing():  # else the client has gone: nobody to tell
+            self.send(failure.code.value[0], failure.details.encode())
+            self.transport.close()
 
     async def _answer_all(self) -> None:
         while (request := await self._requests.get()) is not None:

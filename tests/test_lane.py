@@ -102,8 +102,9 @@ def test_a_failure_answer_ends_the_connection():
         (_frame(MAGIC + b"Verify"), b"", grpc.StatusCode.UNIMPLEMENTED),
         (b"GET / HTTP/1.1\r\n\r\n", b"", None),  # not a lane client: closed without an answer
         (_frame(b"hello"), _frame(b"x"), None),
+        (HEADER.pack(1000, 0), b"", None),  # a first frame longer than any hello: never buffered
     ],
-    ids=["oversized", "not-a-message", "unknown-rpc", "http", "wrong-hello"],
+    ids=["oversized", "not-a-message", "unknown-rpc", "http", "wrong-hello", "long-hello"],
 )
 def test_malformed_input_is_answered_with_a_status_or_refused(hello, frame, status):
     async def scenario(port: int):
