@@ -134,7 +134,9 @@ class _Client:
         if rpc not in self.STREAMED or rpc in self._unary_only:
             return await self._call(rpc, getattr(self._stub, rpc), request)
         key = (rpc, session_id)
-        stream = self._streams.setdefault(key, _Stream())
+        stream = self._streams.get(key)
+        if stream is None:  # (not setdefault: it would build a _Stream and its lock on every round call)
+            stream = self._streams[key] = _Stream()
         async with stream.lock:
             try:
                 async with asyncio.timeout(self.timeout_s):

@@ -126,6 +126,7 @@ class _ServerConnection(_Frames):
         self._server = server
         self._route: Route | None = None
         self._requests: asyncio.Queue[Message | CallFailed | None] = asyncio.Queue()  # None: the client is gone
+        self._context = _Context()
         self._task: asyncio.Task | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -176,7 +177,7 @@ class _ServerConnection(_Frames):
                 self._fail(request)
                 return
             try:
-                response = await self._route[1](request, _Context())
+                response = await self._route[1](request, self._context)
             except CallFailed as failure:
                 self._fail(failure)
                 return
