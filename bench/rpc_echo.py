@@ -5,6 +5,8 @@ its one-way times read off the shared monotonic clock (time.perf_counter is CLOC
     python bench/rpc_echo.py transports   # that echo over gRPC's sync and aio stacks, TCP and Unix sockets, and a
                                           # plain asyncio socket
     python bench/rpc_echo.py sizes        # a round's messages by size: gRPC stream against the round lane
+    python bench/rpc_echo.py busy_poll    # plain sockets and the round lane, both ends sleeping in epoll between
+                                          # messages or busy-polling (ddtree/event_loop.py)
 
 Each prints one-way medians in microseconds (in / back) and writes them with --out FILE. Linux only.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from ddtree import event_loop
 from ddtree.service import message_size_options
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.lane import Lane, LaneServer
@@ -100,12 +103,12 @@ async def _lane_server(address: str, mode: str, work_s: float) -> None:
     await asyncio.Event().wait()
 
 
-def _run_server(stack: str, address: str, mode: str, work_s: float) -> None:
+def _run_server(stack: str, address: str, mode: str, work_s: float, busy_poll_s: float) -> None:
     if stack == "sync":
         _sync_server(address, mode, work_s)
     else:
         servers = {"aio": _aio_server, "socket": _socket_server, "lane": _lane_server}
-        asyncio.run(servers[stack](address, mode, work_s))
+        event_loop.run(servers[stack](address, mode, work_s), busy_poll_s)
 
 
 class _Timings:
@@ -188,17 +191,20 @@ async def _socket_client(address: str, calls: int, gap_s: float) -> tuple[float,
 
 
 def _echo_case(
-    stack: str, address: str, mode: str, work_s: float, gap_s: float, calls: int, size: int = 100
+    stack: str, address: str, mode: str, work_s: float, gap_s: float, calls: int, size: int = 100,
+    busy_poll_s: float = 0.0,
 ) -> tuple[float, float]:
-    server = multiprocessing.Process(target=_run_server, args=(stack, address, mode, work_s), daemon=True)
+    server = multiprocessing.Process(target=_run_server, args=(stack, address, mode, work_s, busy_poll_s),
+                                     daemon=True)
     server.start()
     time.sleep(1.5)
     try:
         if stack == "sync":
             return _sync_client(address, calls, gap_s)
         if stack == "socket":
-            return asyncio.run(_socket_client(address, calls, gap_s))
-        return asyncio.run((_aio_client if stack == "aio" else _lane_client)(address, calls, gap_s, size))
+            return event_loop.run(_socket_client(address, calls, gap_s), busy_poll_s)
+        client = _aio_client if stack == "aio" else _lane_client
+        return event_loop.run(client(address, calls, gap_s, size), busy_poll_s)
     finally:
         server.terminate()
 
@@ -246,12 +252,28 @@ def sizes(calls: int = 200) -> dict[str, dict[str, float]]:
     return result
 
 
+def busy_poll(calls: int = 300) -> dict[str, dict[str, float]]:
+    """A plain asyncio socket's echo and the round lane's (100 B and 40 kB), the server busy 1 ms per message, both
+    ends sleeping in epoll between messages and both ends polling (a 20 ms window)."""
+    cases = {}
+    for port, (stack, size) in enumerate((("socket", 100), ("lane", 100), ("lane", 40_000)), start=50960):
+        for poll_us, shift in ((0, 0), (20_000, 10)):
+            name = f"{'round lane' if stack == 'lane' else 'asyncio stream'}, {size} B, busy poll {poll_us} us"
+            cases[name] = (stack, f"127.0.0.1:{port + shift}", size, poll_us / 1e6)
+    result = {}
+    for name, (stack, address, size, poll_s) in cases.items():
+        way_in, way_back = _echo_case(stack, address, "busy", 1e-3, 0.0, calls, size, poll_s)
+        result[name] = {"in_us": round(way_in, 1), "back_us": round(way_back, 1)}
+        print(f"{name:44s} in {way_in:6.0f} us  back {way_back:6.0f} us", flush=True)
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("echo", "transports", "sizes"))
+    p.add_argument("what", choices=("echo", "transports", "sizes", "busy_poll"))
     p.add_argument("--out")
     args = p.parse_args()
-    result = {"echo": echo, "transports": transports, "sizes": sizes}[args.what]()
+    result = {"echo": echo, "transports": transports, "sizes": sizes, "busy_poll": busy_poll}[args.what]()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -8,7 +8,8 @@ the services: bench/rpc_echo.py.)
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
     python bench/rpc_hops.py serve --profile-jobs FILE verify ARGS...   # and cProfile of the round calls' jobs
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
-                                   --max-new-tokens 96 --transports lane,grpc --profile FILE --out FILE]
+                                   --max-new-tokens 96 --transports lane,grpc --busy-poll-us 0 --profile FILE
+                                   --out FILE]
 
 The probe runs the gateway's round loop (gateway/rounds.py over gateway/grpc_clients.py, no HTTP) against the
 stamped services, with the round calls over the services' round lanes and over gRPC streams one after the other,
@@ -18,7 +19,6 @@ and reports per-round medians in microseconds. Linux only (the shared clock).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import cProfile
 import json
 import pstats
@@ -27,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from ddtree import event_loop
 from ddtree.bench import DEFAULT_PROMPTS
+from ddtree.event_loop import busy_poll_seconds
 
 # ---- stamped services ----------------------------------------------------------------------------------------
 
@@ -173,9 +175,11 @@ def main() -> int:
     p.add_argument("--transports", default="lane,grpc",
                    help="probe: the round calls over the services' round lanes and/or gRPC streams, side by side")
     p.add_argument("--profile", help="probe: cProfile of the round loop's own host work (first transport) to FILE")
+    p.add_argument("--busy-poll-us", type=int, default=0,
+                   help="probe: its event loop polls this long after I/O, as the gateway's (ddtree/event_loop.py)")
     p.add_argument("--out")
     args = p.parse_args()
-    result = asyncio.run(probe(args))
+    result = event_loop.run(probe(args), busy_poll_seconds(args.busy_poll_us))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

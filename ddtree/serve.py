@@ -63,7 +63,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     ddtree = [sys.executable, "-m", "ddtree.cli"]
     model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
              *(["--eager"] if args.eager else []),
-             *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"])]
+             *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]),
+             *([] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)])]
     cmds = {}
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing

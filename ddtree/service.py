@@ -35,6 +35,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ddtree import event_loop
+from ddtree.event_loop import busy_poll_seconds
 from ddtree.heap import freeze_startup_heap, watch_collector
 from ddtree.service_config import ServiceConfig
 from protos.lane import LaneServer, Route
@@ -166,10 +168,10 @@ class EngineHost(Generic[E]):
         return [] if engine is None else list(engine.sessions.values())
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn(*args) on the engine thread."""
+        """Runs fn(*args) on the engine thread; the loop does not busy-poll meanwhile."""
         self._queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, *args)
+            return await event_loop.run_in_thread(self._executor, self._locked, fn, *args)
         finally:
             self._queued -= 1  # early if the caller was cancelled: the lock still keeps the engine to one thread
 
@@ -342,7 +344,7 @@ def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(server(config))
+        event_loop.run(server(config), busy_poll_seconds(config.busy_poll_us))
     except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
         log.error("cannot serve: %s", exc)
         return 1

@@ -17,7 +17,9 @@ from pathlib import Path
 import uvicorn
 from transformers import PreTrainedTokenizerBase
 
+from ddtree import event_loop
 from ddtree.demo.tokenizer import load_tokenizer
+from ddtree.event_loop import busy_poll_seconds
 from ddtree.heap import freeze_startup_heap, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # a bad flag, or a target directory without a usable tokenizer
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config, tokenizer))
+    event_loop.run(serve(config, tokenizer), busy_poll_seconds(config.busy_poll_us))
     return 0
 
 

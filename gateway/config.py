@@ -10,8 +10,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ddtree.event_loop import busy_poll_seconds
 from ddtree.models import resolve_pair
-from ddtree.service_config import FlagConfig, option
+from ddtree.service_config import BUSY_POLL_HELP, FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
@@ -38,6 +39,7 @@ class GatewayConfig(FlagConfig):
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
     max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent to or received from a backend")
+    busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -53,6 +55,7 @@ class GatewayConfig(FlagConfig):
             raise ValueError("max_running, health_interval, rpc_timeout and max_message_bytes must be > 0")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        busy_poll_seconds(self.busy_poll_us)
 
     @property
     def drafter_address(self) -> str | None:

@@ -270,6 +270,9 @@ def test_serve_hands_settings_and_switches_to_the_services() -> None:
             assert given == ([] if passed is None else [passed])
             parsed = build_parser().parse_args(services[name][services[name].index(name):])
             assert parsed.compile == {None: None, "--compile": True, "--no-compile": False}[passed]
+    for flags, window in (([], None), (["--busy-poll-us", "0"], 0), (["--busy-poll-us", "7000"], 7000)):
+        for name, cmd in commands(build_parser().parse_args(["serve", *flags])).items():  # all three processes
+            assert build_parser().parse_args(cmd[cmd.index(name):]).busy_poll_us == window, name
 
 
 def test_service_commands_parse_with_the_real_cli() -> None:

@@ -82,7 +82,8 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
     target, drafter = models
     logs = tmp_path_factory.mktemp("e2e_logs")
     draft, draft_metrics, verify, verify_metrics, http = free_ports(5)
-    dtype = ["--dtype", "float32"]
+    # every process polls its sockets for a while after I/O (ddtree/event_loop.py), as on a GPU host by default
+    dtype = ["--dtype", "float32", "--busy-poll-us", "3000"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `ddtree serve` sets it: see there
         svc = Services(
@@ -92,7 +93,8 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
                                                *dtype], (verify, verify_metrics), logs),
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
-                                      "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5"], logs),
+                                      "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
+                                      "--busy-poll-us", "3000"], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )
     try:

@@ -1,0 +1,117 @@
+"""Event loops that poll their sockets for a while before they sleep (busy polling), for the round's hops.
+
+A round crosses four hops (gateway -> drafter -> gateway -> verifier -> gateway), and each landed on a process
+asleep in epoll_wait, which the kernel then had to wake. So after any I/O a loop keeps polling (epoll_wait with a
+zero timeout, which lets go of the GIL every time) for `window` seconds before it blocks: while rounds run, the
+next message always arrives within the window, and an idle process sleeps as before once its last I/O is `window`
+old. The price is a busy core per process while sessions are active. Measured (bench/README.md, "busy polling"):
+a round lane's one-way 100 B hop on a 2-core VM 89 / 118 -> 25 / 31 us; the demo pair's four hops a round on an
+H200 host 0.47 -> 0.21 ms.
+
+A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
+every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
+only after the interpreter's switch interval (5 ms). `run_in_thread` hands work to another thread and stops the
+polling until it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import selectors
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+AUTO_WINDOW_US = 20_000  # covers a verify job at Qwen3-8B shapes (~6 ms) and the hops around it, with room
+AUTO_MIN_CPUS = 8  # three polling processes (gateway and two services) next to the model's own CPU work
+
+
+def busy_poll_seconds(busy_poll_us: int | None) -> float:
+    """A `--busy-poll-us` setting -> the polling window in seconds; None: AUTO_WINDOW_US with AUTO_MIN_CPUS or more
+    usable CPUs, none with fewer (where polling would take the cores the model's CPU work needs)."""
+    if busy_poll_us is None:
+        busy_poll_us = AUTO_WINDOW_US if len(os.sched_getaffinity(0)) >= AUTO_MIN_CPUS else 0
+    if busy_poll_us < 0:
+        raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
+    return busy_poll_us / 1e6
+
+
+class PollingSelector(selectors.DefaultSelector):
+    """The platform's selector, polling (zero timeouts) up to `window` seconds after its last I/O event before it
+    waits with the loop's own timeout. A timer is never late for it: polling stops at the loop's timeout."""
+
+    def __init__(self, window: float) -> None:
+        super().__init__()
+        self.window = window
+        self._last_event = -float("inf")  # perf_counter of the last select that returned events
+        self._pauses = 0  # pause() calls not yet resumed
+
+    @property
+    def paused(self) -> bool:
+        return self._pauses > 0
+
+    def pause(self) -> None:
+        """No polling until as many resume() calls as pause() calls."""
+        self._pauses += 1
+
+    def resume(self) -> None:
+        self._pauses -= 1
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        start = time.perf_counter()
+        poll_until = self._last_event + self.window
+        if timeout is not None:
+            poll_until = min(poll_until, start + timeout)
+        ready = []
+        if start < poll_until and not self._pauses:  # never with a zero timeout: the loop has work queued
+            while not (ready := super().select(0)) and time.perf_counter() < poll_until:
+                pass
+            if not ready and timeout is not None:
+                timeout = max(0.0, timeout - (time.perf_counter() - start))
+        if not ready:
+            ready = super().select(timeout)
+        if ready:
+            self._last_event = time.perf_counter()
+        return ready
+
+
+class PollingEventLoop(asyncio.SelectorEventLoop):
+    """The platform's selector event loop over a PollingSelector, which it exposes as `polling`."""
+
+    def __init__(self, window: float) -> None:
+        self.polling = PollingSelector(window)
+        super().__init__(self.polling)
+
+
+def run_in_thread(executor: Executor, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """loop.run_in_executor(executor, fn, *args) on the running loop, which does not poll until fn has returned
+    (or was cancelled before it started), whether or not its caller still waits for it."""
+    loop = asyncio.get_running_loop()
+    selector: PollingSelector | None = getattr(loop, "polling", None)
+    if selector is None:
+        return loop.run_in_executor(executor, fn, *args)
+    selector.pause()
+    try:
+        job = executor.submit(fn, *args)
+    except BaseException:
+        selector.resume()
+        raise
+    job.add_done_callback(lambda _: _call_soon(loop, selector.resume))  # called on the worker thread
+    return asyncio.wrap_future(job, loop=loop)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a load outlives a service stopped early)
+        loop.call_soon_threadsafe(fn)
+
+
+def run(main: Coroutine[Any, Any, T], busy_poll_s: float = 0.0) -> T:
+    """asyncio.run(main) on a loop that busy-polls for `busy_poll_s` after I/O (plain asyncio when 0)."""
+    if busy_poll_s <= 0:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=lambda: PollingEventLoop(busy_poll_s)) as runner:
+        return runner.run(main)
