@@ -153,7 +153,8 @@ async def probe(args: argparse.Namespace) -> dict:
     result = {}
     for transport, timed in rows.items():
         medians = {k: round(1e6 * statistics.median(r[k] for r in timed), 1) for k in timed[0]}
-        result[transport] = {"rounds": len(timed), "median_us": medians}
+        p90 = {k: round(1e6 * statistics.quantiles([r[k] for r in timed], n=10)[-1], 1) for k in timed[0]}
+        result[transport] = {"rounds": len(timed), "median_us": medians, "p90_us": p90}
     print(f"{'median us':24s}" + "".join(f"{t:>10s}" for t in transports))
     for name in result[transports[0]]["median_us"]:
         print(f"{name:24s}" + "".join(f"{result[t]['median_us'][name]:10.1f}" for t in transports))

@@ -6,10 +6,11 @@ gather, a sort and slices; compiled and captured it still ran 52 kernels, 0.13 m
 pair (bench/results/profile_round_demo_bf16_compile_flash_topk2.txt), each kernel a few µs however small its sort.
 Here one warp runs DESIGN §4's best-first search itself: the frontier (at most one entry per node so far, plus the
 root's first child) sits in its registers, and each step pops the best entry as the next node and pushes that
-node's next sibling and first child. A step is one reduction and a few loads, so a tree costs what its nodes cost:
+node's next sibling and first child. A step is one reduction and two loads, so a tree costs what its nodes cost:
 5.1 / 8.6 / 17.8 / 42.2 us for 16 / 32 / 64 / 128 nodes on the H200, against 16.8 / 23.1 / 50.7 / 115.5 for the
 beam search by depth it replaced, whose every depth sorted up to ~w ln w contenders in registers
-(bench/results/tree_tune_best_first_h200.json). The top-k before it (torch.topk in two stages was 2 x 17 us) sorts
+(bench/results/tree_tune_best_first_h200.json); 3.9 / 7.0 / 15.3 / 36.8 us since the nodes are written out after
+the search instead of a token load and three stores per step (bench/results/best_first_ab_deferred_writes_h200.json). The top-k before it (torch.topk in two stages was 2 x 17 us) sorts
 chunks of the vocabulary in parallel, then merges each depth's chunk winners.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
@@ -74,22 +75,22 @@ if triton is not None:
         """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Out [3, N1] long: tokens,
         parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry: slot 0
         starts as the root's first child, slot n takes node n's first child, and a popped entry's slot takes its
-        next sibling, whose parent's score (`base`) is that slot's already."""
+        next sibling, whose parent's score (`base`) is that slot's already. Each step only pops and pushes: the
+        popped entries' index fields wait in registers (`picked`, slot n for node n), and the nodes are written
+        out together after the search, so no step waits for a token's load or issues stores."""
         slot = tl.arange(0, F)
+        field = (1 << BITS) - 1
         base = tl.zeros([F], dtype=tl.float32)  # [F] the score of each entry's parent (the root's: 0)
         first = _pack(base + tl.load(Vals), tl.full([F], 1, tl.int32) << (2 * BITS))
         key = tl.where(slot == 0, first, PAD_KEY)  # [F] packed (score, depth, parent, rank); PAD: empty
+        picked = tl.zeros([F], dtype=tl.int32)  # [F] node n's (depth, parent, rank) index in slot n
         for node in range(1, num_nodes + 1):
             best = tl.min(key, axis=0)  # unique: the index bits differ
             popped = key == best
             score = _unpack_score(best)
             index = (best & 0xFFFFFFFF).to(tl.int32)
-            field = (1 << BITS) - 1
-            depth, parent, rank = index >> (2 * BITS), (index >> BITS) & field, index & field
+            depth, rank = index >> (2 * BITS), index & field
             row = (depth - 1) * K
-            tl.store(Out + node, tl.load(Ids + row + rank))
-            tl.store(Out + N1 + node, parent.to(tl.int64))
-            tl.store(Out + 2 * N1 + node, depth.to(tl.int64))
             more = rank + 1 < K
             sibling = _pack(base + tl.load(Vals + row + rank + 1, mask=more, other=0.0), index + 1)
             key = tl.where(popped, tl.where(more, sibling, PAD_KEY), key)
@@ -99,6 +100,12 @@ if triton is not None:
             fresh = slot == node
             key = tl.where(fresh, tl.where(deeper, child, PAD_KEY), key)
             base = tl.where(fresh, score, base)
+            picked = tl.where(fresh, index, picked)
+        nodes = (slot >= 1) & (slot <= num_nodes)
+        depths = picked >> (2 * BITS)
+        tl.store(Out + slot, tl.load(Ids + (depths - 1) * K + (picked & field), mask=nodes, other=0), mask=nodes)
+        tl.store(Out + N1 + slot, ((picked >> BITS) & field).to(tl.int64), mask=nodes)
+        tl.store(Out + 2 * N1 + slot, depths.to(tl.int64), mask=nodes)
         tl.store(Out, tl.load(Root))
         tl.store(Out + N1, -1)
         tl.store(Out + 2 * N1, 0)
