@@ -260,6 +260,14 @@ async def _watch(host: EngineHost[E], alive: Callable[[E], bool], stop: asyncio.
     stop.set()
 
 
+def use_device(device: torch.device) -> None:
+    """Makes `device` the calling thread's current CUDA device. Our Triton kernels launch on the current device
+    whatever their tensors' (Triton's launcher asks the driver), so a service on cuda:1 needs it in every thread
+    that runs its engine."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
@@ -282,6 +290,9 @@ async def serve(
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    device = config.torch_device()
+    use_device(device)  # this thread runs the round calls' jobs, the engine thread the rest
+    await host.run(use_device, device)
 
     server = grpc.aio.server(options=message_size_options(config.max_message_bytes))
     add_servicer(server)

@@ -74,16 +74,17 @@ if triton is not None:
                            N1: tl.constexpr, BITS: tl.constexpr):
         """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Out [3, N1] long: tokens,
         parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry: slot 0
-        starts as the root's first child, slot n takes node n's first child, and a popped entry's slot takes its
-        next sibling, whose parent's score (`base`) is that slot's already. Each step only pops and pushes: the
-        popped entries' index fields wait in registers (`picked`, slot n for node n), and the nodes are written
+        starts as the root's first child, slot n takes node n's first child (never the last node's: no step pops
+        it, so F >= num_nodes slots do), and a popped entry's slot takes its next sibling, whose parent's score
+        (`base`) is that slot's already. Each step only pops and pushes: the
+        popped entries' index fields wait in registers (`picked`, slot n-1 for node n), and the nodes are written
         out together after the search, so no step waits for a token's load or issues stores."""
         slot = tl.arange(0, F)
         field = (1 << BITS) - 1
         base = tl.zeros([F], dtype=tl.float32)  # [F] the score of each entry's parent (the root's: 0)
         first = _pack(base + tl.load(Vals), tl.full([F], 1, tl.int32) << (2 * BITS))
         key = tl.where(slot == 0, first, PAD_KEY)  # [F] packed (score, depth, parent, rank); PAD: empty
-        picked = tl.zeros([F], dtype=tl.int32)  # [F] node n's (depth, parent, rank) index in slot n
+        picked = tl.zeros([F], dtype=tl.int32)  # [F] node n's (depth, parent, rank) index in slot n-1
         for node in range(1, num_nodes + 1):
             best = tl.min(key, axis=0)  # unique: the index bits differ
             popped = key == best
@@ -100,12 +101,12 @@ if triton is not None:
             fresh = slot == node
             key = tl.where(fresh, tl.where(deeper, child, PAD_KEY), key)
             base = tl.where(fresh, score, base)
-            picked = tl.where(fresh, index, picked)
-        nodes = (slot >= 1) & (slot <= num_nodes)
+            picked = tl.where(slot == node - 1, index, picked)
+        nodes = slot < num_nodes
         depths = picked >> (2 * BITS)
-        tl.store(Out + slot, tl.load(Ids + (depths - 1) * K + (picked & field), mask=nodes, other=0), mask=nodes)
-        tl.store(Out + N1 + slot, ((picked >> BITS) & field).to(tl.int64), mask=nodes)
-        tl.store(Out + 2 * N1 + slot, depths.to(tl.int64), mask=nodes)
+        tl.store(Out + 1 + slot, tl.load(Ids + (depths - 1) * K + (picked & field), mask=nodes, other=0), mask=nodes)
+        tl.store(Out + N1 + 1 + slot, ((picked >> BITS) & field).to(tl.int64), mask=nodes)
+        tl.store(Out + 2 * N1 + 1 + slot, depths.to(tl.int64), mask=nodes)
         tl.store(Out, tl.load(Root))
         tl.store(Out + N1, -1)
         tl.store(Out + 2 * N1, 0)
@@ -185,7 +186,7 @@ def best_first_tree(
     out = torch.empty(3, num_nodes + 1, dtype=torch.long, device=top_vals.device)
     _best_first_kernel[(1,)](
         top_vals.contiguous(), top_ids.contiguous(), root, out, num_nodes,
-        K=k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes + 1)), N1=num_nodes + 1, BITS=FIELD_BITS,
+        K=k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes)), N1=num_nodes + 1, BITS=FIELD_BITS,
         num_warps=warps,
     )
     return out
