@@ -9,9 +9,11 @@ root's first child) sits in its registers, and each step pops the best entry as 
 node's next sibling and first child. A step is one reduction and two loads, so a tree costs what its nodes cost:
 5.1 / 8.6 / 17.8 / 42.2 us for 16 / 32 / 64 / 128 nodes on the H200, against 16.8 / 23.1 / 50.7 / 115.5 for the
 beam search by depth it replaced, whose every depth sorted up to ~w ln w contenders in registers
-(bench/results/tree_tune_best_first_h200.json); 3.9 / 7.0 / 15.3 / 36.8 us since the nodes are written out after
-the search instead of a token load and three stores per step (bench/results/best_first_ab_deferred_writes_h200.json). The top-k before it (torch.topk in two stages was 2 x 17 us) sorts
-chunks of the vocabulary in parallel, then merges each depth's chunk winners.
+(bench/results/tree_tune_best_first_h200.json). Since then 3.9 / 7.0 / 15.3 / 36.8 us with the nodes written out
+after the search rather than a token load and three stores per step, and 3.9 / 6.6 / 13.1 / 30.0 us with num_nodes
+frontier slots (bench/results/best_first_ab_{deferred_writes,frontier_slots}_h200.json). The top-k before it
+(torch.topk in two stages was 2 x 17 us) sorts chunks of the vocabulary in parallel, then merges each depth's chunk
+winners.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
 break as a stable sort does, and the scores are the same fp32 sums (a parent's score + the token's log-prob). In
