@@ -6,7 +6,7 @@ zero timeout, which lets go of the GIL every time) for `window` seconds before i
 next message always arrives within the window, and an idle process sleeps as before once its last I/O is `window`
 old. The price is a busy core per process while sessions are active. Measured (bench/README.md, "busy polling"):
 a round lane's one-way 100 B hop on a 2-core VM 89 / 118 -> 25 / 31 us; the demo pair's four hops a round on an
-H200 host 0.47 -> 0.21 ms.
+H200 host 0.39-0.47 -> 0.21-0.24 ms.
 
 A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
 every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
@@ -23,18 +23,35 @@ import selectors
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 AUTO_WINDOW_US = 20_000  # covers a verify job at Qwen3-8B shapes (~6 ms) and the hops around it, with room
 AUTO_MIN_CPUS = 8  # three polling processes (gateway and two services) next to the model's own CPU work
+CGROUP = Path("/sys/fs/cgroup")  # where the kernel shows this process's cgroup (a container's own)
 
 
-def busy_poll_seconds(busy_poll_us: int | None) -> float:
+def usable_cpus(cgroup: Path = CGROUP) -> float:
+    """The CPUs this process may use: its affinity set (a container's cpuset), capped by a CPU quota (docker's
+    `cpus:`, an LXC container's limit), read from cgroup v2's cpu.max or v1's cfs_quota_us / cfs_period_us."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            text = (cgroup / quota_file).read_text().split()
+            quota, period = (text[0], text[1]) if period_file is None else (text[0], (cgroup / period_file).read_text())
+            if quota not in ("max", "-1"):
+                return min(cpus, int(quota) / int(period))
+        except (OSError, ValueError, IndexError):
+            continue  # no such file (the other cgroup version), or nothing readable there
+    return cpus
+
+
+def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
     """A `--busy-poll-us` setting -> the polling window in seconds; None: AUTO_WINDOW_US with AUTO_MIN_CPUS or more
     usable CPUs, none with fewer (where polling would take the cores the model's CPU work needs)."""
     if busy_poll_us is None:
-        busy_poll_us = AUTO_WINDOW_US if len(os.sched_getaffinity(0)) >= AUTO_MIN_CPUS else 0
+        busy_poll_us = AUTO_WINDOW_US if usable_cpus(cgroup) >= AUTO_MIN_CPUS else 0
     if busy_poll_us < 0:
         raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
     return busy_poll_us / 1e6

@@ -26,7 +26,7 @@ _MESSAGE_BYTES_RANGE = (2**20, 2**31 - 1)
 BUSY_POLL_HELP = (
     "microseconds the event loop keeps polling its sockets after its last I/O before it sleeps: a round's "
     "message then lands ~50 us sooner at each hop, at the cost of a busy core while sessions run (0: off; "
-    f"default: {AUTO_WINDOW_US} with {AUTO_MIN_CPUS} or more usable CPUs, else 0)"
+    f"default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, else 0)"
 )
 
 

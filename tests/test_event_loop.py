@@ -11,18 +11,19 @@ import time
 import pytest
 
 from ddtree import event_loop
-from ddtree.event_loop import PollingSelector, busy_poll_seconds
+from ddtree.event_loop import PollingSelector, busy_poll_seconds, usable_cpus
 from ddtree.service_config import ServiceConfig
 from gateway.config import GatewayConfig
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.lane import Lane, LaneServer
 
 
-def test_busy_poll_setting(monkeypatch) -> None:
+def test_busy_poll_setting(monkeypatch, tmp_path) -> None:
+    no_cgroup = tmp_path / "none"
     monkeypatch.setattr(event_loop.os, "sched_getaffinity", lambda _pid: set(range(event_loop.AUTO_MIN_CPUS)))
-    assert busy_poll_seconds(None) == event_loop.AUTO_WINDOW_US / 1e6
+    assert busy_poll_seconds(None, no_cgroup) == event_loop.AUTO_WINDOW_US / 1e6
     monkeypatch.setattr(event_loop.os, "sched_getaffinity", lambda _pid: {0, 1})
-    assert busy_poll_seconds(None) == 0.0
+    assert busy_poll_seconds(None, no_cgroup) == 0.0
     assert (busy_poll_seconds(0), busy_poll_seconds(2500)) == (0.0, 0.0025)
     with pytest.raises(ValueError, match="busy_poll_us"):
         busy_poll_seconds(-1)
@@ -30,6 +31,25 @@ def test_busy_poll_setting(monkeypatch) -> None:
         ServiceConfig(busy_poll_us=-5)
     with pytest.raises(ValueError, match="busy_poll_us"):
         GatewayConfig(target="x", busy_poll_us=-5)
+
+
+def test_usable_cpus_reads_a_cgroup_quota(monkeypatch, tmp_path) -> None:
+    """A container with 64 CPUs in its cpuset but `cpus: 4` gets no busy polling by default."""
+    monkeypatch.setattr(event_loop.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(v2) == 64 and busy_poll_seconds(None, v2) > 0
+    (v2 / "cpu.max").write_text("400000 100000\n")
+    assert usable_cpus(v2) == 4.0 and busy_poll_seconds(None, v2) == 0.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(v1) == 64
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("1200000\n")
+    assert usable_cpus(v1) == 12.0 and busy_poll_seconds(None, v1) > 0
+    (v2 / "cpu.max").write_text("garbage")
+    assert usable_cpus(v2) == 64  # unreadable: the cpuset alone
 
 
 class _Counted(PollingSelector):
