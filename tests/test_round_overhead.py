@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed, use_device
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from gateway.grpc_clients import BackendError, GrpcDrafter
 from gateway.rounds import Speculation, run_rounds
@@ -88,6 +88,25 @@ def test_round_steps_run_on_the_event_loop_and_the_rest_on_the_engine_thread():
     loop_thread = asyncio.run(scenario())
     assert engine.threads[:3] == [loop_thread] * 3
     assert all(name.startswith("engine") for name in engine.threads[3:])
+
+
+def test_an_indexed_cuda_device_is_made_current_on_the_loop_and_the_engine_thread(monkeypatch):
+    """What `serve` does first: our Triton kernels launch on the current device, so a service on cuda:1 makes it
+    current in both threads that run its engine (a GPU run served a drafter on cuda:1 this way)."""
+    calls: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+    use_device(torch.device("cpu"))
+    use_device(torch.device("cuda"))  # no index: the process's default stays current
+    assert calls == []
+    host, second = _host(), torch.device("cuda:1")
+
+    async def main() -> None:
+        use_device(second)
+        await host.run(use_device, second)
+
+    asyncio.run(main())
+    assert [d for _, d in calls] == [second, second]
+    assert calls[0][0] == threading.current_thread().name and calls[1][0].startswith("engine")
 
 
 def test_a_round_step_queues_behind_work_on_the_engine_thread():
