@@ -78,9 +78,9 @@ if triton is not None:
         parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry: slot 0
         starts as the root's first child, slot n takes node n's first child (never the last node's: no step pops
         it, so F >= num_nodes slots do), and a popped entry's slot takes its next sibling, whose parent's score
-        (`base`) is that slot's already. Each step only pops and pushes: the
-        popped entries' index fields wait in registers (`picked`, slot n-1 for node n), and the nodes are written
-        out together after the search, so no step waits for a token's load or issues stores."""
+        (`base`) is that slot's already. Each step only pops and pushes: the popped entries' index fields wait in
+        registers (`picked`, slot n-1 for node n), and the nodes are written out together after the search, so no
+        step waits for a token's load or issues stores."""
         slot = tl.arange(0, F)
         field = (1 << BITS) - 1
         base = tl.zeros([F], dtype=tl.float32)  # [F] the score of each entry's parent (the root's: 0)
