@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import selectors
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 AUTO_WINDOW_US = 20_000  # covers a verify job at Qwen3-8B shapes (~6 ms) and the hops around it, with room
 AUTO_MIN_CPUS = 8  # three polling processes (gateway and two services) next to the model's own CPU work
 CGROUP = Path("/sys/fs/cgroup")  # where the kernel shows this process's cgroup (a container's own)
@@ -129,6 +131,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
 def run(main: Coroutine[Any, Any, T], busy_poll_s: float = 0.0) -> T:
     """asyncio.run(main) on a loop that busy-polls for `busy_poll_s` after I/O (plain asyncio when 0)."""
     if busy_poll_s <= 0:
+        log.info("event loop: no busy polling (--busy-poll-us 0, or fewer than %d usable CPUs)", AUTO_MIN_CPUS)
         return asyncio.run(main)
+    log.info("event loop: busy polling for %.0f us after each I/O (--busy-poll-us)", busy_poll_s * 1e6)
     with asyncio.Runner(loop_factory=lambda: PollingEventLoop(busy_poll_s)) as runner:
         return runner.run(main)
