@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from ddtree import event_loop
-from ddtree.service import message_size_options
+from ddtree.service_process import message_size_options
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.lane import Lane, LaneServer
 

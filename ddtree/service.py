@@ -1,5 +1,6 @@
 """What the drafter and verifier gRPC services share around their engine: one engine thread, per-RPC status
-mapping + metrics + timings, idle-session expiry, health, reflection, and the process lifecycle.
+mapping + metrics + timings, idle-session expiry. The process around it (gRPC server, round lane, health,
+reflection, metrics endpoint, lifecycle): ddtree/service_process.py.
 
 Engines are not thread-safe and their model work blocks. Loading, the TTL sweep, prefills and the bookkeeping
 calls run on one single-thread executor, so the event loop stays free for health checks and new calls while they
@@ -18,11 +19,8 @@ methods over plain TCP beside the gRPC port, and the gateway sends a session's r
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -31,15 +29,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddtree import event_loop
-from ddtree.event_loop import busy_poll_seconds
-from ddtree.heap import freeze_startup_heap, watch_collector
-from ddtree.service_config import ServiceConfig
-from protos.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
 
@@ -251,112 +243,3 @@ class EngineHost(Generic[E]):
     def close(self) -> None:
         # A load still running cannot be interrupted; the process exits once it finishes.
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-async def _watch(host: EngineHost[E], alive: Callable[[E], bool], stop: asyncio.Event, service_name: str) -> None:
-    while alive(host.engine):
-        await asyncio.sleep(1.0)
-    log.error("%s: a tensor-parallel rank died; NOT_SERVING and shutting down", service_name)
-    stop.set()
-
-
-def use_device(device: torch.device) -> None:
-    """Makes `device` the calling thread's current CUDA device. Our Triton kernels launch on the current device
-    whatever their tensors' (Triton's launcher asks the driver), so a service on cuda:1 needs it in every thread
-    that runs its engine."""
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
-
-
-def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
-    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
-
-
-async def serve(
-    config: ServiceConfig,
-    host: EngineHost[E],
-    service_name: str,
-    add_servicer: Callable[[grpc.aio.Server], None],
-    load: Callable[[], E],
-    warm_up: Callable[[E], None],
-    lane_routes: dict[str, Route],
-    alive: Callable[[E], bool] | None = None,
-) -> None:
-    """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
-    (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds.
-    `lane_routes`: the round calls the round lane serves (protos/lane.py), unless config.lane_port is -1.
-    `alive(engine)`, polled every second while serving, ends the service (NOT_SERVING, then exit) when False."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    device = config.torch_device()
-    use_device(device)  # this thread runs the round calls' jobs, the engine thread the rest
-    await host.run(use_device, device)
-
-    server = grpc.aio.server(options=message_size_options(config.max_message_bytes))
-    add_servicer(server)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    await server.start()
-    lane = LaneServer(lane_routes, config.max_message_bytes)
-    if config.lane_port >= 0:
-        host.lane_port = await lane.start(config.host, config.lane_port)
-        log.info("%s: round lane (%s) on %s:%d", service_name, ", ".join(lane_routes), config.host, host.lane_port)
-    httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
-    unwatch = watch_collector(host.metrics.registry, host.metrics.prefix)
-    log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics", service_name, config.host, port, config.host,
-             httpd.server_port)
-
-    tasks: list[asyncio.Task] = []
-    try:
-        loading = asyncio.create_task(host.load(load, warm_up))
-        stopping = asyncio.create_task(stop.wait())
-        tasks += [loading, stopping]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        if loading.done():
-            loading.result()  # a failed load ends the process with its error
-            freeze_startup_heap()
-            for name in ("", service_name):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            log.info("%s: SERVING", service_name)
-            tasks.append(asyncio.create_task(host.expire_forever(config.sweep_interval)))
-            if alive is not None:
-                tasks.append(asyncio.create_task(_watch(host, alive, stop, service_name)))
-            await stopping
-        log.info("%s: shutting down", service_name)
-    finally:
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(config.shutdown_grace)
-        await lane.close()
-        for task in tasks:
-            task.cancel()
-        httpd.shutdown()
-        httpd.server_close()
-        unwatch()
-        host.close()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-
-
-def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any], Awaitable[None]]) -> int:
-    """The process around a model service: config from flags (exit 2 when invalid), serve, exit 1 when the model
-    directory cannot be loaded."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_cls.from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        event_loop.run(server(config), busy_poll_seconds(config.busy_poll_us))
-    except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
-        log.error("cannot serve: %s", exc)
-        return 1
-    return 0

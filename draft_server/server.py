@@ -17,9 +17,8 @@ from itertools import accumulate
 import grpc
 import torch
 
-from ddtree.service import (
-    EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, run_service, serve, streamed,
-)
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service_process import run_service, serve
 from ddtree.types import DrafterInfo
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from transformers import AutoModelForCausalLM
 
-from ddtree.service import EngineHost, ServiceMetrics, serve
+from ddtree.service import EngineHost, ServiceMetrics
+from ddtree.service_process import serve
 from ddtree.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
 from draft_server.config import DraftServerConfig

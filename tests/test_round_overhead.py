@@ -16,7 +16,8 @@ import grpc
 import pytest
 import torch
 
-from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed, use_device
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed
+from ddtree.service_process import use_device
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from gateway.grpc_clients import BackendError, GrpcDrafter
 from gateway.rounds import Speculation, run_rounds

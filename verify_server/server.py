@@ -15,7 +15,8 @@ import uuid
 import grpc
 import torch
 
-from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, run_service, serve, streamed
+from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
