@@ -7,6 +7,7 @@ the services: bench/rpc_echo.py.)
 
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
     python bench/rpc_hops.py serve --profile-jobs FILE verify ARGS...   # and cProfile of the round calls' jobs
+    python bench/rpc_hops.py serve --stages verify ARGS...   # and the wall time of each stage of those jobs
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
                                    --max-new-tokens 96 --transports lane,grpc --busy-poll-us 0 --profile FILE
                                    --out FILE]
@@ -34,13 +35,54 @@ from ddtree.event_loop import busy_poll_seconds
 # ---- stamped services ----------------------------------------------------------------------------------------
 
 
+# The stages of the round calls' jobs that `serve --stages` times, as (module, attribute, stage name): what the
+# servicers call between parsing a request and building its answer.
+STAGES = (
+    ("protos.tensors", "tensor_from_pb", "parse"),  # the drafter's features
+    ("draft_server.drafter", "DraftEngine.draft", "engine"),  # queues append, block and tree; no sync
+    ("ddtree.types", "DraftTree.cpu", "to host"),  # the draft's one sync and the tree's copy
+    ("protos.tensors", "draft_to_pb", "to pb"),
+    ("protos.tensors", "tree_from_pb", "parse"),
+    ("verify_server.server", "check_tree", "check"),
+    ("verify_server.verify", "VerifyEngine._launch", "launch"),  # queues the captured round
+    ("verify_server.verify", "VerifyEngine.collect", "collect"),  # the round's one sync, then the commit
+    ("protos.tensors", "step_to_pb", "to pb"),
+)
+
+
+def _time_stages(stages: dict[str, float]) -> None:
+    """Wraps every STAGES function so that its calls add their wall time to stages[name]."""
+    import importlib
+
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stages[name] = stages.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    for module_name, attribute, name in STAGES:
+        owner = importlib.import_module(module_name)
+        *path, leaf = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, leaf, timed(getattr(owner, leaf), name))
+
+
 def serve(argv: list[str]) -> int:
     """`ddtree <argv>` with every engine call's arrival and answer stamped into its response's timings. With
+    `--stages` first, the round calls' jobs also report the wall time of each of their STAGES. With
     `--profile-jobs FILE` first, the round calls' jobs (Draft, Verify, Decode) also run under cProfile, whose
     table (by own time, then by cumulative time) goes to FILE when the service stops."""
     from ddtree import service
     from ddtree.cli import main
 
+    stages: dict[str, float] | None = None
+    if argv[:1] == ["--stages"]:
+        stages, argv = {}, argv[1:]
+        _time_stages(stages)
     profile_to = None
     if argv[:1] == ["--profile-jobs"]:
         profile_to, argv = Path(argv[1]), argv[2:]
@@ -52,6 +94,8 @@ def serve(argv: list[str]) -> int:
         profiled = profile_to is not None and rpc in service.ROUND_RPCS
 
         def timed_job(engine):
+            if stages is not None:
+                stages.clear()
             started = time.perf_counter()
             if profiled:
                 profiler.enable()
@@ -62,6 +106,8 @@ def serve(argv: list[str]) -> int:
                     profiler.disable()
             detail = response.timings.detail
             detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, time.perf_counter()
+            for name, seconds in (stages or {}).items():
+                detail[f"{rpc}.stage.{name}"] = seconds
             return response
 
         response = await call(self, rpc, context, timed_job, forward)
@@ -98,6 +144,8 @@ def hops(t: dict[str, float]) -> dict[str, float]:
         "servers outside the job": sum(t[f"{r}.answered"] - t[f"{r}.arrived"] - t[f"{r}.job_end"] + t[f"{r}.job_start"]
                                        for r in ("Draft", "Verify")),
         "round": t["round_s"],
+        **{f"{key.split('.')[0].lower()} job: {key.split('.stage.')[1]}": t[key]
+           for key in t if ".stage." in key and key.split(".")[0] in ("Draft", "Verify")},
     }
 
 
