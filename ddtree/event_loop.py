@@ -10,8 +10,8 @@ H200 host 0.39-0.47 -> 0.21-0.24 ms.
 
 A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
 every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
-only after the interpreter's switch interval (5 ms). `run_in_thread` hands work to another thread and stops the
-polling until it is done.
+only after the interpreter's switch interval (5 ms). So the loop stops polling while work it handed to a thread
+(run_in_executor) runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import selectors
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -99,28 +99,29 @@ class PollingSelector(selectors.DefaultSelector):
 
 
 class PollingEventLoop(asyncio.SelectorEventLoop):
-    """The platform's selector event loop over a PollingSelector, which it exposes as `polling`."""
+    """The platform's selector event loop over a PollingSelector, which it exposes as `polling`. It does not poll
+    while work it handed to a thread runs (run_in_executor: a service's engine thread, the default executor's
+    getaddrinfo for a lane's host name, ...)."""
 
     def __init__(self, window: float) -> None:
         self.polling = PollingSelector(window)
         super().__init__(self.polling)
+        self._threads = ThreadPoolExecutor(thread_name_prefix="asyncio")  # the default executor, as asyncio's own
+        self.set_default_executor(self._threads)
 
-
-def run_in_thread(executor: Executor, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """loop.run_in_executor(executor, fn, *args) on the running loop, which does not poll until fn has returned
-    (or was cancelled before it started), whether or not its caller still waits for it."""
-    loop = asyncio.get_running_loop()
-    selector: PollingSelector | None = getattr(loop, "polling", None)
-    if selector is None:
-        return loop.run_in_executor(executor, fn, *args)
-    selector.pause()
-    try:
-        job = executor.submit(fn, *args)
-    except BaseException:
-        selector.resume()
-        raise
-    job.add_done_callback(lambda _: _call_soon(loop, selector.resume))  # called on the worker thread
-    return asyncio.wrap_future(job, loop=loop)
+    def run_in_executor(self, executor: Executor | None, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """As asyncio's, with no polling until func has returned (or was cancelled before it started), whether or
+        not its caller still waits for it."""
+        if self.is_closed():
+            raise RuntimeError("Event loop is closed")
+        self.polling.pause()
+        try:
+            job = (executor or self._threads).submit(func, *args)
+        except BaseException:
+            self.polling.resume()
+            raise
+        job.add_done_callback(lambda _: _call_soon(self, self.polling.resume))  # called on the worker thread
+        return asyncio.wrap_future(job, loop=self)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:

@@ -31,8 +31,6 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ddtree import event_loop
-
 log = logging.getLogger(__name__)
 
 MAX_SESSION_ID_CHARS = 128
@@ -160,10 +158,10 @@ class EngineHost(Generic[E]):
         return [] if engine is None else list(engine.sessions.values())
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn(*args) on the engine thread; the loop does not busy-poll meanwhile."""
+        """Runs fn(*args) on the engine thread (a busy-polling loop stops polling meanwhile: ddtree/event_loop.py)."""
         self._queued += 1
         try:
-            return await event_loop.run_in_thread(self._executor, self._locked, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, *args)
         finally:
             self._queued -= 1  # early if the caller was cancelled: the lock still keeps the engine to one thread
 

@@ -150,7 +150,8 @@ def test_a_paused_selector_does_not_poll(counted) -> None:
 
 
 def test_no_polling_while_another_thread_works_for_the_loop() -> None:
-    """EngineHost's engine-thread jobs go through run_in_thread: polling would starve that thread of the GIL."""
+    """run_in_executor (EngineHost's engine-thread jobs; the default executor's getaddrinfo for a host name) pauses
+    the polling, which would keep that thread off the GIL, until the work is done, even if its caller gave up."""
     release = threading.Event()
 
     def job() -> str:
@@ -164,9 +165,11 @@ def test_no_polling_while_another_thread_works_for_the_loop() -> None:
         loop = asyncio.get_running_loop()
         with ThreadPoolExecutor(1) as executor:
             seen = [loop.polling.paused]
-            assert await event_loop.run_in_thread(executor, lambda: "quick") == "quick"
+            seen.append(await loop.run_in_executor(executor, lambda: loop.polling.paused))
+            seen.append(await loop.run_in_executor(None, lambda: loop.polling.paused))  # the default executor
+            await loop.getaddrinfo("localhost", 80)
             seen.append(loop.polling.paused)
-            waiting = asyncio.ensure_future(event_loop.run_in_thread(executor, job))
+            waiting = loop.run_in_executor(executor, job)
             await asyncio.sleep(0.01)
             waiting.cancel()  # the caller gives up; the job still runs, and the loop still must not poll
             await asyncio.sleep(0.01)
@@ -177,4 +180,4 @@ def test_no_polling_while_another_thread_works_for_the_loop() -> None:
             seen.append(loop.polling.paused)
         return seen
 
-    assert event_loop.run(main(), busy_poll_s=0.005) == [False, False, True, False]
+    assert event_loop.run(main(), busy_poll_s=0.005) == [False, True, True, False, True, False]
