@@ -191,8 +191,8 @@ async def _socket_client(address: str, calls: int, gap_s: float) -> tuple[float,
 
 
 def _echo_case(
-    stack: str, address: str, mode: str, work_s: float, gap_s: float, calls: int, size: int = 100,
-    busy_poll_s: float = 0.0,
+    stack: str, address: str, mode: str, work_s: float, gap_s: float, size: int = 100, busy_poll_s: float = 0.0,
+    *, calls: int,
 ) -> tuple[float, float]:
     server = multiprocessing.Process(target=_run_server, args=(stack, address, mode, work_s, busy_poll_s),
                                      daemon=True)
@@ -210,6 +210,7 @@ def _echo_case(
 
 
 def _report(cases: dict[str, tuple], calls: int) -> dict[str, dict[str, float]]:
+    """Each case's _echo_case arguments (all but calls) -> its one-way medians, printed and by name."""
     result = {}
     for name, case in cases.items():
         way_in, way_back = _echo_case(*case, calls=calls)
@@ -242,14 +243,9 @@ def sizes(calls: int = 200) -> dict[str, dict[str, float]]:
     each) over the services' gRPC stream and over their round lane, the server busy 1 ms per message."""
     cases = {}
     for port, size in enumerate((100, 40_000, 280_000), start=50980):
-        cases[f"grpc.aio stream, {size} B"] = ("aio", f"127.0.0.1:{port}", size)
-        cases[f"round lane, {size} B"] = ("lane", f"127.0.0.1:{port + 10}", size)
-    result = {}
-    for name, (stack, address, size) in cases.items():
-        way_in, way_back = _echo_case(stack, address, "busy", 1e-3, 0.0, calls, size)
-        result[name] = {"in_us": round(way_in, 1), "back_us": round(way_back, 1)}
-        print(f"{name:44s} in {way_in:6.0f} us  back {way_back:6.0f} us", flush=True)
-    return result
+        cases[f"grpc.aio stream, {size} B"] = ("aio", f"127.0.0.1:{port}", "busy", 1e-3, 0.0, size)
+        cases[f"round lane, {size} B"] = ("lane", f"127.0.0.1:{port + 10}", "busy", 1e-3, 0.0, size)
+    return _report(cases, calls)
 
 
 def busy_poll(calls: int = 300) -> dict[str, dict[str, float]]:
@@ -259,13 +255,8 @@ def busy_poll(calls: int = 300) -> dict[str, dict[str, float]]:
     for port, (stack, size) in enumerate((("socket", 100), ("lane", 100), ("lane", 40_000)), start=50960):
         for poll_us, shift in ((0, 0), (20_000, 10)):
             name = f"{'round lane' if stack == 'lane' else 'asyncio stream'}, {size} B, busy poll {poll_us} us"
-            cases[name] = (stack, f"127.0.0.1:{port + shift}", size, poll_us / 1e6)
-    result = {}
-    for name, (stack, address, size, poll_s) in cases.items():
-        way_in, way_back = _echo_case(stack, address, "busy", 1e-3, 0.0, calls, size, poll_s)
-        result[name] = {"in_us": round(way_in, 1), "back_us": round(way_back, 1)}
-        print(f"{name:44s} in {way_in:6.0f} us  back {way_back:6.0f} us", flush=True)
-    return result
+            cases[name] = (stack, f"127.0.0.1:{port + shift}", "busy", 1e-3, 0.0, size, poll_us / 1e6)
+    return _report(cases, calls)
 
 
 def main() -> int:

@@ -49,13 +49,18 @@ def usable_cpus(cgroup: Path = CGROUP) -> float:
     return cpus
 
 
+def check_busy_poll_us(busy_poll_us: int | None) -> None:
+    """A config's check of its `--busy-poll-us` setting (None: automatic)."""
+    if busy_poll_us is not None and busy_poll_us < 0:
+        raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
+
+
 def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
     """A `--busy-poll-us` setting -> the polling window in seconds; None: AUTO_WINDOW_US with AUTO_MIN_CPUS or more
     usable CPUs, none with fewer (where polling would take the cores the model's CPU work needs)."""
+    check_busy_poll_us(busy_poll_us)
     if busy_poll_us is None:
         busy_poll_us = AUTO_WINDOW_US if usable_cpus(cgroup) >= AUTO_MIN_CPUS else 0
-    if busy_poll_us < 0:
-        raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
     return busy_poll_us / 1e6
 
 

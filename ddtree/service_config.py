@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, busy_poll_seconds
+from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1; below 1 MiB not even a small prefill's features fit.
@@ -118,7 +118,7 @@ class ServiceConfig(FlagConfig):
             raise ValueError(f"max_message_bytes must be in [{low}, {high}], got {self.max_message_bytes}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
-        busy_poll_seconds(self.busy_poll_us)
+        check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
         self.torch_device()  # a malformed device string fails at startup, not after loading
 
     @property

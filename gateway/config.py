@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ddtree.event_loop import busy_poll_seconds
+from ddtree.event_loop import check_busy_poll_us
 from ddtree.models import resolve_pair
 from ddtree.service_config import BUSY_POLL_HELP, FlagConfig, option
 
@@ -55,7 +55,7 @@ class GatewayConfig(FlagConfig):
             raise ValueError("max_running, health_interval, rpc_timeout and max_message_bytes must be > 0")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
-        busy_poll_seconds(self.busy_poll_us)
+        check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
 
     @property
     def drafter_address(self) -> str | None:
