@@ -8,6 +8,7 @@ the services: bench/rpc_echo.py.)
     python bench/rpc_hops.py serve verify ARGS...     # `ddtree verify ARGS...` with the stamps (likewise draft)
     python bench/rpc_hops.py serve --profile-jobs FILE verify ARGS...   # and cProfile of the round calls' jobs
     python bench/rpc_hops.py serve --stages verify ARGS...   # and the wall time of each stage of those jobs
+    python bench/rpc_hops.py serve --trace FILE verify ARGS...   # and a torch.profiler trace of TRACE_JOBS of them
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
                                    --max-new-tokens 96 --transports lane,grpc --busy-poll-us 0 --profile FILE
                                    --out FILE]
@@ -26,6 +27,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ddtree import event_loop
@@ -50,14 +52,25 @@ STAGES = (
 )
 
 
-def _time_stages(stages: dict[str, float]) -> None:
-    """Wraps every STAGES function so that its calls add their wall time to stages[name]."""
+# `serve --trace`: the round jobs traced (CPU ops, CUDA runtime calls and kernels on one clock), past the probe's
+# warm-up pass (~500 rounds of 8 prompts x 64 tokens at Qwen3-8B shapes with random weights, ~1 token a round)
+TRACE_FIRST_JOB, TRACE_JOBS = 600, 20
+
+
+def _time_stages(stages: dict[str, float], traced: Callable[[], bool]) -> None:
+    """Wraps every STAGES function so that its calls add their wall time to stages[name], and show in a trace as
+    ranges of that name while traced()."""
     import importlib
+
+    from torch.profiler import record_function
 
     def timed(fn, name):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
+                if traced():
+                    with record_function(f"stage: {name}"):
+                        return fn(*args, **kwargs)
                 return fn(*args, **kwargs)
             finally:
                 stages[name] = stages.get(name, 0.0) + time.perf_counter() - start
@@ -75,14 +88,22 @@ def serve(argv: list[str]) -> int:
     """`ddtree <argv>` with every engine call's arrival and answer stamped into its response's timings. With
     `--stages` first, the round calls' jobs also report the wall time of each of their STAGES. With
     `--profile-jobs FILE` first, the round calls' jobs (Draft, Verify, Decode) also run under cProfile, whose
-    table (by own time, then by cumulative time) goes to FILE when the service stops."""
+    table (by own time, then by cumulative time) goes to FILE when the service stops. With `--trace FILE` first,
+    round jobs TRACE_FIRST_JOB.. (TRACE_JOBS of them) run under torch.profiler, whose Chrome trace goes to FILE
+    when the service stops (with --stages too, the stages show as ranges)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
     from ddtree import service
     from ddtree.cli import main
 
+    trace_to, jobs, tracer = None, 0, None
+    if argv[:1] == ["--trace"]:
+        trace_to, argv = Path(argv[1]), argv[2:]
+        tracer = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     stages: dict[str, float] | None = None
     if argv[:1] == ["--stages"]:
         stages, argv = {}, argv[1:]
-        _time_stages(stages)
+        _time_stages(stages, lambda: TRACE_FIRST_JOB <= jobs < TRACE_FIRST_JOB + TRACE_JOBS and tracer is not None)
     profile_to = None
     if argv[:1] == ["--profile-jobs"]:
         profile_to, argv = Path(argv[1]), argv[2:]
@@ -91,19 +112,32 @@ def serve(argv: list[str]) -> int:
 
     async def stamped(self, rpc, context, job, forward=False):
         arrived = time.perf_counter()
-        profiled = profile_to is not None and rpc in service.ROUND_RPCS
+        round_job = rpc in service.ROUND_RPCS
+        profiled = profile_to is not None and round_job
 
         def timed_job(engine):
+            nonlocal jobs
+            traced = tracer is not None and round_job and TRACE_FIRST_JOB <= jobs < TRACE_FIRST_JOB + TRACE_JOBS
+            if traced and jobs == TRACE_FIRST_JOB:
+                tracer.start()
             if stages is not None:
                 stages.clear()
             started = time.perf_counter()
             if profiled:
                 profiler.enable()
             try:
-                response = job(engine)
+                if traced:
+                    with record_function(f"{rpc} job"):
+                        response = job(engine)
+                else:
+                    response = job(engine)
             finally:
                 if profiled:
                     profiler.disable()
+                if round_job:
+                    jobs += 1
+                    if traced and jobs == TRACE_FIRST_JOB + TRACE_JOBS:
+                        tracer.stop()
             detail = response.timings.detail
             detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, time.perf_counter()
             for name, seconds in (stages or {}).items():
@@ -119,6 +153,8 @@ def serve(argv: list[str]) -> int:
     try:
         return main(argv)
     finally:
+        if trace_to is not None and jobs >= TRACE_FIRST_JOB + TRACE_JOBS:
+            tracer.export_chrome_trace(str(trace_to))
         if profile_to is not None:
             with profile_to.open("w") as out:
                 stats = pstats.Stats(profiler, stream=out)

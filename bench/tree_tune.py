@@ -1,11 +1,14 @@
-"""Sweeps the tree build's Triton kernels (draft_server/tree_kernel.py: the two-stage top-k and the one-program
+"""Sweeps the tree build's Triton kernels (draft_server/tree_kernel.py: the multi-stage top-k and the one-program
 best-first search) over their thread-block sizes, at the demo pair's and Qwen3-8B's vocabularies and the budgets
 the bench runs, against build_tree in torch. Times are per call, from CUDA graphs of back-to-back calls, so launch
 costs are out of the picture as they are in a captured draft. `chunk` and `merge` each time the whole top-k (both
 kernels) with that kernel's warps swept and the other's at 4; `best_first` times the best-first search alone.
 Results are written after each shape (the sweep compiles a kernel per launch plan, ~1 s each).
 
-Usage: python bench/tree_tune.py [--vocabs demo,qwen3-8b] [--budgets 16,32,64,128] [--out FILE.json]
+`--plans` sweeps the top-k's launch plan instead: every (chunk, merge group), each plan's top-k timed and checked
+against torch.topk, next to top_plan's choice.
+
+Usage: python bench/tree_tune.py [--plans] [--vocabs demo,qwen3-8b] [--budgets 16,32,64,128] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from pathlib import Path
 import torch
 
 from ddtree.timing import graph_call_us, ranked
-from draft_server.tree import TreeLayouts, build_tree
-from draft_server.tree_kernel import best_first_tree, top_k, top_k_any, top_plan
+from draft_server.tree import TreeLayouts, build_tree, top_candidates
+from draft_server.tree_kernel import (
+    MAX_SORT, NARROW_WARPS, WIDE_WARPS, best_first_tree, multiprocessors, sort_warps, top_k, top_k_any, top_plan,
+)
 
 DEPTHS = 15  # block size 16: the demo drafter's and the Qwen3-8B DFlash drafter's
 VOCABS = {"demo": 8192, "qwen3-8b": 151936}
@@ -43,7 +48,7 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
         layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
         for budget in budgets:
             k, layout = layouts.get(budget, None)
-            top = top_plan(vocab, k)  # None: a merge too wide for one program, torch's top-k runs instead
+            top = top_plan(vocab, k, DEPTHS, multiprocessors(torch.device("cuda")))  # None: a merge too wide for one program, torch's top-k runs instead
             vals, ids = top_k_any(logprobs, k)
             torch_us = graph_call_us(lambda: build_tree(logprobs, root, budget, None, layout))
             chunk = [] if top is None else [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w))
@@ -65,18 +70,65 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
     return results
 
 
+def sweep_plans(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
+    """Per (vocabulary, budget): the whole top-k's µs for every (chunk, merge group) that fits, the chunk sorts
+    at 4 warps and, from 1024 keys, at 16 (the merges at sort_warps), each checked against torch.topk."""
+    results = {}
+    gen = torch.Generator().manual_seed(0)
+    for name in vocabs:
+        vocab = VOCABS[name]
+        logprobs = torch.log_softmax(3 * torch.randn(DEPTHS, vocab, generator=gen), -1).cuda()
+        layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
+        for budget in budgets:
+            k, _ = layouts.get(budget, None)
+            current = top_plan(vocab, k, DEPTHS, multiprocessors(torch.device("cuda")))
+            if current is None:
+                continue
+            want = top_candidates(logprobs, k)
+            _, keep, _ = current
+            rows = []
+            for chunk in (1 << e for e in range(8, MAX_SORT.bit_length())):
+                for group in (512, 1024, 2048):
+                    plan = (chunk, keep, group)
+                    if chunk < keep or group < 2 * keep:
+                        continue
+                    for w in sorted({NARROW_WARPS, WIDE_WARPS if chunk >= 1024 else NARROW_WARPS}):
+                        warps = (w, sort_warps(group))
+                        got = top_k(logprobs, k, plan, warps)
+                        assert all(torch.equal(a, b) for a, b in zip(got, want)), plan
+                        us = graph_call_us(lambda: top_k(logprobs, k, plan, warps))
+                        rows.append({"plan": plan, "chunk_warps": w, "top_k_us": round(us, 2)})
+            rows.sort(key=lambda r: r["top_k_us"])
+            now = graph_call_us(lambda: top_k(logprobs, k, current))
+            # the twelfth session's starting plan: chunks leaving ~2048 candidates a depth, merged in one program
+            chunk = min(MAX_SORT, max(256, keep, 1 << (-(-vocab * keep // 2048) - 1).bit_length()))
+            before = (chunk, keep, max(2, 1 << (-(-vocab // chunk) * keep - 1).bit_length()))
+            before_us = graph_call_us(lambda: top_k(logprobs, k, before, (NARROW_WARPS, sort_warps(before[2]))))
+            results[f"{name}-{budget}"] = {"top_plan": current, "top_plan_us": round(now, 2), "session_start_plan": before,
+                                           "session_start_us": round(before_us, 2), "plans": rows}
+            print(f"[tree-tune] {name}-{budget}: session start {before} {before_us:.2f} us; top_plan {current} {now:.2f} us; best " +
+                  "; ".join(f"{r['plan']} w{r['chunk_warps']} {r['top_k_us']}" for r in rows[:5]), flush=True)
+            if out:
+                out.write_text(json.dumps({"plans": results}, indent=1))
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", default=",".join(VOCABS), help=f"comma-separated, of {', '.join(VOCABS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--out", default=None)
+    p.add_argument("--plans", action="store_true", help="sweep the top-k's chunk size instead of warps")
     args = p.parse_args()
     vocabs, budgets = args.vocabs.split(","), [int(b) for b in args.budgets.split(",")]
     if unknown := [v for v in vocabs if v not in VOCABS]:
         p.error(f"unknown vocabularies {unknown}")
     out = Path(args.out) if args.out else None
-    tree = sweep(vocabs, budgets, out)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "depths": DEPTHS, "tree": tree}
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "depths": DEPTHS}
+    if args.plans:
+        result["plans"] = sweep_plans(vocabs, budgets, out)
+    else:
+        result["tree"] = sweep(vocabs, budgets, out)
     if out:
         out.write_text(json.dumps(result, indent=1))
 

@@ -1,4 +1,4 @@
-"""The tree build in three Triton kernels: a two-stage top-k over the vocabulary, then a best-first search in one
+"""The tree build in Triton kernels: a multi-stage top-k over the vocabulary, then a best-first search in one
 program, the same tree as `tree.build_tree`, bit for bit (up to the order of equal log-probs in the top-k).
 
 Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a
@@ -13,7 +13,7 @@ beam search by depth it replaced, whose every depth sorted up to ~w ln w contend
 after the search rather than a token load and three stores per step, and 3.9 / 6.6 / 13.1 / 30.0 us with num_nodes
 frontier slots (bench/results/best_first_ab_{deferred_writes,frontier_slots}_h200.json). The top-k before it
 (torch.topk in two stages was 2 x 17 us) sorts chunks of the vocabulary in parallel, then merges each depth's chunk
-winners.
+winners, a group of candidates a program, until k are left.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
 break as a stable sort does, and the scores are the same fp32 sums (a parent's score + the token's log-prob). In
@@ -22,6 +22,8 @@ beam slot does in build_tree, and an entry is pushed before any entry that ties 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,7 +42,8 @@ MAX_SORT = 4096
 # build_tree's order (depth, the parent's place in its beam, the token's rank). Kernel arguments: Triton's
 # interpreter cannot shift by a global constexpr.
 FIELD_BITS = 10
-MERGE_TARGET = 2048  # candidates per depth the top-k's merge should sort (it sets the chunk size)
+MERGE_GROUP = 1024  # candidates one merge program of the top-k sorts (at least twice its keep)
+WIDE_CHUNK, NARROW_CHUNK = 1024, 512  # the top-k's chunks: tokens a program sorts (see top_plan)
 # Thread blocks of 16 warps for the sorts of 512 keys or more (bench/tree_tune.py, H200, demo vocabulary: the top-k
 # of a 32- to 128-node tree, whose merge takes 1024-2048 keys, 8.9-21.9 -> 7.8-17.5 us); 4 below that, where more
 # warps only add synchronisation.
@@ -50,6 +53,13 @@ WIDE_SORT, WIDE_WARPS, NARROW_WARPS = 512, 16, 4
 def sort_warps(keys: int) -> int:
     """Warps for a program whose largest sort holds `keys` keys."""
     return WIDE_WARPS if keys >= WIDE_SORT else NARROW_WARPS
+
+
+def chunk_warps(chunk: int, programs: int, device: torch.device) -> int:
+    """Warps for the top-k's chunk sorts: 16 for wide ones whose programs leave multiprocessors idle (the demo
+    pair's 120 of 1024 keys: 9.3 -> 8.0 us), 4 where programs queue for them (at 2048 keys and Qwen3-8B's
+    vocabulary, 16 took 13% longer; bench/results/tree_tune_plans_h200.json)."""
+    return WIDE_WARPS if chunk >= WIDE_CHUNK and programs <= multiprocessors(device) else NARROW_WARPS
 
 
 def kernel_supported(device: torch.device) -> bool:
@@ -133,43 +143,68 @@ if triton is not None:
         tl.store(Cand + (depth * tl.num_programs(1) + chunk) * KP + rank, key)
 
     @triton.jit
-    def _merge_top_kernel(Cand, Vals, Ids, candidates, k, CANDS: tl.constexpr, KP: tl.constexpr):
-        """One depth: the k <= KP best of its chunks' candidates -> Vals [D, k] fp32 and Ids [D, k] long."""
-        depth = tl.program_id(0)
-        slot = tl.arange(0, CANDS)
+    def _merge_top_kernel(Cand, Out, Vals, Ids, candidates, k, CANDS: tl.constexpr, KP: tl.constexpr,
+                          FINAL: tl.constexpr):
+        """One (depth, group of CANDS candidates) of Cand [D, candidates]: their KP best keys, best first, into
+        Out [D, groups * KP] for the next merge; FINAL (one group a depth): the k <= KP best -> Vals [D, k] fp32
+        and Ids [D, k] long."""
+        depth, group = tl.program_id(0), tl.program_id(1)
+        slot = group * CANDS + tl.arange(0, CANDS)
         key = _smallest(tl.load(Cand + depth * candidates + slot, mask=slot < candidates, other=PAD_KEY), KP)
         rank = tl.arange(0, KP)
-        keep = rank < k
-        tl.store(Vals + depth * k + rank, _unpack_score(key), mask=keep)
-        tl.store(Ids + depth * k + rank, key & 0xFFFFFFFF, mask=keep)
+        if FINAL:
+            keep = rank < k
+            tl.store(Vals + depth * k + rank, _unpack_score(key), mask=keep)
+            tl.store(Ids + depth * k + rank, key & 0xFFFFFFFF, mask=keep)
+        else:
+            tl.store(Out + (depth * tl.num_programs(1) + group) * KP + rank, key)
 
 
-def top_plan(vocab: int, k: int) -> tuple[int, int, int] | None:
-    """(chunk, per-chunk keep, merge width) for the two-stage top-k, all powers of two, or None when a sort would
-    not fit one program. Chunks are small enough for many programs and big enough that the merge stays short; at
-    most MAX_SORT, the merge then longer (a 64-node tree at Qwen3-8B's vocabulary: chunks of 4096, a merge of
-    4096, where a chunk of 8192 left it all to torch.topk, 0.27 ms)."""
+def top_plan(vocab: int, k: int, depths: int, multiprocessor_count: int) -> tuple[int, int, int] | None:
+    """(chunk, per-chunk keep, merge group) for the multi-stage top-k of `depths` rows, all powers of two, or None
+    when a merge would not fit one program. A chunk of ~sqrt(vocab * keep) tokens balances the chunk sorts against
+    the merges, which take MERGE_GROUP candidates a program down to k in as many rounds as they need. Chunks are
+    at most WIDE_CHUNK tokens, and that only where so few programs leave multiprocessors idle (the demo pair's
+    vocabulary: 120 programs; sorted at 16 warps, chunk_warps); else NARROW_CHUNK, in as many programs as it takes
+    (Qwen3-8B's: 4455). On the H200 a 64-node tree's top-k went 13.4 -> 8.0 us (demo) and 106 -> 54 us (Qwen3-8B)
+    against one merge of all candidates (bench/results/tree_tune_plans_h200.json)."""
     keep = max(2, triton.next_power_of_2(k))
-    chunk = min(MAX_SORT, max(256, keep, triton.next_power_of_2(-(-vocab * keep // MERGE_TARGET))))
-    merge = max(2, triton.next_power_of_2(-(-vocab // chunk) * keep))
-    return None if max(chunk, merge) > MAX_SORT else (chunk, keep, merge)
+    widest = WIDE_CHUNK if depths * -(-vocab // WIDE_CHUNK) <= multiprocessor_count else NARROW_CHUNK
+    chunk = max(keep, min(widest, triton.next_power_of_2(math.isqrt(vocab * keep))))
+    group = max(MERGE_GROUP, 2 * keep)  # each merge at least halves the candidates
+    return None if max(chunk, group) > MAX_SORT else (chunk, keep, group)
+
+
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def top_k(
     logprobs: torch.Tensor, k: int, top: tuple[int, int, int], warps: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs [D, V] fp32 -> the k largest per row, descending, and their token ids ([D, k] each), as
-    tree.top_candidates; equal values come in token order. Two kernels: per-chunk sorts, then one merge per row."""
+    tree.top_candidates; equal values come in token order. Per-chunk sorts, then merges of `group` candidates a
+    program until one per depth is left: it writes the result. warps: (per-chunk sort, merges), default
+    chunk_warps and sort_warps."""
     depths, vocab = logprobs.shape
-    chunk, keep, merge = top
+    chunk, keep, group = top
     chunks = -(-vocab // chunk)
-    warps = warps or (NARROW_WARPS, sort_warps(merge))  # (per-chunk sort, merge): see WIDE_SORT
-    cand = torch.empty(depths, chunks * keep, dtype=torch.int64, device=logprobs.device)  # packed keys, per chunk
+    chunk_w, merge_w = warps or (chunk_warps(chunk, depths * chunks, logprobs.device), sort_warps(group))
+    candidates = chunks * keep
+    cand = torch.empty(depths, candidates, dtype=torch.int64, device=logprobs.device)  # packed keys, per chunk
+    _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep,
+                                        num_warps=chunk_w)
+    while candidates > group:
+        groups = -(-candidates // group)
+        merged = torch.empty(depths, groups * keep, dtype=torch.int64, device=logprobs.device)
+        _merge_top_kernel[(depths, groups)](cand, merged, cand, cand, candidates, k, CANDS=group, KP=keep,
+                                            FINAL=False, num_warps=merge_w)
+        cand, candidates = merged, groups * keep
     vals = torch.empty(depths, k, dtype=torch.float32, device=logprobs.device)
     ids = torch.empty(depths, k, dtype=torch.int64, device=logprobs.device)
-    _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep,
-                                        num_warps=warps[0])
-    _merge_top_kernel[(depths,)](cand, vals, ids, chunks * keep, k, CANDS=merge, KP=keep, num_warps=warps[1])
+    width = max(2, triton.next_power_of_2(candidates))
+    _merge_top_kernel[(depths, 1)](cand, cand, vals, ids, candidates, k, CANDS=width, KP=keep, FINAL=True,
+                                   num_warps=sort_warps(width))
     return vals, ids
 
 
@@ -196,7 +231,7 @@ def best_first_tree(
 
 def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, layout: TreeLayout) -> torch.Tensor | None:
     """logprobs [D, V] fp32, root [1] long -> build_tree's tree of the top k tokens per depth (TreeLayouts.get's k)
-    as [3, N+1] long (tokens, parents, depths), from the kernels: the two-stage top-k (top_k_any), then the
+    as [3, N+1] long (tokens, parents, depths), from the kernels: the top-k (top_k_any), then the
     best-first search. None where the search cannot pack the tree (build_tree it is, then)."""
     if not best_first_fits(layout.nodes, logprobs.shape[0]):
         return None
@@ -204,6 +239,7 @@ def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, layout: Tree
 
 
 def top_k_any(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k where its plan fits one program per merge, torch's two-stage top-k (tree.top_candidates) elsewhere."""
-    top = top_plan(logprobs.shape[1], k)
+    """top_k where its plan fits (k at most MAX_SORT / 2), torch's two-stage top-k (tree.top_candidates) elsewhere."""
+    depths, vocab = logprobs.shape
+    top = top_plan(vocab, k, depths, multiprocessors(logprobs.device))
     return top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)

@@ -18,7 +18,7 @@ from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan
 from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
-from draft_server.tree_kernel import best_first_tree, top_k, top_plan
+from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
@@ -50,8 +50,12 @@ def check_tree() -> None:
             if not ties:  # the kernels' top-k equals torch.topk (equal values would come in token order); on the
                 # first rows only, on the CPU (the interpreter takes ~0.3 s a program)
                 rows = depths if DEVICE.type == "cuda" else 2
-                got_vals, got_ids = top_k(logprobs[:rows], k, top_plan(vocab, k))
-                assert torch.equal(got_vals, top_vals[:rows]) and torch.equal(got_ids, top_ids[:rows])
+                plans = [top_plan(vocab, k, rows, multiprocessors(DEVICE))]
+                if vocab == 3000:  # merge groups of two chunks' winners: three merge rounds before the last
+                    plans.append((256, k, 2 * k))
+                for plan in plans:
+                    got_vals, got_ids = top_k(logprobs[:rows], k, plan)
+                    assert torch.equal(got_vals, top_vals[:rows]) and torch.equal(got_ids, top_ids[:rows]), plan
             want = torch.stack((want.tokens, want.parents, want.depths))
             got = best_first_tree(top_vals, top_ids, root, layout.nodes)
             assert torch.equal(got, want), (depths, vocab, budget, k_wanted)
