@@ -55,10 +55,14 @@ def sort_warps(keys: int) -> int:
     return WIDE_WARPS if keys >= WIDE_SORT else NARROW_WARPS
 
 
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def chunk_warps(chunk: int, programs: int, device: torch.device) -> int:
     """Warps for the top-k's chunk sorts: 16 for wide ones whose programs leave multiprocessors idle (the demo
-    pair's 120 of 1024 keys: 9.3 -> 8.0 us), 4 where programs queue for them (at 2048 keys and Qwen3-8B's
-    vocabulary, 16 took 13% longer; bench/results/tree_tune_plans_h200.json)."""
+    pair's 120 programs of 1024 keys: 9.34 -> 8.04 us at 64 nodes), 4 where programs queue for them (Qwen3-8B's
+    vocabulary in 1024-key chunks: 36.8 -> 45.7 us at 16 nodes with 16; bench/results/tree_tune_plans_h200.json)."""
     return WIDE_WARPS if chunk >= WIDE_CHUNK and programs <= multiprocessors(device) else NARROW_WARPS
 
 
@@ -166,17 +170,13 @@ def top_plan(vocab: int, k: int, depths: int, multiprocessor_count: int) -> tupl
     the merges, which take MERGE_GROUP candidates a program down to k in as many rounds as they need. Chunks are
     at most WIDE_CHUNK tokens, and that only where so few programs leave multiprocessors idle (the demo pair's
     vocabulary: 120 programs; sorted at 16 warps, chunk_warps); else NARROW_CHUNK, in as many programs as it takes
-    (Qwen3-8B's: 4455). On the H200 a 64-node tree's top-k went 13.4 -> 8.0 us (demo) and 106 -> 54 us (Qwen3-8B)
+    (Qwen3-8B's: 4455). On the H200 a 64-node tree's top-k went 13.4 -> 8.0 us (demo) and 106 -> 55 us (Qwen3-8B)
     against one merge of all candidates (bench/results/tree_tune_plans_h200.json)."""
     keep = max(2, triton.next_power_of_2(k))
     widest = WIDE_CHUNK if depths * -(-vocab // WIDE_CHUNK) <= multiprocessor_count else NARROW_CHUNK
     chunk = max(keep, min(widest, triton.next_power_of_2(math.isqrt(vocab * keep))))
     group = max(MERGE_GROUP, 2 * keep)  # each merge at least halves the candidates
     return None if max(chunk, group) > MAX_SORT else (chunk, keep, group)
-
-
-def multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def top_k(
