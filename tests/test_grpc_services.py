@@ -12,6 +12,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -221,7 +222,7 @@ def test_seeded_sampling_matches_in_process_loop(services, local):
 
 def _bad_trees(root: int) -> dict[str, pb.DraftTree]:
     def tree(tokens, parents, depths, max_depth=2):
-        return pb.DraftTree(tokens=tokens, parents=parents, depths=depths, max_depth=max_depth)
+        return pb.DraftTree(nodes=np.array([tokens, parents, depths], dtype=np.int32).tobytes(), max_depth=max_depth)
 
     wide = MAX_TREE + 1
     return {
@@ -235,7 +236,7 @@ def _bad_trees(root: int) -> dict[str, pb.DraftTree]:
         "depth not parent's + 1": tree([root, 3, 4], [-1, 0, 1], [0, 1, 1]),
         "depth beyond max_depth": tree([root, 3, 4], [-1, 0, 1], [0, 1, 2], max_depth=1),
         "max_depth beyond server limit": tree([root, 3], [-1, 0], [0, 1], max_depth=10**6),
-        "ragged arrays": tree([root, 3], [-1], [0, 1]),
+        "not a [3, N+1] int32 array": pb.DraftTree(nodes=bytes(20), max_depth=2),
         "empty": pb.DraftTree(),
     }
 

@@ -17,13 +17,13 @@ MAX_BYTES = 4096
 
 
 async def _draft(request: pb.DraftRequest, context) -> pb.DraftResponse:
-    """Answers with the root token as the tree's only node; root 0 is aborted as a bad request, root 1 raises."""
+    """Answers with the root token as the tree's max_depth; root 0 is aborted as a bad request, root 1 raises."""
     if request.root_token == 0:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "root token 0")
     if request.root_token == 1:
         raise RuntimeError("a bug")
     response = pb.DraftResponse()
-    response.tree.tokens.append(request.root_token)
+    response.tree.max_depth = request.root_token
     return response
 
 
@@ -70,7 +70,7 @@ HELLO = _frame(MAGIC + b"Draft")
 def test_answers_in_order_over_one_connection_and_statuses_as_grpc():
     async def scenario(port: int):
         lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)
-        roots = [list((await lane.exchange(pb.DraftRequest(root_token=t))).tree.tokens) for t in (5, 6, 7)]
+        roots = [(await lane.exchange(pb.DraftRequest(root_token=t))).tree.max_depth for t in (5, 6, 7)]
         failures = []
         for bad in (0, 1):
             with pytest.raises(CallFailed) as err:
@@ -78,12 +78,12 @@ def test_answers_in_order_over_one_connection_and_statuses_as_grpc():
             failures.append((err.value.code, err.value.details))
             lane.close()
             lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)  # a failure ends it
-        roots.append(list((await lane.exchange(pb.DraftRequest(root_token=9))).tree.tokens))
+        roots.append((await lane.exchange(pb.DraftRequest(root_token=9))).tree.max_depth)
         await lane.end()
         return roots, failures
 
     roots, failures = asyncio.run(_with_lane(scenario))
-    assert roots == [[5], [6], [7], [9]]
+    assert roots == [5, 6, 7, 9]
     assert failures == [(grpc.StatusCode.INVALID_ARGUMENT, "root token 0"),
                         (grpc.StatusCode.INTERNAL, "RuntimeError: a bug")]
 
@@ -110,12 +110,12 @@ def test_malformed_input_is_answered_with_a_status_or_refused(hello, frame, stat
     async def scenario(port: int):
         answer = await _raw(port, hello, frame)
         lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)  # the server serves on
-        tokens = list((await lane.exchange(pb.DraftRequest(root_token=4))).tree.tokens)
+        root = (await lane.exchange(pb.DraftRequest(root_token=4))).tree.max_depth
         lane.close()
-        return answer, tokens
+        return answer, root
 
-    (got, _, closed), tokens = asyncio.run(_with_lane(scenario))
-    assert got == status and closed and tokens == [4]
+    (got, _, closed), root = asyncio.run(_with_lane(scenario))
+    assert got == status and closed and root == 4
 
 
 def test_an_answer_over_the_clients_limit_is_refused():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.types import DrafterInfo, SamplingParams, StepResult, VerifierInfo
+from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from draft_server.tree import build_tree
 from protos import generate, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -159,9 +159,17 @@ def test_trees_pass_through_the_gateway_as_the_same_message():
     assert verify.tree == received.tree
 
 
-def test_ragged_trees_decode_as_sent_for_the_validator():
-    back = tensors.tree_from_pb(pb.DraftTree(tokens=[3, 4], parents=[-1], depths=[0, 1], max_depth=1))
-    assert back.tokens.tolist() == [3, 4] and back.parents.tolist() == [-1] and back.depths.tolist() == [0, 1]
+def test_trees_that_are_no_int32_node_array_are_refused_both_ways():
+    with pytest.raises(ValueError, match="12 bytes each"):
+        tensors.tree_from_pb(pb.DraftTree(nodes=bytes(13), max_depth=1))
+    ragged = DraftTree(torch.tensor([3, 4]), torch.tensor([-1]), torch.tensor([0, 1]), max_depth=1)
+    with pytest.raises(ValueError, match="one entry per node"):
+        tensors.tree_to_pb(ragged)
+    huge = DraftTree(torch.tensor([3, 2**31]), torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1)
+    with pytest.raises(ValueError, match="fit int32"):
+        tensors.tree_to_pb(huge)
+    empty = tensors.tree_from_pb(pb.DraftTree())  # for the validator to refuse: no root
+    assert empty.tokens.shape == empty.parents.shape == empty.depths.shape == (0,)
 
 
 def test_step_features_are_written_in_place_and_decode_writable():

@@ -34,16 +34,12 @@ class Timings(_message.Message):
     def __init__(self, forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., detail: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "depths", "max_depth")
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PARENTS_FIELD_NUMBER: _ClassVar[int]
-    DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("nodes", "max_depth")
+    NODES_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    parents: _containers.RepeatedScalarFieldContainer[int]
-    depths: _containers.RepeatedScalarFieldContainer[int]
+    nodes: bytes
     max_depth: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., depths: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    def __init__(self, nodes: _Optional[bytes] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
