@@ -72,9 +72,11 @@ class LaunchTimer:
             if len(timed) < 5:
                 continue
             timed = timed[2:]
+            host = statistics.median(h for h, *_ in timed)
             from_idle = statistics.median(s.elapsed_time(e) * 1000 for _, s, e, _ in timed)
-            row = {"step": name, "replays": len(timed), "host_launch_us": round(statistics.median(h for h, *_ in timed) * 1e6, 1),
-                   "device_from_idle_us": round(from_idle, 1), "back_to_back_us": round(self.back_to_back_us(timed[0][3]), 1)}
+            row = {"step": name, "replays": len(timed), "host_launch_us": round(host * 1e6, 1),
+                   "device_from_idle_us": round(from_idle, 1),
+                   "back_to_back_us": round(self.back_to_back_us(timed[0][3]), 1)}
             row["exposed_us"] = round(row["device_from_idle_us"] - row["back_to_back_us"], 1)
             print(f"[graph-launch] {row}", flush=True)
             rows.append(row)
@@ -95,7 +97,8 @@ def main() -> None:
     engine = VerifyEngine.from_pretrained(args.target, "cuda", torch.bfloat16, compile=True)
     verify_warm_up(engine)
     timer.replays.clear()
-    engine.start_session("s", PROMPT + 2 * args.rounds * (args.budget + 1) + 1, SamplingParams(), [engine.num_layers - 1])
+    capacity = PROMPT + 2 * args.rounds * (args.budget + 1) + 1  # room for every round to accept its whole tree
+    engine.start_session("s", capacity, SamplingParams(), [engine.num_layers - 1])
     engine.prefill("s", list(range(1, PROMPT)))
     for nodes in (args.budget, 0):
         for _ in range(args.rounds):

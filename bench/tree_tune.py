@@ -48,7 +48,8 @@ def sweep(vocabs: list[str], budgets: list[int], out: Path | None) -> dict:
         layouts = TreeLayouts(DEPTHS, vocab, torch.device("cuda"))
         for budget in budgets:
             k, layout = layouts.get(budget, None)
-            top = top_plan(vocab, k, DEPTHS, multiprocessors(torch.device("cuda")))  # None: a merge too wide for one program, torch's top-k runs instead
+            # None: a merge too wide for one program, torch's top-k runs instead
+            top = top_plan(vocab, k, DEPTHS, multiprocessors(torch.device("cuda")))
             vals, ids = top_k_any(logprobs, k)
             torch_us = graph_call_us(lambda: build_tree(logprobs, root, budget, None, layout))
             chunk = [] if top is None else [(graph_call_us(lambda: top_k(logprobs, k, top, (w, 4))), Warps(w))
@@ -100,13 +101,15 @@ def sweep_plans(vocabs: list[str], budgets: list[int], out: Path | None) -> dict
                         rows.append({"plan": plan, "chunk_warps": w, "top_k_us": round(us, 2)})
             rows.sort(key=lambda r: r["top_k_us"])
             now = graph_call_us(lambda: top_k(logprobs, k, current))
-            # the twelfth session's starting plan: chunks leaving ~2048 candidates a depth, merged in one program
+            # top_plan as the twelfth session found it: chunks leaving ~2048 candidates a depth, one merge of them all
             chunk = min(MAX_SORT, max(256, keep, 1 << (-(-vocab * keep // 2048) - 1).bit_length()))
             before = (chunk, keep, max(2, 1 << (-(-vocab // chunk) * keep - 1).bit_length()))
             before_us = graph_call_us(lambda: top_k(logprobs, k, before, (NARROW_WARPS, sort_warps(before[2]))))
-            results[f"{name}-{budget}"] = {"top_plan": current, "top_plan_us": round(now, 2), "session_start_plan": before,
-                                           "session_start_us": round(before_us, 2), "plans": rows}
-            print(f"[tree-tune] {name}-{budget}: session start {before} {before_us:.2f} us; top_plan {current} {now:.2f} us; best " +
+            results[f"{name}-{budget}"] = {"top_plan": current, "top_plan_us": round(now, 2),
+                                           "session_start_plan": before, "session_start_us": round(before_us, 2),
+                                           "plans": rows}
+            print(f"[tree-tune] {name}-{budget}: session start {before} {before_us:.2f} us; "
+                  f"top_plan {current} {now:.2f} us; best " +
                   "; ".join(f"{r['plan']} w{r['chunk_warps']} {r['top_k_us']}" for r in rows[:5]), flush=True)
             if out:
                 out.write_text(json.dumps({"plans": results}, indent=1))
@@ -118,7 +121,7 @@ def main() -> None:
     p.add_argument("--vocabs", default=",".join(VOCABS), help=f"comma-separated, of {', '.join(VOCABS)}")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--out", default=None)
-    p.add_argument("--plans", action="store_true", help="sweep the top-k's chunk size instead of warps")
+    p.add_argument("--plans", action="store_true", help="sweep the top-k's (chunk, merge group) plans instead of warps")
     args = p.parse_args()
     vocabs, budgets = args.vocabs.split(","), [int(b) for b in args.budgets.split(",")]
     if unknown := [v for v in vocabs if v not in VOCABS]:
