@@ -42,8 +42,7 @@ from ddtree.event_loop import busy_poll_seconds
 STAGES = (
     ("protos.tensors", "tensor_from_pb", "parse"),  # the drafter's features
     ("draft_server.drafter", "DraftEngine.draft", "engine"),  # queues append, block and tree; no sync
-    ("ddtree.types", "DraftTree.cpu", "to host"),  # the draft's one sync and the tree's copy
-    ("protos.tensors", "draft_to_pb", "to pb"),
+    ("protos.tensors", "draft_to_pb", "to pb"),  # with the draft's one sync: the tree's copy to the host
     ("protos.tensors", "tree_from_pb", "parse"),
     ("verify_server.server", "check_tree", "check"),
     ("verify_server.verify", "VerifyEngine._launch", "launch"),  # queues the captured round

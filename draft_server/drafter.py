@@ -58,7 +58,7 @@ class DraftSession:
 @dataclass
 class DraftResult:
     """A drafted tree, on the drafter's device: nothing waits for the draft's kernels until the tree is read (the
-    verifier's host sync in-process, `tree.cpu()` in the service)."""
+    verifier's host sync in-process, the tree's encoding in the service)."""
 
     tree: DraftTree
     timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)

@@ -103,7 +103,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         result = engine.draft(
             request.session_id, features, request.root_token, request.root_position, request.budget, request.top_k or None
         )
-        return tensors.draft_to_pb(result.tree.cpu(), result.forward_s, result.tree_s)  # the draft's host sync
+        return tensors.draft_to_pb(result.tree, result.forward_s, result.tree_s)  # the draft's host sync: the tree's copy
 
 
 def context_cache_bytes(session: DraftSession) -> int:
