@@ -79,7 +79,8 @@ def main() -> None:
           f"verifier {v.path}, compile={args.compile}")
     # the drafter's block again at the same position (idempotent: no new features), then its tree alone
     measure("draft call (block + tree)", lambda: d.draft("s", no_features, root, position, args.budget), args.rows)
-    measure("block forward", lambda: static.block(d.sessions["s"].slot, root, position), args.rows)
+    measure("block forward", lambda: static.draft(d.sessions["s"].slot, position, no_features, root, position),
+            args.rows)
     measure("tree build", lambda: static.tree(args.budget, None), args.rows)
     tree = d.draft("s", no_features, root, position, args.budget).tree
     # the same drafted tree every round (the verifier puts the session's root in): it matches the target less and

@@ -43,6 +43,10 @@ STAGES = (
     ("protos.tensors", "tensor_from_pb", "parse"),  # the drafter's features
     ("draft_server.drafter", "DraftEngine.draft", "engine"),  # queues append, block and tree; no sync
     ("protos.tensors", "draft_to_pb", "to pb"),  # with the draft's one sync: the tree's copy to the host
+    ("ddtree.timing", "StepTimer.__init__", "timer"),  # both services: the step's CUDA events
+    ("draft_server.draft_graphs", "StaticDrafter.draft", "inputs and graphs"),  # inside "engine": append + block
+    ("draft_server.draft_graphs", "StaticDrafter.tree", "tree"),  # inside "engine": the tree's graph and copies
+    ("ddtree.cuda_graphs", "GraphPool.run", "replays"),  # both services: every graph launch, summed
     ("protos.tensors", "tree_from_pb", "parse"),
     ("verify_server.server", "check_tree", "check"),
     ("verify_server.verify", "VerifyEngine._launch", "launch"),  # queues the captured round

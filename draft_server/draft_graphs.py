@@ -10,8 +10,9 @@ captured as it stands. Here nothing a step reads changes shape or address betwee
 - the block writes its own K/V into the slot's uncommitted rows [p, p+B) instead of concatenating them to the
   context, and attends over a bucketed prefix of the slot under a mask built on the device from the position p;
 - the block's log-probs land in one static buffer, which the tree build (a graph per (budget, top_k), shared by
-  all slots) reads; the tree stays on the device (a co-located verifier reads it there; the service copies it
-  to the host in one piece), so a draft waits for nothing.
+  all slots) reads; the tree stays on the device (a co-located verifier reads it there; for the service its
+  copy to pinned host memory is queued within the draft), so a draft waits for nothing;
+- what a draft brings from the host (the scalars and the new features) goes up in one copy (draft_inputs.py).
 Cache rows are absolute positions, so "row < p" is the committed context and the sliding-window rule compares rows.
 """
 
@@ -24,6 +25,7 @@ from ddtree.flash_tree import flash_supported, flash_tree_attention
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
+from draft_server.draft_inputs import DraftInputs
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
 from draft_server.tree_kernel import kernel_supported, kernel_tree
@@ -112,21 +114,24 @@ class StaticDrafter:
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
-        long = {"dtype": torch.long, "device": self.device}
-        self._ids = torch.full((1, cfg.block_size), cfg.mask_token_id, **long)  # [1, B]: root (written), MASK * (B-1)
         self._block_tree = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool, device=self.device)
-        self._pos = torch.zeros(1, **long)  # the root position p, == the committed context length
-        self._start = torch.zeros(1, **long)  # first row of an append
-        self._arange = torch.arange(self.rows, **long)  # row index == absolute position
+        self._arange = torch.arange(self.rows, dtype=torch.long, device=self.device)  # row index == absolute position
         # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
         self._logprobs = torch.zeros(cfg.block_size - 1, head.vocab_size, device=self.device)
-        width = cfg.num_taps * cfg.hidden_size
-        self._features = torch.zeros(self.max_append, width, device=self.device, dtype=self.dtype)  # [P, taps*hidden]
+        # What the graphs read of a draft, in one byte buffer so that a draft's inputs from the host go up in one
+        # copy: a header of int64 [start, p, root, MASK * (B-1)], then the new features' rows (see DraftInputs)
+        self._inputs = DraftInputs(cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype,
+                                   cfg.mask_token_id, self.device)
+        self._start, self._pos = self._inputs.start, self._inputs.position  # [1] each: an append's first row, p
+        self._ids, self._features = self._inputs.ids, self._inputs.features  # [1, B] root + MASKs; [P, taps*hidden]
         self._staging = self._uploaded = None
         if self.device.type == "cuda":
-            # host features go up through pinned memory: a pageable copy would sync the stream
-            self._staging = torch.zeros(self.max_append, width, dtype=self.dtype, pin_memory=True)
+            # the host's inputs go up through pinned memory: a pageable copy would sync the stream
+            self._staging = DraftInputs(cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype,
+                                        cfg.mask_token_id, torch.device("cpu"), pin=True)
             self._uploaded = torch.cuda.Event()
+        # the last tree on the host, as the wire carries it (tree(host=True)): [3 * (max nodes + 1)] int32, pinned
+        self._host_tree = torch.empty(0, dtype=torch.int32)
 
     @property
     def slot_bytes(self) -> int:
@@ -139,19 +144,39 @@ class StaticDrafter:
         max_append rows per captured step (only the last chunk is padded, so no chunk overwrites another's rows)."""
         for begin in range(0, features.shape[0], self.max_append):
             chunk = features[begin : begin + self.max_append]
-            self._start.fill_(start + begin)
-            self._upload(chunk)
-            mb = append_bucket(chunk.shape[0])
-            self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
+            self._upload(start + begin, chunk)
+            self._replay_append(slot, chunk.shape[0])
 
-    def _upload(self, features: torch.Tensor) -> None:
-        m = features.shape[0]
+    def draft(self, slot: int, start: int, features: torch.Tensor, root: int, position: int) -> None:
+        """append(slot, start, features), then the block [root, MASK * (B-1)] at `position` (== start + m, the
+        slot's committed length then) into _logprobs: the scalars of both and the features' last chunk go up in
+        one copy."""
+        last = max(0, features.shape[0] - 1) // self.max_append * self.max_append  # the last chunk's first row
+        self.append(slot, start, features[:last])
+        chunk = features[last:]
+        self._upload(start + last, chunk, root, position)
+        if chunk.shape[0]:
+            self._replay_append(slot, chunk.shape[0])
+        keys = key_bucket(position + self.config.block_size, self.rows)
+        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+
+    def _replay_append(self, slot: int, m: int) -> None:
+        mb = append_bucket(m)
+        self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
+
+    def _upload(self, start: int, features: torch.Tensor, root: int | None = None, position: int | None = None) -> None:
+        """Writes an append's first row and its features (and a block's root and position, when given) into the
+        inputs: on a GPU, with host features, in one copy through the pinned staging buffer. Features already on
+        the device (a chained round's, in-process) are written in place, scalars as fills: waiting for the staging
+        buffer could hold the host behind the rounds in flight."""
         if self._staging is None or features.device.type != "cpu":
-            self._features[:m].copy_(features)
+            self._inputs.write(start, features, root, position)
             return
-        self._uploaded.synchronize()  # the previous upload has left the staging buffer (long done, in practice)
-        self._staging[:m].copy_(features)
-        self._features[:m].copy_(self._staging[:m], non_blocking=True)
+        # the previous upload has left the staging buffer: long done, as every draft from the host is read before
+        # the next one
+        self._uploaded.synchronize()
+        self._staging.write(start, features, root, position)
+        self._inputs.upload(self._staging, features.shape[0])
         self._uploaded.record()
 
     def _append(self, slot: int, features: torch.Tensor) -> None:
@@ -168,11 +193,6 @@ class StaticDrafter:
 
     # ---- block --------------------------------------------------------------------------------------------------
 
-    def block(self, slot: int, root: int, position: int) -> None:
-        """Drafts the block [root, MASK * (B-1)] at `position` (== the slot's committed length) into _logprobs."""
-        keys = self._write_block_inputs(root, position)
-        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
-
     def block_after(self, slot: int, cursor: torch.Tensor, bound: int) -> None:
         """The block with its position and root read on the device from cursor [2] = (position, root token), a
         verify round's outcome not yet known on the host; `bound` >= that position sizes the key bucket."""
@@ -181,22 +201,27 @@ class StaticDrafter:
         keys = key_bucket(bound + self.config.block_size, self.rows)
         self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
 
-    def tree(self, budget: int, top_k: int | None) -> DraftTree:
-        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites."""
+    def tree(self, budget: int, top_k: int | None, host: bool = False) -> tuple[DraftTree, torch.Tensor | None]:
+        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites; with
+        `host` on a GPU also its copy as the wire carries it, queued now: [3, N+1] int32 in pinned memory that the
+        next host tree reuses, to be read once the draft's kernels are done (else None)."""
         k, layout = self.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
-        return DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
+        tree = DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
+        if not host or self._staging is None:  # a GPU only: on the CPU the tree is on the host already
+            return tree, None
+        if self._host_tree.numel() < packed.numel():
+            self._host_tree = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
+        nodes = self._host_tree[: packed.numel()].view(packed.shape)
+        nodes.copy_(packed.to(torch.int32), non_blocking=True)  # tokens < vocab, parents and depths < nodes
+        return tree, nodes
 
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
     def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:
-        """-> a copy of the [B-1, vocab] fp32 log-probs, uncaptured: the code `block` replays, for inspection."""
-        self._block(slot, self._write_block_inputs(root, position))
+        """-> a copy of the [B-1, vocab] fp32 log-probs, uncaptured: the block `draft` replays, for inspection."""
+        self._upload(position, self._features[:0], root, position)
+        self._block(slot, key_bucket(position + self.config.block_size, self.rows))
         return self._logprobs.clone()
-
-    def _write_block_inputs(self, root: int, position: int) -> int:
-        self._ids[0, :1].fill_(root)
-        self._pos.fill_(position)
-        return key_bucket(position + self.config.block_size, self.rows)
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         root = self._ids[0, :1]  # on the device: no upload

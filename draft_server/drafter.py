@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.timing import StepTimer
+from ddtree.timing import StepTimer, TimerEvents
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, sliding_window_mask
 from draft_server.draft_graphs import StaticDrafter
@@ -62,6 +62,10 @@ class DraftResult:
 
     tree: DraftTree
     timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)
+    # draft(host_tree=True) on a GPU's static path: the tree as [3, N+1] int32 (tokens, parents, depths) in pinned
+    # host memory, filled by the draft's kernels (read it after forward_s / tree_s, which wait for them); the next
+    # such draft of the engine reuses it
+    nodes: torch.Tensor | None = None
 
     @property
     def forward_s(self) -> float:
@@ -99,6 +103,7 @@ class DraftEngine:
         self.device = head.embed.device
         self.dtype = head.embed.dtype
         self.sessions: dict[str, DraftSession] = {}
+        self.timers = TimerEvents(self.device)
         max_context = max_context or cfg.max_position_embeddings
         if max_sessions < 1 or max_context < 2:
             raise ValueError(f"need max_sessions >= 1 and max_context >= 2, got {max_sessions} and {max_context}")
@@ -164,12 +169,14 @@ class DraftEngine:
         root_position: int,
         budget: int,
         top_k: int | None = None,
+        host_tree: bool = False,
     ) -> DraftResult:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
         before `root_position`. Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
         root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
-        the round's one host sync is the verifier's."""
+        the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
+        copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service)."""
         sess = self.session(session_id)
         m = features.shape[0]
         self._check_features(features)
@@ -184,16 +191,14 @@ class DraftEngine:
         self._check_budget(budget)
         sess.settle(root_position - m)
         sess.last_used = time.monotonic()
-        timer = StepTimer(self.device)
+        timer = self.timers.timer()
         if self.static is not None:
-            if m:
-                self.static.append(sess.slot, sess.length, features)
-                sess.length = sess.length_max = root_position
-            self.static.block(sess.slot, root_token, root_position)
+            self.static.draft(sess.slot, sess.length, features, root_token, root_position)
+            sess.length = sess.length_max = root_position
             timer.mark()
-            tree = self.static.tree(budget, top_k)
+            tree, nodes = self.static.tree(budget, top_k, host_tree)
             timer.end()
-            return DraftResult(tree, timer)
+            return DraftResult(tree, timer, nodes)
         if m:
             positions = torch.arange(sess.length, root_position, device=self.device)[None]
             new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
@@ -234,12 +239,12 @@ class DraftEngine:
         self._check_budget(budget)
         sess.settle(start)
         sess.last_used = time.monotonic()
-        timer = StepTimer(self.device)
+        timer = self.timers.timer()
         self.static.append(sess.slot, start, features)
         sess.length, sess.length_max = start + 1, start + n
         self.static.block_after(sess.slot, cursor, start + n)
         timer.mark()
-        tree = self.static.tree(budget, top_k)
+        tree, _ = self.static.tree(budget, top_k)
         timer.end()
         return DraftResult(tree, timer)
 

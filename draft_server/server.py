@@ -101,9 +101,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if not features.is_floating_point():
             raise RequestError(f"features must be floating point, got {request.features.dtype}")
         result = engine.draft(
-            request.session_id, features, request.root_token, request.root_position, request.budget, request.top_k or None
+            request.session_id, features, request.root_token, request.root_position, request.budget,
+            request.top_k or None, host_tree=True,
         )
-        return tensors.draft_to_pb(result.tree, result.forward_s, result.tree_s)  # the draft's host sync: the tree's copy
+        forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
+        return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
 
 
 def context_cache_bytes(session: DraftSession) -> int:

@@ -159,22 +159,28 @@ class WireDraftTree(DraftTree):
         return len(self.message.nodes) // NODE_BYTES - 1
 
 
-def tree_to_pb(tree: DraftTree, out: pb.DraftTree | None = None) -> pb.DraftTree:
-    """out: a (sub)message to fill in place. A WireDraftTree is already a message: returned as it came (or copied
-    into `out`). ValueError for a tree whose arrays differ in length or hold values beyond int32."""
+def tree_to_pb(tree: DraftTree, out: pb.DraftTree | None = None, nodes: torch.Tensor | None = None) -> pb.DraftTree:
+    """out: a (sub)message to fill in place. nodes: the tree's [3, N+1] int32 host array where its producer already
+    has it (the drafter's pinned copy: no stack, no copy, no range check here). A WireDraftTree is already a
+    message: returned as it came (or copied into `out`). ValueError for a tree whose arrays differ in length or
+    hold values beyond int32."""
     if isinstance(tree, WireDraftTree):
         if out is None:
             return tree.message
         out.CopyFrom(tree.message)
         return out
-    if not tree.tokens.shape == tree.parents.shape == tree.depths.shape:
-        raise ValueError("a tree's tokens, parents and depths need one entry per node")
-    wide = torch.stack((tree.tokens, tree.parents, tree.depths)).cpu().numpy()  # [3, N+1]; one host sync
-    nodes = wide.astype(np.int32)
-    if not (nodes == wide).all():
-        raise ValueError("tree values must fit int32")
+    if nodes is not None:
+        data = nodes.numpy().tobytes()
+    else:
+        if not tree.tokens.shape == tree.parents.shape == tree.depths.shape:
+            raise ValueError("a tree's tokens, parents and depths need one entry per node")
+        wide = torch.stack((tree.tokens, tree.parents, tree.depths)).cpu().numpy()  # [3, N+1]; one host sync
+        narrow = wide.astype(np.int32)
+        if not (narrow == wide).all():
+            raise ValueError("tree values must fit int32")
+        data = narrow.tobytes()
     msg = pb.DraftTree() if out is None else out
-    msg.nodes = nodes.tobytes()
+    msg.nodes = data
     msg.max_depth = tree.max_depth
     return msg
 
@@ -205,9 +211,10 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 # ---- drafter responses ------------------------------------------------------------------------------------------
 
 
-def draft_to_pb(tree: DraftTree, forward_s: float, tree_s: float) -> pb.DraftResponse:
+def draft_to_pb(tree: DraftTree, forward_s: float, tree_s: float, nodes: torch.Tensor | None = None) -> pb.DraftResponse:
+    """nodes: as tree_to_pb's."""
     msg = pb.DraftResponse()  # submessages filled in place rather than built and copied in
-    tree_to_pb(tree, out=msg.tree)
+    tree_to_pb(tree, out=msg.tree, nodes=nodes)
     timings_to_pb(forward_s, {"tree_s": tree_s}, out=msg.timings)
     return msg
 

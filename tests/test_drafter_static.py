@@ -59,9 +59,16 @@ def run_rounds(
         seen += m
         new = features[seen - m : seen]
         want = eager.draft("s", new, root, seen, budget, top_k).tree
-        got = static.draft("s", new, root, seen, budget, top_k).tree
+        result = static.draft("s", new, root, seen, budget, top_k, host_tree=True)
+        got = result.tree
         assert got.tokens.device == static.device  # left on the drafter's device for a co-located verifier
         assert_same_tree(got, want)
+        # the service's copy, as the wire carries it: queued on a GPU, read after the draft's sync
+        assert (result.nodes is None) == (static.device.type == "cpu")
+        if result.nodes is not None:
+            result.forward_s  # noqa: B018 - the draft's sync
+            assert result.nodes.dtype == torch.int32 and result.nodes.is_pinned()
+            assert torch.equal(result.nodes.long(), torch.stack((want.tokens, want.parents, want.depths)).cpu())
         torch.testing.assert_close(
             static._block_logprobs(static.session("s"), root, seen),  # noqa: SLF001 - the raw distributions
             eager._block_logprobs(eager.session("s"), root, seen),  # noqa: SLF001

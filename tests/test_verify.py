@@ -140,6 +140,7 @@ def test_host_features_equal_device_features(device: str, qwen3_target: Path) ->
         engine.start_session(session, 100, SamplingParams(), taps=[1, 3])
         engine.prefill(session, prompt)
     got = [truth[0]]
+    previous = None  # the round before's host features and a copy: its buffer is reused only the round after next
     while len(got) < 30:
         depth = rng.randint(0, 6)
         tree = oracle_tree(rng, got[-1], truth[len(got):], depth, 6) if depth else None
@@ -151,6 +152,9 @@ def test_host_features_equal_device_features(device: str, qwen3_target: Path) ->
         assert on_device.features.device.type == device and on_host.features.device.type == "cpu"
         assert on_host.features.is_pinned() == (device == "cuda")
         assert torch.equal(on_host.features, on_device.features.cpu())
+        if previous is not None:
+            assert torch.equal(previous[0], previous[1])
+        previous = (on_host.features, on_host.features.clone())
         got += on_host.tokens
 
 

@@ -4,7 +4,7 @@ A captured greedy round (forward, argmax, acceptance walk and KV compaction in o
 while the session's previous round is still in flight: it takes its start slot and root token from that round's
 outcome on the device (its `cursor`), so the host waits for nothing between rounds and reads each round once, in
 order. QueuedRounds is VerifyEngine's half that does this; it uses the engine's `fused` runner, `device`,
-`session()` and `_check_room()`.
+`timers`, `session()` and `_check_room()`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class PendingRound:
     """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
 
     packed    [2 + qb] host copy of accept_path's packed result, filled once the round has run
-    features  [advance, taps*hidden] in memory of its own, on the device (or the host, in pinned memory, for a
-              host_features round): the path's features (first k+1 rows valid, the rest finite filler), or None
-              without taps
+    features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
+              without taps; on the device in memory of its own, or for a host_features round in the session's host
+              buffer of its ring slot (pinned on a GPU)
     cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
               session's next launch, which reads it
     advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
@@ -93,7 +93,7 @@ class QueuedRounds:
         start = sess.cache.length + sum(p.advance for p in sess.inflight)
         self._check_room(sess, start, q)
         after = sess.inflight[-1].cursor if sess.inflight else None
-        timer = StepTimer(self.device)
+        timer = self.timers.timer()
         captured = self.fused.greedy_round(sess.cache, tuple(sess.taps), tree, sess.root, start, after)
         if captured is None:
             return None
@@ -104,7 +104,9 @@ class QueuedRounds:
             sess.readback = [
                 torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(MAX_IN_FLIGHT)
             ]
-        host = sess.readback[sess.queued % MAX_IN_FLIGHT][: packed.shape[0]]
+            sess.host_features = [torch.empty(0) for _ in range(MAX_IN_FLIGHT)]
+        ring = sess.queued % MAX_IN_FLIGHT
+        host = sess.readback[ring][: packed.shape[0]]
         sess.queued += 1
         host.copy_(packed, non_blocking=True)
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
@@ -113,7 +115,7 @@ class QueuedRounds:
             # in memory of its own: the next replay overwrites the graph's output
             rows = path_features[:advance]  # [advance, taps*hidden]
             if host_features:
-                features = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pinned)
+                features = _host_rows(sess, ring, rows, pinned)
                 features.copy_(rows, non_blocking=True)
             else:
                 features = rows.clone()
@@ -121,3 +123,14 @@ class QueuedRounds:
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
         return pending
+
+
+def _host_rows(sess: VerifySession, ring: int, rows: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """Host memory for a round's path features of rows' shape: the session's buffer for that ring slot (readback's
+    slot), grown on need: no pinned allocation a round. The rows stay valid until the session's round after next
+    (the service has sent them long before)."""
+    need = rows.numel()
+    buf = sess.host_features[ring]
+    if buf.numel() < need or buf.dtype != rows.dtype:
+        buf = sess.host_features[ring] = torch.empty(need, dtype=rows.dtype, pin_memory=pinned)
+    return buf[:need].view(rows.shape)

@@ -46,3 +46,5 @@ class VerifySession:
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
     readback: list[torch.Tensor] = field(default_factory=list)  # pinned [2 + MAX_GRAPH_NODES] host buffers
     queued: int = 0  # rounds queued so far (picks the readback buffer)
+    # per readback slot, host memory (pinned on a GPU) for a host_features round's path features, flat
+    host_features: list[torch.Tensor] = field(default_factory=list)

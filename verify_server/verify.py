@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ddtree.timing import StepTimer
+from ddtree.timing import TimerEvents
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
@@ -69,6 +69,7 @@ class VerifyEngine(QueuedRounds):
         self.device = self.lm_head.weight.device
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
+        self.timers = TimerEvents(self.device)
         self.fused = None
         if fused and fused_unsupported(cfg) is None:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, gemv=gemv)
@@ -168,7 +169,7 @@ class VerifyEngine(QueuedRounds):
         if not prompt:
             raise SessionError("the prompt is empty")
         self._check_room(sess, 0, len(prompt) + 1)  # the first token's K/V comes with the next step
-        timer = StepTimer(self.device)
+        timer = self.timers.timer()
         captured = None if self.fused is None else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
         if captured is not None:
             logits, features = captured
@@ -195,8 +196,9 @@ class VerifyEngine(QueuedRounds):
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
         session's. host_features: a captured round copies the path's features to host memory within the round,
         so a caller that sends them on (the service) waits for no copy after the round's one sync (a copy after
-        it was ~13% of the verifier's host samples in a services bench, bench/README.md); otherwise they stay on
-        the device, where an in-process drafter reads them."""
+        it was ~13% of the verifier's host samples in a services bench, bench/README.md), into a buffer of the
+        session's that the round after next reuses; otherwise they stay on the device, where an in-process drafter
+        reads them."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
@@ -210,7 +212,7 @@ class VerifyEngine(QueuedRounds):
         if pending is not None:  # forward, walk and compaction in one graph replay
             return self.collect(pending)
         self._check_room(sess, sess.cache.length, q)
-        timer = StepTimer(self.device)
+        timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
         scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
         if scored is not None:  # the tree as the graph read it: no second upload
