@@ -8,7 +8,8 @@ sixth: `idle`, one draft after another; `after_gpu_work`, each draft right after
 GPU work (six 8192^2 bf16 matmuls) in torch.cuda.synchronize, as the drafter service's jobs come right after the
 verifier's forward; then what of that wait makes the next job's host work slower: the same GPU work waited for by
 polling an event from Python (`after_gpu_work_polled`), or no GPU work but `WAIT_S` asleep (`after_sleep`) or
-spinning in Python (`after_spin`). `job` is the servicer's wall time, `gpu` its draft's device time (StepTimer:
+spinning in Python (`after_spin`); and whether rehearsing the last job's host steps while polling that event, as
+a service's loop does with --keep-warm-us (every REHEARSE_S), keeps them fast (`after_gpu_work_rehearsed`). `job` is the servicer's wall time, `gpu` its draft's device time (StepTimer:
 forward + tree).
 """
 
@@ -33,8 +34,9 @@ from protos import tensors  # noqa: E402
 from protos.ddtree.v1 import ddtree_pb2 as pb  # noqa: E402
 
 CONTEXT = 4096  # the session's capacity; it restarts (100 prompt rows) before running out
-SETTINGS = ("idle", "after_gpu_work", "after_gpu_work_polled", "after_sleep", "after_spin")
+SETTINGS = ("idle", "after_gpu_work", "after_gpu_work_polled", "after_gpu_work_rehearsed", "after_sleep", "after_spin")
 WAIT_S = 0.0065  # about the GPU work's time on an H200, and a verify forward's at Qwen3-8B shapes
+REHEARSE_S = 300e-6
 
 
 def main() -> None:
@@ -58,8 +60,14 @@ def main() -> None:
     busy = torch.randn(side, side, device=engine.device, dtype=torch.bfloat16)
     prompt = torch.randn(100, engine.feature_dim, dtype=torch.bfloat16)
     result = {}
+    last: list[tuple[pb.DraftRequest, pb.DraftResponse]] = []  # the last job's messages, for the rehearsals
+
+    def rehearse() -> None:
+        if last:
+            server.rehearse_draft(*last[-1])
+
     for setting in args.settings.split(","):
-        wait = waiter(setting, busy, cuda)
+        wait = waiter(setting, busy, cuda, rehearse)
         rows, position = [], CONTEXT  # starts a session at the first draft
         for i in range(args.jobs):
             m = 1 + i % 2
@@ -76,6 +84,7 @@ def main() -> None:
             response = servicer._draft(engine, request)  # noqa: SLF001 - the job without its transport
             wall = time.perf_counter() - start
             position += m
+            last[:] = [(request, response)]
             forward_s, tree_s = response.timings.forward_s, response.timings.detail["tree_s"]
             rows.append({"job": wall, "gpu": forward_s + tree_s, "draft_s": forward_s, "tree_s": tree_s, **stages})
         kept = rows[args.jobs // 6 :]
@@ -85,7 +94,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def waiter(setting: str, busy: torch.Tensor, cuda: bool) -> Callable[[], None]:
+def waiter(setting: str, busy: torch.Tensor, cuda: bool, rehearse: Callable[[], None]) -> Callable[[], None]:
     """What the host does before each job of `setting`."""
 
     def gpu_work() -> None:
@@ -97,13 +106,16 @@ def waiter(setting: str, busy: torch.Tensor, cuda: bool) -> Callable[[], None]:
         if cuda:
             torch.cuda.synchronize()
 
-    def polled() -> None:
+    def polled(rehearsing: bool = False) -> None:
         gpu_work()
-        if cuda:
-            done = torch.cuda.Event()
+        done = torch.cuda.Event() if cuda else None
+        if done is not None:
             done.record()
-            while not done.query():
-                pass
+        rehearsed = -REHEARSE_S
+        while done is not None and not done.query():
+            if rehearsing and time.perf_counter() - rehearsed >= REHEARSE_S:
+                rehearse()
+                rehearsed = time.perf_counter()
 
     def spin() -> None:
         end = time.perf_counter() + WAIT_S
@@ -111,6 +123,7 @@ def waiter(setting: str, busy: torch.Tensor, cuda: bool) -> Callable[[], None]:
             pass
 
     waits = {"idle": lambda: None, "after_gpu_work": synced, "after_gpu_work_polled": polled,
+             "after_gpu_work_rehearsed": lambda: polled(rehearsing=True),
              "after_sleep": lambda: time.sleep(WAIT_S), "after_spin": spin}
     if setting not in waits:
         raise SystemExit(f"unknown setting {setting!r}: use {', '.join(SETTINGS)}")

@@ -8,6 +8,14 @@ old. The price is a busy core per process while sessions are active. Measured (b
 a round lane's one-way 100 B hop on a 2-core VM 89 / 118 -> 25 / 31 us; the demo pair's four hops a round on an
 H200 host 0.39-0.47 -> 0.21-0.24 ms.
 
+While it polls, a loop can also keep a round call's host work warm (`keep_warm`): after a few milliseconds of
+anything else (a sleep, a spin, this very polling, waiting for the GPU), the same Python, protobuf and numpy steps
+ran 1.5-6x slower on the hosts we measured, their code and data gone from the CPU's caches (bench/README.md: a
+Verify call's host steps on a 2-core VM, 36 us back to back, 103-121 us after 6.5 ms of polling, 39 us when the
+polling loop had rehearsed them meanwhile; a Draft job right after a GPU wait on an H200 host). So a service can
+hand the selector a rehearsal of its last round call's host-only steps on that call's own messages, run at most
+every `every_s` while nothing arrives.
+
 A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
 every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
 only after the interpreter's switch interval (5 ms). So the loop stops polling while work it handed to a thread
@@ -73,6 +81,15 @@ class PollingSelector(selectors.DefaultSelector):
         self.window = window
         self._last_event = -float("inf")  # perf_counter of the last select that returned events
         self._pauses = 0  # pause() calls not yet resumed
+        self._warm: Callable[[], None] | None = None
+        self._warm_every = 0.0
+        self._warmed = -float("inf")  # perf_counter when the last rehearsal ended
+
+    def keep_warm(self, rehearse: Callable[[], None] | None, every_s: float) -> None:
+        """While polling, call rehearse() whenever `every_s` seconds have passed since its last run ended (None:
+        never). It runs on the loop's thread between polls, so it must be short (tens of microseconds) and touch
+        nothing a call relies on. The first exception it raises is logged and ends the rehearsals."""
+        self._warm, self._warm_every = rehearse, every_s
 
     @property
     def paused(self) -> bool:
@@ -92,8 +109,9 @@ class PollingSelector(selectors.DefaultSelector):
             poll_until = min(poll_until, start + timeout)
         ready = []
         if start < poll_until and not self._pauses:  # never with a zero timeout: the loop has work queued
-            while not (ready := super().select(0)) and time.perf_counter() < poll_until:
-                pass
+            while not (ready := super().select(0)) and (now := time.perf_counter()) < poll_until:
+                if self._warm is not None and now - self._warmed >= self._warm_every:
+                    self._rehearse()
             if not ready and timeout is not None:
                 timeout = max(0.0, timeout - (time.perf_counter() - start))
         if not ready:
@@ -101,6 +119,15 @@ class PollingSelector(selectors.DefaultSelector):
         if ready:
             self._last_event = time.perf_counter()
         return ready
+
+
+    def _rehearse(self) -> None:
+        try:
+            self._warm()
+        except Exception:  # noqa: BLE001 - a rehearsal must never take the loop down
+            log.exception("keeping the round calls' host work warm failed: no more rehearsals")
+            self._warm = None
+        self._warmed = time.perf_counter()
 
 
 class PollingEventLoop(asyncio.SelectorEventLoop):

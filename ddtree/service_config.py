@@ -28,6 +28,11 @@ BUSY_POLL_HELP = (
     "message then lands ~50 us sooner at each hop, at the cost of a busy core while sessions run (0: off; "
     f"default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, else 0)"
 )
+KEEP_WARM_HELP = (
+    "while the event loop busy-polls, rehearse the last round call's host-only steps (parsing and encoding its own "
+    "messages; no engine, no device) at most every this many microseconds, so the next call finds them in the "
+    "CPU's caches (0: off; needs --busy-poll-us)"
+)
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
@@ -99,6 +104,7 @@ class ServiceConfig(FlagConfig):
     )
     max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent or received, in bytes")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
+    keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -119,6 +125,8 @@ class ServiceConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
+        if self.keep_warm_us < 0:
+            raise ValueError(f"keep_warm_us must be >= 0, got {self.keep_warm_us}")
         self.torch_device()  # a malformed device string fails at startup, not after loading
 
     @property

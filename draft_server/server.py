@@ -62,7 +62,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("EndSession", context, end)
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        return await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
+        response = await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
+        self.host.remember(lambda: rehearse_draft(request, response))
+        return response
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
@@ -106,6 +108,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         )
         forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
         return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
+
+
+def rehearse_draft(request: pb.DraftRequest, response: pb.DraftResponse) -> None:
+    """A Draft call's host-only steps on its own messages, nothing kept (--keep-warm-us): the request's parse and
+    its features' decoding, the answer's encoding."""
+    pb.DraftRequest.FromString(request.SerializeToString())
+    tensors.tensor_from_pb(request.features)
+    response.SerializeToString()
 
 
 def context_cache_bytes(session: DraftSession) -> int:

@@ -64,7 +64,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call("Prefill", context, lambda engine: self._prefill(engine, request), forward=True)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
+        response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
+        self.host.remember(lambda: self._rehearse_verify(request, response))
+        return response
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         return await self.host.call(
@@ -113,8 +115,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _verify(self, engine: VerifyEngine, request: pb.VerifyRequest) -> pb.StepResponse:
         tree = tensors.tree_from_pb(request.tree)
         root = engine.session(request.session_id).root  # NOT_FOUND before any complaint about the tree
-        check_tree(tree, root, TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth))
+        check_tree(tree, root, self._tree_limits(engine))
         return tensors.step_to_pb(engine.verify(request.session_id, tree, host_features=True))
+
+    def _tree_limits(self, engine: VerifyEngine) -> TreeLimits:
+        return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
+
+    def _rehearse_verify(self, request: pb.VerifyRequest, response: pb.StepResponse) -> None:
+        """A Verify call's host-only steps on its own messages, nothing kept (--keep-warm-us): the request's parse,
+        its tree's decoding and checks (against its own root), the answer's encoding."""
+        pb.VerifyRequest.FromString(request.SerializeToString())
+        tree = tensors.tree_from_pb(request.tree)
+        check_tree(tree, int(tree.tokens[0]), self._tree_limits(self.host.engine))
+        response.SerializeToString()
 
 
 def kv_cache_bytes(session: VerifySession) -> int:
