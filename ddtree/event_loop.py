@@ -12,9 +12,9 @@ While it polls, a loop can also keep a round call's host work warm (`keep_warm`)
 anything else (a sleep, a spin, this very polling, waiting for the GPU), the same Python, protobuf and numpy steps
 ran 1.5-6x slower on the hosts we measured, their code and data gone from the CPU's caches (bench/README.md: a
 Verify call's host steps on a 2-core VM, 36 us back to back, 103-121 us after 6.5 ms of polling, 39 us when the
-polling loop had rehearsed them meanwhile; a Draft job right after a GPU wait on an H200 host). So a service can
-hand the selector a rehearsal of its last round call's host-only steps on that call's own messages, run at most
-every `every_s` while nothing arrives.
+polling loop had rehearsed them meanwhile; a Draft job right after a GPU wait on an H200 host). So a process (a
+model service, the gateway) can hand the selector a rehearsal of its last round calls' host-only steps on those
+calls' own messages, run at most every `every_s` while nothing arrives.
 
 A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
 every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
@@ -61,6 +61,12 @@ def check_busy_poll_us(busy_poll_us: int | None) -> None:
     """A config's check of its `--busy-poll-us` setting (None: automatic)."""
     if busy_poll_us is not None and busy_poll_us < 0:
         raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
+
+
+def check_keep_warm_us(keep_warm_us: int) -> None:
+    """A config's check of its `--keep-warm-us` setting."""
+    if keep_warm_us < 0:
+        raise ValueError(f"keep_warm_us must be >= 0, got {keep_warm_us}")
 
 
 def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
@@ -154,6 +160,19 @@ class PollingEventLoop(asyncio.SelectorEventLoop):
             raise
         job.add_done_callback(lambda _: _call_soon(self, self.polling.resume))  # called on the worker thread
         return asyncio.wrap_future(job, loop=self)
+
+
+def keep_warm(every_us: int, rehearse: Callable[[], None], name: str) -> None:
+    """Has the running loop rehearse a process's last round calls' host steps at most every `every_us` while it
+    busy-polls (0: never; a loop that does not poll never rehearses). `name` is the process's, for the log."""
+    if every_us <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    if not isinstance(loop, PollingEventLoop):
+        log.info("%s: --keep-warm-us needs busy polling (--busy-poll-us): no rehearsals", name)
+        return
+    loop.polling.keep_warm(rehearse, every_us / 1e6)
+    log.info("%s: while polling, rehearses its last round calls' host steps every %d us", name, every_us)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:

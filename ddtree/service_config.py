@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us
+from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us, check_keep_warm_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1; below 1 MiB not even a small prefill's features fit.
@@ -29,9 +29,9 @@ BUSY_POLL_HELP = (
     f"default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, else 0)"
 )
 KEEP_WARM_HELP = (
-    "while the event loop busy-polls, rehearse the last round call's host-only steps (parsing and encoding its own "
+    "while the event loop busy-polls, rehearse the last round calls' host-only steps (encoding and parsing their own "
     "messages; no engine, no device) at most every this many microseconds, so the next call finds them in the "
-    "CPU's caches (0: off; needs --busy-poll-us)"
+    "CPU's caches (0: off; needs busy polling)"
 )
 
 
@@ -125,8 +125,7 @@ class ServiceConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
-        if self.keep_warm_us < 0:
-            raise ValueError(f"keep_warm_us must be >= 0, got {self.keep_warm_us}")
+        check_keep_warm_us(self.keep_warm_us)
         self.torch_device()  # a malformed device string fails at startup, not after loading
 
     @property

@@ -45,19 +45,6 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def keep_warm(every_us: int, rehearse: Callable[[], None], name: str) -> None:
-    """Has the running loop rehearse the last round call's host steps every `every_us` while it busy-polls (0:
-    never; a loop that does not poll never rehearses)."""
-    loop = asyncio.get_running_loop()
-    if every_us <= 0:
-        return
-    if not isinstance(loop, event_loop.PollingEventLoop):
-        log.info("%s: --keep-warm-us needs busy polling (--busy-poll-us): no rehearsals", name)
-        return
-    loop.polling.keep_warm(rehearse, every_us / 1e6)
-    log.info("%s: while polling, rehearses its last round call's host steps every %d us", name, every_us)
-
-
 def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
 
@@ -116,7 +103,7 @@ async def serve(
             for name in ("", service_name):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s: SERVING", service_name)
-            keep_warm(config.keep_warm_us, host.rehearse, service_name)
+            event_loop.keep_warm(config.keep_warm_us, host.rehearse, service_name)
             tasks.append(asyncio.create_task(host.expire_forever(config.sweep_interval)))
             if alive is not None:
                 tasks.append(asyncio.create_task(_watch(host, alive, stop, service_name)))

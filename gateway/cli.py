@@ -54,6 +54,7 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
     drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes, config.lanes) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
+        event_loop.keep_warm(config.keep_warm_us, lambda: rehearse(verifier, drafter), "gateway")
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
@@ -67,6 +68,13 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
         await verifier.close()
         if drafter is not None:
             await drafter.close()
+
+
+def rehearse(*clients: GrpcVerifier | GrpcDrafter | None) -> None:
+    """The clients' last round calls' host steps again (--keep-warm-us)."""
+    for client in clients:
+        if client is not None:
+            client.rehearse()
 
 
 class _Server(uvicorn.Server):

@@ -10,9 +10,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ddtree.event_loop import check_busy_poll_us
+from ddtree.event_loop import check_busy_poll_us, check_keep_warm_us
 from ddtree.models import resolve_pair
-from ddtree.service_config import BUSY_POLL_HELP, FlagConfig, option
+from ddtree.service_config import BUSY_POLL_HELP, KEEP_WARM_HELP, FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
@@ -40,6 +40,7 @@ class GatewayConfig(FlagConfig):
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
     max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent to or received from a backend")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
+    keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -56,6 +57,7 @@ class GatewayConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
+        check_keep_warm_us(self.keep_warm_us)
 
     @property
     def drafter_address(self) -> str | None:

@@ -114,6 +114,8 @@ class _Client:
         self._lanes = lanes and bool(self._lane_host)
         self._lane_port: int | None = None  # the service's round lane; None: not asked yet, 0: it has none
         self._lane_logged: int | None = None  # the lane port last announced in the log
+        # rpc -> its last round call's (request, answer) on any session, for rehearse()
+        self._last: dict[str, tuple[Message, Message]] = {}
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
@@ -142,7 +144,9 @@ class _Client:
                 async with asyncio.timeout(self.timeout_s):
                     if stream.transport is None:
                         stream.transport = await self._open(rpc)
-                    return await stream.transport.exchange(request)
+                    response = await stream.transport.exchange(request)
+                    self._last[rpc] = (request, response)
+                    return response
             except TimeoutError:
                 code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
             except CallFailed as exc:
@@ -191,6 +195,16 @@ class _Client:
             async with stream.lock:  # after any answer still awaited (it is cancelled with the stream otherwise)
                 if stream.transport is not None:
                     await stream.transport.end()
+
+    def rehearse(self) -> None:
+        """The host-only steps of each round call's last exchange on its own messages, nothing kept (a
+        busy-polling gateway runs this between rounds with --keep-warm-us): the request's copy and encoding, the
+        answer's parse."""
+        for request, response in list(self._last.values()):
+            copy = type(request)()
+            copy.CopyFrom(request)
+            copy.SerializeToString()
+            type(response).FromString(response.SerializeToString())
 
     async def health(self) -> bool:
         """True when the service reports SERVING (models loaded and warmed up); False otherwise or unreachable."""

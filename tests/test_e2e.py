@@ -83,7 +83,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
     logs = tmp_path_factory.mktemp("e2e_logs")
     draft, draft_metrics, verify, verify_metrics, http = free_ports(5)
     # every process polls its sockets for a while after I/O (ddtree/event_loop.py), as on a GPU host by default,
-    # and the model services rehearse their last round call's host steps meanwhile
+    # and rehearses its last round calls' host steps meanwhile
     dtype = ["--dtype", "float32", "--busy-poll-us", "3000", "--keep-warm-us", "300"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `ddtree serve` sets it: see there
@@ -95,7 +95,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
-                                      "--busy-poll-us", "3000"], logs),
+                                      "--busy-poll-us", "3000", "--keep-warm-us", "300"], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )
     try:
@@ -131,15 +131,16 @@ def test_streamed_chat_equals_in_process_loop(services, expected, mode) -> None:
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
 
 
-def test_model_services_rehearse_their_round_calls(services, expected) -> None:
-    """--keep-warm-us: both model services rehearse while they poll between rounds, and no rehearsal failed (a
-    failure is logged and ends them); the rounds' output is checked by the tests around this one."""
+def test_processes_rehearse_their_round_calls(services, expected) -> None:
+    """--keep-warm-us: the model services and the gateway rehearse while they poll between rounds, and no
+    rehearsal failed (a failure is logged and ends them); the rounds' output is checked by the tests around this
+    one."""
     text, _, _ = expected(STORY, 40)
     request = {"model": MODEL, "messages": STORY, "max_tokens": 40, "temperature": 0}
     assert httpx.post(f"{services.url}/v1/chat/completions", json=request, timeout=60).json()["choices"][0][
         "message"]["content"] == text
     logs = "".join(log.read_text(errors="replace") for log in services.logs.iterdir())
-    assert logs.count("rehearses its last round call's host steps every 300 us") == 2
+    assert logs.count("rehearses its last round calls' host steps every 300 us") == 3
     assert "no more rehearsals" not in logs
 
 
