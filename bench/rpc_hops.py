@@ -10,8 +10,8 @@ the services: bench/rpc_echo.py.)
     python bench/rpc_hops.py serve --stages verify ARGS...   # and the wall time of each stage of those jobs
     python bench/rpc_hops.py serve --trace FILE verify ARGS...   # and a torch.profiler trace of TRACE_JOBS of them
     python bench/rpc_hops.py probe --drafter HOST:PORT --verifier HOST:PORT [--budget 32 --num-prompts 24
-                                   --max-new-tokens 96 --transports lane,grpc --busy-poll-us 0 --profile FILE
-                                   --out FILE]
+                                   --max-new-tokens 96 --transports lane,grpc --busy-poll-us 0 --keep-warm-us 0
+                                   --profile FILE --out FILE]
 
 The probe runs the gateway's round loop (gateway/rounds.py over gateway/grpc_clients.py, no HTTP) against the
 stamped services, with the round calls over the services' round lanes and over gRPC streams one after the other,
@@ -220,6 +220,7 @@ async def probe(args: argparse.Namespace) -> dict:
         for transport in transports:  # one after the other over the same prompts, on the same warm services
             drafter = Drafter(args.drafter, lanes=transport == "lane")
             verifier = Verifier(args.verifier, lanes=transport == "lane")
+            event_loop.keep_warm(args.keep_warm_us, lambda: (drafter.rehearse(), verifier.rehearse()), "probe")
             await drafter.info()
             eos = (await verifier.info()).eos_token_ids
             profiled = timed_pass and args.profile and transport == transports[0]
@@ -265,6 +266,8 @@ def main() -> int:
     p.add_argument("--profile", help="probe: cProfile of the round loop's own host work (first transport) to FILE")
     p.add_argument("--busy-poll-us", type=int, default=0,
                    help="probe: its event loop polls this long after I/O, as the gateway's (ddtree/event_loop.py)")
+    p.add_argument("--keep-warm-us", type=int, default=0,
+                   help="probe: while polling, rehearse its last round calls' host steps this often, as a gateway's")
     p.add_argument("--out")
     args = p.parse_args()
     result = event_loop.run(probe(args), busy_poll_seconds(args.busy_poll_us))
