@@ -80,7 +80,8 @@ def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
 
 class PollingSelector(selectors.DefaultSelector):
     """The platform's selector, polling (zero timeouts) up to `window` seconds after its last I/O event before it
-    waits with the loop's own timeout. A timer is never late for it: polling stops at the loop's timeout."""
+    waits with the loop's own timeout. A timer is never late for it: polling stops at the loop's timeout (a rehearsal
+begun just before may overrun it by its own few tens of microseconds)."""
 
     def __init__(self, window: float) -> None:
         super().__init__()
@@ -125,7 +126,6 @@ class PollingSelector(selectors.DefaultSelector):
         if ready:
             self._last_event = time.perf_counter()
         return ready
-
 
     def _rehearse(self) -> None:
         try:

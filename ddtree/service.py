@@ -151,7 +151,6 @@ class EngineHost(Generic[E]):
         self._queued = 0  # engine-thread jobs submitted and not yet answered (counted on the event loop)
         # the host-only steps of the last round call on its own messages, for a polling loop to keep warm
         self._rehearsal: Callable[[], None] | None = None
-        self.rehearsals = 0  # rehearse() calls that ran one
         # Computed when scraped, from a snapshot of the session table (a C-level copy, atomic under the GIL).
         metrics.active_sessions.set_function(lambda: len(self._sessions()))
         metrics.cache_bytes.set_function(lambda: sum(self._session_bytes(s) for s in self._sessions()))
@@ -166,7 +165,6 @@ class EngineHost(Generic[E]):
         the CPU's caches (a busy-polling loop calls this while it waits: ddtree/event_loop.py, keep_warm)."""
         if self._rehearsal is not None:
             self._rehearsal()
-            self.rehearsals += 1
 
     def _sessions(self) -> list[Any]:
         engine = self.engine
