@@ -213,3 +213,24 @@ def test_draft_after_a_round_in_flight_matches_the_host_draft(kind: str, drafter
     got, want = (e.draft("s", features[start : start + 4], 4, start + 4, 8).tree for e in (static, eager))
     assert_same_tree(got, want)  # the round ended at `start`: the next features begin there
     assert static.session("s").length == static.session("s").length_max == start + 4
+
+
+def test_draft_inputs_share_one_buffer() -> None:
+    """DraftInputs: the header's int64 scalars, the ids and the features are views of one byte buffer (one copy
+    up per draft), the features aligned; `write` and `upload` fill them."""
+    from draft_server.draft_inputs import HEADER_ALIGN, DraftInputs
+
+    block, width, rows, mask = 6, 10, 4, 99
+    host = DraftInputs(block, width, rows, torch.bfloat16, mask, torch.device("cpu"))
+    target = DraftInputs(block, width, rows, torch.bfloat16, mask, torch.device("cpu"))
+    assert target.ids.tolist() == [[0] + [mask] * (block - 1)] and target.ids.shape == (1, block)
+    assert target.features.data_ptr() - target.buffer.data_ptr() == host.head_bytes
+    assert host.head_bytes % HEADER_ALIGN == 0 and target.features.shape == (rows, width)
+    features = torch.randn(2, width)
+    host.write(7, features, root=5, position=9)
+    assert (int(host.start), int(host.position), host.ids[0, 0].item()) == (7, 9, 5)
+    target.upload(host, rows=2)  # the header and the two rows written: nothing beyond
+    assert (int(target.start), int(target.position), target.ids.tolist()[0]) == (7, 9, [5] + [mask] * (block - 1))
+    assert torch.equal(target.features[:2], features.to(torch.bfloat16)) and not target.features[2:].any()
+    host.write(11, features[:0])  # an append alone: the block's scalars stay
+    assert (int(host.start), int(host.position), host.ids[0, 0].item()) == (11, 9, 5)
