@@ -174,6 +174,8 @@ def hops(t: dict[str, float]) -> dict[str, float]:
         "draft in": t["Draft.arrived"] - t["draft.sent"],
         "draft job": t["Draft.job_end"] - t["Draft.job_start"],
         "draft gpu": t["draft_s"] + t["tree_s"],
+        "draft gpu: forward": t["draft_s"],  # append + block
+        "draft gpu: tree": t["tree_s"],  # the tree's graph, and its host copy for the service
         "draft back": t["draft.received"] - t["Draft.answered"],
         "gateway": t["verify.sent"] - t["draft.received"],
         "verify in": t["Verify.arrived"] - t["verify.sent"],
