@@ -222,7 +222,8 @@ async def probe(args: argparse.Namespace) -> dict:
         for transport in transports:  # one after the other over the same prompts, on the same warm services
             drafter = Drafter(args.drafter, lanes=transport == "lane")
             verifier = Verifier(args.verifier, lanes=transport == "lane")
-            event_loop.keep_warm(args.keep_warm_us, lambda: (drafter.rehearse(), verifier.rehearse()), "probe")
+            if event_loop.keep_warm(args.keep_warm_us, lambda: (drafter.rehearse(), verifier.rehearse()), "probe"):
+                drafter.rehearsing = verifier.rehearsing = True
             await drafter.info()
             eos = (await verifier.info()).eos_token_ids
             profiled = timed_pass and args.profile and transport == transports[0]

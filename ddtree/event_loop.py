@@ -162,17 +162,19 @@ class PollingEventLoop(asyncio.SelectorEventLoop):
         return asyncio.wrap_future(job, loop=self)
 
 
-def keep_warm(every_us: int, rehearse: Callable[[], None], name: str) -> None:
+def keep_warm(every_us: int, rehearse: Callable[[], None], name: str) -> bool:
     """Has the running loop rehearse a process's last round calls' host steps at most every `every_us` while it
-    busy-polls (0: never; a loop that does not poll never rehearses). `name` is the process's, for the log."""
+    busy-polls (0: never; a loop that does not poll never rehearses) -> whether it will. `name` is the process's,
+    for the log."""
     if every_us <= 0:
-        return
+        return False
     loop = asyncio.get_running_loop()
     if not isinstance(loop, PollingEventLoop):
         log.info("%s: --keep-warm-us needs busy polling (--busy-poll-us): no rehearsals", name)
-        return
+        return False
     loop.polling.keep_warm(rehearse, every_us / 1e6)
     log.info("%s: while polling, rehearses its last round calls' host steps every %d us", name, every_us)
+    return True
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:

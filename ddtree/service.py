@@ -149,22 +149,25 @@ class EngineHost(Generic[E]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = threading.Lock()  # held by whichever thread is running the engine
         self._queued = 0  # engine-thread jobs submitted and not yet answered (counted on the event loop)
-        # the host-only steps of the last round call on its own messages, for a polling loop to keep warm
-        self._rehearsal: Callable[[], None] | None = None
+        # the last round call's host-only steps and their messages, kept only while a polling loop rehearses them
+        self.rehearsing = False
+        self._rehearsal: tuple[Callable[..., None], tuple[Any, ...]] | None = None
         # Computed when scraped, from a snapshot of the session table (a C-level copy, atomic under the GIL).
         metrics.active_sessions.set_function(lambda: len(self._sessions()))
         metrics.cache_bytes.set_function(lambda: sum(self._session_bytes(s) for s in self._sessions()))
 
-    def remember(self, rehearsal: Callable[[], None]) -> None:
-        """The last round call's host-only steps (parsing and encoding its own messages: no engine, no device),
-        which rehearse() runs again."""
-        self._rehearsal = rehearsal
+    def remember(self, steps: Callable[..., None], *messages: Any) -> None:
+        """The last round call's host-only steps (parsing and encoding its own messages: no engine, no device)
+        and those messages, which rehearse() runs again; nothing is kept unless rehearsals are on."""
+        if self.rehearsing:
+            self._rehearsal = (steps, messages)
 
     def rehearse(self) -> None:
         """Runs the last round call's host-only steps again, so that the next call finds their code and data in
         the CPU's caches (a busy-polling loop calls this while it waits: ddtree/event_loop.py, keep_warm)."""
         if self._rehearsal is not None:
-            self._rehearsal()
+            steps, messages = self._rehearsal
+            steps(*messages)
 
     def _sessions(self) -> list[Any]:
         engine = self.engine

@@ -120,15 +120,14 @@ class StaticDrafter:
         self._logprobs = torch.zeros(cfg.block_size - 1, head.vocab_size, device=self.device)
         # What the graphs read of a draft, in one byte buffer so that a draft's inputs from the host go up in one
         # copy: a header of int64 [start, p, root, MASK * (B-1)], then the new features' rows (see DraftInputs)
-        self._inputs = DraftInputs(cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype,
-                                   cfg.mask_token_id, self.device)
+        layout = (cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype, cfg.mask_token_id)
+        self._inputs = DraftInputs(*layout, self.device)
         self._start, self._pos = self._inputs.start, self._inputs.position  # [1] each: an append's first row, p
         self._ids, self._features = self._inputs.ids, self._inputs.features  # [1, B] root + MASKs; [P, taps*hidden]
         self._staging = self._uploaded = None
         if self.device.type == "cuda":
             # the host's inputs go up through pinned memory: a pageable copy would sync the stream
-            self._staging = DraftInputs(cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype,
-                                        cfg.mask_token_id, torch.device("cpu"), pin=True)
+            self._staging = DraftInputs(*layout, torch.device("cpu"), pin=True)
             self._uploaded = torch.cuda.Event()
         # the last tree on the host, as the wire carries it (tree(host=True)): [3 * (max nodes + 1)] int32, pinned
         self._host_tree = torch.empty(0, dtype=torch.int32)

@@ -63,7 +63,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
         response = await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
-        self.host.remember(lambda: rehearse_draft(request, response))
+        self.host.remember(rehearse_draft, request, response)
         return response
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream

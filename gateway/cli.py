@@ -54,7 +54,7 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
     drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes, config.lanes) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
-        event_loop.keep_warm(config.keep_warm_us, lambda: rehearse(verifier, drafter), "gateway")
+        keep_warm(config.keep_warm_us, [c for c in (verifier, drafter) if c is not None])
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
@@ -70,11 +70,16 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
             await drafter.close()
 
 
-def rehearse(*clients: GrpcVerifier | GrpcDrafter | None) -> None:
-    """The clients' last round calls' host steps again (--keep-warm-us)."""
-    for client in clients:
-        if client is not None:
+def keep_warm(every_us: int, clients: list[GrpcVerifier | GrpcDrafter]) -> None:
+    """--keep-warm-us: the polling loop rehearses the clients' last round calls' host steps, which they keep."""
+
+    def rehearse() -> None:
+        for client in clients:
             client.rehearse()
+
+    if event_loop.keep_warm(every_us, rehearse, "gateway"):
+        for client in clients:
+            client.rehearsing = True
 
 
 class _Server(uvicorn.Server):

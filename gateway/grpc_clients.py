@@ -114,7 +114,8 @@ class _Client:
         self._lanes = lanes and bool(self._lane_host)
         self._lane_port: int | None = None  # the service's round lane; None: not asked yet, 0: it has none
         self._lane_logged: int | None = None  # the lane port last announced in the log
-        # rpc -> its last round call's (request, answer) on any session, for rehearse()
+        # rpc -> its last round call's (request, answer) on any session, kept only while rehearsing (rehearse())
+        self.rehearsing = False
         self._last: dict[str, tuple[Message, Message]] = {}
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
@@ -145,7 +146,8 @@ class _Client:
                     if stream.transport is None:
                         stream.transport = await self._open(rpc)
                     response = await stream.transport.exchange(request)
-                    self._last[rpc] = (request, response)
+                    if self.rehearsing:
+                        self._last[rpc] = (request, response)
                     return response
             except TimeoutError:
                 code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"

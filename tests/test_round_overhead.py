@@ -75,6 +75,20 @@ async def _loaded(host: EngineHost, engine: FakeEngine) -> None:
     await host.load(lambda: engine, lambda _engine: None)
 
 
+def test_rehearsals_keep_the_last_round_calls_messages_only_while_on():
+    """EngineHost.remember keeps a round call's host steps and messages only once rehearsals are on (no work and
+    no memory per round otherwise); rehearse() runs the last one's steps on its messages."""
+    host, ran = _host(), []
+    host.remember(lambda *messages: ran.append(messages), "request", "answer")
+    host.rehearse()
+    assert ran == []
+    host.rehearsing = True
+    host.remember(lambda *messages: ran.append(messages), "request 2", "answer 2")
+    host.rehearse()
+    host.rehearse()
+    assert ran == [("request 2", "answer 2")] * 2
+
+
 def test_round_steps_run_on_the_event_loop_and_the_rest_on_the_engine_thread():
     host, engine = _host(), FakeEngine()
 

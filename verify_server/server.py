@@ -65,7 +65,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
-        self.host.remember(lambda: self._rehearse_verify(request, response))
+        self.host.remember(self._rehearse_verify, request, response)
         return response
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
