@@ -4,7 +4,12 @@ fused Triton GEMVs of ddtree/gemv.py under the default plan and a sweep of plans
 as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back
 calls that cycle through enough copies of the weight to stream it from memory, as a decode step does.
 
-Usage: python bench/gemv_tune.py [--out FILE.json] [--quick]
+With --rows M,...: the projections of a step of M rows (a verify step's tree) at the demo pair's shapes instead:
+cuBLAS with the compiled norm / SiLU gate / residual add around it, as a compiled layer runs them, against
+ddtree/gemv.py's rows kernel (gate/up with the SiLU gate as its epilogue, down with the residual) under the default
+plan and a sweep.
+
+Usage: python bench/gemv_tune.py [--out FILE.json] [--quick] [--rows 16,64]
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.cost_curve import copy_bandwidth
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, gemv_plan, launch
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, gemv_plan, launch, launch_rows, rows_plan
 from ddtree.timing import graph_call_us, ranked
 from verify_server.fused import rms_norm
 
@@ -96,12 +101,65 @@ def sweep(quick: bool) -> dict:
     return results
 
 
+def rows_unfused(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None, res: torch.Tensor | None,
+                 swiglu: bool) -> torch.Tensor:
+    y = F.linear(x if norm is None else rms_norm(x, norm, 1e-6), w)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if res is None else res + y
+
+
+def sweep_rows(row_counts: list[int], quick: bool) -> dict:
+    results: dict = {"shapes": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    compiled = torch.compile(rows_unfused)
+    plans = list(itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256, 512, 1024), (2, 4, 8), (1, 2, 3)))
+    if quick:
+        plans = [p for p in plans if p[0] == 16 and p[4] in (1, 2) and p[3] in (4, 8)]
+    # name -> (weight rows, in, RMSNorm first, SiLU gate out, residual): the demo layer's projections as a verify
+    # step runs them (gate/up's weight holds both halves; its output is the gated half)
+    shapes = {"qkv": (640, 384, True, False, False), "o": (384, 384, False, False, True),
+              "gate_up": (2048, 384, True, True, False), "down": (384, 1024, False, False, True)}
+    for m in row_counts:
+        for name, (n, k, normed, swiglu, residual) in shapes.items():
+            w = torch.randn(n, k, generator=gen, **bf16) / k**0.5
+            x = torch.randn(m, k, generator=gen, **bf16)
+            norm = 1 + 0.1 * torch.randn(k, generator=gen, **bf16) if normed else None
+            res = torch.randn(m, n // 2 if swiglu else n, generator=gen, **bf16) if residual else None
+            timings = {
+                "cublas_linear": graph_call_us(lambda: F.linear(x, w)),
+                "cublas_compiled_unfused": graph_call_us(lambda: compiled(x, w, norm, res, swiglu)),
+                "rows_default": graph_call_us(lambda: launch_rows(x, w, norm, res, 1e-6, swiglu, rows_plan(m, n, k))),
+            }
+            swept = []
+            for plan in plans:
+                p = RowsPlan(*plan)
+                try:
+                    swept.append((graph_call_us(lambda: launch_rows(x, w, norm, res, 1e-6, swiglu, p)), p))
+                except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers, shared memory)
+                    print(f"[gemv-tune] rows {name} {p}: {type(exc).__name__}", flush=True)
+            want = rows_unfused(x, w, norm, res, swiglu).float()
+            err = (launch_rows(x, w, norm, res, 1e-6, swiglu, rows_plan(m, n, k)).float() - want).abs().max().item()
+            results["shapes"][f"demo-{name}-m{m}"] = row = {
+                "shape": [n, k], "rows": m, "us": {form: round(t, 2) for form, t in timings.items()},
+                "default": rows_plan(m, n, k).__dict__, **ranked(swept), "max_abs_diff_vs_unfused": err,
+            }
+            print(f"[gemv-tune] rows demo-{name} m={m}: {row['us']} best {row['best_us']} us {row['best']}", flush=True)
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out")
-    p.add_argument("--quick", action="store_true", help="sweep only 4 warps, 1 stage")
+    p.add_argument("--quick", action="store_true", help="a smaller sweep")
+    p.add_argument("--rows", help="comma-separated row counts: time the rows kernel at the demo shapes instead")
     args = p.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick)}
+    if args.rows:
+        result = {"gpu": torch.cuda.get_device_name(), **sweep_rows([int(m) for m in args.rows.split(",")], args.quick)}
+    else:
+        result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -28,7 +28,8 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="the generic HF path")
     p.add_argument("--compile", action="store_true", help="torch.compile the fused layer step")
     p.add_argument("--attention", help="attention kernel of the fused steps: sdpa, grouped, matmul, flex (default: per mode)")
-    p.add_argument("--no-gemv", action="store_true", help="one-row steps through cuBLAS instead of the fused GEMVs")
+    p.add_argument("--fused-rows", type=int, default=None, metavar="N",
+                   help="steps of up to N rows through the fused Triton projections (0: cuBLAS; default: by size)")
     p.add_argument("--rows", type=int, default=20)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -42,8 +43,9 @@ def main() -> None:
     print(f"weight-streaming bound {bound_ms:.3f} ms ({streamed / 1e9:.2f} GB streamed per step)")
     engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager)
     if engine.fused is not None:
-        engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention, gemv=not args.no_gemv)
-    print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, gemv={not args.no_gemv}")
+        engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention,
+                                fused_rows=args.fused_rows)
+    print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, fused_rows={engine.fused.decoder.fused_rows}")
     prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)
     for nodes in (int(n) for n in args.nodes.split(",")):

@@ -24,6 +24,7 @@ from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
+from verify_server.fused import ATTENTION_CHOICES
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 PHASES = ("draft_s", "tree_s", "verify_s", "walk_s")
@@ -42,8 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/result.json")
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
-    p.add_argument("--no-gemv", action="store_true",
-                   help="one-row verifier steps through cuBLAS, not the fused Triton GEMVs (ddtree/gemv.py)")
+    p.add_argument("--fused-rows", type=int, default=None, metavar="N",
+                   help="verifier steps of up to N rows run fused Triton projections (ddtree/gemv.py; 0: cuBLAS "
+                        "everywhere; default: by the target's size)")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, help="the verifier's attention kernel (default: the "
+                   "fastest measured for the path, verify_server/fused_runner.py)")
     p.add_argument("--no-chain", action="store_true",
                    help="read each round on the host before queueing the next (gateway/rounds.py _chained_rounds)")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
@@ -145,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     verifier, drafter = load_local(
         target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile,
-        gemv=not args.no_gemv, chain=not args.no_chain,
+        fused_rows=args.fused_rows, attention=args.attention, chain=not args.no_chain,
     )
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
                      "compile": args.compile, "chained": chained(verifier, drafter, specs),
-                     "gemv": verifier.engine.fused is not None and verifier.engine.fused.decoder.gemv,
+                     "fused_rows": verifier.engine.fused.decoder.fused_rows if verifier.engine.fused else 0,
+                     "attention": verifier.engine.fused.decoder.attention if verifier.engine.fused else None,
                      "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
         "runs": runs,
         "ratios": mode_ratios(runs),

@@ -206,13 +206,15 @@ def tree_curve(s: dict, logprobs: torch.Tensor, sizes: list[int], repeat: int) -
             for name, build in builds.items()}
 
 
-VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused GEMVs)
-    "fused+graphs": (False, "sdpa", False), "fused+graphs+grouped": (False, "grouped", False),
-    "fused+graphs+matmul": (False, "matmul", False), "fused+graphs+compile+grouped": (True, "grouped", False),
-    "fused+graphs+compile+matmul": (True, "matmul", False), "fused+graphs+compile+flex": (True, "flex", False),
-    "fused+graphs+flash": (False, "flash", False), "fused+graphs+compile+flash": (True, "flash", False),
-    "fused+graphs+flash+gemv": (False, "flash", True), "fused+graphs+compile+matmul+gemv": (True, "matmul", True),
-    "fused+graphs+compile+flash+gemv": (True, "flash", True),
+VARIANTS = {  # the fused forward replayed from CUDA graphs: (torch.compile, attention kernel, fused_rows)
+    "fused+graphs": (False, "sdpa", 0), "fused+graphs+grouped": (False, "grouped", 0),
+    "fused+graphs+matmul": (False, "matmul", 0), "fused+graphs+compile+grouped": (True, "grouped", 0),
+    "fused+graphs+compile+matmul": (True, "matmul", 0), "fused+graphs+compile+flex": (True, "flex", 0),
+    "fused+graphs+flash": (False, "flash", 0), "fused+graphs+compile+flash": (True, "flash", 0),
+    # +gemv: one-row steps through the fused GEMVs; +rows: steps of up to 64 rows through the fused projections
+    "fused+graphs+flash+gemv": (False, "flash", 1), "fused+graphs+compile+matmul+gemv": (True, "matmul", 1),
+    "fused+graphs+compile+flash+gemv": (True, "flash", 1), "fused+graphs+compile+matmul+rows": (True, "matmul", 64),
+    "fused+graphs+compile+flash+rows": (True, "flash", 64),
 }
 PATHS = ("hf", "fused", *VARIANTS)
 
@@ -255,10 +257,12 @@ def run_cost_curve(
             paths["fused"] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             print(f"[cost-curve] {json.dumps(paths)}", flush=True)
         variants = {name: v for name, v in VARIANTS.items() if name in paths_wanted and device.type == "cuda"}
-        for name, (compiled, attention, gemv) in variants.items():
+        for name, (compiled, attention, fused_rows) in variants.items():
             start = time.perf_counter()
             try:
-                engine.fused.configure(graphs=True, compile=compiled, attention=attention, gemv=gemv)
+                # dynamo counts a function's recompiles across torch.compile wrappers: each variant starts afresh
+                torch._dynamo.reset()
+                engine.fused.configure(graphs=True, compile=compiled, attention=attention, fused_rows=fused_rows)
                 paths[name] = verifier_curve(engine, prompt, sizes, tree_logprobs, repeat)
             except Exception as exc:  # noqa: BLE001 - a variant that fails to build is a finding, not the end of the run
                 paths[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}

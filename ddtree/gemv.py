@@ -13,6 +13,12 @@ Here each projection is one kernel over BLOCK_N rows per program, and what surro
 - `residual`: the output rounded to the model dtype, then added to the residual in fp32 and rounded again.
 So the only difference from the unfused ops is the order of the dot product's additions.
 A torch.library custom op, so torch.compile and CUDA graphs take it as one node. CUDA-only; CPU runs keep F.linear.
+
+Steps of a few rows (a verify step's tree, up to ~64 nodes) take `rows_linear`: the same folding over BLOCK_M-row
+tiles through tensor-core dots, for targets so small that a step is bound by its kernel count rather than by its
+weights (the demo pair: each projection is ~3 us whatever its work, and the unfused norms, gate and adds around it
+doubled a verify step's kernels). There the SiLU gate is gate/up's epilogue, not down's prologue: a prologue
+recomputes its work in every program, which is M x K per program at M rows (cheap at one row, several us at 64).
 """
 
 from __future__ import annotations
@@ -96,6 +102,83 @@ if triton is not None:
         tl.store(Out + rows, y, mask=row_ok)
 
 
+    @triton.jit
+    def _dot(x, w, acc):
+        """acc + x @ w.T; fp32 operands keep fp32 products (tf32 would not match F.linear)."""
+        if x.dtype == tl.float32:
+            return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
+
+    @triton.jit
+    def _rms_normed(x, rstd, norm_w):
+        """HF's RMSNorm of rows x [BLOCK_M, BLOCK_K] given their rstd [BLOCK_M] and the norm's weight [BLOCK_K]:
+        the normed rows rounded to x's dtype, then times the weight, rounded."""
+        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        return (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
+    def _rows_kernel(
+        X, NormW, W, Res, Out, M, N, K, stride_x, stride_w, eps,
+        RMS_NORM: tl.constexpr, SWIGLU_OUT: tl.constexpr, RESIDUAL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    ):
+        """A BLOCK_M x BLOCK_N tile of Out = f(X) @ W.T (+ Res), f the optional RMSNorm. SWIGLU_OUT: W holds the
+        gate's N rows then the up projection's N rows, and the tile is silu(gate) * up over the same columns.
+        ONE_TILE (K <= BLOCK_K): every load is issued at once and the norm's statistics come from the same tile,
+        one memory round trip where the loops take two or more (the shapes this kernel is for are latency-bound)."""
+        dtype = Out.dtype.element_ty
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows
+        row_ok = rows < M
+        outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
+        out_ok = outs < N
+        cols = tl.arange(0, BLOCK_K)
+        x_rows = X + rows[:, None] * stride_x  # [BLOCK_M, 1] pointers
+        w_rows = W + outs[:, None] * stride_w  # [BLOCK_N, 1]
+        up_rows = W + (N + outs)[:, None] * stride_w
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if ONE_TILE:
+            col_ok = cols < K
+            x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_rows + cols[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            if SWIGLU_OUT:
+                up = tl.load(up_rows + cols[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0)
+            if RMS_NORM:
+                rstd = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
+                x = _rms_normed(x, rstd, tl.load(NormW + cols, mask=col_ok, other=0.0))
+            acc = _dot(x, w, acc)
+            if SWIGLU_OUT:
+                acc_up = _dot(x, up, acc_up)
+        else:
+            rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+            if RMS_NORM:
+                squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    x = tl.load(x_rows + k0 + cols[None, :], mask=row_ok[:, None] & (k0 + cols < K)[None, :], other=0.0)
+                    squares += x.to(tl.float32) * x.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(squares, 1) / K + eps)
+            for k0 in range(0, K, BLOCK_K):
+                col = k0 + cols
+                col_ok = col < K
+                x = tl.load(x_rows + col[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                if RMS_NORM:
+                    x = _rms_normed(x, rstd, tl.load(NormW + col, mask=col_ok, other=0.0))
+                acc = _dot(x, tl.load(w_rows + col[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0), acc)
+                if SWIGLU_OUT:
+                    up = tl.load(up_rows + col[None, :], mask=out_ok[:, None] & col_ok[None, :], other=0.0)
+                    acc_up = _dot(x, up, acc_up)
+        y = acc.to(dtype)  # [BLOCK_M, BLOCK_N]
+        if SWIGLU_OUT:  # rounded as torch's silu and product are
+            gate = y.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+            y = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        tile = rows[:, None] * N + outs[None, :]
+        tile_ok = row_ok[:, None] & out_ok[None, :]
+        if RESIDUAL:
+            y = (y.to(tl.float32) + tl.load(Res + tile, mask=tile_ok, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(Out + tile, y, mask=tile_ok)
+
+
 def launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
     eps: float, prologue: int, p: GemvPlan,
@@ -128,3 +211,59 @@ def decode_linear(
 def _(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
       eps: float, prologue: int) -> torch.Tensor:
     return weight.new_empty((1, weight.shape[0]))
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    block_m: int  # query rows per program (tl.dot takes 16 or more)
+    block_n: int  # output columns per program
+    block_k: int  # columns of the input per iteration
+    warps: int
+    stages: int
+
+
+def rows_plan(m: int, n: int, k: int) -> RowsPlan:
+    """At the shapes this kernel is for a step is bound by latency: the input in one tile where it fits (ONE_TILE:
+    one round trip to memory), 16 weight rows a program unless that makes more than ~100 programs (a second wave
+    on an H200's 132 SMs; n counts gate and up both), then 32. The best or within ~0.3 us of it at every demo
+    shape of bench/gemv_tune.py --rows (results/gemv_tune_rows_demo_h200.json)."""
+    block_n = 16 if n * triton.cdiv(m, 16) // 16 <= 100 else 32
+    return RowsPlan(block_m=16, block_n=block_n, block_k=min(512, triton.next_power_of_2(k)), warps=4, stages=1)
+
+
+def launch_rows(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, swiglu: bool, p: RowsPlan,
+) -> torch.Tensor:
+    """rows_linear's body under an explicit plan (the tuner calls it directly)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    x = x.contiguous()
+    out = torch.empty((m, n), dtype=weight.dtype, device=weight.device)
+    res = residual.contiguous() if residual is not None else out
+    grid = (triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m))
+    _rows_kernel[grid](
+        x, norm_weight if norm_weight is not None else x, weight, res, out, m, n, k, x.stride(0), weight.stride(0), eps,
+        RMS_NORM=norm_weight is not None, SWIGLU_OUT=swiglu, RESIDUAL=residual is not None,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, ONE_TILE=k <= p.block_k, num_warps=p.warps,
+        num_stages=p.stages,
+    )
+    return out
+
+
+@torch.library.custom_op("ddtree::rows_linear", mutates_args=())
+def rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, swiglu: bool,
+) -> torch.Tensor:
+    """x [M, K], weight [N, K] with unit stride on K (swiglu: [2N, K], gate rows then up rows), norm_weight [K]
+    (an RMSNorm of x first) or None, residual [M, N] or None -> [M, N] in weight's dtype:
+    residual + g(f(x) @ weight.T), f the norm, g the SiLU gate (silu(gate) * up) when swiglu."""
+    m, k = x.shape
+    return launch_rows(x, weight, norm_weight, residual, eps, swiglu, rows_plan(m, weight.shape[0], k))
+
+
+@rows_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+      eps: float, swiglu: bool) -> torch.Tensor:
+    return weight.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))

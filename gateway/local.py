@@ -81,14 +81,14 @@ class LocalVerifier:
 
 def load_local(
     target: str, drafter: str | None, device: str, dtype: torch.dtype, tp: int = 1, eager: bool = False,
-    compile: bool = False, gemv: bool = True, chain: bool = True,
+    compile: bool = False, fused_rows: int | None = None, attention: str | None = None, chain: bool = True,
 ) -> tuple[LocalVerifier, LocalDrafter | None]:
     """Target and (optionally) drafter in one process, the drafter borrowing the loaded target's embed/lm_head
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
     forward without static buffers or CUDA graphs; compile: torch.compile the verifier's fused layers and round,
-    and the drafter's block layers, context append and tree build; gemv: the verifier's fused decode GEMVs where they
-    run (VerifyEngine); chain: queue greedy rounds ahead of the host on a GPU (LocalVerifier)."""
+    and the drafter's block layers, context append and tree build; fused_rows: up to how many rows the verifier's
+    steps run fused Triton projections and which attention kernel they use (VerifyEngine; None: the defaults); chain: queue greedy rounds ahead of the host on a GPU (LocalVerifier)."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
@@ -99,7 +99,8 @@ def load_local(
         verifier = LocalVerifier(group.engine, close=group.close)
     else:
         verifier = LocalVerifier(
-            VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile, gemv=gemv),
+            VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile, fused_rows=fused_rows,
+                                       attention=attention),
             chain=None if chain else False,
         )
     if drafter is None:

@@ -122,7 +122,7 @@ def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
     assert fused_unsupported(AutoConfig.for_model("gpt2")) is not None
 
 
-def test_eager_gemv_and_compile_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_fused_rows_and_compile_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     def parse(argv: list[str]) -> VerifyServerConfig:
         parser = argparse.ArgumentParser()
         VerifyServerConfig.add_arguments(parser)
@@ -135,9 +135,11 @@ def test_eager_gemv_and_compile_flags_and_env(monkeypatch: pytest.MonkeyPatch) -
     assert parse(["--no-eager"]).eager is False
     monkeypatch.setenv("DDTREE_VERIFY_MAX_SESSIONS", "3")
     assert parse([]).max_sessions == 3
-    assert parse([]).gemv is True and parse(["--no-gemv"]).gemv is False
-    monkeypatch.setenv("DDTREE_VERIFY_GEMV", "0")
-    assert parse([]).gemv is False
+    assert parse([]).fused_rows == -1 and parse(["--fused-rows", "0"]).fused_rows == 0
+    monkeypatch.setenv("DDTREE_VERIFY_FUSED_ROWS", "32")
+    assert parse([]).fused_rows == 32
+    with pytest.raises(ValueError, match="fused_rows"):
+        parse(["--fused-rows", "-2"])
     # compile: on by default with a CUDA device only; a flag or the env var decides otherwise
     assert parse(["--device", "cpu"]).compiles is False and parse(["--device", "cuda"]).compiles is True
     assert parse(["--device", "cuda", "--no-compile"]).compiles is False

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.flash_tree import launch, plan
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, launch_rows
 from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
@@ -93,22 +93,39 @@ def check_gemv() -> None:
                 assert got.dtype == dtype and got.shape == (1, n)
                 torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
             print("gemv ok", dtype, n, k)
+    # the rows kernel: fp32 through the interpreter (its bf16 tl.dot is wrong), bf16 too where compiled; rows
+    # counts below, at and past a row tile, with partial column tiles
+    for dtype, tol in ((torch.float32, 2e-6),) + (((torch.bfloat16, 2**-6),) if DEVICE.type == "cuda" else ()):
+        for m, n, k in ((2, 100, 300), (16, 64, 512), (37, 33, 200)):
+            w, gate_up_w = (torch.randn(size, k, generator=gen) / k**0.5 for size in (n, 2 * n))
+            x, norm = torch.randn(m, k, generator=gen), 1 + 0.1 * torch.randn(k, generator=gen)
+            res = torch.randn(m, n, generator=gen)
+            w, gate_up_w, x, norm, res = (t.to(dtype).to(DEVICE) for t in (w, gate_up_w, x, norm, res))
+            gate, up = F.linear(rms_norm(x, norm, 1e-6), gate_up_w).chunk(2, dim=-1)
+            for p in (RowsPlan(16, 32, 64, 4, 1), RowsPlan(16, 16, 512, 4, 1)):  # K in several tiles, in one
+                for got, want in ((launch_rows(x, w, norm, None, 1e-6, False, p), F.linear(rms_norm(x, norm, 1e-6), w)),
+                                  (launch_rows(x, w, None, res, 0.0, False, p), res + F.linear(x, w)),
+                                  (launch_rows(x, gate_up_w, norm, None, 1e-6, True, p), F.silu(gate) * up)):
+                    assert got.dtype == dtype and got.shape == (m, n)
+                    torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
+            print("rows ok", dtype, m, n, k)
     shape = LayerShape(heads=4, kv_heads=2, head_dim=16, eps=1e-6)
     hidden, inter, qkv_rows = 64, 96, (4 + 2 * 2) * 16
     rand = lambda *size: torch.randn(*size, generator=gen) / size[-1] ** 0.5  # noqa: E731
     weights = (1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, 1 + rand(16), 1 + rand(16),
                rand(hidden, 64), 1 + rand(hidden), rand(2 * inter, hidden), rand(hidden, inter))
     layer = FusedLayer(*(None if t is None else t.to(DEVICE) for t in weights))
-    x = torch.randn(1, hidden, generator=gen).to(DEVICE)
-    cos, sin = torch.ones(1, 1, 16, device=DEVICE), torch.zeros(1, 1, 16, device=DEVICE)
-    outs = []
-    for fused in (False, True):
-        keys = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-        values = torch.zeros(2, 10, 16, device=DEVICE)
-        slot = torch.tensor([9], device=DEVICE)
-        outs.append(decoder_layer(x, layer, cos, sin, keys, values, slot, None, shape, "sdpa", fused))
-    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
-    print("gemv ok decoder layer")
+    for q in (1, 5):  # a decode step (GEMVs) and a few rows (the rows kernel), causal over the new tokens
+        x = torch.randn(q, hidden, generator=gen).to(DEVICE)
+        cos, sin = torch.ones(q, 1, 16, device=DEVICE), torch.zeros(q, 1, 16, device=DEVICE)
+        outs = []
+        for fused_rows in (0, 8):
+            keys = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+            values = torch.zeros(2, 10, 16, device=DEVICE)
+            slots = torch.arange(10 - q, 10, device=DEVICE)
+            outs.append(decoder_layer(x, layer, cos, sin, keys, values, slots, None, shape, "sdpa", fused_rows))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        print("gemv ok decoder layer", q, "rows")
 
 
 def check_flash() -> None:

@@ -21,13 +21,18 @@ class VerifyServerConfig(ServiceConfig):
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
     max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
     max_tree_depth: int = option(64, "largest max_depth (drafter block size - 1) Verify accepts")
-    gemv: bool = option(True, "decode steps run their projections as fused Triton GEMVs (Qwen3 / Llama targets on a GPU)")
+    fused_rows: int = option(
+        -1, "steps of up to N rows run their projections as fused Triton kernels (Qwen3 / Llama targets on a GPU); "
+        "0: none; -1: by the target's size (one-row steps always, a tree's rows on small targets)"
+    )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.target is None:
             raise ValueError("the verifier service needs a target directory")
+        if self.fused_rows < -1:
+            raise ValueError(f"fused_rows must be >= -1, got {self.fused_rows}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:

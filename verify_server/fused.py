@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ddtree.flash_tree import flash_supported, flash_tree_attention
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
 
@@ -154,16 +154,21 @@ def decoder_layer(
     mask: torch.Tensor | StepVisibility | None,
     shape: LayerShape,
     attention_kernel: str,
-    gemv: bool = False,
+    fused_rows: int = 0,
 ) -> torch.Tensor:
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, kv, d] at `slots`
     [q], attends over all kv slots under `mask` (a dense mask, a StepVisibility, or None: causal over the new
-    tokens), returns the layer's output [q, hidden]. gemv: a one-row step runs its projections, with the norms,
-    the SiLU gate and the residual adds folded in, as ddtree.gemv kernels (a GPU with Triton)."""
+    tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many rows runs its
+    projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's Triton kernels
+    (a GPU): GEMVs at one row, rows_linear beyond."""
     q_len, d = hidden.shape[0], shape.head_dim
-    gemv = gemv and q_len == 1  # static under torch.compile: dimensions of size 1 are specialised
-    if gemv:
-        qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
+    gemv = fused_rows >= 1 and q_len == 1  # static under torch.compile: dimensions of size 1 are specialised
+    rows = not gemv and q_len <= fused_rows  # a guard on a symbolic q: steps past the limit compile apart
+    if gemv or rows:
+        if gemv:
+            qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
+        else:
+            qkv = rows_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, False)
         qkv = qkv if layer.qkv_bias is None else qkv + layer.qkv_bias
     else:
         qkv = F.linear(rms_norm(hidden, layer.input_norm, shape.eps), layer.qkv, layer.qkv_bias)
@@ -186,6 +191,10 @@ def decoder_layer(
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
         return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
+    if rows:
+        hidden = rows_linear(out, layer.o, None, hidden, 0.0, False)
+        gated = rows_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
+        return rows_linear(gated, layer.down, None, hidden, 0.0, False)
     hidden = hidden + F.linear(out, layer.o)
     gate, up = F.linear(rms_norm(hidden, layer.post_norm, shape.eps), layer.gate_up).chunk(2, dim=-1)
     return hidden + F.linear(F.silu(gate) * up, layer.down)
@@ -212,7 +221,7 @@ class FusedDecoder:
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.attention = "sdpa"
-        self.gemv = False
+        self.fused_rows = 0
         self._compiled = decoder_layer
 
     @staticmethod
@@ -254,28 +263,28 @@ class FusedDecoder:
         hidden = F.embedding(ids, self.embed)  # [q, hidden]
         cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
-        step, kernel, gemv = (self._compiled, self.attention, self.gemv) if compiled else (decoder_layer, "sdpa", False)
+        step, kernel, rows = (self._compiled, self.attention, self.fused_rows) if compiled else (decoder_layer, "sdpa", 0)
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]
             keys, values = cache.k[j, 0, :, :kv_len], cache.v[j, 0, :, :kv_len]  # [kv_heads, kv_len, d]
-            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel, gemv)
+            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel, rows)
             if i in taps:
                 tapped.append(hidden)
         features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None
         return rms_norm(hidden, self.final_norm, self.shape.eps), features
 
-    def set_compiled(self, enabled: bool, attention: str = "sdpa", gemv: bool = False) -> None:
+    def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
-        configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for
-        one-row steps, the fused GEMVs (ddtree.gemv; a GPU too)."""
+        configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for steps
+        of up to fused_rows rows, the fused projections (ddtree.gemv; a GPU too)."""
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):
             raise ValueError("flash attention needs Triton, a CUDA device and a power-of-two head_dim >= 16")
-        if gemv and not gemv_supported(self.embed.device):
-            raise ValueError("the fused GEMVs need Triton and a CUDA device")
-        self.attention, self.gemv = attention, gemv
+        if fused_rows and not gemv_supported(self.embed.device):
+            raise ValueError("the fused projections need Triton and a CUDA device")
+        self.attention, self.fused_rows = attention, fused_rows
         if not enabled:
             self._compiled = decoder_layer
             return

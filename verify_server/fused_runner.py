@@ -31,6 +31,13 @@ from verify_server.walk import accept_path
 MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
 ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
+# Small targets (hidden size up to SMALL_HIDDEN), whose every kernel costs a launch whatever its work, run steps of
+# up to FUSED_ROWS rows through the fused projections by default; large ones one-row steps only (at Qwen3-8B
+# shapes an AR step fell from 5.40 to 4.79 ms with the GEMVs, but the rows kernel streamed weights 1.3-7x slower
+# than cuBLAS, bench/results/gemv_tune_rows_h200.json). On the demo pair the rows kernel took a 16-row verify from
+# 0.314 to 0.282 ms and a 64-row one from 0.347 to 0.355 (bench/README.md).
+SMALL_HIDDEN = 1024
+FUSED_ROWS = 128
 
 
 def bucket(q: int) -> int | None:
@@ -178,9 +185,9 @@ class FusedRunner:
         graphs: bool,
         compile: bool = False,
         attention: str | None = None,
-        gemv: bool = True,
+        fused_rows: int | None = None,
     ) -> None:
-        """compile / attention / gemv: see configure; they apply to the bucketed (graph) steps."""
+        """compile / attention / fused_rows: see configure; they apply to the bucketed (graph) steps."""
         self.decoder = FusedDecoder(model)
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
@@ -188,22 +195,26 @@ class FusedRunner:
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
-        self.configure(graphs, compile, attention, gemv)
+        self.configure(graphs, compile, attention, fused_rows)
 
     def configure(
-        self, graphs: bool, compile: bool = False, attention: str | None = None, gemv: bool = True
+        self, graphs: bool, compile: bool = False, attention: str | None = None, fused_rows: int | None = None
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
-        (bench/README.md, H200): compiled, two matmuls around a masked softmax (fused by the compiler; at Qwen3-8B
-        shapes 5.67 ms an AR step against 5.73 for flash); uncompiled, flash-decoding over the tree
-        (ddtree/flash_tree.py: 2 kernels a layer where the matmul form runs 5, ~6 against ~21 us at 8B shapes)
-        where it runs, else the matmul form. gemv: one-row steps use the fused GEMVs (ddtree/gemv.py) wherever
-        they run (at Qwen3-8B shapes an AR step fell from 5.40 to 4.79 ms, bench/README.md)."""
+        (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py: 2 kernels a layer where the
+        matmul form runs 5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more
+        tokens/s in every mode) where it runs, except for a compiled large target: there the two matmuls around a
+        masked softmax that the compiler fuses (at Qwen3-8B shapes 5.67 ms an AR step against 5.73 for flash);
+        else the matmul form. fused_rows: steps of up to this many rows run their projections as ddtree/gemv.py's
+        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: FUSED_ROWS on a small target, 1 on others."""
+        small = self.decoder.embed.shape[1] <= SMALL_HIDDEN
         if attention is None:
-            flash = not compile and flash_supported(self.device, self.decoder.shape.head_dim)
+            flash = (small or not compile) and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
-        self.decoder.set_compiled(compile, attention, gemv and gemv_supported(self.device))
+        if fused_rows is None:
+            fused_rows = FUSED_ROWS if small else 1
+        self.decoder.set_compiled(compile, attention, fused_rows if gemv_supported(self.device) else 0)
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
         # steps, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step

@@ -50,14 +50,17 @@ class VerifyEngine(QueuedRounds):
         fused: bool = True,
         graphs: bool = True,
         compile: bool = False,
-        gemv: bool = True,
+        fused_rows: int | None = None,
+        attention: str | None = None,
     ) -> None:
         """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
         fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
         buffers, CUDA graphs when `graphs` and on a GPU, and at most max_sessions cache slots; other targets, or
         fused=False, take the generic path through the HF modules. compile: torch.compile the fused layer step
-        (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). gemv: the
-        fused path's decode steps run the Triton GEMVs of ddtree/gemv.py where they can (a GPU with Triton)."""
+        (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
+        the fused path's steps of up to this many rows run the Triton projections of ddtree/gemv.py where they can
+        (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
+        (fused.ATTENTION_CHOICES); None: FusedRunner's default."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()
@@ -72,7 +75,7 @@ class VerifyEngine(QueuedRounds):
         self.timers = TimerEvents(self.device)
         self.fused = None
         if fused and fused_unsupported(cfg) is None:
-            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, gemv=gemv)
+            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows)
             self.linear, self.kv_layers, self.scratch = None, list(range(self.num_layers)), None
             return
         self.decoder = model.get_decoder()
@@ -104,10 +107,12 @@ class VerifyEngine(QueuedRounds):
         max_sessions: int = 16,
         eager: bool = False,
         compile: bool = False,
-        gemv: bool = True,
+        fused_rows: int | None = None,
+        attention: str | None = None,
     ) -> "VerifyEngine":
         """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
-        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, not eager, not eager, compile, gemv)
+        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, not eager, not eager, compile, fused_rows,
+                   attention)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
