@@ -34,6 +34,19 @@ except ImportError:  # CPU-only installs: never called there (gemv_supported() i
     triton = None
 
 NONE, RMSNORM, SWIGLU = 0, 1, 2  # prologues: what the kernel does to its input row before the dot products
+# Small models (hidden size up to SMALL_HIDDEN), whose every kernel costs a launch whatever its work, run steps of up
+# to FUSED_ROWS rows through the fused projections by default; large ones one-row steps only: at Qwen3-8B shapes an
+# AR step fell from 5.40 to 4.79 ms with the GEMVs, but a rows kernel streamed weights 1.3-7x slower than cuBLAS
+# (bench/results/gemv_tune_rows_h200.json). On the demo pair the rows kernel took a chain's 16-row verify step from
+# 0.312-0.318 to 0.282-0.288 ms, a 48-row one from 0.327-0.333 to 0.300 and an 80-row one from 0.352-0.356 to
+# 0.334-0.343 (bench/README.md, fourteenth session).
+SMALL_HIDDEN = 1024
+FUSED_ROWS = 128
+
+
+def default_fused_rows(hidden_size: int) -> int:
+    """Up to how many rows a step runs the fused projections by default (1: decode steps only)."""
+    return FUSED_ROWS if hidden_size <= SMALL_HIDDEN else 1
 
 
 def gemv_supported(device: torch.device) -> bool:

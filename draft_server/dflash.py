@@ -110,8 +110,14 @@ class DFlashAttention(nn.Module):
         """x [b, q, hidden] -> q [b, heads, q, head_dim], k, v [b, kv_heads, q, head_dim]: query and key_value."""
         if self.qkv is None:
             return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
+        return self.split_qkv(F.linear(x, *self.qkv), cos, sin)
+
+    def split_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected q|k|v [b, q, (heads + 2 kv_heads) * head_dim] -> q, k, v as query_key_value returns them."""
         kv_dim = self.num_kv_heads * self.head_dim
-        q, k, v = F.linear(x, *self.qkv).split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
+        q, k, v = qkv.split((self.num_heads * self.head_dim, kv_dim, kv_dim), dim=-1)
         return (apply_rope(self.q_norm(self._heads(q, self.num_heads)), cos, sin), *self._key_value(k, v, cos, sin))
 
     def _key_value(

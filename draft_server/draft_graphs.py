@@ -22,6 +22,7 @@ import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
 from ddtree.flash_tree import flash_supported, flash_tree_attention
+from ddtree.gemv import default_fused_rows, gemv_supported, rows_linear
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.dflash import DFlashDrafter, DFlashLayer
@@ -52,14 +53,21 @@ def block_layer(
     keys: int,
     bias: torch.Tensor | None,
     block: torch.Tensor,
+    fused: bool = False,
 ) -> torch.Tensor:
     """DFlashLayer.forward on the block stream x [1, B, hidden] at `positions` [B] (== its rows in the slot), with
     the block's K/V written into the slot's caches [1, kv_heads, rows, d] and attention over rows [0, keys).
     bias: [1, 1, rep*B, keys] additive (grouped SDPA); None: flash-decoding with the block as a [B, B] all-visible
-    `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    q, k, v = attn.query_key_value(h, cos, sin)  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
+    `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels.
+    fused: the projections through ddtree/gemv.py's rows kernel, the norms, the SiLU gate and the residual adds
+    folded in (a GPU; fused q|k|v and gate|up weights, no attention biases)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if fused:
+        norm = layer.input_layernorm
+        qkv = rows_linear(x[0], attn.qkv[0], norm.weight, None, norm.eps, False)  # [B, (heads + 2 kv_heads) * d]
+        q, k, v = attn.split_qkv(qkv[None], cos, sin)
+    else:
+        q, k, v = attn.query_key_value(layer.input_layernorm(x), cos, sin)  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
     k_cache.index_copy_(2, positions, k)
     v_cache.index_copy_(2, positions, v)
     if bias is None:
@@ -68,8 +76,13 @@ def block_layer(
         )[None]  # [1, B, heads, d]
     else:
         out = grouped_attention(q, k_cache[:, :, :keys], v_cache[:, :, :keys], bias).transpose(1, 2)
+    if fused:
+        rows = rows_linear(out.flatten(2)[0], attn.o_proj.weight, None, x[0], 0.0, False)  # [B, hidden]
+        norm = layer.post_attention_layernorm
+        gated = rows_linear(rows, mlp.gate_up, norm.weight, None, norm.eps, True)  # silu(gate) * up
+        return rows_linear(gated, mlp.down_proj.weight, None, rows, 0.0, False)[None]
     x = x + attn.o_proj(out.flatten(2))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + mlp(layer.post_attention_layernorm(x))
 
 
 class StaticDrafter:
@@ -114,6 +127,9 @@ class StaticDrafter:
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
+        # the block's projections through the fused rows kernel on small drafters, as the verifier's trees
+        self.fused_rows = (gemv_supported(self.device) and default_fused_rows(cfg.hidden_size) >= cfg.block_size
+                           and not cfg.attention_bias)
         self._block_tree = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool, device=self.device)
         self._arange = torch.arange(self.rows, dtype=torch.long, device=self.device)  # row index == absolute position
         # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
@@ -251,7 +267,8 @@ class StaticDrafter:
         cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
         for layer, kind, k_cache, v_cache in zip(drafter.layers, cfg.layer_types, k_caches, v_caches):
             bias = sliding if kind == "sliding_attention" else full
-            x = block_layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree)
+            x = block_layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree,
+                            self.fused_rows)
         logits = self.head.logits(drafter.norm(x)[0, 1:]).float()  # [B-1, vocab]
         if torch.compiler.is_compiling():  # Dynamo takes no out=; compiled, the copy fuses into the log-softmax
             self._logprobs.copy_(torch.log_softmax(logits, dim=-1))

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
 from ddtree.types import DraftTree
 from ddtree.flash_tree import flash_supported
-from ddtree.gemv import gemv_supported
+from ddtree.gemv import SMALL_HIDDEN, default_fused_rows, gemv_supported
 from verify_server.fused import FLASH, FusedDecoder, StepVisibility, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
@@ -31,13 +31,6 @@ from verify_server.walk import accept_path
 MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
 ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
-# Small targets (hidden size up to SMALL_HIDDEN), whose every kernel costs a launch whatever its work, run steps of
-# up to FUSED_ROWS rows through the fused projections by default; large ones one-row steps only (at Qwen3-8B
-# shapes an AR step fell from 5.40 to 4.79 ms with the GEMVs, but the rows kernel streamed weights 1.3-7x slower
-# than cuBLAS, bench/results/gemv_tune_rows_h200.json). On the demo pair the rows kernel took a 16-row verify from
-# 0.314 to 0.282 ms and a 64-row one from 0.347 to 0.355 (bench/README.md).
-SMALL_HIDDEN = 1024
-FUSED_ROWS = 128
 
 
 def bucket(q: int) -> int | None:
@@ -207,13 +200,13 @@ class FusedRunner:
         tokens/s in every mode) where it runs, except for a compiled large target: there the two matmuls around a
         masked softmax that the compiler fuses (at Qwen3-8B shapes 5.67 ms an AR step against 5.73 for flash);
         else the matmul form. fused_rows: steps of up to this many rows run their projections as ddtree/gemv.py's
-        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: FUSED_ROWS on a small target, 1 on others."""
-        small = self.decoder.embed.shape[1] <= SMALL_HIDDEN
+        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: default_fused_rows."""
+        hidden = self.decoder.embed.shape[1]
         if attention is None:
-            flash = (small or not compile) and flash_supported(self.device, self.decoder.shape.head_dim)
+            flash = (hidden <= SMALL_HIDDEN or not compile) and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
         if fused_rows is None:
-            fused_rows = FUSED_ROWS if small else 1
+            fused_rows = default_fused_rows(hidden)
         self.decoder.set_compiled(compile, attention, fused_rows if gemv_supported(self.device) else 0)
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
         # steps, the walk); compiled, they fuse into a few
