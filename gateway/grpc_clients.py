@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -31,6 +30,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from gateway.transports import GrpcStream, SessionStream
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
@@ -54,39 +54,6 @@ class BackendError(RuntimeError):
         self.details = details
 
 
-class _GrpcStream:
-    """A session's calls of one RPC over one gRPC stream (the .proto's XStream)."""
-
-    def __init__(self, call: Any) -> None:  # a grpc.aio.StreamStreamCall
-        self._call = call
-
-    async def exchange(self, request: Message) -> Message:
-        try:
-            await self._call.write(request)
-            response = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise CallFailed(exc.code(), exc.details() or "") from None
-        except asyncio.InvalidStateError:  # written to a stream the server had already ended
-            raise CallFailed(await self._call.code(), await self._call.details()) from None
-        if response is grpc.aio.EOF:
-            raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the stream without an answer")
-        return response
-
-    def close(self) -> None:
-        self._call.cancel()
-
-    async def end(self) -> None:
-        await self._call.done_writing()  # the server ends the stream once it has answered everything
-
-
-@dataclass
-class _Stream:
-    """A session's calls of one RPC, in order: over the service's round lane, or a gRPC stream."""
-
-    transport: Lane | _GrpcStream | None = None  # opened by the first call
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order
-
-
 class _Client:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
@@ -107,7 +74,7 @@ class _Client:
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._streams: dict[tuple[str, str], _Stream] = {}  # (rpc, session id) -> that session's calls of rpc
+        self._streams: dict[tuple[str, str], SessionStream] = {}  # (rpc, session id) -> that session's calls of rpc
         self._unary_only: set[str] = set()  # RPCs whose stream form this server lacks
         host, _, port = address.rpartition(":")  # only a plain HOST:PORT address has a host a lane port adds to
         self._lane_host = host.strip("[]") if host and port.isdigit() and "/" not in host else ""
@@ -138,8 +105,8 @@ class _Client:
             return await self._call(rpc, getattr(self._stub, rpc), request)
         key = (rpc, session_id)
         stream = self._streams.get(key)
-        if stream is None:  # (not setdefault: it would build a _Stream and its lock on every round call)
-            stream = self._streams[key] = _Stream()
+        if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
+            stream = self._streams[key] = SessionStream()
         async with stream.lock:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -162,7 +129,7 @@ class _Client:
             return await self._call(rpc, getattr(self._stub, rpc), request)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
-    async def _open(self, rpc: str) -> Lane | _GrpcStream:
+    async def _open(self, rpc: str) -> Lane | GrpcStream:
         """A new connection to the service's round lane, or a new gRPC stream where it has none or it is
         unreachable (the port is asked for again at the next session's first call: the service may have moved)."""
         if self._lanes and self._lane_port is None:
@@ -182,9 +149,9 @@ class _Client:
                             self._lane_host, self._lane_port, self.address, exc, rpc)
                 self._lane_port = None
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
-        return _GrpcStream(getattr(self._stub, f"{rpc}Stream")())
+        return GrpcStream(getattr(self._stub, f"{rpc}Stream")())
 
-    def _drop(self, key: tuple[str, str], stream: _Stream) -> None:
+    def _drop(self, key: tuple[str, str], stream: SessionStream) -> None:
         if self._streams.get(key) is stream:
             del self._streams[key]
         if stream.transport is not None:

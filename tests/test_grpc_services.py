@@ -90,7 +90,7 @@ async def _rounds(verifier, drafter, mode: str, params: SamplingParams) -> tuple
 
 async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None):
     """The round loop against the services; `opened` collects the kind of every connection a session's calls open
-    (Lane: the service's round lane, _GrpcStream: a gRPC stream)."""
+    (Lane: the service's round lane, GrpcStream: a gRPC stream)."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
                 GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
@@ -199,7 +199,7 @@ def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, serv
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
-    assert set(opened) == {"Lane" if lanes else "_GrpcStream"}
+    assert set(opened) == {"Lane" if lanes else "GrpcStream"}
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round

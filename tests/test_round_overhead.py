@@ -468,7 +468,7 @@ def _transport(client: GrpcDrafter, session: str) -> object:
     return client._streams[("Draft", session)].transport
 
 
-@pytest.mark.parametrize("servicer_cls, transport", [(StreamDrafter, "_GrpcStream"), (LaneDrafter, "Lane")])
+@pytest.mark.parametrize("servicer_cls, transport", [(StreamDrafter, "GrpcStream"), (LaneDrafter, "Lane")])
 def test_a_sessions_drafts_share_one_connection_and_a_failure_ends_only_that_one(servicer_cls, transport):
     servicer = servicer_cls()
 
@@ -490,7 +490,7 @@ def test_a_sessions_drafts_share_one_connection_and_a_failure_ends_only_that_one
         return roots
 
     assert asyncio.run(_with_server(servicer, scenario)) == [5, 6, 7, 9, 8]
-    assert servicer.streams == (3 if transport == "_GrpcStream" else 0)
+    assert servicer.streams == (3 if transport == "GrpcStream" else 0)
 
 
 @pytest.mark.parametrize("servicer_cls", [StreamDrafter, LaneDrafter])
@@ -532,9 +532,9 @@ def test_a_lane_unreachable_or_turned_off_leaves_the_rounds_on_grpc_streams():
         kinds.append(type(_transport(client, "b")).__name__)
         return roots, kinds
 
-    assert asyncio.run(_with_server(servicer, scenario)) == ([5, 6, 7], ["_GrpcStream", "Lane"])
+    assert asyncio.run(_with_server(servicer, scenario)) == ([5, 6, 7], ["GrpcStream", "Lane"])
     off = asyncio.run(_with_server(LaneDrafter(), lambda c: _first_transport(c), lanes=False))
-    assert off == "_GrpcStream"
+    assert off == "GrpcStream"
 
 
 def _closed_port() -> int:

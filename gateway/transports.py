@@ -1,0 +1,47 @@
+"""The two transports of a session's round calls on the gateway's side: a connection to the service's round lane
+(protos/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream). Both
+exchange one request for one answer, in order; gateway/grpc_clients.py picks one per session and call."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from protos.lane import CallFailed, Lane
+
+
+class GrpcStream:
+    """A session's calls of one RPC over one gRPC stream (the .proto's XStream)."""
+
+    def __init__(self, call: Any) -> None:  # a grpc.aio.StreamStreamCall
+        self._call = call
+
+    async def exchange(self, request: Message) -> Message:
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise CallFailed(exc.code(), exc.details() or "") from None
+        except asyncio.InvalidStateError:  # written to a stream the server had already ended
+            raise CallFailed(await self._call.code(), await self._call.details()) from None
+        if response is grpc.aio.EOF:
+            raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the stream without an answer")
+        return response
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def end(self) -> None:
+        await self._call.done_writing()  # the server ends the stream once it has answered everything
+
+
+@dataclass
+class SessionStream:
+    """A session's calls of one RPC, in order: over the service's round lane, or a gRPC stream."""
+
+    transport: Lane | GrpcStream | None = None  # opened by the first call
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order
