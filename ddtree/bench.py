@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench/result.json")
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
-    p.add_argument("--fused-rows", type=int, default=None, metavar="N",
+    p.add_argument("--fused-rows", type=_row_limit, default=None, metavar="N",
                    help="verifier steps of up to N rows run fused Triton projections (ddtree/gemv.py; 0: cuBLAS "
                         "everywhere; default: by the target's size)")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, help="the verifier's attention kernel (default: the "
@@ -59,6 +59,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     curve.add_argument("--tp", type=int, default=1, help="shard the random target over N ranks")
     curve.add_argument("--paths", help="comma-separated verifier paths to time (default: all; see bench/README.md)")
     p.set_defaults(func=run)
+
+
+def _row_limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def load_prompts(path: str, tokenizer, limit: int) -> list[list[int]]:

@@ -28,6 +28,20 @@ def test_buckets_cover_every_query_count() -> None:
     assert [size_class(c) for c in (1, 256, 257, 3000)] == [256, 256, 512, 4096]
 
 
+def test_fused_rows_are_checked_and_off_where_they_cannot_run(qwen3_target: Path) -> None:
+    """A negative row limit is refused; on a CPU the fused projections are refused when asked for explicitly and
+    configured off by default (they need Triton on a GPU)."""
+    engine = VerifyEngine.from_pretrained(qwen3_target)
+    decoder = engine.fused.decoder
+    assert decoder.fused_rows == 0 and decoder.attention == "matmul"  # the CPU's defaults
+    with pytest.raises(ValueError, match="fused_rows must be >= 0"):
+        decoder.set_compiled(False, "sdpa", -1)
+    with pytest.raises(ValueError, match="need Triton and a CUDA device"):
+        decoder.set_compiled(False, "sdpa", 16)
+    engine.fused.configure(graphs=False, fused_rows=64)  # asked for where it cannot run: off
+    assert decoder.fused_rows == 0
+
+
 def test_slot_pool_bounds_sessions_and_reuses_caches(qwen3_target: Path) -> None:
     engine = VerifyEngine.from_pretrained(qwen3_target, max_sessions=2)
     engine.start_session("a", 100, SamplingParams(), [])

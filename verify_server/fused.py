@@ -282,6 +282,8 @@ class FusedDecoder:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):
             raise ValueError("flash attention needs Triton, a CUDA device and a power-of-two head_dim >= 16")
+        if fused_rows < 0:
+            raise ValueError(f"fused_rows must be >= 0, got {fused_rows}")
         if fused_rows and not gemv_supported(self.embed.device):
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
