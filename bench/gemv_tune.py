@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ddtree.cost_curve import copy_bandwidth
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, gemv_plan, launch, launch_rows, rows_plan
 from ddtree.timing import graph_call_us, ranked
-from verify_server.fused import rms_norm
+from verify_server.fused import rms_norm, unfused_linear
 
 L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through
 # name -> (out, in, prologue, residual): a layer's four projections at each model's shapes
@@ -101,20 +101,11 @@ def sweep(quick: bool) -> dict:
     return results
 
 
-def rows_unfused(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor | None, res: torch.Tensor | None,
-                 swiglu: bool) -> torch.Tensor:
-    y = F.linear(x if norm is None else rms_norm(x, norm, 1e-6), w)
-    if swiglu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y if res is None else res + y
-
-
 def sweep_rows(row_counts: list[int], quick: bool) -> dict:
     results: dict = {"shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
-    compiled = torch.compile(rows_unfused)
+    compiled = torch.compile(unfused_linear)
     plans = list(itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256, 512, 1024), (2, 4, 8), (1, 2, 3)))
     if quick:
         plans = [p for p in plans if p[0] == 16 and p[4] in (1, 2) and p[3] in (4, 8)]
@@ -130,7 +121,7 @@ def sweep_rows(row_counts: list[int], quick: bool) -> dict:
             res = torch.randn(m, n // 2 if swiglu else n, generator=gen, **bf16) if residual else None
             timings = {
                 "cublas_linear": graph_call_us(lambda: F.linear(x, w)),
-                "cublas_compiled_unfused": graph_call_us(lambda: compiled(x, w, norm, res, swiglu)),
+                "cublas_compiled_unfused": graph_call_us(lambda: compiled(x, w, norm, res, 1e-6, swiglu)),
                 "rows_default": graph_call_us(lambda: launch_rows(x, w, norm, res, 1e-6, swiglu, rows_plan(m, n, k))),
             }
             swept = []
@@ -140,7 +131,7 @@ def sweep_rows(row_counts: list[int], quick: bool) -> dict:
                     swept.append((graph_call_us(lambda: launch_rows(x, w, norm, res, 1e-6, swiglu, p)), p))
                 except Exception as exc:  # noqa: BLE001 - a plan that does not compile (registers, shared memory)
                     print(f"[gemv-tune] rows {name} {p}: {type(exc).__name__}", flush=True)
-            want = rows_unfused(x, w, norm, res, swiglu).float()
+            want = unfused_linear(x, w, norm, res, 1e-6, swiglu).float()
             err = (launch_rows(x, w, norm, res, 1e-6, swiglu, rows_plan(m, n, k)).float() - want).abs().max().item()
             results["shapes"][f"demo-{name}-m{m}"] = row = {
                 "shape": [n, k], "rows": m, "us": {form: round(t, 2) for form, t in timings.items()},

@@ -9,14 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from ddtree.gemv import RMSNORM, SWIGLU
 from ddtree.types import DraftTree, SamplingParams
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.server import warm_up as warm_up_drafter
 from tests.test_drafter_static import FEATURE_DIM, engines
 from tests.test_verify import make_engine
+from verify_server import fused
+from verify_server.fused import unfused_linear
 from verify_server.server import warm_up as warm_up_verifier
 
 BLOCK_DEPTHS = 9  # a b10 drafter's trees, where the warm-up's are chains of up to 31: a tree's depth changes nothing
@@ -37,9 +41,28 @@ def random_tree(rng: random.Random, root: int, nodes: int, vocab: int) -> DraftT
     return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), max_depth=BLOCK_DEPTHS)
 
 
-def test_verifier_warm_up_compiles_every_step_shape(qwen3_target: Path) -> None:
+def cpu_decode_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                      residual: torch.Tensor | None, eps: float, prologue: int) -> torch.Tensor:
+    """ddtree.gemv.decode_linear's contract in torch ops, for CPU runs of the fused branches."""
+    if prologue == SWIGLU:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return unfused_linear(x, weight, norm_weight if prologue == RMSNORM else None, residual, eps, False)
+
+
+@pytest.mark.parametrize("fused_rows", [0, 48])
+def test_verifier_warm_up_compiles_every_step_shape(
+    fused_rows: int, qwen3_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fused_rows 48: a compiled step of up to 48 rows takes the fused projections' branch, a longer one the other;
+    the Triton kernels themselves need a GPU, so here their contract runs in torch ops (the branch choice is what
+    is compiled)."""
     engine = make_engine(qwen3_target, "fused-static")
     engine.fused.configure(graphs=False, compile=True, attention="matmul")
+    if fused_rows:
+        monkeypatch.setattr(fused, "rows_linear", unfused_linear)
+        monkeypatch.setattr(fused, "decode_linear", cpu_decode_linear)
+        engine.fused.decoder.fused_rows = fused_rows  # set_compiled refuses it on a CPU
     engine.fused.static = True  # the bucketed steps CUDA graphs replay, forced on so that the CPU runs them
     warm_up_verifier(engine)
     before = compiled_graphs()

@@ -19,7 +19,7 @@ from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
-from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask
+from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask, unfused_linear
 from verify_server.tree_attention import ancestor_matrix
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
@@ -105,11 +105,10 @@ def check_gemv() -> None:
             x, norm = torch.randn(m, k, generator=gen), 1 + 0.1 * torch.randn(k, generator=gen)
             res = torch.randn(m, n, generator=gen)
             w, gate_up_w, x, norm, res = (t.to(dtype).to(DEVICE) for t in (w, gate_up_w, x, norm, res))
-            gate, up = F.linear(rms_norm(x, norm, 1e-6), gate_up_w).chunk(2, dim=-1)
             for p in (RowsPlan(16, 32, 64, 4, 1), RowsPlan(16, 16, 512, 4, 1)):  # K in several tiles, in one
-                for got, want in ((launch_rows(x, w, norm, None, 1e-6, False, p), F.linear(rms_norm(x, norm, 1e-6), w)),
-                                  (launch_rows(x, w, None, res, 0.0, False, p), res + F.linear(x, w)),
-                                  (launch_rows(x, gate_up_w, norm, None, 1e-6, True, p), F.silu(gate) * up)):
+                # (weight, norm, residual, SiLU gate out): qkv's, o's and down's forms, gate/up's
+                for args in ((w, norm, None, False), (w, None, res, False), (gate_up_w, norm, None, True)):
+                    got, want = launch_rows(x, *args[:3], 1e-6, args[3], p), unfused_linear(x, *args[:3], 1e-6, args[3])
                     assert got.dtype == dtype and got.shape == (m, n)
                     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=0)
             print("rows ok", dtype, m, n, k)

@@ -44,6 +44,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def unfused_linear(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
+    eps: float, swiglu: bool,
+) -> torch.Tensor:
+    """ddtree.gemv.rows_linear's contract in torch ops (cuBLAS and, compiled, the compiler's kernels around it):
+    residual + g(f(x) @ weight.T), f the RMSNorm with norm_weight, g the SiLU gate of [gate | up] when swiglu."""
+    y = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps), weight)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x [q, heads, d] with cos/sin [q, 1, d] (the half-split convention of HF's rotate_half)."""
     half = x.shape[-1] // 2
@@ -191,13 +204,10 @@ def decoder_layer(
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
         return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
-    if rows:
-        hidden = rows_linear(out, layer.o, None, hidden, 0.0, False)
-        gated = rows_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
-        return rows_linear(gated, layer.down, None, hidden, 0.0, False)
-    hidden = hidden + F.linear(out, layer.o)
-    gate, up = F.linear(rms_norm(hidden, layer.post_norm, shape.eps), layer.gate_up).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, layer.down)
+    linear = rows_linear if rows else unfused_linear  # one contract, fused or not
+    hidden = linear(out, layer.o, None, hidden, 0.0, False)
+    gated = linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
+    return linear(gated, layer.down, None, hidden, 0.0, False)
 
 
 class FusedDecoder:

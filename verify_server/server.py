@@ -23,6 +23,7 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import Route
 from verify_server.config import VerifyServerConfig
+from verify_server.fused_runner import MAX_GRAPH_NODES
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import VerifyEngine
@@ -166,13 +167,17 @@ def warm_up(engine: VerifyEngine) -> None:
     prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
     (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features)."""
     start = time.perf_counter()
-    for capacity, prompt in ((64, 2), (300, 100)):  # slots of 256 and 512 rows; key buckets 64 and 128-192
+    # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
+    # too, in the larger session, where a captured step of that many rows is one a request can bring.
+    limit = engine.fused.decoder.fused_rows if engine.fused is not None else 0
+    past_limit = (limit,) if 31 < limit < MAX_GRAPH_NODES else ()
+    for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):  # slots of 256 and 512 rows; key buckets 64 and 128-192
         session_id = f"warm-up-{uuid.uuid4().hex}"
         engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
         try:
             engine.prefill(session_id, [0] * prompt)
             root = engine.decode(session_id, host_features=True).tokens[-1]
-            for nodes in (1, 15, 31):  # query buckets 16 and 32
+            for nodes in (1, 15, 31, *extra):  # query buckets 16 and 32 (and the first past the limit)
                 chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
                 tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
                 tree = DraftTree(tokens, chain - 1, chain, max_depth=nodes)
