@@ -45,7 +45,8 @@ def main() -> None:
     if engine.fused is not None:
         engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention,
                                 fused_rows=args.fused_rows)
-    print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, fused_rows={engine.fused.decoder.fused_rows}")
+    rows = engine.fused.decoder.fused_rows if engine.fused is not None else 0
+    print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, fused_rows={rows}")
     prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)
     for nodes in (int(n) for n in args.nodes.split(",")):

@@ -14,11 +14,12 @@ Here each projection is one kernel over BLOCK_N rows per program, and what surro
 So the only difference from the unfused ops is the order of the dot product's additions.
 A torch.library custom op, so torch.compile and CUDA graphs take it as one node. CUDA-only; CPU runs keep F.linear.
 
-Steps of a few rows (a verify step's tree or chain, a drafter's block) take `rows_linear`: the same folding over BLOCK_M-row
-tiles through tensor-core dots, for targets so small that a step is bound by its kernel count rather than by its
-weights (the demo pair: each projection is ~3 us whatever its work, and the unfused norms, gate and adds around it
-doubled a verify step's kernels). There the SiLU gate is gate/up's epilogue, not down's prologue: a prologue
-recomputes its work in every program, which is M x K per program at M rows (cheap at one row, several us at 64).
+Steps of a few rows (a verify step's tree or chain, a drafter's block) take `rows_linear`: the same folding over
+BLOCK_M-row tiles through tensor-core dots, for models so small that a step is bound by its kernel count rather
+than by its weights (the demo pair: each projection is ~3 us whatever its work, and the unfused norms, gate and
+adds around it doubled a verify step's kernels). There the SiLU gate is gate/up's epilogue, not down's prologue: a
+prologue recomputes its work in every program, which is M x K per program at M rows (cheap at one row, several us
+at 64).
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def block_layer(
         norm = layer.input_layernorm
         qkv = rows_linear(x[0], attn.qkv[0], norm.weight, None, norm.eps, False)  # [B, (heads + 2 kv_heads) * d]
         q, k, v = attn.split_qkv(qkv[None], cos, sin)
-    else:
-        q, k, v = attn.query_key_value(layer.input_layernorm(x), cos, sin)  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
+    else:  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
+        q, k, v = attn.query_key_value(layer.input_layernorm(x), cos, sin)
     k_cache.index_copy_(2, positions, k)
     v_cache.index_copy_(2, positions, v)
     if bias is None:

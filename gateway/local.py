@@ -87,8 +87,9 @@ def load_local(
     (replicated on every rank, so rank 0's copy serves). With tp > 1 the target is sharded over tp ranks
     (cuda:0..tp-1, or CPU processes with gloo); call `close()` on the verifier when done. eager: the generic HF
     forward without static buffers or CUDA graphs; compile: torch.compile the verifier's fused layers and round,
-    and the drafter's block layers, context append and tree build; fused_rows: up to how many rows the verifier's
-    steps run fused Triton projections and which attention kernel they use (VerifyEngine; None: the defaults); chain: queue greedy rounds ahead of the host on a GPU (LocalVerifier)."""
+    and the drafter's block layers, context append and tree build; fused_rows / attention: up to how many rows the
+    verifier's steps run fused Triton projections, and its attention kernel (VerifyEngine; None: the defaults);
+    chain: queue greedy rounds ahead of the host on a GPU (LocalVerifier)."""
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 

@@ -273,7 +273,9 @@ class FusedDecoder:
         hidden = F.embedding(ids, self.embed)  # [q, hidden]
         cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
-        step, kernel, rows = (self._compiled, self.attention, self.fused_rows) if compiled else (decoder_layer, "sdpa", 0)
+        step, kernel, rows = (decoder_layer, "sdpa", 0)
+        if compiled:
+            step, kernel, rows = self._compiled, self.attention, self.fused_rows
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]

@@ -203,7 +203,8 @@ class FusedRunner:
         fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
         if attention is None:
-            flash = (hidden <= SMALL_HIDDEN or not compile) and flash_supported(self.device, self.decoder.shape.head_dim)
+            flash = hidden <= SMALL_HIDDEN or not compile
+            flash = flash and flash_supported(self.device, self.decoder.shape.head_dim)
             attention = FLASH if flash else "matmul"
         if fused_rows is None:
             fused_rows = default_fused_rows(hidden)

@@ -171,7 +171,8 @@ def warm_up(engine: VerifyEngine) -> None:
     # too, in the larger session, where a captured step of that many rows is one a request can bring.
     limit = engine.fused.decoder.fused_rows if engine.fused is not None else 0
     past_limit = (limit,) if 31 < limit < MAX_GRAPH_NODES else ()
-    for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):  # slots of 256 and 512 rows; key buckets 64 and 128-192
+    # slots of 256 and 512 rows; key buckets 64 and 128-192
+    for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):
         session_id = f"warm-up-{uuid.uuid4().hex}"
         engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
         try:

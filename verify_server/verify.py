@@ -111,8 +111,8 @@ class VerifyEngine(QueuedRounds):
         attention: str | None = None,
     ) -> "VerifyEngine":
         """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
-        return cls(load_target(path, device, dtype), max_tree_size, max_sessions, not eager, not eager, compile, fused_rows,
-                   attention)
+        model = load_target(path, device, dtype)
+        return cls(model, max_tree_size, max_sessions, not eager, not eager, compile, fused_rows, attention)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
