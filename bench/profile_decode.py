@@ -15,6 +15,7 @@ from ddtree.cost_curve import RANDOM_PREFIX, copy_bandwidth, random_target
 from ddtree.timing import profiled_calls
 from ddtree.types import SamplingParams
 from draft_server.tree import build_tree
+from verify_server.fused import ATTENTION_CHOICES
 from verify_server.verify import VerifyEngine, load_target
 
 
@@ -27,7 +28,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--eager", action="store_true", help="the generic HF path")
     p.add_argument("--compile", action="store_true", help="torch.compile the fused layer step")
-    p.add_argument("--attention", help="attention kernel of the fused steps: sdpa, grouped, matmul, flex (default: per mode)")
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel of the fused steps (default: per mode)")
     p.add_argument("--fused-rows", type=int, default=None, metavar="N",
                    help="steps of up to N rows through the fused Triton projections (0: cuBLAS; default: by size)")
     p.add_argument("--rows", type=int, default=20)

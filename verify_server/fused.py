@@ -177,14 +177,14 @@ def decoder_layer(
     q_len, d = hidden.shape[0], shape.head_dim
     gemv = fused_rows >= 1 and q_len == 1  # static under torch.compile: dimensions of size 1 are specialised
     rows = not gemv and q_len <= fused_rows  # a guard on a symbolic q: steps past the limit compile apart
-    if gemv or rows:
-        if gemv:
-            qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
-        else:
-            qkv = rows_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, False)
-        qkv = qkv if layer.qkv_bias is None else qkv + layer.qkv_bias
-    else:
+    if gemv:
+        qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
+    elif rows:
+        qkv = rows_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, False)
+    else:  # the bias inside the GEMM, rounded once, as HF's Linear
         qkv = F.linear(rms_norm(hidden, layer.input_norm, shape.eps), layer.qkv, layer.qkv_bias)
+    if (gemv or rows) and layer.qkv_bias is not None:
+        qkv = qkv + layer.qkv_bias
     q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
     q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
     if layer.q_norm is not None:
