@@ -9,7 +9,9 @@ cuBLAS with the compiled norm / SiLU gate / residual add around it, as a compile
 ddtree/gemv.py's rows kernel (gate/up with the SiLU gate as its epilogue, down with the residual) under the default
 plan and a sweep.
 
-Usage: python bench/gemv_tune.py [--out FILE.json] [--quick] [--rows 16,64]
+The lm_head (with the final norm folded in, as verify_server/fused.py's head_logits runs it) is timed too.
+
+Usage: python bench/gemv_tune.py [--out FILE.json] [--quick] [--rows 16,64] [--shapes 8b-lm_head,demo-lm_head]
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from ddtree.timing import graph_call_us, ranked
 from verify_server.fused import rms_norm, unfused_linear
 
 L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through
-# name -> (out, in, prologue, residual): a layer's four projections at each model's shapes
+# name -> (out, in, prologue, residual): a layer's four projections and the lm_head at each model's shapes
 SHAPES = {
     "8b-qkv": (6144, 4096, RMSNORM, False), "8b-o": (4096, 4096, NONE, True),
     "8b-gate_up": (24576, 4096, RMSNORM, False), "8b-down": (4096, 12288, SWIGLU, True),
+    "8b-lm_head": (151936, 4096, RMSNORM, False),
     "demo-qkv": (640, 384, RMSNORM, False), "demo-o": (384, 384, NONE, True),
     "demo-gate_up": (2048, 384, RMSNORM, False), "demo-down": (384, 1024, SWIGLU, True),
+    "demo-lm_head": (8192, 384, RMSNORM, False),
 }
 
 
@@ -48,7 +52,7 @@ def unfused(x: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, res: torch.Ten
     return y + res if residual else y
 
 
-def sweep(quick: bool) -> dict:
+def sweep(quick: bool, names: list[str]) -> dict:
     bandwidth = copy_bandwidth(torch.device("cuda"), 2**30)
     print(f"[gemv-tune] copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     results: dict = {"copy_bandwidth_gbs": round(bandwidth / 1e9, 1), "shapes": {}}
@@ -56,7 +60,8 @@ def sweep(quick: bool) -> dict:
     plans = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3, 4)))
     if quick:
         plans = [p for p in plans if p[2] == 4 and p[3] == 1]
-    for name, (n, k, prologue, residual) in SHAPES.items():
+    for name in names:
+        n, k, prologue, residual = SHAPES[name]
         bf16 = {"device": "cuda", "dtype": torch.bfloat16}
         # as many copies of the weight as it takes to overflow the L2 cache (50 MB on an H200) four times over,
         # used in turn: a step streams every weight from memory, a loop over one small weight would hit L2
@@ -101,7 +106,7 @@ def sweep(quick: bool) -> dict:
     return results
 
 
-def sweep_rows(row_counts: list[int], quick: bool) -> dict:
+def sweep_rows(row_counts: list[int], quick: bool, names: list[str] | None) -> dict:
     results: dict = {"shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
@@ -112,9 +117,12 @@ def sweep_rows(row_counts: list[int], quick: bool) -> dict:
     # name -> (weight rows, in, RMSNorm first, SiLU gate out, residual): the demo layer's projections as a verify
     # step runs them (gate/up's weight holds both halves; its output is the gated half)
     shapes = {"qkv": (640, 384, True, False, False), "o": (384, 384, False, False, True),
-              "gate_up": (2048, 384, True, True, False), "down": (384, 1024, False, False, True)}
+              "gate_up": (2048, 384, True, True, False), "down": (384, 1024, False, False, True),
+              "lm_head": (8192, 384, True, False, False)}
     for m in row_counts:
         for name, (n, k, normed, swiglu, residual) in shapes.items():
+            if names and f"demo-{name}" not in names:
+                continue
             w = torch.randn(n, k, generator=gen, **bf16) / k**0.5
             x = torch.randn(m, k, generator=gen, **bf16)
             norm = 1 + 0.1 * torch.randn(k, generator=gen, **bf16) if normed else None
@@ -146,11 +154,16 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="a smaller sweep")
     p.add_argument("--rows", help="comma-separated row counts: time the rows kernel at the demo shapes instead")
+    p.add_argument("--shapes", help=f"comma-separated names (default: all): {', '.join(SHAPES)}")
     args = p.parse_args()
+    names = args.shapes.split(",") if args.shapes else None
+    if names and not set(names) <= set(SHAPES):
+        p.error(f"unknown shapes {sorted(set(names) - set(SHAPES))}")
     if args.rows:
-        result = {"gpu": torch.cuda.get_device_name(), **sweep_rows([int(m) for m in args.rows.split(",")], args.quick)}
+        rows = sweep_rows([int(m) for m in args.rows.split(",")], args.quick, names)
+        result = {"gpu": torch.cuda.get_device_name(), **rows}
     else:
-        result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick)}
+        result = {"gpu": torch.cuda.get_device_name(), **sweep(args.quick, names or list(SHAPES))}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

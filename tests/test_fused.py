@@ -134,6 +134,40 @@ def test_unsupported_architectures_take_the_hf_path(tmp_path: Path) -> None:
 
     assert "qwen3_5" in fused_unsupported(Qwen3_5TextConfig())
     assert fused_unsupported(AutoConfig.for_model("gpt2")) is not None
+    dynamic = Qwen3Config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0})
+    assert "dynamic" in fused_unsupported(dynamic)  # its frequencies depend on the step: no table, no graph
+
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 1e6},
+    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 512},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_equal_the_rotary_module_bit_for_bit(kind: str, dtype: torch.dtype) -> None:
+    """The table's rows, gathered for any step's positions, are exactly what the model's rotary module computes
+    for that step, before and after the table grows past a chunk of its filling."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from verify_server.rope import CHUNK, RopeTable
+
+    config = Qwen3Config(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=2048,
+                         rope_parameters=ROPES[kind])
+    rotary = Qwen3RotaryEmbedding(config)
+    table = RopeTable(rotary, 1000, torch.device("cpu"), dtype)
+    probe, gen = torch.empty(0, dtype=dtype), torch.Generator().manual_seed(0)
+    for rows in (1000, CHUNK + 3000):
+        table.cover(rows)
+        assert table.table.shape[0] >= rows
+        for _ in range(20):
+            positions = torch.randint(0, rows, (int(torch.randint(1, 80, (1,), generator=gen)),), generator=gen)
+            want_cos, want_sin = rotary(probe, positions[None])  # [1, q, head_dim]
+            cos, sin = table.gather(positions)  # [q, 1, head_dim]
+            assert torch.equal(cos[:, 0], want_cos[0]) and torch.equal(sin[:, 0], want_sin[0])
 
 
 def test_eager_fused_rows_and_compile_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ from tests.test_verify import make_engine
 from verify_server import fused
 from verify_server.fused import unfused_linear
 from verify_server.server import warm_up as warm_up_verifier
+from verify_server.verify import VerifyEngine
 
 BLOCK_DEPTHS = 9  # a b10 drafter's trees, where the warm-up's are chains of up to 31: a tree's depth changes nothing
 
@@ -66,15 +67,33 @@ def test_verifier_warm_up_compiles_every_step_shape(
     engine.fused.static = True  # the bucketed steps CUDA graphs replay, forced on so that the CPU runs them
     warm_up_verifier(engine)
     before = compiled_graphs()
+    serve_steps(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
+    assert compiled_graphs() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs need a GPU")
+def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -> None:
+    """The service's configuration on a GPU: graphs, compile, the Triton kernels at the default row limit (128
+    rows for a small target), trees up to it and past it."""
+    engine = VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True)
+    assert engine.fused.decoder.fused_rows == 128
+    warm_up_verifier(engine)
+    before = compiled_graphs()
+    serve_steps(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
+    assert compiled_graphs() == before
+
+
+def serve_steps(engine: VerifyEngine, capacity: int, node_counts: tuple[int, ...]) -> None:
+    """Sessions at three prompt lengths (key buckets 64 to 384 and up, prompt buckets 16 to 256), each running an
+    AR step (0) or a random tree of each node count."""
     rng = random.Random(5)
-    for prompt_length in (3, 40, 200):  # key buckets 64 to 384, prompt buckets 16 to 256
-        engine.start_session("s", 400, SamplingParams(), taps=[1, 3])
+    for prompt_length in (3, 40, 200):
+        engine.start_session("s", capacity, SamplingParams(), taps=[1, 3])
         root = engine.prefill("s", [rng.randrange(engine.vocab_size) for _ in range(prompt_length)]).tokens[-1]
-        for nodes in (1, 0, 9, 31, 47, 0, 63, 100):  # 0: an AR step
+        for nodes in node_counts:
             step = engine.decode("s") if nodes == 0 else engine.verify("s", random_tree(rng, root, nodes, engine.vocab_size))
             root = step.tokens[-1]
         engine.end_session("s")
-    assert compiled_graphs() == before
 
 
 def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:

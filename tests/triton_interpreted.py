@@ -1,7 +1,7 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter}`. The same kernels run compiled on a GPU in test_flash_tree.py
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction}`. The same kernels run compiled on a GPU in test_flash_tree.py
 and test_drafter_static.py."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
+from verify_server.compaction import launch as compact
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask, unfused_linear
 from verify_server.tree_attention import ancestor_matrix
 
@@ -131,6 +132,30 @@ def check_gemv() -> None:
         print("gemv ok decoder layer", q, "rows")
 
 
+def check_compaction() -> None:
+    """The compaction kernel moves exactly the accepted path's rows in every (layer, K/V head), across chunks of
+    rows and in place (sources interleaved with destinations), and touches nothing else."""
+    gen = torch.Generator().manual_seed(0)
+    for qb, start, dtype in ((16, 5, torch.bfloat16), (80, 37, torch.float32), (48, 0, torch.bfloat16)):
+        k, v = (torch.randn(3, 1, 2, start + qb + 8, 64, generator=gen).to(dtype) for _ in range(2))
+        # mostly a chain, so that paths run over several chunks of rows, with branches that move rows
+        branch = torch.rand(qb, generator=gen) < 0.3
+        parents = [0] + [int(torch.randint(0, i, (1,), generator=gen)) if branch[i] else i - 1 for i in range(1, qb)]
+        for deepest in (qb - 1, int(torch.randint(0, qb, (1,), generator=gen)), 0):
+            path = [deepest]
+            while path[-1]:
+                path.append(int(parents[path[-1]]))
+            order = torch.tensor(path[::-1] + [qb - 1] * (qb - len(path)))  # root..deepest, then filler
+            depth = torch.tensor([len(path) - 1])
+            want_k, want_v = k.clone(), v.clone()
+            dst = start + torch.arange(len(path))
+            want_k[..., dst, :], want_v[..., dst, :] = k[..., start + order[: len(path)], :], v[..., start + order[: len(path)], :]
+            got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
+            compact(got_k, got_v, torch.tensor(start, device=DEVICE), order.to(DEVICE), depth.to(DEVICE))
+            assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v), (qb, start, deepest)
+    print("compaction ok")
+
+
 def check_flash() -> None:
     """Flash-decoding over a tree equals the masked attention, several key chunks and row tiles included."""
     gen = torch.Generator().manual_seed(1)
@@ -149,4 +174,5 @@ def check_flash() -> None:
 
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter}[sys.argv[1]]()
+    {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
+     "compaction": check_compaction}[sys.argv[1]]()

@@ -4,7 +4,8 @@ HF's modules cost one kernel per projection, norm and RoPE step, and their atten
 built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on
 the device from a start offset and the [q, q] ancestor matrix, so the whole forward has static shapes for a given
 (cache, query count) and can be captured in a CUDA graph (verify_server/fused_runner.py). Numerics follow HF's
-modules op for op (fp32 RMSNorm, RoPE from the model's own rotary module), so greedy output is unchanged.
+modules op for op (fp32 RMSNorm; RoPE from a table the model's own rotary module filled, verify_server/rope.py), so
+greedy output is unchanged.
 Other architectures (hybrids, sliding windows, anything else) keep the generic HF path.
 """
 
@@ -20,6 +21,7 @@ from ddtree.flash_tree import flash_supported, flash_tree_attention
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
+from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
 
@@ -35,6 +37,8 @@ def fused_unsupported(config: PretrainedConfig) -> str | None:
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         return "sliding-window attention layers"
+    if not tabled(config):
+        return f"rope_type {rope_type(config)!r} (its frequencies depend on the step's largest position)"
     return None
 
 
@@ -55,6 +59,42 @@ def unfused_linear(
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
     return y if residual is None else residual + y
+
+
+def normed_linear(
+    x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, fused_rows: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm of x [q, K] with norm_weight, then @ weight.T (+ bias): at q == 1 <= fused_rows ddtree.gemv's GEMV,
+    up to fused_rows rows its rows kernel (the norm folded into both), beyond in torch ops with the bias inside the
+    GEMM, rounded once, as HF's Linear. Under torch.compile, q == 1 is static (dimensions of size 1 are
+    specialised) and q <= fused_rows a guard on a symbolic q: steps past the limit compile apart."""
+    if fused_rows >= 1 and x.shape[0] == 1:
+        y = decode_linear(x, weight, norm_weight, None, eps, RMSNORM)
+    elif x.shape[0] <= fused_rows:
+        y = rows_linear(x, weight, norm_weight, None, eps, False)
+    else:
+        return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+    return y if bias is None else y + bias
+
+
+def head_logits(
+    hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, eps: float, fused_rows: int
+) -> torch.Tensor:
+    """The last layer's output [n, hidden] -> fp32 logits [n, vocab]: the final norm, folded into the lm_head's
+    GEMV at one row where the fused projections run. Not in the rows kernel: over a vocabulary's many columns
+    it lost to cuBLAS with the compiled norm (demo, 64 rows: 11.8 against 5.0 us; 16 rows: 4.0 against 4.2;
+    one row, GEMV against the eager norm and cuBLAS: demo 4.2 against 15.9 us, Qwen3-8B 283 against 310;
+    bench/results/gemv_tune_*lm_head*)."""
+    return normed_linear(hidden, lm_head, norm_weight, eps, min(fused_rows, 1)).float()
+
+
+def embed_tokens(
+    ids: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, positions [q] -> a step's inputs: hidden [q, hidden], cos and sin [q, 1, head_dim] from a RopeTable's
+    table. A function of tensors alone, so a compiled step takes it into its own kernels."""
+    return (F.embedding(ids, embed), *gather_rope(rope, positions))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,16 +215,9 @@ def decoder_layer(
     projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's Triton kernels
     (a GPU): GEMVs at one row, rows_linear beyond."""
     q_len, d = hidden.shape[0], shape.head_dim
-    gemv = fused_rows >= 1 and q_len == 1  # static under torch.compile: dimensions of size 1 are specialised
-    rows = not gemv and q_len <= fused_rows  # a guard on a symbolic q: steps past the limit compile apart
-    if gemv:
-        qkv = decode_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, RMSNORM)
-    elif rows:
-        qkv = rows_linear(hidden, layer.qkv, layer.input_norm, None, shape.eps, False)
-    else:  # the bias inside the GEMM, rounded once, as HF's Linear
-        qkv = F.linear(rms_norm(hidden, layer.input_norm, shape.eps), layer.qkv, layer.qkv_bias)
-    if (gemv or rows) and layer.qkv_bias is not None:
-        qkv = qkv + layer.qkv_bias
+    gemv = fused_rows >= 1 and q_len == 1  # as normed_linear decides
+    rows = not gemv and q_len <= fused_rows
+    qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
     q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
     q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
     if layer.q_norm is not None:
@@ -227,12 +260,14 @@ class FusedDecoder:
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = decoder.norm.weight
         self.lm_head = model.get_output_embeddings().weight  # [vocab, hidden], possibly tied to embed
-        self.rotary = decoder.rotary_emb  # the model's own RoPE (default, llama3, yarn, ... scaling)
+        # the model's own RoPE (default, llama3, yarn, ... scaling), tabled; the runner covers its cache slots
+        self.rope = RopeTable(decoder.rotary_emb, cfg.max_position_embeddings, self.embed.device, self.embed.dtype)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.attention = "sdpa"
         self.fused_rows = 0
         self._compiled = decoder_layer
+        self._head = head_logits
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> FusedLayer:
@@ -261,18 +296,31 @@ class FusedDecoder:
         positions: torch.Tensor,
         cache: KVCache,
         slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_len: int,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The uncaptured forward: ids, positions, slots [q] (slots: where each new token's K/V goes); attention over
+        cache slots [0, kv_len) under mask [1, 1, q, kv_len] (None: causal over the new tokens, nothing committed
+        before) -> the last layer's output [q, hidden] (logits() norms it), features [q, len(taps) * hidden] (None
+        without taps)."""
+        hidden, cos, sin = embed_tokens(ids, positions, self.embed, self.rope.table)
+        return self.layers_forward(hidden, cos, sin, cache, slots, mask, kv_len, taps)
+
+    def layers_forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
         mask: torch.Tensor | StepVisibility | None,
         kv_len: int,
         taps: tuple[int, ...],
         compiled: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions, slots [q] (slots: where each new token's K/V goes); attention over cache slots
-        [0, kv_len) under mask [1, 1, q, kv_len] (None: causal over the new tokens, nothing committed before) ->
-        final-normed hidden [q, hidden], features [q, len(taps) * hidden] (None without taps).
-        compiled: run the layers through the configured step (set_compiled), which takes a StepVisibility."""
-        hidden = F.embedding(ids, self.embed)  # [q, hidden]
-        cos, sin = self.rotary(hidden, positions[None])  # [1, q, head_dim] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [q, 1, head_dim]
+        """forward from embed_tokens' outputs. compiled: run the layers through the configured step
+        (set_compiled), which takes a StepVisibility."""
         step, kernel, rows = (decoder_layer, "sdpa", 0)
         if compiled:
             step, kernel, rows = self._compiled, self.attention, self.fused_rows
@@ -284,7 +332,7 @@ class FusedDecoder:
             if i in taps:
                 tapped.append(hidden)
         features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None
-        return rms_norm(hidden, self.final_norm, self.shape.eps), features
+        return hidden, features
 
     def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
@@ -299,11 +347,14 @@ class FusedDecoder:
         if fused_rows and not gemv_supported(self.embed.device):
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
-        if not enabled:
-            self._compiled = decoder_layer
-            return
-        self._compiled = torch.compile(decoder_layer, fullgraph=True)  # automatic dynamic: q turns symbolic on first change
+        self._compiled, self._head = decoder_layer, head_logits
+        if enabled:  # automatic dynamic: q turns symbolic on first change
+            self._compiled = torch.compile(decoder_layer, fullgraph=True)
+            self._head = torch.compile(head_logits, fullgraph=True)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> fp32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """The last layer's output [n, hidden] -> fp32 logits [n, vocab]. compiled: through the configured step's
+        kernels (set_compiled)."""
+        if compiled:
+            return self._head(hidden, self.final_norm, self.lm_head, self.shape.eps, self.fused_rows)
+        return head_logits(hidden, self.final_norm, self.lm_head, self.shape.eps, 0)

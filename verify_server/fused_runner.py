@@ -23,7 +23,8 @@ from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
 from ddtree.types import DraftTree
 from ddtree.flash_tree import flash_supported
 from ddtree.gemv import SMALL_HIDDEN, default_fused_rows, gemv_supported
-from verify_server.fused import FLASH, FusedDecoder, StepVisibility, step_mask
+from verify_server.compaction import compact_path
+from verify_server.fused import FLASH, FusedDecoder, StepVisibility, embed_tokens, step_mask
 from verify_server.kv_cache import KVCache
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.walk import accept_path
@@ -141,8 +142,11 @@ class TreeInputs:
                           self.valid[:q], self.anc[:q, :q])
 
 
-def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order (device ops
+def unpack_step(
+    inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order, then the
+    step's embedded inputs (fused.embed_tokens: hidden, cos, sin) from the embedding and the RoPE table (device ops
     only; a tuple so that torch.compile returns it as is)."""
     qb = nodes.shape[0]
     tokens, parents, depths = inputs[: 3 * qb].view(3, qb)
@@ -154,7 +158,9 @@ def unpack_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor
     # Compiled, the doubling steps fuse and a constant count keeps a symbolic bucket free of guards; uncompiled,
     # each step is ~3 launches, so a bucket takes only the steps its size needs (4 for 16 nodes, not 9).
     steps = ANCESTOR_STEPS if torch.compiler.is_compiling() else None
-    return ids, parents, depths, start + depths, start, valid, ancestor_matrix(parents, steps)
+    positions = start + depths
+    anc = ancestor_matrix(parents, steps)
+    return ids, parents, depths, positions, start, valid, anc, *embed_tokens(ids, positions, embed, rope)
 
 
 def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +216,7 @@ class FusedRunner:
             fused_rows = default_fused_rows(hidden)
         self.decoder.set_compiled(compile, attention, fused_rows if gemv_supported(self.device) else 0)
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
-        # steps, the walk); compiled, they fuse into a few
+        # steps, the embedding and RoPE rows, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
         self._accept = torch.compile(greedy_accept, fullgraph=True) if compile else greedy_accept
         self.graphs = GraphPool(self.device, enabled=graphs)
@@ -236,6 +242,7 @@ class FusedRunner:
     def _new_cache(self, size: int) -> KVCache:
         # zeroed: padded steps read never-written slots through masked-out weights, and 0 * NaN would still poison
         shape = self.decoder.shape
+        self.decoder.rope.cover(size + MAX_GRAPH_NODES)  # positions never pass the slot's capacity
         return KVCache(list(range(self.num_kv_layers)), shape.kv_heads, shape.head_dim, size + MAX_GRAPH_NODES,
                        self.device, self.dtype, zero=True)
 
@@ -346,17 +353,21 @@ class FusedRunner:
         logits, features, x = self._scores(cache, buf, taps, kv_len)
         packed, path = self._accept(x, logits)
         order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
-        cache.k.index_copy_(3, x.start + buf.nodes, cache.k.index_select(3, x.start + order))
-        cache.v.index_copy_(3, x.start + buf.nodes, cache.v.index_select(3, x.start + order))
+        compact_path(cache, x.start, order, packed[:1])
         cursor = torch.stack((x.start + packed[0] + 1, packed[1]))  # [2] where the next round starts, its root
         return packed, None if features is None else features[order], cursor
 
     def _scores(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs]:
-        x = TreeInputs(*self._unpack(buf.inputs, buf.nodes))
-        logits, features = self._step(cache, x, kv_len, taps)
-        return logits, features, x
+        *tree, hidden, cos, sin = self._unpack(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
+        x = TreeInputs(*tree)
+        slots = x.start + buf.nodes  # [qb]
+        dense = None if self.decoder.attention == FLASH else step_mask(x.start, x.anc, kv_len)
+        mask = StepVisibility(x.start, x.anc, dense)
+        # attention over the first kv_len slots (a key bucket), whatever the context
+        hidden, features = self.decoder.layers_forward(hidden, cos, sin, cache, slots, mask, kv_len, taps, True)
+        return self.decoder.logits(hidden, compiled=True), features, x
 
     def _prompt(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]
@@ -370,13 +381,3 @@ class FusedRunner:
         kv_len = key_bucket(buf.qb, cache.capacity)
         hidden, features = self.decoder.forward(ids, buf.nodes, cache, buf.nodes, None, kv_len, taps)
         return self.decoder.logits(hidden.index_select(0, (num - 1).view(1))), features
-
-    def _step(
-        self, cache: KVCache, x: TreeInputs, kv_len: int, taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured forward: attention over the first kv_len slots (a key bucket), whatever the context."""
-        slots = x.start + torch.arange(x.anc.shape[0], device=self.device)  # [qb]
-        dense = None if self.decoder.attention == FLASH else step_mask(x.start, x.anc, kv_len)
-        mask = StepVisibility(x.start, x.anc, dense)
-        hidden, features = self.decoder.forward(x.ids, x.positions, cache, slots, mask, kv_len, taps, compiled=True)
-        return self.decoder.logits(hidden), features

@@ -1,0 +1,75 @@
+"""Compaction of a captured greedy round: the accepted path's K/V moved to the slots right after the committed
+ones, in every layer, in one Triton kernel.
+
+Why: in torch ops it is a gather into a temporary and a scatter back, for K and for V: four kernels, ~19 us of a
+demo round's ~0.45 ms at 16+ rows (bench/results/profile_decode_demo_compile_flash_gemv.txt), and they move every
+row of the step's bucket. Here one program per (layer, K/V head) moves only the accepted rows, and none where a
+row is already in place (a chain's accepted path always is).
+
+In place without a temporary: the path's node indices only increase and a node's index is at least its depth
+(parents precede children), so row i's source slot start + order[i] is never below its destination start + i.
+Rows go in chunks of increasing index, each chunk loading all its sources before storing (a barrier between):
+a source is only ever overwritten by its own chunk or a later one, after it was read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verify_server.kv_cache import KVCache
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch ops run instead (kernel_supported() is False)
+    triton = None
+
+ROWS = 16  # path rows per chunk
+
+
+def kernel_supported(cache: KVCache) -> bool:
+    head_dim = cache.k.shape[-1]
+    return triton is not None and cache.k.is_cuda and head_dim & (head_dim - 1) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _compact_kernel(K, V, Start, Order, Depth, capacity, D: tl.constexpr, ROWS: tl.constexpr):
+        """Program p moves rows 0..depth of the path in K/V's p-th [capacity, D] plane (a layer's K/V head)."""
+        plane = tl.program_id(0).to(tl.int64) * capacity * D
+        start = tl.load(Start)
+        count = tl.load(Depth) + 1  # the root and the accepted nodes
+        dims = tl.arange(0, D)
+        for first in range(0, count, ROWS):
+            rows = first + tl.arange(0, ROWS)
+            src = tl.load(Order + rows, mask=rows < count, other=0)
+            move = (rows < count) & (src != rows)
+            mask = move[:, None]
+            src_at = plane + (start + src)[:, None] * D + dims[None, :]
+            dst_at = plane + (start + rows)[:, None] * D + dims[None, :]
+            k = tl.load(K + src_at, mask=mask)
+            v = tl.load(V + src_at, mask=mask)
+            tl.debug_barrier()  # every source of the chunk read before any row of it is written
+            tl.store(K + dst_at, k, mask=mask)
+            tl.store(V + dst_at, v, mask=mask)
+
+
+def compact_path(cache: KVCache, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
+    """Device values only (inside a captured graph): start [] long, the step's first slot; order [qb] long, the
+    path's node indices root..deepest, then any index below qb; depth [1] long, the accepted depth k. Moves the
+    K/V of slots start + order[i] to start + i for i in 0..k, in every layer. Rows past k are left as they are,
+    or (torch ops) filled from order's tail: they lie past the committed length either way."""
+    if kernel_supported(cache):
+        launch(cache.k, cache.v, start, order, depth)
+        return
+    slots = start + torch.arange(order.shape[0], device=order.device)
+    cache.k.index_copy_(3, slots, cache.k.index_select(3, start + order))
+    cache.v.index_copy_(3, slots, cache.v.index_select(3, start + order))
+
+
+def launch(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
+    """The kernel on contiguous k, v [layers, 1, kv_heads, capacity, head_dim] (tests/triton_interpreted.py calls
+    it on CPU tensors through Triton's interpreter)."""
+    layers, _, kv_heads, capacity, head_dim = k.shape
+    _compact_kernel[(layers * kv_heads,)](k, v, start, order, depth, capacity, D=head_dim, ROWS=ROWS, num_warps=4)
