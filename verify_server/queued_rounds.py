@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.readback import PinnedReadback
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.fused_runner import MAX_GRAPH_NODES, bucket
@@ -26,7 +27,8 @@ MAX_IN_FLIGHT = 2
 class PendingRound:
     """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
 
-    packed    [2 + qb] host copy of accept_path's packed result, filled once the round has run
+    packed    [2 + qb] host view of accept_path's packed result, written by the device (ddtree/readback.py) once
+              the round has run
     features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
               without taps; on the device in memory of its own, or for a host_features round in the session's host
               buffer of its ring slot (pinned on a GPU)
@@ -99,38 +101,29 @@ class QueuedRounds:
             return None
         packed, path_features, cursor = captured
         timer.mark()
-        pinned = self.device.type == "cuda"  # host copies queued within the round: page-locked, so they stay async
         if not sess.readback:
-            sess.readback = [
-                torch.empty(2 + MAX_GRAPH_NODES, dtype=torch.long, pin_memory=pinned) for _ in range(MAX_IN_FLIGHT)
-            ]
-            sess.host_features = [torch.empty(0) for _ in range(MAX_IN_FLIGHT)]
+            sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
+            sess.host_features = [None] * MAX_IN_FLIGHT
         ring = sess.queued % MAX_IN_FLIGHT
-        host = sess.readback[ring][: packed.shape[0]]
         sess.queued += 1
-        host.copy_(packed, non_blocking=True)
+        host = sess.readback[ring].write(packed)
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
         features = None
         if path_features is not None:
             # in memory of its own: the next replay overwrites the graph's output
             rows = path_features[:advance]  # [advance, taps*hidden]
-            if host_features:
-                features = _host_rows(sess, ring, rows, pinned)
-                features.copy_(rows, non_blocking=True)
-            else:
-                features = rows.clone()
+            features = _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
         timer.end()
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
         return pending
 
 
-def _host_rows(sess: VerifySession, ring: int, rows: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """Host memory for a round's path features of rows' shape: the session's buffer for that ring slot (readback's
-    slot), grown on need: no pinned allocation a round. The rows stay valid until the session's round after next
-    (the service has sent them long before)."""
-    need = rows.numel()
+def _host_rows(sess: VerifySession, ring: int, rows: torch.Tensor, device: torch.device) -> PinnedReadback:
+    """Host memory for a round's path features: the session's buffer for that ring slot (readback's slot), grown
+    on need: no pinned allocation a round. The rows stay valid until the session's round after next (the service
+    has sent them long before)."""
     buf = sess.host_features[ring]
-    if buf.numel() < need or buf.dtype != rows.dtype:
-        buf = sess.host_features[ring] = torch.empty(need, dtype=rows.dtype, pin_memory=pinned)
-    return buf[:need].view(rows.shape)
+    if buf is None or buf.capacity < rows.numel() or buf.host.dtype != rows.dtype:
+        buf = sess.host_features[ring] = PinnedReadback(rows.numel(), rows.dtype, device)
+    return buf

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree.readback import PinnedReadback
 from ddtree.types import SamplingParams
 from verify_server.kv_cache import KVCache
 from verify_server.state_cache import StateCache
@@ -44,7 +45,7 @@ class VerifySession:
     last_used: float = field(default_factory=time.monotonic)
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
-    readback: list[torch.Tensor] = field(default_factory=list)  # pinned [2 + MAX_GRAPH_NODES] host buffers
+    readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
     queued: int = 0  # rounds queued so far (picks the readback buffer)
-    # per readback slot, host memory (pinned on a GPU) for a host_features round's path features, flat
-    host_features: list[torch.Tensor] = field(default_factory=list)
+    # per readback slot, host memory for a host_features round's path features, flat
+    host_features: list[PinnedReadback | None] = field(default_factory=list)

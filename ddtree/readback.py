@@ -1,0 +1,51 @@
+"""Host buffers that a GPU fills with a kernel's stores (zero-copy) rather than a copy engine's DMA.
+
+Why: a verify round reads its outcome back right after its graph replay. A cudaMemcpyAsync into pinned memory
+runs on a copy engine, and the hand-off to it from the kernels before adds latency: on an H200, the outcome's copy
+and the path features' clone after a replay took 12.2 us of device time; written by an elementwise kernel into
+the same pinned memory, 7.6 us (bench/readback_costs.py, bench/results/readback_costs_h200.json).
+
+With unified addressing (every 64-bit CUDA platform), pinned host memory is mapped into the device's address space
+at the same address, so a CUDA tensor over that address is a device view of the host buffer. The host reads it
+after a sync on work queued after the kernel, as it would after a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _CudaArray:
+    """__cuda_array_interface__ (v3) of `numel` bytes at `address`: what torch.as_tensor wraps without copying."""
+
+    def __init__(self, address: int, numel: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (numel,), "typestr": "|u1", "data": (address, False), "version": 3, "strides": None,
+        }
+
+
+class PinnedReadback:
+    """host [capacity] of `dtype`, pinned on a GPU; write() queues a device tensor's copy into its head."""
+
+    def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=dtype, pin_memory=cuda)
+        self._device_view = None  # the same bytes, as a CUDA tensor
+        if cuda:
+            raw = _CudaArray(self.host.data_ptr(), self.host.numel() * self.host.element_size())
+            self._device_view = torch.as_tensor(raw, device=device).view(dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+    def write(self, src: torch.Tensor) -> torch.Tensor:
+        """Queues src (contiguous, this buffer's dtype, at most capacity elements) into the buffer -> the host
+        view of src's shape, which holds src once the queued work has run."""
+        n = src.numel()
+        host = self.host[:n].view(src.shape)
+        if self._device_view is None:
+            host.copy_(src)
+        else:  # x * 1 is x for every value (NaN, -0 included), and an elementwise kernel stores it
+            torch.mul(src, 1, out=self._device_view[:n].view(src.shape))
+        return host
