@@ -61,17 +61,25 @@ def unfused_linear(
     return y if residual is None else residual + y
 
 
+def fused_kernel(q: int, fused_rows: int) -> str | None:
+    """Which ddtree.gemv kernel runs a q-row step's projections: 'gemv' (q == 1), 'rows' (q <= fused_rows) or None
+    (torch ops). Under torch.compile, q == 1 is static (dimensions of size 1 are specialised) and q <= fused_rows a
+    guard on a symbolic q: steps past the limit compile apart."""
+    if fused_rows >= 1 and q == 1:
+        return "gemv"
+    return "rows" if q <= fused_rows else None
+
+
 def normed_linear(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, fused_rows: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """RMSNorm of x [q, K] with norm_weight, then @ weight.T (+ bias): at q == 1 <= fused_rows ddtree.gemv's GEMV,
-    up to fused_rows rows its rows kernel (the norm folded into both), beyond in torch ops with the bias inside the
-    GEMM, rounded once, as HF's Linear. Under torch.compile, q == 1 is static (dimensions of size 1 are
-    specialised) and q <= fused_rows a guard on a symbolic q: steps past the limit compile apart."""
-    if fused_rows >= 1 and x.shape[0] == 1:
+    """RMSNorm of x [q, K] with norm_weight, then @ weight.T (+ bias), through fused_kernel's choice (the norm folded
+    into the kernel), or torch ops with the bias inside the GEMM, rounded once, as HF's Linear."""
+    kernel = fused_kernel(x.shape[0], fused_rows)
+    if kernel == "gemv":
         y = decode_linear(x, weight, norm_weight, None, eps, RMSNORM)
-    elif x.shape[0] <= fused_rows:
+    elif kernel == "rows":
         y = rows_linear(x, weight, norm_weight, None, eps, False)
     else:
         return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
@@ -215,8 +223,7 @@ def decoder_layer(
     projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's Triton kernels
     (a GPU): GEMVs at one row, rows_linear beyond."""
     q_len, d = hidden.shape[0], shape.head_dim
-    gemv = fused_rows >= 1 and q_len == 1  # as normed_linear decides
-    rows = not gemv and q_len <= fused_rows
+    kernel = fused_kernel(q_len, fused_rows)
     qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
     q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
     q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
@@ -233,11 +240,11 @@ def decoder_layer(
             q.transpose(0, 1)[None], keys[None], values[None], dense, shape.scale, shape.gqa
         )[0].transpose(0, 1)
     out = out.reshape(q_len, shape.heads * d)
-    if gemv:
+    if kernel == "gemv":
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
         return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
-    linear = rows_linear if rows else unfused_linear  # one contract, fused or not
+    linear = rows_linear if kernel == "rows" else unfused_linear  # one contract, fused or not
     hidden = linear(out, layer.o, None, hidden, 0.0, False)
     gated = linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
     return linear(gated, layer.down, None, hidden, 0.0, False)
@@ -260,8 +267,8 @@ class FusedDecoder:
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = decoder.norm.weight
         self.lm_head = model.get_output_embeddings().weight  # [vocab, hidden], possibly tied to embed
-        # the model's own RoPE (default, llama3, yarn, ... scaling), tabled; the runner covers its cache slots
-        self.rope = RopeTable(decoder.rotary_emb, cfg.max_position_embeddings, self.embed.device, self.embed.dtype)
+        # the model's own RoPE (default, llama3, yarn, ... scaling), tabled as far as the runner's cache slots reach
+        self.rope = RopeTable(decoder.rotary_emb, 1, self.embed.device, self.embed.dtype)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.attention = "sdpa"
