@@ -93,6 +93,19 @@ def test_greedy_equals_hf_generate(
         assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
 
 
+def test_chained_rounds_accept_what_unchained_rounds_accept(qwen3_target: Path, drafter_dir: Path) -> None:
+    """A launched round's path features are the graph's output, which the next draft reads before the session's
+    next launch overwrites them: the drafts, so every round's accepted count, are those of rounds that copy them
+    (verify()). Wrong features would still give the target's output (lossless), only shorter acceptance."""
+    verifier, drafter = load(qwen3_target, drafter_dir, "chained")
+    unchained = LocalVerifier(verifier.engine, chain=False)
+    for prompt in prompts(4):
+        for spec in (Speculation("chain"), Speculation("ddtree", 16)):
+            chained = [r.accepted for r in generate(verifier, drafter, prompt, spec, [])]
+            assert chained == [r.accepted for r in generate(unchained, drafter, prompt, spec, [])], (prompt, spec)
+    assert "launch,launch,collect" in ",".join(verifier.log)
+
+
 @pytest.mark.parametrize("path", ["fused", "hf", "chained"])
 def test_tiny_vocab_large_budget_accepts_deeply(path: str, tmp_path: Path) -> None:
     """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
@@ -130,4 +143,7 @@ def test_chained_rounds_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir
         for spec in (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 16), Speculation("ddtree", 64)):
             rounds = generate(verifier, drafter, prompt, spec, eos, max_new=40)
             assert [t for r in rounds for t in r.tokens] == reference, (i, spec)
+            # the drafts read each launched round's features from the graph's output (no copy): as copied ones
+            unchained = generate(LocalVerifier(verifier.engine, chain=False), drafter, prompt, spec, eos, max_new=40)
+            assert [r.accepted for r in rounds] == [r.accepted for r in unchained], (i, spec)
     assert "launch,launch,collect" in ",".join(log)
