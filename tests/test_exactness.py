@@ -94,9 +94,9 @@ def test_greedy_equals_hf_generate(
 
 
 def test_chained_rounds_accept_what_unchained_rounds_accept(qwen3_target: Path, drafter_dir: Path) -> None:
-    """A launched round's path features are the graph's output, which the next draft reads before the session's
-    next launch overwrites them: the drafts, so every round's accepted count, are those of rounds that copy them
-    (verify()). Wrong features would still give the target's output (lossless), only shorter acceptance."""
+    """The drafts of chained rounds read each launched round's path features on the device, as the drafts of
+    unchained rounds (verify()) read them: every round's accepted count is the same. Wrong features would still
+    give the target's output (lossless), only shorter acceptance, so the exactness tests would not see them."""
     verifier, drafter = load(qwen3_target, drafter_dir, "chained")
     unchained = LocalVerifier(verifier.engine, chain=False)
     for prompt in prompts(4):
@@ -143,7 +143,7 @@ def test_chained_rounds_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir
         for spec in (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 16), Speculation("ddtree", 64)):
             rounds = generate(verifier, drafter, prompt, spec, eos, max_new=40)
             assert [t for r in rounds for t in r.tokens] == reference, (i, spec)
-            # the drafts read each launched round's features from the graph's output (no copy): as copied ones
+            # the drafts after launched rounds read the same features as those after verify()
             unchained = generate(LocalVerifier(verifier.engine, chain=False), drafter, prompt, spec, eos, max_new=40)
             assert [r.accepted for r in rounds] == [r.accepted for r in unchained], (i, spec)
     assert "launch,launch,collect" in ",".join(log)

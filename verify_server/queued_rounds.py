@@ -30,9 +30,8 @@ class PendingRound:
     packed    [2 + qb] host view of accept_path's packed result, written by the device (ddtree/readback.py) once
               the round has run
     features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
-              without taps; on the device: for a launch()ed round the graph's output, valid until the session's
-              next launch, like the cursor; for verify() in memory of its own; for a host_features round in the
-              session's host buffer of its ring slot (pinned on a GPU)
+              without taps; on the device in memory of its own, or for a host_features round in the session's host
+              buffer of its ring slot (pinned on a GPU)
     cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
               session's next launch, which reads it
     advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
@@ -59,15 +58,12 @@ class QueuedRounds:
         """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
         session still in flight, this one takes its start and root from that round's outcome on the device, so
         the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
-        chained round's tree must be on the device. Its features are the graph's output: a caller reads them (an
-        in-process drafter's append) before the session's next launch, which overwrites them; no copy per round
-        (~3.6 us of device time, bench/readback_costs.py). SessionError where a round cannot be queued so
-        (sampling, the uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify()
-        runs those."""
+        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, the
+        uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify() runs those."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
-        pending = self._launch(session_id, sess, tree, own_features=False)
+        pending = self._launch(session_id, sess, tree)
         if pending is None:
             raise SessionError("only greedy rounds on the captured path can be queued; use verify")
         return pending
@@ -87,11 +83,9 @@ class QueuedRounds:
         return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
 
     def _launch(
-        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False,
-        own_features: bool = True,
+        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False
     ) -> PendingRound | None:
-        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured. Its features
-        go to the host (host_features), to memory of their own (own_features) or stay the graph's output."""
+        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured."""
         if self.fused is None or not sess.params.greedy:
             return None
         if len(sess.inflight) >= MAX_IN_FLIGHT:
@@ -116,11 +110,9 @@ class QueuedRounds:
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
         features = None
         if path_features is not None:
+            # in memory of its own: the next replay overwrites the graph's output
             rows = path_features[:advance]  # [advance, taps*hidden]
-            if host_features:
-                features = _host_rows(sess, ring, rows, self.device).write(rows)
-            else:  # the next replay overwrites the graph's output
-                features = rows.clone() if own_features else rows
+            features = _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
         timer.end()
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
