@@ -24,6 +24,7 @@ from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+INITIAL_ROPE_ROWS = 32768  # the demo pair's whole range (2048), as measured in bench/README.md
 
 
 def fused_unsupported(config: PretrainedConfig) -> str | None:
@@ -267,8 +268,10 @@ class FusedDecoder:
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = decoder.norm.weight
         self.lm_head = model.get_output_embeddings().weight  # [vocab, hidden], possibly tied to embed
-        # the model's own RoPE (default, llama3, yarn, ... scaling), tabled as far as the runner's cache slots reach
-        self.rope = RopeTable(decoder.rotary_emb, 1, self.embed.device, self.embed.dtype)
+        # the model's own RoPE (default, llama3, yarn, ... scaling), tabled; the runner's cache slots grow it past
+        # INITIAL_ROPE_ROWS (a long-context model's whole range would be hundreds of MB)
+        rows = min(cfg.max_position_embeddings, INITIAL_ROPE_ROWS)
+        self.rope = RopeTable(decoder.rotary_emb, rows, self.embed.device, self.embed.dtype)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.attention = "sdpa"
