@@ -159,6 +159,8 @@ def main() -> None:
     names = args.shapes.split(",") if args.shapes else None
     if names and not set(names) <= set(SHAPES):
         p.error(f"unknown shapes {sorted(set(names) - set(SHAPES))}")
+    if args.rows and names and any(not name.startswith("demo-") for name in names):
+        p.error("--rows times the demo shapes only (demo-...)")
     if args.rows:
         rows = sweep_rows([int(m) for m in args.rows.split(",")], args.quick, names)
         result = {"gpu": torch.cuda.get_device_name(), **rows}

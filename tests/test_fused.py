@@ -153,7 +153,7 @@ def test_rope_table_rows_equal_the_rotary_module_bit_for_bit(kind: str, dtype: t
     for that step, before and after the table grows past a chunk of its filling."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from verify_server.rope import CHUNK, RopeTable
+    from verify_server.rope import CHUNK, RopeTable, gather_rope
 
     config = Qwen3Config(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=2048,
                          rope_parameters=ROPES[kind])
@@ -166,7 +166,7 @@ def test_rope_table_rows_equal_the_rotary_module_bit_for_bit(kind: str, dtype: t
         for _ in range(20):
             positions = torch.randint(0, rows, (int(torch.randint(1, 80, (1,), generator=gen)),), generator=gen)
             want_cos, want_sin = rotary(probe, positions[None])  # [1, q, head_dim]
-            cos, sin = table.gather(positions)  # [q, 1, head_dim]
+            cos, sin = gather_rope(table.table, positions)  # [q, 1, head_dim]
             assert torch.equal(cos[:, 0], want_cos[0]) and torch.equal(sin[:, 0], want_sin[0])
 
 

@@ -1,8 +1,8 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction}`. The same kernels run compiled on a GPU in test_flash_tree.py
-and test_drafter_static.py."""
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction}`. The same kernels run compiled on a GPU in
+test_flash_tree.py and test_drafter_static.py."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def check_compaction() -> None:
             order = torch.tensor(path[::-1] + [qb - 1] * (qb - len(path)))  # root..deepest, then filler
             depth = torch.tensor([len(path) - 1])
             want_k, want_v = k.clone(), v.clone()
-            dst = start + torch.arange(len(path))
-            want_k[..., dst, :], want_v[..., dst, :] = k[..., start + order[: len(path)], :], v[..., start + order[: len(path)], :]
+            dst, src = start + torch.arange(len(path)), start + order[: len(path)]
+            want_k[..., dst, :], want_v[..., dst, :] = k[..., src, :], v[..., src, :]
             got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
             compact(got_k, got_v, torch.tensor(start, device=DEVICE), order.to(DEVICE), depth.to(DEVICE))
             assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v), (qb, start, deepest)

@@ -48,10 +48,6 @@ class RopeTable:
         self.table = torch.cat((self.table, self._compute(have, 1 << (rows - 1).bit_length())))
         torch._dynamo.maybe_mark_dynamic(self.table, 0)
 
-    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [q] -> cos, sin [q, 1, head_dim] (a head axis to broadcast over)."""
-        return gather_rope(self.table, positions)
-
     @torch.no_grad()
     def _compute(self, lo: int, hi: int) -> torch.Tensor:
         parts = []
@@ -63,6 +59,7 @@ class RopeTable:
 
 
 def gather_rope(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RopeTable.gather on a table passed in (compiled callers take it as an argument, not an attribute)."""
+    """A RopeTable's table, positions [q] -> cos, sin [q, 1, head_dim] (a head axis to broadcast over). The table is
+    an argument, not read from the RopeTable, so that compiled callers take it as an input."""
     rows = table[positions]  # [q, 2, head_dim]
     return rows[:, :1], rows[:, 1:]
