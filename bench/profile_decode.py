@@ -1,7 +1,7 @@
 """Where a verifier step spends its time (torch.profiler, kernels sorted by device time), to explain the gap
 between a step and the weight-streaming bound.
 
-Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--compile] [--attention grouped] [--eager]
+Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64] [--compile] [--attention grouped] [--eager]
 TARGET: a model directory, or random:<shape> (ddtree/cost_curve.py SHAPES, e.g. random:qwen3-8b).
 """
 
@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel of the fused steps (default: per mode)")
     p.add_argument("--fused-rows", type=int, default=None, metavar="N",
                    help="steps of up to N rows through the fused Triton projections (0: cuBLAS; default: by size)")
+    p.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (a session each call)")
     p.add_argument("--rows", type=int, default=20)
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -50,7 +51,7 @@ def main() -> None:
     print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, fused_rows={rows}")
     prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)
-    for nodes in (int(n) for n in args.nodes.split(",")):
+    for nodes in (int(n) for n in args.nodes.split(",") if n):
         engine.start_session("p", args.context + 70 * (nodes + 1), SamplingParams(), [])
         engine.prefill("p", prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
@@ -60,6 +61,16 @@ def main() -> None:
               f"{kernel_ms:.3f} ms of device kernels per step ===")
         print(table)
         engine.end_session("p")
+    for length in (int(n) for n in args.prefill.split(",") if n):
+        def prefill(length: int = length) -> None:
+            engine.start_session("p", length + 1, SamplingParams(), [])
+            engine.prefill("p", prompt[:length])
+            engine.end_session("p")
+
+        wall_ms, kernel_ms, table = profiled_calls(prefill, torch.cuda.synchronize, args.rows)
+        print(f"\n=== prefill of {length} tokens (session start and end included): {wall_ms:.3f} ms wall, "
+              f"{kernel_ms:.3f} ms of device kernels per call ===")
+        print(table)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
     """fused_rows 48: a compiled step of up to 48 rows takes the fused projections' branch, a longer one the other;
     the Triton kernels themselves need a GPU, so here their contract runs in torch ops (the branch choice is what
     is compiled)."""
+    torch._dynamo.reset()  # compiled code is cached per function, across engines: none from an earlier test
     engine = make_engine(qwen3_target, "fused-static")
     engine.fused.configure(graphs=False, compile=True, attention="matmul")
     if fused_rows:
@@ -75,6 +76,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
 def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -> None:
     """The service's configuration on a GPU: graphs, compile, the Triton kernels at the default row limit (128
     rows for a small target), trees up to it and past it."""
+    torch._dynamo.reset()
     engine = VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True)
     assert engine.fused.decoder.fused_rows == 128
     warm_up_verifier(engine)

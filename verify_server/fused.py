@@ -153,9 +153,11 @@ class FusedLayer:
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float, gqa: bool) -> torch.Tensor:
-    """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal) -> [1, heads, q, d].
-    gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot be derived."""
-    return attention(q, k, v, mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, gqa=gqa)
+    """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal, top-left aligned, as a
+    prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it) ->
+    [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot
+    be derived."""
+    return attention(q, k, v, mask, is_causal=mask is None, scale=scale, gqa=gqa)
 
 
 def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -251,6 +253,13 @@ def decoder_layer(
     return linear(gated, layer.down, None, hidden, 0.0, False)
 
 
+def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
+    """decoder_layer for a prompt (mask None, attention 'sdpa'). A function of its own, because a compiled
+    function's recompile limit counts per function: with the tree steps' it went past the limit of 8 (a step of
+    each kind at up to the fused row limit and beyond, static first, then symbolic)."""
+    return decoder_layer(*args, **kwargs)
+
+
 class FusedDecoder:
     """The decoder stack + lm_head of a supported HF causal LM, weights fused at load.
 
@@ -328,12 +337,16 @@ class FusedDecoder:
         kv_len: int,
         taps: tuple[int, ...],
         compiled: bool = False,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward from embed_tokens' outputs. compiled: run the layers through the configured step
-        (set_compiled), which takes a StepVisibility."""
+        (set_compiled), which takes a StepVisibility; with causal, through its prompt step instead (mask None:
+        a prompt from slot 0 under SDPA's causal mask)."""
         step, kernel, rows = (decoder_layer, "sdpa", 0)
         if compiled:
             step, kernel, rows = self._compiled, self.attention, self.fused_rows
+            if causal:
+                step, kernel = self._compiled_prompt, "sdpa"
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]
@@ -357,9 +370,10 @@ class FusedDecoder:
         if fused_rows and not gemv_supported(self.embed.device):
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
-        self._compiled, self._head = decoder_layer, head_logits
+        self._compiled, self._compiled_prompt, self._head = decoder_layer, prompt_layer, head_logits
         if enabled:  # automatic dynamic: q turns symbolic on first change
             self._compiled = torch.compile(decoder_layer, fullgraph=True)
+            self._compiled_prompt = torch.compile(prompt_layer, fullgraph=True)
             self._head = torch.compile(head_logits, fullgraph=True)
 
     def logits(self, hidden: torch.Tensor, compiled: bool = False) -> torch.Tensor:

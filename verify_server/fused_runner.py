@@ -163,11 +163,14 @@ def unpack_step(
     return ids, parents, depths, positions, start, valid, anc, *embed_tokens(ids, positions, embed, rope)
 
 
-def prompt_step(inputs: torch.Tensor, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inside the graph: a StepBuffers' `inputs` holding a prompt -> ids [qb] (0 past the prompt), num [] (its
-    length). Its positions and slots are the node indices."""
+def prompt_step(
+    inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' `inputs` holding a prompt -> num [] (its length), then the prompt's embedded
+    inputs (fused.embed_tokens: hidden, cos, sin; token 0 past the prompt). Its positions and slots are the node
+    indices."""
     num = inputs[3 * nodes.shape[0] + 1]
-    return torch.where(nodes < num, inputs[: nodes.shape[0]], 0), num
+    return num, *embed_tokens(torch.where(nodes < num, inputs[: nodes.shape[0]], 0), nodes, embed, rope)
 
 
 def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,6 +221,7 @@ class FusedRunner:
         # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
         # steps, the embedding and RoPE rows, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
+        self._unpack_prompt = torch.compile(prompt_step, fullgraph=True) if compile else prompt_step
         self._accept = torch.compile(greedy_accept, fullgraph=True) if compile else greedy_accept
         self.graphs = GraphPool(self.device, enabled=graphs)
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
@@ -372,12 +376,14 @@ class FusedRunner:
     def _prompt(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A captured prompt through the plain layers -> (logits of its last real token [1, V] fp32, features
-        [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows past the prompt (its
-        padding, up to the key bucket) stay unseen, and the kernels are those of the uncaptured prefill. (A dense
-        mask cost more: at Qwen3-8B shapes a captured 512-token prefill under it took 28.5 ms where the uncaptured
-        causal one took 25.6, bench/README.md.)"""
-        ids, num = prompt_step(buf.inputs, buf.nodes)
+        """A captured prompt through the configured (compiled) layers, attention by SDPA -> (logits of its last real
+        token [1, V] fp32, features [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows
+        past the prompt (its padding, up to the key bucket) stay unseen. (A dense mask cost more: at Qwen3-8B shapes
+        a captured 512-token prefill under it took 28.5 ms where the uncaptured causal one took 25.6; and the
+        uncompiled layers ran ~300 kernels for a 64-token demo prompt, bench/README.md.)"""
+        num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         kv_len = key_bucket(buf.qb, cache.capacity)
-        hidden, features = self.decoder.forward(ids, buf.nodes, cache, buf.nodes, None, kv_len, taps)
-        return self.decoder.logits(hidden.index_select(0, (num - 1).view(1))), features
+        hidden, features = self.decoder.layers_forward(
+            hidden, cos, sin, cache, buf.nodes, None, kv_len, taps, compiled=True, causal=True
+        )
+        return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features

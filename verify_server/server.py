@@ -186,6 +186,16 @@ def warm_up(engine: VerifyEngine) -> None:
             engine.decode(session_id, host_features=True)
         finally:
             engine.end_session(session_id)
+    # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
+    # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
+    # holds their sizes and the slots' strides as symbolic.
+    for prompt in (17, *(n + 1 for n in past_limit)):
+        session_id = f"warm-up-{uuid.uuid4().hex}"
+        engine.start_session(session_id, prompt + 1, SamplingParams(), [engine.num_layers - 1])
+        try:
+            engine.prefill(session_id, [0] * prompt)
+        finally:
+            engine.end_session(session_id)
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
 
 

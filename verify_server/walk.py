@@ -29,6 +29,9 @@ def accept_path(
     # index_select with a device index, never t[0-d tensor]: that reads the index on the host (a sync, and an
     # error inside graph capture)
     deepest = torch.where(accepted, depths, -1).argmax().view(1)
-    path = torch.where(anc.index_select(0, deepest)[0], nodes, q).sort().values  # ancestors come before descendants
+    # A path holds one node per depth 0..k: node at depth d goes to row d (a scatter where a sort by index cost
+    # ~9 us at 64 nodes on the H200), every other node to a spare row q, dropped.
+    row = torch.where(anc.index_select(0, deepest)[0], depths, q)  # [q]
+    path = torch.full((q + 1,), q, dtype=nodes.dtype, device=ids.device).scatter(0, row, nodes)[:q]
     packed = torch.cat((depths.index_select(0, deepest), choice.index_select(0, deepest), ids[path.clamp(max=q - 1)]))
     return packed, path
