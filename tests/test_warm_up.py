@@ -21,6 +21,7 @@ from tests.test_drafter_static import FEATURE_DIM, engines
 from tests.test_verify import make_engine
 from verify_server import fused
 from verify_server.fused import unfused_linear
+from verify_server.fused_runner import MAX_GRAPH_NODES
 from verify_server.server import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine
 
@@ -69,6 +70,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
     warm_up_verifier(engine)
     before = compiled_graphs()
     serve_steps(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
+    serve_long_prompt(engine)
     assert compiled_graphs() == before
 
 
@@ -82,6 +84,7 @@ def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -
     warm_up_verifier(engine)
     before = compiled_graphs()
     serve_steps(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
+    serve_long_prompt(engine)
     assert compiled_graphs() == before
 
 
@@ -96,6 +99,15 @@ def serve_steps(engine: VerifyEngine, capacity: int, node_counts: tuple[int, ...
             step = engine.decode("s") if nodes == 0 else engine.verify("s", random_tree(rng, root, nodes, engine.vocab_size))
             root = step.tokens[-1]
         engine.end_session("s")
+
+
+def serve_long_prompt(engine: VerifyEngine) -> None:
+    """A prompt past the largest captured bucket: the prompt step, uncaptured (its key count is the prompt's)."""
+    rng = random.Random(6)
+    length = MAX_GRAPH_NODES + 21
+    engine.start_session("long", length + 1, SamplingParams(), taps=[1, 3])
+    engine.prefill("long", [rng.randrange(engine.vocab_size) for _ in range(length)])
+    engine.end_session("long")
 
 
 def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:

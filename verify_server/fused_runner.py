@@ -266,6 +266,14 @@ class FusedRunner:
         without taps). New K/V go to slots [length, length+q)."""
         q, start = ids.shape[0], cache.length
         slots = torch.arange(start, start + q, device=self.device)
+        if tree is None and start == 0 and q > 1:
+            # a prompt beyond the captured buckets: the configured (compiled) prompt step, uncaptured, as a long
+            # prompt's norms, RoPE and gate are memory-bound passes over [q, hidden] that the compiler fuses
+            hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
+            hidden, features = self.decoder.layers_forward(
+                hidden, cos, sin, cache, slots, None, q, taps, compiled=True, causal=True
+            )
+            return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         mask = None if tree is None and start == 0 else step_mask(
             torch.tensor(start, device=self.device),
             tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=self.device).tril(),
