@@ -7,9 +7,10 @@ context rather than to the slot. A step's inputs are the tree's three arrays and
 per-bucket static buffer in one or a few copies; the graph derives ids, positions and the padding from them. A tree
 smaller than its bucket is padded with children of the root that are never accepted, whose K/V land in the slot's
 spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a captured graph
-too: uncaptured, its few hundred launches were most of a short request's time outside its rounds. Longer prompts
-(bound by their matmuls, where the graph saves nothing), one-token prompts and trees beyond the largest bucket run
-the same forward eagerly.
+too, through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few
+hundred launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls,
+where the graph saves nothing) take the same compiled prompt step uncaptured; one-token prompts and trees beyond the
+largest bucket run the forward eagerly.
 """
 
 from __future__ import annotations
