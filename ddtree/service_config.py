@@ -21,8 +21,12 @@ import torch
 from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us, check_keep_warm_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-# gRPC caps a message at 2 GiB - 1; below 1 MiB not even a small prefill's features fit.
-_MESSAGE_BYTES_RANGE = (2**20, 2**31 - 1)
+# gRPC caps a message at 2 GiB - 1, which is also the default: a prompt's features travel whole, verifier ->
+# gateway -> drafter, and at Qwen3-8B shapes (5 taps x 4096, bf16) 256 MiB held ~6500 tokens of its 40960; the
+# largest holds the whole context. Below 1 MiB not even a small prefill's features fit.
+MAX_MESSAGE_BYTES = 2**31 - 1
+_MESSAGE_BYTES_RANGE = (2**20, MAX_MESSAGE_BYTES)
+MAX_MESSAGE_HELP = "largest gRPC or lane message sent or received, in bytes (a prompt's features come in one)"
 BUSY_POLL_HELP = (
     "microseconds the event loop keeps polling its sockets after its last I/O before it sleeps: a round's "
     "message then lands ~50 us sooner at each hop, at the cost of a busy core while sessions run (0: off; "
@@ -102,7 +106,7 @@ class ServiceConfig(FlagConfig):
         0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
         "through Info; 0: any free port; -1: no lane, rounds over gRPC only)"
     )
-    max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent or received, in bytes")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")

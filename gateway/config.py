@@ -12,7 +12,9 @@ from typing import Any, ClassVar
 
 from ddtree.event_loop import check_busy_poll_us, check_keep_warm_us
 from ddtree.models import resolve_pair
-from ddtree.service_config import BUSY_POLL_HELP, KEEP_WARM_HELP, FlagConfig, option
+from ddtree.service_config import (
+    BUSY_POLL_HELP, KEEP_WARM_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option,
+)
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
@@ -38,7 +40,7 @@ class GatewayConfig(FlagConfig):
     rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
-    max_message_bytes: int = option(256 * 2**20, "largest gRPC or lane message sent to or received from a backend")
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")

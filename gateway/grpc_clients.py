@@ -29,6 +29,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.transports import GrpcStream, SessionStream
 from protos import tensors
@@ -39,7 +40,6 @@ from protos.lane import CallFailed, Lane
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 2**20  # the servers' default; features of long prompts are large
 
 
 class BackendError(RuntimeError):
@@ -201,7 +201,7 @@ class GrpcDrafter(_Client):
         self,
         address: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
     ) -> None:
         name = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -260,7 +260,7 @@ class GrpcVerifier(_Client):
         self,
         address: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
     ) -> None:
         name = pb.DESCRIPTOR.services_by_name["Verifier"].full_name

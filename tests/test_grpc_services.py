@@ -31,7 +31,7 @@ from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB, hf_greedy
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
 
 PROMPT = [3, 17, 8, 25, 11, 40, 2]
 MAX_NEW = 24
@@ -307,6 +307,36 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
     exhausted = {"capacity beyond limit", "prompt beyond capacity"}
     assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 7
     assert len(first) == 1 and 0 <= first[0] < VOCAB
+
+
+def test_prompt_features_past_the_message_limit_are_refused_before_any_work(tmp_path):
+    """A prompt's features go back in one message: past --max-message-bytes the verifier refuses the prefill up front
+    (RESOURCE_EXHAUSTED, naming the flag), where the answer used to fail on its way out with the session prefilled.
+    The demo target (6 layers of 384, fp32 here: 9 KiB of features a token with every tap) reaches 1 MiB at ~114
+    tokens; the test target's whole context stays below it."""
+    ports = free_ports(2)
+    command = ["ddtree.cli", "verify", "--target", str(REPO_ROOT / "models" / "demo" / "target"),
+               "--max-message-bytes", str(2**20)]
+    verifier = launch(VERIFIER_SERVICE, command, (ports[0], ports[1]), tmp_path)
+
+    async def scenario() -> tuple[BackendError, list[int]]:
+        async with GrpcVerifier(verifier.address) as client:
+            info = await client.info()
+            session, taps = uuid.uuid4().hex, list(range(info.num_layers))
+            await client.start_session(session, 300, SamplingParams(), taps)
+            with pytest.raises(BackendError) as refused:
+                await client.prefill(session, [5] * 200)  # 200 x 6 x 384 x 4 B = 1.8 MB
+            first = await client.prefill(session, [5] * 100)  # 0.9 MB: the same session, untouched, prefills
+            await client.end_session(session)
+            return refused.value, first.tokens
+
+    try:
+        wait_serving(verifier)
+        refused, first = asyncio.run(scenario())
+    finally:
+        verifier.stop()
+    assert refused.code == EXHAUSTED and "--max-message-bytes" in refused.details and "200 tokens" in refused.details
+    assert len(first) == 1
 
 
 def test_bad_draft_requests_leave_the_session_usable(services, local):

@@ -15,7 +15,8 @@ import uuid
 import grpc
 import torch
 
-from ddtree.service import EngineHost, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
 from protos import tensors
@@ -30,6 +31,7 @@ from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, the tensor header, the timings
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -111,7 +113,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _prefill(self, engine: VerifyEngine, request: pb.PrefillRequest) -> pb.StepResponse:
         check_prompt(request.prompt, engine.vocab_size)
+        self._check_features_fit(engine, request)
         return tensors.step_to_pb(engine.prefill(request.session_id, list(request.prompt)))
+
+    def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
+        """The prompt's features go back in one message: a prompt whose features could not be sent is refused
+        before any work (else the answer would fail to leave, with the session prefilled)."""
+        taps = len(engine.session(request.session_id).taps)
+        size = len(request.prompt) * taps * engine.hidden_size * engine.dtype.itemsize
+        if size + MESSAGE_SLACK_BYTES > self.config.max_message_bytes:
+            raise LimitError(
+                f"a prompt of {len(request.prompt)} tokens brings {size} bytes of features ({taps} taps x "
+                f"{engine.hidden_size} x {engine.dtype.itemsize} B a token), over this verifier's max_message_bytes "
+                f"{self.config.max_message_bytes}: raise --max-message-bytes on the verifier, the gateway and the "
+                f"drafter alike (at most {MAX_MESSAGE_BYTES}), or send a shorter prompt"
+            )
 
     def _verify(self, engine: VerifyEngine, request: pb.VerifyRequest) -> pb.StepResponse:
         tree = tensors.tree_from_pb(request.tree)
