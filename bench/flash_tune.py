@@ -17,7 +17,7 @@ import torch
 from ddtree.flash_tree import launch, plan
 from ddtree.timing import graph_call_us, ranked
 from ddtree.sdpa import matmul_attention
-from verify_server.fused import step_mask
+from verify_server.step_attention import step_mask
 
 # (name, q, heads, kv_heads, head_dim, kv_len): Qwen3-8B decode and trees, the demo pair's, the demo drafter block
 SHAPES = [

@@ -1,4 +1,4 @@
-"""A prompt longer than the largest captured bucket (verify_server/fused_runner.py MAX_GRAPH_NODES) runs uncaptured:
+"""A prompt longer than the largest captured bucket (verify_server/step_inputs.py MAX_GRAPH_NODES) runs uncaptured:
 through the compiled prompt step, against the uncompiled layers it ran before, side by side on one random-weight
 target, alternated, with the first token each picked (the same in both).
 

@@ -15,7 +15,7 @@ from ddtree.cost_curve import RANDOM_PREFIX, copy_bandwidth, random_target
 from ddtree.timing import profiled_calls
 from ddtree.types import SamplingParams
 from draft_server.tree import build_tree
-from verify_server.fused import ATTENTION_CHOICES
+from verify_server.step_attention import ATTENTION_CHOICES
 from verify_server.verify import VerifyEngine, load_target
 
 

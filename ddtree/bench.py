@@ -24,7 +24,7 @@ from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
-from verify_server.fused import ATTENTION_CHOICES
+from verify_server.step_attention import ATTENTION_CHOICES
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
 PHASES = ("draft_s", "tree_s", "verify_s", "walk_s")

@@ -9,7 +9,7 @@ import torch
 
 from ddtree.flash_tree import flash_supported, flash_tree_attention, plan
 from ddtree.sdpa import matmul_attention
-from verify_server.fused import step_mask
+from verify_server.step_attention import step_mask
 from verify_server.tree_attention import ancestor_matrix
 
 CUDA = torch.device("cuda")

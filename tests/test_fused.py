@@ -15,7 +15,7 @@ from tests.conftest import hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 from verify_server.config import VerifyServerConfig
 from verify_server.fused import fused_unsupported
-from verify_server.fused_runner import MAX_GRAPH_NODES, bucket, size_class
+from verify_server.step_inputs import MAX_GRAPH_NODES, bucket, size_class
 from verify_server.session import CapacityError
 from verify_server.verify import VerifyEngine
 

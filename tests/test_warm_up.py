@@ -21,7 +21,7 @@ from tests.test_drafter_static import FEATURE_DIM, engines
 from tests.test_verify import make_engine
 from verify_server import fused
 from verify_server.fused import unfused_linear
-from verify_server.fused_runner import MAX_GRAPH_NODES
+from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.server import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine
 

@@ -20,7 +20,8 @@ from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.compaction import launch as compact
-from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, step_mask, unfused_linear
+from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, unfused_linear
+from verify_server.step_attention import step_mask
 from verify_server.tree_attention import ancestor_matrix
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled

@@ -2,8 +2,9 @@
 
 HF's modules cost one kernel per projection, norm and RoPE step, and their attention call goes through a mask
 built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on
-the device from a start offset and the [q, q] ancestor matrix, so the whole forward has static shapes for a given
-(cache, query count) and can be captured in a CUDA graph (verify_server/fused_runner.py). Numerics follow HF's
+the device from a start offset and the [q, q] ancestor matrix (verify_server/step_attention.py), so the whole
+forward has static shapes for a given (cache, query count) and can be captured in a CUDA graph
+(verify_server/fused_runner.py). Numerics follow HF's
 modules op for op (fp32 RMSNorm; RoPE from a table the model's own rotary module filled, verify_server/rope.py), so
 greedy output is unchanged.
 Other architectures (hybrids, sliding windows, anything else) keep the generic HF path.
@@ -17,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ddtree.flash_tree import flash_supported, flash_tree_attention
+from ddtree.flash_tree import flash_supported
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
-from ddtree.sdpa import attention, grouped_attention, matmul_attention
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
+from verify_server.step_attention import ATTENTION_CHOICES, FLASH, StepVisibility, attend
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
 INITIAL_ROPE_ROWS = 32768  # the demo pair's whole range (2048), as measured in bench/README.md
@@ -112,16 +113,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def step_mask(start: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """start: 0-d long, the first new slot; tree [q, q] bool, which new tokens each new token sees ->
-    [1, 1, q, kv_len] bool: every committed slot (< start) plus the visible new tokens. Device ops only, so the
-    same code runs inside a captured graph with `start` and `tree` rewritten in place."""
-    q = tree.shape[0]
-    rel = torch.arange(kv_len, device=tree.device) - start  # [kv_len] slot offset from the first new token
-    new = tree[:, rel.clamp(0, q - 1)] & ((rel >= 0) & (rel < q))[None, :]  # [q, kv_len]
-    return ((rel < 0)[None, :] | new)[None, None]
-
-
 @dataclass(frozen=True)
 class LayerShape:
     heads: int
@@ -149,62 +140,6 @@ class FusedLayer:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float, gqa: bool) -> torch.Tensor:
-    """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal, top-left aligned, as a
-    prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it) ->
-    [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot
-    be derived."""
-    return attention(q, k, v, mask, is_causal=mask is None, scale=scale, gqa=gqa)
-
-
-def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract through flex attention, whose decoding kernel splits the keys across thread blocks
-    (a masked SDPA runs one block per head, which starves the GPU at q = 1). Needs a mask and torch.compile."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    visible = mask[0, 0]  # [q, kv]
-
-    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor):
-        return torch.where(visible[qi, ki], score, float("-inf"))
-
-    return flex_attention(q.contiguous(), k, v, score_mod=score_mod, scale=scale, enable_gqa=gqa)
-
-
-def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                           scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract with each K/V group's query heads folded into the query axis (ddtree.sdpa)."""
-    if mask is None or not gqa:
-        return sdpa_attention(q, k, v, mask, scale, gqa)
-    return grouped_attention(q, k, v, mask, scale)
-
-
-def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                          scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract through ddtree.sdpa.matmul_attention (two batched matmuls around a masked softmax)."""
-    if mask is None:
-        return sdpa_attention(q, k, v, mask, scale, gqa)
-    return matmul_attention(q, k, v, mask, scale)
-
-
-ATTENTION_KERNELS = {
-    "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention, "flex": flex_tree_attention,
-}
-FLASH = "flash"  # ddtree.flash_tree: reads the step's start and tree instead of a materialised mask
-ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
-
-
-@dataclass(frozen=True)
-class StepVisibility:
-    """What a captured step's new tokens see, in the two forms the kernels take: start (0-d long, the first new
-    row) and tree [q, q] bool for flash; the dense [1, 1, q, kv_len] mask (step_mask) for the others."""
-
-    start: torch.Tensor
-    tree: torch.Tensor
-    dense: torch.Tensor | None
 
 
 def decoder_layer(
@@ -235,14 +170,7 @@ def decoder_layer(
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     keys.index_copy_(1, slots, k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
-    if attention_kernel == FLASH:
-        out = flash_tree_attention(q, keys, values, mask.start, mask.tree, shape.scale)  # [q, heads, d]
-    else:
-        dense = mask.dense if isinstance(mask, StepVisibility) else mask
-        out = ATTENTION_KERNELS[attention_kernel](
-            q.transpose(0, 1)[None], keys[None], values[None], dense, shape.scale, shape.gqa
-        )[0].transpose(0, 1)
-    out = out.reshape(q_len, shape.heads * d)
+    out = attend(q, keys, values, mask, attention_kernel, shape.scale, shape.gqa).reshape(q_len, shape.heads * d)
     if kernel == "gemv":
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)

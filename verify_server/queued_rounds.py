@@ -16,7 +16,7 @@ import torch
 from ddtree.readback import PinnedReadback
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, SamplingParams, StepResult
-from verify_server.fused_runner import MAX_GRAPH_NODES, bucket
+from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
 from verify_server.session import SessionError, VerifySession
 
 # Rounds of one session queued and not yet collected, at most: the one the host waits for and the next.

@@ -24,7 +24,7 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import Route
 from verify_server.config import VerifyServerConfig
-from verify_server.fused_runner import MAX_GRAPH_NODES
+from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import VerifyEngine

@@ -60,7 +60,7 @@ class VerifyEngine(QueuedRounds):
         (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
         the fused path's steps of up to this many rows run the Triton projections of ddtree/gemv.py where they can
         (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
-        (fused.ATTENTION_CHOICES); None: FusedRunner's default."""
+        (step_attention.ATTENTION_CHOICES); None: FusedRunner's default."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()

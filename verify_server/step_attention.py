@@ -1,0 +1,92 @@
+"""Attention for the fused decoder's steps: what a step's new tokens see (StepVisibility: a start row and the tree's
+[q, q] ancestor matrix, or that expanded into a dense mask over the cache) and the kernels that take it, one
+contract each (ATTENTION_CHOICES; measured against each other in bench/README.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.flash_tree import flash_tree_attention
+from ddtree.sdpa import attention, grouped_attention, matmul_attention
+
+
+def step_mask(start: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """start: 0-d long, the first new slot; tree [q, q] bool, which new tokens each new token sees ->
+    [1, 1, q, kv_len] bool: every committed slot (< start) plus the visible new tokens. Device ops only, so the
+    same code runs inside a captured graph with `start` and `tree` rewritten in place."""
+    q = tree.shape[0]
+    rel = torch.arange(kv_len, device=tree.device) - start  # [kv_len] slot offset from the first new token
+    new = tree[:, rel.clamp(0, q - 1)] & ((rel >= 0) & (rel < q))[None, :]  # [q, kv_len]
+    return ((rel < 0)[None, :] | new)[None, None]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float, gqa: bool) -> torch.Tensor:
+    """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal, top-left aligned, as a
+    prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it) ->
+    [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot
+    be derived."""
+    return attention(q, k, v, mask, is_causal=mask is None, scale=scale, gqa=gqa)
+
+
+def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract through flex attention, whose decoding kernel splits the keys across thread blocks
+    (a masked SDPA runs one block per head, which starves the GPU at q = 1). Needs a mask and torch.compile."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    visible = mask[0, 0]  # [q, kv]
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor):
+        return torch.where(visible[qi, ki], score, float("-inf"))
+
+    return flex_attention(q.contiguous(), k, v, score_mod=score_mod, scale=scale, enable_gqa=gqa)
+
+
+def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract with each K/V group's query heads folded into the query axis (ddtree.sdpa)."""
+    if mask is None or not gqa:
+        return sdpa_attention(q, k, v, mask, scale, gqa)
+    return grouped_attention(q, k, v, mask, scale)
+
+
+def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, gqa: bool) -> torch.Tensor:
+    """The same contract through ddtree.sdpa.matmul_attention (two batched matmuls around a masked softmax)."""
+    if mask is None:
+        return sdpa_attention(q, k, v, mask, scale, gqa)
+    return matmul_attention(q, k, v, mask, scale)
+
+
+ATTENTION_KERNELS = {
+    "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention,
+    "flex": flex_tree_attention,
+}
+FLASH = "flash"  # ddtree.flash_tree: reads the step's start and tree instead of a materialised mask
+ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
+
+
+@dataclass(frozen=True)
+class StepVisibility:
+    """What a captured step's new tokens see, in the two forms the kernels take: start (0-d long, the first new
+    row) and tree [q, q] bool for flash; the dense [1, 1, q, kv_len] mask (step_mask) for the others."""
+
+    start: torch.Tensor
+    tree: torch.Tensor
+    dense: torch.Tensor | None
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | StepVisibility | None,
+    kernel: str, scale: float, gqa: bool,
+) -> torch.Tensor:
+    """q [q, heads, d] over keys/values [kv_heads, kv, d] (the step's new K/V written already) under `mask` (a dense
+    mask, a StepVisibility, or None: causal over the new tokens) through `kernel` -> [q, heads, d]."""
+    if kernel == FLASH:
+        return flash_tree_attention(q, keys, values, mask.start, mask.tree, scale)
+    dense = mask.dense if isinstance(mask, StepVisibility) else mask
+    out = ATTENTION_KERNELS[kernel](q.transpose(0, 1)[None], keys[None], values[None], dense, scale, gqa)
+    return out[0].transpose(0, 1)

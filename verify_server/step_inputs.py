@@ -1,0 +1,164 @@
+"""What a captured verify step reads: the query buckets a step is padded to, the per-bucket static input buffer
+the host rewrites before each replay, and the functions that unpack it inside the graph (a tree's ids, parents,
+depths, positions and ancestor matrix, or a prompt's ids; with the embedding and RoPE rows) and read the greedy
+outcome. verify_server/fused_runner.py captures and replays the steps around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.types import DraftTree
+from verify_server.fused import embed_tokens
+from verify_server.tree_attention import ancestor_matrix
+from verify_server.walk import accept_path
+
+MIN_SLOT_TOKENS = 256
+MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
+ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
+
+
+def bucket(q: int) -> int | None:
+    """The captured query count a q-token step is padded to (None: run it eagerly). Multiples of 16 up to 128
+    keep padding small where trees usually are; powers of two beyond."""
+    if q == 1:
+        return 1
+    if q <= 128:
+        return -(-q // 16) * 16
+    if q <= MAX_GRAPH_NODES:
+        return 1 << (q - 1).bit_length()
+    return None
+
+
+def size_class(capacity: int) -> int:
+    return max(MIN_SLOT_TOKENS, 1 << (capacity - 1).bit_length())
+
+
+@dataclass
+class StepBuffers:
+    """One query bucket's static inputs, rewritten before each replay in one or a few copies (no per-field
+    kernels): the tree's arrays and three scalars, from which the graph derives ids, positions and the padding.
+
+    inputs  [3 * qb + 3] long on the device: tokens, parents, depths (rows of qb; past the tree's real q they
+            hold stale values the graph masks out), then start (the root's slot), num (real nodes), the root token
+    staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars. Its
+            copy is asynchronous and a chained round (write_after) is queued without a host sync in between, so
+            `copied` marks when the last copy has left it; a rewrite waits for that (long done, in practice)
+    """
+
+    inputs: torch.Tensor
+    staging: torch.Tensor
+    nodes: torch.Tensor  # [qb] 0, 1, ...: node indices
+    copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
+
+    @classmethod
+    def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
+        inputs = torch.zeros(3 * qb + 3, dtype=torch.long, device=device)
+        staging = torch.zeros(3 * qb + 3, dtype=torch.long, pin_memory=device.type == "cuda")
+        copied = torch.cuda.Event() if device.type == "cuda" else None
+        return cls(inputs, staging, torch.arange(qb, device=device), copied)
+
+    @property
+    def qb(self) -> int:
+        return self.nodes.shape[0]
+
+    def write_prompt(self, prompt: list[int]) -> None:
+        """A prompt: its tokens in the first row (parents and depths are implied: a chain from slot 0)."""
+        host = self._host()
+        host[: len(prompt)] = prompt
+        host[3 * self.qb :] = (0, len(prompt), prompt[0])
+        self._upload(self.inputs, self.staging)
+
+    def write(self, tree: DraftTree, start: int, root: int) -> None:
+        q, qb = tree.tokens.shape[0], self.qb
+        host = self._host()  # numpy item writes cost ~0.1 us where a torch call costs several
+        host[3 * qb :] = (start, q, root)
+        if q > 1 and tree.tokens.device.type == "cpu":
+            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                host[row * qb : row * qb + q] = values.numpy()
+            self._upload(self.inputs, self.staging)
+            return
+        self._copy_tree(tree)
+        self._upload(self.inputs[3 * qb :], self.staging[3 * qb :])
+
+    def write_after(self, tree: DraftTree, cursor: torch.Tensor) -> None:
+        """A round queued before the previous one is read: its start and root come from that round's outcome on
+        the device, cursor [2] = (next start, bonus token); nothing goes through the host."""
+        q, qb = tree.tokens.shape[0], self.qb
+        if q > 1 and tree.tokens.device != self.inputs.device:
+            raise ValueError("a chained round takes its tree on the device")
+        self._copy_tree(tree)
+        self.inputs[3 * qb + 1].fill_(q)  # a kernel argument, not a read of host memory
+        self.inputs[3 * qb :: 2].copy_(cursor)  # start and root
+
+    def _copy_tree(self, tree: DraftTree) -> None:
+        """A tree already on the device (a co-located drafter's): device-to-device copies."""
+        q, qb = tree.tokens.shape[0], self.qb
+        if q > 1:
+            rows = self.inputs[: 3 * qb].view(3, qb)
+            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                rows[row, :q].copy_(values, non_blocking=True)
+
+    def _host(self):
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has left the staging buffer
+        return self.staging.numpy()
+
+    def _upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        device.copy_(host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+@dataclass
+class TreeInputs:
+    ids: torch.Tensor  # [qb]
+    parents: torch.Tensor  # [qb], clamped: the root's is 0
+    depths: torch.Tensor  # [qb]
+    positions: torch.Tensor  # [qb] start + depth
+    start: torch.Tensor  # [] the root's slot
+    valid: torch.Tensor  # [qb] bool, False for padding
+    anc: torch.Tensor  # [qb, qb] bool: which new tokens each new token sees (ancestor-or-self)
+
+    def head(self, q: int) -> TreeInputs:
+        """The first q nodes (the real tree, without the bucket's padding)."""
+        return TreeInputs(self.ids[:q], self.parents[:q], self.depths[:q], self.positions[:q], self.start,
+                          self.valid[:q], self.anc[:q, :q])
+
+
+def unpack_step(
+    inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order, then the
+    step's embedded inputs (fused.embed_tokens: hidden, cos, sin) from the embedding and the RoPE table (device ops
+    only; a tuple so that torch.compile returns it as is)."""
+    qb = nodes.shape[0]
+    tokens, parents, depths = inputs[: 3 * qb].view(3, qb)
+    start, num, root = inputs[3 * qb :].unbind()  # 0-d views
+    valid = nodes < num
+    ids = torch.where(nodes == 0, root, torch.where(valid, tokens, 0))  # the root is the session's
+    parents = torch.where(valid, parents.clamp(min=0), 0)  # padding hangs off the root; the root off itself
+    depths = torch.where(valid, depths, 0)
+    # Compiled, the doubling steps fuse and a constant count keeps a symbolic bucket free of guards; uncompiled,
+    # each step is ~3 launches, so a bucket takes only the steps its size needs (4 for 16 nodes, not 9).
+    steps = ANCESTOR_STEPS if torch.compiler.is_compiling() else None
+    positions = start + depths
+    anc = ancestor_matrix(parents, steps)
+    return ids, parents, depths, positions, start, valid, anc, *embed_tokens(ids, positions, embed, rope)
+
+
+def prompt_step(
+    inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Inside the graph: a StepBuffers' `inputs` holding a prompt -> num [] (its length), then the prompt's embedded
+    inputs (fused.embed_tokens: hidden, cos, sin; token 0 past the prompt). Its positions and slots are the node
+    indices."""
+    num = inputs[3 * nodes.shape[0] + 1]
+    return num, *embed_tokens(torch.where(nodes < num, inputs[: nodes.shape[0]], 0), nodes, embed, rope)
+
+
+def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [qb, V] -> accept_path's (packed, path) for the target's greedy choices."""
+    return accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
