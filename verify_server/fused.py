@@ -4,14 +4,14 @@ HF's modules cost one kernel per projection, norm and RoPE step, and their atten
 built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on
 the device from a start offset and the [q, q] ancestor matrix (verify_server/step_attention.py), so the whole
 forward has static shapes for a given (cache, query count) and can be captured in a CUDA graph
-(verify_server/fused_runner.py). Numerics follow HF's
-modules op for op (fp32 RMSNorm; RoPE from a table the model's own rotary module filled, verify_server/rope.py), so
-greedy output is unchanged.
+(verify_server/fused_runner.py). Numerics follow HF's modules op for op (fp32 RMSNorm; RoPE from a table the
+model's own rotary module filled, verify_server/rope.py), so greedy output is unchanged.
 Other architectures (hybrids, sliding windows, anything else) keep the generic HF path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -211,10 +211,7 @@ class FusedDecoder:
         self.rope = RopeTable(decoder.rotary_emb, rows, self.embed.device, self.embed.dtype)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
-        self.attention = "sdpa"
-        self.fused_rows = 0
-        self._compiled = decoder_layer
-        self._head = head_logits
+        self.set_compiled(False)
 
     @staticmethod
     def _fuse(layer: torch.nn.Module) -> FusedLayer:
@@ -265,16 +262,28 @@ class FusedDecoder:
         kv_len: int,
         taps: tuple[int, ...],
         compiled: bool = False,
-        causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward from embed_tokens' outputs. compiled: run the layers through the configured step
-        (set_compiled), which takes a StepVisibility; with causal, through its prompt step instead (mask None:
-        a prompt from slot 0 under SDPA's causal mask)."""
-        step, kernel, rows = (decoder_layer, "sdpa", 0)
+        (set_compiled), which takes a StepVisibility."""
         if compiled:
-            step, kernel, rows = self._compiled, self.attention, self.fused_rows
-            if causal:
-                step, kernel = self._compiled_prompt, "sdpa"
+            return self._layers(self._compiled, self.attention, self.fused_rows, hidden, cos, sin, cache, slots, mask,
+                                kv_len, taps)
+        return self._layers(decoder_layer, "sdpa", 0, hidden, cos, sin, cache, slots, mask, kv_len, taps)
+
+    def prompt_forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+        kv_len: int, taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """layers_forward for a prompt from slot 0, through the configured prompt step: the configured projections,
+        attention by SDPA under its own causal mask (top-left aligned: key rows past the prompt stay unseen)."""
+        return self._layers(self._compiled_prompt, "sdpa", self.fused_rows, hidden, cos, sin, cache, slots, None,
+                            kv_len, taps)
+
+    def _layers(
+        self, step: Callable[..., torch.Tensor], kernel: str, rows: int, hidden: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, cache: KVCache, slots: torch.Tensor, mask: torch.Tensor | StepVisibility | None,
+        kv_len: int, taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]

@@ -123,9 +123,7 @@ class FusedRunner:
             # a prompt beyond the captured buckets: the configured (compiled) prompt step, uncaptured, as a long
             # prompt's norms, RoPE and gate are memory-bound passes over [q, hidden] that the compiler fuses
             hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
-            hidden, features = self.decoder.layers_forward(
-                hidden, cos, sin, cache, slots, None, q, taps, compiled=True, causal=True
-            )
+            hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, q, taps)
             return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         mask = None if tree is None and start == 0 else step_mask(
             torch.tensor(start, device=self.device),
@@ -244,7 +242,5 @@ class FusedRunner:
         uncompiled layers ran ~300 kernels for a 64-token demo prompt, bench/README.md.)"""
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         kv_len = key_bucket(buf.qb, cache.capacity)
-        hidden, features = self.decoder.layers_forward(
-            hidden, cos, sin, cache, buf.nodes, None, kv_len, taps, compiled=True, causal=True
-        )
+        hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, buf.nodes, kv_len, taps)
         return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features

@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -176,6 +178,18 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     return engine
 
 
+@contextlib.contextmanager
+def _warm_up_session(engine: VerifyEngine, capacity: int) -> Iterator[str]:
+    """A greedy session tapping the last layer (features handed over, as a drafter's session has them), ended
+    however the warm-up step goes."""
+    session_id = f"warm-up-{uuid.uuid4().hex}"
+    engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
+    try:
+        yield session_id
+    finally:
+        engine.end_session(session_id)
+
+
 def warm_up(engine: VerifyEngine) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
@@ -189,9 +203,7 @@ def warm_up(engine: VerifyEngine) -> None:
     past_limit = (limit,) if 31 < limit < MAX_GRAPH_NODES else ()
     # slots of 256 and 512 rows; key buckets 64 and 128-192
     for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):
-        session_id = f"warm-up-{uuid.uuid4().hex}"
-        engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
-        try:
+        with _warm_up_session(engine, capacity) as session_id:
             engine.prefill(session_id, [0] * prompt)
             root = engine.decode(session_id, host_features=True).tokens[-1]
             for nodes in (1, 15, 31, *extra):  # query buckets 16 and 32 (and the first past the limit)
@@ -200,18 +212,12 @@ def warm_up(engine: VerifyEngine) -> None:
                 tree = DraftTree(tokens, chain - 1, chain, max_depth=nodes)
                 root = engine.verify(session_id, tree, host_features=True).tokens[-1]
             engine.decode(session_id, host_features=True)
-        finally:
-            engine.end_session(session_id)
     # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
     # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
     # holds their sizes and the slots' strides as symbolic.
     for prompt in (17, *(n + 1 for n in past_limit)):
-        session_id = f"warm-up-{uuid.uuid4().hex}"
-        engine.start_session(session_id, prompt + 1, SamplingParams(), [engine.num_layers - 1])
-        try:
+        with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
-        finally:
-            engine.end_session(session_id)
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
 
 
