@@ -35,7 +35,7 @@ def _request(url: str, body: dict | None = None) -> dict | str:
     return json.loads(raw) if reply.headers.get_content_type() == "application/json" else raw
 
 
-def _counters(url: str) -> dict[str, float]:
+def read_counters(url: str) -> dict[str, float]:
     """The speculation counters and per-phase sums, flattened to name[label] -> value."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(_request(f"{url}/metrics")):
@@ -81,10 +81,10 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
         one_pass(speculation, f"warm-up {label}")
     runs = []
     for label, speculation in specs:
-        before = _counters(url)
+        before = read_counters(url)
         texts, seconds = one_pass(speculation, label)
         elapsed = sum(seconds)
-        after = _counters(url)
+        after = read_counters(url)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         drafts = delta.get("ddtree_spec_drafts_total", 0.0)
         tokens = delta.get("ddtree_generation_tokens_total", 0.0)

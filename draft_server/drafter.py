@@ -199,18 +199,48 @@ class DraftEngine:
             tree, nodes = self.static.tree(budget, top_k, host_tree)
             timer.end()
             return DraftResult(tree, timer, nodes)
-        if m:
-            positions = torch.arange(sess.length, root_position, device=self.device)[None]
-            new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
-            for layer, (k, v) in enumerate(new_kv):
-                sess.ctx_k[layer][:, :, sess.length : root_position] = k
-                sess.ctx_v[layer][:, :, sess.length : root_position] = v
-            sess.length = sess.length_max = root_position
+        self._append_eager(sess, features)
         logprobs = self._block_logprobs(sess, root_token, root_position)
         timer.mark()
         tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
         timer.end()
         return DraftResult(tree, timer)
+
+    @torch.inference_mode()
+    def append(self, session_id: str, features: torch.Tensor) -> tuple[int, float]:
+        """features [m, taps*hidden], m >= 1: target hidden states for positions [length, length+m) -> their
+        context K/V, nothing drafted: a long prompt's features, chunk by chunk, as the verifier's chunked prefill
+        returns them (the last chunk's come with the first draft). -> (the context's length now, the append's
+        device seconds: reading it waits for the append, which no round is waiting behind)."""
+        sess = self.session(session_id)
+        self._check_features(features)
+        m = features.shape[0]
+        if m == 0:
+            raise SessionError("an append needs at least one feature row")
+        if sess.length != sess.length_max:
+            raise SessionError("a session with a draft after a round in flight cannot take an append")
+        self._check_room(sess, session_id, sess.length + m)
+        sess.last_used = time.monotonic()
+        timer = self.timers.timer()
+        if self.static is not None:
+            self.static.append(sess.slot, sess.length, features)
+            sess.length = sess.length_max = sess.length + m
+        else:
+            self._append_eager(sess, features)
+        timer.mark()
+        return sess.length, timer.split()[0]
+
+    def _append_eager(self, sess: DraftSession, features: torch.Tensor) -> None:
+        """The eager path's context append: features [m, taps*hidden] at positions [length, length+m)."""
+        end = sess.length + features.shape[0]
+        if end == sess.length:
+            return
+        positions = torch.arange(sess.length, end, device=self.device)[None]
+        new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
+        for layer, (k, v) in enumerate(new_kv):
+            sess.ctx_k[layer][:, :, sess.length : end] = k
+            sess.ctx_v[layer][:, :, sess.length : end] = v
+        sess.length = sess.length_max = end
 
     @torch.inference_mode()
     def draft_after(

@@ -68,6 +68,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
+    async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
+        return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
+
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (protos/lane.py)."""
         return {"Draft": (pb.DraftRequest, self.Draft)}
@@ -97,17 +100,26 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise RequestError(f"budget must be in [1, {self.config.max_budget}], got {request.budget}")
         if request.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {request.top_k}")
-        if not request.HasField("features"):
-            raise RequestError("features are required (an empty [0, feature_dim] tensor when there are none)")
-        features = tensors.tensor_from_pb(request.features)
-        if not features.is_floating_point():
-            raise RequestError(f"features must be floating point, got {request.features.dtype}")
+        features = _features(request, "an empty [0, feature_dim] tensor when there are none")
         result = engine.draft(
             request.session_id, features, request.root_token, request.root_position, request.budget,
             request.top_k or None, host_tree=True,
         )
         forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
         return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
+
+    def _append(self, engine: DraftEngine, request: pb.AppendRequest) -> pb.AppendResponse:
+        length, forward_s = engine.append(request.session_id, _features(request, "at least one row"))
+        return pb.AppendResponse(context_length=length, timings=tensors.timings_to_pb(forward_s, {}))
+
+
+def _features(request: pb.DraftRequest | pb.AppendRequest, absent: str) -> torch.Tensor:
+    if not request.HasField("features"):
+        raise RequestError(f"features are required ({absent})")
+    features = tensors.tensor_from_pb(request.features)
+    if not features.is_floating_point():
+        raise RequestError(f"features must be floating point, got {request.features.dtype}")
+    return features
 
 
 def rehearse_draft(request: pb.DraftRequest, response: pb.DraftResponse) -> None:

@@ -41,6 +41,9 @@ class GatewayConfig(FlagConfig):
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
+    prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks, "
+                                      "its features to the drafter chunk by chunk, other requests' rounds run "
+                                      "between them; 0: every prompt in one call")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
@@ -56,6 +59,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if min(self.max_running, self.health_interval, self.rpc_timeout, self.max_message_bytes) <= 0:
             raise ValueError("max_running, health_interval, rpc_timeout and max_message_bytes must be > 0")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

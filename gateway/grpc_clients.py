@@ -247,6 +247,11 @@ class GrpcDrafter(_Client):
         tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
         return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
 
+    async def append(self, session_id: str, features: torch.Tensor | tensors.WireTensor) -> None:
+        request = pb.AppendRequest(session_id=session_id)
+        tensors.tensor_to_pb(features, out=request.features)
+        await self._call("Append", self._stub.Append, request)
+
     async def end_session(self, session_id: str) -> None:
         await self._end_streams(session_id)
         await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
@@ -276,8 +281,8 @@ class GrpcVerifier(_Client):
         )
         await self._call("StartSession", self._stub.StartSession, request)
 
-    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt)
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more)
         return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:

@@ -32,6 +32,9 @@ class LocalDrafter:
     ) -> tuple[DraftTree, Mapping[str, float]]:
         return _handed(self.engine.draft(session_id, features, root_token, root_position, budget, top_k))
 
+    async def append(self, session_id: str, features: torch.Tensor) -> None:
+        self.engine.append(session_id, features)
+
     async def draft_after(
         self, session_id: str, last: PendingRound, start: int, budget: int, top_k: int | None
     ) -> tuple[DraftTree, Mapping[str, float]]:
@@ -66,8 +69,8 @@ class LocalVerifier:
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         self.engine.start_session(session_id, capacity, params, taps)
 
-    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
-        return self.engine.prefill(session_id, prompt)
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        return self.engine.prefill(session_id, prompt, more)
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return self.engine.verify(session_id, tree)

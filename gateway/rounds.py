@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, TypeVar
 
 from ddtree.timing import DeferredTimings
 from ddtree.types import SamplingParams, StepResult
@@ -20,6 +20,7 @@ from gateway.backends import ChainingVerifier, DrafterClient, QueuedRound, Verif
 
 Mode = Literal["ar", "chain", "ddtree"]
 MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,12 @@ async def run_rounds(
     max_new_tokens: int,
     stop_token_ids: list[int],
     on_fallback: Callable[[BaseException], None] | None = None,
+    prefill_chunk: int = 0,
 ) -> AsyncIterator[Round]:
     """Yields one Round per step; the sessions on both services end however the iteration ends.
+
+    prefill_chunk: a prompt longer than this goes to the verifier in chunks of as many tokens (0: in one call),
+    see _prefill.
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
     output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Greedy requests on clients
@@ -87,7 +92,7 @@ async def run_rounds(
             except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
                 run.fall_back(exc)
         t0 = time.perf_counter()
-        step = await verifier.prefill(run.session_id, prompt)
+        step = await _prefill(run, prompt, prefill_chunk)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
         can_chain = getattr(verifier, "can_chain", None)
         chained = can_chain is not None and can_chain(params, spec.max_nodes(block)) and (
@@ -96,6 +101,7 @@ async def run_rounds(
         async for rnd in (_chained_rounds if chained else _stepped_rounds)(run, step, timings):
             yield rnd
     finally:
+        _discard(run.appending)  # the request ended before its first draft
         # shielded: a client that disconnects while we clean up must not leave a session behind on either service
         await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
 
@@ -113,6 +119,8 @@ class _Request:
     on_fallback: Callable[[BaseException], None] | None
     generated: int = 0
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # a chunked prefill's last appended chunk, on its way into the drafter's context: the first draft waits for it
+    appending: asyncio.Future | None = None
 
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)
@@ -134,6 +142,57 @@ class _Request:
             self.on_fallback(exc)
 
 
+async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
+    """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill), so that no answer
+    carries a long prompt's features at once (5 taps of Qwen3-8B are 40 KiB a token in bf16) and the verifier
+    serves other sessions' rounds between the chunks. Each chunk's features but the last go to the drafter (Append)
+    while the verifier runs the next chunk; the last chunk's come with the first draft, as a one-call prefill's do.
+    The first token does not wait for the last append: the first draft does (run.appending). -> the last chunk's
+    step, its forward_s the whole prompt's."""
+    if not 0 < chunk < len(prompt):
+        return await run.verifier.prefill(run.session_id, prompt)
+    appending: asyncio.Future | None = None  # the last chunk's features on their way into the drafter's context
+    forward_s = 0.0
+    try:
+        for begin in range(0, len(prompt), chunk):
+            more = begin + chunk < len(prompt)
+            step = await run.verifier.prefill(run.session_id, prompt[begin : begin + chunk], more=more)
+            forward_s += step.forward_s
+            if not more:
+                break
+            if appending is not None:
+                try:
+                    await appending
+                except Exception as exc:  # noqa: BLE001 - see run_rounds
+                    run.fall_back(exc)
+            appending = None
+            if run.drafter:
+                appending = asyncio.ensure_future(run.drafter.append(run.session_id, step.features))
+        run.appending, appending = appending, None
+    finally:
+        _discard(appending)  # the verifier failed: nobody waits for the append any more
+    step.forward_s = forward_s
+    return step
+
+
+async def _after_append(run: _Request, draft: Callable[[], Awaitable[T]]) -> T:
+    """The first draft after a chunked prefill: the drafter's context needs the last appended chunk first (its
+    failure fails the draft, and the round loop falls back to AR)."""
+    appending, run.appending = run.appending, None
+    await appending
+    return await draft()
+
+
+def _discard(future: asyncio.Future | None) -> None:
+    """A call nobody waits for any more: cancelled, or its failure retrieved (no error to anyone)."""
+    if future is None:
+        return
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
 async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
     """One round at a time: each starts from the host's copy of the last one's outcome."""
     session_id = run.session_id
@@ -151,6 +210,8 @@ async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str,
                 budget, top_k = run.tree_shape()
                 first = partial(drafter.draft, session_id, step.features, step.tokens[-1], run.root_position, budget,
                                 top_k)
+                if run.appending is not None:
+                    first = partial(_after_append, run, first)
             else:
                 first = partial(run.verifier.decode, session_id)
             # A remote backend's first call of the next round goes out before this round is handed over, so what
@@ -189,11 +250,7 @@ async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str,
             # merged when read: an in-process drafter's timings wait on device events, off the round's critical path
             timings = _merged(timings, rpc, step, time.perf_counter() - t0)
     finally:
-        if pending is not None:  # the caller stopped at a round while the next one's first call was in flight
-            if not pending.done():
-                pending.cancel()
-            elif not pending.cancelled():
-                pending.exception()  # retrieved: a failure of a call nobody waits for any more is no error
+        _discard(pending)  # the caller stopped at a round while the next one's first call was in flight
 
 
 @dataclass
@@ -248,7 +305,8 @@ async def _queue(run: _Request, step: StepResult | None = None, last: _Queued | 
         session_id, position = run.session_id, run.root_position
         try:
             if last is None:
-                call = run.drafter.draft(session_id, step.features, step.tokens[-1], position, budget, top_k)
+                draft = partial(run.drafter.draft, session_id, step.features, step.tokens[-1], position, budget, top_k)
+                call = draft() if run.appending is None else _after_append(run, draft)
             else:
                 call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
             tree, draft_timings = await call

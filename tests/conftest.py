@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
+)
 
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, save_drafter
 from draft_server.dflash_config import DFlashConfig
@@ -73,3 +76,35 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: list[int] | No
         eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
     )
     return out[0, len(prompt):].tolist()
+
+
+# Attention in the middle: the linear layers after it see inputs that tree attention computed.
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+
+
+def make_hybrid_target(kind: str, path: Path, seed: int = 0) -> Path:
+    """A random hybrid target with peaked next-token distributions (large init), so greedy is unambiguous.
+    kind "qwen3_5_vl" is the layout Qwen3.5 / 3.6 checkpoints ship in (vision tower, `model.language_model.*`)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=len(HYBRID_LAYER_TYPES),
+        layer_types=HYBRID_LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=1024, initializer_range=0.25, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    if kind == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
+    elif kind == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN, patch_size=4)
+        config = Qwen3_5Config(text_config=common, vision_config=vision, tie_word_embeddings=False)
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:  # dense MLPs: the MoE blocks are not what this file tests
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**common, num_experts=0))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
+    return {kind: make_hybrid_target(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen3_5", "qwen3_next")}

@@ -11,7 +11,7 @@ from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.dflash_config import DFlashConfig
 from ddtree.cuda_graphs import key_bucket
-from draft_server.drafter import CapacityError, DraftEngine
+from draft_server.drafter import CapacityError, DraftEngine, SessionError, UnknownSessionError
 from draft_server.server import load_engine
 from draft_server.target_head import TargetHead
 from tests.conftest import HIDDEN, VOCAB
@@ -90,6 +90,55 @@ def test_static_path_matches_eager(kind: str, drafter_dir: Path, monkeypatch: py
     assert not static.eager and eager.eager
     assert static.static.max_append == (model.config.block_size if kind == "chunked" else draft_graphs.MAX_APPEND)
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "chunked"])
+def test_appends_chunk_by_chunk_give_the_one_draft_context(
+    kind: str, drafter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunked prefill's features appended in pieces (Append), the last with the first draft: the same context
+    as one draft with them all, on both paths; then rounds on top stay the same."""
+    from draft_server import draft_graphs
+
+    if kind == "chunked":
+        monkeypatch.setattr(draft_graphs, "MAX_APPEND", 1)
+    torch.manual_seed(5)
+    model = load_drafter(drafter_dir) if kind != "sliding" else sliding_drafter()
+    prompt = torch.randn(45, FEATURE_DIM)
+    whole_eager, whole_static = engines(model, max_sessions=2, max_context=128)
+    pieces_eager, pieces_static = engines(model, max_sessions=2, max_context=128)
+    for engine in (whole_eager, whole_static, pieces_eager, pieces_static):
+        engine.start_session("s", capacity=64)
+    want = whole_eager.draft("s", prompt, 3, 45, budget=8).tree
+    assert_same_tree(whole_static.draft("s", prompt, 3, 45, budget=8).tree, want)
+    for engine in (pieces_eager, pieces_static):
+        lengths = [engine.append("s", prompt[a:b])[0] for a, b in ((0, 1), (1, 18), (18, 40))]
+        assert lengths == [1, 18, 40]
+        assert_same_tree(engine.draft("s", prompt[40:], 3, 45, budget=8).tree, want)
+        torch.testing.assert_close(
+            engine._block_logprobs(engine.session("s"), 3, 45),  # noqa: SLF001 - the raw distributions
+            whole_eager._block_logprobs(whole_eager.session("s"), 3, 45),  # noqa: SLF001
+            atol=1e-5, rtol=1e-5,
+        )
+    more = torch.randn(6, FEATURE_DIM)
+    want = whole_eager.draft("s", more, 7, 51, budget=12, top_k=3).tree
+    for engine in (pieces_eager, pieces_static):
+        assert_same_tree(engine.draft("s", more, 7, 51, budget=12, top_k=3).tree, want)
+
+
+def test_append_refusals(drafter_dir: Path) -> None:
+    for engine in engines(load_drafter(drafter_dir), max_sessions=2, max_context=64):
+        engine.start_session("s", capacity=16)
+        with pytest.raises(SessionError, match="at least one feature row"):
+            engine.append("s", torch.zeros(0, FEATURE_DIM))
+        with pytest.raises(SessionError, match=rf"features must be \[m, {FEATURE_DIM}\]"):
+            engine.append("s", torch.zeros(3, FEATURE_DIM + 1))
+        with pytest.raises(CapacityError, match="capacity 16 exhausted"):
+            engine.append("s", torch.zeros(16, FEATURE_DIM))  # the root after them would not fit
+        with pytest.raises(UnknownSessionError):
+            engine.append("t", torch.zeros(1, FEATURE_DIM))
+        assert engine.append("s", torch.zeros(15, FEATURE_DIM))[0] == 15  # the refusals changed nothing
+        assert engine.session("s").length == 15
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])

@@ -26,6 +26,9 @@ from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_por
 STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
 LONG = 600
 MODEL = "tiny"
+# the gateway prefills in chunks of this many tokens (every prompt here is longer): against the in-process loop's
+# one-call prefill (`expected`), through the verifier's Prefill with `more` and the drafter's Append
+PREFILL_CHUNK = 7
 DDTREE = [sys.executable, "-m", "ddtree.cli"]
 
 
@@ -95,7 +98,8 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
-                                      "--busy-poll-us", "3000", "--keep-warm-us", "300"], logs),
+                                      "--busy-poll-us", "3000", "--keep-warm-us", "300",
+                                      "--prefill-chunk", str(PREFILL_CHUNK)], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )
     try:
@@ -119,16 +123,23 @@ def stream_text(lines: Iterable[str]) -> tuple[str, str | None]:
 
 
 @pytest.mark.parametrize("mode", ["ddtree", "chain", "off"])
-def test_streamed_chat_equals_in_process_loop(services, expected, mode) -> None:
+def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mode) -> None:
     text, _, finish = expected(STORY, 120)
     request = {"model": MODEL, "messages": STORY, "max_tokens": 120, "temperature": 0, "stream": True,
                "speculation": {"mode": mode}}
     drafts = [metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total")]
+    prefills = [services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK") or 0.0]
+    appends = [services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0]
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
         assert stream_text(r.iter_lines()) == (text, finish)
     drafts.append(metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total"))
+    prefills.append(services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK"))
+    appends.append(services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0)
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
+    chunks = -(-len(chat_ids(tokenizer, STORY)) // PREFILL_CHUNK)
+    assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
+    assert appends[1] - appends[0] == (chunks - 1 if mode != "off" else 0)  # the last chunk's go with the draft
 
 
 def test_processes_rehearse_their_round_calls(services, expected) -> None:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddtree.types import SamplingParams
-from gateway.local import LocalVerifier, load_local
+from gateway.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import VOCAB, hf_greedy
 
@@ -26,9 +26,12 @@ def prompts(n: int = 20) -> list[list[int]]:
     return [[rng.randrange(VOCAB - 1) for _ in range(length)] for length in lengths]
 
 
-def generate(verifier, drafter, prompt: list[int], spec: Speculation, eos: list[int], max_new: int = MAX_NEW) -> list[Round]:
+def generate(
+    verifier, drafter, prompt: list[int], spec: Speculation, eos: list[int], max_new: int = MAX_NEW, chunk: int = 0
+) -> list[Round]:
     async def collect() -> list[Round]:
-        return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos)]
+        return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos,
+                                            prefill_chunk=chunk)]
 
     return asyncio.run(collect())
 
@@ -107,9 +110,11 @@ def test_chained_rounds_accept_what_unchained_rounds_accept(qwen3_target: Path, 
 
 
 @pytest.mark.parametrize("path", ["fused", "hf", "chained"])
-def test_tiny_vocab_large_budget_accepts_deeply(path: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_tiny_vocab_large_budget_accepts_deeply(path: str, chunk: int, tmp_path: Path) -> None:
     """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
-    most 4-token ones, so rounds accept several tokens, and the output must still be exactly the target's."""
+    most 4-token ones, so rounds accept several tokens, and the output must still be exactly the target's; also
+    with the prompts prefilled in chunks of 4 tokens."""
     from tests.conftest import make_drafter, make_target
 
     target = make_target("qwen3", tmp_path / "t", vocab=4, seed=5)
@@ -119,11 +124,51 @@ def test_tiny_vocab_large_budget_accepts_deeply(path: str, tmp_path: Path) -> No
     accepted = []
     for prompt in ([1, 2, 3], [3, 0, 1, 1, 2], [2] * 17):
         reference = hf_greedy(hf, prompt, 60)
-        rounds = generate(verifier, drafter, prompt, Speculation("ddtree", 256), [], max_new=60)
+        rounds = generate(verifier, drafter, prompt, Speculation("ddtree", 256), [], max_new=60, chunk=chunk)
         assert [t for r in rounds for t in r.tokens] == reference
         accepted += [r.accepted for r in rounds[1:-1]]
     assert sum(accepted) / len(accepted) > 3.5
     assert max(accepted) >= 5
+
+
+@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+def test_chunked_prefill_rounds_equal_one_call_prefill(path: str, qwen3_target: Path, drafter_dir: Path) -> None:
+    """A prompt prefilled in chunks (each chunk's features appended to the drafter's context while the next
+    runs, the last chunk's with the first draft) gives the target's greedy output and, round for round, the
+    acceptance of the one-call prefill: a drafter context missing or misplacing a chunk would draft worse trees,
+    which exactness alone would not show."""
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    verifier, local = load(qwen3_target, drafter_dir, path)
+    drafter = TreeLog(local.engine)
+    for prompt in prompts(12)[2::2]:  # 3 to 120 tokens
+        reference = hf_greedy(hf, prompt, MAX_NEW)
+        for spec in (Speculation("chain"), Speculation("ddtree", 16)):
+            drafter.trees = []
+            whole = [r.accepted for r in generate(verifier, drafter, prompt, spec, [])]
+            trees = drafter.trees
+            for chunk in (1, 4, 16):
+                drafter.trees = []
+                rounds = generate(verifier, drafter, prompt, spec, [], chunk=chunk)
+                assert [t for r in rounds for t in r.tokens] == reference, (len(prompt), spec, chunk)
+                assert [r.accepted for r in rounds] == whole, (len(prompt), spec, chunk)
+                assert drafter.trees == trees, (len(prompt), spec, chunk)
+    assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
+
+
+class TreeLog(LocalDrafter):
+    """Keeps every drafted tree's tokens: the drafter's context shows in its trees."""
+
+    trees: list[list[int]]
+
+    async def draft(self, *args):
+        return self._logged(await super().draft(*args))
+
+    async def draft_after(self, *args):
+        return self._logged(await super().draft_after(*args))
+
+    def _logged(self, drafted):
+        self.trees.append(drafted[0].tokens.tolist())
+        return drafted
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig,
-    Qwen3NextConfig, Qwen3NextForCausalLM,
-)
+from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
 from bench import hybrid_cost
@@ -26,44 +23,14 @@ from draft_server.target_head import TargetHead
 from draft_server.training import block_attention_mask
 from gateway.local import load_local
 from gateway.rounds import Speculation, run_rounds
-from tests.conftest import HIDDEN, VOCAB, hf_greedy, make_drafter
+from tests.conftest import HIDDEN, VOCAB, hf_greedy, make_drafter, make_hybrid_target
 from tests.test_verify import oracle_tree
 from verify_server.linear_attention import tree_gated_delta_rule
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.verify import VerifyEngine
 
-# Attention in the middle: the linear layers after it see inputs that tree attention computed.
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 MAX_NEW = 20
-
-
-def make_hybrid_target(kind: str, path: Path, seed: int = 0) -> Path:
-    """A random hybrid target with peaked next-token distributions (large init), so greedy is unambiguous.
-    kind "qwen3_5_vl" is the layout Qwen3.5 / 3.6 checkpoints ship in (vision tower, `model.language_model.*`)."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=len(LAYER_TYPES),
-        layer_types=LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        max_position_embeddings=1024, initializer_range=0.25, tie_word_embeddings=False, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None,
-    )
-    if kind == "qwen3_5":
-        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**common))
-    elif kind == "qwen3_5_vl":
-        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN, patch_size=4)
-        config = Qwen3_5Config(text_config=common, vision_config=vision, tie_word_embeddings=False)
-        model = Qwen3_5ForConditionalGeneration(config)
-    else:  # dense MLPs: the MoE blocks are not what this file tests
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**common, num_experts=0))
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory) -> dict[str, Path]:
-    return {kind: make_hybrid_target(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen3_5", "qwen3_next")}
 
 
 def random_tree(rng: random.Random, n: int) -> torch.Tensor:
@@ -116,8 +83,8 @@ def generate(verifier, drafter, prompt: list[int], spec: Speculation) -> list[in
     return asyncio.run(collect())
 
 
-def test_greedy_equals_hf_generate(targets: dict[str, Path], tmp_path: Path) -> None:
-    target = targets["qwen3_5"]
+def test_greedy_equals_hf_generate(hybrid_targets: dict[str, Path], tmp_path: Path) -> None:
+    target = hybrid_targets["qwen3_5"]
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     verifier, drafter = load_local(str(target), str(make_drafter(tmp_path / "drafter")), "cpu", torch.float32)
     engine = verifier.engine
@@ -134,12 +101,12 @@ def test_greedy_equals_hf_generate(targets: dict[str, Path], tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
-def test_deep_acceptance_carries_the_accepted_state(kind: str, targets: dict[str, Path]) -> None:
+def test_deep_acceptance_carries_the_accepted_state(kind: str, hybrid_targets: dict[str, Path]) -> None:
     """Trees hold the true continuation among decoys at several depths, in random topological order; a round only
     stays exact if the previous commit left the deepest accepted node's recurrent and conv state."""
     rng = random.Random(7)
-    engine = VerifyEngine.from_pretrained(targets[kind], max_tree_size=64)
-    hf = AutoModelForCausalLM.from_pretrained(targets[kind]).eval()
+    engine = VerifyEngine.from_pretrained(hybrid_targets[kind], max_tree_size=64)
+    hf = AutoModelForCausalLM.from_pretrained(hybrid_targets[kind]).eval()
     for prompt in ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]):
         truth = hf_greedy(hf, prompt, 70)
         engine.start_session("s", 200, SamplingParams(), taps=[1, 3])

@@ -202,15 +202,16 @@ class Remote:
     block_size = 4
     target_layer_ids = [0]
 
-    def __init__(self, log: list[str], fail_draft: bool = False) -> None:
+    def __init__(self, log: list[str], fail_draft: bool = False, fail_append: bool = False) -> None:
         self.log = log
         self.fail_draft = fail_draft
+        self.fail_append = fail_append
         self.cancelled = 0
 
-    async def _answer(self, name: str, value):
+    async def _answer(self, name: str, value, seconds: float = 0.01):
         self.log.append(f"{name} sent")
         try:
-            await asyncio.sleep(0.01)  # in flight
+            await asyncio.sleep(seconds)  # in flight
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -222,8 +223,16 @@ class Remote:
     async def end_session(self, session_id: str) -> None:
         self.log.append("end")
 
-    async def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
-        return await self._answer("prefill", StepResult([7], torch.zeros(len(prompt), 2)))
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        step = await self._answer("prefill", StepResult([] if more else [7], torch.zeros(len(prompt), 2)))
+        self.log.append("prefill done")
+        return step
+
+    async def append(self, session_id: str, features: torch.Tensor) -> None:
+        await self._answer("append", None, 0.05)  # a chunk's features: longer on their way than the prefill's
+        self.log.append("append done")
+        if self.fail_append:
+            raise ConnectionError("drafter down")
 
     async def draft(self, session_id, features, root_token, root_position, budget, top_k):
         if self.fail_draft:
@@ -250,10 +259,11 @@ class Queued(InProcess):
     queues = True
 
 
-async def _handled(backend: Remote, mode: str, max_new: int, stop_after: int | None = None, fallbacks=None):
+async def _handled(backend: Remote, mode: str, max_new: int, stop_after: int | None = None, fallbacks=None,
+                   prompt: tuple[int, ...] = (1, 2, 3), prefill_chunk: int = 0):
     """Runs the loop as the gateway does (each round handled in another task) and logs when each is handled."""
-    rounds = run_rounds(backend, backend, [1, 2, 3], SamplingParams(), Speculation(mode, 1), max_new, [],
-                        None if fallbacks is None else fallbacks.append)
+    rounds = run_rounds(backend, backend, list(prompt), SamplingParams(), Speculation(mode, 1), max_new, [],
+                        None if fallbacks is None else fallbacks.append, prefill_chunk)
     tokens = []
     async with contextlib.aclosing(rounds) as loop:
         async for rnd in loop:
@@ -291,6 +301,34 @@ def test_queued_in_process_drafts_go_before_the_hand_over_and_decodes_after():
     log.clear()
     assert asyncio.run(_handled(Queued(log), "ar", max_new=3)) == [7, 8, 8]
     assert log.index("round 0 handled") < log.index("decode sent")  # a decode syncs: it would delay the hand-over
+
+
+def test_a_chunked_prefill_appends_while_the_next_chunk_runs_and_the_first_token_goes_first():
+    """Ten prompt tokens in chunks of 4: three prefill calls, the first two chunks' features appended to the
+    drafter, each while the verifier runs the next chunk; the first token is handed over without waiting for the
+    last append, which the first draft waits for."""
+    log: list[str] = []
+    fallbacks: list[BaseException] = []
+    tokens = asyncio.run(_handled(Remote(log), "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
+                                  prefill_chunk=4))
+    assert tokens == [7, 5, 6] and fallbacks == []
+    def at(entry: str) -> list[int]:
+        return [i for i, logged in enumerate(log) if logged == entry]
+
+    prefilled, appended = at("prefill done"), at("append done")
+    assert len(at("prefill sent")) == 3 and len(at("append sent")) == len(appended) == 2
+    # each append goes out before the next chunk's answer is back: beside it
+    assert prefilled[0] < at("append sent")[0] < prefilled[1] < appended[0] < at("append sent")[1]
+    assert prefilled[2] < log.index("round 0 handled") < appended[1] < log.index("draft sent")
+
+
+def test_a_failed_append_falls_back_to_decoding():
+    log: list[str] = []
+    fallbacks: list[BaseException] = []
+    tokens = asyncio.run(_handled(Remote(log, fail_append=True), "ddtree", max_new=3, fallbacks=fallbacks,
+                                  prompt=tuple(range(10)), prefill_chunk=4))
+    assert tokens == [7, 8, 8] and "draft sent" not in log and log.count("prefill sent") == 3
+    assert len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
 
 
 def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
@@ -372,10 +410,10 @@ def test_chained_rounds_queue_the_next_round_before_reading_the_last():
     assert [t for r in rounds for t in r.tokens] == [7, 5, 6, 5, 6, 5, 6]
     assert rounds[-1].finish_reason == "length" and all(r.tree_size == 1 for r in rounds[1:])
     # round 2 is queued from round 1's outcome (its root at position 3, the prompt's end) before round 1 is read
-    assert log[:6] == ["prefill sent", "draft sent", "launch 1 tree", "draft after 1 at 3", "launch 2 tree",
-                       "collect 1"]
+    assert log[:7] == ["prefill sent", "prefill done", "draft sent", "launch 1 tree", "draft after 1 at 3",
+                       "launch 2 tree", "collect 1"]
     # round 3 could end the request by length (5 of 7 tokens taken, 2 to come), so nothing is queued after it
-    assert log[6:] == ["draft after 2 at 5", "launch 3 tree", "collect 2", "collect 3", "end", "end"]
+    assert log[7:] == ["draft after 2 at 5", "launch 3 tree", "collect 2", "collect 3", "end", "end"]
 
 
 def test_chained_ar_steps_and_a_stop_token_ending_the_request_with_a_round_in_flight():

@@ -128,7 +128,7 @@ def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_targ
 def test_hybrid_target_sharded_equals_hf(tmp_path: Path) -> None:
     """Qwen3.5 hybrid (Gated DeltaNet + attention) over 2 ranks: linear-attention heads sharded too."""
     from tests.conftest import make_drafter
-    from tests.test_hybrid import make_hybrid_target
+    from tests.conftest import make_hybrid_target
 
     target = make_hybrid_target("qwen3_5", tmp_path / "hybrid")
     drafter_dir = make_drafter(tmp_path / "drafter", seed=4)

@@ -9,8 +9,9 @@ smaller than its bucket is padded with children of the root that are never accep
 spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a captured graph
 too, through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few
 hundred launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls,
-where the graph saves nothing) take the same compiled prompt step uncaptured; one-token prompts and trees beyond the
-largest bucket run the forward eagerly.
+where the graph saves nothing) take the same compiled prompt step uncaptured; one-token prompts, a chunked prompt's
+chunks after the first (they attend to the committed prefix too) and trees beyond the largest bucket run the forward
+eagerly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ddtree.types import DraftTree
 from verify_server.compaction import compact_path
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
-from verify_server.step_attention import FLASH, StepVisibility, step_mask
+from verify_server.step_attention import FLASH, StepVisibility, chunk_mask, step_mask
 from verify_server.step_inputs import (
     MAX_GRAPH_NODES, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step, size_class, unpack_step,
 )
@@ -114,9 +115,9 @@ class FusedRunner:
         tree: torch.Tensor | None,
         last_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The uncaptured forward (prefill, trees beyond the largest bucket, eager mode): ids, positions [q];
-        tree [q, q] bool (None: causal, the prompt) -> logits [q or 1, V] fp32, features [q, taps*hidden] (None
-        without taps). New K/V go to slots [length, length+q)."""
+        """The uncaptured forward (prefill chunks, trees beyond the largest bucket, eager mode): ids, positions [q];
+        tree [q, q] bool (None: causal, a prompt chunk, after every committed slot) -> logits [q or 1, V] fp32,
+        features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q)."""
         q, start = ids.shape[0], cache.length
         slots = torch.arange(start, start + q, device=self.device)
         if tree is None and start == 0 and q > 1:
@@ -125,11 +126,10 @@ class FusedRunner:
             hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
             hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, q, taps)
             return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
-        mask = None if tree is None and start == 0 else step_mask(
-            torch.tensor(start, device=self.device),
-            tree if tree is not None else torch.ones(q, q, dtype=torch.bool, device=self.device).tril(),
-            start + q,
-        )
+        if tree is not None:
+            mask = step_mask(torch.tensor(start, device=self.device), tree, start + q)
+        else:  # a one-token prompt, or a chunk of a prompt after every committed slot
+            mask = None if start == 0 else chunk_mask(q, start + q)
         hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
         return self.decoder.logits(hidden[-1:] if last_only else hidden), features
 

@@ -15,14 +15,16 @@ step (`LinearStep`, passed through the forward kwargs next to the attention step
   The step leaves (k, delta, G) per node in the engine's `TreeScratch`; after the walk `StateCache.commit` builds the
   accepted end state from them.
 
-Prefill is a chain from the empty state: HF's own chunked kernel runs it and its final state is committed directly
-(a failed prefill leaves nothing a retry would read, since prefill never reads the committed state).
+Prefill (a whole prompt, or one chunk of it) is a chain from the committed state: HF's own chunked kernel runs it
+from the session's recurrent state, its convolution preceded by the committed last K-1 inputs (zeros before the first
+chunk, as HF pads). Its end state is committed once the whole forward has run (`LinearStep.commit_prefill`), so a
+chunk that fails midway leaves the session's state for a retry as it was.
 """
 
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +41,21 @@ _GATED_DELTA_PARAMS = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
 @dataclass
 class LinearStep:
     """One forward's view of the linear-attention state: the attention step (slot offset, positions, ancestor
-    matrix; tree None for prefill), the session's committed state and the engine's scratch."""
+    matrix; tree None for prefill), the session's committed state and the engine's scratch. A prefill's layers
+    leave their end state in `ends`: state slot -> (conv inputs [K-1, conv_dim], recurrent [heads, d_k, d_v])."""
 
     attn: AttentionStep
     states: StateCache
     scratch: TreeScratch
     _windows: torch.Tensor | None = None
+    ends: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def commit_prefill(self) -> None:
+        """Makes a prefill's end state the committed one, after the whole forward (a tree step leaves none: its
+        state is committed from the scratch after the walk)."""
+        for slot, (conv, recurrent) in self.ends.items():
+            self.states.conv[slot] = conv
+            self.states.recurrent[slot] = recurrent
 
     def windows(self) -> torch.Tensor:
         """[q, K] rows of cat(committed conv inputs [K-1], node inputs [q]) forming each node's convolution window,
@@ -141,17 +152,18 @@ def _tree_forward(module: torch.nn.Module, hidden_states: torch.Tensor, *_args, 
 def _prefill(
     module: torch.nn.Module, step: LinearStep, slot: int, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor
 ) -> torch.Tensor:
-    """A chain from the empty state, committed here. mixed [q, conv_dim], b, a [q, heads] -> [q, heads, d_v]."""
+    """A chain continuing the committed state; its end state goes to `step.ends`. mixed [q, conv_dim], b, a
+    [q, heads] -> [q, heads, d_v]."""
     kernel, conv = module.conv_kernel_size, module.conv1d
-    inputs = F.pad(mixed.T, (kernel - 1, 0))  # [conv_dim, K-1+q], zeros = the empty prefix
+    inputs = torch.cat((step.states.conv[slot], mixed)).T  # [conv_dim, K-1+q], the committed prefix's inputs first
     convolved = F.conv1d(inputs[None], conv.weight, conv.bias, groups=conv.groups)[0].T  # [q, conv_dim]
     query, key, value, g, beta = _heads(module, ACT2FN[module.activation](convolved), b, a)
     out, final = torch_chunk_gated_delta_rule(
-        query[None], key[None], value[None], g=g[None], beta=beta[None], initial_state=None,
+        query[None], key[None], value[None], g=g[None], beta=beta[None],
+        initial_state=step.states.recurrent[slot][None],  # zeros at session start: exactly what None starts from
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
-    step.states.conv[slot] = inputs[:, -(kernel - 1) :].T
-    step.states.recurrent[slot] = final[0]
+    step.ends[slot] = (inputs[:, -(kernel - 1) :].T, final[0])
     return out[0]
 
 

@@ -114,21 +114,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.VerifierStartSessionResponse()
 
     def _prefill(self, engine: VerifyEngine, request: pb.PrefillRequest) -> pb.StepResponse:
+        """The prompt in one call or in chunks (`more` on every call but the last): each answer holds its chunk's
+        features, the last one the first token too. A chunk after the prompt is complete, or an empty one, is
+        INVALID_ARGUMENT (SessionError, RequestError) with the session untouched."""
         check_prompt(request.prompt, engine.vocab_size)
         self._check_features_fit(engine, request)
-        return tensors.step_to_pb(engine.prefill(request.session_id, list(request.prompt)))
+        return tensors.step_to_pb(engine.prefill(request.session_id, list(request.prompt), request.more))
 
     def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
-        """The prompt's features go back in one message: a prompt whose features could not be sent is refused
-        before any work (else the answer would fail to leave, with the session prefilled)."""
+        """A chunk's features go back in one message: a chunk whose features could not be sent is refused before
+        any work (else the answer would fail to leave, with the chunk committed)."""
         taps = len(engine.session(request.session_id).taps)
         size = len(request.prompt) * taps * engine.hidden_size * engine.dtype.itemsize
         if size + MESSAGE_SLACK_BYTES > self.config.max_message_bytes:
             raise LimitError(
-                f"a prompt of {len(request.prompt)} tokens brings {size} bytes of features ({taps} taps x "
+                f"a prompt chunk of {len(request.prompt)} tokens brings {size} bytes of features ({taps} taps x "
                 f"{engine.hidden_size} x {engine.dtype.itemsize} B a token), over this verifier's max_message_bytes "
-                f"{self.config.max_message_bytes}: raise --max-message-bytes on the verifier, the gateway and the "
-                f"drafter alike (at most {MAX_MESSAGE_BYTES}), or send a shorter prompt"
+                f"{self.config.max_message_bytes}: send the prompt in smaller chunks (PrefillRequest.more), or raise "
+                f"--max-message-bytes on the verifier, the gateway and the drafter alike (at most {MAX_MESSAGE_BYTES})"
             )
 
     def _verify(self, engine: VerifyEngine, request: pb.VerifyRequest) -> pb.StepResponse:

@@ -41,7 +41,7 @@ class VerifySession:
     params: SamplingParams
     generator: torch.Generator | None
     taps: list[int]
-    root: int | None = None  # None until prefill
+    root: int | None = None  # None until the prompt is complete (its last Prefill call, the one without `more`)
     last_used: float = field(default_factory=time.monotonic)
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first

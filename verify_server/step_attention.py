@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from ddtree.flash_tree import flash_tree_attention
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
@@ -25,10 +26,23 @@ def step_mask(start: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Ten
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                    scale: float, gqa: bool) -> torch.Tensor:
     """q [1, heads, q, d], k/v [1, kv_heads, kv, d], mask [1, 1, q, kv] bool (None: causal, top-left aligned, as a
-    prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it) ->
-    [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile with dynamic shapes it cannot
-    be derived."""
+    prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it; a
+    CausalBias: `chunk_mask`'s) -> [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile
+    with dynamic shapes it cannot be derived."""
+    if isinstance(mask, CausalBias) and gqa:
+        # its flash and memory-efficient kernels take as many K/V heads as query heads (HF's repeat_kv order)
+        groups = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
     return attention(q, k, v, mask, is_causal=mask is None, scale=scale, gqa=gqa)
+
+
+def chunk_mask(q: int, kv_len: int) -> CausalBias:
+    """What a prompt chunk after the first sees: every committed slot and the chunk causally, i.e. causal attention
+    aligned to the last key (the chunk's q queries are the last of kv_len rows). A dense [q, kv_len] mask would
+    send SDPA to its math kernel, which holds the [heads, q, kv_len] scores (4 GiB a layer for a 2048-token chunk
+    of Qwen3-8B at 16k tokens); this bias runs the flash (or memory-efficient) kernel's own lower-right causal
+    variant on a GPU, and materialises only on a CPU."""
+    return causal_lower_right(q, kv_len)
 
 
 def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

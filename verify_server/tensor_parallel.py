@@ -226,9 +226,9 @@ class TensorParallelEngine:
         self.channel.send("end_session", {"id": session_id})
         return self.engine.end_session(session_id)
 
-    def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
-        self.channel.send("prefill", {"id": session_id, "prompt": prompt})
-        return self.engine.prefill(session_id, prompt)
+    def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        self.channel.send("prefill", {"id": session_id, "prompt": prompt, "more": more})
+        return self.engine.prefill(session_id, prompt, more)
 
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)
@@ -256,7 +256,7 @@ def follow(engine: VerifyEngine) -> None:
             elif op == "end_session":
                 engine.end_session(header["id"])
             elif op == "prefill":
-                engine.prefill(header["id"], header["prompt"])
+                engine.prefill(header["id"], header["prompt"], header["more"])
             elif op == "verify":
                 engine.verify(header["id"], tree)
             elif op == "decode":

@@ -63,7 +63,7 @@ def check_tree(tree: DraftTree, root: int | None, limits: TreeLimits) -> None:
 
 def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
     if not prompt:
-        raise RequestError("the prompt is empty")
+        raise RequestError("the prompt (chunk) is empty")
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")

@@ -166,28 +166,38 @@ class VerifyEngine(QueuedRounds):
     # ---- steps ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, session_id: str, prompt: list[int]) -> StepResult:
-        """Runs the prompt, picks the first token (the new root), returns the features of all prompt positions."""
+    def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
+        (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
+        taps*hidden] (None without taps) and, from the last call only, the first token (the new root). A `more`
+        chunk picks no token: no host sync for one, and a sampled session's generator draws nothing, so a chunked
+        prompt samples what it would have in one call. A completed prompt takes no more chunks."""
         sess = self.session(session_id)
         if sess.root is not None:
-            raise SessionError(f"session {session_id!r} is already prefilled")
+            raise SessionError(
+                f"session {session_id!r} is already prefilled: its prompt ended with a call without `more`"
+            )
         if not prompt:
-            raise SessionError("the prompt is empty")
-        self._check_room(sess, 0, len(prompt) + 1)  # the first token's K/V comes with the next step
+            raise SessionError("the prompt chunk is empty")
+        start, n = sess.cache.length, len(prompt)
+        self._check_room(sess, start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
         timer = self.timers.timer()
-        captured = None if self.fused is None else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
+        # the captured prompt step attends from slot 0 only; a later chunk also sees the committed prefix
+        captured = None if self.fused is None or start else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
         if captured is not None:
             logits, features = captured
         else:
             ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-            logits, features = self._forward(sess, ids, torch.arange(len(prompt), device=self.device), None, True)
+            logits, features = self._forward(sess, ids, torch.arange(start, start + n, device=self.device), None, True)
         timer.mark()
+        sess.cache.length = start + n
+        if more:
+            forward_s, _ = timer.split()  # waits for the chunk's kernels: no token read to sync on
+            return StepResult([], features, forward_s=forward_s)
         first = choose_tokens(logits, sess.params, sess.generator)
-        token = timer.sync(lambda: int(first.item()))
-        sess.cache.length = len(prompt)
-        sess.root = token
+        sess.root = timer.sync(lambda: int(first.item()))
         forward_s, _ = timer.split()
-        return StepResult([token], features, forward_s=forward_s)
+        return StepResult([sess.root], features, forward_s=forward_s)
 
     @torch.inference_mode()
     def decode(self, session_id: str, host_features: bool = False) -> StepResult:
@@ -258,9 +268,10 @@ class VerifyEngine(QueuedRounds):
         if self.fused is not None:
             return self.fused.forward(sess.cache, tuple(sess.taps), ids, positions, tree, last_only)
         step = AttentionStep(sess.cache, sess.cache.length, ids.shape[0], positions, tree)
-        steps = {STEP_KWARG: step}
+        steps: dict[str, AttentionStep | LinearStep] = {STEP_KWARG: step}
+        linear = None
         if sess.states is not None:
-            steps[LINEAR_STEP_KWARG] = LinearStep(step, sess.states, self.scratch)
+            linear = steps[LINEAR_STEP_KWARG] = LinearStep(step, sess.states, self.scratch)
         self._want_taps, self._taps = frozenset(sess.taps), {}
         try:
             out = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False, **steps)
@@ -269,4 +280,6 @@ class VerifyEngine(QueuedRounds):
             self._want_taps, self._taps = frozenset(), {}
         hidden = out.last_hidden_state[0]  # [q, hidden]
         logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
+        if linear is not None:
+            linear.commit_prefill()  # only now that every layer ran: a chunk failing midway leaves the state as it was
         return logits, torch.cat(taps, dim=-1) if taps else None

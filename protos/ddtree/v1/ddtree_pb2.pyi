@@ -121,6 +121,22 @@ class DraftRequest(_message.Message):
     top_k: int
     def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
+class AppendRequest(_message.Message):
+    __slots__ = ("session_id", "features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    features: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class AppendResponse(_message.Message):
+    __slots__ = ("context_length", "timings")
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    context_length: int
+    timings: Timings
+    def __init__(self, context_length: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
     __slots__ = ("tree", "timings")
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -192,12 +208,14 @@ class VerifierEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt")
+    __slots__ = ("session_id", "prompt", "more")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ...) -> None: ...
+    more: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree")

@@ -56,6 +56,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.Append = channel.unary_unary(
+                '/ddtree.v1.Drafter/Append',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.FromString,
+                _registered_method=True)
         self.DraftStream = channel.stream_stream(
                 '/ddtree.v1.Drafter/DraftStream',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
@@ -96,6 +101,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Append(self, request, context):
+        """Appends target features to the context without drafting: a long prompt's features, chunk by chunk, as the
+        verifier's Prefill calls return them (the last chunk's come with the first Draft).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DraftStream(self, request_iterator, context):
         """Draft over one stream, for the rounds of a session: see "Streams" above.
         """
@@ -125,6 +138,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
+            ),
+            'Append': grpc.unary_unary_rpc_method_handler(
+                    servicer.Append,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.SerializeToString,
             ),
             'DraftStream': grpc.stream_stream_rpc_method_handler(
                     servicer.DraftStream,
@@ -242,6 +260,33 @@ class Drafter:
             '/ddtree.v1.Drafter/Draft',
             ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Append(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Drafter/Append',
+            ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,93 @@
+"""Long prompts through running gateways, side by side: time to the first token and to the last of a few, per
+gateway (e.g. two gateways in front of the same services, one with `--prefill-chunk 0`, one chunked).
+
+    python bench/long_prompt_ttft.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8012 \
+        --lengths 1800,7000 --repeat 3 --max-tokens 8 --out results/long_prompt_ttft.json
+
+Requests alternate between the gateways (one at a time, greedy, ddtree mode), so both see the same machine
+state. Each prompt is a fresh text (no prefix in common with the last: nothing cached could help) of about
+the asked length; its exact token count comes from the gateway's usage. The first token waits for the whole
+prefill; the second for the drafter's context too (a one-call prefill's features go to the drafter with the
+first draft, a chunked one's mostly during the prefill), so both are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from ddtree.bench_gateway import read_counters
+
+WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
+         "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
+
+
+def prompt_text(words: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+TTFT = "ddtree_time_to_first_token_seconds_sum"
+
+
+def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
+    """One chat request -> the gateway's time to its first token (from its metrics: random weights make tokens
+    that decode to no text, so a client could not see it), the client's time to the whole answer, and the
+    prompt's token count."""
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "speculation": {"mode": "ddtree"}}
+    ttft = read_counters(url)[TTFT]
+    start = time.perf_counter()
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    last = time.perf_counter() - start
+    if reply.status_code != 200:
+        raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
+    usage = reply.json()["usage"]
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "first_s": read_counters(url)[TTFT] - ttft, "last_s": last}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gateways", required=True, help="comma-separated gateway URLs")
+    p.add_argument("--lengths", default="1800,7000",
+                   help="prompt lengths to try, in words (the demo tokenizer makes ~2.3 tokens of a word)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    urls = [u.rstrip("/") for u in args.gateways.split(",")]
+    model = httpx.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
+    rng = random.Random(0)
+    results: dict[str, dict[int, list[dict]]] = {u: {} for u in urls}
+    for length in map(int, args.lengths.split(",")):
+        for url in urls:  # warm-up: the first request of a length may size caches or compile
+            timed_request(url, model, prompt_text(length, rng), args.max_tokens)
+        for rep in range(args.repeat):
+            for url in urls if rep % 2 == 0 else urls[::-1]:
+                r = timed_request(url, model, prompt_text(length, rng), args.max_tokens)
+                results[url].setdefault(length, []).append(r)
+                print(f"{url} {length}: {r}", flush=True)
+    summary = {
+        url: {length: {"prompt_tokens": runs[0]["prompt_tokens"],
+                       "first_token_s": statistics.median(r["first_s"] for r in runs),
+                       "last_token_s": statistics.median(r["last_s"] for r in runs),
+                       "runs": runs}
+              for length, runs in by_length.items()}
+        for url, by_length in results.items()
+    }
+    for url, by_length in summary.items():
+        for length, s in by_length.items():
+            print(f"{url}  {s['prompt_tokens']} tokens: first {s['first_token_s'] * 1000:.1f} ms, "
+                  f"last of {args.max_tokens} {s['last_token_s'] * 1000:.1f} ms", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "gateways": summary}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
