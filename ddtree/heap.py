@@ -1,4 +1,4 @@
-"""The collector and long-lived processes.
+"""The collector, the allocator and long-lived processes.
 
 A loaded model service holds millions of Python objects (modules, the model, compiled code, graph pools), all
 alive for the process's life. Python's full collection walks every tracked object: on the H200 host each one
@@ -7,10 +7,15 @@ services and the gateway), and one that falls inside a request stalls it for tha
 start-up is done moves those objects out of the collector's sight: later collections walk only what requests
 allocate. Process entry points only (a test process would keep whatever it froze). Each process also exports
 its pauses (`watch_collector`), so a dashboard shows whether they stay short.
+
+A long prompt's features cross each process as messages of tens of MB, copied several times on the way
+(`keep_large_allocations`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 import time
@@ -26,6 +31,30 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     log.info("start-up heap frozen: %d objects out of the collector's sight", gc.get_freeze_count())
+
+
+# glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+LARGE_ALLOCATION_BYTES = 1 << 30  # from the heap up to this size (a 2048-token chunk at Qwen3-8B shapes is 84 MB)
+KEPT_FREE_BYTES = 512 << 20  # freed heap kept for the next message before it goes back to the system
+
+
+def keep_large_allocations() -> bool:
+    """Has glibc serve large blocks from one heap and keep them once freed, so that a long prompt's messages
+    (features of a prefill chunk: 84 MB at Qwen3-8B shapes, copied ~10 times between the verifier and the
+    drafter) reuse memory instead of faulting fresh pages in. By default glibc maps every block over 32 MB anew
+    and unmaps it when freed, and a thread other than the main one allocates from an arena of at most 64 MB,
+    which maps such blocks anew whatever the threshold: one arena for every thread, blocks up to 1 GiB from the
+    heap and 512 MiB of freed heap kept took a chunk's encoding, passing on and decoding on this project's 2-core
+    VM from 427 to 133 ms on a worker thread. Process entry points only; False where the C library is not glibc
+    (nothing changed).
+    """
+    path = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    if mallopt is None:
+        return False
+    settings = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES), (M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
+    return all(mallopt(option, value) == 1 for option, value in settings)
 
 
 # Collections take microseconds once the start-up heap is frozen; the long tail is what an operator looks for.

@@ -22,7 +22,7 @@ from prometheus_client import start_http_server
 
 from ddtree import event_loop
 from ddtree.event_loop import busy_poll_seconds
-from ddtree.heap import freeze_startup_heap, watch_collector
+from ddtree.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from ddtree.service import E, EngineHost
 from ddtree.service_config import ServiceConfig
 from protos.lane import LaneServer, Route
@@ -127,6 +127,7 @@ def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any
     """The process around a model service: config from flags (exit 2 when invalid), serve, exit 1 when the model
     directory cannot be loaded."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_large_allocations()
     try:
         config = config_cls.from_args(args)
     except ValueError as exc:

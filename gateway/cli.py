@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from ddtree import event_loop
 from ddtree.demo.tokenizer import load_tokenizer
 from ddtree.event_loop import busy_poll_seconds
-from ddtree.heap import freeze_startup_heap, watch_collector
+from ddtree.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_large_allocations()
     try:
         config = GatewayConfig.from_args(args)
         if not Path(config.target).is_dir():  # else transformers takes it for a hub id and says so, confusingly
