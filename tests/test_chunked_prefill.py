@@ -235,8 +235,8 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
 def test_long_chunks_on_gpu_equal_one_call(dtype: torch.dtype, qwen3_target: Path) -> None:
     """Chunks of hundreds of tokens after the first run SDPA's lower-right causal kernels on a GPU (flash in bf16,
     memory-efficient in fp32, K/V heads repeated for them), where the CPU materialises the mask: the same
-    features and first token as one call (a captured graph's, with graphs on), and in fp32 the same decode steps
-    after."""
+    features and first token as one call (the uncaptured prompt step: 900 tokens are past the captured buckets),
+    and in fp32 the same decode steps after."""
     engine = VerifyEngine.from_pretrained(qwen3_target, "cuda", dtype)
     prompt = make_prompt(900, seed=4)
     for session in ("whole", "chunks"):
