@@ -14,6 +14,7 @@ A long prompt's features cross each process as messages of tens of MB, copied se
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -27,9 +28,12 @@ log = logging.getLogger(__name__)
 
 
 def freeze_startup_heap() -> None:
-    """Call once start-up (loading, warm-up, compiles) is done: collects, then freezes everything still alive."""
+    """Call once start-up (loading, warm-up, compiles) is done: collects, then freezes everything still alive.
+    Unfrozen again at exit: objects still frozen then are never finalised, and extension modules that count their
+    objects at exit (Triton's nanobind bindings) print pages of "leaked" warnings on every shutdown."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     log.info("start-up heap frozen: %d objects out of the collector's sight", gc.get_freeze_count())
 
 
