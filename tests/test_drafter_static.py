@@ -255,8 +255,8 @@ def test_draft_after_a_round_in_flight_matches_the_host_draft(kind: str, drafter
     static.draft("t", features[:5], 1, 5, 8)
     with pytest.raises(CapacityError):
         static.draft_after("t", features[5 : 5 + block], 5, torch.tensor([6, 0]), 8)
-    from draft_server.drafter import SessionError
-
+    with pytest.raises(SessionError, match="cannot take an append"):  # where the context ends is not known yet
+        static.append("s", features[:1])
     with pytest.raises(SessionError, match="cannot start at"):  # the last round ended in [start+1, start+B]
         static.draft("s", features[:1], 1, start + block + 1, 8)
     got, want = (e.draft("s", features[start : start + 4], 4, start + 4, 8).tree for e in (static, eager))
