@@ -202,10 +202,12 @@ class Remote:
     block_size = 4
     target_layer_ids = [0]
 
-    def __init__(self, log: list[str], fail_draft: bool = False, fail_append: bool = False) -> None:
+    def __init__(self, log: list[str], fail_draft: bool = False, fail_append: bool = False,
+                 fail_chunk: int | None = None) -> None:
         self.log = log
         self.fail_draft = fail_draft
         self.fail_append = fail_append
+        self.fail_chunk = fail_chunk  # the prefill call (0-based) that fails
         self.cancelled = 0
 
     async def _answer(self, name: str, value, seconds: float = 0.01):
@@ -214,6 +216,7 @@ class Remote:
             await asyncio.sleep(seconds)  # in flight
         except asyncio.CancelledError:
             self.cancelled += 1
+            self.log.append(f"{name} cancelled")
             raise
         return value
 
@@ -224,6 +227,9 @@ class Remote:
         self.log.append("end")
 
     async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+        if self.log.count("prefill sent") == self.fail_chunk:
+            await self._answer("prefill", None)
+            raise ConnectionError("verifier down")
         step = await self._answer("prefill", StepResult([] if more else [7], torch.zeros(len(prompt), 2)))
         self.log.append("prefill done")
         return step
@@ -331,13 +337,24 @@ def test_a_failed_append_falls_back_to_decoding():
     assert len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
 
 
+def test_a_chunk_that_fails_fails_the_request_cancels_the_append_and_ends_both_sessions(recwarn):
+    log: list[str] = []
+    backend = Remote(log, fail_chunk=2)
+    with pytest.raises(ConnectionError, match="verifier down"):
+        asyncio.run(_handled(backend, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=4))
+    assert log.count("prefill sent") == 3 and log.count("append sent") == 2
+    assert backend.cancelled == 1 and log.count("append done") == 1  # the second chunk's append, cut short ...
+    assert log[-3:] == ["append cancelled", "end", "end"] and "draft sent" not in log  # ... before the sessions end
+    assert not [w for w in recwarn if "never retrieved" in str(w.message)]
+
+
 def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
     log: list[str] = []
     backend = Remote(log)
     tokens = asyncio.run(_handled(backend, "ddtree", max_new=20, stop_after=1))
     assert tokens == [7, 5, 6]
     assert backend.cancelled == 1  # round 2's draft, sent before round 1 was handed over
-    assert log[-2:] == ["end", "end"]
+    assert [entry for entry in log if not entry.endswith("cancelled")][-2:] == ["end", "end"]
 
 
 def test_a_prefetched_draft_that_fails_falls_back_to_decoding(recwarn):
