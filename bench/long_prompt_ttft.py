@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from ddtree.bench_gateway import read_counters
+from ddtree.bench_gateway import read_counters, served_model
 
 WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
          "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
@@ -62,7 +62,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     urls = [u.rstrip("/") for u in args.gateways.split(",")]
-    model = httpx.get(f"{urls[0]}/v1/models").json()["data"][0]["id"]
+    model = served_model(urls[0])
     rng = random.Random(0)
     results: dict[str, dict[int, list[dict]]] = {u: {} for u in urls}
     for length in map(int, args.lengths.split(",")):

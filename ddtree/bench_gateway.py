@@ -35,6 +35,11 @@ def _request(url: str, body: dict | None = None) -> dict | str:
     return json.loads(raw) if reply.headers.get_content_type() == "application/json" else raw
 
 
+def served_model(url: str) -> str:
+    """The model name a gateway serves (its /v1/models)."""
+    return _request(f"{url}/v1/models")["data"][0]["id"]
+
+
 def read_counters(url: str) -> dict[str, float]:
     """The speculation counters and per-phase sums, flattened to name[label] -> value."""
     values: dict[str, float] = {}
@@ -60,7 +65,7 @@ def load_chat_prompts(path: str, limit: int) -> list[list[dict]]:
 
 def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: list[int], max_new: int, out: Path) -> dict:
     url = url.rstrip("/")
-    model = _request(f"{url}/v1/models")["data"][0]["id"]
+    model = served_model(url)
     prompts = load_chat_prompts(prompts_file, num_prompts)
     specs = [("ar", {"mode": "off"}), ("chain", {"mode": "chain"})] + [
         (f"ddtree/{b}", {"mode": "ddtree", "budget": b}) for b in budgets

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias
 
 BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
@@ -25,9 +26,14 @@ def attention(
     gqa: bool | None = None,
 ) -> torch.Tensor:
     """query [b, heads, q, d], key/value [b, kv_heads, k, d] (grouped-query when kv_heads < heads) -> [b, heads, q, d].
-    gqa: whether kv_heads < heads (None: read from the shapes, which torch.compile with dynamic shapes cannot)."""
+    gqa: whether kv_heads < heads (None: read from the shapes, which torch.compile with dynamic shapes cannot).
+    mask: a bool tensor or a CausalBias (torch.nn.attention.bias)."""
     if gqa is None:
         gqa = query.shape[1] != key.shape[1]
+    if isinstance(mask, CausalBias) and gqa:
+        # a bias's own flash and memory-efficient kernels take as many K/V heads as query heads (HF's repeat_kv order)
+        groups = query.shape[1] // key.shape[1]
+        key, value, gqa = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1), False
     with sdpa_kernel(list(BACKENDS)):
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa

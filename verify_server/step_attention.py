@@ -29,10 +29,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     prompt from slot 0 needs; a plain bool, since under torch.compile a symbolic q could not decide it; a
     CausalBias: `chunk_mask`'s) -> [1, heads, q, d]. gqa: heads > kv_heads, passed in because under torch.compile
     with dynamic shapes it cannot be derived."""
-    if isinstance(mask, CausalBias) and gqa:
-        # its flash and memory-efficient kernels take as many K/V heads as query heads (HF's repeat_kv order)
-        groups = q.shape[1] // k.shape[1]
-        k, v, gqa = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
     return attention(q, k, v, mask, is_causal=mask is None, scale=scale, gqa=gqa)
 
 
