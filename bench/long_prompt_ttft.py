@@ -7,8 +7,8 @@ gateway (e.g. two gateways in front of the same services, one with `--prefill-ch
 Requests alternate between the gateways (one at a time, greedy, ddtree mode), so both see the same machine
 state. Each prompt is a fresh text (no prefix in common with the last: nothing cached could help) of about
 the asked length; its exact token count comes from the gateway's usage. The first token waits for the whole
-prefill; the second for the drafter's context too (a one-call prefill's features go to the drafter with the
-first draft, a chunked one's mostly during the prefill), so both are reported.
+prefill (a one-call prefill's answer brings the prompt's features too, a chunked one's only tokens); the second
+for the drafter's context too (all the prompt's features), so both are reported.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ class DrafterClient(Protocol):
     ) -> tuple[DraftTree, Mapping[str, float]]: ...
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:
-        """Features for the context, nothing drafted (a chunked prefill's chunks but the last)."""
+        """Features for the context, nothing drafted (a chunked prefill's chunks but the last, as taken from the
+        verifier)."""
         ...
 
     async def end_session(self, session_id: str) -> None: ...
@@ -37,8 +38,15 @@ class VerifierClient(Protocol):
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
-        """The prompt, or a chunk of it: `more` says another chunk follows (no token is chosen then)."""
+    async def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
+        """The prompt, or a chunk of it: `more` says another chunk follows (no token is chosen then);
+        `keep_features`: the verifier keeps the chunk's features for take_features (the step has none)."""
+        ...
+
+    async def take_features(self, session_id: str) -> torch.Tensor:
+        """The oldest kept prefill call's features not taken yet."""
         ...
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...

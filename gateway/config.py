@@ -41,9 +41,10 @@ class GatewayConfig(FlagConfig):
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
-    prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks, "
-                                      "its features to the drafter chunk by chunk, other requests' rounds run "
-                                      "between them; 0: every prompt in one call")
+    prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks "
+                                      "whose features the verifier keeps, so its first token comes after the "
+                                      "forwards alone, and other requests' rounds run between them; the features "
+                                      "then go to the drafter chunk by chunk; 0: every prompt in one call")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")

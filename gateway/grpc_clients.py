@@ -281,9 +281,15 @@ class GrpcVerifier(_Client):
         )
         await self._call("StartSession", self._stub.StartSession, request)
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more)
+    async def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
+        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
         return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
+
+    async def take_features(self, session_id: str) -> tensors.WireTensor:
+        request = pb.TakeFeaturesRequest(session_id=session_id)
+        return tensors.step_from_pb(await self._call("TakeFeatures", self._stub.TakeFeatures, request), wire=True).features
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)

@@ -69,8 +69,13 @@ class LocalVerifier:
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         self.engine.start_session(session_id, capacity, params, taps)
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
-        return self.engine.prefill(session_id, prompt, more)
+    async def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
+        return self.engine.prefill(session_id, prompt, more, keep_features)
+
+    async def take_features(self, session_id: str) -> torch.Tensor:
+        return self.engine.take_features(session_id).features
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return self.engine.verify(session_id, tree)

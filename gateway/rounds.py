@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, TypeVar
 
+import torch
+
 from ddtree.timing import DeferredTimings
 from ddtree.types import SamplingParams, StepResult
 from gateway.backends import ChainingVerifier, DrafterClient, QueuedRound, VerifierClient
@@ -101,7 +103,7 @@ async def run_rounds(
         async for rnd in (_chained_rounds if chained else _stepped_rounds)(run, step, timings):
             yield rnd
     finally:
-        _discard(run.appending)  # the request ended before its first draft
+        _discard(run.relay)  # the request ended before its first draft
         # shielded: a client that disconnects while we clean up must not leave a session behind on either service
         await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
 
@@ -119,8 +121,8 @@ class _Request:
     on_fallback: Callable[[BaseException], None] | None
     generated: int = 0
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # a chunked prefill's last appended chunk, on its way into the drafter's context: the first draft waits for it
-    appending: asyncio.Future | None = None
+    # a chunked prefill's features on their way to the drafter (_relay): the first draft waits for them
+    relay: asyncio.Future | None = None
 
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)
@@ -143,44 +145,53 @@ class _Request:
 
 
 async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
-    """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill), so that no answer
-    carries a long prompt's features at once (5 taps of Qwen3-8B are 40 KiB a token in bf16) and the verifier
-    serves other sessions' rounds between the chunks. Each chunk's features but the last go to the drafter (Append)
-    while the verifier runs the next chunk; the last chunk's come with the first draft, as a one-call prefill's do.
-    The first token does not wait for the last append: the first draft does (run.appending). -> the last chunk's
-    step, its forward_s the whole prompt's."""
+    """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill) whose features the
+    verifier keeps (keep_features; 5 taps of Qwen3-8B are 40 KiB a token in bf16). Then the calls carry only
+    tokens, so the first token waits for the prompt's forwards alone, and the verifier serves other sessions'
+    rounds between the chunks. The features travel afterwards, chunk by chunk, while the first token is handed
+    over (_relay); the first draft waits for them (run.relay). -> the last chunk's step, its forward_s the whole
+    prompt's."""
     if not 0 < chunk < len(prompt):
         return await run.verifier.prefill(run.session_id, prompt)
-    appending: asyncio.Future | None = None  # the last chunk's features on their way into the drafter's context
+    keep = run.drafter is not None  # nobody would take them otherwise
     forward_s = 0.0
-    try:
-        for begin in range(0, len(prompt), chunk):
-            more = begin + chunk < len(prompt)
-            step = await run.verifier.prefill(run.session_id, prompt[begin : begin + chunk], more=more)
-            forward_s += step.forward_s
-            if not more:
-                break
-            if appending is not None:
-                try:
-                    await appending
-                except Exception as exc:  # noqa: BLE001 - see run_rounds
-                    run.fall_back(exc)
-            appending = None
-            if run.drafter:
-                appending = asyncio.ensure_future(run.drafter.append(run.session_id, step.features))
-        run.appending, appending = appending, None
-    finally:
-        _discard(appending)  # the verifier failed: nobody waits for the append any more
+    begins = range(0, len(prompt), chunk)
+    for begin in begins:
+        more = begin + chunk < len(prompt)
+        step = await run.verifier.prefill(run.session_id, prompt[begin : begin + chunk], more=more, keep_features=keep)
+        forward_s += step.forward_s
+    if keep:
+        run.relay = asyncio.ensure_future(_relay(run.verifier, run.drafter, run.session_id, len(begins)))
     step.forward_s = forward_s
     return step
 
 
-async def _after_append(run: _Request, draft: Callable[[], Awaitable[T]]) -> T:
-    """The first draft after a chunked prefill: the drafter's context needs the last appended chunk first (its
-    failure fails the draft, and the round loop falls back to AR)."""
-    appending, run.appending = run.appending, None
-    await appending
-    return await draft()
+async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int) -> torch.Tensor:
+    """A chunked prompt's kept features, verifier -> drafter: each chunk's are taken while the chunk before is
+    appended to the drafter's context. -> the last chunk's, which the first draft brings (as after a one-call
+    prefill)."""
+    taking = asyncio.ensure_future(verifier.take_features(session_id))
+    appending: asyncio.Future | None = None
+    try:
+        for _ in range(chunks - 1):
+            features = await taking
+            taking = asyncio.ensure_future(verifier.take_features(session_id))
+            if appending is not None:
+                await appending
+            appending = asyncio.ensure_future(drafter.append(session_id, features))
+        if appending is not None:
+            await appending
+        return await taking
+    finally:  # a failure or a cancel: nobody waits for the other call any more
+        _discard(taking)
+        _discard(appending)
+
+
+async def _after_relay(run: _Request, draft: Callable[[torch.Tensor], Awaitable[T]]) -> T:
+    """The first draft after a chunked prefill: the drafter's context needs the prompt's features first, and the
+    draft brings the last chunk's (the relay's failure fails the draft, and the round loop falls back to AR)."""
+    relay, run.relay = run.relay, None
+    return await draft(await relay)
 
 
 def _discard(future: asyncio.Future | None) -> None:
@@ -207,11 +218,8 @@ async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str,
                 return
             drafter = run.drafter
             if drafter:
-                budget, top_k = run.tree_shape()
-                first = partial(drafter.draft, session_id, step.features, step.tokens[-1], run.root_position, budget,
-                                top_k)
-                if run.appending is not None:
-                    first = partial(_after_append, run, first)
+                draft = partial(_draft, drafter, session_id, step.tokens[-1], run.root_position, *run.tree_shape())
+                first = partial(draft, step.features) if run.relay is None else partial(_after_relay, run, draft)
             else:
                 first = partial(run.verifier.decode, session_id)
             # A remote backend's first call of the next round goes out before this round is handed over, so what
@@ -305,14 +313,22 @@ async def _queue(run: _Request, step: StepResult | None = None, last: _Queued | 
         session_id, position = run.session_id, run.root_position
         try:
             if last is None:
-                draft = partial(run.drafter.draft, session_id, step.features, step.tokens[-1], position, budget, top_k)
-                call = draft() if run.appending is None else _after_append(run, draft)
+                draft = partial(_draft, run.drafter, session_id, step.tokens[-1], position, budget, top_k)
+                call = draft(step.features) if run.relay is None else _after_relay(run, draft)
             else:
                 call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
             tree, draft_timings = await call
         except Exception as exc:  # noqa: BLE001 - see run_rounds
             run.fall_back(exc)
     return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
+
+
+def _draft(
+    drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None,
+    features: torch.Tensor,
+) -> Awaitable[tuple]:
+    """drafter.draft with the features last (bound last: they come from the step or from the relay)."""
+    return drafter.draft(session_id, features, root, position, budget, top_k)
 
 
 def _merged(

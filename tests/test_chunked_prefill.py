@@ -1,6 +1,7 @@
 """Chunked prefill (PrefillRequest.more): a prompt sent in several calls leaves the session exactly as one call does
 (features, first token, every round after), on the fused and the generic path, for hybrid targets (whose chunks
-continue the committed recurrent state), through tensor parallelism and through the service."""
+continue the committed recurrent state), through tensor parallelism and through the service. Features kept by the
+verifier (PrefillRequest.keep_features) are taken later, in call order, equal to those the answers would carry."""
 
 from __future__ import annotations
 
@@ -103,6 +104,31 @@ def test_chunked_prefill_equals_one_call(path: str, qwen3_target: Path) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_kept_features_are_taken_in_call_order(path: str, qwen3_target: Path) -> None:
+    """keep_features: the calls' answers carry no features; take_features hands them out oldest first, equal to
+    the features the calls would have answered, and refuses once none is left. Ending a session drops its kept
+    features."""
+    engine = make_engine(qwen3_target, path)
+    prompt, sizes = make_prompt(30, seed=6), (7, 9)
+    for session in ("sent", "kept", "ended"):
+        engine.start_session(session, 64, SamplingParams(), TAPS)
+    sent = prefill_chunks(engine, "sent", prompt, sizes)
+    kept = [engine.prefill("kept", prompt[:7], more=True, keep_features=True),
+            engine.prefill("kept", prompt[7:16], more=True, keep_features=True),
+            engine.prefill("kept", prompt[16:], keep_features=True)]
+    assert [r.features for r in kept] == [None] * 3 and kept[-1].tokens == sent[-1].tokens
+    taken = [engine.take_features("kept") for _ in kept]
+    assert_chunks_equal_one_call([StepResult([], t.features) for t in taken[:-1]] + [StepResult(kept[-1].tokens,
+                                 taken[-1].features)], StepResult(sent[-1].tokens, torch.cat([r.features for r in
+                                 sent])), sizes)
+    with pytest.raises(SessionError, match="no kept prompt features"):
+        engine.take_features("kept")
+    engine.prefill("ended", prompt, keep_features=True)
+    assert len(engine.sessions["ended"].kept_features) == 1 and engine.end_session("ended")
+    assert engine.decode("kept").tokens == engine.decode("sent").tokens
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_sampled_session_draws_the_same_tokens_chunked(path: str, qwen3_target: Path) -> None:
     """`more` chunks pick no token, so they draw nothing from the session's generator: the chunked session samples
     the same first token and the same tokens after it as the one-call session with the same seed."""
@@ -190,8 +216,9 @@ def test_tensor_parallel_chunks_equal_one_call(hybrid_targets: dict[str, Path]) 
 
 def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
     """Through a verifier process: `more` answers carry their chunk's features and no token, the last call the
-    first token; together they equal a one-call prefill. A chunk after the prompt ended, an empty chunk and a
-    Decode before the prompt ended are INVALID_ARGUMENT, and the sessions go on alike."""
+    first token; together they equal a one-call prefill, and so do the features a session's TakeFeatures calls
+    take after chunks sent with keep_features. A chunk after the prompt ended, an empty chunk, a Decode before the
+    prompt ended and a take with nothing kept are INVALID_ARGUMENT, and the sessions go on alike."""
     ports = free_ports(2)
     verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target)], (ports[0], ports[1]),
                       tmp_path)
@@ -200,13 +227,17 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
         wait_serving(verifier)
         with grpc.insecure_channel(verifier.address) as channel:
             stub = pb_grpc.VerifierStub(channel)
-            whole, chunked = uuid.uuid4().hex, uuid.uuid4().hex
-            for session in (whole, chunked):
+            whole, chunked, kept = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+            for session in (whole, chunked, kept):
                 request = pb.VerifierStartSessionRequest(session_id=session, capacity=64, tap_layers=TAPS)
                 stub.StartSession(request, timeout=30)
 
-            def prefill(session: str, chunk: list[int], more: bool = False) -> pb.StepResponse:
-                return stub.Prefill(pb.PrefillRequest(session_id=session, prompt=chunk, more=more), timeout=30)
+            def prefill(session: str, chunk: list[int], more: bool = False, keep: bool = False) -> pb.StepResponse:
+                request = pb.PrefillRequest(session_id=session, prompt=chunk, more=more, keep_features=keep)
+                return stub.Prefill(request, timeout=30)
+
+            def take() -> pb.StepResponse:
+                return stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=kept), timeout=30)
 
             def refusal(call) -> tuple[grpc.StatusCode, str]:
                 with pytest.raises(grpc.RpcError) as err:
@@ -219,7 +250,11 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
             answers += [prefill(chunked, prompt[1:13], more=True), prefill(chunked, prompt[13:])]
             after_end = refusal(lambda: prefill(chunked, [1], more=True))
             empty = refusal(lambda: prefill(chunked, []))
-            decoded = [stub.Decode(pb.DecodeRequest(session_id=s), timeout=30).tokens for s in (whole, chunked)]
+            kept_answers = [prefill(kept, prompt[:1], more=True, keep=True),
+                            prefill(kept, prompt[1:13], more=True, keep=True), prefill(kept, prompt[13:], keep=True)]
+            taken = [take() for _ in kept_answers]
+            none_left = refusal(take)
+            decoded = [stub.Decode(pb.DecodeRequest(session_id=s), timeout=30).tokens for s in (whole, chunked, kept)]
     finally:
         exit_code = verifier.stop()
     assert exit_code == 0
@@ -227,7 +262,12 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
     assert decode_early[0] == grpc.StatusCode.INVALID_ARGUMENT and "must be prefilled" in decode_early[1]
     assert after_end[0] == grpc.StatusCode.INVALID_ARGUMENT and "already prefilled" in after_end[1]
     assert empty[0] == grpc.StatusCode.INVALID_ARGUMENT and "empty" in empty[1]
-    assert decoded[0] == decoded[1] and len(decoded[0]) == 1
+    assert not any(a.HasField("features") for a in kept_answers) and kept_answers[-1].tokens == answers[-1].tokens
+    taken_steps = [tensors.step_from_pb(t) for t in taken]
+    taken_steps[-1].tokens = list(kept_answers[-1].tokens)
+    assert_chunks_equal_one_call(taken_steps, tensors.step_from_pb(one_call), sizes)
+    assert none_left[0] == grpc.StatusCode.INVALID_ARGUMENT and "no kept prompt features" in none_left[1]
+    assert decoded[0] == decoded[1] == decoded[2] and len(decoded[0]) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash and memory-efficient SDPA kernels need a GPU")

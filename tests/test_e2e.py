@@ -27,7 +27,8 @@ STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply run
 LONG = 600
 MODEL = "tiny"
 # the gateway prefills in chunks of this many tokens (every prompt here is longer): against the in-process loop's
-# one-call prefill (`expected`), through the verifier's Prefill with `more` and the drafter's Append
+# one-call prefill (`expected`), through the verifier's Prefill with `more` and `keep_features`, its TakeFeatures
+# and the drafter's Append
 PREFILL_CHUNK = 7
 DDTREE = [sys.executable, "-m", "ddtree.cli"]
 
@@ -130,15 +131,18 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     drafts = [metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total")]
     prefills = [services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK") or 0.0]
     appends = [services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0]
+    takes = [services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0]
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
         assert stream_text(r.iter_lines()) == (text, finish)
     drafts.append(metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total"))
     prefills.append(services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK"))
     appends.append(services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0)
+    takes.append(services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0)
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
     chunks = -(-len(chat_ids(tokenizer, STORY)) // PREFILL_CHUNK)
     assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
+    assert takes[1] - takes[0] == (chunks if mode != "off" else 0)  # the verifier kept every chunk's features
     assert appends[1] - appends[0] == (chunks - 1 if mode != "off" else 0)  # the last chunk's go with the draft
 
 

@@ -203,12 +203,16 @@ class Remote:
     target_layer_ids = [0]
 
     def __init__(self, log: list[str], fail_draft: bool = False, fail_append: bool = False,
-                 fail_chunk: int | None = None) -> None:
+                 fail_chunk: int | None = None, fail_take: bool = False) -> None:
         self.log = log
         self.fail_draft = fail_draft
         self.fail_append = fail_append
         self.fail_chunk = fail_chunk  # the prefill call (0-based) that fails
+        self.fail_take = fail_take
         self.cancelled = 0
+        self.kept: list[torch.Tensor] = []  # prefill calls' features kept for take_features, oldest first
+        self.appended: list[torch.Tensor] = []
+        self.drafted: list[torch.Tensor] = []  # the features each draft brought
 
     async def _answer(self, name: str, value, seconds: float = 0.01):
         self.log.append(f"{name} sent")
@@ -226,21 +230,35 @@ class Remote:
     async def end_session(self, session_id: str) -> None:
         self.log.append("end")
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
-        if self.log.count("prefill sent") == self.fail_chunk:
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False,
+                      keep_features: bool = False) -> StepResult:
+        chunk = self.log.count("prefill sent")
+        if chunk == self.fail_chunk:
             await self._answer("prefill", None)
             raise ConnectionError("verifier down")
-        step = await self._answer("prefill", StepResult([] if more else [7], torch.zeros(len(prompt), 2)))
+        features = torch.full((len(prompt), 2), float(chunk))  # which chunk they are
+        if keep_features:
+            self.kept.append(features)
+        step = await self._answer("prefill", StepResult([] if more else [7], None if keep_features else features))
         self.log.append("prefill done")
         return step
 
+    async def take_features(self, session_id: str) -> torch.Tensor:
+        await self._answer("take", None, 0.03)  # a chunk's features: longer on their way than its prefill call
+        self.log.append("take done")
+        if self.fail_take:
+            raise ConnectionError("verifier refused")
+        return self.kept.pop(0)
+
     async def append(self, session_id: str, features: torch.Tensor) -> None:
-        await self._answer("append", None, 0.05)  # a chunk's features: longer on their way than the prefill's
+        await self._answer("append", None, 0.05)
         self.log.append("append done")
         if self.fail_append:
             raise ConnectionError("drafter down")
+        self.appended.append(features)
 
     async def draft(self, session_id, features, root_token, root_position, budget, top_k):
+        self.drafted.append(features)
         if self.fail_draft:
             self.log.append("draft sent")
             raise ConnectionError("drafter down")
@@ -309,42 +327,68 @@ def test_queued_in_process_drafts_go_before_the_hand_over_and_decodes_after():
     assert log.index("round 0 handled") < log.index("decode sent")  # a decode syncs: it would delay the hand-over
 
 
-def test_a_chunked_prefill_appends_while_the_next_chunk_runs_and_the_first_token_goes_first():
-    """Ten prompt tokens in chunks of 4: three prefill calls, the first two chunks' features appended to the
-    drafter, each while the verifier runs the next chunk; the first token is handed over without waiting for the
-    last append, which the first draft waits for."""
+def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_after_the_first_token():
+    """Ten prompt tokens in chunks of 4: three prefill calls back to back, whose features the verifier keeps; the
+    first token is handed over without waiting for them; then each chunk's features are taken while the chunk
+    before is appended to the drafter, and the first draft, after the last append, brings the last chunk's."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
-    tokens = asyncio.run(_handled(Remote(log), "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
+    backend = Remote(log)
+    tokens = asyncio.run(_handled(backend, "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
                                   prefill_chunk=4))
     assert tokens == [7, 5, 6] and fallbacks == []
+
     def at(entry: str) -> list[int]:
         return [i for i, logged in enumerate(log) if logged == entry]
 
-    prefilled, appended = at("prefill done"), at("append done")
-    assert len(at("prefill sent")) == 3 and len(at("append sent")) == len(appended) == 2
-    # each append goes out before the next chunk's answer is back: beside it
-    assert prefilled[0] < at("append sent")[0] < prefilled[1] < appended[0] < at("append sent")[1]
-    assert prefilled[2] < log.index("round 0 handled") < appended[1] < log.index("draft sent")
+    prefilled, taken, appended = at("prefill done"), at("take done"), at("append done")
+    assert len(prefilled) == 3 and len(taken) == 3 and len(appended) == 2 and backend.kept == []
+    assert prefilled[2] < at("take sent")[0]  # no features travel until the prompt's forwards are done
+    assert prefilled[2] < log.index("round 0 handled") < appended[0]  # the first token goes first
+    assert at("take sent")[1] < appended[0] and at("take sent")[2] < appended[1]  # a take beside each append
+    assert max(appended[1], taken[2]) < log.index("draft sent")
+    assert [int(f[0, 0]) for f in backend.appended] == [0, 1] and [len(f) for f in backend.appended] == [4, 4]
+    assert int(backend.drafted[0][0, 0]) == 2 and len(backend.drafted[0]) == 2  # the last chunk's, with the draft
 
 
-def test_a_failed_append_falls_back_to_decoding():
+def test_a_one_call_prefill_keeps_nothing_and_its_features_come_with_the_first_draft():
+    log: list[str] = []
+    backend = Remote(log)
+    assert asyncio.run(_handled(backend, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=10)) == [7, 5, 6]
+    assert log.count("prefill sent") == 1 and "take sent" not in log and "append sent" not in log
+    assert len(backend.drafted[0]) == 10
+
+
+@pytest.mark.parametrize("failing", ["append", "take"])
+def test_a_failed_relay_falls_back_to_decoding(failing):
     log: list[str] = []
     fallbacks: list[BaseException] = []
-    tokens = asyncio.run(_handled(Remote(log, fail_append=True), "ddtree", max_new=3, fallbacks=fallbacks,
-                                  prompt=tuple(range(10)), prefill_chunk=4))
+    backend = Remote(log, fail_append=failing == "append", fail_take=failing == "take")
+    tokens = asyncio.run(_handled(backend, "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
+                                  prefill_chunk=4))
     assert tokens == [7, 8, 8] and "draft sent" not in log and log.count("prefill sent") == 3
     assert len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
 
 
-def test_a_chunk_that_fails_fails_the_request_cancels_the_append_and_ends_both_sessions(recwarn):
+def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions():
     log: list[str] = []
     backend = Remote(log, fail_chunk=2)
     with pytest.raises(ConnectionError, match="verifier down"):
         asyncio.run(_handled(backend, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=4))
-    assert log.count("prefill sent") == 3 and log.count("append sent") == 2
-    assert backend.cancelled == 1 and log.count("append done") == 1  # the second chunk's append, cut short ...
-    assert log[-3:] == ["append cancelled", "end", "end"] and "draft sent" not in log  # ... before the sessions end
+    assert log.count("prefill sent") == 3 and "take sent" not in log and "draft sent" not in log
+    assert log[-2:] == ["end", "end"]
+
+
+@pytest.mark.parametrize("max_new, stop_after", [(1, None), (20, 0)])
+def test_a_request_that_ends_with_its_first_token_cancels_the_relay_before_the_sessions_end(max_new, stop_after, recwarn):
+    """Ended by its token limit (the relay has not started yet) or by a caller that stops at the first token (a
+    take in flight; its cancellation may land after the sessions end, as a draft's does)."""
+    log: list[str] = []
+    backend = Remote(log)
+    tokens = asyncio.run(_handled(backend, "ddtree", max_new=max_new, stop_after=stop_after, prompt=tuple(range(10)),
+                                  prefill_chunk=4))
+    assert tokens == [7] and "take done" not in log and "append sent" not in log and "draft sent" not in log
+    assert log.count("end") == 2 and backend.cancelled == log.count("take sent") == (stop_after is not None)
     assert not [w for w in recwarn if "never retrieved" in str(w.message)]
 
 

@@ -68,6 +68,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         return await self.host.call("Prefill", context, lambda engine: self._prefill(engine, request), forward=True)
 
+    async def TakeFeatures(self, request: pb.TakeFeaturesRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        return await self.host.call(
+            "TakeFeatures", context, lambda engine: tensors.step_to_pb(engine.take_features(request.session_id))
+        )
+
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
         self.host.remember(self._rehearse_verify, request, response)
@@ -115,15 +120,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _prefill(self, engine: VerifyEngine, request: pb.PrefillRequest) -> pb.StepResponse:
         """The prompt in one call or in chunks (`more` on every call but the last): each answer holds its chunk's
-        features, the last one the first token too. A chunk after the prompt is complete, or an empty one, is
-        INVALID_ARGUMENT (SessionError, RequestError) with the session untouched."""
+        features (or the verifier keeps them for TakeFeatures: `keep_features`), the last one the first token too.
+        A chunk after the prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with
+        the session untouched."""
         check_prompt(request.prompt, engine.vocab_size)
         self._check_features_fit(engine, request)
-        return tensors.step_to_pb(engine.prefill(request.session_id, list(request.prompt), request.more))
+        step = engine.prefill(request.session_id, list(request.prompt), request.more, request.keep_features)
+        return tensors.step_to_pb(step)
 
     def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
-        """A chunk's features go back in one message: a chunk whose features could not be sent is refused before
-        any work (else the answer would fail to leave, with the chunk committed)."""
+        """A chunk's features go back in one message (its answer's or TakeFeatures'): a chunk whose features could
+        not be sent is refused before any work (else the answer would fail to leave, with the chunk committed)."""
         taps = len(engine.session(request.session_id).taps)
         size = len(request.prompt) * taps * engine.hidden_size * engine.dtype.itemsize
         if size + MESSAGE_SLACK_BYTES > self.config.max_message_bytes:

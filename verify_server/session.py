@@ -49,3 +49,6 @@ class VerifySession:
     queued: int = 0  # rounds queued so far (picks the readback buffer)
     # per readback slot, host memory for a host_features round's path features, flat
     host_features: list[PinnedReadback | None] = field(default_factory=list)
+    # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
+    # on the host (pinned on a GPU)
+    kept_features: deque[torch.Tensor] = field(default_factory=deque)

@@ -226,9 +226,12 @@ class TensorParallelEngine:
         self.channel.send("end_session", {"id": session_id})
         return self.engine.end_session(session_id)
 
-    def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+    def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False) -> StepResult:
         self.channel.send("prefill", {"id": session_id, "prompt": prompt, "more": more})
-        return self.engine.prefill(session_id, prompt, more)
+        return self.engine.prefill(session_id, prompt, more, keep_features)
+
+    def take_features(self, session_id: str) -> StepResult:
+        return self.engine.take_features(session_id)  # only rank 0's features leave the process
 
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)

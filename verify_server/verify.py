@@ -166,12 +166,13 @@ class VerifyEngine(QueuedRounds):
     # ---- steps ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, session_id: str, prompt: list[int], more: bool = False) -> StepResult:
+    def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False) -> StepResult:
         """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
-        taps*hidden] (None without taps) and, from the last call only, the first token (the new root). A `more`
-        chunk picks no token: no host sync for one, and a sampled session's generator draws nothing, so a chunked
-        prompt samples what it would have in one call. A completed prompt takes no more chunks."""
+        taps*hidden] (None without taps, or kept on the device for take_features with `keep_features`) and, from
+        the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
+        and a sampled session's generator draws nothing, so a chunked prompt samples what it would have in one
+        call. A completed prompt takes no more chunks."""
         sess = self.session(session_id)
         if sess.root is not None:
             raise SessionError(
@@ -191,13 +192,26 @@ class VerifyEngine(QueuedRounds):
             logits, features = self._forward(sess, ids, torch.arange(start, start + n, device=self.device), None, True)
         timer.mark()
         sess.cache.length = start + n
-        if more:
+        first = None if more else choose_tokens(logits, sess.params, sess.generator)
+        if keep_features and features is not None:
+            # to the host right behind the forward (pinned: queued; the sync below waits for it too), so that a
+            # take only encodes them
+            kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=self.device.type == "cuda")
+            sess.kept_features.append(kept.copy_(features, non_blocking=True))
+            features = None
+        if first is None:
             forward_s, _ = timer.split()  # waits for the chunk's kernels: no token read to sync on
             return StepResult([], features, forward_s=forward_s)
-        first = choose_tokens(logits, sess.params, sess.generator)
         sess.root = timer.sync(lambda: int(first.item()))
         forward_s, _ = timer.split()
         return StepResult([sess.root], features, forward_s=forward_s)
+
+    def take_features(self, session_id: str) -> StepResult:
+        """The features of the session's oldest prefill call made with keep_features and not taken yet."""
+        sess = self.session(session_id)
+        if not sess.kept_features:
+            raise SessionError(f"session {session_id!r} has no kept prompt features left to take")
+        return StepResult([], sess.kept_features.popleft())
 
     @torch.inference_mode()
     def decode(self, session_id: str, host_features: bool = False) -> StepResult:

@@ -103,7 +103,7 @@ class DrafterServicer:
 
     def Append(self, request, context):
         """Appends target features to the context without drafting: a long prompt's features, chunk by chunk, as the
-        verifier's Prefill calls return them (the last chunk's come with the first Draft).
+        verifier's TakeFeatures calls return them (the last chunk's come with the first Draft).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -356,6 +356,11 @@ class VerifierStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.TakeFeatures = channel.unary_unary(
+                '/ddtree.v1.Verifier/TakeFeatures',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/ddtree.v1.Verifier/Verify',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
@@ -411,6 +416,13 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeFeatures(self, request, context):
+        """The features of the oldest Prefill call made with `keep_features` whose features are not taken yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Verify(self, request, context):
         """Scores a draft tree in one forward, commits the longest path the target agrees with plus a bonus token.
         """
@@ -460,6 +472,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
+            ),
+            'TakeFeatures': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeFeatures,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
@@ -592,6 +609,33 @@ class Verifier:
             target,
             '/ddtree.v1.Verifier/Prefill',
             ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeFeatures(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Verifier/TakeFeatures',
+            ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
             options,
             channel_credentials,
