@@ -121,7 +121,7 @@ class _Request:
     on_fallback: Callable[[BaseException], None] | None
     generated: int = 0
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # a chunked prefill's features on their way to the drafter (_relay): the first draft waits for them
+    # the prompt's kept features on their way to the drafter (_relay): the first draft waits for them
     relay: asyncio.Future | None = None
 
     def tree_shape(self) -> tuple[int, int | None]:
@@ -145,17 +145,17 @@ class _Request:
 
 
 async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
-    """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill) whose features the
-    verifier keeps (keep_features; 5 taps of Qwen3-8B are 40 KiB a token in bf16). Then the calls carry only
-    tokens, so the first token waits for the prompt's forwards alone, and the verifier serves other sessions'
-    rounds between the chunks. The features travel afterwards, chunk by chunk, while the first token is handed
-    over (_relay); the first draft waits for them (run.relay). -> the last chunk's step, its forward_s the whole
-    prompt's."""
+    """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill), so that the verifier
+    serves other sessions' rounds between them. The verifier keeps the prompt's features (keep_features; 5 taps of
+    Qwen3-8B are 40 KiB a token in bf16) where a drafter needs them and they would travel (a remote verifier, or
+    chunks): then the calls carry only tokens, and the first token waits for the prompt's forwards alone. The
+    features travel afterwards, chunk by chunk, while the first token is handed over (_relay); the first draft
+    waits for them (run.relay). -> the last chunk's step, its forward_s the whole prompt's."""
     if not 0 < chunk < len(prompt):
-        return await run.verifier.prefill(run.session_id, prompt)
-    keep = run.drafter is not None  # nobody would take them otherwise
-    forward_s = 0.0
+        chunk = len(prompt)
     begins = range(0, len(prompt), chunk)
+    keep = run.drafter is not None and (len(begins) > 1 or getattr(run.verifier, "remote", False))
+    forward_s = 0.0
     for begin in begins:
         more = begin + chunk < len(prompt)
         step = await run.verifier.prefill(run.session_id, prompt[begin : begin + chunk], more=more, keep_features=keep)
@@ -167,9 +167,8 @@ async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
 
 
 async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int) -> torch.Tensor:
-    """A chunked prompt's kept features, verifier -> drafter: each chunk's are taken while the chunk before is
-    appended to the drafter's context. -> the last chunk's, which the first draft brings (as after a one-call
-    prefill)."""
+    """A prompt's kept features, verifier -> drafter: each chunk's are taken while the chunk before is appended to
+    the drafter's context. -> the last chunk's, which the first draft brings."""
     taking = asyncio.ensure_future(verifier.take_features(session_id))
     appending: asyncio.Future | None = None
     try:
@@ -188,8 +187,9 @@ async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: s
 
 
 async def _after_relay(run: _Request, draft: Callable[[torch.Tensor], Awaitable[T]]) -> T:
-    """The first draft after a chunked prefill: the drafter's context needs the prompt's features first, and the
-    draft brings the last chunk's (the relay's failure fails the draft, and the round loop falls back to AR)."""
+    """The first draft after a prefill that kept its features: the drafter's context needs the prompt's features
+    first, and the draft brings the last chunk's (the relay's failure fails the draft, and the round loop falls
+    back to AR)."""
     relay, run.relay = run.relay, None
     return await draft(await relay)
 

@@ -304,6 +304,8 @@ def test_a_remote_backends_next_call_goes_out_before_the_round_is_handed_over(mo
     log: list[str] = []
     tokens = asyncio.run(_handled(Remote(log), mode, max_new=5))
     sent = [i for i, entry in enumerate(log) if entry == f"{first_call} sent"]
+    if mode == "ddtree":  # the first draft waits for the prompt's features: its call begins with their take
+        sent[0] = log.index("take sent")
     handled = [i for i, entry in enumerate(log) if entry.endswith("handled")]
     assert len(sent) == len(handled) - 1  # every round but the last one is followed by a call
     assert all(s < h for s, h in zip(sent, handled))  # ... which went out before that round was handled
@@ -351,12 +353,18 @@ def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_after_the_f
     assert int(backend.drafted[0][0, 0]) == 2 and len(backend.drafted[0]) == 2  # the last chunk's, with the draft
 
 
-def test_a_one_call_prefill_keeps_nothing_and_its_features_come_with_the_first_draft():
+@pytest.mark.parametrize("backend_class", [Remote, InProcess])
+def test_a_one_call_prefill_keeps_its_features_where_they_travel(backend_class):
+    """A remote verifier keeps a one-call prefill's features too (the first token goes without them, and the first
+    draft brings them once taken); in-process they come with the prefill's step, on the device."""
     log: list[str] = []
-    backend = Remote(log)
+    backend = backend_class(log)
     assert asyncio.run(_handled(backend, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=10)) == [7, 5, 6]
-    assert log.count("prefill sent") == 1 and "take sent" not in log and "append sent" not in log
-    assert len(backend.drafted[0]) == 10
+    assert log.count("prefill sent") == 1 and "append sent" not in log and len(backend.drafted[0]) == 10
+    if backend.remote:
+        assert log.index("round 0 handled") < log.index("take done") < log.index("draft sent")
+    else:
+        assert "take sent" not in log
 
 
 @pytest.mark.parametrize("failing", ["append", "take"])
