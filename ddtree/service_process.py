@@ -61,7 +61,7 @@ async def serve(
 ) -> None:
     """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
     (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds.
-    `lane_routes`: the round calls the round lane serves (protos/lane.py), unless config.lane_port is -1.
+    `lane_routes`: the calls the round lane serves (protos/lane.py), unless config.lane_port is -1.
     `alive(engine)`, polled every second while serving, ends the service (NOT_SERVING, then exit) when False."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

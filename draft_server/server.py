@@ -72,8 +72,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (protos/lane.py)."""
-        return {"Draft": (pb.DraftRequest, self.Draft)}
+        """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
+        return {"Draft": (pb.DraftRequest, self.Draft), "Append": (pb.AppendRequest, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
         info = tensors.drafter_info_to_pb(

@@ -4,10 +4,11 @@ in-process backends of gateway/local.py, so `run_rounds` cannot tell them apart.
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
-A session's round calls (those in a client's STREAMED) go over one connection per session and call, each answer
-within the deadline of a call: to the service's round lane (protos/lane.py; the port comes from its Info answer)
-where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's XStream); a server without
-the stream forms (UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form
+A session's round calls and a prompt's features (the calls in a client's STREAMED) go over one connection per
+session and call, each answer within the deadline of a call: to the service's round lane (protos/lane.py; the port
+comes from its Info answer) where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's
+XStream; the features' calls, BULK, have none and go unary); a server without the stream forms
+(UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form
 (protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
 are never decoded to torch tensors here.
 
@@ -59,6 +60,9 @@ class _Client:
 
     remote = True  # run_rounds starts a round's first call before handing the previous round over
     STREAMED: dict[str, type[Message]] = {}  # session calls made over a stream or lane -> their response type
+    # those of them that carry a prompt's features: no gRPC stream form (unary calls where there is no lane), and
+    # never rehearsed (tens of MB)
+    BULK: frozenset[str] = frozenset()
     INFO_REQUEST: type[Message]
 
     def __init__(self, address: str, service: str, timeout_s: float, max_message_bytes: int, lanes: bool) -> None:
@@ -113,7 +117,7 @@ class _Client:
                     if stream.transport is None:
                         stream.transport = await self._open(rpc)
                     response = await stream.transport.exchange(request)
-                    if self.rehearsing:
+                    if self.rehearsing and rpc not in self.BULK:
                         self._last[rpc] = (request, response)
                     return response
             except TimeoutError:
@@ -148,6 +152,8 @@ class _Client:
                 log.warning("round lane %s:%d of %s unreachable (%s): this session's %s calls go over gRPC",
                             self._lane_host, self._lane_port, self.address, exc, rpc)
                 self._lane_port = None
+        if rpc in self.BULK:
+            raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} has no stream form: unary calls")
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
         return GrpcStream(getattr(self._stub, f"{rpc}Stream")())
 
@@ -194,7 +200,8 @@ class _Client:
 
 
 class GrpcDrafter(_Client):
-    STREAMED = {"Draft": pb.DraftResponse}
+    STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse}
+    BULK = frozenset({"Append"})
     INFO_REQUEST = pb.DrafterInfoRequest
 
     def __init__(
@@ -250,7 +257,7 @@ class GrpcDrafter(_Client):
     async def append(self, session_id: str, features: torch.Tensor | tensors.WireTensor) -> None:
         request = pb.AppendRequest(session_id=session_id)
         tensors.tensor_to_pb(features, out=request.features)
-        await self._call("Append", self._stub.Append, request)
+        await self._session_call("Append", session_id, request)
 
     async def end_session(self, session_id: str) -> None:
         await self._end_streams(session_id)
@@ -258,7 +265,8 @@ class GrpcDrafter(_Client):
 
 
 class GrpcVerifier(_Client):
-    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse}
+    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": pb.StepResponse}
+    BULK = frozenset({"TakeFeatures"})
     INFO_REQUEST = pb.VerifierInfoRequest
 
     def __init__(
@@ -289,7 +297,7 @@ class GrpcVerifier(_Client):
 
     async def take_features(self, session_id: str) -> tensors.WireTensor:
         request = pb.TakeFeaturesRequest(session_id=session_id)
-        return tensors.step_from_pb(await self._call("TakeFeatures", self._stub.TakeFeatures, request), wire=True).features
+        return tensors.step_from_pb(await self._session_call("TakeFeatures", session_id, request), wire=True).features
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)

@@ -1,11 +1,12 @@
-"""The round lane: a session's round calls (Draft; Verify, Decode) as the same protobuf messages over a plain TCP
-connection beside the gRPC port, answered with gRPC status codes, so a lane call and a gRPC call are
-interchangeable answer for answer.
+"""The round lane: a session's round calls (Draft; Verify, Decode), and its prompt's features on their way to the
+drafter (TakeFeatures; Append), as the same protobuf messages over a plain TCP connection beside the gRPC port,
+answered with gRPC status codes, so a lane call and a gRPC call are interchangeable answer for answer.
 
 Why: gRPC Python spends ~130-200 us of every one-way hop in its own machinery (its poller thread hands each event
-to the event loop; `bench/rpc_echo.py transports`), and a round makes four hops. Everything that is not a round
-(Info, sessions, prefill, health, reflection) stays on gRPC, and a service announces its lane's port in its Info
-answer (0: none), so a client without lanes, or a server without one, simply uses the gRPC streams.
+to the event loop; `bench/rpc_echo.py transports`), and a round makes four hops; a prompt's features are tens of MB
+a chunk. Everything else (Info, sessions, prefill, health, reflection) stays on gRPC, and a service announces its
+lane's port in its Info answer (0: none), so a client without lanes, or a server without one, simply uses the gRPC
+streams (or unary calls).
 
 Both ends read with asyncio's BufferedProtocol: the socket is read straight into one growing buffer per connection
 and messages are parsed from it in place. asyncio's StreamReader instead wakes its reader per chunk and copies as

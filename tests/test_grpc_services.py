@@ -82,15 +82,20 @@ def hf_tokens(qwen3_target) -> list[int]:
     return hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval(), PROMPT, MAX_NEW)
 
 
-async def _rounds(verifier, drafter, mode: str, params: SamplingParams) -> tuple[list[Round], list[BaseException]]:
+async def _rounds(
+    verifier, drafter, mode: str, params: SamplingParams, prefill_chunk: int = 0
+) -> tuple[list[Round], list[BaseException]]:
     fallbacks: list[BaseException] = []
-    loop = run_rounds(verifier, drafter, PROMPT, params, Speculation(mode, BUDGET), MAX_NEW, [], fallbacks.append)
+    loop = run_rounds(verifier, drafter, PROMPT, params, Speculation(mode, BUDGET), MAX_NEW, [], fallbacks.append,
+                      prefill_chunk)
     return [r async for r in loop], fallbacks
 
 
-async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None):
-    """The round loop against the services; `opened` collects the kind of every connection a session's calls open
-    (Lane: the service's round lane, GrpcStream: a gRPC stream)."""
+async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None,
+                         prefill_chunk: int = 0, unary: set[str] | None = None):
+    """The round loop against the services; `opened` collects "RPC:KIND" for every connection a session's calls
+    open (Lane: the service's round lane, GrpcStream: a gRPC stream), `unary` the calls made unary because they
+    have neither."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
                 GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
@@ -98,11 +103,14 @@ async def _remote_rounds(services: Services, mode: str, params: SamplingParams, 
             async def recorded(rpc: str, open_=client._open):
                 transport = await open_(rpc)
                 if opened is not None:
-                    opened.append(type(transport).__name__)
+                    opened.append(f"{rpc}:{type(transport).__name__}")
                 return transport
 
             client._open = recorded
-        return await _rounds(verifier, drafter, mode, params)
+        result = await _rounds(verifier, drafter, mode, params, prefill_chunk)
+        if unary is not None:
+            unary.update(verifier._unary_only | drafter._unary_only)
+        return result
 
 
 def _tokens(rounds: list[Round]) -> list[int]:
@@ -199,13 +207,29 @@ def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, serv
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
-    assert set(opened) == {"Lane" if lanes else "GrpcStream"}
+    assert {entry.split(":")[1] for entry in opened} == {"Lane" if lanes else "GrpcStream"}
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
     expected_tree = {"ar": 0, "chain": BLOCK - 1, "ddtree": BUDGET}[mode]
     assert {r.tree_size for r in remote[1:]} == {expected_tree}
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "no-lanes"])
+def test_a_chunked_prompts_features_travel_over_the_lanes_or_unary(lanes, services, local, hf_tokens):
+    """The prompt in chunks of 3: its features taken from the verifier and appended to the drafter over their
+    round lanes, or in unary calls without lanes (neither call has a gRPC stream form); the output is the same."""
+    opened: list[str] = []
+    unary: set[str] = set()
+    remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", SamplingParams(), lanes, opened, 3, unary))
+    in_process, _ = asyncio.run(_rounds(*local, "ddtree", SamplingParams()))
+    assert fallbacks == [] and _tokens(remote) == hf_tokens
+    assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
+    if lanes:
+        assert {"TakeFeatures:Lane", "Append:Lane", "Draft:Lane", "Verify:Lane"} <= set(opened) and unary == set()
+    else:
+        assert unary == {"TakeFeatures", "Append"} and "Append:GrpcStream" not in opened
 
 
 def test_seeded_sampling_matches_in_process_loop(services, local):

@@ -88,8 +88,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     DecodeStream = streamed(Decode)
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (protos/lane.py)."""
-        return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode)}
+        """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
+        return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode),
+                "TakeFeatures": (pb.TakeFeaturesRequest, self.TakeFeatures)}
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
         info = tensors.verifier_info_to_pb(
