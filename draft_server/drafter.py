@@ -164,7 +164,7 @@ class DraftEngine:
     def draft(
         self,
         session_id: str,
-        features: torch.Tensor,
+        features: torch.Tensor | None,
         root_token: int,
         root_position: int,
         budget: int,
@@ -172,12 +172,14 @@ class DraftEngine:
         host_tree: bool = False,
     ) -> DraftResult:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
-        before `root_position`. Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
+        before `root_position` (None: m = 0). Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
         root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
         the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
         copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service)."""
         sess = self.session(session_id)
+        if features is None:
+            features = torch.empty(0, self.feature_dim, dtype=self.dtype)
         m = features.shape[0]
         self._check_features(features)
         if sess.length == sess.length_max and sess.length + m != root_position:
@@ -209,8 +211,8 @@ class DraftEngine:
     @torch.inference_mode()
     def append(self, session_id: str, features: torch.Tensor) -> tuple[int, float]:
         """features [m, taps*hidden], m >= 1: target hidden states for positions [length, length+m) -> their
-        context K/V, nothing drafted: a long prompt's features, chunk by chunk, as the verifier's chunked prefill
-        returns them (the last chunk's come with the first draft). -> (the context's length now, the append's
+        context K/V, nothing drafted: a prompt's features, chunk by chunk, as the verifier hands them out after
+        its prefill (TakeFeatures). -> (the context's length now, the append's
         device seconds: reading it waits for the append, which no round is waiting behind)."""
         sess = self.session(session_id)
         self._check_features(features)

@@ -100,7 +100,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise RequestError(f"budget must be in [1, {self.config.max_budget}], got {request.budget}")
         if request.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {request.top_k}")
-        features = _features(request, "an empty [0, feature_dim] tensor when there are none")
+        features = _features(request) if request.HasField("features") else None
         result = engine.draft(
             request.session_id, features, request.root_token, request.root_position, request.budget,
             request.top_k or None, host_tree=True,
@@ -109,13 +109,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
 
     def _append(self, engine: DraftEngine, request: pb.AppendRequest) -> pb.AppendResponse:
-        length, forward_s = engine.append(request.session_id, _features(request, "at least one row"))
+        if not request.HasField("features"):
+            raise RequestError("features are required (at least one row)")
+        length, forward_s = engine.append(request.session_id, _features(request))
         return pb.AppendResponse(context_length=length, timings=tensors.timings_to_pb(forward_s, {}))
 
 
-def _features(request: pb.DraftRequest | pb.AppendRequest, absent: str) -> torch.Tensor:
-    if not request.HasField("features"):
-        raise RequestError(f"features are required ({absent})")
+def _features(request: pb.DraftRequest | pb.AppendRequest) -> torch.Tensor:
     features = tensors.tensor_from_pb(request.features)
     if not features.is_floating_point():
         raise RequestError(f"features must be floating point, got {request.features.dtype}")
@@ -126,7 +126,8 @@ def rehearse_draft(request: pb.DraftRequest, response: pb.DraftResponse) -> None
     """A Draft call's host-only steps on its own messages, nothing kept (--keep-warm-us): the request's parse and
     its features' decoding, the answer's encoding."""
     pb.DraftRequest.FromString(request.SerializeToString())
-    tensors.tensor_from_pb(request.features)
+    if request.HasField("features"):  # absent from the first draft after a relayed prompt
+        tensors.tensor_from_pb(request.features)
     response.SerializeToString()
 
 

@@ -22,12 +22,15 @@ class DrafterClient(Protocol):
     async def start_session(self, session_id: str, capacity: int) -> None: ...
 
     async def draft(
-        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, Mapping[str, float]]: ...
+        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
+        top_k: int | None,
+    ) -> tuple[DraftTree, Mapping[str, float]]:
+        """features: the target's for the positions since the last call (None: none)."""
+        ...
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:
-        """Features for the context, nothing drafted (a chunked prefill's chunks but the last, as taken from the
-        verifier)."""
+        """Features for the context, nothing drafted: a prompt's, chunk by chunk, as the verifier's take_features
+        returns them."""
         ...
 
     async def end_session(self, session_id: str) -> None: ...
@@ -46,7 +49,8 @@ class VerifierClient(Protocol):
         ...
 
     async def take_features(self, session_id: str) -> torch.Tensor:
-        """The oldest kept prefill call's features not taken yet."""
+        """The oldest kept prefill call's features not taken yet, in the form the drafter's append takes (a remote
+        verifier's: its answer's bytes, unparsed)."""
         ...
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...

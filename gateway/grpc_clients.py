@@ -59,9 +59,10 @@ class _Client:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
     remote = True  # run_rounds starts a round's first call before handing the previous round over
-    STREAMED: dict[str, type[Message]] = {}  # session calls made over a stream or lane -> their response type
-    # those of them that carry a prompt's features: no gRPC stream form (unary calls where there is no lane), and
-    # never rehearsed (tens of MB)
+    # session calls made over a stream or lane -> their response type (None: the answer's bytes, unparsed)
+    STREAMED: dict[str, type[Message] | None] = {}
+    # those of them that carry a prompt's features: no gRPC stream form (unary calls where there is no lane), their
+    # requests messages or bytes in pieces (WireFeatures), and never rehearsed (tens of MB)
     BULK: frozenset[str] = frozenset()
     INFO_REQUEST: type[Message]
 
@@ -78,6 +79,11 @@ class _Client:
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._bulk = {  # the BULK calls' unary forms, for requests in pieces and unparsed answers
+            rpc: self._channel.unary_unary(f"/{service}/{rpc}", request_serializer=_serialized,
+                                           response_deserializer=self.STREAMED[rpc] and self.STREAMED[rpc].FromString)
+            for rpc in self.BULK
+        }
         self._streams: dict[tuple[str, str], SessionStream] = {}  # (rpc, session id) -> that session's calls of rpc
         self._unary_only: set[str] = set()  # RPCs whose stream form this server lacks
         host, _, port = address.rpartition(":")  # only a plain HOST:PORT address has a host a lane port adds to
@@ -106,7 +112,7 @@ class _Client:
         use), or the unary call where the server has no stream form. Any failure ends that connection or stream;
         the next call opens a new one."""
         if rpc not in self.STREAMED or rpc in self._unary_only:
-            return await self._call(rpc, getattr(self._stub, rpc), request)
+            return await self._call(rpc, self._bulk.get(rpc) or getattr(self._stub, rpc), request)
         key = (rpc, session_id)
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
@@ -130,7 +136,7 @@ class _Client:
             self._drop(key, stream)
         if code == grpc.StatusCode.UNIMPLEMENTED:  # a server without the stream forms: unary calls from now on
             self._unary_only.add(rpc)
-            return await self._call(rpc, getattr(self._stub, rpc), request)
+            return await self._call(rpc, self._bulk.get(rpc) or getattr(self._stub, rpc), request)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
     async def _open(self, rpc: str) -> Lane | GrpcStream:
@@ -199,6 +205,10 @@ class _Client:
         await self.close()
 
 
+def _serialized(request: Message | tuple[bytes, ...]) -> bytes:
+    return request.SerializeToString() if isinstance(request, Message) else b"".join(request)
+
+
 class GrpcDrafter(_Client):
     STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse}
     BULK = frozenset({"Append"})
@@ -242,7 +252,7 @@ class GrpcDrafter(_Client):
     async def draft(
         self,
         session_id: str,
-        features: torch.Tensor | tensors.WireTensor,
+        features: torch.Tensor | tensors.WireTensor | None,
         root_token: int,
         root_position: int,
         budget: int,
@@ -251,12 +261,18 @@ class GrpcDrafter(_Client):
         request = pb.DraftRequest(
             session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0
         )
-        tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
+        if features is not None:
+            tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
         return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
 
-    async def append(self, session_id: str, features: torch.Tensor | tensors.WireTensor) -> None:
-        request = pb.AppendRequest(session_id=session_id)
-        tensors.tensor_to_pb(features, out=request.features)
+    async def append(
+        self, session_id: str, features: torch.Tensor | tensors.WireTensor | tensors.WireFeatures
+    ) -> None:
+        if isinstance(features, tensors.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
+            request = features.append_request(session_id)
+        else:
+            request = pb.AppendRequest(session_id=session_id)
+            tensors.tensor_to_pb(features, out=request.features)
         await self._session_call("Append", session_id, request)
 
     async def end_session(self, session_id: str) -> None:
@@ -265,7 +281,7 @@ class GrpcDrafter(_Client):
 
 
 class GrpcVerifier(_Client):
-    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": pb.StepResponse}
+    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None}
     BULK = frozenset({"TakeFeatures"})
     INFO_REQUEST = pb.VerifierInfoRequest
 
@@ -295,9 +311,9 @@ class GrpcVerifier(_Client):
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
         return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 
-    async def take_features(self, session_id: str) -> tensors.WireTensor:
+    async def take_features(self, session_id: str) -> tensors.WireFeatures:
         request = pb.TakeFeaturesRequest(session_id=session_id)
-        return tensors.step_from_pb(await self._session_call("TakeFeatures", session_id, request), wire=True).features
+        return tensors.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)

@@ -28,7 +28,8 @@ class LocalDrafter:
         self.engine.start_session(session_id, capacity)
 
     async def draft(
-        self, session_id: str, features: torch.Tensor, root_token: int, root_position: int, budget: int, top_k: int | None
+        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
+        top_k: int | None,
     ) -> tuple[DraftTree, Mapping[str, float]]:
         return _handed(self.engine.draft(session_id, features, root_token, root_position, budget, top_k))
 

@@ -166,32 +166,30 @@ async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
     return step
 
 
-async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int) -> torch.Tensor:
-    """A prompt's kept features, verifier -> drafter: each chunk's are taken while the chunk before is appended to
-    the drafter's context. -> the last chunk's, which the first draft brings."""
-    taking = asyncio.ensure_future(verifier.take_features(session_id))
+async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int) -> None:
+    """A prompt's kept features, verifier -> drafter, as the verifier answers them (a remote one's unparsed): each
+    chunk's are taken while the chunk before is appended to the drafter's context."""
+    taking: asyncio.Future | None = asyncio.ensure_future(verifier.take_features(session_id))
     appending: asyncio.Future | None = None
     try:
-        for _ in range(chunks - 1):
+        for chunk in range(chunks):
             features = await taking
-            taking = asyncio.ensure_future(verifier.take_features(session_id))
+            taking = asyncio.ensure_future(verifier.take_features(session_id)) if chunk + 1 < chunks else None
             if appending is not None:
                 await appending
             appending = asyncio.ensure_future(drafter.append(session_id, features))
-        if appending is not None:
-            await appending
-        return await taking
+        await appending
     finally:  # a failure or a cancel: nobody waits for the other call any more
         _discard(taking)
         _discard(appending)
 
 
-async def _after_relay(run: _Request, draft: Callable[[torch.Tensor], Awaitable[T]]) -> T:
+async def _after_relay(run: _Request, draft: Callable[[None], Awaitable[T]]) -> T:
     """The first draft after a prefill that kept its features: the drafter's context needs the prompt's features
-    first, and the draft brings the last chunk's (the relay's failure fails the draft, and the round loop falls
-    back to AR)."""
+    first, and the draft brings none (the relay's failure fails the draft, and the round loop falls back to AR)."""
     relay, run.relay = run.relay, None
-    return await draft(await relay)
+    await relay
+    return await draft(None)
 
 
 def _discard(future: asyncio.Future | None) -> None:
@@ -325,9 +323,9 @@ async def _queue(run: _Request, step: StepResult | None = None, last: _Queued | 
 
 def _draft(
     drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None,
-    features: torch.Tensor,
+    features: torch.Tensor | None,
 ) -> Awaitable[tuple]:
-    """drafter.draft with the features last (bound last: they come from the step or from the relay)."""
+    """drafter.draft with the features last (bound last: the step's, or none after a relay)."""
     return drafter.draft(session_id, features, root, position, budget, top_k)
 
 

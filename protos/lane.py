@@ -102,8 +102,9 @@ class _Frames(asyncio.BufferedProtocol):
         grown[: self._have] = self._buffer[: self._have]
         self._buffer = grown
 
-    def send(self, tag: int, payload: bytes) -> None:
-        self.transport.writelines((HEADER.pack(len(payload), tag), payload))
+    def send(self, tag: int, *payload: bytes) -> None:
+        """One frame, its payload in pieces (written as they are: no copy joins them)."""
+        self.transport.writelines((HEADER.pack(sum(map(len, payload)), tag), *payload))
 
     def frame(self, tag: int, payload: memoryview) -> None:
         raise NotImplementedError
@@ -217,27 +218,29 @@ class LaneServer:
 
 
 class Lane(_Frames):
-    """The client end of one lane connection: one RPC of one session, one call at a time."""
+    """The client end of one lane connection: one RPC of one session, one call at a time. Requests are messages or
+    their bytes already serialised, in pieces; answers are parsed as `response_cls`, or (None) handed over as
+    their bytes."""
 
-    def __init__(self, response_cls: type[Message], max_bytes: int) -> None:
+    def __init__(self, response_cls: type[Message] | None, max_bytes: int) -> None:
         super().__init__(max_bytes)
         self._response_cls = response_cls
         self._waiter: asyncio.Future[Message] | None = None
         self._lost: CallFailed | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message], max_bytes: int) -> Lane:
+    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message] | None, max_bytes: int) -> Lane:
         """Connects (OSError when the port does not answer) and names the RPC."""
         _, lane = await asyncio.get_running_loop().create_connection(lambda: cls(response_cls, max_bytes), host, port)
         lane.send(0, MAGIC + rpc.encode())
         return lane
 
-    async def exchange(self, request: Message) -> Message:
+    async def exchange(self, request: Message | tuple[bytes, ...]) -> Message | bytes:
         """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
         if self._lost is not None:
             raise self._lost
         self._waiter = asyncio.get_running_loop().create_future()
-        self.send(0, request.SerializeToString())
+        self.send(0, *((request.SerializeToString(),) if isinstance(request, Message) else request))
         try:
             return await self._waiter
         finally:
@@ -249,6 +252,9 @@ class Lane(_Frames):
         status = _CODES.get(tag, grpc.StatusCode.UNKNOWN)
         if status != grpc.StatusCode.OK:
             self._waiter.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
+            return
+        if self._response_cls is None:
+            self._waiter.set_result(bytes(payload))
             return
         try:
             self._waiter.set_result(self._response_cls.FromString(payload))

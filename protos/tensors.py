@@ -81,6 +81,26 @@ class WireTensor:
         return f"WireTensor(dtype={self.message.dtype}, shape={list(self.message.shape)})"
 
 
+class WireFeatures:
+    """A TakeFeatures answer's bytes (a StepResponse holding features and timings only), passed on unparsed: its
+    `features` field has AppendRequest's number, so these bytes followed by an AppendRequest holding only a session
+    id parse as that AppendRequest with these features (protobuf merges concatenated messages; StepResponse's
+    timings are a field AppendRequest does not have, kept unknown). A gateway relays a prompt's features so
+    without decoding or copying them."""
+
+    __slots__ = ("answer",)
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+
+    def append_request(self, session_id: str) -> tuple[bytes, bytes]:
+        """The bytes of the AppendRequest of these features for `session_id`, in two pieces."""
+        return self.answer, pb.AppendRequest(session_id=session_id).SerializeToString()
+
+    def __repr__(self) -> str:
+        return f"WireFeatures({len(self.answer)} bytes)"
+
+
 def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
     """Any-device tensor -> raw bytes (one device-to-host copy); bf16 goes as its raw 2-byte words.
     out: a (sub)message to fill in place (a submessage given to a constructor or CopyFrom is copied once more).

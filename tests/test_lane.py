@@ -170,6 +170,25 @@ def test_messages_of_any_size_and_frames_back_to_back_arrive_whole():
     assert echoed == [True] * 5 and tokens == [7, 8, 9]
 
 
+def test_a_request_in_pieces_and_an_unparsed_answer():
+    """A request already serialised, in pieces (a prompt's features relayed unparsed), arrives as one message; a
+    lane opened without a response class hands each answer over as its bytes."""
+
+    async def scenario(port: int):
+        lane = await Lane.open("127.0.0.1", port, "Echo", None, 2**24)
+        request = pb.DraftRequest(root_token=4)
+        request.features.data = os.urandom(3_000_000)
+        whole = request.SerializeToString()
+        answer = await lane.exchange((whole[:1000], whole[1000:2_000_000], whole[2_000_000:]))
+        lane.close()
+        return request, answer
+
+    request, answer = asyncio.run(_with_lane(scenario, max_bytes=2**24))
+    assert isinstance(answer, bytes)
+    parsed = pb.StepResponse.FromString(answer)
+    assert parsed.tokens == [4] and parsed.features.data == request.features.data
+
+
 class _Recorder(_Frames):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(max_bytes)

@@ -143,6 +143,21 @@ def test_features_pass_through_the_gateway_as_the_same_message():
     assert torch.equal(step.features.to("cpu", torch.float32)[None][0], features.float())
 
 
+def test_a_take_features_answer_passes_on_as_an_append_request_unparsed():
+    """The verifier's TakeFeatures answer (features and timings) followed by an AppendRequest holding the session's
+    id is that AppendRequest with the answer's features, equal to the bit: the gateway never decodes them."""
+    features = torch.randn(5, 6).to(torch.bfloat16)
+    answer = tensors.step_to_pb(StepResult([], features, forward_s=0.5))
+    answer.timings.total_s = 0.25  # as the service fills it in
+    relayed = tensors.WireFeatures(answer.SerializeToString())
+    request = pb.AppendRequest.FromString(b"".join(relayed.append_request("session-1")))
+    assert request.session_id == "session-1"
+    assert torch.equal(tensors.tensor_from_pb(request.features), features)
+    number = pb.StepResponse.DESCRIPTOR.fields_by_name["features"].number
+    assert pb.AppendRequest.DESCRIPTOR.fields_by_name["features"].number == number
+    assert pb.AppendRequest.DESCRIPTOR.fields_by_number.get(pb.StepResponse.DESCRIPTOR.fields_by_name["timings"].number) is None
+
+
 def test_trees_pass_through_the_gateway_as_the_same_message():
     torch.manual_seed(0)
     tree = build_tree(torch.log_softmax(torch.randn(7, 48), -1), root_token=5, budget=20)

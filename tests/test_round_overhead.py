@@ -332,7 +332,7 @@ def test_queued_in_process_drafts_go_before_the_hand_over_and_decodes_after():
 def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_after_the_first_token():
     """Ten prompt tokens in chunks of 4: three prefill calls back to back, whose features the verifier keeps; the
     first token is handed over without waiting for them; then each chunk's features are taken while the chunk
-    before is appended to the drafter, and the first draft, after the last append, brings the last chunk's."""
+    before is appended to the drafter, and the first draft, after the last append, brings none."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
     backend = Remote(log)
@@ -344,27 +344,30 @@ def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_after_the_f
         return [i for i, logged in enumerate(log) if logged == entry]
 
     prefilled, taken, appended = at("prefill done"), at("take done"), at("append done")
-    assert len(prefilled) == 3 and len(taken) == 3 and len(appended) == 2 and backend.kept == []
+    assert len(prefilled) == 3 and len(taken) == 3 and len(appended) == 3 and backend.kept == []
     assert prefilled[2] < at("take sent")[0]  # no features travel until the prompt's forwards are done
     assert prefilled[2] < log.index("round 0 handled") < appended[0]  # the first token goes first
     assert at("take sent")[1] < appended[0] and at("take sent")[2] < appended[1]  # a take beside each append
-    assert max(appended[1], taken[2]) < log.index("draft sent")
-    assert [int(f[0, 0]) for f in backend.appended] == [0, 1] and [len(f) for f in backend.appended] == [4, 4]
-    assert int(backend.drafted[0][0, 0]) == 2 and len(backend.drafted[0]) == 2  # the last chunk's, with the draft
+    assert appended[2] < log.index("draft sent")
+    assert [int(f[0, 0]) for f in backend.appended] == [0, 1, 2] and [len(f) for f in backend.appended] == [4, 4, 2]
+    assert backend.drafted[0] is None  # the first draft brings no features: they are all in the context
 
 
 @pytest.mark.parametrize("backend_class", [Remote, InProcess])
 def test_a_one_call_prefill_keeps_its_features_where_they_travel(backend_class):
-    """A remote verifier keeps a one-call prefill's features too (the first token goes without them, and the first
-    draft brings them once taken); in-process they come with the prefill's step, on the device."""
+    """A remote verifier keeps a one-call prefill's features too (the first token goes without them; they are
+    taken and appended before the first draft); in-process they come with the prefill's step, on the device, and
+    with the first draft."""
     log: list[str] = []
     backend = backend_class(log)
     assert asyncio.run(_handled(backend, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=10)) == [7, 5, 6]
-    assert log.count("prefill sent") == 1 and "append sent" not in log and len(backend.drafted[0]) == 10
+    assert log.count("prefill sent") == 1
     if backend.remote:
-        assert log.index("round 0 handled") < log.index("take done") < log.index("draft sent")
+        assert log.index("round 0 handled") < log.index("take done") < log.index("append done")
+        assert log.index("append done") < log.index("draft sent") and backend.drafted[0] is None
+        assert [len(f) for f in backend.appended] == [10]
     else:
-        assert "take sent" not in log
+        assert "take sent" not in log and "append sent" not in log and len(backend.drafted[0]) == 10
 
 
 @pytest.mark.parametrize("failing", ["append", "take"])

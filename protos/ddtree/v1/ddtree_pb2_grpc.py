@@ -102,8 +102,8 @@ class DrafterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Append(self, request, context):
-        """Appends target features to the context without drafting: a long prompt's features, chunk by chunk, as the
-        verifier's TakeFeatures calls return them (the last chunk's come with the first Draft).
+        """Appends target features to the context without drafting: a prompt's features, chunk by chunk, as the
+        verifier's TakeFeatures calls return them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
