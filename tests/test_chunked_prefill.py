@@ -210,6 +210,10 @@ def test_tensor_parallel_chunks_equal_one_call(hybrid_targets: dict[str, Path]) 
         chunks = prefill_chunks(engine, "chunked", prompt, SPLITS[1])
         assert_chunks_equal_one_call(chunks, whole, SPLITS[1], HYBRID_TOL)
         assert_same_rounds(engine, ("whole", "chunked"), truth, seed=5, length=30, tol=HYBRID_TOL)
+        engine.start_session("kept", 200, SamplingParams(), TAPS)  # rank 0 keeps the features; the others do not
+        assert engine.prefill("kept", prompt, keep_features=True).features is None
+        assert_fp32_close(engine.take_features("kept").features, whole.features, HYBRID_TOL)
+        assert engine.decode("kept").tokens == truth[1:2]
     finally:
         group.close()
 
