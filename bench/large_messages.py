@@ -1,8 +1,8 @@
 """A prefill chunk's features on their way verifier -> gateway -> drafter, host steps only (no transport, no
 device): the verifier's encoding of its TakeFeatures answer, the gateway's relay of it (unparsed: its bytes taken
 from the lane's buffer, the AppendRequest's pieces), the drafter's decoding; on a worker thread as the services'
-engine thread runs them, with glibc's default allocator settings and with `ddtree.heap.keep_large_allocations`, each in a fresh
-process (the settings are process-wide), side by side.
+engine thread runs them, with glibc's default allocator settings and with `ddtree.heap.keep_large_allocations`,
+each in a fresh process (the settings are process-wide), side by side.
 
     python bench/large_messages.py [--rows 2048 --width 20480 --repeat 6] --out results/large_messages_cpu.json
 

@@ -172,8 +172,8 @@ class DraftEngine:
         host_tree: bool = False,
     ) -> DraftResult:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
-        before `root_position` (None: m = 0). Appends them to the context, drafts the block [root, MASK * (B-1)] at positions
-        root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
+        before `root_position` (None: m = 0). Appends them to the context, drafts the block [root, MASK * (B-1)] at
+        positions root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
         the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
         copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service)."""

@@ -150,7 +150,7 @@ async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
     Qwen3-8B are 40 KiB a token in bf16) where a drafter needs them and they would travel (a remote verifier, or
     chunks): then the calls carry only tokens, and the first token waits for the prompt's forwards alone. The
     features travel afterwards, chunk by chunk, while the first token is handed over (_relay); the first draft
-    waits for them (run.relay). -> the last chunk's step, its forward_s the whole prompt's."""
+    waits for them (run.relay) and brings none. -> the last chunk's step, its forward_s the whole prompt's."""
     if not 0 < chunk < len(prompt):
         chunk = len(prompt)
     begins = range(0, len(prompt), chunk)
