@@ -1,8 +1,9 @@
 """A prefill chunk's features on their way verifier -> gateway -> drafter, host steps only (no transport, no
-device): the verifier's encoding of its TakeFeatures answer, the gateway's relay of it (unparsed: its bytes taken
-from the lane's buffer, the AppendRequest's pieces), the drafter's decoding; on a worker thread as the services'
-engine thread runs them, with glibc's default allocator settings and with `ddtree.heap.keep_large_allocations`,
-each in a fresh process (the settings are process-wide), side by side.
+device): the verifier's encoding of its TakeFeatures answer (over a lane: its pieces, the features' memory as it
+lies), the gateway's relay of it (unparsed: its bytes taken from the lane's buffer, the AppendRequest's pieces),
+the drafter's decoding; on a worker thread as the services' engine thread runs them, with glibc's default
+allocator settings and with `ddtree.heap.keep_large_allocations`, each in a fresh process (the settings are
+process-wide), side by side.
 
     python bench/large_messages.py [--rows 2048 --width 20480 --repeat 6] --out results/large_messages_cpu.json
 
@@ -25,7 +26,6 @@ def steps(rows: int, width: int, repeat: int) -> dict[str, float]:
     """-> median ms of each host step over the last repeat - 2 passes (the first two fill the heap)."""
     import torch
 
-    from ddtree.types import StepResult
     from protos import tensors
     from protos.ddtree.v1 import ddtree_pb2 as pb
 
@@ -41,10 +41,10 @@ def steps(rows: int, width: int, repeat: int) -> dict[str, float]:
                 times[name] = (now - start) * 1000
             start = now
 
-        answer = tensors.step_to_pb(StepResult([], features)).SerializeToString()
+        pieces = tensors.FeaturesAnswer(features).lane_pieces()
         lap("verifier: encode the answer")
-        received = bytearray(answer)  # the gateway's lane buffer, as the socket fills it
-        del answer
+        received = bytearray(b"".join(pieces))  # the gateway's lane buffer, as the socket fills it
+        del pieces
         lap(None)
         relayed = tensors.WireFeatures(bytes(memoryview(received)))  # the lane hands the answer over unparsed
         del received

@@ -41,8 +41,9 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _FIRST_BUFFER_BYTES = 1 << 16
 _KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
 
-# rpc name -> (request message class, the servicer's unary method: (request, context) -> response)
-Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Message]]]
+# rpc name -> (request message class, the servicer's unary method: (request, context) -> response). A response
+# with a `lane_pieces()` method is written as the bytes it returns, in pieces, rather than serialised whole.
+Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Any]]]
 
 
 class CallFailed(Exception):
@@ -189,7 +190,8 @@ class _ServerConnection(_Frames):
                 return
             if self.transport.is_closing():
                 return  # the client went away while its call ran
-            self.send(grpc.StatusCode.OK.value[0], response.SerializeToString())
+            pieces = response.lane_pieces() if hasattr(response, "lane_pieces") else (response.SerializeToString(),)
+            self.send(grpc.StatusCode.OK.value[0], *pieces)
 
 
 class LaneServer:

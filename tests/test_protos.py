@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,6 +157,24 @@ def test_a_take_features_answer_passes_on_as_an_append_request_unparsed():
     number = pb.StepResponse.DESCRIPTOR.fields_by_name["features"].number
     assert pb.AppendRequest.DESCRIPTOR.fields_by_name["features"].number == number
     assert pb.AppendRequest.DESCRIPTOR.fields_by_number.get(pb.StepResponse.DESCRIPTOR.fields_by_name["timings"].number) is None
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (7, 12)), (torch.float32, (3, 5)), (torch.bfloat16, (0, 4)),
+                                          (torch.float32, (1, 70000))])
+def test_a_features_answer_is_written_from_the_features_memory(dtype, shape):
+    """FeaturesAnswer's pieces are the StepResponse step_to_pb builds (timings included), its middle piece the
+    features' own memory: nothing copied them."""
+    features = torch.randn(shape).to(dtype)
+    answer = tensors.FeaturesAnswer(features)
+    answer.timings.total_s, answer.timings.forward_s = 0.25, 0.125
+    pieces = answer.lane_pieces()
+    expected = tensors.step_to_pb(StepResult([], features, forward_s=0.125))
+    expected.timings.total_s = 0.25
+    assert pb.StepResponse.FromString(b"".join(pieces)) == expected
+    if features.numel():
+        assert np.frombuffer(pieces[1], dtype=np.uint8).ctypes.data == features.data_ptr()
+    with pytest.raises(ValueError, match="on the host"):
+        tensors.FeaturesAnswer(torch.empty(1, 2, device="meta"))
 
 
 def test_trees_pass_through_the_gateway_as_the_same_message():

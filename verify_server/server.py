@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -73,6 +74,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             "TakeFeatures", context, lambda engine: tensors.step_to_pb(engine.take_features(request.session_id))
         )
 
+    async def _lane_take_features(self, request: pb.TakeFeaturesRequest, context: Any) -> tensors.FeaturesAnswer:
+        """TakeFeatures over the round lane: the answer goes out from the kept features' host memory as it lies,
+        with no protobuf copy of them and no encoding on the engine thread."""
+        return await self.host.call(
+            "TakeFeatures", context, lambda engine: tensors.FeaturesAnswer(engine.take_features(request.session_id).features)
+        )
+
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
         self.host.remember(self._rehearse_verify, request, response)
@@ -90,7 +98,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
         return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode),
-                "TakeFeatures": (pb.TakeFeaturesRequest, self.TakeFeatures)}
+                "TakeFeatures": (pb.TakeFeaturesRequest, self._lane_take_features)}
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
         info = tensors.verifier_info_to_pb(
