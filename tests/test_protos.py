@@ -156,7 +156,8 @@ def test_a_take_features_answer_passes_on_as_an_append_request_unparsed():
     assert torch.equal(tensors.tensor_from_pb(request.features), features)
     number = pb.StepResponse.DESCRIPTOR.fields_by_name["features"].number
     assert pb.AppendRequest.DESCRIPTOR.fields_by_name["features"].number == number
-    assert pb.AppendRequest.DESCRIPTOR.fields_by_number.get(pb.StepResponse.DESCRIPTOR.fields_by_name["timings"].number) is None
+    timings = pb.StepResponse.DESCRIPTOR.fields_by_name["timings"].number
+    assert pb.AppendRequest.DESCRIPTOR.fields_by_number.get(timings) is None
 
 
 @pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (7, 12)), (torch.float32, (3, 5)), (torch.bfloat16, (0, 4)),

@@ -391,7 +391,7 @@ def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions():
 
 
 @pytest.mark.parametrize("max_new, stop_after", [(1, None), (20, 0)])
-def test_a_request_that_ends_with_its_first_token_cancels_the_relay_before_the_sessions_end(max_new, stop_after, recwarn):
+def test_a_request_that_ends_with_its_first_token_cancels_the_relay(max_new, stop_after, recwarn):
     """Ended by its token limit (the relay has not started yet) or by a caller that stops at the first token (a
     take in flight; its cancellation may land after the sessions end, as a draft's does)."""
     log: list[str] = []

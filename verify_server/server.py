@@ -77,9 +77,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def _lane_take_features(self, request: pb.TakeFeaturesRequest, context: Any) -> tensors.FeaturesAnswer:
         """TakeFeatures over the round lane: the answer goes out from the kept features' host memory as it lies,
         with no protobuf copy of them and no encoding on the engine thread."""
-        return await self.host.call(
-            "TakeFeatures", context, lambda engine: tensors.FeaturesAnswer(engine.take_features(request.session_id).features)
-        )
+        def take(engine: VerifyEngine) -> tensors.FeaturesAnswer:
+            return tensors.FeaturesAnswer(engine.take_features(request.session_id).features)
+
+        return await self.host.call("TakeFeatures", context, take)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)

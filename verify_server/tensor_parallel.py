@@ -226,7 +226,9 @@ class TensorParallelEngine:
         self.channel.send("end_session", {"id": session_id})
         return self.engine.end_session(session_id)
 
-    def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False) -> StepResult:
+    def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
         self.channel.send("prefill", {"id": session_id, "prompt": prompt, "more": more})
         return self.engine.prefill(session_id, prompt, more, keep_features)
 

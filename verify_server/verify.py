@@ -166,7 +166,9 @@ class VerifyEngine(QueuedRounds):
     # ---- steps ----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False) -> StepResult:
+    def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
         """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
         taps*hidden] (None without taps, or kept on the device for take_features with `keep_features`) and, from
