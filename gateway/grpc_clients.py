@@ -112,7 +112,7 @@ class _Client:
         use), or the unary call where the server has no stream form. Any failure ends that connection or stream;
         the next call opens a new one."""
         if rpc not in self.STREAMED or rpc in self._unary_only:
-            return await self._call(rpc, self._bulk.get(rpc) or getattr(self._stub, rpc), request)
+            return await self._call(rpc, self._unary(rpc), request)
         key = (rpc, session_id)
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
@@ -136,8 +136,12 @@ class _Client:
             self._drop(key, stream)
         if code == grpc.StatusCode.UNIMPLEMENTED:  # a server without the stream forms: unary calls from now on
             self._unary_only.add(rpc)
-            return await self._call(rpc, self._bulk.get(rpc) or getattr(self._stub, rpc), request)
+            return await self._call(rpc, self._unary(rpc), request)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
+
+    def _unary(self, rpc: str) -> Any:
+        """rpc's unary multicallable (a BULK call's own, which takes requests in pieces)."""
+        return self._bulk.get(rpc) or getattr(self._stub, rpc)
 
     async def _open(self, rpc: str) -> Lane | GrpcStream:
         """A new connection to the service's round lane, or a new gRPC stream where it has none or it is

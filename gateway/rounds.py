@@ -9,20 +9,17 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, TypeVar
-
-import torch
+from typing import Literal
 
 from ddtree.timing import DeferredTimings
-from ddtree.types import SamplingParams, StepResult
+from ddtree.types import DraftTree, SamplingParams, StepResult
 from gateway.backends import ChainingVerifier, DrafterClient, QueuedRound, VerifierClient
 
 Mode = Literal["ar", "chain", "ddtree"]
 MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -184,12 +181,14 @@ async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: s
         _discard(appending)
 
 
-async def _after_relay(run: _Request, draft: Callable[[None], Awaitable[T]]) -> T:
+async def _after_relay(
+    run: _Request, drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None
+) -> tuple[DraftTree, Mapping[str, float]]:
     """The first draft after a prefill that kept its features: the drafter's context needs the prompt's features
     first, and the draft brings none (the relay's failure fails the draft, and the round loop falls back to AR)."""
     relay, run.relay = run.relay, None
     await relay
-    return await draft(None)
+    return await drafter.draft(session_id, None, root, position, budget, top_k)
 
 
 def _discard(future: asyncio.Future | None) -> None:
@@ -216,8 +215,9 @@ async def _stepped_rounds(run: _Request, step: StepResult, timings: Mapping[str,
                 return
             drafter = run.drafter
             if drafter:
-                draft = partial(_draft, drafter, session_id, step.tokens[-1], run.root_position, *run.tree_shape())
-                first = partial(draft, step.features) if run.relay is None else partial(_after_relay, run, draft)
+                args = (step.tokens[-1], run.root_position, *run.tree_shape())
+                first = (partial(drafter.draft, session_id, step.features, *args) if run.relay is None
+                         else partial(_after_relay, run, drafter, session_id, *args))
             else:
                 first = partial(run.verifier.decode, session_id)
             # A remote backend's first call of the next round goes out before this round is handed over, so what
@@ -311,22 +311,15 @@ async def _queue(run: _Request, step: StepResult | None = None, last: _Queued | 
         session_id, position = run.session_id, run.root_position
         try:
             if last is None:
-                draft = partial(_draft, run.drafter, session_id, step.tokens[-1], position, budget, top_k)
-                call = draft(step.features) if run.relay is None else _after_relay(run, draft)
+                args = (step.tokens[-1], position, budget, top_k)
+                call = (run.drafter.draft(session_id, step.features, *args) if run.relay is None
+                        else _after_relay(run, run.drafter, session_id, *args))
             else:
                 call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
             tree, draft_timings = await call
         except Exception as exc:  # noqa: BLE001 - see run_rounds
             run.fall_back(exc)
     return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
-
-
-def _draft(
-    drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None,
-    features: torch.Tensor | None,
-) -> Awaitable[tuple]:
-    """drafter.draft with the features last (bound last: the step's, or none after a relay)."""
-    return drafter.draft(session_id, features, root, position, budget, top_k)
 
 
 def _merged(

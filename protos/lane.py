@@ -42,7 +42,7 @@ _FIRST_BUFFER_BYTES = 1 << 16
 _KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
 
 # rpc name -> (request message class, the servicer's unary method: (request, context) -> response). A response
-# with a `lane_pieces()` method is written as the bytes it returns, in pieces, rather than serialised whole.
+# that is no message has a `lane_pieces()` method: it is written as the bytes that returns, in pieces.
 Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Any]]]
 
 
@@ -190,7 +190,7 @@ class _ServerConnection(_Frames):
                 return
             if self.transport.is_closing():
                 return  # the client went away while its call ran
-            pieces = response.lane_pieces() if hasattr(response, "lane_pieces") else (response.SerializeToString(),)
+            pieces = (response.SerializeToString(),) if isinstance(response, Message) else response.lane_pieces()
             self.send(grpc.StatusCode.OK.value[0], *pieces)
 
 

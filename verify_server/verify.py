@@ -171,7 +171,7 @@ class VerifyEngine(QueuedRounds):
     ) -> StepResult:
         """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
-        taps*hidden] (None without taps, or kept on the device for take_features with `keep_features`) and, from
+        taps*hidden] (None without taps, or kept on the host for take_features with `keep_features`) and, from
         the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
         and a sampled session's generator draws nothing, so a chunked prompt samples what it would have in one
         call. A completed prompt takes no more chunks."""
@@ -196,10 +196,12 @@ class VerifyEngine(QueuedRounds):
         sess.cache.length = start + n
         first = None if more else choose_tokens(logits, sess.params, sess.generator)
         if keep_features and features is not None:
-            # to the host right behind the forward (pinned: queued; the sync below waits for it too), so that a
-            # take only encodes them
-            kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=self.device.type == "cuda")
-            sess.kept_features.append(kept.copy_(features, non_blocking=True))
+            if features.device.type != "cpu":
+                # to pinned host memory right behind the forward (queued; the sync below waits for it too), so that
+                # a take only sends them
+                kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+                features = kept.copy_(features, non_blocking=True)
+            sess.kept_features.append(features)
             features = None
         if first is None:
             forward_s, _ = timer.split()  # waits for the chunk's kernels: no token read to sync on
