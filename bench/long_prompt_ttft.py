@@ -33,6 +33,7 @@ def prompt_text(words: int, rng: random.Random) -> str:
 
 
 TTFT = "ddtree_time_to_first_token_seconds_sum"
+DRAFTS = "ddtree_spec_drafts_total"
 
 
 def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
@@ -41,15 +42,20 @@ def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
     prompt's token count."""
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
             "temperature": 0, "speculation": {"mode": "ddtree"}}
-    ttft = read_counters(url)[TTFT]
+    before = read_counters(url)
     start = time.perf_counter()
     reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
     last = time.perf_counter() - start
     if reply.status_code != 200:
         raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
     usage = reply.json()["usage"]
+    after = read_counters(url)
+    # where the rounds' time went (gateway/metrics.py PHASES; the first draft's wait for the relayed features is
+    # in its transport) and how many rounds drafted
+    rounds = {name: after[name] - before[name] for name in after if name.startswith("phase[")}
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
-            "first_s": read_counters(url)[TTFT] - ttft, "last_s": last}
+            "first_s": after[TTFT] - before[TTFT], "last_s": last, "rounds_s": rounds,
+            "drafts": after[DRAFTS] - before[DRAFTS]}
 
 
 def main() -> None:

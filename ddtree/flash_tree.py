@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.cuda_graphs import key_bucket
+
 try:
     import triton
     import triton.language as tl
@@ -29,6 +31,7 @@ except ImportError:  # CPU-only installs: the op is never called there (flash_su
 
 BLOCK_N = 64  # keys per inner iteration
 TARGET_PROGRAMS = 512  # thread blocks to aim for: an H200 has 132 SMs, and each block is short
+LONG_KEYS = 4096  # key rows from which plan() reads each chunk of keys for more rows at once
 
 
 def flash_supported(device: torch.device, head_dim: int) -> bool:
@@ -39,27 +42,13 @@ def flash_supported(device: torch.device, head_dim: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(
-        Q, K, V, Tree, Start, O, Lse,
-        stride_qq, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
-        stride_os, stride_oq, stride_oh, stride_ls, stride_lq,
-        q_len, kv_len, chunk, scale,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    def _attend_keys(
+        q, K, V, Tree, m_i, l_i, acc, lo, hi, start, token, row_ok, kvh, dims,
+        stride_kh, stride_kn, stride_vh, stride_vn, stride_t, q_len, scale,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, NEW: tl.constexpr,
     ):
-        """One (K/V head, row tile, key chunk): rows are (new token, query head of the group) pairs."""
-        kvh, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
-        token, head = rows // GROUP, kvh * GROUP + rows % GROUP
-        row_ok = token < q_len
-        dims = tl.arange(0, D)
-        q = tl.load(Q + token[:, None] * stride_qq + head[:, None] * stride_qh + dims[None, :],
-                    mask=row_ok[:, None], other=0.0)  # [M, D]
-        start = tl.load(Start)
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_len)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        """The online softmax over key rows [lo, hi): every row sees all of them (committed keys, NEW False), or
+        only its ancestors' and its own (the step's new rows, NEW True: read from the ancestor matrix)."""
         for n0 in range(lo, hi, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)  # [N] key rows
             col_ok = cols < hi
@@ -68,12 +57,13 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
                 s = tl.dot(q, tl.trans(k)) * scale  # [M, N] fp32
-            rel = cols - start  # [N] offset into the step's new rows
-            new = (rel >= 0) & (rel < q_len)
-            seen = tl.load(Tree + token[:, None] * stride_t + rel[None, :],
-                           mask=row_ok[:, None] & new[None, :], other=0)  # [M, N]
-            visible = ((cols < start)[None, :] | (seen != 0)) & col_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
+            if NEW:
+                rel = cols - start  # [N] offset into the step's new rows
+                seen = tl.load(Tree + token[:, None] * stride_t + rel[None, :],
+                               mask=row_ok[:, None] & col_ok[None, :], other=0)  # [M, N]
+                s = tl.where(seen != 0, s, float("-inf"))
+            else:
+                s = tl.where(col_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
             p = tl.exp(s - m_safe[:, None])
@@ -85,6 +75,39 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _partial_kernel(
+        Q, K, V, Tree, Start, O, Lse,
+        stride_qq, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
+        stride_os, stride_oq, stride_oh, stride_ls, stride_lq,
+        q_len, kv_len, chunk, scale,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One (K/V head, row tile, key chunk): rows are (new token, query head of the group) pairs. The chunk's
+        committed keys first, without a mask, then its share of the step's new rows; nothing past them (a key
+        bucket's spare rows are never read)."""
+        kvh, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+        token, head = rows // GROUP, kvh * GROUP + rows % GROUP
+        row_ok = token < q_len
+        dims = tl.arange(0, D)
+        q = tl.load(Q + token[:, None] * stride_qq + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [M, D]
+        start = tl.load(Start)
+        lo = split * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), start + q_len)
+        committed = tl.maximum(tl.minimum(hi, start), lo)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        m_i, l_i, acc = _attend_keys(q, K, V, Tree, m_i, l_i, acc, lo, committed, start, token, row_ok, kvh, dims,
+                                     stride_kh, stride_kn, stride_vh, stride_vn, stride_t, q_len, scale,
+                                     BLOCK_N, IEEE, False)
+        m_i, l_i, acc = _attend_keys(q, K, V, Tree, m_i, l_i, acc, committed, hi, start, token, row_ok, kvh, dims,
+                                     stride_kh, stride_kn, stride_vh, stride_vn, stride_t, q_len, scale,
+                                     BLOCK_N, IEEE, True)
         seen_any = l_i > 0
         out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
         lse = tl.where(seen_any, m_i + tl.log(l_i), float("-inf"))
@@ -113,12 +136,14 @@ if triton is not None:
 @dataclass(frozen=True)
 class Plan:
     """How one call is cut into thread blocks: rows (token, head) pairs in tiles of block_m, keys in `splits`
-    chunks of `chunk` rows (a multiple of BLOCK_N), and the kernels' launch options."""
+    chunks of `chunk` rows (a multiple of block_n, the keys of one inner iteration), and the kernels' launch
+    options."""
 
     block_m: int
     tiles: int
     splits: int
     chunk: int
+    block_n: int
     warps: int
     stages: int
     merge_warps: int
@@ -126,19 +151,25 @@ class Plan:
 
 def plan(
     q_len: int, heads: int, kv_heads: int, kv_len: int, head_dim: int = 128, *, target: int = TARGET_PROGRAMS,
-    block_m: int = 16, warps: int | None = None, stages: int | None = None, merge_warps: int = 1,
+    block_m: int | None = None, block_n: int = BLOCK_N, warps: int | None = None, stages: int | None = None,
+    merge_warps: int = 1,
 ) -> Plan:
     """Enough thread blocks to fill the GPU: the keys are split until K/V heads x row tiles x chunks reach
-    `target`, and never finer than BLOCK_N keys a chunk. The defaults are the fastest or within 10% of it at
-    every shape bench/flash_tune.py sweeps on an H200 (bench/results/flash_tune_h200.json)."""
+    `target`, and never finer than block_n keys a chunk. The defaults are the fastest or within 10% of it at
+    every shape bench/flash_tune.py sweeps on an H200 (bench/results/flash_tune_h200.json; long contexts:
+    flash_tune_long_h200.json). Each row tile reads the chunk's keys again, so from LONG_KEYS keys on a tree's
+    rows go in tiles of 64: at Qwen3-8B shapes, a 32-node tree over a 24k-row key bucket ran 141 us a layer in
+    tiles of 16, 74 in tiles of 64."""
     rows = q_len * (heads // kv_heads)
+    long = kv_len >= LONG_KEYS
+    block_m = block_m or (64 if long and rows > 64 else 16)
     tiles = -(-rows // block_m)
-    blocks = -(-kv_len // BLOCK_N)
+    blocks = -(-kv_len // block_n)
     splits = max(1, min(blocks, target // (kv_heads * tiles)))
-    chunk = -(-blocks // splits) * BLOCK_N
-    warps = warps or (8 if tiles == 1 else 4)
-    stages = stages or (3 if head_dim <= 64 else 2)
-    return Plan(block_m, tiles, -(-kv_len // chunk), chunk, warps, stages, merge_warps)
+    chunk = -(-blocks // splits) * block_n
+    warps = warps or (8 if tiles == 1 and kv_len <= 1024 else 4)
+    stages = stages or (3 if head_dim <= 64 or kv_len >= 4 * LONG_KEYS else 2)
+    return Plan(block_m, tiles, -(-kv_len // chunk), chunk, block_n, warps, stages, merge_warps)
 
 
 def launch(
@@ -156,7 +187,7 @@ def launch(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tree.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         q_len, kv_len, p.chunk, scale,
-        GROUP=heads // kv_heads, D=d, BLOCK_M=p.block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        GROUP=heads // kv_heads, D=d, BLOCK_M=p.block_m, BLOCK_N=p.block_n, IEEE=q.dtype == torch.float32,
         num_warps=p.warps, num_stages=p.stages,
     )
     if p.splits == 1:
@@ -167,6 +198,34 @@ def launch(
         num_warps=p.merge_warps,
     )
     return out
+
+
+def compile_plans(
+    heads: int, kv_heads: int, head_dim: int, max_keys: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Launches the kernels once in every configuration plan() picks for this head layout up to max_keys key rows
+    (each key bucket of ddtree.cuda_graphs.key_bucket at a decode's 1 row and a tree's 16 and 64), so that Triton
+    compiles them now and not in the round of the first request that reaches a longer context (~1 s each: at
+    Qwen3-8B shapes the first requests of 4k and 16k tokens took ~4 s more of the verifier's time before these
+    ran at start-up). -> how many configurations were launched."""
+    keys = torch.zeros(kv_heads, max_keys + BLOCK_N, head_dim, dtype=dtype, device=device)  # views as a cache slot's
+    seen: set[tuple] = set()
+    kv_len = key_bucket(1, max_keys)
+    while True:
+        for q_len in (1, 16, 64):
+            p = plan(q_len, heads, kv_heads, kv_len, head_dim)
+            # what a launch compiles on: the plan's constants, the merge's width, a one-row step's specialisation
+            config = (p.block_m, p.block_n, p.warps, p.stages, triton.next_power_of_2(p.splits), q_len == 1)
+            if config in seen:
+                continue
+            seen.add(config)
+            q = torch.zeros(q_len, heads, head_dim, dtype=dtype, device=device)
+            tree = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+            start = torch.tensor(max(0, kv_len - q_len), device=device)
+            launch(q, keys[:, :kv_len], keys[:, :kv_len], start, tree, 1.0, p)
+        if kv_len >= max_keys:
+            return len(seen)
+        kv_len = key_bucket(kv_len + 1, max_keys)
 
 
 @torch.library.custom_op("ddtree::flash_tree_attention", mutates_args=())

@@ -146,38 +146,42 @@ async def _prefill(run: _Request, prompt: list[int], chunk: int) -> StepResult:
     serves other sessions' rounds between them. The verifier keeps the prompt's features (keep_features; 5 taps of
     Qwen3-8B are 40 KiB a token in bf16) where a drafter needs them and they would travel (a remote verifier, or
     chunks): then the calls carry only tokens, and the first token waits for the prompt's forwards alone. The
-    features travel afterwards, chunk by chunk, while the first token is handed over (_relay); the first draft
-    waits for them (run.relay) and brings none. -> the last chunk's step, its forward_s the whole prompt's."""
+    features travel meanwhile, chunk by chunk as the verifier keeps them (_relay), and the first draft waits for
+    them (run.relay) and brings none. -> the last chunk's step, its forward_s the whole prompt's."""
     if not 0 < chunk < len(prompt):
         chunk = len(prompt)
     begins = range(0, len(prompt), chunk)
     keep = run.drafter is not None and (len(begins) > 1 or getattr(run.verifier, "remote", False))
+    kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
+    if keep:
+        run.relay = asyncio.ensure_future(_relay(run.verifier, run.drafter, run.session_id, len(begins), kept))
     forward_s = 0.0
     for begin in begins:
         more = begin + chunk < len(prompt)
         step = await run.verifier.prefill(run.session_id, prompt[begin : begin + chunk], more=more, keep_features=keep)
+        kept.release()
         forward_s += step.forward_s
-    if keep:
-        run.relay = asyncio.ensure_future(_relay(run.verifier, run.drafter, run.session_id, len(begins)))
     step.forward_s = forward_s
     return step
 
 
-async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int) -> None:
-    """A prompt's kept features, verifier -> drafter, as the verifier answers them (a remote one's unparsed): each
-    chunk's are taken while the chunk before is appended to the drafter's context."""
-    taking: asyncio.Future | None = asyncio.ensure_future(verifier.take_features(session_id))
+async def _relay(
+    verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int, kept: asyncio.Semaphore
+) -> None:
+    """A prompt's kept features, verifier -> drafter, as the verifier keeps them (a remote one's unparsed), while
+    the prompt's later chunks run: each chunk's are taken while the chunk before is appended to the drafter's
+    context. (Run after the last forward instead, the relay of a 16.5k-token prompt at Qwen3-8B shapes came
+    ~1.9 s after the first token: bench/README.md.)"""
     appending: asyncio.Future | None = None
     try:
-        for chunk in range(chunks):
-            features = await taking
-            taking = asyncio.ensure_future(verifier.take_features(session_id)) if chunk + 1 < chunks else None
+        for _ in range(chunks):
+            await kept.acquire()
+            features = await verifier.take_features(session_id)
             if appending is not None:
                 await appending
             appending = asyncio.ensure_future(drafter.append(session_id, features))
         await appending
-    finally:  # a failure or a cancel: nobody waits for the other call any more
-        _discard(taking)
+    finally:  # a failure or a cancel: nobody waits for the append any more
         _discard(appending)
 
 

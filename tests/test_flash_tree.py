@@ -23,7 +23,7 @@ def random_tree(q: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def test_plan_covers_every_key_once() -> None:
-    for q, heads, kv_heads, kv_len in [(1, 32, 8, 640), (64, 32, 8, 640), (256, 32, 8, 4096), (1, 6, 2, 96), (33, 6, 2, 65)]:
+    for q, heads, kv_heads, kv_len in [(1, 32, 8, 640), (64, 32, 8, 640), (256, 32, 8, 4096), (48, 32, 8, 24576), (1, 6, 2, 96), (33, 6, 2, 65)]:
         p = plan(q, heads, kv_heads, kv_len)
         assert p.chunk % 64 == 0 and (p.splits - 1) * p.chunk < kv_len <= p.splits * p.chunk
         assert p.tiles * p.block_m >= q * heads // kv_heads
@@ -40,6 +40,8 @@ def test_plan_covers_every_key_once() -> None:
         (1, 6, 2, 64, 96, 40),  # demo pair decode
         (33, 6, 2, 64, 200, 150),  # demo tree; keys not a multiple of 64
         (16, 4, 4, 64, 64, 0),  # no committed context, no GQA
+        (48, 32, 8, 128, 6144, 4200),  # a tree over a long context: tiles of 64 rows; a key bucket's spare rows
+        (1, 32, 8, 128, 24576, 16400),  # a decode over a 16k-token context
     ],
 )
 def test_flash_equals_masked_attention(
@@ -86,3 +88,34 @@ def test_flash_under_compile_and_graph_capture() -> None:
         graph.replay()
         torch.testing.assert_close(out, flash_tree_attention(q, k, v, start, tree, 0.125))
         assert not torch.allclose(out, want)
+
+
+def _compiled_kernels() -> int:
+    """How many kernels Triton has compiled for the flash op so far (its JIT's per-device caches)."""
+    from ddtree import flash_tree
+
+    caches = [getattr(kernel, "device_caches", None) for kernel in (flash_tree._partial_kernel, flash_tree._merge_kernel)]
+    if None in caches:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for cache in caches for entry in cache.values())
+
+
+@needs_gpu
+def test_compile_plans_leaves_nothing_to_compile_for_any_step() -> None:
+    """After compile_plans, steps of any row count over any key bucket up to max_keys (a cache slot's view, as the
+    verifier passes it) launch kernels already compiled: no round waits for Triton's JIT."""
+    from ddtree.cuda_graphs import key_bucket
+    from ddtree.flash_tree import compile_plans
+
+    max_keys = 20_000
+    assert compile_plans(32, 8, 128, max_keys, torch.bfloat16, CUDA) > 1
+    compiled = _compiled_kernels()
+    slot = torch.randn(8, max_keys + 512, 128, device=CUDA, dtype=torch.bfloat16)
+    for q_len in (1, 16, 32, 48, 128):
+        for used in (q_len + 100, 700, 1300, 3000, 4300, 9000, 16_500, max_keys):  # rows up to the step's last
+            kv_len = key_bucket(used, max_keys)
+            q = torch.randn(q_len, 32, 128, device=CUDA, dtype=torch.bfloat16)
+            tree = ancestor_matrix(torch.arange(q_len, device=CUDA) - 1)  # a chain
+            start = torch.tensor(used - q_len, device=CUDA)
+            flash_tree_attention(q, slot[:, :kv_len], slot[:, :kv_len], start, tree, 128**-0.5)
+    assert _compiled_kernels() == compiled

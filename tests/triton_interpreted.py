@@ -158,17 +158,22 @@ def check_compaction() -> None:
 
 
 def check_flash() -> None:
-    """Flash-decoding over a tree equals the masked attention, several key chunks and row tiles included."""
+    """Flash-decoding over a tree equals the masked attention, several key chunks and row tiles included, and key
+    rows past the step's (a key bucket's spare rows, whole chunks of them too) never read."""
     gen = torch.Generator().manual_seed(1)
-    for q_len, heads, kv_heads, kv_len, start in [(1, 6, 2, 300, 200), (9, 6, 2, 130, 100), (20, 4, 4, 64, 0)]:
+    cases = [(1, 6, 2, 300, 200), (9, 6, 2, 130, 100), (20, 4, 4, 64, 0), (9, 6, 2, 300, 100), (5, 4, 2, 200, 60)]
+    for q_len, heads, kv_heads, kv_len, start in cases:
         q = torch.randn(q_len, heads, 64, generator=gen)
         k, v = (torch.randn(kv_heads, kv_len + 8, 64, generator=gen)[:, :kv_len] for _ in range(2))
         parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)])
         q, k, v, tree = (t.to(DEVICE) for t in (q, k, v, ancestor_matrix(parents)))
         start_t = torch.tensor(start, device=DEVICE)
         p = plan(q_len, heads, kv_heads, kv_len, 64, target=8)  # few programs: several chunks at these key counts
+        k[:, start + q_len :], v[:, start + q_len :] = float("nan"), float("nan")  # spare rows: never read
         got = launch(q, k, v, start_t, tree, 0.125, p)
-        want = matmul_attention(q.transpose(0, 1)[None], k[None], v[None], step_mask(start_t, tree, kv_len), 0.125)
+        kv = (k[:, : start + q_len], v[:, : start + q_len])
+        want = matmul_attention(q.transpose(0, 1)[None], kv[0][None], kv[1][None],
+                                step_mask(start_t, tree, start + q_len), 0.125)
         torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
         print("flash ok", q_len, heads, kv_heads, kv_len, start, "splits", p.splits)
 

@@ -20,8 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
-from ddtree.flash_tree import flash_supported
-from ddtree.gemv import SMALL_HIDDEN, default_fused_rows, gemv_supported
+from ddtree.flash_tree import compile_plans, flash_supported
+from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
 from verify_server.compaction import compact_path
 from verify_server.fused import FusedDecoder, embed_tokens
@@ -48,6 +48,8 @@ class FusedRunner:
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
         self.num_kv_layers = num_kv_layers
+        # the most key rows a step attends over: the longest context plus the largest captured step
+        self.max_keys = model.config.max_position_embeddings + MAX_GRAPH_NODES
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
@@ -60,15 +62,15 @@ class FusedRunner:
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
         (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py: 2 kernels a layer where the
         matmul form runs 5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more
-        tokens/s in every mode) where it runs, except for a compiled large target: there the two matmuls around a
-        masked softmax that the compiler fuses (at Qwen3-8B shapes 5.67 ms an AR step against 5.73 for flash);
-        else the matmul form. fused_rows: steps of up to this many rows run their projections as ddtree/gemv.py's
-        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: default_fused_rows."""
+        tokens/s in every mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
+        flash's speed over a short context, 5.67 ms against 5.73 a Qwen3-8B AR step, but its [q, kv] scores grow
+        with the context: over a 16.5k-token one, a 32-node tree's attention took 179 us a layer against 74.)
+        Else the matmul form. fused_rows: steps of up to this many rows run their projections as
+        ddtree/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
+        default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
         if attention is None:
-            flash = hidden <= SMALL_HIDDEN or not compile
-            flash = flash and flash_supported(self.device, self.decoder.shape.head_dim)
-            attention = FLASH if flash else "matmul"
+            attention = FLASH if flash_supported(self.device, self.decoder.shape.head_dim) else "matmul"
         if fused_rows is None:
             fused_rows = default_fused_rows(hidden)
         self.decoder.set_compiled(compile, attention, fused_rows if gemv_supported(self.device) else 0)
@@ -81,6 +83,9 @@ class FusedRunner:
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.
         self.static = self.graphs.enabled
+        if self.static and self.decoder.attention == FLASH:
+            shape = self.decoder.shape
+            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, self.max_keys, self.dtype, self.device)
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 
