@@ -8,7 +8,9 @@ Requests alternate between the gateways (one at a time, greedy, ddtree mode), so
 state. Each prompt is a fresh text (no prefix in common with the last: nothing cached could help) of about
 the asked length; its exact token count comes from the gateway's usage. The first token waits for the whole
 prefill (a one-call prefill's answer brings the prompt's features too, a chunked one's only tokens); the second
-for the drafter's context too (all the prompt's features), so both are reported.
+for the drafter's context too (all the prompt's features), so both are reported, with where the rounds' time went.
+Each gateway's first request of a length is reported apart (`first_of_its_length`, not in the medians): it may
+size caches or capture graphs for the longer context.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ def main() -> None:
     model = served_model(urls[0])
     rng = random.Random(0)
     results: dict[str, dict[int, list[dict]]] = {u: {} for u in urls}
+    first: dict[str, dict[int, dict]] = {u: {} for u in urls}
     for length in map(int, args.lengths.split(",")):
-        for url in urls:  # warm-up: the first request of a length may size caches or compile
-            timed_request(url, model, prompt_text(length, rng), args.max_tokens)
+        for url in urls:  # warm-up, kept apart: the first request of a length may size caches or capture graphs
+            first[url][length] = timed_request(url, model, prompt_text(length, rng), args.max_tokens)
+            print(f"{url} {length} (first of its length): {first[url][length]}", flush=True)
         for rep in range(args.repeat):
             for url in urls if rep % 2 == 0 else urls[::-1]:
                 r = timed_request(url, model, prompt_text(length, rng), args.max_tokens)
@@ -83,7 +87,7 @@ def main() -> None:
         url: {length: {"prompt_tokens": runs[0]["prompt_tokens"],
                        "first_token_s": statistics.median(r["first_s"] for r in runs),
                        "last_token_s": statistics.median(r["last_s"] for r in runs),
-                       "runs": runs}
+                       "runs": runs, "first_of_its_length": first[url][length]}
               for length, runs in by_length.items()}
         for url, by_length in results.items()
     }
