@@ -102,12 +102,19 @@ def serve_steps(engine: VerifyEngine, capacity: int, node_counts: tuple[int, ...
 
 
 def serve_long_prompt(engine: VerifyEngine) -> None:
-    """A prompt past the largest captured bucket: the prompt step, uncaptured (its key count is the prompt's)."""
+    """A prompt past the largest captured bucket: the prompt step, uncaptured (its key count is the prompt's); then
+    a prompt in chunks of several sizes, on both sides of the fused projections' row limit (the prompt step again,
+    attending to the committed rows too)."""
     rng = random.Random(6)
     length = MAX_GRAPH_NODES + 21
     engine.start_session("long", length + 1, SamplingParams(), taps=[1, 3])
     engine.prefill("long", [rng.randrange(engine.vocab_size) for _ in range(length)])
     engine.end_session("long")
+    chunks = (100, 7, 45, 140, 33, 260, 5)
+    engine.start_session("chunked", sum(chunks) + 1, SamplingParams(), taps=[1, 3])
+    for i, chunk in enumerate(chunks):
+        engine.prefill("chunked", [rng.randrange(engine.vocab_size) for _ in range(chunk)], more=i + 1 < len(chunks))
+    engine.end_session("chunked")
 
 
 def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:

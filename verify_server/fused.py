@@ -22,7 +22,7 @@ from ddtree.flash_tree import flash_supported
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
-from verify_server.step_attention import ATTENTION_CHOICES, FLASH, StepVisibility, attend
+from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, StepVisibility, attend
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
 INITIAL_ROPE_ROWS = 32768  # the demo pair's whole range (2048), as measured in bench/README.md
@@ -272,11 +272,14 @@ class FusedDecoder:
 
     def prompt_forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-        kv_len: int, taps: tuple[int, ...],
+        kv_len: int, taps: tuple[int, ...], after_committed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """layers_forward for a prompt from slot 0, through the configured prompt step: the configured projections,
-        attention by SDPA under its own causal mask (top-left aligned: key rows past the prompt stay unseen)."""
-        return self._layers(self._compiled_prompt, "sdpa", self.fused_rows, hidden, cos, sin, cache, slots, None,
+        attention by SDPA under its own causal mask (top-left aligned: key rows past the prompt stay unseen).
+        after_committed: a chunk of a prompt whose slots [0, kv_len - q) are committed already (a chunked prefill's
+        later chunks): it sees them all, and itself causally (step_attention.chunk_attention)."""
+        kernel = CHUNK if after_committed else "sdpa"
+        return self._layers(self._compiled_prompt, kernel, self.fused_rows, hidden, cos, sin, cache, slots, None,
                             kv_len, taps)
 
     def _layers(

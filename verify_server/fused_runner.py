@@ -9,9 +9,9 @@ smaller than its bucket is padded with children of the root that are never accep
 spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a captured graph
 too, through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few
 hundred launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls,
-where the graph saves nothing) take the same compiled prompt step uncaptured; one-token prompts, a chunked prompt's
-chunks after the first (they attend to the committed prefix too) and trees beyond the largest bucket run the forward
-eagerly.
+where the graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix
+too) take the same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest
+bucket, run the forward eagerly.
 """
 
 from __future__ import annotations
@@ -125,15 +125,16 @@ class FusedRunner:
         features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q)."""
         q, start = ids.shape[0], cache.length
         slots = torch.arange(start, start + q, device=self.device)
-        if tree is None and start == 0 and q > 1:
-            # a prompt beyond the captured buckets: the configured (compiled) prompt step, uncaptured, as a long
-            # prompt's norms, RoPE and gate are memory-bound passes over [q, hidden] that the compiler fuses
+        if tree is None and q > 1:
+            # a prompt beyond the captured buckets, or a chunk of one after its committed slots: the configured
+            # (compiled) prompt step, uncaptured, as a long prompt's norms, RoPE and gate are memory-bound passes over
+            # [q, hidden] that the compiler fuses
             hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
-            hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, q, taps)
+            hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, start + q, taps, start > 0)
             return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         if tree is not None:
             mask = step_mask(torch.tensor(start, device=self.device), tree, start + q)
-        else:  # a one-token prompt, or a chunk of a prompt after every committed slot
+        else:  # a one-token prompt, or a one-token chunk of a prompt after every committed slot
             mask = None if start == 0 else chunk_mask(q, start + q)
         hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
         return self.decoder.logits(hidden[-1:] if last_only else hidden), features

@@ -238,6 +238,12 @@ def warm_up(engine: VerifyEngine) -> None:
     for prompt in (17, *(n + 1 for n in past_limit)):
         with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
+    # A chunked prompt's later chunks: the prompt step again, attending to the committed rows too (two sizes, one
+    # past the limit, and a last chunk, which picks the first token).
+    chunks = (40, 20, 30, *(n + 1 for n in past_limit), 10)
+    with _warm_up_session(engine, sum(chunks) + 1) as session_id:
+        for i, chunk in enumerate(chunks):
+            engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
 
 

@@ -71,11 +71,26 @@ def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     return matmul_attention(q, k, v, mask, scale)
 
 
+@torch.library.custom_op("ddtree::chunk_attention", mutates_args=())
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """A prompt chunk after committed rows: q [q, heads, d] over k/v [kv_heads, kv, d], the chunk's own rows the
+    last q of them, under chunk_mask -> [q, heads, d]. An opaque op, so that the compiled prompt step runs later
+    chunks too: torch.compile would have to trace chunk_mask's CausalBias."""
+    out = sdpa_attention(q.transpose(0, 1)[None], k[None], v[None], chunk_mask(q.shape[0], k.shape[1]), scale, gqa)
+    return out[0].transpose(0, 1).contiguous()
+
+
+@chunk_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 ATTENTION_KERNELS = {
     "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention,
     "flex": flex_tree_attention,
 }
 FLASH = "flash"  # ddtree.flash_tree: reads the step's start and tree instead of a materialised mask
+CHUNK = "chunk"  # a prompt chunk after committed rows (chunk_attention); not a choice for trees
 ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
 
 
@@ -94,9 +109,12 @@ def attend(
     kernel: str, scale: float, gqa: bool,
 ) -> torch.Tensor:
     """q [q, heads, d] over keys/values [kv_heads, kv, d] (the step's new K/V written already) under `mask` (a dense
-    mask, a StepVisibility, or None: causal over the new tokens) through `kernel` -> [q, heads, d]."""
+    mask, a StepVisibility, or None: causal over the new tokens; CHUNK ignores it: every earlier key and the chunk
+    causally) through `kernel` -> [q, heads, d]."""
     if kernel == FLASH:
         return flash_tree_attention(q, keys, values, mask.start, mask.tree, scale)
+    if kernel == CHUNK:
+        return chunk_attention(q, keys, values, scale, gqa)
     dense = mask.dense if isinstance(mask, StepVisibility) else mask
     out = ATTENTION_KERNELS[kernel](q.transpose(0, 1)[None], keys[None], values[None], dense, scale, gqa)
     return out[0].transpose(0, 1)
