@@ -17,11 +17,10 @@ The op is a torch.library custom op, so torch.compile (fullgraph, dynamic shapes
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-
-from ddtree.cuda_graphs import key_bucket
 
 try:
     import triton
@@ -201,31 +200,33 @@ def launch(
 
 
 def compile_plans(
-    heads: int, kv_heads: int, head_dim: int, max_keys: int, dtype: torch.dtype, device: torch.device
+    heads: int, kv_heads: int, head_dim: int, q_lens: Iterable[int], kv_lens: Iterable[int], dtype: torch.dtype,
+    device: torch.device,
 ) -> int:
-    """Launches the kernels once in every configuration plan() picks for this head layout up to max_keys key rows
-    (each key bucket of ddtree.cuda_graphs.key_bucket at a decode's 1 row and a tree's 16 and 64), so that Triton
+    """Launches the kernels once in every configuration plan() picks for this head layout at these step row counts
+    and key counts (a verifier's query buckets, and every key count its steps can attend over), so that Triton
     compiles them now and not in the round of the first request that reaches a longer context (~1 s each: at
-    Qwen3-8B shapes the first requests of 4k and 16k tokens took ~4 s more of the verifier's time before these
-    ran at start-up). -> how many configurations were launched."""
-    keys = torch.zeros(kv_heads, max_keys + BLOCK_N, head_dim, dtype=dtype, device=device)  # views as a cache slot's
+    Qwen3-8B shapes the first requests of 4k and 16k tokens took ~4 s more of the verifier's time before a first
+    form of this ran at start-up). -> how many configurations were launched."""
+    kv_lens = sorted(set(kv_lens))
+    keys = torch.zeros(kv_heads, kv_lens[-1], head_dim, dtype=dtype, device=device)  # views as a cache slot's
     seen: set[tuple] = set()
-    kv_len = key_bucket(1, max_keys)
-    while True:
-        for q_len in (1, 16, 64):
+    for q_len in sorted(set(q_lens)):
+        for kv_len in kv_lens:
+            if kv_len < q_len:
+                continue
             p = plan(q_len, heads, kv_heads, kv_len, head_dim)
-            # what a launch compiles on: the plan's constants, the merge's width, a one-row step's specialisation
-            config = (p.block_m, p.block_n, p.warps, p.stages, triton.next_power_of_2(p.splits), q_len == 1)
+            # what Triton compiles a launch for: the plan's constants, the merge's width, and the integer arguments'
+            # specialisations (a one-row step's row count; whether the merge's chunk count is a multiple of 16)
+            config = (p.block_m, p.block_n, p.warps, p.stages, q_len == 1, triton.next_power_of_2(p.splits),
+                      p.splits % 16 == 0)
             if config in seen:
                 continue
             seen.add(config)
             q = torch.zeros(q_len, heads, head_dim, dtype=dtype, device=device)
             tree = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-            start = torch.tensor(max(0, kv_len - q_len), device=device)
-            launch(q, keys[:, :kv_len], keys[:, :kv_len], start, tree, 1.0, p)
-        if kv_len >= max_keys:
-            return len(seen)
-        kv_len = key_bucket(kv_len + 1, max_keys)
+            launch(q, keys[:, :kv_len], keys[:, :kv_len], torch.tensor(kv_len - q_len, device=device), tree, 1.0, p)
+    return len(seen)
 
 
 @torch.library.custom_op("ddtree::flash_tree_attention", mutates_args=())

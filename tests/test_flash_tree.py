@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.flash_tree import flash_supported, flash_tree_attention, plan
+from ddtree.flash_tree import compile_plans, flash_supported, flash_tree_attention, plan
 from ddtree.sdpa import matmul_attention
 from verify_server.step_attention import step_mask
 from verify_server.tree_attention import ancestor_matrix
@@ -102,18 +102,21 @@ def _compiled_kernels() -> int:
 
 @needs_gpu
 def test_compile_plans_leaves_nothing_to_compile_for_any_step() -> None:
-    """After compile_plans, steps of any row count over any key bucket up to max_keys (a cache slot's view, as the
-    verifier passes it) launch kernels already compiled: no round waits for Triton's JIT."""
+    """After compile_plans, steps of the verifier's query buckets over any key bucket or slot capacity (a cache
+    slot's view, as the verifier passes it) launch kernels already compiled: no round waits for Triton's JIT."""
     from ddtree.cuda_graphs import key_bucket
-    from ddtree.flash_tree import compile_plans
+    from verify_server.step_inputs import QUERY_BUCKETS
 
-    max_keys = 20_000
-    assert compile_plans(32, 8, 128, max_keys, torch.bfloat16, CUDA) > 1
+    capacity = 16_896  # a 16k-row slot with its spare rows
+    kv_lens = [key_bucket(1, capacity)]
+    while kv_lens[-1] < capacity:
+        kv_lens.append(key_bucket(kv_lens[-1] + 1, capacity))
+    assert compile_plans(32, 8, 128, QUERY_BUCKETS, kv_lens, torch.bfloat16, CUDA) > 1
     compiled = _compiled_kernels()
-    slot = torch.randn(8, max_keys + 512, 128, device=CUDA, dtype=torch.bfloat16)
-    for q_len in (1, 16, 32, 48, 128):
-        for used in (q_len + 100, 700, 1300, 3000, 4300, 9000, 16_500, max_keys):  # rows up to the step's last
-            kv_len = key_bucket(used, max_keys)
+    slot = torch.randn(8, capacity, 128, device=CUDA, dtype=torch.bfloat16)
+    for q_len in (1, 16, 32, 48, 64, 128, 256):
+        for used in (q_len + 100, 700, 1300, 3000, 4300, 9000, 13_000, capacity):  # rows up to the step's last
+            kv_len = key_bucket(used, capacity)
             q = torch.randn(q_len, 32, 128, device=CUDA, dtype=torch.bfloat16)
             tree = ancestor_matrix(torch.arange(q_len, device=CUDA) - 1)  # a chain
             start = torch.tensor(used - q_len, device=CUDA)

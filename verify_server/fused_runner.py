@@ -28,7 +28,8 @@ from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
 from verify_server.step_attention import FLASH, StepVisibility, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step, size_class, unpack_step,
+    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
+    size_class, unpack_step,
 )
 
 
@@ -48,8 +49,9 @@ class FusedRunner:
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
         self.num_kv_layers = num_kv_layers
-        # the most key rows a step attends over: the longest context plus the largest captured step
-        self.max_keys = model.config.max_position_embeddings + MAX_GRAPH_NODES
+        # the most key rows a step attends over: the largest slot a session within the model's context (plus a
+        # tree) takes, with the largest captured step's spare rows
+        self.max_keys = size_class(model.config.max_position_embeddings + MAX_GRAPH_NODES) + MAX_GRAPH_NODES
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
@@ -85,7 +87,21 @@ class FusedRunner:
         self.static = self.graphs.enabled
         if self.static and self.decoder.attention == FLASH:
             shape = self.decoder.shape
-            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, self.max_keys, self.dtype, self.device)
+            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, QUERY_BUCKETS, self._key_counts(), self.dtype,
+                          self.device)
+
+    def _key_counts(self) -> list[int]:
+        """Every key count a captured step can attend over: a key bucket, or a slot's whole capacity (size class
+        plus the largest step's rows) where the bucket would pass it."""
+        capacities = []
+        size = MIN_SLOT_TOKENS
+        while size < self.max_keys:
+            capacities.append(size + MAX_GRAPH_NODES)
+            size *= 2
+        counts = [key_bucket(1, self.max_keys)]
+        while counts[-1] < self.max_keys:
+            counts.append(key_bucket(counts[-1] + 1, self.max_keys))
+        return counts + capacities
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 

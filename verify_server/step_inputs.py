@@ -32,6 +32,9 @@ def bucket(q: int) -> int | None:
     return None
 
 
+QUERY_BUCKETS = tuple(sorted({bucket(q) for q in range(1, MAX_GRAPH_NODES + 1)}))
+
+
 def size_class(capacity: int) -> int:
     return max(MIN_SLOT_TOKENS, 1 << (capacity - 1).bit_length())
 
