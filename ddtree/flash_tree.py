@@ -231,14 +231,22 @@ def compile_plans(
 
 @torch.library.custom_op("ddtree::flash_tree_attention", mutates_args=())
 def flash_tree_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, tree: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, start: torch.Tensor, tree: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """q [q, heads, d] (heads group-major over K/V heads, as HF's repeat_kv); k/v [kv_heads, kv_len, d] with unit
-    stride on d (a cache slot's view); start: 0-d long, the row of the step's first new token; tree [q, q] bool
-    (tree[i, j]: new token i sees new token j, itself included) -> [q, heads, d] in q's dtype."""
-    return launch(q, k, v, start, tree, scale, plan(q.shape[0], q.shape[1], k.shape[0], k.shape[1], q.shape[2]))
+    """q [q, heads, d] (heads group-major over K/V heads, as HF's repeat_kv) over the first kv_len rows of k/v
+    [kv_heads, rows, d] (a cache slot's, unit stride on d); start: 0-d long, the row of the step's first new
+    token; tree [q, q] bool (tree[i, j]: new token i sees new token j, itself included) -> [q, heads, d] in q's
+    dtype. The op takes the slot's whole rows and cuts them itself: under torch.compile, a slice of a cache just
+    written in place, handed to an opaque op, was copied whole (two copies of the K/V window a layer, 16 us each
+    over a 16k-token context at Qwen3-8B shapes)."""
+    k, v = k[:, :kv_len], v[:, :kv_len]
+    return launch(q, k, v, start, tree, scale, plan(q.shape[0], q.shape[1], k.shape[0], kv_len, q.shape[2]))
 
 
 @flash_tree_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, tree: torch.Tensor, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, start: torch.Tensor, tree: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -72,7 +72,7 @@ def block_layer(
     v_cache.index_copy_(2, positions, v)
     if bias is None:
         out = flash_tree_attention(
-            q[0].transpose(0, 1), k_cache[0, :, :keys], v_cache[0, :, :keys], positions[0], block, attn.head_dim**-0.5
+            q[0].transpose(0, 1), k_cache[0], v_cache[0], keys, positions[0], block, attn.head_dim**-0.5
         )[None]  # [1, B, heads, d]
     else:
         out = grouped_attention(q, k_cache[:, :, :keys], v_cache[:, :, :keys], bias).transpose(1, 2)

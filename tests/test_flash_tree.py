@@ -50,14 +50,15 @@ def test_flash_equals_masked_attention(
     assert flash_supported(CUDA, head_dim)
     gen = torch.Generator().manual_seed(q_len * 1000 + kv_len)
     q = torch.randn(q_len, heads, head_dim, generator=gen).to(CUDA, dtype)
-    # a cache view: [kv_heads, kv_len, d] cut out of a longer slot, as the verifier passes it
-    k = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
-    v = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)[:, :kv_len]
+    # a cache slot's rows, longer than the kv_len the step attends over, as the verifier passes them
+    k_slot = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)
+    v_slot = torch.randn(kv_heads, kv_len + 64, head_dim, generator=gen).to(CUDA, dtype)
+    k, v = k_slot[:, :kv_len], v_slot[:, :kv_len]
     tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA))  # [q, q]
     start_t = torch.tensor(start, device=CUDA)
     scale = head_dim**-0.5
 
-    got = flash_tree_attention(q, k, v, start_t, tree, scale)  # [q, heads, d]
+    got = flash_tree_attention(q, k_slot, v_slot, kv_len, start_t, tree, scale)  # [q, heads, d]
     mask = step_mask(start_t, tree, kv_len)  # [1, 1, q, kv_len]
     want = matmul_attention(q.transpose(0, 1)[None].float(), k[None].float(), v[None].float(), mask, scale)
     want = want[0].transpose(0, 1)
@@ -72,21 +73,22 @@ def test_flash_equals_masked_attention(
 @needs_gpu
 def test_flash_under_compile_and_graph_capture() -> None:
     """The custom op inside a compiled function with changing shapes, replayed from a CUDA graph."""
-    fn = torch.compile(lambda q, k, v, s, t: flash_tree_attention(q * 1.0, k, v, s, t, 0.125) + 0.0, fullgraph=True)
+    fn = torch.compile(lambda q, k, v, s, t: flash_tree_attention(q * 1.0, k, v, k.shape[1], s, t, 0.125) + 0.0,
+                       fullgraph=True)
     gen = torch.Generator().manual_seed(0)
     for q_len, kv_len in [(1, 128), (16, 192), (32, 256)]:
         q = torch.randn(q_len, 8, 64, generator=gen).to(CUDA)
         k, v = (torch.randn(2, kv_len, 64, generator=gen).to(CUDA) for _ in range(2))
         tree = ancestor_matrix(random_tree(q_len, gen).to(CUDA))
         start = torch.tensor(kv_len - q_len - 3, device=CUDA)
-        want = flash_tree_attention(q, k, v, start, tree, 0.125)
+        want = flash_tree_attention(q, k, v, kv_len, start, tree, 0.125)
         fn(q, k, v, start, tree)  # warm-up outside capture (Triton compiles on first launch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn(q, k, v, start, tree)
         q.copy_(torch.randn(q_len, 8, 64, generator=gen).to(CUDA))  # new inputs in place, then replay
         graph.replay()
-        torch.testing.assert_close(out, flash_tree_attention(q, k, v, start, tree, 0.125))
+        torch.testing.assert_close(out, flash_tree_attention(q, k, v, kv_len, start, tree, 0.125))
         assert not torch.allclose(out, want)
 
 
@@ -120,5 +122,5 @@ def test_compile_plans_leaves_nothing_to_compile_for_any_step() -> None:
             q = torch.randn(q_len, 32, 128, device=CUDA, dtype=torch.bfloat16)
             tree = ancestor_matrix(torch.arange(q_len, device=CUDA) - 1)  # a chain
             start = torch.tensor(used - q_len, device=CUDA)
-            flash_tree_attention(q, slot[:, :kv_len], slot[:, :kv_len], start, tree, 128**-0.5)
+            flash_tree_attention(q, slot, slot, kv_len, start, tree, 128**-0.5)
     assert _compiled_kernels() == compiled

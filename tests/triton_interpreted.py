@@ -128,7 +128,7 @@ def check_gemv() -> None:
             keys = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
             values = torch.zeros(2, 10, 16, device=DEVICE)
             slots = torch.arange(10 - q, 10, device=DEVICE)
-            outs.append(decoder_layer(x, layer, cos, sin, keys, values, slots, None, shape, "sdpa", fused_rows))
+            outs.append(decoder_layer(x, layer, cos, sin, keys, values, 10, slots, None, shape, "sdpa", fused_rows))
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
         print("gemv ok decoder layer", q, "rows")
 

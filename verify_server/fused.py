@@ -149,15 +149,17 @@ def decoder_layer(
     sin: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    kv_len: int,
     slots: torch.Tensor,
     mask: torch.Tensor | StepVisibility | None,
     shape: LayerShape,
     attention_kernel: str,
     fused_rows: int = 0,
 ) -> torch.Tensor:
-    """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, kv, d] at `slots`
-    [q], attends over all kv slots under `mask` (a dense mask, a StepVisibility, or None: causal over the new
-    tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many rows runs its
+    """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, rows, d] (a cache
+    slot's whole rows: under torch.compile, a slice of them written in place was copied whole for the attention)
+    at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, a StepVisibility, or None:
+    causal over the new tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many rows runs its
     projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's Triton kernels
     (a GPU): GEMVs at one row, rows_linear beyond."""
     q_len, d = hidden.shape[0], shape.head_dim
@@ -170,7 +172,7 @@ def decoder_layer(
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     keys.index_copy_(1, slots, k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
-    out = attend(q, keys, values, mask, attention_kernel, shape.scale, shape.gqa).reshape(q_len, shape.heads * d)
+    out = attend(q, keys, values, kv_len, mask, attention_kernel, shape.scale, shape.gqa).reshape(q_len, shape.heads * d)
     if kernel == "gemv":
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
@@ -290,8 +292,8 @@ class FusedDecoder:
         tapped = []
         for i, layer in enumerate(self.layers):
             j = cache.index[i]
-            keys, values = cache.k[j, 0, :, :kv_len], cache.v[j, 0, :, :kv_len]  # [kv_heads, kv_len, d]
-            hidden = step(hidden, layer, cos, sin, keys, values, slots, mask, self.shape, kernel, rows)
+            keys, values = cache.k[j, 0], cache.v[j, 0]  # [kv_heads, capacity, d]
+            hidden = step(hidden, layer, cos, sin, keys, values, kv_len, slots, mask, self.shape, kernel, rows)
             if i in taps:
                 tapped.append(hidden)
         features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None

@@ -72,16 +72,20 @@ def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 
 
 @torch.library.custom_op("ddtree::chunk_attention", mutates_args=())
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-    """A prompt chunk after committed rows: q [q, heads, d] over k/v [kv_heads, kv, d], the chunk's own rows the
-    last q of them, under chunk_mask -> [q, heads, d]. An opaque op, so that the compiled prompt step runs later
-    chunks too: torch.compile would have to trace chunk_mask's CausalBias."""
-    out = sdpa_attention(q.transpose(0, 1)[None], k[None], v[None], chunk_mask(q.shape[0], k.shape[1]), scale, gqa)
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float, gqa: bool
+) -> torch.Tensor:
+    """A prompt chunk after committed rows: q [q, heads, d] over the first kv_len rows of k/v [kv_heads, rows, d]
+    (a slot's whole rows, cut here as flash_tree_attention does), the chunk's own rows the last q of them, under
+    chunk_mask -> [q, heads, d]. An opaque op, so that the compiled prompt step runs later chunks too:
+    torch.compile would have to trace chunk_mask's CausalBias."""
+    k, v = k[:, :kv_len], v[:, :kv_len]
+    out = sdpa_attention(q.transpose(0, 1)[None], k[None], v[None], chunk_mask(q.shape[0], kv_len), scale, gqa)
     return out[0].transpose(0, 1).contiguous()
 
 
 @chunk_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float, gqa: bool) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -105,16 +109,17 @@ class StepVisibility:
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | StepVisibility | None,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: int, mask: torch.Tensor | StepVisibility | None,
     kernel: str, scale: float, gqa: bool,
 ) -> torch.Tensor:
-    """q [q, heads, d] over keys/values [kv_heads, kv, d] (the step's new K/V written already) under `mask` (a dense
-    mask, a StepVisibility, or None: causal over the new tokens; CHUNK ignores it: every earlier key and the chunk
-    causally) through `kernel` -> [q, heads, d]."""
+    """q [q, heads, d] over the first kv_len rows of keys/values [kv_heads, rows, d] (a slot's, the step's new K/V
+    written already) under `mask` (a dense mask, a StepVisibility, or None: causal over the new tokens; CHUNK
+    ignores it: every earlier key and the chunk causally) through `kernel` -> [q, heads, d]."""
     if kernel == FLASH:
-        return flash_tree_attention(q, keys, values, mask.start, mask.tree, scale)
+        return flash_tree_attention(q, keys, values, kv_len, mask.start, mask.tree, scale)
     if kernel == CHUNK:
-        return chunk_attention(q, keys, values, scale, gqa)
+        return chunk_attention(q, keys, values, kv_len, scale, gqa)
+    keys, values = keys[:, :kv_len], values[:, :kv_len]
     dense = mask.dense if isinstance(mask, StepVisibility) else mask
     out = ATTENTION_KERNELS[kernel](q.transpose(0, 1)[None], keys[None], values[None], dense, scale, gqa)
     return out[0].transpose(0, 1)
