@@ -31,6 +31,14 @@ def key_bucket(n: int, limit: int) -> int:
     return min(size, limit)
 
 
+def key_buckets(limit: int) -> list[int]:
+    """Every count key_bucket(n, limit) returns, smallest first."""
+    counts = [key_bucket(1, limit)]
+    while counts[-1] < limit:
+        counts.append(key_bucket(counts[-1] + 1, limit))
+    return counts
+
+
 class GraphPool:
     """Captured graphs keyed by whatever fixes their shapes and buffers (bucket size, cache slot, ...).
 

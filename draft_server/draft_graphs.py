@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket
-from ddtree.flash_tree import flash_supported, flash_tree_attention
+from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
+from ddtree.flash_tree import compile_plans, flash_supported, flash_tree_attention
 from ddtree.gemv import default_fused_rows, gemv_supported, rows_linear
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
@@ -127,6 +127,9 @@ class StaticDrafter:
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
+        if self.flash and self.graphs.enabled:  # Triton compiles each of its configurations now, not in a round
+            compile_plans(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, (cfg.block_size,),
+                          key_buckets(self.rows), self.dtype, self.device)
         # the block's projections through the fused rows kernel on small drafters, as the verifier's trees
         self.fused_rows = (gemv_supported(self.device) and default_fused_rows(cfg.hidden_size) >= cfg.block_size
                            and not cfg.attention_bias)

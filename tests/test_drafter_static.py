@@ -10,7 +10,7 @@ import torch
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.dflash_config import DFlashConfig
-from ddtree.cuda_graphs import key_bucket
+from ddtree.cuda_graphs import key_bucket, key_buckets
 from draft_server.drafter import CapacityError, DraftEngine, SessionError, UnknownSessionError
 from draft_server.server import load_engine
 from draft_server.target_head import TargetHead
@@ -200,6 +200,8 @@ def test_key_buckets_are_few_aligned_and_capped() -> None:
     assert sorted(set(sizes))[:8] == [64, 96, 128, 192, 256, 384, 512, 768]
     assert max(s / n for n, s in zip(range(64, 5000), sizes[63:])) <= 1.5
     assert key_bucket(10_000, 4096) == 4096
+    # key_buckets lists exactly what key_bucket returns under a limit (compile_plans compiles for each of them)
+    assert key_buckets(5000) == sorted({key_bucket(n, 5000) for n in range(1, 6000)})
 
 
 def test_server_passes_the_engine_flags(drafter_dir: Path, qwen3_target: Path) -> None:

@@ -106,14 +106,11 @@ def _compiled_kernels() -> int:
 def test_compile_plans_leaves_nothing_to_compile_for_any_step() -> None:
     """After compile_plans, steps of the verifier's query buckets over any key bucket or slot capacity (a cache
     slot's view, as the verifier passes it) launch kernels already compiled: no round waits for Triton's JIT."""
-    from ddtree.cuda_graphs import key_bucket
+    from ddtree.cuda_graphs import key_bucket, key_buckets
     from verify_server.step_inputs import QUERY_BUCKETS
 
     capacity = 16_896  # a 16k-row slot with its spare rows
-    kv_lens = [key_bucket(1, capacity)]
-    while kv_lens[-1] < capacity:
-        kv_lens.append(key_bucket(kv_lens[-1] + 1, capacity))
-    assert compile_plans(32, 8, 128, QUERY_BUCKETS, kv_lens, torch.bfloat16, CUDA) > 1
+    assert compile_plans(32, 8, 128, QUERY_BUCKETS, key_buckets(capacity), torch.bfloat16, CUDA) > 1
     compiled = _compiled_kernels()
     slot = torch.randn(8, capacity, 128, device=CUDA, dtype=torch.bfloat16)
     for q_len in (1, 16, 32, 48, 64, 128, 256):

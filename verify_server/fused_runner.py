@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket
+from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
@@ -98,10 +98,7 @@ class FusedRunner:
         while size < self.max_keys:
             capacities.append(size + MAX_GRAPH_NODES)
             size *= 2
-        counts = [key_bucket(1, self.max_keys)]
-        while counts[-1] < self.max_keys:
-            counts.append(key_bucket(counts[-1] + 1, self.max_keys))
-        return counts + capacities
+        return key_buckets(self.max_keys) + capacities
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 
