@@ -34,7 +34,8 @@ LONG_SHAPES = [
     ("8b-q48-6k", 48, 32, 8, 128, 6144, 4300), ("8b-q1-24k", 1, 32, 8, 128, 24576, 16500),
     ("8b-q16-24k", 16, 32, 8, 128, 24576, 16500), ("8b-q48-24k", 48, 32, 8, 128, 24576, 16500),
 ]
-SWEEP = {"block_m": (16, 32, 64), "block_n": (64,), "warps": (2, 4, 8), "stages": (1, 2, 3), "target": (64, 128, 256, 512)}
+SWEEP = {"block_m": (16, 32, 64), "block_n": (64,), "warps": (2, 4, 8), "stages": (1, 2, 3),
+         "target": (64, 128, 256, 512)}
 LONG_SWEEP = {"block_m": (16, 32, 64, 128), "block_n": (64, 128), "warps": (4, 8), "stages": (2, 3),
               "target": (512, 1024)}
 
@@ -53,7 +54,7 @@ def attention_sweep(shapes: list[tuple], sweep: dict, compiled_matmul: bool) -> 
         scale = d**-0.5
         args = (q.transpose(0, 1)[None], k[None], v[None], mask, scale)
         row = {"matmul_us": round(graph_call_us(lambda: matmul_attention(*args)), 2)}
-        if compiled_matmul and q_len > 1:  # what a compiled verifier of a large target runs (verify_server/fused_runner.py)
+        if compiled_matmul and q_len > 1:  # what a compiled large target ran until the nineteenth session
             row["compiled_matmul_us"] = round(graph_call_us(lambda: compiled(*args)), 2)
         default = plan(q_len, heads, kv_heads, kv_len, d)
         row["default_us"] = round(graph_call_us(lambda: launch(q, k, v, start, tree, scale, default)), 2)

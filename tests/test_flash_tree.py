@@ -23,7 +23,8 @@ def random_tree(q: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def test_plan_covers_every_key_once() -> None:
-    for q, heads, kv_heads, kv_len in [(1, 32, 8, 640), (64, 32, 8, 640), (256, 32, 8, 4096), (48, 32, 8, 24576), (1, 6, 2, 96), (33, 6, 2, 65)]:
+    shapes = [(1, 32, 8, 640), (64, 32, 8, 640), (256, 32, 8, 4096), (48, 32, 8, 24576), (1, 6, 2, 96), (33, 6, 2, 65)]
+    for q, heads, kv_heads, kv_len in shapes:
         p = plan(q, heads, kv_heads, kv_len)
         assert p.chunk % 64 == 0 and (p.splits - 1) * p.chunk < kv_len <= p.splits * p.chunk
         assert p.tiles * p.block_m >= q * heads // kv_heads
@@ -96,7 +97,8 @@ def _compiled_kernels() -> int:
     """How many kernels Triton has compiled for the flash op so far (its JIT's per-device caches)."""
     from ddtree import flash_tree
 
-    caches = [getattr(kernel, "device_caches", None) for kernel in (flash_tree._partial_kernel, flash_tree._merge_kernel)]
+    kernels = (flash_tree._partial_kernel, flash_tree._merge_kernel)
+    caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
     if None in caches:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
     return sum(len(entry[0]) for cache in caches for entry in cache.values())

@@ -159,9 +159,9 @@ def decoder_layer(
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, rows, d] (a cache
     slot's whole rows: under torch.compile, a slice of them written in place was copied whole for the attention)
     at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, a StepVisibility, or None:
-    causal over the new tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many rows runs its
-    projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's Triton kernels
-    (a GPU): GEMVs at one row, rows_linear beyond."""
+    causal over the new tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
+    rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's
+    Triton kernels (a GPU): GEMVs at one row, rows_linear beyond."""
     q_len, d = hidden.shape[0], shape.head_dim
     kernel = fused_kernel(q_len, fused_rows)
     qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
@@ -172,7 +172,8 @@ def decoder_layer(
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     keys.index_copy_(1, slots, k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
-    out = attend(q, keys, values, kv_len, mask, attention_kernel, shape.scale, shape.gqa).reshape(q_len, shape.heads * d)
+    out = attend(q, keys, values, kv_len, mask, attention_kernel, shape.scale, shape.gqa)
+    out = out.reshape(q_len, shape.heads * d)
     if kernel == "gemv":
         hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
         gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
