@@ -1,7 +1,7 @@
 """A prefill chunk's features on their way verifier -> gateway -> drafter, host steps only (no transport, no
 device): the verifier's encoding of its TakeFeatures answer (over a lane: its pieces, the features' memory as it
-lies), the gateway's relay of it (unparsed: its bytes taken from the lane's buffer, the AppendRequest's pieces),
-the drafter's decoding; on a worker thread as the services' engine thread runs them, with glibc's default
+lies), the gateway's relay of it (unparsed: the lane's buffer itself handed over, the AppendRequest's pieces),
+the drafter's decoding (the features copied once from the lane's buffer); on a worker thread as the services' engine thread runs them, with glibc's default
 allocator settings and with `ddtree.heap.keep_large_allocations`, each in a fresh process (the settings are
 process-wide), side by side.
 
@@ -26,8 +26,7 @@ def steps(rows: int, width: int, repeat: int) -> dict[str, float]:
     """-> median ms of each host step over the last repeat - 2 passes (the first two fill the heap)."""
     import torch
 
-    from protos import tensors
-    from protos.ddtree.v1 import ddtree_pb2 as pb
+    from protos import relay
 
     features = torch.randn(rows, width).to(torch.bfloat16)
 
@@ -41,19 +40,19 @@ def steps(rows: int, width: int, repeat: int) -> dict[str, float]:
                 times[name] = (now - start) * 1000
             start = now
 
-        pieces = tensors.FeaturesAnswer(features).lane_pieces()
+        pieces = relay.FeaturesAnswer(features).lane_pieces()
         lap("verifier: encode the answer")
         received = bytearray(b"".join(pieces))  # the gateway's lane buffer, as the socket fills it
         del pieces
         lap(None)
-        relayed = tensors.WireFeatures(bytes(memoryview(received)))  # the lane hands the answer over unparsed
+        relayed = relay.WireFeatures(memoryview(received))  # the lane hands its buffer over: the answer unparsed
         del received
         pieces = relayed.append_request("s")
         lap("gateway: relay the answer")
         received = bytearray(b"".join(pieces))  # the drafter's lane buffer
         del relayed, pieces
         lap(None)
-        decoded = tensors.tensor_from_pb(pb.AppendRequest.FromString(received).features)
+        decoded = relay.AppendCall.FromString(memoryview(received)).features  # read where the lane received it
         del received, decoded
         lap("drafter: decode the append")
         return times

@@ -24,7 +24,7 @@ from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.drafter import CapacityError, DraftEngine, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
-from protos import tensors
+from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import Route
@@ -68,12 +68,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
-    async def Append(self, request: pb.AppendRequest, context: grpc.aio.ServicerContext) -> pb.AppendResponse:
-        return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
+    async def Append(
+        self, request: pb.AppendRequest | relay.AppendCall, context: grpc.aio.ServicerContext
+    ) -> pb.AppendResponse:
+        """A lane's Append comes decoded already (relay.AppendCall: the features copied once from its frame)."""
+        call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
+        return await self.host.call("Append", context, lambda engine: self._append(engine, call), forward=True)
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
-        return {"Draft": (pb.DraftRequest, self.Draft), "Append": (pb.AppendRequest, self.Append)}
+        return {"Draft": (pb.DraftRequest, self.Draft), "Append": (relay.AppendCall, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
         info = tensors.drafter_info_to_pb(
@@ -108,17 +112,20 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
         return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
 
-    def _append(self, engine: DraftEngine, request: pb.AppendRequest) -> pb.AppendResponse:
-        if not request.HasField("features"):
+    def _append(self, engine: DraftEngine, call: relay.AppendCall) -> pb.AppendResponse:
+        if call.features is None:
             raise RequestError("features are required (at least one row)")
-        length, forward_s = engine.append(request.session_id, _features(request))
+        length, forward_s = engine.append(call.session_id, _floating(call.features))
         return pb.AppendResponse(context_length=length, timings=tensors.timings_to_pb(forward_s, {}))
 
 
-def _features(request: pb.DraftRequest | pb.AppendRequest) -> torch.Tensor:
-    features = tensors.tensor_from_pb(request.features)
+def _features(request: pb.DraftRequest) -> torch.Tensor:
+    return _floating(tensors.tensor_from_pb(request.features))
+
+
+def _floating(features: torch.Tensor) -> torch.Tensor:
     if not features.is_floating_point():
-        raise RequestError(f"features must be floating point, got {request.features.dtype}")
+        raise RequestError(f"features must be floating point, got {str(features.dtype).removeprefix('torch.')}")
     return features
 
 

@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.transports import GrpcStream, SessionStream
-from protos import tensors
+from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import CallFailed, Lane
@@ -270,9 +270,9 @@ class GrpcDrafter(_Client):
         return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
 
     async def append(
-        self, session_id: str, features: torch.Tensor | tensors.WireTensor | tensors.WireFeatures
+        self, session_id: str, features: torch.Tensor | tensors.WireTensor | relay.WireFeatures
     ) -> None:
-        if isinstance(features, tensors.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
+        if isinstance(features, relay.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
             request = features.append_request(session_id)
         else:
             request = pb.AppendRequest(session_id=session_id)
@@ -315,9 +315,9 @@ class GrpcVerifier(_Client):
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
         return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 
-    async def take_features(self, session_id: str) -> tensors.WireFeatures:
+    async def take_features(self, session_id: str) -> relay.WireFeatures:
         request = pb.TakeFeaturesRequest(session_id=session_id)
-        return tensors.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
+        return relay.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)

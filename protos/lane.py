@@ -57,13 +57,15 @@ class CallFailed(Exception):
 
 class _Frames(asyncio.BufferedProtocol):
     """Cuts a connection's bytes into frames: the socket is read into one buffer, grown to the largest frame, and
-    each whole frame goes to `frame(tag, payload)` as a memoryview valid only during that call."""
+    each whole frame goes to `frame(tag, payload)` as a memoryview valid only during that call (`keep` makes it
+    outlive the call)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray(_FIRST_BUFFER_BYTES)
         self._have = 0  # bytes of self._buffer filled
+        self._kept = False  # a frame of the buffer was kept: the next bytes go to a new one
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -87,7 +89,12 @@ class _Frames(asyncio.BufferedProtocol):
                     break
                 self.frame(tag, view[start + HEADER.size : end])
                 start = end
-        if start:  # keep the unfinished frame at the front
+        if self._kept:  # the kept frame's bytes stay where they are; the rest moves to a new buffer
+            self._kept = False
+            rest = self._buffer[start : self._have]
+            self._buffer, self._have = bytearray(max(_FIRST_BUFFER_BYTES, len(rest))), len(rest)
+            self._buffer[: self._have] = rest
+        elif start:  # keep the unfinished frame at the front
             self._buffer[: self._have - start] = self._buffer[start : self._have]
             self._have -= start
         needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
@@ -103,7 +110,15 @@ class _Frames(asyncio.BufferedProtocol):
         grown[: self._have] = self._buffer[: self._have]
         self._buffer = grown
 
-    def send(self, tag: int, *payload: bytes) -> None:
+    def keep(self, payload: memoryview) -> bytes | memoryview:
+        """A frame's payload that outlives frame(): a large one is the buffer's bytes themselves (the buffer is
+        given up, no copy: 84 MB of a prompt's features a chunk), a small one a copy."""
+        if len(payload) < _KEPT_BUFFER_BYTES:
+            return bytes(payload)
+        self._kept = True
+        return payload
+
+    def send(self, tag: int, *payload: bytes | memoryview) -> None:
         """One frame, its payload in pieces (written as they are: no copy joins them)."""
         self.transport.writelines((HEADER.pack(sum(map(len, payload)), tag), *payload))
 
@@ -222,7 +237,7 @@ class LaneServer:
 class Lane(_Frames):
     """The client end of one lane connection: one RPC of one session, one call at a time. Requests are messages or
     their bytes already serialised, in pieces; answers are parsed as `response_cls`, or (None) handed over as
-    their bytes."""
+    their bytes (a large answer's without a copy: a view of the buffer it was received into)."""
 
     def __init__(self, response_cls: type[Message] | None, max_bytes: int) -> None:
         super().__init__(max_bytes)
@@ -237,7 +252,7 @@ class Lane(_Frames):
         lane.send(0, MAGIC + rpc.encode())
         return lane
 
-    async def exchange(self, request: Message | tuple[bytes, ...]) -> Message | bytes:
+    async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:
         """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
         if self._lost is not None:
             raise self._lost
@@ -256,7 +271,7 @@ class Lane(_Frames):
             self._waiter.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
             return
         if self._response_cls is None:
-            self._waiter.set_result(bytes(payload))
+            self._waiter.set_result(self.keep(payload))
             return
         try:
             self._waiter.set_result(self._response_cls.FromString(payload))

@@ -1,4 +1,5 @@
-"""torch tensors <-> `Tensor` messages, and the one place where wire messages <-> internal dataclasses convert.
+"""torch tensors <-> `Tensor` messages, and the one place where wire messages <-> internal dataclasses convert (with
+protos/relay.py, the wire forms of a prompt's features on their way to the drafter).
 
 Servers and clients call only these functions, so a field added to the .proto is wired up here and nowhere else.
 Decoding never trusts the sender: a wrong dtype or byte count is a ValueError, which servers answer with
@@ -31,7 +32,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
 }
-_WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 _ITEMSIZES = {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()}
 # numpy reads the bytes (far fewer instructions than a torch call); bfloat16, which numpy lacks, as int16 words.
 _NUMPY_DTYPES = {
@@ -81,61 +82,6 @@ class WireTensor:
         return f"WireTensor(dtype={self.message.dtype}, shape={list(self.message.shape)})"
 
 
-class WireFeatures:
-    """A TakeFeatures answer's bytes (a StepResponse holding features and timings only), passed on unparsed: its
-    `features` field has AppendRequest's number, so these bytes followed by an AppendRequest holding only a session
-    id parse as that AppendRequest with these features (protobuf merges concatenated messages; StepResponse's
-    timings are a field AppendRequest does not have, kept unknown). A gateway relays a prompt's features so
-    without decoding or copying them."""
-
-    __slots__ = ("answer",)
-
-    def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-
-    def append_request(self, session_id: str) -> tuple[bytes, bytes]:
-        """The bytes of the AppendRequest of these features for `session_id`, in two pieces."""
-        return self.answer, pb.AppendRequest(session_id=session_id).SerializeToString()
-
-    def __repr__(self) -> str:
-        return f"WireFeatures({len(self.answer)} bytes)"
-
-
-class FeaturesAnswer:
-    """A TakeFeatures answer (a StepResponse holding features and timings) that a lane writes straight from the
-    features' host memory: `lane_pieces` is its wire form in three pieces, the middle one the features' bytes
-    themselves, where `step_to_pb` and its serialisation copy 84 MB (a 2048-token chunk at Qwen3-8B shapes) three
-    times. `timings` is filled in like any answer's."""
-
-    def __init__(self, features: torch.Tensor) -> None:
-        if features.device.type != "cpu":
-            raise ValueError("a FeaturesAnswer's features are on the host")
-        self.features = features.contiguous()
-        self.timings = pb.Timings()
-
-    def lane_pieces(self) -> tuple[bytes, memoryview, bytes]:
-        # Fields may come in any order: the Tensor is its data field (tag and length written here, the bytes as
-        # they lie), then dtype and shape as protobuf writes them; the StepResponse's features field holds it and
-        # its timings follow.
-        features = self.features.view(torch.int16) if self.features.dtype == torch.bfloat16 else self.features
-        data = memoryview(features.reshape(-1).numpy()).cast("B") if features.numel() else memoryview(b"")
-        described = pb.Tensor(dtype=_WIRE_NAMES[self.features.dtype], shape=self.features.shape).SerializeToString()
-        data_field = b"\x0a" + _varint(len(data))  # field 1, length-delimited
-        tensor_bytes = len(data_field) + len(data) + len(described)
-        head = b"\x12" + _varint(tensor_bytes) + data_field  # StepResponse field 2, length-delimited
-        return head, data, described + pb.StepResponse(timings=self.timings).SerializeToString()
-
-
-def _varint(n: int) -> bytes:
-    """n as a protobuf base-128 varint."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
     """Any-device tensor -> raw bytes (one device-to-host copy); bf16 goes as its raw 2-byte words.
     out: a (sub)message to fill in place (a submessage given to a constructor or CopyFrom is copied once more).
@@ -145,7 +91,7 @@ def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None
             return tensor.message
         out.CopyFrom(tensor.message)
         return out
-    name = _WIRE_NAMES.get(tensor.dtype)
+    name = WIRE_NAMES.get(tensor.dtype)
     if name is None:
         raise ValueError(f"dtype {tensor.dtype} has no wire encoding (supported: {', '.join(WIRE_DTYPES)})")
     host = tensor.detach() if tensor.requires_grad else tensor
@@ -163,20 +109,24 @@ def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None
 
 def tensor_from_pb(msg: pb.Tensor) -> torch.Tensor:
     """-> a CPU tensor that owns its memory. ValueError on an unknown dtype, a bad shape or a wrong byte count."""
-    dtype = WIRE_DTYPES.get(msg.dtype)
+    return tensor_from_parts(msg.dtype, tuple(msg.shape), msg.data)  # data read once: each read is a fresh copy
+
+
+def tensor_from_parts(dtype_name: str, shape: tuple[int, ...], data: bytes | memoryview) -> torch.Tensor:
+    """A Tensor message's fields -> a CPU tensor that owns its memory (one copy of `data`, which may be a view of
+    a buffer about to be reused). ValueError as tensor_from_pb."""
+    dtype = WIRE_DTYPES.get(dtype_name)
     if dtype is None:
-        raise ValueError(f"tensor dtype {msg.dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
-    shape = tuple(msg.shape)
+        raise ValueError(f"tensor dtype {dtype_name!r} is not one of {', '.join(WIRE_DTYPES)}")
     if len(shape) > _MAX_DIMS or any(d < 0 for d in shape):
         raise ValueError(f"bad tensor shape {list(shape)}")
-    expected = math.prod(shape) * _ITEMSIZES[msg.dtype]
-    data = msg.data  # read once: every read of a bytes field is a fresh copy
+    expected = math.prod(shape) * _ITEMSIZES[dtype_name]
     if len(data) != expected:
-        raise ValueError(f"tensor of shape {list(shape)} and dtype {msg.dtype} needs {expected} bytes, got {len(data)}")
+        raise ValueError(f"tensor of shape {list(shape)} and dtype {dtype_name} needs {expected} bytes, got {len(data)}")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    # bytearray: a writable copy the tensor keeps alive (torch warns on read-only buffers).
-    tensor = torch.from_numpy(np.frombuffer(bytearray(data), dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape))
+    # a writable copy the tensor keeps alive (torch warns on read-only buffers)
+    tensor = torch.from_numpy(np.frombuffer(data, dtype=_NUMPY_DTYPES[dtype_name]).reshape(shape).copy())
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 

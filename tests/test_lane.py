@@ -189,6 +189,28 @@ def test_a_request_in_pieces_and_an_unparsed_answer():
     assert parsed.tokens == [4] and parsed.features.data == request.features.data
 
 
+def test_a_large_unparsed_answer_is_handed_over_without_a_copy():
+    """An answer of several MB (a chunk of a prompt's features) comes as a view of the buffer the lane received it
+    into, which the lane then gives up: later answers on the connection leave it as it was."""
+
+    async def scenario(port: int):
+        lane = await Lane.open("127.0.0.1", port, "Echo", None, 2**25)
+        answers = []
+        for size in (9_000_000, 10, 5_000_000, 20):
+            request = pb.DraftRequest(root_token=size)
+            request.features.data = os.urandom(size)
+            answers.append((request, await lane.exchange(request)))
+        lane.close()
+        return answers
+
+    answers = asyncio.run(_with_lane(scenario, max_bytes=2**25))
+    for request, answer in answers:
+        large = len(request.features.data) > 1_000_000
+        assert isinstance(answer, memoryview if large else bytes)
+        parsed = pb.StepResponse.FromString(answer)
+        assert parsed.tokens == [request.root_token] and parsed.features.data == request.features.data
+
+
 class _Recorder(_Frames):
     def __init__(self, max_bytes: int) -> None:
         super().__init__(max_bytes)

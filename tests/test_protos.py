@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from draft_server.tree import build_tree
-from protos import generate, tensors
+from protos import generate, relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 
@@ -150,7 +151,7 @@ def test_a_take_features_answer_passes_on_as_an_append_request_unparsed():
     features = torch.randn(5, 6).to(torch.bfloat16)
     answer = tensors.step_to_pb(StepResult([], features, forward_s=0.5))
     answer.timings.total_s = 0.25  # as the service fills it in
-    relayed = tensors.WireFeatures(answer.SerializeToString())
+    relayed = relay.WireFeatures(answer.SerializeToString())
     request = pb.AppendRequest.FromString(b"".join(relayed.append_request("session-1")))
     assert request.session_id == "session-1"
     assert torch.equal(tensors.tensor_from_pb(request.features), features)
@@ -166,7 +167,7 @@ def test_a_features_answer_is_written_from_the_features_memory(dtype, shape):
     """FeaturesAnswer's pieces are the StepResponse step_to_pb builds (timings included), its middle piece the
     features' own memory: nothing copied them."""
     features = torch.randn(shape).to(dtype)
-    answer = tensors.FeaturesAnswer(features)
+    answer = relay.FeaturesAnswer(features)
     answer.timings.total_s, answer.timings.forward_s = 0.25, 0.125
     pieces = answer.lane_pieces()
     expected = tensors.step_to_pb(StepResult([], features, forward_s=0.125))
@@ -175,7 +176,7 @@ def test_a_features_answer_is_written_from_the_features_memory(dtype, shape):
     if features.numel():
         assert np.frombuffer(pieces[1], dtype=np.uint8).ctypes.data == features.data_ptr()
     with pytest.raises(ValueError, match="on the host"):
-        tensors.FeaturesAnswer(torch.empty(1, 2, device="meta"))
+        relay.FeaturesAnswer(torch.empty(1, 2, device="meta"))
 
 
 def test_trees_pass_through_the_gateway_as_the_same_message():
@@ -213,3 +214,72 @@ def test_step_features_are_written_in_place_and_decode_writable():
     back = tensors.step_from_pb(_wire(msg)).features
     assert torch.equal(back, features.t())
     back += 1  # owns writable memory
+
+
+def _unpacked_tensor(features: torch.Tensor) -> bytes:
+    """A Tensor message as another encoder may write it: shape before data, each dimension a field of its own."""
+    words = features.view(torch.int16) if features.dtype == torch.bfloat16 else features
+    data = words.numpy().tobytes()
+    name = str(features.dtype).removeprefix("torch.").encode()
+    dims = b"".join(b"\x18" + relay._varint(d) for d in features.shape)  # field 3, varint
+    return dims + b"\x0a" + relay._varint(len(data)) + data + b"\x12" + relay._varint(len(name)) + name
+
+
+def _appends(features: torch.Tensor) -> dict[str, bytes]:
+    """One AppendRequest for `features` and session "s", in each encoding a drafter's lane can receive."""
+    plain = pb.AppendRequest(session_id="s")
+    tensors.tensor_to_pb(features, out=plain.features)
+    answer = relay.FeaturesAnswer(features)
+    answer.timings.total_s = 0.5
+    relayed = relay.WireFeatures(b"".join(answer.lane_pieces())).append_request("s")
+    tensor = _unpacked_tensor(features)
+    # the features field twice, which protobuf merges: its description first, its data after
+    described = pb.AppendRequest(features=pb.Tensor(dtype=plain.features.dtype, shape=plain.features.shape))
+    data = pb.AppendRequest(session_id="s", features=pb.Tensor(data=plain.features.data))
+    return {
+        "protobuf's": plain.SerializeToString(),
+        "relayed by a gateway": b"".join(relayed),
+        "fields reordered and unpacked": b"\x12" + relay._varint(len(tensor)) + tensor + b"\x0a\x01s",
+        "features in two pieces": described.SerializeToString() + data.SerializeToString(),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_append_is_read_from_its_bytes_as_protobuf_reads_it(dtype):
+    """AppendCall.FromString (a drafter's lane: the features copied once, from the frame's bytes) decodes every
+    encoding of an AppendRequest as protobuf's parse does, and its features outlive the frame's buffer."""
+    features = torch.randn(6, 10).to(dtype)
+    for name, raw in _appends(features).items():
+        want = relay.AppendCall.from_pb(pb.AppendRequest.FromString(raw))
+        buffer = bytearray(raw)
+        got = relay.AppendCall.FromString(memoryview(buffer))
+        buffer[:] = bytes(len(buffer))  # the lane reuses its buffer: the call's features are its own
+        assert got.session_id == want.session_id == "s", name
+        assert got.features.dtype == want.features.dtype == dtype, name
+        assert torch.equal(got.features, want.features) and torch.equal(got.features, features), name
+    assert relay.AppendCall.FromString(pb.AppendRequest(session_id="s").SerializeToString()).features is None
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x0a\x05ab",  # a string running past the message
+    b"\x12\x03\x0a\x01",  # a tensor running past the message
+    b"\x0a\x80",  # a truncated varint
+    b"\x0b",  # a group (wire type 3)
+    b"\x08\x01",  # session_id as a varint
+])
+def test_a_malformed_append_is_a_decode_error(raw):
+    with pytest.raises(DecodeError):
+        relay.AppendCall.FromString(raw)
+
+
+@pytest.mark.parametrize("tensor, match", [
+    (pb.Tensor(data=b"\x00" * 4, dtype="float64", shape=[1]), "dtype"),
+    (pb.Tensor(data=b"\x00" * 3, dtype="float32", shape=[1]), "needs 4 bytes"),
+    (pb.Tensor(data=b"", dtype="float32", shape=[-1]), "bad tensor shape"),
+])
+def test_bad_append_features_are_a_decode_error_naming_the_fault(tensor, match):
+    raw = pb.AppendRequest(session_id="s", features=tensor).SerializeToString()
+    with pytest.raises(DecodeError, match=match):
+        relay.AppendCall.FromString(raw)
+    with pytest.raises(ValueError, match=match):  # the gRPC form, the same check
+        relay.AppendCall.from_pb(pb.AppendRequest.FromString(raw))

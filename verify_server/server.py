@@ -22,7 +22,7 @@ from ddtree.service import EngineHost, LimitError, ServiceMetrics, check_capacit
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
-from protos import tensors
+from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import Route
@@ -74,11 +74,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             "TakeFeatures", context, lambda engine: tensors.step_to_pb(engine.take_features(request.session_id))
         )
 
-    async def _lane_take_features(self, request: pb.TakeFeaturesRequest, context: Any) -> tensors.FeaturesAnswer:
+    async def _lane_take_features(self, request: pb.TakeFeaturesRequest, context: Any) -> relay.FeaturesAnswer:
         """TakeFeatures over the round lane: the answer goes out from the kept features' host memory as it lies,
         with no protobuf copy of them and no encoding on the engine thread."""
-        def take(engine: VerifyEngine) -> tensors.FeaturesAnswer:
-            return tensors.FeaturesAnswer(engine.take_features(request.session_id).features)
+        def take(engine: VerifyEngine) -> relay.FeaturesAnswer:
+            return relay.FeaturesAnswer(engine.take_features(request.session_id).features)
 
         return await self.host.call("TakeFeatures", context, take)
 
