@@ -1,9 +1,9 @@
 """A prefill chunk's features on their way verifier -> gateway -> drafter, host steps only (no transport, no
 device): the verifier's encoding of its TakeFeatures answer (over a lane: its pieces, the features' memory as it
 lies), the gateway's relay of it (unparsed: the lane's buffer itself handed over, the AppendRequest's pieces),
-the drafter's decoding (the features copied once from the lane's buffer); on a worker thread as the services' engine thread runs them, with glibc's default
-allocator settings and with `ddtree.heap.keep_large_allocations`, each in a fresh process (the settings are
-process-wide), side by side.
+the drafter's decoding (the features copied once from the lane's buffer); on a worker thread as the services'
+engine thread runs them, with glibc's default allocator settings and with `ddtree.heap.keep_large_allocations`,
+each in a fresh process (the settings are process-wide), side by side.
 
     python bench/large_messages.py [--rows 2048 --width 20480 --repeat 6] --out results/large_messages_cpu.json
 

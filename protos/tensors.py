@@ -122,7 +122,9 @@ def tensor_from_parts(dtype_name: str, shape: tuple[int, ...], data: bytes | mem
         raise ValueError(f"bad tensor shape {list(shape)}")
     expected = math.prod(shape) * _ITEMSIZES[dtype_name]
     if len(data) != expected:
-        raise ValueError(f"tensor of shape {list(shape)} and dtype {dtype_name} needs {expected} bytes, got {len(data)}")
+        raise ValueError(
+            f"tensor of shape {list(shape)} and dtype {dtype_name} needs {expected} bytes, got {len(data)}"
+        )
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
     # a writable copy the tensor keeps alive (torch warns on read-only buffers)
