@@ -293,3 +293,22 @@ def test_long_chunks_on_gpu_equal_one_call(dtype: torch.dtype, qwen3_target: Pat
     assert chunks[-1].tokens == whole.tokens
     if dtype == torch.float32:
         assert [engine.decode("whole").tokens for _ in range(8)] == [engine.decode("chunks").tokens for _ in range(8)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kept features' asynchronous copy needs a GPU")
+def test_kept_features_on_gpu_are_whole_when_taken(qwen3_target: Path) -> None:
+    """On a GPU a prefill call returns before its kept features' copy to pinned memory is done (the first token
+    does not wait for it); a take right after the calls waits for it: the taken features equal those the calls
+    answer without keeping them, bit for bit."""
+    engine = VerifyEngine.from_pretrained(qwen3_target, "cuda", torch.float32)
+    prompt, sizes = make_prompt(900, seed=9), (600, 200)
+    for session in ("sent", "kept"):
+        engine.start_session(session, 1000, SamplingParams(), TAPS)
+    sent = prefill_chunks(engine, "sent", prompt, sizes)
+    kept = [engine.prefill("kept", prompt[:600], more=True, keep_features=True),
+            engine.prefill("kept", prompt[600:800], more=True, keep_features=True),
+            engine.prefill("kept", prompt[800:], keep_features=True)]
+    taken = [engine.take_features("kept").features for _ in kept]
+    assert kept[-1].tokens == sent[-1].tokens
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in taken)
+    assert torch.equal(torch.cat(taken), torch.cat([r.features for r in sent]).cpu())

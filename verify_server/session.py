@@ -50,5 +50,5 @@ class VerifySession:
     # per readback slot, host memory for a host_features round's path features, flat
     host_features: list[PinnedReadback | None] = field(default_factory=list)
     # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
-    # on the host (pinned on a GPU)
-    kept_features: deque[torch.Tensor] = field(default_factory=deque)
+    # on the host (pinned on a GPU, with the event that marks their copy done; None on a CPU)
+    kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
