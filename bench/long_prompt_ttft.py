@@ -53,7 +53,7 @@ def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
     usage = reply.json()["usage"]
     after = read_counters(url)
     # where the rounds' time went (gateway/metrics.py PHASES; the first draft's wait for the relayed features is
-    # in its transport) and how many rounds drafted
+    # `relay`, in the transport before the end of the nineteenth session) and how many rounds drafted
     rounds = {name: after[name] - before[name] for name in after if name.startswith("phase[")}
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "first_s": after[TTFT] - before[TTFT], "last_s": last, "rounds_s": rounds,

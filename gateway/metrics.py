@@ -20,7 +20,7 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.
                  0.5, 1.0)
 TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
-PHASES = ("draft", "verify", "server", "transport")
+PHASES = ("draft", "verify", "server", "transport", "relay")
 
 
 class Metrics:
@@ -54,7 +54,8 @@ class Metrics:
                                "Time per decode round by phase: draft and verify are the model services' device "
                                "work, server their host work around it (request decoding, host syncs, answer "
                                "encoding), transport the rest (both ways over the round lane or gRPC, and the "
-                               "gateway's orchestration)",
+                               "gateway's orchestration); relay, on a request's first drafted round only, its wait "
+                               "for the prompt's features on their way to the drafter",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
@@ -90,7 +91,10 @@ class Metrics:
         # the services' own totals bound their compute; backends that report none (in-process) have no server part
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
         self.phase.labels("server").observe(server)
-        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server))
+        relay = t.get("relay_s")
+        if relay is not None:  # once a request, so that the phase's mean is a relay's
+            self.phase.labels("relay").observe(relay)
+        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - (relay or 0)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

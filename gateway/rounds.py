@@ -189,10 +189,14 @@ async def _after_relay(
     run: _Request, drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None
 ) -> tuple[DraftTree, Mapping[str, float]]:
     """The first draft after a prefill that kept its features: the drafter's context needs the prompt's features
-    first, and the draft brings none (the relay's failure fails the draft, and the round loop falls back to AR)."""
+    first, and the draft brings none (the relay's failure fails the draft, and the round loop falls back to AR).
+    Its timings add relay_s, the wait for the relay."""
     relay, run.relay = run.relay, None
+    start = time.perf_counter()
     await relay
-    return await drafter.draft(session_id, None, root, position, budget, top_k)
+    waited = time.perf_counter() - start
+    tree, timings = await drafter.draft(session_id, None, root, position, budget, top_k)
+    return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
 
 
 def _discard(future: asyncio.Future | None) -> None:

@@ -20,7 +20,7 @@ from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed
 from ddtree.service_process import use_device
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from gateway.grpc_clients import BackendError, GrpcDrafter
-from gateway.rounds import Speculation, run_rounds
+from gateway.rounds import Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
@@ -355,6 +355,22 @@ def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_while_the_p
     assert appended[2] < log.index("draft sent")
     assert [int(f[0, 0]) for f in backend.appended] == [0, 1, 2] and [len(f) for f in backend.appended] == [4, 4, 2]
     assert backend.drafted[0] is None  # the first draft brings no features: they are all in the context
+
+
+def test_the_first_drafted_round_reports_its_wait_for_the_relay():
+    """relay_s: the first draft's wait for the prompt's features (the gateway's `relay` phase, kept out of its
+    transport); no later round has one."""
+
+    async def rounds() -> list[Round]:
+        backend = Remote([])
+        loop = run_rounds(backend, backend, list(range(10)), SamplingParams(), Speculation("ddtree", 1), 5, [], None, 4)
+        return [rnd async for rnd in loop]
+
+    first, *later = [rnd for rnd in asyncio.run(rounds()) if rnd.tree_size]
+    # the three chunks' relay ends with their last append (~0.19 s after the first prefill); the first draft starts
+    # after the last prefill (~0.03 s)
+    assert 0.08 < first.timings["relay_s"] < first.timings["round_s"]
+    assert later and all("relay_s" not in rnd.timings for rnd in later)
 
 
 @pytest.mark.parametrize("backend_class", [Remote, InProcess])
