@@ -54,8 +54,8 @@ class Metrics:
                                "Time per decode round by phase: draft and verify are the model services' device "
                                "work, server their host work around it (request decoding, host syncs, answer "
                                "encoding), transport the rest (both ways over the round lane or gRPC, and the "
-                               "gateway's orchestration); relay, on a request's first drafted round only, its wait "
-                               "for the prompt's features on their way to the drafter",
+                               "gateway's orchestration); relay a request's first draft waiting for its prompt's "
+                               "features on their way to the drafter (0 in every other round)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
@@ -91,10 +91,9 @@ class Metrics:
         # the services' own totals bound their compute; backends that report none (in-process) have no server part
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
         self.phase.labels("server").observe(server)
-        relay = t.get("relay_s")
-        if relay is not None:  # once a request, so that the phase's mean is a relay's
-            self.phase.labels("relay").observe(relay)
-        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - (relay or 0)))
+        relay = t.get("relay_s", 0.0)  # every round, as verify, server and transport: their means stack to a round's
+        self.phase.labels("relay").observe(relay)
+        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -248,14 +248,16 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
         (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter forward "
                     "+ tree build), verify (target forward + acceptance walk), server (the model services' host "
                     "work around them: request decoding, host syncs, answer encoding), transport (both ways over "
-                    "the round lane or gRPC, and orchestration). The stack is the mean round time.",
+                    "the round lane or gRPC, and orchestration), relay (a request's first draft waiting for its "
+                    "prompt's features on their way to the drafter). The stack is the mean round time.",
                     [target(mean("ddtree_round_phase_seconds", "phase"), "{{phase}}")], "s", stack=True,
                     overrides=[color("draft", "purple"), color("verify", "blue"), color("server", "orange"),
-                               color("transport", "yellow")]), 8, 8),
+                               color("transport", "yellow"), color("relay", "green")]), 8, 8),
         (timeseries("Round phase p90", "90th percentile of each phase's time per round.",
                     [target(quantile(0.9, "ddtree_round_phase_seconds", "phase"), "{{phase}} p90")], "s",
                     overrides=[color("draft p90", "purple"), color("verify p90", "blue"),
-                               color("server p90", "orange"), color("transport p90", "yellow")]), 8, 8),
+                               color("server p90", "orange"), color("transport p90", "yellow"),
+                               color("relay p90", "green")]), 8, 8),
         (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Prefill, Verify, Decode; "
                     "drafter: Draft), median and p99.",
                     [target(quantile(0.5, "ddtree_verify_forward_duration_seconds", "rpc"), "verify {{rpc}} p50"),
