@@ -71,9 +71,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     async def Append(
         self, request: pb.AppendRequest | relay.AppendCall, context: grpc.aio.ServicerContext
     ) -> pb.AppendResponse:
-        """A lane's Append comes decoded already (relay.AppendCall: the features copied once from its frame)."""
-        call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
-        return await self.host.call("Append", context, lambda engine: self._append(engine, call), forward=True)
+        """A lane's Append comes decoded already (relay.AppendCall: the features copied once from its frame); a gRPC
+        one is decoded on the engine thread, off the event loop that serves the rounds."""
+        return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
@@ -112,7 +112,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
         return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
 
-    def _append(self, engine: DraftEngine, call: relay.AppendCall) -> pb.AppendResponse:
+    def _append(self, engine: DraftEngine, request: pb.AppendRequest | relay.AppendCall) -> pb.AppendResponse:
+        call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
         if call.features is None:
             raise RequestError("features are required (at least one row)")
         length, forward_s = engine.append(call.session_id, _floating(call.features))

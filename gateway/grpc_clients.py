@@ -209,7 +209,7 @@ class _Client:
         await self.close()
 
 
-def _serialized(request: Message | tuple[bytes, ...]) -> bytes:
+def _serialized(request: Message | tuple[bytes | memoryview, ...]) -> bytes:
     return request.SerializeToString() if isinstance(request, Message) else b"".join(request)
 
 

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -41,9 +41,16 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _FIRST_BUFFER_BYTES = 1 << 16
 _KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
 
-# rpc name -> (request message class, the servicer's unary method: (request, context) -> response). A response
-# that is no message has a `lane_pieces()` method: it is written as the bytes that returns, in pieces.
-Route = tuple[type[Message], Callable[[Any, Any], Awaitable[Any]]]
+class RequestParser(Protocol):
+    """What reads a lane's requests: a message class, or any class with its FromString (protos/relay.py
+    AppendCall), which may raise DecodeError."""
+
+    def FromString(self, payload: memoryview) -> Any: ...  # noqa: N802 - protobuf's name
+
+
+# rpc name -> (request parser, the servicer's unary method: (request, context) -> response). A response that is no
+# message has a `lane_pieces()` method: it is written as the bytes that returns, in pieces.
+Route = tuple[RequestParser, Callable[[Any, Any], Awaitable[Any]]]
 
 
 class CallFailed(Exception):

@@ -207,16 +207,16 @@ class VerifyEngine(QueuedRounds):
             logits, features = self._forward(sess, ids, torch.arange(start, start + n, device=self.device), None, True)
         timer.mark()
         sess.cache.length = start + n
-        first = None if more else choose_tokens(logits, sess.params, sess.generator)
-        if first is None:
+        if more:
             timer.end()
         else:  # read before the kept features' copy is queued: the first token does not wait for it
+            first = choose_tokens(logits, sess.params, sess.generator)
             sess.root = timer.sync(lambda: int(first.item()))
         if keep_features and features is not None:
             sess.kept_features.append(_kept(features))
             features = None
         forward_s, _ = timer.split()  # a chunk's kernels, not the copy after them
-        return StepResult([] if first is None else [sess.root], features, forward_s=forward_s)
+        return StepResult([] if more else [sess.root], features, forward_s=forward_s)
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""
