@@ -54,6 +54,10 @@ class GraphPool:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def keys(self) -> list[Hashable]:
+        """The keys captured so far."""
+        return list(self._graphs)
+
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """fn() the first time a key is seen (after warm-up, while capturing); a replay afterwards."""
         if not self.enabled:

@@ -41,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-metrics-port", type=int, default=9461, help="Prometheus metrics port of the drafter")
     p.add_argument("--verify-metrics-port", type=int, default=9462, help="Prometheus metrics port of the verifier")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -71,7 +73,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
                          "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget)]
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
-                      "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp)]
+                      "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
+                      "--max-batch", str(args.max_batch)]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
                "--verifier", f"{LOOPBACK}:{args.verify_port}",
                "--drafter", f"{LOOPBACK}:{args.draft_port}" if drafter is not None else "none"]

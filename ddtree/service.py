@@ -127,6 +127,55 @@ def streamed(unary: Callable[..., Awaitable[Any]]) -> Callable[..., AsyncIterato
     return stream
 
 
+class Batch(Generic[E]):
+    """Calls of one kind that wait for the engine together and run as one step (the verifier's rounds of several
+    sessions: verify_server/batched_rounds.py). A call that finds no run under way starts one on the loop's next
+    turn, so the calls that arrived with it join; calls that arrive while a run is in the engine wait for the next
+    run, which takes them all (up to max_size). run(engine, items) -> one outcome per item, a response or the
+    exception that call fails with: one call's failure is its own."""
+
+    def __init__(
+        self, rpc: str, run: Callable[[E, list[Any]], list[Any]], max_size: int, sizes: Histogram | None = None
+    ) -> None:
+        """rpc: the name the runs go by (whether they run inline, service.EngineHost); sizes: observes each run's
+        number of calls."""
+        if max_size < 1:
+            raise ValueError(f"a batch holds at least 1 call, got {max_size}")
+        self.rpc, self.run, self.max_size, self.sizes = rpc, run, max_size, sizes
+        self._waiting: list[tuple[Any, asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+
+    async def submit(self, host: EngineHost[E], item: Any) -> Any:
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, answer))
+        if self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
+        outcome = await answer
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _run_waiting(self, host: EngineHost[E]) -> None:
+        try:
+            while self._waiting:
+                taken, self._waiting = self._waiting[: self.max_size], self._waiting[self.max_size :]
+                taken = [(item, answer) for item, answer in taken if not answer.done()]  # callers gone: skipped
+                if not taken:
+                    continue
+                items = [item for item, _ in taken]
+                try:
+                    outcomes = await host._execute(self.rpc, lambda engine: self.run(engine, items))
+                except Exception as exc:  # noqa: BLE001 - the run as a whole failed: each call fails with it
+                    outcomes = [exc] * len(taken)
+                if self.sizes is not None:
+                    self.sizes.observe(len(taken))
+                for (_, answer), outcome in zip(taken, outcomes):
+                    if not answer.done():
+                        answer.set_result(outcome)
+        finally:
+            self._runner = None
+
+
 class EngineHost(Generic[E]):
     """Owns the engine once it is loaded, the one thread that runs it, and the bookkeeping around each call."""
 
@@ -189,19 +238,33 @@ class EngineHost(Generic[E]):
         """Runs `job(engine)` -> response (a message with a `timings` field), on the event loop for the RPCs in
         `inline_rpcs` when the engine is idle, on the engine thread otherwise; fills in timings.total_s, records
         metrics, and turns exceptions into gRPC statuses."""
+        return await self._answer(rpc, context, forward, lambda: self._execute(rpc, job))
+
+    async def call_batched(
+        self, rpc: str, context: grpc.aio.ServicerContext, item: Any, batch: Batch[E], forward: bool = False
+    ) -> Any:
+        """call() for a call that may share one engine step with others of its kind: the item joins `batch`, whose
+        run answers every item waiting together (see Batch); the status, timings and metrics stay the call's own."""
+        return await self._answer(rpc, context, forward, lambda: batch.submit(self, item))
+
+    async def _execute(self, rpc: str, job: Callable[[E], Any]) -> Any:
+        if self.engine is None:  # checked here: the engine thread is busy loading, a queued call would hang
+            raise NotReadyError("the model is still loading")
+        if rpc in self.inline_rpcs and not self._queued and self._lock.acquire(blocking=False):
+            try:
+                return job(self.engine)
+            finally:
+                self._lock.release()
+        return await self.run(job, self.engine)
+
+    async def _answer(
+        self, rpc: str, context: grpc.aio.ServicerContext, forward: bool, respond: Callable[[], Awaitable[Any]]
+    ) -> Any:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         forward_s = None
         try:
-            if self.engine is None:  # checked here: the engine thread is busy loading, a queued call would hang
-                raise NotReadyError("the model is still loading")
-            if rpc in self.inline_rpcs and not self._queued and self._lock.acquire(blocking=False):
-                try:
-                    response = job(self.engine)
-                finally:
-                    self._lock.release()
-            else:
-                response = await self.run(job, self.engine)
+            response = await respond()
             response.timings.total_s = time.perf_counter() - start
             if forward:
                 forward_s = response.timings.forward_s

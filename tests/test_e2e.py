@@ -179,6 +179,30 @@ def test_openai_client(services, expected) -> None:
         client.chat.completions.create(model=MODEL, messages=STORY, n=2)
 
 
+def test_concurrent_chats_share_the_verifiers_forwards(services, expected) -> None:
+    """Chats at once, in every speculation mode: each answer is what it is alone, and the verifier ran some of
+    their rounds (trees and AR steps together) in shared forwards."""
+    chats = [([{"role": "user", "content": f"tell me story number {i}"}], mode)
+             for i, mode in enumerate(("ddtree", "ddtree", "chain", "off", "ddtree", "chain"))]
+    for messages, _ in chats:
+        expected(messages, 60)  # computed before the clock of the requests starts
+
+    async def ask(http: httpx.AsyncClient, messages: list, mode: str) -> str:
+        request = {"model": MODEL, "messages": messages, "max_tokens": 60, "temperature": 0,
+                   "speculation": {"mode": mode}}
+        reply = await http.post(f"{services.url}/v1/chat/completions", json=request, timeout=120)
+        return reply.json()["choices"][0]["message"]["content"]
+
+    async def all_at_once() -> list[str]:
+        async with httpx.AsyncClient() as http:
+            return await asyncio.gather(*(ask(http, messages, mode) for messages, mode in chats))
+
+    calls = [services.verifier.metric(f"ddtree_verify_batch_size_{part}") or 0.0 for part in ("sum", "count")]
+    assert asyncio.run(all_at_once()) == [expected(messages, 60)[0] for messages, _ in chats]
+    after = [services.verifier.metric(f"ddtree_verify_batch_size_{part}") for part in ("sum", "count")]
+    assert after[0] - calls[0] > after[1] - calls[1]  # more rounds than forwards: some shared one
+
+
 def test_bench_through_the_gateway(services, tmp_path) -> None:
     """`ddtree bench --gateway`: every mode through the running services, same greedy text as AR, τ from the
     gateway's counters."""

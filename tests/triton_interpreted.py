@@ -1,7 +1,7 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction}`. The same kernels run compiled on a GPU in
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch}`. The same kernels run compiled on a GPU in
 test_flash_tree.py and test_drafter_static.py."""
 
 from __future__ import annotations
@@ -209,7 +209,63 @@ def check_flash() -> None:
     assert compile_plans(6, 2, 64, (1, 16, 48), (64, 96, 1536, 4608), torch.float32, DEVICE) > 3
 
 
+def check_batch() -> None:
+    """Several sessions' trees in one launch (ddtree/flash_batch.py, through TreeBatch.attend): each tree's K/V land
+    in its own slot, and its rows' attention equals the per-tree loop under dense masks, for slots of different
+    capacities, trees of different sizes (a one-node decode among them) and contexts of several key chunks."""
+    from ddtree.types import DraftTree
+    from verify_server.batch import BatchTree, build_batch
+    from verify_server.kv_cache import KVCache
+
+    heads, kv_heads, d, layers = 6, 2, 16, 2
+    # (slot capacity, committed length, tree size)
+    shapes = [(300, 200, 9), (64, 10, 1), (520, 450, 20), (40, 0, 5)]
+    outs = []
+    for kernel in ("matmul", FLASH):
+        caches, items = [], []
+        for b, (capacity, length, q_len) in enumerate(shapes):
+            cache = KVCache(list(range(layers)), kv_heads, d, capacity, DEVICE, torch.float32)
+            cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(b)))
+            cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(b + 10)))
+            cache.length = length
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=torch.Generator().manual_seed(i + b)))
+                              for i in range(1, q_len)]
+            depths = [0]
+            for parent in parents[1:]:
+                depths.append(depths[parent] + 1)
+            tree = DraftTree(torch.arange(q_len), torch.tensor(parents), torch.tensor(depths), max(depths))
+            caches.append(cache)
+            items.append(BatchTree(cache, tree, 0))
+        batch, _ = build_batch(items, DEVICE, kernel == FLASH)
+        rows = sum(q for _, _, q in shapes)
+        q, k, v = (torch.randn(rows, n, d, generator=torch.Generator().manual_seed(i + 99)).to(DEVICE)
+                   for i, n in enumerate((heads, kv_heads, kv_heads)))
+        got = [batch.attend(layer, q, k + layer, v - layer, kernel, 0.25, True) for layer in range(layers)]
+        outs.append((got, [(c.k.clone(), c.v.clone()) for c in caches]))
+    (want, want_kv), (got, got_kv) = outs
+    for layer in range(layers):
+        torch.testing.assert_close(got[layer], want[layer], atol=1e-5, rtol=1e-5)
+    for (wk, wv), (gk, gv) in zip(want_kv, got_kv):
+        assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    # each tree's accepted path compacted in its own slot by one launch, as compact_path does it slot by slot
+    qb = 20
+    order = torch.tensor([[0, 2, 5, 6] + [19] * 16, [0] * qb, [0, 1, 3, 7, 9, 12] + [19] * 14, [0, 4] + [19] * 18])
+    depth = torch.tensor([3, 0, 5, 1])
+    tables = [batch.tables[0].clone()]
+    want = []
+    for b, cache in enumerate(caches):
+        k, v = cache.k.clone(), cache.v.clone()
+        slots = tables[0][b] + torch.arange(depth[b] + 1, device=DEVICE)
+        source = tables[0][b] + order[b, : depth[b] + 1].to(DEVICE)
+        k[:, :, :, slots], v[:, :, :, slots] = k[:, :, :, source], v[:, :, :, source]
+        want.append((k, v))
+    batch.compact(order.to(DEVICE), depth.to(DEVICE))
+    for cache, (k, v) in zip(caches, want):
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    print("batch ok", len(shapes), "trees")
+
+
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
-     "compaction": check_compaction}[sys.argv[1]]()
+     "compaction": check_compaction, "batch": check_batch}[sys.argv[1]]()

@@ -35,24 +35,42 @@ def kernel_supported(cache: KVCache) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _compact_kernel(K, V, Start, Order, Depth, capacity, D: tl.constexpr, ROWS: tl.constexpr):
-        """Program p moves rows 0..depth of the path in K/V's p-th [capacity, D] plane (a layer's K/V head)."""
-        plane = tl.program_id(0).to(tl.int64) * capacity * D
-        start = tl.load(Start)
-        count = tl.load(Depth) + 1  # the root and the accepted nodes
+    def _move_path(K, V, start, Order, count, D: tl.constexpr, ROWS: tl.constexpr):
+        """Rows 0..count-1 of the path in the [capacity, D] planes K and V: slot start + Order[i] to start + i."""
         dims = tl.arange(0, D)
         for first in range(0, count, ROWS):
             rows = first + tl.arange(0, ROWS)
             src = tl.load(Order + rows, mask=rows < count, other=0)
             move = (rows < count) & (src != rows)
             mask = move[:, None]
-            src_at = plane + (start + src)[:, None] * D + dims[None, :]
-            dst_at = plane + (start + rows)[:, None] * D + dims[None, :]
+            src_at = (start + src)[:, None] * D + dims[None, :]
+            dst_at = (start + rows)[:, None] * D + dims[None, :]
             k = tl.load(K + src_at, mask=mask)
             v = tl.load(V + src_at, mask=mask)
             tl.debug_barrier()  # every source of the chunk read before any row of it is written
             tl.store(K + dst_at, k, mask=mask)
             tl.store(V + dst_at, v, mask=mask)
+
+    @triton.jit
+    def _compact_kernel(K, V, Start, Order, Depth, capacity, D: tl.constexpr, ROWS: tl.constexpr):
+        """Program p moves rows 0..depth of the path in K/V's p-th [capacity, D] plane (a layer's K/V head)."""
+        plane = tl.program_id(0).to(tl.int64) * capacity * D
+        _move_path(K + plane, V + plane, tl.load(Start), Order, tl.load(Depth) + 1, D, ROWS)
+
+    @triton.jit
+    def _compact_batch_kernel(
+        Like, Slots, Start, Order, Depth, stride_slots, stride_order, layers, kv_heads, D: tl.constexpr,
+        ROWS: tl.constexpr,
+    ):
+        """Program (tree b, layer, K/V head) moves rows 0..Depth[b] of tree b's path in that plane of its slot,
+        found by address (verify_server/batch.py slot_table: keys, values, head strides)."""
+        pid = tl.program_id(0)
+        b, plane = pid // (layers * kv_heads), pid % (layers * kv_heads)
+        layer, head = plane // kv_heads, plane % kv_heads
+        offset = head * tl.load(Slots + 2 * layers * stride_slots + b)
+        K = tl.load(Slots + layer * stride_slots + b).to(tl.pointer_type(Like.dtype.element_ty)) + offset
+        V = tl.load(Slots + (layers + layer) * stride_slots + b).to(tl.pointer_type(Like.dtype.element_ty)) + offset
+        _move_path(K, V, tl.load(Start + b), Order + b * stride_order, tl.load(Depth + b) + 1, D, ROWS)
 
 
 def compact_path(cache: KVCache, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
@@ -66,6 +84,19 @@ def compact_path(cache: KVCache, start: torch.Tensor, order: torch.Tensor, depth
     slots = start + torch.arange(order.shape[0], device=order.device)
     cache.k.index_copy_(3, slots, cache.k.index_select(3, start + order))
     cache.v.index_copy_(3, slots, cache.v.index_select(3, start + order))
+
+
+def compact_batch(
+    slots: torch.Tensor, starts: torch.Tensor, order: torch.Tensor, depth: torch.Tensor, like: torch.Tensor
+) -> None:
+    """compact_path for a batch of trees in one launch, each in its own slot: slots [2 * layers + 1, B] int64
+    (verify_server/batch.py slot_table), starts [B], order [B, qb], depth [B] (device values); like: a slot's K
+    [layers, 1, kv_heads, capacity, head_dim], for the element type and shape they all share but capacity."""
+    layers, _, kv_heads, _, head_dim = like.shape
+    _compact_batch_kernel[(starts.shape[0] * layers * kv_heads,)](
+        like, slots, starts, order, depth, slots.stride(0), order.stride(0), layers, kv_heads, D=head_dim, ROWS=ROWS,
+        num_warps=4,
+    )
 
 
 def launch(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:

@@ -25,6 +25,10 @@ class VerifyServerConfig(ServiceConfig):
         -1, "steps of up to N rows run their projections as fused Triton kernels (Qwen3 / Llama targets on a GPU); "
         "0: none; -1: by the target's size (one-row steps always, a tree's rows on small targets)"
     )
+    max_batch: int = option(
+        8, "at most N sessions' rounds (Verify and Decode calls waiting for the engine at once) verified in one "
+        "forward; 1: one at a time"
+    )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
 
     def __post_init__(self) -> None:
@@ -33,6 +37,8 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError("the verifier service needs a target directory")
         if self.fused_rows < -1:
             raise ValueError(f"fused_rows must be >= -1, got {self.fused_rows}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:

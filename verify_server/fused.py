@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, ro
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
 from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, StepVisibility, attend
+
+if TYPE_CHECKING:
+    from verify_server.batch import TreeBatch
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
 INITIAL_ROPE_ROWS = 32768  # the demo pair's whole range (2048), as measured in bench/README.md
@@ -142,6 +146,39 @@ class FusedLayer:
     down: torch.Tensor  # [hidden, intermediate]
 
 
+def layer_qkv(
+    hidden: torch.Tensor, layer: FusedLayer, cos: torch.Tensor, sin: torch.Tensor, shape: LayerShape,
+    fused_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's attention inputs from hidden [q, hidden]: q [q, heads, d], k and v [q, kv_heads, d], q and k normed
+    (Qwen3) and rotated."""
+    q_len, d = hidden.shape[0], shape.head_dim
+    qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
+    q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
+    q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
+    if layer.q_norm is not None:
+        q, k = rms_norm(q, layer.q_norm, shape.eps), rms_norm(k, layer.k_norm, shape.eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def layer_out(
+    out: torch.Tensor, hidden: torch.Tensor, layer: FusedLayer, shape: LayerShape, fused_rows: int = 0
+) -> torch.Tensor:
+    """The rest of a layer after its attention output out [q, heads, d]: the output projection and the residual,
+    then the MLP and its residual -> the layer's output [q, hidden]."""
+    q_len = hidden.shape[0]
+    kernel = fused_kernel(q_len, fused_rows)
+    out = out.reshape(q_len, shape.heads * shape.head_dim)
+    if kernel == "gemv":
+        hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
+        gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
+        return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
+    linear = rows_linear if kernel == "rows" else unfused_linear  # one contract, fused or not
+    hidden = linear(out, layer.o, None, hidden, 0.0, False)
+    gated = linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
+    return linear(gated, layer.down, None, hidden, 0.0, False)
+
+
 def decoder_layer(
     hidden: torch.Tensor,
     layer: FusedLayer,
@@ -162,26 +199,17 @@ def decoder_layer(
     causal over the new tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
     rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's
     Triton kernels (a GPU): GEMVs at one row, rows_linear beyond."""
-    q_len, d = hidden.shape[0], shape.head_dim
-    kernel = fused_kernel(q_len, fused_rows)
-    qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
-    q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
-    q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
-    if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, shape.eps), rms_norm(k, layer.k_norm, shape.eps)
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    q, k, v = layer_qkv(hidden, layer, cos, sin, shape, fused_rows)
     keys.index_copy_(1, slots, k.transpose(0, 1))
     values.index_copy_(1, slots, v.transpose(0, 1))
     out = attend(q, keys, values, kv_len, mask, attention_kernel, shape.scale, shape.gqa)
-    out = out.reshape(q_len, shape.heads * d)
-    if kernel == "gemv":
-        hidden = decode_linear(out, layer.o, None, hidden, 0.0, NONE)
-        gate_up = decode_linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, RMSNORM)
-        return decode_linear(gate_up, layer.down, None, hidden, 0.0, SWIGLU)
-    linear = rows_linear if kernel == "rows" else unfused_linear  # one contract, fused or not
-    hidden = linear(out, layer.o, None, hidden, 0.0, False)
-    gated = linear(hidden, layer.gate_up, layer.post_norm, None, shape.eps, True)  # silu(gate) * up
-    return linear(gated, layer.down, None, hidden, 0.0, False)
+    return layer_out(out, hidden, layer, shape, fused_rows)
+
+
+def _features(tapped: list[torch.Tensor | None], taps: tuple[int, ...]) -> torch.Tensor | None:
+    """tapped: each layer's output where it is tapped (None elsewhere) -> features [q, len(taps) * hidden] in the
+    order of taps (None without taps)."""
+    return torch.cat([tapped[t] for t in taps], dim=-1) if taps else None
 
 
 def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
@@ -295,10 +323,23 @@ class FusedDecoder:
             j = cache.index[i]
             keys, values = cache.k[j, 0], cache.v[j, 0]  # [kv_heads, capacity, d]
             hidden = step(hidden, layer, cos, sin, keys, values, kv_len, slots, mask, self.shape, kernel, rows)
-            if i in taps:
-                tapped.append(hidden)
-        features = torch.cat([tapped[taps.index(t)] for t in taps], dim=-1) if taps else None
-        return hidden, features
+            tapped.append(hidden if i in taps else None)
+        return hidden, _features(tapped, taps)
+
+    def batch_forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: TreeBatch, taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several sessions' trees in one forward through the configured step (set_compiled), from embed_tokens'
+        outputs for the batch's rows: each layer's projections and MLP over all the rows at once, its K/V writes
+        and attention per tree (TreeBatch.attend) -> the last layer's output [rows, hidden], features [rows,
+        len(taps) * hidden] (None without taps)."""
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(hidden, layer, cos, sin, self.shape, self.fused_rows)
+            out = batch.attend(i, q, k, v, self.attention, self.shape.scale, self.shape.gqa)
+            hidden = self._out(out, hidden, layer, self.shape, self.fused_rows)
+            tapped.append(hidden if i in taps else None)
+        return hidden, _features(tapped, taps)
 
     def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
@@ -314,10 +355,13 @@ class FusedDecoder:
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
         self._compiled, self._compiled_prompt, self._head = decoder_layer, prompt_layer, head_logits
+        self._qkv, self._out = layer_qkv, layer_out  # a batch's layer around its per-tree attention
         if enabled:  # automatic dynamic: q turns symbolic on first change
             self._compiled = torch.compile(decoder_layer, fullgraph=True)
             self._compiled_prompt = torch.compile(prompt_layer, fullgraph=True)
             self._head = torch.compile(head_logits, fullgraph=True)
+            self._qkv = torch.compile(layer_qkv, fullgraph=True)
+            self._out = torch.compile(layer_out, fullgraph=True)
 
     def logits(self, hidden: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         """The last layer's output [n, hidden] -> fp32 logits [n, vocab]. compiled: through the configured step's

@@ -17,8 +17,9 @@ from typing import Any
 
 import grpc
 import torch
+from prometheus_client import Histogram
 
-from ddtree.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service import Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
@@ -30,11 +31,12 @@ from verify_server.config import VerifyServerConfig
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
-from verify_server.verify import VerifyEngine
+from verify_server.verify import ROOT_ONLY, VerifyEngine
 
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, the tensor header, the timings
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -45,6 +47,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, host: EngineHost[VerifyEngine], config: VerifyServerConfig) -> None:
         self.host = host
         self.config = config
+        sizes = Histogram("ddtree_verify_batch_size", "Sessions' rounds (Verify and Decode calls) verified in one "
+                          "forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
+        # every session's Verify and Decode calls that wait for the engine at once share its next forward
+        self.rounds: Batch[VerifyEngine] = Batch("Verify", self._rounds, config.max_batch, sizes)
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
         # A full context plus one tree's scratch slots, which is what the round loop asks for at most.
@@ -83,15 +89,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call("TakeFeatures", context, take)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        response = await self.host.call("Verify", context, lambda engine: self._verify(engine, request), forward=True)
+        response = await self.host.call_batched("Verify", context, request, self.rounds, forward=True)
         self.host.remember(self._rehearse_verify, request, response)
         return response
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.host.call(
-            "Decode", context, lambda engine: tensors.step_to_pb(engine.decode(request.session_id, host_features=True)),
-            forward=True,
-        )
+        return await self.host.call_batched("Decode", context, request, self.rounds, forward=True)
 
     VerifyStream = streamed(Verify)  # a session's rounds over one stream
     DecodeStream = streamed(Decode)
@@ -151,11 +154,31 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 f"--max-message-bytes on the verifier, the gateway and the drafter alike (at most {MAX_MESSAGE_BYTES})"
             )
 
-    def _verify(self, engine: VerifyEngine, request: pb.VerifyRequest) -> pb.StepResponse:
-        tree = tensors.tree_from_pb(request.tree)
+    def _rounds(
+        self, engine: VerifyEngine, requests: list[pb.VerifyRequest | pb.DecodeRequest]
+    ) -> list[pb.StepResponse | Exception]:
+        """Several sessions' Verify and Decode calls, those that pass their checks in one forward
+        (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with."""
+        outcomes: list[pb.StepResponse | Exception | None] = [None] * len(requests)
+        calls, where = [], []
+        for i, request in enumerate(requests):
+            try:
+                calls.append((request.session_id, self._tree(engine, request)))
+                where.append(i)
+            except Exception as exc:  # noqa: BLE001 - this call's own error
+                outcomes[i] = exc
+        for i, step in zip(where, engine.verify_batch(calls, host_features=True)):
+            outcomes[i] = step if isinstance(step, Exception) else tensors.step_to_pb(step)
+        return outcomes
+
+    def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
+        """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""
         root = engine.session(request.session_id).root  # NOT_FOUND before any complaint about the tree
+        if isinstance(request, pb.DecodeRequest):
+            return ROOT_ONLY
+        tree = tensors.tree_from_pb(request.tree)
         check_tree(tree, root, self._tree_limits(engine))
-        return tensors.step_to_pb(engine.verify(request.session_id, tree, host_features=True))
+        return tree
 
     def _tree_limits(self, engine: VerifyEngine) -> TreeLimits:
         return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
@@ -232,6 +255,18 @@ def warm_up(engine: VerifyEngine) -> None:
                 tree = DraftTree(tokens, chain - 1, chain, max_depth=nodes)
                 root = engine.verify(session_id, tree, host_features=True).tokens[-1]
             engine.decode(session_id, host_features=True)
+    # Several sessions' rounds in one forward (verify_batch): its layer steps compile for row counts of their own
+    # (trees x bucket), on both sides of the fused projections' limit.
+    with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
+        roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
+        for nodes in (1, 15, 31, *past_limit):
+            chain = torch.arange(nodes + 1)
+            calls = [(session_id, DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))),
+                                            chain - 1, chain, max_depth=nodes)) for session_id, root in roots.items()]
+            for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
+                if isinstance(step, Exception):
+                    raise step
+                roots[session_id] = step.tokens[-1]
     # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
     # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
     # holds their sizes and the slots' strides as symbolic.

@@ -25,6 +25,7 @@ from torch import nn
 
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.session import SessionError
+from verify_server.batched_rounds import BatchedRounds
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("ddtree.verify.tp")
@@ -201,9 +202,10 @@ class _Channel:
         return OPS[op], header, tree
 
 
-class TensorParallelEngine:
+class TensorParallelEngine(BatchedRounds):
     """Rank 0's face of a sharded verifier: the VerifyEngine API, each call mirrored on every rank.
-    `alive()` says whether every rank still runs; `close()` stops them all."""
+    `alive()` says whether every rank still runs; `close()` stops them all. verify_batch runs its calls one by one
+    through verify (the sharded target has no fused path, hence no batched forward)."""
 
     def __init__(self, engine: VerifyEngine, alive: Callable[[], bool], close: Callable[[], None]) -> None:
         self.engine = engine

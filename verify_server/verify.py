@@ -1,5 +1,6 @@
 """The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode
-(its queued greedy rounds are verify_server/queued_rounds.py; a session's state is verify_server/session.py)."""
+(its queued greedy rounds are verify_server/queued_rounds.py, several sessions' rounds in one forward
+verify_server/batched_rounds.py; a session's state is verify_server/session.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ddtree.timing import TimerEvents
 from ddtree.types import DraftTree, SamplingParams, StepResult
+from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
-from verify_server.fused_runner import FusedRunner
+from verify_server.fused_runner import ROOT_ONLY, FusedRunner
 from verify_server.kv_cache import KVCache
 from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.queued_rounds import QueuedRounds
@@ -21,13 +23,6 @@ from verify_server.session import CapacityError, SessionError, UnknownSessionErr
 from verify_server.state_cache import StateCache, TreeScratch
 from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
 from verify_server.walk import accept_path
-
-
-# An AR step is a verify of the root alone; on the host, so a captured step copies nothing but its scalars.
-ROOT_ONLY = DraftTree(
-    tokens=torch.zeros(1, dtype=torch.long), parents=torch.full((1,), -1), depths=torch.zeros(1, dtype=torch.long),
-    max_depth=0,
-)
 
 
 def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -54,7 +49,7 @@ def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return kept, copied
 
 
-class VerifyEngine(QueuedRounds):
+class VerifyEngine(QueuedRounds, BatchedRounds):
     def __init__(
         self,
         model: PreTrainedModel,

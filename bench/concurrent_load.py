@@ -1,0 +1,109 @@
+"""Concurrent chat clients through running gateways, side by side: aggregate tokens/s and request latency as the
+number of clients grows (e.g. two `ddtree serve` stacks on one GPU, one with `--max-batch 1`).
+
+    python bench/concurrent_load.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8021 \
+        --verifier-metrics http://127.0.0.1:9472,http://127.0.0.1:9482 --clients 1,2,4,8 \
+        --requests-per-client 3 --max-tokens 64 --out results/concurrent_load.json
+
+At each client count the gateways take turns (the order alternating), so both see the same machine state. Each
+client sends its requests one after another (greedy, the given speculation mode, a fresh short prompt each);
+every client starts at once. Reported per gateway and client count: completion tokens / wall time, the median
+and worst request latency, and, with --verifier-metrics, the mean number of sessions' rounds the verifier ran in
+one forward (ddtree_verify_batch_size) and its forwards per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.bench_gateway import served_model
+
+WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
+         "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
+BATCH = "ddtree_verify_batch_size"
+
+
+def batch_counters(url: str | None) -> tuple[float, float]:
+    """The verifier's batch-size histogram: (calls, forwards) so far; (0, 0) without a URL."""
+    if url is None:
+        return 0.0, 0.0
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name in (f"{BATCH}_sum", f"{BATCH}_count")}
+    return values.get(f"{BATCH}_sum", 0.0), values.get(f"{BATCH}_count", 0.0)
+
+
+async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[str], args: argparse.Namespace,
+                 latencies: list[float]) -> int:
+    tokens = 0
+    for text in prompts:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens,
+                "temperature": 0, "speculation": {"mode": args.mode}}
+        start = time.perf_counter()
+        reply = await http.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        latencies.append(time.perf_counter() - start)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
+        tokens += reply.json()["usage"]["completion_tokens"]
+    return tokens
+
+
+async def load(url: str, metrics: str | None, model: str, clients: int, args: argparse.Namespace,
+               rng: random.Random) -> dict:
+    prompts = [[" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.requests_per_client)]
+               for _ in range(clients)]
+    latencies: list[float] = []
+    calls0, forwards0 = batch_counters(metrics)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as http:
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
+        wall = time.perf_counter() - start
+    calls, forwards = (after - before for after, before in zip(batch_counters(metrics), (calls0, forwards0)))
+    return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall,
+            "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
+            "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gateways", required=True, help="comma-separated gateway URLs")
+    p.add_argument("--verifier-metrics", help="comma-separated metrics URLs of the gateways' verifiers, in order")
+    p.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=40)
+    p.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "off"))
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    urls = [u.rstrip("/") for u in args.gateways.split(",")]
+    metrics = [u.rstrip("/") for u in args.verifier_metrics.split(",")] if args.verifier_metrics else [None] * len(urls)
+    model = served_model(urls[0])
+    rng = random.Random(0)
+    for url in urls:  # warm-up: the first requests may size caches or capture graphs
+        asyncio.run(load(url, None, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng))
+    results: dict[str, list[dict]] = {u: [] for u in urls}
+    for i, clients in enumerate(map(int, args.clients.split(","))):
+        for url, metric in (list(zip(urls, metrics)) if i % 2 == 0 else list(zip(urls, metrics))[::-1]):
+            r = asyncio.run(load(url, metric, model, clients, args, rng))
+            results[url].append(r)
+            batch = "" if r["mean_batch"] is None else f", mean batch {r['mean_batch']:.2f}"
+            print(f"{url} {clients} clients: {r['tokens_per_s']:.1f} tokens/s, latency median "
+                  f"{r['latency_median_s'] * 1000:.0f} ms, max {r['latency_max_s'] * 1000:.0f} ms{batch}", flush=True)
+    if args.out:
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        args.out.write_text(json.dumps({"settings": settings, "gateways": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Several sessions' rounds verified in one forward (VerifyEngine.verify_batch): every session's outcome equals what
+verifying its calls alone gives, deep acceptance, compaction, features and sampling included; a call that fails
+fails alone; and the service's Batch gathers the calls that wait together."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ddtree.service import Batch, EngineHost, ServiceMetrics
+from ddtree.types import SamplingParams
+from verify_server.session import CapacityError, SessionError, UnknownSessionError
+from verify_server.verify import ROOT_ONLY, VerifyEngine
+from tests.conftest import VOCAB, hf_greedy
+from tests.test_verify import make_engine, oracle_tree
+
+PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2])
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=11)
+
+
+def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int) -> list[list[int]]:
+    """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch), the others
+    one by one (verify / decode). Greedy sessions get oracle trees (the truth to a random depth among decoys) or
+    a decode; the last session samples, its trees drafted from what it has. -> each session's tokens."""
+    rng = random.Random(seed)
+    got = [[] for _ in truths]
+    for engine in engines:
+        for i, prompt in enumerate(PROMPTS):
+            params = SAMPLED if i == len(PROMPTS) - 1 else SamplingParams()
+            engine.start_session(f"s{i}", 300, params, taps=[1, 3])
+            first = engine.prefill(f"s{i}", prompt).tokens
+            got[i] = list(first)
+    for _ in range(rounds):
+        calls = []
+        for i, truth in enumerate(truths):
+            depth = rng.randint(0, 6)
+            want = truth[len(got[i]):] if i < len(truths) - 1 else [rng.randrange(VOCAB) for _ in range(8)]
+            tree = ROOT_ONLY if not depth else oracle_tree(rng, got[i][-1], want, rng.choice([depth, rng.randint(0, depth)]), depth)
+            calls.append((f"s{i}", tree))
+        together = engines[0].verify_batch(calls)
+        for other in engines[1:]:
+            for (session_id, tree), step in zip(calls, together):
+                alone = other.verify(session_id, tree)
+                assert alone.tokens == step.tokens
+                torch.testing.assert_close(alone.features, step.features, atol=1e-4, rtol=1e-4)
+        for i, step in enumerate(together):
+            got[i] += step.tokens
+    return got
+
+
+@pytest.mark.parametrize("path", ["fused", "fused-static"])
+def test_batched_rounds_equal_each_session_alone(path: str, qwen3_target: Path) -> None:
+    """Four sessions a round (three greedy at different contexts, one sampling), trees of every size and AR
+    steps mixed: the batch's tokens and features are those of each call alone, the greedy ones the target's own
+    continuation, with deep acceptance; the sessions' caches end as long as what they committed."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:-1]] + [[]]
+    engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]
+    got = run_rounds(engines, truths, rounds=14, seed=3)
+    for tokens, truth in zip(got[:-1], truths[:-1]):
+        assert tokens == truth[: len(tokens)]
+    steps = sum(len(tokens) for tokens in got[:-1]) - 3
+    assert steps / (14 * 3) > 2.5  # deep acceptance: many tokens a round on average
+    for engine in engines:
+        for i, prompt in enumerate(PROMPTS):
+            assert engine.sessions[f"s{i}"].cache.length == len(prompt) + len(got[i]) - 1
+
+
+def test_a_failing_call_fails_alone(qwen3_target: Path) -> None:
+    """Calls verify() would refuse get the same error in a batch; the others are verified, and a session's second
+    call in one batch runs after its first."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truth = hf_greedy(model, PROMPTS[0], 40)
+    engine = make_engine(qwen3_target, "fused")
+    for session_id, capacity in (("a", 100), ("b", 100), ("small", 8), ("unprefilled", 50)):
+        engine.start_session(session_id, capacity, SamplingParams(), taps=[])
+    engine.prefill("a", PROMPTS[0])
+    engine.prefill("b", PROMPTS[0])
+    engine.prefill("small", [1, 2, 3, 4, 5, 6])
+    rng = random.Random(1)
+    deep = oracle_tree(rng, truth[0], truth[1:], 5, 5)
+    outcomes = engine.verify_batch([
+        ("a", deep), ("nobody", ROOT_ONLY), ("small", deep), ("unprefilled", ROOT_ONLY), ("b", deep), ("a", ROOT_ONLY),
+    ])
+    assert outcomes[0].tokens == outcomes[4].tokens == truth[1:7]
+    assert isinstance(outcomes[1], UnknownSessionError)
+    assert isinstance(outcomes[2], CapacityError)
+    assert isinstance(outcomes[3], SessionError) and "must be prefilled" in str(outcomes[3])
+    assert outcomes[5].tokens == truth[7:8]  # after the first call's six tokens
+    assert engine.sessions["a"].cache.length == len(PROMPTS[0]) + 7
+    assert len(engine.decode("small").tokens) == 1  # untouched by its refused call
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the batched flash kernel needs a GPU")
+def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> None:
+    """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
+    its K/V writes, attention and compactions one launch each over every tree's slot, found by address
+    (ddtree/flash_batch.py); each round's tokens and features are those of the same round alone, and the greedy
+    tokens the target's own."""
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:-1]] + [[]]
+    engines = [VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True) for _ in range(2)]
+    assert engines[0].fused.decoder.attention == "flash"
+    got = run_rounds(engines, truths, rounds=10, seed=5)
+    for tokens, truth in zip(got[:-1], truths[:-1]):
+        assert tokens == truth[: len(tokens)]
+    assert any(key[-1] == "batch" for key in engines[0].fused.graphs.keys())
+
+
+class Recorder:
+    """An engine whose batched step records the items it was handed."""
+
+    def __init__(self) -> None:
+        self.sessions: dict = {}
+        self.runs: list[list[int]] = []
+
+    def end_session(self, session_id: str) -> bool:
+        return False
+
+    def run(self, items: list[int]) -> list[int | Exception]:
+        self.runs.append(items)
+        return [ValueError("odd") if item % 2 else item * 10 for item in items]
+
+
+def test_batch_gathers_the_calls_that_wait_together() -> None:
+    """Calls that arrive together share a run; calls that arrive while a run is in the engine share the next one
+    (up to max_size); each gets its own outcome, a failure included."""
+    engine = Recorder()
+    metrics = ServiceMetrics("test", "bytes", "help", torch.device("cpu"))
+    host = EngineHost(metrics, (), lambda s: 0, 60.0)
+    host.engine = engine
+    batch = Batch("Verify", lambda e, items: e.run(items), max_size=3)
+
+    async def scenario() -> list:
+        first = [asyncio.ensure_future(batch.submit(host, i)) for i in (0, 2, 4, 6)]  # one turn: 3 + 1
+        done = await asyncio.gather(*first)
+        later = [asyncio.ensure_future(batch.submit(host, i)) for i in (1, 8)]
+        return [*done, *(await asyncio.gather(*later, return_exceptions=True))]
+
+    outcomes = asyncio.run(scenario())
+    assert engine.runs == [[0, 2, 4], [6], [1, 8]]
+    assert outcomes[:4] == [0, 20, 40, 60] and isinstance(outcomes[4], ValueError) and outcomes[5] == 80
