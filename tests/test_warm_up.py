@@ -71,6 +71,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
     before = compiled_graphs()
     serve_steps(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
     serve_long_prompt(engine)
+    serve_batches(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
     assert compiled_graphs() == before
 
 
@@ -85,6 +86,7 @@ def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -
     before = compiled_graphs()
     serve_steps(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
     serve_long_prompt(engine)
+    serve_batches(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
     assert compiled_graphs() == before
 
 
@@ -99,6 +101,25 @@ def serve_steps(engine: VerifyEngine, capacity: int, node_counts: tuple[int, ...
             step = engine.decode("s") if nodes == 0 else engine.verify("s", random_tree(rng, root, nodes, engine.vocab_size))
             root = step.tokens[-1]
         engine.end_session("s")
+
+
+def serve_batches(engine: VerifyEngine, capacity: int, node_counts: tuple[int, ...]) -> None:
+    """Several sessions' rounds in one forward (verify_batch), 2 to 5 sessions at different contexts, each round's
+    trees of different sizes (AR steps among them)."""
+    rng = random.Random(7)
+    sessions = {f"b{i}": length for i, length in enumerate((3, 40, 200, 90, 17))}
+    roots = {}
+    for session_id, length in sessions.items():
+        engine.start_session(session_id, capacity, SamplingParams(), taps=[1, 3])
+        roots[session_id] = engine.prefill(session_id, [rng.randrange(engine.vocab_size) for _ in range(length)]).tokens[-1]
+    for trees in (2, 3, 5, 2):
+        for i, nodes in enumerate(node_counts):
+            calls = [(session_id, random_tree(rng, roots[session_id], node_counts[(i + j) % len(node_counts)],
+                                              engine.vocab_size)) for j, session_id in enumerate(list(sessions)[:trees])]
+            for (session_id, _), step in zip(calls, engine.verify_batch(calls)):
+                roots[session_id] = step.tokens[-1]
+    for session_id in sessions:
+        engine.end_session(session_id)
 
 
 def serve_long_prompt(engine: VerifyEngine) -> None:
