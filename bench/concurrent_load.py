@@ -90,10 +90,12 @@ def main() -> None:
     metrics = [u.rstrip("/") for u in args.verifier_metrics.split(",")] if args.verifier_metrics else [None] * len(urls)
     model = served_model(urls[0])
     rng = random.Random(0)
-    for url in urls:  # warm-up: the first requests may size caches or capture graphs
-        asyncio.run(load(url, None, model, 2, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng))
+    counts = [int(c) for c in args.clients.split(",")]
+    for url in urls:  # warm-up, as many clients as the most of the run: their sessions' first rounds capture graphs
+        asyncio.run(load(url, None, model, max(counts), argparse.Namespace(**{**vars(args), "requests_per_client": 1}),
+                         rng))
     results: dict[str, list[dict]] = {u: [] for u in urls}
-    for i, clients in enumerate(map(int, args.clients.split(","))):
+    for i, clients in enumerate(counts):
         for url, metric in (list(zip(urls, metrics)) if i % 2 == 0 else list(zip(urls, metrics))[::-1]):
             r = asyncio.run(load(url, metric, model, clients, args, rng))
             results[url].append(r)
