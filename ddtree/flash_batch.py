@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.flash_tree import TARGET_PROGRAMS, plan, triton
+from collections.abc import Iterable
+
+from ddtree.flash_tree import TARGET_PROGRAMS, Plan, compiled_config, plan, triton
 
 if triton is not None:
     import triton.language as tl
@@ -80,6 +82,42 @@ if triton is not None:
         tl.store(Lse + split * stride_ls + row * stride_lq + head, lse, mask=row_ok)
 
 
+def batch_plan(max_q: int, heads: int, kv_heads: int, max_keys: int, head_dim: int, trees: int) -> Plan:
+    """flash_tree.plan for a batch: the trees share the GPU's thread blocks, so each is split into fewer key chunks
+    than it would be alone."""
+    return plan(max_q, heads, kv_heads, max_keys, head_dim, target=max(kv_heads, TARGET_PROGRAMS // trees))
+
+
+def compile_batch_plans(
+    heads: int, kv_heads: int, head_dim: int, trees: Iterable[int], q_lens: Iterable[int], kv_lens: Iterable[int],
+    dtype: torch.dtype, device: torch.device,
+) -> int:
+    """flash_tree.compile_plans for batches of these tree counts: launches the batch op once in every configuration
+    batch_plan picks (over one scratch slot that every tree of the launch shares), so that Triton compiles them at
+    start-up and not in the first rounds that meet them. -> how many configurations were launched."""
+    kv_lens = sorted(set(kv_lens))
+    keys = torch.zeros(kv_heads, kv_lens[-1], head_dim, dtype=dtype, device=device)  # views as a slot's K and V
+    seen: set[tuple] = set()
+    for count in sorted(set(trees)):
+        for q_len in sorted(set(q_lens)):
+            for kv_len in kv_lens:
+                config = compiled_config(batch_plan(q_len, heads, kv_heads, kv_len, head_dim, count), q_len)
+                if kv_len < q_len or config in seen:
+                    continue
+                seen.add(config)
+                rows = count * q_len
+                q = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
+                k = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
+                per_tree = torch.tensor([[keys.data_ptr()] * count, [keys.stride(0)] * count, [kv_len - q_len] * count,
+                                         [q_len] * count, [b * q_len for b in range(count)]], device=device)
+                row_tree = torch.arange(count, device=device).repeat_interleave(q_len)
+                row_slot = (kv_len - q_len + torch.arange(q_len, device=device)).repeat(count)
+                tree = torch.ones(count, q_len, q_len, dtype=torch.bool, device=device).tril()
+                batch_tree_attention(q, k, k, per_tree[0], per_tree[0], per_tree[1], row_tree, row_slot, tree,
+                                     per_tree[2], per_tree[3], per_tree[4], q_len, kv_len, 1.0)
+    return len(seen)
+
+
 @torch.library.custom_op("ddtree::batch_tree_attention", mutates_args=())
 def batch_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
@@ -101,8 +139,7 @@ def batch_tree_attention(
         k, v, k_base, v_base, head_stride, row_tree, row_slot, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_heads, D=d, BLOCK_H=triton.next_power_of_2(kv_heads),
     )
-    # the trees share the GPU's thread blocks: each is split into fewer key chunks than it would be alone
-    p = plan(max_q, heads, kv_heads, max_keys, d, target=max(kv_heads, TARGET_PROGRAMS // batch))
+    p = batch_plan(max_q, heads, kv_heads, max_keys, d, batch)
     tree = tree.contiguous().view(torch.uint8)
     part_dtype = q.dtype if p.splits == 1 else torch.float32
     part = torch.empty((p.splits, rows, heads, d), dtype=part_dtype, device=q.device)  # [S, rows, heads, d]

@@ -199,6 +199,12 @@ def launch(
     return out
 
 
+def compiled_config(p: Plan, q_len: int) -> tuple:
+    """What Triton compiles a launch for: the plan's constants, the merge's width, and the integer arguments'
+    specialisations (a one-row step's row count; whether the merge's chunk count is a multiple of 16)."""
+    return (p.block_m, p.block_n, p.warps, p.stages, q_len == 1, triton.next_power_of_2(p.splits), p.splits % 16 == 0)
+
+
 def compile_plans(
     heads: int, kv_heads: int, head_dim: int, q_lens: Iterable[int], kv_lens: Iterable[int], dtype: torch.dtype,
     device: torch.device,
@@ -216,10 +222,7 @@ def compile_plans(
             if kv_len < q_len:
                 continue
             p = plan(q_len, heads, kv_heads, kv_len, head_dim)
-            # what Triton compiles a launch for: the plan's constants, the merge's width, and the integer arguments'
-            # specialisations (a one-row step's row count; whether the merge's chunk count is a multiple of 16)
-            config = (p.block_m, p.block_n, p.warps, p.stages, q_len == 1, triton.next_power_of_2(p.splits),
-                      p.splits % 16 == 0)
+            config = compiled_config(p, q_len)
             if config in seen:
                 continue
             seen.add(config)

@@ -164,7 +164,7 @@ class Batch(Generic[E]):
                     continue
                 items = [item for item, _ in taken]
                 try:
-                    outcomes = await host._execute(self.rpc, lambda engine: self.run(engine, items))
+                    outcomes = await host.execute(self.rpc, lambda engine: self.run(engine, items))
                 except Exception as exc:  # noqa: BLE001 - the run as a whole failed: each call fails with it
                     outcomes = [exc] * len(taken)
                 if self.sizes is not None:
@@ -238,7 +238,7 @@ class EngineHost(Generic[E]):
         """Runs `job(engine)` -> response (a message with a `timings` field), on the event loop for the RPCs in
         `inline_rpcs` when the engine is idle, on the engine thread otherwise; fills in timings.total_s, records
         metrics, and turns exceptions into gRPC statuses."""
-        return await self._answer(rpc, context, forward, lambda: self._execute(rpc, job))
+        return await self._answer(rpc, context, forward, lambda: self.execute(rpc, job))
 
     async def call_batched(
         self, rpc: str, context: grpc.aio.ServicerContext, item: Any, batch: Batch[E], forward: bool = False
@@ -247,7 +247,8 @@ class EngineHost(Generic[E]):
         run answers every item waiting together (see Batch); the status, timings and metrics stay the call's own."""
         return await self._answer(rpc, context, forward, lambda: batch.submit(self, item))
 
-    async def _execute(self, rpc: str, job: Callable[[E], Any]) -> Any:
+    async def execute(self, rpc: str, job: Callable[[E], Any]) -> Any:
+        """job(engine): inline for the RPCs in `inline_rpcs` when the engine is idle, else on the engine thread."""
         if self.engine is None:  # checked here: the engine thread is busy loading, a queued call would hang
             raise NotReadyError("the model is still loading")
         if rpc in self.inline_rpcs and not self._queued and self._lock.acquire(blocking=False):

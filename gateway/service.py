@@ -149,9 +149,10 @@ class GatewayService:
             self.metrics.waiting.dec()
         self.metrics.running.inc()
         finish = "abort"  # unless the loop ends or fails: the client went away
+        slot: list[asyncio.Task] = []  # the round loop, once started: it frees the slot when done
         try:
             # Closed explicitly, so a request that is given up ends its round loop now, not when collected.
-            async with contextlib.aclosing(self._decode(req, arrival)) as deltas:
+            async with contextlib.aclosing(self._decode(req, arrival, slot)) as deltas:
                 async for delta in deltas:
                     finish = delta.finish_reason or finish
                     yield delta
@@ -159,14 +160,22 @@ class GatewayService:
             finish = "error"
             raise
         finally:
-            self._slots.release()
+            if slot:
+                # Only once the loop has ended the request's sessions: the last answer reaches the client first,
+                # and the next request must not find the model services' session slots still held (with as many
+                # running requests as the verifier has slots, its StartSession would fail).
+                slot[0].add_done_callback(lambda _: self._slots.release())
+            else:
+                self._slots.release()
             self.metrics.running.dec()
             self.metrics.requests.labels(finish).inc()
             self.metrics.e2e.observe(time.perf_counter() - arrival)
 
-    async def _decode(self, req: GenerationRequest, arrival: float) -> AsyncIterator[Delta]:
+    async def _decode(self, req: GenerationRequest, arrival: float, started: list[asyncio.Task]) -> AsyncIterator[Delta]:
+        """The request's deltas from its round loop, a task of its own, which is appended to `started`."""
         queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
         loop = asyncio.create_task(self._run_loop(req, queue))
+        started.append(loop)
         self._loops.add(loop)
         loop.add_done_callback(self._loops.discard)
         detok, stops = IncrementalDetokenizer(self.tokenizer), StopStrings(req.stop)

@@ -40,7 +40,8 @@ def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int
         for i, truth in enumerate(truths):
             depth = rng.randint(0, 6)
             want = truth[len(got[i]):] if i < len(truths) - 1 else [rng.randrange(VOCAB) for _ in range(8)]
-            tree = ROOT_ONLY if not depth else oracle_tree(rng, got[i][-1], want, rng.choice([depth, rng.randint(0, depth)]), depth)
+            true_depth = rng.choice([depth, rng.randint(0, depth)])
+            tree = oracle_tree(rng, got[i][-1], want, true_depth, depth) if depth else ROOT_ONLY
             calls.append((f"s{i}", tree))
         together = engines[0].verify_batch(calls)
         for other in engines[1:]:

@@ -23,7 +23,9 @@ from gateway.health import Backends
 from gateway.metrics import PHASES, Metrics
 from gateway.rounds import Round, Speculation
 from tests.conftest import make_drafter
-from tests.gateway_support import MAX_CONTEXT, chat_ids, events, local_backends, make_chat_target, metric, reference
+from verify_server.verify import VerifyEngine
+from tests.gateway_support import (MAX_CONTEXT, ServiceVerifier, chat_ids, events, local_backends, make_chat_target,
+                                   metric, reference)
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -256,6 +258,27 @@ async def test_concurrent_requests_keep_their_own_sessions(target, backends, tok
             for i, m in enumerate(conversations)))
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in events(replies[0].text)[:-1])
     assert [streamed, replies[1].json()["choices"][0]["message"]["content"]] == expected
+
+
+class SlowlyEnding(ServiceVerifier):
+    """A verifier whose sessions end a while after they are asked to, as a remote EndSession does."""
+
+    async def end_session(self, session_id: str) -> None:
+        await asyncio.sleep(0.05)
+        await super().end_session(session_id)
+
+
+async def test_a_finished_request_frees_its_slot_only_with_its_sessions(target, backends, tokenizer) -> None:
+    """As many running requests as the verifier has session slots: a queued request starts only once the request
+    before it has ended its sessions, so it never finds the verifier full (before: HTTP 500, RESOURCE_EXHAUSTED)."""
+    verifier = SlowlyEnding(VerifyEngine.from_pretrained(target, max_sessions=2))
+    want = (await reference(Backends(verifier, backends.drafter), tokenizer, chat_ids(tokenizer, HELLO), 8))[0]
+    async with gateway(target, Backends(verifier, backends.drafter), max_running=2) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": HELLO, "max_tokens": 8, "temperature": 0, "stream": i % 2 == 0,
+            "speculation": {"mode": "off"}}) for i in range(6)))
+    assert [r.status_code for r in replies] == [200] * 6
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies[1::2]] == [want] * 3
 
 
 async def test_health_states(target, backends) -> None:

@@ -213,6 +213,7 @@ def check_batch() -> None:
     """Several sessions' trees in one launch (ddtree/flash_batch.py, through TreeBatch.attend): each tree's K/V land
     in its own slot, and its rows' attention equals the per-tree loop under dense masks, for slots of different
     capacities, trees of different sizes (a one-node decode among them) and contexts of several key chunks."""
+    from ddtree.flash_batch import compile_batch_plans
     from ddtree.types import DraftTree
     from verify_server.batch import BatchTree, build_batch
     from verify_server.kv_cache import KVCache
@@ -262,6 +263,8 @@ def check_batch() -> None:
     batch.compact(order.to(DEVICE), depth.to(DEVICE))
     for cache, (k, v) in zip(caches, want):
         assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+    # every batch configuration for a few tree counts, step sizes and key counts launches
+    assert compile_batch_plans(6, 2, 16, (2, 4), (1, 16), (64, 96, 4608), torch.float32, DEVICE) > 3
     print("batch ok", len(shapes), "trees")
 
 

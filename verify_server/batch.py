@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.flash_batch import batch_tree_attention
 from ddtree.types import DraftTree
 from verify_server.compaction import compact_batch, compact_path
 from verify_server.kv_cache import KVCache
@@ -76,8 +77,6 @@ class TreeBatch:
         """Decoder layer `layer`: writes each tree's k, v [rows, kv_heads, d] into its slot, then attends its
         q [rows, heads, d] over its slot's committed keys and its own tree -> [rows, heads, d]."""
         if kernel == FLASH:
-            from ddtree.flash_batch import batch_tree_attention
-
             layers = (self.slots.shape[0] - 1) // 2
             starts, q_lens, offsets = self.tables
             return batch_tree_attention(

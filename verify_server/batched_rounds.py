@@ -33,8 +33,8 @@ class BatchedRounds:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. Calls of sessions on the fused path, prefilled, with no round
         queued, whose tree fits, with the same tapped layers, run in one forward (on an engine with static buffers,
-        greedy rounds only, captured in one graph); the others (and a session's second
-        call in one batch, which comes after its first) run alone, in order, after it."""
+        greedy rounds only, captured in one graph); the others (and a session's second call in one batch, which
+        comes after its first) run alone, in order, after it."""
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (session_id, tree) in enumerate(calls):
@@ -127,7 +127,8 @@ class BatchedRounds:
             keep = paths[b][: k + 1]
             sess.cache.compact(sess.cache.length, keep)
             sess.root = bonus
-            results.append(StepResult(answer[3 : 3 + k] + [bonus], None if features is None else features[batch.tree_rows(b)][keep]))
+            path_features = None if features is None else features[batch.tree_rows(b)][keep]
+            results.append(StepResult(answer[3 : 3 + k] + [bonus], path_features))
         return self._timed(results, timer)
 
     @staticmethod

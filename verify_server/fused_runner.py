@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
+from ddtree.flash_batch import compile_batch_plans
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
@@ -95,8 +96,12 @@ class FusedRunner:
         self.static = self.graphs.enabled
         if self.static and self.decoder.attention == FLASH:
             shape = self.decoder.shape
-            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, QUERY_BUCKETS, self._key_counts(), self.dtype,
-                          self.device)
+            keys = self._key_counts()
+            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, QUERY_BUCKETS, keys, self.dtype, self.device)
+            # batches of 2, 4, ... trees, up to as many as there can be sessions
+            trees = [1 << i for i in range(1, (self.slots.max_sessions - 1).bit_length() + 1)]
+            compile_batch_plans(shape.heads, shape.kv_heads, shape.head_dim, trees, QUERY_BUCKETS, keys, self.dtype,
+                                self.device)
 
     def _key_counts(self) -> list[int]:
         """Every key count a captured step can attend over: a key bucket, or a slot's whole capacity (size class
@@ -195,7 +200,8 @@ class FusedRunner:
             buf = self._batch_buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, self.num_kv_layers, self.device)
         kv_len = key_bucket(max(item.cache.length for item in items) + qb, self.max_keys)
         buf.write(items, [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items])
-        return self.graphs.run((trees, qb, kv_len, taps, "batch"), lambda: self._batch_greedy(buf, taps, kv_len))
+        key = (trees, qb, kv_len, taps, "batch")
+        return self.graphs.run(key, lambda: self._batch_greedy(buf, taps, kv_len))
 
     def prefill(
         self, cache: KVCache, taps: tuple[int, ...], prompt: list[int]

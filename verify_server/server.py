@@ -47,8 +47,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, host: EngineHost[VerifyEngine], config: VerifyServerConfig) -> None:
         self.host = host
         self.config = config
-        sizes = Histogram("ddtree_verify_batch_size", "Sessions' rounds (Verify and Decode calls) verified in one "
-                          "forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
+        sizes = Histogram("ddtree_verify_batch_size", "Sessions' rounds (Verify and Decode calls) verified in "
+                          "one forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # every session's Verify and Decode calls that wait for the engine at once share its next forward
         self.rounds: Batch[VerifyEngine] = Batch("Verify", self._rounds, config.max_batch, sizes)
 
@@ -233,6 +233,12 @@ def _warm_up_session(engine: VerifyEngine, capacity: int) -> Iterator[str]:
         engine.end_session(session_id)
 
 
+def _chain(root: int, nodes: int) -> DraftTree:
+    """A warm-up tree: `nodes` tokens 0 in a chain under `root` (node i's parent is i - 1)."""
+    chain = torch.arange(nodes + 1)
+    return DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))), chain - 1, chain, nodes)
+
+
 def warm_up(engine: VerifyEngine) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
@@ -250,19 +256,14 @@ def warm_up(engine: VerifyEngine) -> None:
             engine.prefill(session_id, [0] * prompt)
             root = engine.decode(session_id, host_features=True).tokens[-1]
             for nodes in (1, 15, 31, *extra):  # query buckets 16 and 32 (and the first past the limit)
-                chain = torch.arange(nodes + 1)  # a chain: node i's parent is i - 1
-                tokens = torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long)))
-                tree = DraftTree(tokens, chain - 1, chain, max_depth=nodes)
-                root = engine.verify(session_id, tree, host_features=True).tokens[-1]
+                root = engine.verify(session_id, _chain(root, nodes), host_features=True).tokens[-1]
             engine.decode(session_id, host_features=True)
     # Several sessions' rounds in one forward (verify_batch): its layer steps compile for row counts of their own
     # (trees x bucket), on both sides of the fused projections' limit.
     with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
         roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
         for nodes in (1, 15, 31, *past_limit):
-            chain = torch.arange(nodes + 1)
-            calls = [(session_id, DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))),
-                                            chain - 1, chain, max_depth=nodes)) for session_id, root in roots.items()]
+            calls = [(session_id, _chain(root, nodes)) for session_id, root in roots.items()]
             for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
                 if isinstance(step, Exception):
                     raise step
