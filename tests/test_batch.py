@@ -19,19 +19,20 @@ from verify_server.verify import ROOT_ONLY, VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 
-PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2])
-SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=11)
+PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2], [4, 4, 8, 1])
+GREEDY = 3  # the first three sessions are greedy; the others sample, each with its own seed
+SAMPLED = (SamplingParams(temperature=0.8, top_k=20, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12))
 
 
 def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int) -> list[list[int]]:
     """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch), the others
     one by one (verify / decode). Greedy sessions get oracle trees (the truth to a random depth among decoys) or
-    a decode; the last session samples, its trees drafted from what it has. -> each session's tokens."""
+    a decode; the sampling sessions get random trees. -> each session's tokens."""
     rng = random.Random(seed)
     got = [[] for _ in truths]
     for engine in engines:
         for i, prompt in enumerate(PROMPTS):
-            params = SAMPLED if i == len(PROMPTS) - 1 else SamplingParams()
+            params = SAMPLED[i - GREEDY] if i >= GREEDY else SamplingParams()
             engine.start_session(f"s{i}", 300, params, taps=[1, 3])
             first = engine.prefill(f"s{i}", prompt).tokens
             got[i] = list(first)
@@ -39,7 +40,7 @@ def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int
         calls = []
         for i, truth in enumerate(truths):
             depth = rng.randint(0, 6)
-            want = truth[len(got[i]):] if i < len(truths) - 1 else [rng.randrange(VOCAB) for _ in range(8)]
+            want = truth[len(got[i]):] if i < GREEDY else [rng.randrange(VOCAB) for _ in range(8)]
             true_depth = rng.choice([depth, rng.randint(0, depth)])
             tree = oracle_tree(rng, got[i][-1], want, true_depth, depth) if depth else ROOT_ONLY
             calls.append((f"s{i}", tree))
@@ -56,17 +57,18 @@ def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int
 
 @pytest.mark.parametrize("path", ["fused", "fused-static"])
 def test_batched_rounds_equal_each_session_alone(path: str, qwen3_target: Path) -> None:
-    """Four sessions a round (three greedy at different contexts, one sampling), trees of every size and AR
-    steps mixed: the batch's tokens and features are those of each call alone, the greedy ones the target's own
-    continuation, with deep acceptance; the sessions' caches end as long as what they committed."""
+    """Five sessions a round (three greedy at different contexts, two sampling: a batch of each), trees of every
+    size and AR steps mixed: the batch's tokens and features are those of each call alone (the sampled ones drawn
+    from the same generators), the greedy ones the target's own continuation, with deep acceptance; the sessions'
+    caches end as long as what they committed."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:-1]] + [[]]
+    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]
     got = run_rounds(engines, truths, rounds=14, seed=3)
-    for tokens, truth in zip(got[:-1], truths[:-1]):
+    for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
-    steps = sum(len(tokens) for tokens in got[:-1]) - 3
-    assert steps / (14 * 3) > 2.5  # deep acceptance: many tokens a round on average
+    steps = sum(len(tokens) for tokens in got[:GREEDY]) - GREEDY
+    assert steps / (14 * GREEDY) > 2.5  # deep acceptance: many tokens a round on average
     for engine in engines:
         for i, prompt in enumerate(PROMPTS):
             assert engine.sessions[f"s{i}"].cache.length == len(prompt) + len(got[i]) - 1
@@ -101,16 +103,16 @@ def test_a_failing_call_fails_alone(qwen3_target: Path) -> None:
 def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> None:
     """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
     its K/V writes, attention and compactions one launch each over every tree's slot, found by address
-    (ddtree/flash_batch.py); each round's tokens and features are those of the same round alone, and the greedy
-    tokens the target's own."""
+    (ddtree/flash_batch.py); a batch of sampled rounds is one up to the logits. Each round's tokens and features
+    are those of the same round alone, and the greedy tokens the target's own."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:-1]] + [[]]
+    truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True) for _ in range(2)]
     assert engines[0].fused.decoder.attention == "flash"
     got = run_rounds(engines, truths, rounds=10, seed=5)
-    for tokens, truth in zip(got[:-1], truths[:-1]):
+    for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
-    assert any(key[-1] == "batch" for key in engines[0].fused.graphs.keys())
+    assert {key[-1] for key in engines[0].fused.graphs.keys()} >= {"batch", "batch-scores"}
 
 
 class Recorder:

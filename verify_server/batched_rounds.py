@@ -14,7 +14,7 @@ import torch
 
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, StepResult
-from verify_server.batch import BatchTree, TreeBatch
+from verify_server.batch import BatchTree
 from verify_server.sampling import choose_tokens
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
@@ -32,15 +32,15 @@ class BatchedRounds:
     ) -> list[StepResult | Exception]:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. Calls of sessions on the fused path, prefilled, with no round
-        queued, whose tree fits, with the same tapped layers, run in one forward (on an engine with static buffers,
-        greedy rounds only, captured in one graph); the others (and a session's second call in one batch, which
-        comes after its first) run alone, in order, after it."""
+        queued, whose tree fits, with the same tapped layers, run in one forward (greedy rounds and sampled ones
+        apart; on an engine with static buffers, captured in one graph); the others (and a session's second call in
+        one batch, which comes after its first) run alone, in order, after it."""
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
-        groups: dict[tuple[int, ...], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for i, (session_id, tree) in enumerate(calls):
             sess = self._batchable(session_id, tree, groups, calls)
-            if sess is not None:
-                groups.setdefault(tuple(sess.taps), []).append(i)
+            if sess is not None:  # greedy and sampled rounds apart: a captured greedy batch walks in its graph
+                groups.setdefault((tuple(sess.taps), sess.params.greedy), []).append(i)
         for members in groups.values():
             if len(members) > 1:
                 for i, outcome in zip(members, self._verify_together([calls[i] for i in members], host_features)):
@@ -51,7 +51,7 @@ class BatchedRounds:
         return outcomes
 
     def _batchable(
-        self, session_id: str, tree: DraftTree, groups: dict[tuple[int, ...], list[int]],
+        self, session_id: str, tree: DraftTree, groups: dict[tuple, list[int]],
         calls: list[tuple[str, DraftTree]],
     ) -> VerifySession | None:
         """The session when this call can join the batch; None for verify() to run (or to refuse) it alone."""
@@ -60,8 +60,6 @@ class BatchedRounds:
             return None
         q = tree.tokens.shape[0]
         if q > MAX_GRAPH_NODES or sess.cache.length + q > sess.capacity:
-            return None
-        if self.fused.static and not sess.params.greedy:  # captured batches are greedy rounds
             return None
         if any(calls[i][0] == session_id for members in groups.values() for i in members):
             return None
@@ -74,14 +72,31 @@ class BatchedRounds:
         sessions = [self.session(session_id) for session_id, _ in calls]
         items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, calls)]
         taps = tuple(sessions[0].taps)
+        q_lens = [tree.tokens.shape[0] for _, tree in calls]
         timer = self.timers.timer()
         try:
-            if self.fused.static:  # greedy rounds only (_batchable): forward, walks and compactions in one replay
+            if not self.fused.static:
+                logits, features, batch, (ids, _, parents, depths) = self.fused.batch_forward(items, taps)
+                trees = []
+                for b, q in enumerate(q_lens):
+                    rows = batch.tree_rows(b)
+                    trees.append((ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
+                                  None if features is None else features[rows]))
+                return self._commit(sessions, trees, timer)
+            if sessions[0].params.greedy:  # forward, walks and compactions in one replay
                 captured = self.fused.batch_round(items, taps)
-                if captured is None:  # a GPU whose graphs could not find the slots: each round alone, captured
-                    return [self._alone(session_id, tree, host_features) for session_id, tree in calls]
-                return self._commit_captured(sessions, captured, timer, host_features)
-            return self._commit(sessions, *self.fused.batch_forward(items, taps), timer)
+                if captured is not None:
+                    return self._commit_captured(sessions, captured, timer, host_features)
+            else:  # the forward in one replay; each tree sampled with its session's generator, as alone
+                scored = self.fused.batch_scores(items, taps)
+                if scored is not None:
+                    logits, features, xs, qb = scored
+                    trees = [(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q], logits[b * qb : b * qb + q],
+                              None if features is None else features[b * qb : b * qb + q])
+                             for b, (x, q) in enumerate(zip(xs, q_lens))]
+                    return self._commit(sessions, trees, timer)
+            # a GPU whose graphs could not find the slots: each round alone, captured
+            return [self._alone(session_id, tree, host_features) for session_id, tree in calls]
         except torch.OutOfMemoryError:
             # nothing is committed yet: each call runs alone, and fails alone if it must
             log.warning("a batch of %d trees ran out of memory; verifying them one by one", len(calls))
@@ -91,7 +106,8 @@ class BatchedRounds:
         self, sessions: list[VerifySession], captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer,
         host_features: bool,
     ) -> list[StepResult]:
-        packed, features = captured  # [B, 2 + qb], [B, qb, taps*hidden] or None
+        """A captured greedy batch: its walks and compactions ran in the graph; the host reads and commits them."""
+        packed, features = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None
         timer.mark()
         host = timer.sync(packed.tolist)  # the batch's single host sync
         results = []
@@ -105,30 +121,26 @@ class BatchedRounds:
             results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept))
         return self._timed(results, timer)
 
-    def _commit(
-        self, sessions: list[VerifySession], logits: torch.Tensor, features: torch.Tensor | None, batch: TreeBatch,
-        rows: torch.Tensor, timer: StepTimer,
-    ) -> list[StepResult]:
-        """An uncaptured batch: each tree's choices (sampled with its session's generator), walk and compaction."""
+    def _commit(self, sessions: list[VerifySession], trees: list[tuple], timer: StepTimer) -> list[StepResult]:
+        """Each tree's choices (sampled with its session's generator), walk and compaction. trees: per session, its
+        rows' (ids, parents, depths [q], ancestor matrix [q, q], logits [q, V], features [q, F] or None)."""
         timer.mark()
-        ids, _, parents, depths = rows
         packed, paths = [], []
-        for b, sess in enumerate(sessions):
-            tree, q = batch.tree_rows(b), batch.q_lens[b]
-            choice = choose_tokens(logits[tree], sess.params, sess.generator)  # [q]
-            walked, path = accept_path(ids[tree], parents[tree], depths[tree], batch.anc[b, :q, :q], choice)
+        for sess, (ids, parents, depths, anc, logits, _) in zip(sessions, trees):
+            choice = choose_tokens(logits, sess.params, sess.generator)  # [q]
+            walked, path = accept_path(ids, parents, depths, anc, choice)
             packed.append(walked)
             paths.append(path)
         host = timer.sync(torch.cat(packed).tolist)  # the batch's single host sync
-        results = []
-        for b, sess in enumerate(sessions):
-            answer = host[batch.offsets[b] + 2 * b : batch.offsets[b] + 2 * b + 2 + batch.q_lens[b]]
+        results, at = [], 0
+        for sess, path, (ids, *_, features) in zip(sessions, paths, trees):
+            answer = host[at : at + 2 + ids.shape[0]]
+            at += 2 + ids.shape[0]
             k, bonus = answer[0], answer[1]
-            keep = paths[b][: k + 1]
+            keep = path[: k + 1]
             sess.cache.compact(sess.cache.length, keep)
             sess.root = bonus
-            path_features = None if features is None else features[batch.tree_rows(b)][keep]
-            results.append(StepResult(answer[3 : 3 + k] + [bonus], path_features))
+            results.append(StepResult(answer[3 : 3 + k] + [bonus], None if features is None else features[keep]))
         return self._timed(results, timer)
 
     @staticmethod

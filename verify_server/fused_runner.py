@@ -24,7 +24,8 @@ from ddtree.flash_batch import compile_batch_plans
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
-from verify_server.batch import BatchBuffers, BatchTree, TreeBatch, build_batch
+from verify_server.batch import BatchBuffers
+from verify_server.batch_runner import BatchSteps
 from verify_server.compaction import compact_path
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
@@ -35,12 +36,7 @@ from verify_server.step_inputs import (
 )
 
 
-# An AR step is a verify of the root alone (on the host, so a captured step copies nothing but its scalars); a
-# captured batch's filler trees are too.
-ROOT_ONLY = DraftTree(torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long), 0)
-
-
-class FusedRunner:
+class FusedRunner(BatchSteps):
     def __init__(
         self,
         model: PreTrainedModel,
@@ -165,44 +161,6 @@ class FusedRunner:
         hidden, features = self.decoder.forward(ids, positions, cache, slots, mask, start + q, taps)
         return self.decoder.logits(hidden[-1:] if last_only else hidden), features
 
-    def batch_forward(
-        self, items: list[BatchTree], taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
-        """Several sessions' trees in one uncaptured forward through the configured (compiled) step -> logits
-        [rows, V] fp32, features [rows, taps*hidden] (None without taps), the batch, whose rows and trees they
-        follow, and its rows' [4, rows] ids, positions, parents and depths, for the caller's sampling and walks.
-        Each tree's new K/V go to slots [length, length+q) of its cache."""
-        batch, rows = build_batch(items, self.device, self.decoder.attention == FLASH)
-        hidden, cos, sin = embed_tokens(rows[0], rows[1], self.decoder.embed, self.decoder.rope.table)
-        hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
-        return self.decoder.logits(hidden, compiled=True), features, batch, rows
-
-    def batch_round(
-        self, items: list[BatchTree], taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Greedy rounds of several sessions in one replay (greedy_round's, batched: verify_server/batch.py), each
-        tree padded to the query bucket of the largest -> (packed [B, 2 + qb], each row as accept_path returns it;
-        features of each path's nodes [B, qb, taps*hidden], the first k+1 rows of each valid, or None), rewritten
-        by the graph's next replay; None where it is not captured (eager mode, trees beyond the largest bucket, a
-        GPU without the flash kernel, which finds the slots by address). Keyed by the batch's size (a power of two),
-        bucket and key bucket only: any sessions' slots replay the same graph. The caller commits each tree's k + 1 rows."""
-        qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if self.static else None
-        if qb is None or (self.graphs.enabled and self.decoder.attention != FLASH):
-            return None
-        # batches of 2, 4, 8, ... trees, filled up with one-node trees over a scratch slot: fewer graphs to capture
-        trees = 1 << (len(items) - 1).bit_length()
-        if trees > len(items):
-            if self._scratch is None:
-                self._scratch = self._new_cache(MIN_SLOT_TOKENS)  # never committed: its length stays 0
-            items = items + [BatchTree(self._scratch, ROOT_ONLY, 0)] * (trees - len(items))
-        buf = self._batch_buffers.get((trees, qb))
-        if buf is None:
-            buf = self._batch_buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, self.num_kv_layers, self.device)
-        kv_len = key_bucket(max(item.cache.length for item in items) + qb, self.max_keys)
-        buf.write(items, [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items])
-        key = (trees, qb, kv_len, taps, "batch")
-        return self.graphs.run(key, lambda: self._batch_greedy(buf, taps, kv_len))
-
     def prefill(
         self, cache: KVCache, taps: tuple[int, ...], prompt: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -289,31 +247,6 @@ class FusedRunner:
         compact_path(cache, x.start, order, packed[:1])
         cursor = torch.stack((x.start + packed[0] + 1, packed[1]))  # [2] where the next round starts, its root
         return packed, None if features is None else features[order], cursor
-
-    def _batch_greedy(
-        self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Idempotent as _greedy is: each tree's forward rewrites its slots [start, start+qb) before its
-        compaction reads them."""
-        trees, qb = buf.inputs.shape[0], buf.qb
-        unpacked = [self._unpack(buf.inputs[b, : 3 * qb + 3], buf.nodes, self.decoder.embed, self.decoder.rope.table)
-                    for b in range(trees)]
-        xs = [TreeInputs(*u[:7]) for u in unpacked]
-        hidden, cos, sin = (torch.cat([u[i] for u in unpacked]) for i in (7, 8, 9))  # [B * qb, ...]
-        starts = torch.stack([x.start for x in xs])  # [B]
-        flash = self.decoder.attention == FLASH
-        batch = TreeBatch(buf.caches, [b * qb for b in range(trees)], [qb] * trees, buf.kv_lens, buf.row_tree,
-                          (starts[:, None] + buf.nodes).view(-1), torch.stack([x.anc for x in xs]),
-                          torch.cat((starts[None], buf.tables)), buf.slots if flash else None, qb, kv_len)
-        hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
-        logits = self.decoder.logits(hidden, compiled=True)  # [B * qb, V]
-        walked = [self._accept(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
-        packed = torch.stack([p for p, _ in walked])  # [B, 2 + qb]
-        order = torch.stack([path for _, path in walked]).clamp(max=qb - 1)  # [B, qb] each path first
-        batch.compact(order, packed[:, 0].contiguous())
-        if features is None:
-            return packed, None
-        return packed, features.view(trees, qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
 
     def _scores(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int

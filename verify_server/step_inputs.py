@@ -20,6 +20,11 @@ MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigge
 ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
 
 
+# An AR step is a verify of the root alone (on the host, so a captured step copies nothing but its scalars); a
+# captured batch's filler trees are too.
+ROOT_ONLY = DraftTree(torch.zeros(1, dtype=torch.long), torch.full((1,), -1), torch.zeros(1, dtype=torch.long), 0)
+
+
 def bucket(q: int) -> int | None:
     """The captured query count a q-token step is padded to (None: run it eagerly). Multiples of 16 up to 128
     keep padding small where trees usually are; powers of two beyond."""

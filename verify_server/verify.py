@@ -14,12 +14,13 @@ from ddtree.timing import TimerEvents
 from ddtree.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
-from verify_server.fused_runner import ROOT_ONLY, FusedRunner
+from verify_server.fused_runner import FusedRunner
 from verify_server.kv_cache import KVCache
 from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import choose_tokens
 from verify_server.session import CapacityError, SessionError, UnknownSessionError, VerifySession
+from verify_server.step_inputs import ROOT_ONLY
 from verify_server.state_cache import StateCache, TreeScratch
 from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
 from verify_server.walk import accept_path

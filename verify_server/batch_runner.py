@@ -1,0 +1,117 @@
+"""FusedRunner's batched steps: several sessions' trees in one forward (verify_server/batch.py), uncaptured, or
+captured per (trees, query bucket, key bucket) whatever slots the trees' sessions hold: a greedy batch with its
+walks and compactions in the graph (batch_round), a sampled one up to its logits (batch_scores). BatchSteps uses
+the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_unpack` and
+`_accept`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddtree.cuda_graphs import key_bucket
+from verify_server.batch import BatchBuffers, BatchTree, TreeBatch, build_batch
+from verify_server.fused import embed_tokens
+from verify_server.kv_cache import KVCache
+from verify_server.step_attention import FLASH
+from verify_server.step_inputs import MIN_SLOT_TOKENS, ROOT_ONLY, TreeInputs, bucket
+
+
+class BatchSteps:
+    """batch_forward, batch_round, batch_scores (see the module docstring)."""
+
+    _scratch: KVCache | None  # where a captured batch's filler trees write; allocated on first need
+    _batch_buffers: dict[tuple[int, int], BatchBuffers]  # (trees, bucket) -> static inputs
+
+    def batch_forward(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
+        """Several sessions' trees in one uncaptured forward through the configured (compiled) step -> logits
+        [rows, V] fp32, features [rows, taps*hidden] (None without taps), the batch, whose rows and trees they
+        follow, and its rows' [4, rows] ids, positions, parents and depths, for the caller's sampling and walks.
+        Each tree's new K/V go to slots [length, length+q) of its cache."""
+        batch, rows = build_batch(items, self.device, self.decoder.attention == FLASH)
+        hidden, cos, sin = embed_tokens(rows[0], rows[1], self.decoder.embed, self.decoder.rope.table)
+        hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
+        return self.decoder.logits(hidden, compiled=True), features, batch, rows
+
+    def batch_round(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Greedy rounds of several sessions in one replay (greedy_round's, batched), each tree padded to the query
+        bucket of the largest -> (packed [trees, 2 + qb], each row as accept_path returns it; features of each
+        path's nodes [trees, qb, taps*hidden], the first k+1 rows of each valid, or None), rewritten by the graph's
+        next replay; None where it is not captured (see _prepare_batch). The caller commits each tree's k + 1
+        rows; rows past the items are filler."""
+        prepared = self._prepare_batch(items)
+        if prepared is None:
+            return None
+        buf, kv_len = prepared
+        key = (buf.inputs.shape[0], buf.qb, kv_len, taps, "batch")
+        return self.graphs.run(key, lambda: self._batch_greedy(buf, taps, kv_len))
+
+    def batch_scores(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], int] | None:
+        """The forward of several sessions' sampled rounds in one replay (tree_forward's, batched) -> (logits
+        [trees * qb, V] fp32, features [trees * qb, taps*hidden] or None, each tree as the graph read it, qb):
+        tree b's rows are [b * qb, b * qb + q); the caller samples, walks and compacts each. None as for
+        batch_round."""
+        prepared = self._prepare_batch(items)
+        if prepared is None:
+            return None
+        buf, kv_len = prepared
+        key = (buf.inputs.shape[0], buf.qb, kv_len, taps, "batch-scores")
+        logits, features, xs, _ = self.graphs.run(key, lambda: self._batch_scores(buf, taps, kv_len))
+        return logits, features, xs, buf.qb
+
+    def _prepare_batch(self, items: list[BatchTree]) -> tuple[BatchBuffers, int] | None:
+        """The batch's static inputs written, and its key bucket; None where it is not captured: eager mode,
+        trees beyond the largest bucket, or a GPU without the flash kernel (which finds the slots by address; the
+        loop form would bind a graph to the slots it was captured with). Batches are of 2, 4, 8, ... trees, filled
+        up with one-node trees over a scratch slot (fewer graphs to capture): a graph is keyed by their count, the
+        bucket and the key bucket only, and any sessions' slots replay it."""
+        qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if self.static else None
+        if qb is None or (self.graphs.enabled and self.decoder.attention != FLASH):
+            return None
+        trees = 1 << (len(items) - 1).bit_length()
+        if trees > len(items):
+            if self._scratch is None:
+                self._scratch = self._new_cache(MIN_SLOT_TOKENS)  # never committed: its length stays 0
+            items = items + [BatchTree(self._scratch, ROOT_ONLY, 0)] * (trees - len(items))
+        buf = self._batch_buffers.get((trees, qb))
+        if buf is None:
+            buf = self._batch_buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, self.num_kv_layers, self.device)
+        buf.write(items, [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items])
+        return buf, key_bucket(max(item.cache.length for item in items) + qb, self.max_keys)
+
+    def _batch_scores(
+        self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], TreeBatch]:
+        trees, qb = buf.inputs.shape[0], buf.qb
+        unpacked = [self._unpack(buf.inputs[b, : 3 * qb + 3], buf.nodes, self.decoder.embed, self.decoder.rope.table)
+                    for b in range(trees)]
+        xs = [TreeInputs(*u[:7]) for u in unpacked]
+        hidden, cos, sin = (torch.cat([u[i] for u in unpacked]) for i in (7, 8, 9))  # [trees * qb, ...]
+        starts = torch.stack([x.start for x in xs])  # [trees]
+        flash = self.decoder.attention == FLASH
+        batch = TreeBatch(buf.caches, [b * qb for b in range(trees)], [qb] * trees, buf.kv_lens, buf.row_tree,
+                          (starts[:, None] + buf.nodes).view(-1), torch.stack([x.anc for x in xs]),
+                          torch.cat((starts[None], buf.tables)), buf.slots if flash else None, qb, kv_len)
+        hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
+        return self.decoder.logits(hidden, compiled=True), features, xs, batch  # logits [trees * qb, V]
+
+    def _batch_greedy(
+        self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Idempotent as _greedy is: each tree's forward rewrites its slots [start, start+qb) before its
+        compaction reads them."""
+        logits, features, xs, batch = self._batch_scores(buf, taps, kv_len)
+        qb = buf.qb
+        walked = [self._accept(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
+        packed = torch.stack([p for p, _ in walked])  # [trees, 2 + qb]
+        order = torch.stack([path for _, path in walked]).clamp(max=qb - 1)  # [trees, qb] each path first
+        batch.compact(order, packed[:, 0].contiguous())
+        if features is None:
+            return packed, None
+        return packed, features.view(len(xs), qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
