@@ -53,6 +53,8 @@ if triton is not None:
         pid, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = pid // kv_heads, pid % kv_heads
         q_len, offset, start = tl.load(QLens + b), tl.load(Offsets + b), tl.load(Starts + b)
+        if tile * BLOCK_M >= q_len * GROUP:  # a row tile past a smaller tree's rows: nothing of its to write
+            return
         K = tl.load(KBase + b).to(tl.pointer_type(Q.dtype.element_ty))
         V = tl.load(VBase + b).to(tl.pointer_type(Q.dtype.element_ty))
         stride_kh = tl.load(HeadStride + b)

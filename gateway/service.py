@@ -171,7 +171,9 @@ class GatewayService:
             self.metrics.requests.labels(finish).inc()
             self.metrics.e2e.observe(time.perf_counter() - arrival)
 
-    async def _decode(self, req: GenerationRequest, arrival: float, started: list[asyncio.Task]) -> AsyncIterator[Delta]:
+    async def _decode(
+        self, req: GenerationRequest, arrival: float, started: list[asyncio.Task]
+    ) -> AsyncIterator[Delta]:
         """The request's deltas from its round loop, a task of its own, which is appended to `started`."""
         queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
         loop = asyncio.create_task(self._run_loop(req, queue))

@@ -148,3 +148,30 @@ def test_batch_gathers_the_calls_that_wait_together() -> None:
     outcomes = asyncio.run(scenario())
     assert engine.runs == [[0, 2, 4], [6], [1, 8]]
     assert outcomes[:4] == [0, 20, 40, 60] and isinstance(outcomes[4], ValueError) and outcomes[5] == 80
+
+
+def test_batch_skips_callers_gone_and_fails_a_failed_run_for_all() -> None:
+    """A call cancelled while it waits is not run; a run that fails as a whole fails each of its calls with its
+    error, and the next run goes on."""
+    engine = Recorder()
+    host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
+    host.engine = engine
+
+    def run(e: Recorder, items: list[int]) -> list[int | Exception]:
+        if 13 in items:
+            e.runs.append(items)
+            raise RuntimeError("the forward failed")
+        return e.run(items)
+
+    batch = Batch("Verify", run, max_size=8)
+
+    async def scenario() -> list:
+        calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (2, 4, 13)]
+        calls[1].cancel()  # before the run takes it
+        failed = await asyncio.gather(*calls, return_exceptions=True)
+        return [*failed, await batch.submit(host, 6)]
+
+    outcomes = asyncio.run(scenario())
+    assert isinstance(outcomes[0], RuntimeError) and isinstance(outcomes[2], RuntimeError)
+    assert isinstance(outcomes[1], asyncio.CancelledError) and outcomes[3] == 60
+    assert engine.runs == [[2, 13], [6]]  # the cancelled call never ran
