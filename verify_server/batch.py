@@ -36,11 +36,18 @@ class BatchTree:
 def slot_table(caches: list[KVCache]) -> list[list[int]]:
     """[2 * layers + 1][B] the slots' addresses for the flash kernels: each layer's keys, then each layer's values
     ([kv_heads, capacity, d] planes), then the slots' head strides (capacity * d)."""
-    layers = len(caches[0].index)  # the fused path's targets: every decoder layer has K/V
-    steps = [c.k.stride(0) * c.k.element_size() for c in caches]  # bytes from one layer's K/V to the next
-    keys = [[c.k.data_ptr() + c.index[i] * s for c, s in zip(caches, steps)] for i in range(layers)]
-    values = [[c.v.data_ptr() + c.index[i] * s for c, s in zip(caches, steps)] for i in range(layers)]
-    return keys + values + [[c.k.stride(2) for c in caches]]
+    return [list(column) for column in zip(*(slot_addresses(c) for c in caches))]
+
+
+def slot_addresses(cache: KVCache) -> tuple[int, ...]:
+    """One slot's column of slot_table, worked out once: a slot's tensors live as long as the engine."""
+    if cache.addresses is None:
+        step = cache.k.stride(0) * cache.k.element_size()  # bytes from one layer's K/V to the next
+        layers = range(len(cache.index))  # the fused path's targets: every decoder layer has K/V
+        keys = [cache.k.data_ptr() + cache.index[i] * step for i in layers]
+        values = [cache.v.data_ptr() + cache.index[i] * step for i in layers]
+        cache.addresses = (*keys, *values, cache.k.stride(2))
+    return cache.addresses
 
 
 @dataclass

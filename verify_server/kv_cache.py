@@ -29,6 +29,7 @@ class KVCache:
         self.k = alloc(shape, device=device, dtype=dtype)
         self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
+        self.addresses: tuple[int, ...] | None = None  # verify_server/batch.py slot_addresses, once worked out
 
     @property
     def capacity(self) -> int:
