@@ -11,7 +11,8 @@ too, through the configured (compiled) layers with SDPA's causal attention: unca
 hundred launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls,
 where the graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix
 too) take the same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest
-bucket, run the forward eagerly.
+bucket, run the forward eagerly. Several sessions' trees in one step (verify_server/batch_runner.py, BatchSteps)
+reach their slots by address instead, so their graphs are keyed by the batch's shape alone.
 """
 
 from __future__ import annotations
