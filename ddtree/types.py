@@ -83,6 +83,7 @@ class DrafterInfo:
     vocab_size: int
     max_budget: int  # largest tree (nodes without the root) it drafts
     max_session_tokens: int  # largest session capacity it accepts
+    max_sessions: int = 0  # sessions it holds at once (0: no fixed limit)
 
 
 @dataclass(frozen=True)
@@ -98,3 +99,4 @@ class VerifierInfo:
     max_tree_size: int  # largest tree (nodes without the root) it verifies
     max_tree_depth: int
     max_session_tokens: int  # largest session capacity it accepts
+    max_sessions: int = 0  # sessions it holds at once (0: no fixed limit)

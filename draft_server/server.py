@@ -88,6 +88,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 vocab_size=engine.head.vocab_size,
                 max_budget=self.config.max_budget,
                 max_session_tokens=self.max_session_tokens(engine),
+                max_sessions=engine.static.slots.max_sessions if engine.static is not None else 0,
             )
         )
         info.lane_port = self.host.lane_port

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from ddtree.types import SamplingParams
+from gateway.admission import RunningLimit
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
 from gateway.health import BackendMonitor, Backends, DrafterBackend
@@ -63,7 +64,7 @@ class GatewayService:
         self.tokenizer = tokenizer
         self.metrics = Metrics()
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
-        self._slots = asyncio.Semaphore(config.max_running)
+        self._slots = RunningLimit(config.max_running)
         self._loops: set[asyncio.Task] = set()  # round loops in flight, so shutdown can end their sessions
 
     async def start(self) -> None:
@@ -142,6 +143,7 @@ class GatewayService:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Text deltas; the last one has the finish reason. Waits for a slot (at most max_running decode at once)."""
         arrival = time.perf_counter()
+        self._slots.set_limit(self._running_limit())
         self.metrics.waiting.inc()
         try:
             await self._slots.acquire()
@@ -170,6 +172,19 @@ class GatewayService:
             self.metrics.running.dec()
             self.metrics.requests.labels(finish).inc()
             self.metrics.e2e.observe(time.perf_counter() - arrival)
+
+    def _running_limit(self) -> int:
+        """max_running, lowered to the sessions the model services hold at once (as their Info reports them):
+        a request past those would fail its StartSession rather than wait."""
+        limits = [self.config.max_running]
+        for info in (self.monitor.verifier_info, self.monitor.drafter_info):
+            if info is not None and info.max_sessions > 0:
+                limits.append(info.max_sessions)
+        limit = min(limits)
+        if limit != self._slots.limit and limit < self.config.max_running:
+            log.info("running at most %d requests at once: a model service holds %d sessions at most "
+                     "(--max-running %d)", limit, limit, self.config.max_running)
+        return limit
 
     async def _decode(
         self, req: GenerationRequest, arrival: float, started: list[asyncio.Task]

@@ -241,6 +241,7 @@ def drafter_info_to_pb(info: DrafterInfo) -> pb.DrafterInfoResponse:
         vocab_size=info.vocab_size,
         max_budget=info.max_budget,
         max_session_tokens=info.max_session_tokens,
+        max_sessions=info.max_sessions,
     )
 
 
@@ -252,6 +253,7 @@ def drafter_info_from_pb(msg: pb.DrafterInfoResponse) -> DrafterInfo:
         vocab_size=msg.vocab_size,
         max_budget=msg.max_budget,
         max_session_tokens=msg.max_session_tokens,
+        max_sessions=msg.max_sessions,
     )
 
 
@@ -286,6 +288,7 @@ def verifier_info_to_pb(info: VerifierInfo) -> pb.VerifierInfoResponse:
         max_tree_size=info.max_tree_size,
         max_tree_depth=info.max_tree_depth,
         max_session_tokens=info.max_session_tokens,
+        max_sessions=info.max_sessions,
     )
 
 
@@ -300,4 +303,5 @@ def verifier_info_from_pb(msg: pb.VerifierInfoResponse) -> VerifierInfo:
         max_tree_size=msg.max_tree_size,
         max_tree_depth=msg.max_tree_depth,
         max_session_tokens=msg.max_session_tokens,
+        max_sessions=msg.max_sessions,
     )

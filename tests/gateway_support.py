@@ -60,7 +60,8 @@ class ServiceVerifier(LocalVerifier):
         e = self.engine
         return VerifierInfo(model_name="tiny", vocab_size=e.vocab_size, max_context_length=MAX_CONTEXT,
                             eos_token_ids=[], num_layers=e.num_layers, hidden_size=e.hidden_size, max_tree_size=64,
-                            max_tree_depth=16, max_session_tokens=MAX_CONTEXT + 65)
+                            max_tree_depth=16, max_session_tokens=MAX_CONTEXT + 65,
+                            max_sessions=e.fused.slots.max_sessions if e.fused is not None else 0)
 
     async def health(self) -> bool:
         return self.healthy
@@ -76,7 +77,8 @@ class ServiceDrafter(LocalDrafter):
         e = self.engine
         return DrafterInfo(block_size=e.block_size, target_layer_ids=self.target_layer_ids,
                            feature_dim=e.feature_dim, vocab_size=e.head.vocab_size, max_budget=64,
-                           max_session_tokens=MAX_CONTEXT)
+                           max_session_tokens=MAX_CONTEXT,
+                           max_sessions=e.static.slots.max_sessions if e.static is not None else 0)
 
     async def health(self) -> bool:
         return self.healthy

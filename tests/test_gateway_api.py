@@ -281,6 +281,20 @@ async def test_a_finished_request_frees_its_slot_only_with_its_sessions(target, 
     assert [r.json()["choices"][0]["message"]["content"] for r in replies[1::2]] == [want] * 3
 
 
+async def test_requests_past_the_verifiers_sessions_wait(target, backends, tokenizer) -> None:
+    """A verifier that holds 2 sessions (its Info says so) behind a gateway allowed 16 running requests: the
+    gateway runs 2 at once and queues the rest, where their StartSession would have failed (HTTP 500)."""
+    verifier = SlowlyEnding(VerifyEngine.from_pretrained(target, max_sessions=2))
+    want = (await reference(Backends(verifier, backends.drafter), tokenizer, chat_ids(tokenizer, HELLO), 8))[0]
+    async with gateway(target, Backends(verifier, backends.drafter), max_running=16) as client:
+        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": HELLO, "max_tokens": 8, "temperature": 0,
+            "speculation": {"mode": "off"}}) for _ in range(5)))
+        assert client.service._slots.limit == 2
+    assert [r.status_code for r in replies] == [200] * 5
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == [want] * 5
+
+
 async def test_health_states(target, backends) -> None:
     async with gateway(target, backends) as client:
         service = client.service

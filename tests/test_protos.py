@@ -120,9 +120,9 @@ def test_draft_response_carries_the_round_loops_timing_keys():
 
 
 def test_info_round_trips():
-    drafter = DrafterInfo(16, [1, 9, 17, 25, 33], 5 * 4096, 151936, 1024, 40960)
+    drafter = DrafterInfo(16, [1, 9, 17, 25, 33], 5 * 4096, 151936, 1024, 40960, max_sessions=12)
     assert tensors.drafter_info_from_pb(_wire(tensors.drafter_info_to_pb(drafter))) == drafter
-    verifier = VerifierInfo("Qwen3-8B", 151936, 40960, [151645, 151643], 36, 4096, 1024, 64, 42000)
+    verifier = VerifierInfo("Qwen3-8B", 151936, 40960, [151645, 151643], 36, 4096, 1024, 64, 42000, max_sessions=16)
     assert tensors.verifier_info_from_pb(_wire(tensors.verifier_info_to_pb(verifier))) == verifier
 
 

@@ -116,6 +116,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 max_tree_size=self.config.max_tree_size,
                 max_tree_depth=self.config.max_tree_depth,
                 max_session_tokens=self.max_session_tokens(engine),
+                max_sessions=engine.fused.slots.max_sessions if engine.fused is not None else 0,
             )
         )
         info.lane_port = self.host.lane_port

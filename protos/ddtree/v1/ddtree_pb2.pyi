@@ -58,7 +58,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfoResponse(_message.Message):
-    __slots__ = ("block_size", "target_layer_ids", "feature_dim", "vocab_size", "max_budget", "max_session_tokens", "lane_port", "timings")
+    __slots__ = ("block_size", "target_layer_ids", "feature_dim", "vocab_size", "max_budget", "max_session_tokens", "lane_port", "max_sessions", "timings")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class DrafterInfoResponse(_message.Message):
     MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,8 +75,9 @@ class DrafterInfoResponse(_message.Message):
     max_budget: int
     max_session_tokens: int
     lane_port: int
+    max_sessions: int
     timings: Timings
-    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DrafterStartSessionRequest(_message.Message):
     __slots__ = ("session_id", "capacity")
@@ -150,7 +152,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "max_tree_size", "max_tree_depth", "max_session_tokens", "lane_port", "timings")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "max_tree_size", "max_tree_depth", "max_session_tokens", "lane_port", "max_sessions", "timings")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +163,7 @@ class VerifierInfoResponse(_message.Message):
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
@@ -172,8 +175,9 @@ class VerifierInfoResponse(_message.Message):
     max_tree_depth: int
     max_session_tokens: int
     lane_port: int
+    max_sessions: int
     timings: Timings
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_tree_size: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_tree_size: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class VerifierStartSessionRequest(_message.Message):
     __slots__ = ("session_id", "capacity", "sampling", "tap_layers")
