@@ -9,6 +9,7 @@ engine's `fused` runner, `timers`, `session()` and `verify()`.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,17 @@ from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.walk import accept_path
 
 log = logging.getLogger(__name__)
+
+
+class TreeRows(NamedTuple):
+    """One tree's rows of a batch's forward, on the device: what its sampling, walk and compaction read."""
+
+    ids: torch.Tensor  # [q], the session's root first
+    parents: torch.Tensor  # [q]
+    depths: torch.Tensor  # [q]
+    anc: torch.Tensor  # [q, q] ancestor-or-self
+    logits: torch.Tensor  # [q, V] fp32
+    features: torch.Tensor | None  # [q, taps*hidden]
 
 
 class BatchedRounds:
@@ -80,8 +92,8 @@ class BatchedRounds:
                 trees = []
                 for b, q in enumerate(q_lens):
                     rows = batch.tree_rows(b)
-                    trees.append((ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
-                                  None if features is None else features[rows]))
+                    trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
+                                          None if features is None else features[rows]))
                 return self._commit(sessions, trees, timer)
             if sessions[0].params.greedy:  # forward, walks and compactions in one replay
                 captured = self.fused.batch_round(items, taps)
@@ -91,8 +103,9 @@ class BatchedRounds:
                 scored = self.fused.batch_scores(items, taps)
                 if scored is not None:
                     logits, features, xs, qb = scored
-                    trees = [(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q], logits[b * qb : b * qb + q],
-                              None if features is None else features[b * qb : b * qb + q])
+                    trees = [TreeRows(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q],
+                                      logits[b * qb : b * qb + q],
+                                      None if features is None else features[b * qb : b * qb + q])
                              for b, (x, q) in enumerate(zip(xs, q_lens))]
                     return self._commit(sessions, trees, timer)
             # a GPU whose graphs could not find the slots: each round alone, captured
@@ -121,26 +134,27 @@ class BatchedRounds:
             results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept))
         return self._timed(results, timer)
 
-    def _commit(self, sessions: list[VerifySession], trees: list[tuple], timer: StepTimer) -> list[StepResult]:
-        """Each tree's choices (sampled with its session's generator), walk and compaction. trees: per session, its
-        rows' (ids, parents, depths [q], ancestor matrix [q, q], logits [q, V], features [q, F] or None)."""
+    def _commit(self, sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer) -> list[StepResult]:
+        """Each tree's choices (sampled with its session's generator), walk and compaction."""
         timer.mark()
         packed, paths = [], []
-        for sess, (ids, parents, depths, anc, logits, _) in zip(sessions, trees):
-            choice = choose_tokens(logits, sess.params, sess.generator)  # [q]
-            walked, path = accept_path(ids, parents, depths, anc, choice)
+        for sess, tree in zip(sessions, trees):
+            choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q]
+            walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
             packed.append(walked)
             paths.append(path)
         host = timer.sync(torch.cat(packed).tolist)  # the batch's single host sync
         results, at = [], 0
-        for sess, path, (ids, *_, features) in zip(sessions, paths, trees):
-            answer = host[at : at + 2 + ids.shape[0]]
-            at += 2 + ids.shape[0]
+        for sess, path, tree in zip(sessions, paths, trees):
+            q = tree.ids.shape[0]
+            answer = host[at : at + 2 + q]
+            at += 2 + q
             k, bonus = answer[0], answer[1]
             keep = path[: k + 1]
             sess.cache.compact(sess.cache.length, keep)
             sess.root = bonus
-            results.append(StepResult(answer[3 : 3 + k] + [bonus], None if features is None else features[keep]))
+            features = None if tree.features is None else tree.features[keep]
+            results.append(StepResult(answer[3 : 3 + k] + [bonus], features))
         return self._timed(results, timer)
 
     @staticmethod
