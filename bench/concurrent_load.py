@@ -6,10 +6,10 @@ number of clients grows (e.g. two `ddtree serve` stacks on one GPU, one with `--
         --requests-per-client 3 --max-tokens 64 --out results/concurrent_load.json
 
 At each client count the gateways take turns (the order alternating), so both see the same machine state. Each
-client sends its requests one after another (greedy, the given speculation mode, a fresh short prompt each);
-every client starts at once. Reported per gateway and client count: completion tokens / wall time, the median
-and worst request latency, and, with --verifier-metrics, the mean number of sessions' rounds the verifier ran in
-one forward (ddtree_verify_batch_size) and its forwards per second.
+client sends its requests one after another (greedy unless --temperature, the given speculation mode, a fresh
+short prompt each); every client starts at once. Reported per gateway and client count: completion tokens / wall
+time, the median and worst request latency, and, with --verifier-metrics, the mean number of sessions' rounds the
+verifier ran in one forward (ddtree_verify_batch_size) and its forwards per second.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[st
     tokens = 0
     for text in prompts:
         body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens,
-                "temperature": 0, "speculation": {"mode": args.mode}}
+                "temperature": args.temperature, "speculation": {"mode": args.mode}}
         start = time.perf_counter()
         reply = await http.post(f"{url}/v1/chat/completions", json=body, timeout=600)
         latencies.append(time.perf_counter() - start)
@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=40)
     p.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "off"))
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled rounds")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     urls = [u.rstrip("/") for u in args.gateways.split(",")]
