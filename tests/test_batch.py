@@ -99,6 +99,25 @@ def test_a_failing_call_fails_alone(qwen3_target: Path) -> None:
     assert len(engine.decode("small").tokens) == 1  # untouched by its refused call
 
 
+def test_a_hybrid_target_verifies_a_batch_one_call_at_a_time(hybrid_targets: dict[str, Path]) -> None:
+    """A target off the fused path (Gated DeltaNet layers keep per-session recurrent state) has no batched forward:
+    verify_batch runs each call alone, and each gets what verify gives it."""
+    target = hybrid_targets["qwen3_5"]
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    truths = [hf_greedy(model, prompt, 30) for prompt in PROMPTS[:2]]
+    engine = VerifyEngine.from_pretrained(target)
+    assert engine.fused is None
+    for i, prompt in enumerate(PROMPTS[:2]):
+        engine.start_session(f"h{i}", 100, SamplingParams(), taps=[1])
+        engine.prefill(f"h{i}", prompt)
+    rng, got = random.Random(2), [truth[:1] for truth in truths]
+    for _ in range(6):
+        calls = [(f"h{i}", oracle_tree(rng, got[i][-1], truths[i][len(got[i]):], 3, 4)) for i in range(2)]
+        for i, step in enumerate(engine.verify_batch(calls)):
+            assert step.tokens == truths[i][len(got[i]) : len(got[i]) + 4]
+            got[i] += step.tokens
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the batched flash kernel needs a GPU")
 def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> None:
     """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
