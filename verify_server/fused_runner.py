@@ -47,8 +47,10 @@ class FusedRunner(BatchSteps):
         compile: bool = False,
         attention: str | None = None,
         fused_rows: int | None = None,
+        max_batch: int = 8,
     ) -> None:
-        """compile / attention / fused_rows: see configure; they apply to the bucketed (graph) steps."""
+        """compile / attention / fused_rows: see configure; they apply to the bucketed (graph) steps. max_batch: the
+        most trees a batched step takes (the start-up compile's bound)."""
         self.decoder = FusedDecoder(model)
         self.device = self.decoder.embed.device
         self.dtype = self.decoder.embed.dtype
@@ -61,6 +63,7 @@ class FusedRunner(BatchSteps):
         self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
         self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
         self._scratch: KVCache | None = None  # where a batch's filler trees write
+        self.max_batch = max_batch
         self.configure(graphs, compile, attention, fused_rows)
 
     def configure(
@@ -95,8 +98,9 @@ class FusedRunner(BatchSteps):
             shape = self.decoder.shape
             keys = self._key_counts()
             compile_plans(shape.heads, shape.kv_heads, shape.head_dim, QUERY_BUCKETS, keys, self.dtype, self.device)
-            # batches of 2, 4, ... trees, up to as many as there can be sessions
-            trees = [1 << i for i in range(1, (self.slots.max_sessions - 1).bit_length() + 1)]
+            # batches of 2, 4, ... trees (a batch is filled up to a power of two), as many as can run at once
+            largest = min(self.max_batch, self.slots.max_sessions)
+            trees = [1 << i for i in range(1, (largest - 1).bit_length() + 1)]
             compile_batch_plans(shape.heads, shape.kv_heads, shape.head_dim, trees, QUERY_BUCKETS, keys, self.dtype,
                                 self.device)
 

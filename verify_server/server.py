@@ -213,7 +213,7 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     else:
         engine = VerifyEngine.from_pretrained(
             config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compiles,
-            None if config.fused_rows == -1 else config.fused_rows,
+            None if config.fused_rows == -1 else config.fused_rows, max_batch=config.max_batch,
         )
     log.info(
         "target loaded in %.1f s: %d layers, hidden %d, vocab %d, %s forward",

@@ -61,6 +61,7 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         compile: bool = False,
         fused_rows: int | None = None,
         attention: str | None = None,
+        max_batch: int = 8,
     ) -> None:
         """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
         fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
@@ -69,7 +70,8 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
         the fused path's steps of up to this many rows run the Triton projections of ddtree/gemv.py where they can
         (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
-        (step_attention.ATTENTION_CHOICES); None: FusedRunner's default."""
+        (step_attention.ATTENTION_CHOICES); None: FusedRunner's default. max_batch: the most sessions' rounds
+        verify_batch runs in one forward (bounds what the fused path compiles at start-up)."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()
@@ -84,7 +86,8 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         self.timers = TimerEvents(self.device)
         self.fused = None
         if fused and fused_unsupported(cfg) is None:
-            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows)
+            self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
+                                     max_batch)
             self.linear, self.kv_layers, self.scratch = None, list(range(self.num_layers)), None
             return
         self.decoder = model.get_decoder()
@@ -118,10 +121,11 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         compile: bool = False,
         fused_rows: int | None = None,
         attention: str | None = None,
+        max_batch: int = 8,
     ) -> "VerifyEngine":
         """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
         model = load_target(path, device, dtype)
-        return cls(model, max_tree_size, max_sessions, not eager, not eager, compile, fused_rows, attention)
+        return cls(model, max_tree_size, max_sessions, not eager, not eager, compile, fused_rows, attention, max_batch)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
