@@ -15,7 +15,7 @@ import torch
 
 from collections.abc import Iterable
 
-from ddtree.flash_tree import TARGET_PROGRAMS, Plan, compiled_config, plan, triton
+from ddtree.flash_tree import TARGET_PROGRAMS, Plan, new_configs, plan, triton
 
 if triton is not None:
     import triton.language as tl
@@ -101,22 +101,18 @@ def compile_batch_plans(
     keys = torch.zeros(kv_heads, kv_lens[-1], head_dim, dtype=dtype, device=device)  # views as a slot's K and V
     seen: set[tuple] = set()
     for count in sorted(set(trees)):
-        for q_len in sorted(set(q_lens)):
-            for kv_len in kv_lens:
-                config = compiled_config(batch_plan(q_len, heads, kv_heads, kv_len, head_dim, count), q_len)
-                if kv_len < q_len or config in seen:
-                    continue
-                seen.add(config)
-                rows = count * q_len
-                q = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
-                k = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
-                per_tree = torch.tensor([[keys.data_ptr()] * count, [keys.stride(0)] * count, [kv_len - q_len] * count,
-                                         [q_len] * count, [b * q_len for b in range(count)]], device=device)
-                row_tree = torch.arange(count, device=device).repeat_interleave(q_len)
-                row_slot = (kv_len - q_len + torch.arange(q_len, device=device)).repeat(count)
-                tree = torch.ones(count, q_len, q_len, dtype=torch.bool, device=device).tril()
-                batch_tree_attention(q, k, k, per_tree[0], per_tree[0], per_tree[1], row_tree, row_slot, tree,
-                                     per_tree[2], per_tree[3], per_tree[4], q_len, kv_len, 1.0)
+        batch_of = lambda q, kv, count=count: batch_plan(q, heads, kv_heads, kv, head_dim, count)  # noqa: E731
+        for q_len, kv_len, _ in new_configs(q_lens, kv_lens, batch_of, seen):
+            rows = count * q_len
+            q = torch.zeros(rows, heads, head_dim, dtype=dtype, device=device)
+            k = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
+            per_tree = torch.tensor([[keys.data_ptr()] * count, [keys.stride(0)] * count, [kv_len - q_len] * count,
+                                     [q_len] * count, [b * q_len for b in range(count)]], device=device)
+            row_tree = torch.arange(count, device=device).repeat_interleave(q_len)
+            row_slot = (kv_len - q_len + torch.arange(q_len, device=device)).repeat(count)
+            tree = torch.ones(count, q_len, q_len, dtype=torch.bool, device=device).tril()
+            batch_tree_attention(q, k, k, per_tree[0], per_tree[0], per_tree[1], row_tree, row_slot, tree,
+                                 per_tree[2], per_tree[3], per_tree[4], q_len, kv_len, 1.0)
     return len(seen)
 
 

@@ -17,7 +17,7 @@ The op is a torch.library custom op, so torch.compile (fullgraph, dynamic shapes
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -217,19 +217,25 @@ def compile_plans(
     kv_lens = sorted(set(kv_lens))
     keys = torch.zeros(kv_heads, kv_lens[-1], head_dim, dtype=dtype, device=device)  # views as a cache slot's
     seen: set[tuple] = set()
-    for q_len in sorted(set(q_lens)):
-        for kv_len in kv_lens:
-            if kv_len < q_len:
-                continue
-            p = plan(q_len, heads, kv_heads, kv_len, head_dim)
-            config = compiled_config(p, q_len)
-            if config in seen:
-                continue
-            seen.add(config)
-            q = torch.zeros(q_len, heads, head_dim, dtype=dtype, device=device)
-            tree = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-            launch(q, keys[:, :kv_len], keys[:, :kv_len], torch.tensor(kv_len - q_len, device=device), tree, 1.0, p)
+    for q_len, kv_len, p in new_configs(q_lens, kv_lens, lambda q, kv: plan(q, heads, kv_heads, kv, head_dim), seen):
+        q = torch.zeros(q_len, heads, head_dim, dtype=dtype, device=device)
+        tree = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+        launch(q, keys[:, :kv_len], keys[:, :kv_len], torch.tensor(kv_len - q_len, device=device), tree, 1.0, p)
     return len(seen)
+
+
+def new_configs(
+    q_lens: Iterable[int], kv_lens: Iterable[int], plan_of: Callable[[int, int], Plan], seen: set[tuple]
+) -> Iterator[tuple[int, int, Plan]]:
+    """(rows, keys, plan) for each step shape, kv_len >= q_len, whose compiled_config is not in `seen` yet (and
+    is added to it): one launch of each is what a start-up compile needs."""
+    for q_len in sorted(set(q_lens)):
+        for kv_len in sorted(set(kv_lens)):
+            p = plan_of(q_len, kv_len)
+            config = compiled_config(p, q_len)
+            if kv_len >= q_len and config not in seen:
+                seen.add(config)
+                yield q_len, kv_len, p
 
 
 @torch.library.custom_op("ddtree::flash_tree_attention", mutates_args=())

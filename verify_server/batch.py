@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.cuda_graphs import key_bucket
 from ddtree.flash_batch import batch_tree_attention
 from ddtree.types import DraftTree
 from verify_server.compaction import compact_batch, compact_path
@@ -177,7 +178,7 @@ class BatchBuffers:
     def qb(self) -> int:
         return self.nodes.shape[0]
 
-    def write(self, items: list[BatchTree], kv_lens: list[int]) -> None:
+    def write(self, items: list[BatchTree]) -> None:
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
         trees, width, qb = len(items), self.inputs.shape[1], self.qb
@@ -192,4 +193,5 @@ class BatchBuffers:
         self.data.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.caches, self.kv_lens = [item.cache for item in items], kv_lens
+        self.caches = [item.cache for item in items]
+        self.kv_lens = [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items]

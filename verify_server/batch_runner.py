@@ -82,7 +82,7 @@ class BatchSteps:
         buf = self._batch_buffers.get((trees, qb))
         if buf is None:
             buf = self._batch_buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, self.num_kv_layers, self.device)
-        buf.write(items, [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items])
+        buf.write(items)
         return buf, key_bucket(max(item.cache.length for item in items) + qb, self.max_keys)
 
     def _batch_scores(

@@ -47,11 +47,15 @@ class BatchedRounds:
         queued, whose tree fits, with the same tapped layers, run in one forward (greedy rounds and sampled ones
         apart; on an engine with static buffers, captured in one graph); the others (and a session's second call in
         one batch, which comes after its first) run alone, in order, after it."""
+        if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
+            return [self._alone(*calls[0], host_features)]
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         groups: dict[tuple, list[int]] = {}
+        batched: set[str] = set()
         for i, (session_id, tree) in enumerate(calls):
-            sess = self._batchable(session_id, tree, groups, calls)
+            sess = self._batchable(session_id, tree, batched)
             if sess is not None:  # greedy and sampled rounds apart: a captured greedy batch walks in its graph
+                batched.add(session_id)
                 groups.setdefault((tuple(sess.taps), sess.params.greedy), []).append(i)
         for members in groups.values():
             if len(members) > 1:
@@ -62,58 +66,59 @@ class BatchedRounds:
                 outcomes[i] = self._alone(session_id, tree, host_features)
         return outcomes
 
-    def _batchable(
-        self, session_id: str, tree: DraftTree, groups: dict[tuple, list[int]],
-        calls: list[tuple[str, DraftTree]],
-    ) -> VerifySession | None:
-        """The session when this call can join the batch; None for verify() to run (or to refuse) it alone."""
+    def _batchable(self, session_id: str, tree: DraftTree, batched: set[str]) -> VerifySession | None:
+        """The session when this call can join the batch; None for verify() to run (or to refuse) it alone, such as
+        a session's second call, which must come after its first (`batched`: the sessions already in)."""
         sess = self.sessions.get(session_id)
-        if self.fused is None or sess is None or sess.root is None or sess.inflight:
+        if self.fused is None or sess is None or sess.root is None or sess.inflight or session_id in batched:
             return None
         q = tree.tokens.shape[0]
         if q > MAX_GRAPH_NODES or sess.cache.length + q > sess.capacity:
-            return None
-        if any(calls[i][0] == session_id for members in groups.values() for i in members):
             return None
         return sess
 
     def _verify_together(
         self, calls: list[tuple[str, DraftTree]], host_features: bool
     ) -> list[StepResult | Exception]:
-        """One forward for the calls' trees, then each tree's walk and compaction; one host sync for all."""
+        """One forward for the calls' trees, then each tree's walk and compaction; one host sync for all. Where
+        the batch cannot run (a GPU whose graphs could not find the slots, or out of memory: nothing is committed
+        yet), each call runs alone, captured, and fails alone if it must."""
         sessions = [self.session(session_id) for session_id, _ in calls]
         items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, calls)]
-        taps = tuple(sessions[0].taps)
-        q_lens = [tree.tokens.shape[0] for _, tree in calls]
-        timer = self.timers.timer()
         try:
-            if not self.fused.static:
-                logits, features, batch, (ids, _, parents, depths) = self.fused.batch_forward(items, taps)
-                trees = []
-                for b, q in enumerate(q_lens):
-                    rows = batch.tree_rows(b)
-                    trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
-                                          None if features is None else features[rows]))
-                return self._commit(sessions, trees, timer)
-            if sessions[0].params.greedy:  # forward, walks and compactions in one replay
-                captured = self.fused.batch_round(items, taps)
-                if captured is not None:
-                    return self._commit_captured(sessions, captured, timer, host_features)
-            else:  # the forward in one replay; each tree sampled with its session's generator, as alone
-                scored = self.fused.batch_scores(items, taps)
-                if scored is not None:
-                    logits, features, xs, qb = scored
-                    trees = [TreeRows(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q],
-                                      logits[b * qb : b * qb + q],
-                                      None if features is None else features[b * qb : b * qb + q])
-                             for b, (x, q) in enumerate(zip(xs, q_lens))]
-                    return self._commit(sessions, trees, timer)
-            # a GPU whose graphs could not find the slots: each round alone, captured
-            return [self._alone(session_id, tree, host_features) for session_id, tree in calls]
+            results = self._run_together(sessions, items, host_features)
         except torch.OutOfMemoryError:
-            # nothing is committed yet: each call runs alone, and fails alone if it must
             log.warning("a batch of %d trees ran out of memory; verifying them one by one", len(calls))
+            results = None
+        if results is None:
             return [self._alone(session_id, tree, host_features) for session_id, tree in calls]
+        return results
+
+    def _run_together(
+        self, sessions: list[VerifySession], items: list[BatchTree], host_features: bool
+    ) -> list[StepResult] | None:
+        taps = tuple(sessions[0].taps)
+        q_lens = [item.tree.tokens.shape[0] for item in items]
+        timer = self.timers.timer()
+        if not self.fused.static:
+            logits, features, batch, (ids, _, parents, depths) = self.fused.batch_forward(items, taps)
+            trees = []
+            for b, q in enumerate(q_lens):
+                rows = batch.tree_rows(b)
+                trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
+                                      None if features is None else features[rows]))
+            return self._walk_and_commit(sessions, trees, timer)
+        if sessions[0].params.greedy:  # forward, walks and compactions in one replay
+            captured = self.fused.batch_round(items, taps)
+            return None if captured is None else self._commit_captured(sessions, captured, timer, host_features)
+        scored = self.fused.batch_scores(items, taps)  # the forward in one replay; the rest per tree, as alone
+        if scored is None:
+            return None
+        logits, features, xs, qb = scored
+        trees = [TreeRows(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q], logits[b * qb : b * qb + q],
+                          None if features is None else features[b * qb : b * qb + q])
+                 for b, (x, q) in enumerate(zip(xs, q_lens))]
+        return self._walk_and_commit(sessions, trees, timer)
 
     def _commit_captured(
         self, sessions: list[VerifySession], captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer,
@@ -134,16 +139,20 @@ class BatchedRounds:
             results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept))
         return self._timed(results, timer)
 
-    def _commit(self, sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer) -> list[StepResult]:
-        """Each tree's choices (sampled with its session's generator), walk and compaction."""
+    def _walk_and_commit(
+        self, sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer
+    ) -> list[StepResult]:
+        """An uncaptured round's end, one tree or several (verify() calls it too): each tree's choices (sampled
+        with its session's generator), walk, compaction (and a hybrid target's recurrent state), with one host
+        sync for all."""
         timer.mark()
         packed, paths = [], []
         for sess, tree in zip(sessions, trees):
-            choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q]
+            choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q] the target's token after each
             walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
             packed.append(walked)
             paths.append(path)
-        host = timer.sync(torch.cat(packed).tolist)  # the batch's single host sync
+        host = timer.sync((packed[0] if len(packed) == 1 else torch.cat(packed)).tolist)  # the single host sync
         results, at = [], 0
         for sess, path, tree in zip(sessions, paths, trees):
             q = tree.ids.shape[0]
@@ -152,6 +161,8 @@ class BatchedRounds:
             k, bonus = answer[0], answer[1]
             keep = path[: k + 1]
             sess.cache.compact(sess.cache.length, keep)
+            if sess.states is not None:
+                sess.states.commit(self.scratch, keep)
             sess.root = bonus
             features = None if tree.features is None else tree.features[keep]
             results.append(StepResult(answer[3 : 3 + k] + [bonus], features))

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ddtree.timing import TimerEvents
 from ddtree.types import DraftTree, SamplingParams, StepResult
-from verify_server.batched_rounds import BatchedRounds
+from verify_server.batched_rounds import BatchedRounds, TreeRows
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
 from verify_server.kv_cache import KVCache
@@ -23,7 +23,6 @@ from verify_server.session import CapacityError, SessionError, UnknownSessionErr
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.state_cache import StateCache, TreeScratch
 from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
-from verify_server.walk import accept_path
 
 
 def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -269,20 +268,7 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
             ids[0] = sess.root
             anc = ancestor_matrix(parents)  # [q, q]
             logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
-        timer.mark()
-        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each node
-        packed, path = accept_path(ids, parents, depths, anc, choice)
-        host = timer.sync(packed.tolist)  # the round's single host sync
-        k, bonus = host[0], host[1]
-        keep = path[: k + 1]
-        sess.cache.compact(start, keep)
-        if sess.states is not None:
-            sess.states.commit(self.scratch, keep)
-        if features is not None:
-            features = features[keep]
-        sess.root = bonus
-        forward_s, walk_s = timer.split()
-        return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
+        return self._walk_and_commit([sess], [TreeRows(ids, parents, depths, anc, logits, features)], timer)[0]
 
     def _check_room(self, sess: VerifySession, start: int, new_tokens: int) -> None:
         if start + new_tokens > sess.capacity:
