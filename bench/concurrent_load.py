@@ -8,8 +8,9 @@ number of clients grows (e.g. two `ddtree serve` stacks on one GPU, one with `--
 At each client count the gateways take turns (the order alternating), so both see the same machine state. Each
 client sends its requests one after another (greedy unless --temperature, the given speculation mode, a fresh
 short prompt each); every client starts at once. Reported per gateway and client count: completion tokens / wall
-time, the median and worst request latency, and, with --verifier-metrics, the mean number of sessions' rounds the
-verifier ran in one forward (ddtree_verify_batch_size) and its forwards per second.
+time, the median and worst request latency (every latency, in the order the requests ended, in the JSON), and,
+with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
+(ddtree_verify_batch_size) and its forwards per second.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ async def load(url: str, metrics: str | None, model: str, clients: int, args: ar
     calls, forwards = (after - before for after, before in zip(batch_counters(metrics), (calls0, forwards0)))
     return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall,
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
-            "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall}
+            "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
+            "latencies_s": latencies}
 
 
 def main() -> None:

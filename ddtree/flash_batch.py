@@ -2,10 +2,10 @@
 
 Each tree attends over its own session's cache slot, and slots are separate tensors of different capacities. The
 kernels therefore take each slot's K and V base addresses, and its head stride, from small tables on the device
-(the pattern of Triton's grouped GEMM): one launch writes every tree's new K/V into its slot, and one launch
-(plus the merge) attends every tree's rows over its own keys, with the same flash-decoding body as
-ddtree/flash_tree.py. The trees' rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new
-rows start at its slot row starts[b] and it sees nothing past them. A CUDA-only fast path, as flash_tree's: CPU
+(the pattern of Triton's grouped GEMM): one launch (plus the merge) writes every tree's new K/V into its slot and
+attends every tree's rows over its own keys, with the same flash-decoding body as ddtree/flash_tree.py. The trees'
+rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
+and it sees nothing past them. A CUDA-only fast path, as flash_tree's: CPU
 runs take verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
 """
 
@@ -22,34 +22,20 @@ if triton is not None:
 
     from ddtree.flash_tree import _attend_keys, _merge_kernel
 
-    @triton.jit
-    def _write_kernel(
-        K, V, KBase, VBase, HeadStride, RowTree, RowSlot, stride_kr, stride_kh, stride_vr, stride_vh,
-        kv_heads, D: tl.constexpr, BLOCK_H: tl.constexpr,
-    ):
-        """One new row: its K/V [kv_heads, D] into its tree's slot at row RowSlot[r]."""
-        r = tl.program_id(0)
-        b, slot = tl.load(RowTree + r), tl.load(RowSlot + r)
-        dst_k = tl.load(KBase + b).to(tl.pointer_type(K.dtype.element_ty))
-        dst_v = tl.load(VBase + b).to(tl.pointer_type(V.dtype.element_ty))
-        stride_dh = tl.load(HeadStride + b)
-        heads = tl.arange(0, BLOCK_H)[:, None]
-        dims = tl.arange(0, D)[None, :]
-        ok = heads < kv_heads
-        k = tl.load(K + r * stride_kr + heads * stride_kh + dims, mask=ok)
-        v = tl.load(V + r * stride_vr + heads * stride_vh + dims, mask=ok)
-        tl.store(dst_k + heads * stride_dh + slot * D + dims, k, mask=ok)
-        tl.store(dst_v + heads * stride_dh + slot * D + dims, v, mask=ok)
-
-    @triton.jit
+    # The tables hold one entry per tree and are rows of small int64 tensors, often 8 bytes off a 16-byte boundary
+    # (a lone round's [rows, 1] slot table): Triton must not compile a variant per alignment, which a start-up
+    # compile (compile_batch_plans) could not foresee.
+    @triton.jit(do_not_specialize_on_alignment=["KBase", "VBase", "HeadStride", "Starts", "QLens", "Offsets"])
     def _batch_partial_kernel(
-        Q, KBase, VBase, HeadStride, Tree, Starts, QLens, Offsets, O, Lse,
-        stride_qq, stride_qh, stride_tb, stride_t, stride_os, stride_oq, stride_oh, stride_ls, stride_lq,
-        kv_heads, chunk, scale,
+        Q, Knew, Vnew, KBase, VBase, HeadStride, Tree, Starts, QLens, Offsets, O, Lse,
+        stride_qq, stride_qh, stride_kr, stride_kh_new, stride_vr, stride_vh_new, stride_tb, stride_t, stride_os,
+        stride_oq, stride_oh, stride_ls, stride_lq, kv_heads, chunk, scale,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         """flash_tree's _partial_kernel for (tree, K/V head), row tile, key chunk: the tree's keys, rows and
-        visibility come from its table entries."""
+        visibility come from its table entries. Its committed keys are read from its slot, its own new rows from
+        Knew / Vnew [rows, kv_heads, D], which the (tree, K/V head)'s first program also writes into the slot at
+        rows start, start + 1, ...: no program reads a slot at or past its tree's start, so one launch does both."""
         pid, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = pid // kv_heads, pid % kv_heads
         q_len, offset, start = tl.load(QLens + b), tl.load(Offsets + b), tl.load(Starts + b)
@@ -58,10 +44,19 @@ if triton is not None:
         K = tl.load(KBase + b).to(tl.pointer_type(Q.dtype.element_ty))
         V = tl.load(VBase + b).to(tl.pointer_type(Q.dtype.element_ty))
         stride_kh = tl.load(HeadStride + b)
+        dims = tl.arange(0, D)
+        if tile == 0 and split == 0:
+            for r0 in range(0, q_len, BLOCK_N):
+                new = r0 + tl.arange(0, BLOCK_N)  # [N] the tree's new rows
+                ok = new[:, None] < q_len
+                dst = kvh * stride_kh + (start + new)[:, None] * D + dims[None, :]
+                k_src = (offset + new)[:, None] * stride_kr + kvh * stride_kh_new + dims[None, :]
+                v_src = (offset + new)[:, None] * stride_vr + kvh * stride_vh_new + dims[None, :]
+                tl.store(K + dst, tl.load(Knew + k_src, mask=ok), mask=ok)
+                tl.store(V + dst, tl.load(Vnew + v_src, mask=ok), mask=ok)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
         token, head = rows // GROUP, kvh * GROUP + rows % GROUP
         row_ok = token < q_len
-        dims = tl.arange(0, D)
         q = tl.load(Q + (offset + token)[:, None] * stride_qq + head[:, None] * stride_qh + dims[None, :],
                     mask=row_ok[:, None], other=0.0)  # [M, D]
         lo = split * chunk
@@ -73,8 +68,11 @@ if triton is not None:
         tree = Tree + b * stride_tb
         m_i, l_i, acc = _attend_keys(q, K, V, tree, m_i, l_i, acc, lo, committed, start, token, row_ok, kvh, dims,
                                      stride_kh, D, stride_kh, D, stride_t, q_len, scale, BLOCK_N, IEEE, False)
-        m_i, l_i, acc = _attend_keys(q, K, V, tree, m_i, l_i, acc, committed, hi, start, token, row_ok, kvh, dims,
-                                     stride_kh, D, stride_kh, D, stride_t, q_len, scale, BLOCK_N, IEEE, True)
+        # key row r >= start of this tree is its new row r - start, at Knew row offset + r - start
+        Kt, Vt = Knew + (offset - start) * stride_kr, Vnew + (offset - start) * stride_vr
+        m_i, l_i, acc = _attend_keys(q, Kt, Vt, tree, m_i, l_i, acc, committed, hi, start, token, row_ok, kvh, dims,
+                                     stride_kh_new, stride_kr, stride_vh_new, stride_vr, stride_t, q_len, scale,
+                                     BLOCK_N, IEEE, True)
         seen_any = l_i > 0
         out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
         lse = tl.where(seen_any, m_i + tl.log(l_i), float("-inf"))
@@ -108,43 +106,36 @@ def compile_batch_plans(
             k = torch.zeros(rows, kv_heads, head_dim, dtype=dtype, device=device)
             per_tree = torch.tensor([[keys.data_ptr()] * count, [keys.stride(0)] * count, [kv_len - q_len] * count,
                                      [q_len] * count, [b * q_len for b in range(count)]], device=device)
-            row_tree = torch.arange(count, device=device).repeat_interleave(q_len)
-            row_slot = (kv_len - q_len + torch.arange(q_len, device=device)).repeat(count)
             tree = torch.ones(count, q_len, q_len, dtype=torch.bool, device=device).tril()
-            batch_tree_attention(q, k, k, per_tree[0], per_tree[0], per_tree[1], row_tree, row_slot, tree,
-                                 per_tree[2], per_tree[3], per_tree[4], q_len, kv_len, 1.0)
+            batch_tree_attention(q, k, k, per_tree[0], per_tree[0], per_tree[1], tree, per_tree[2], per_tree[3],
+                                 per_tree[4], q_len, kv_len, 1.0)
     return len(seen)
 
 
 @torch.library.custom_op("ddtree::batch_tree_attention", mutates_args=())
 def batch_tree_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-    head_stride: torch.Tensor, row_tree: torch.Tensor, row_slot: torch.Tensor, tree: torch.Tensor,
-    starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor, max_q: int, max_keys: int, scale: float,
+    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
+    max_q: int, max_keys: int, scale: float,
 ) -> torch.Tensor:
-    """Writes the new rows' k, v [rows, kv_heads, d] into their slots, then attends q [rows, heads, d] over them
-    -> [rows, heads, d] in q's dtype. Per tree b (int64 [B] each): k_base / v_base, the address of its slot's
-    keys / values [kv_heads, capacity, d] for this layer; head_stride, that slot's capacity * d; starts, the slot
-    row of its first new row; q_lens, its rows; offsets, its first row in q. Per new row ([rows] int64): row_tree,
-    its tree; row_slot, its slot row. tree [B, max_q, max_q] bool: tree b's visibility among its own rows
+    """Writes the new rows' k, v [rows, kv_heads, d] into their slots, and attends q [rows, heads, d] over each
+    tree's committed keys and its own new rows -> [rows, heads, d] in q's dtype. Per tree b (int64 [B] each):
+    k_base / v_base, the address of its slot's keys / values [kv_heads, capacity, d] for this layer; head_stride,
+    that slot's capacity * d; starts, the slot row of its first new row (its rows go to starts[b] + i); q_lens, its
+    rows; offsets, its first row in q. tree [B, max_q, max_q] bool: tree b's visibility among its own rows
     (tree[b, i, j]: row i sees row j). max_keys: at least every tree's start + q_len (sizes the key chunks).
-    The write is to memory the op was handed by address: no other op of a step reads a slot, and the attention
-    that reads it is this op's own second half."""
+    The write is to memory the op was handed by address: no other op of a step reads a slot."""
     rows, heads, d = q.shape
     kv_heads = k.shape[1]
     batch = starts.shape[0]
-    _write_kernel[(rows,)](
-        k, v, k_base, v_base, head_stride, row_tree, row_slot, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_heads, D=d, BLOCK_H=triton.next_power_of_2(kv_heads),
-    )
     p = batch_plan(max_q, heads, kv_heads, max_keys, d, batch)
     tree = tree.contiguous().view(torch.uint8)
     part_dtype = q.dtype if p.splits == 1 else torch.float32
     part = torch.empty((p.splits, rows, heads, d), dtype=part_dtype, device=q.device)  # [S, rows, heads, d]
     lse = torch.empty((p.splits, rows, heads), dtype=torch.float32, device=q.device)  # [S, rows, heads]
     _batch_partial_kernel[(batch * kv_heads, p.tiles, p.splits)](
-        q, k_base, v_base, head_stride, tree, starts, q_lens, offsets, part, lse,
-        q.stride(0), q.stride(1), tree.stride(0), tree.stride(1),
+        q, k, v, k_base, v_base, head_stride, tree, starts, q_lens, offsets, part, lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tree.stride(0), tree.stride(1),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         kv_heads, p.chunk, scale,
         GROUP=heads // kv_heads, D=d, BLOCK_M=p.block_m, BLOCK_N=p.block_n, IEEE=q.dtype == torch.float32,
@@ -163,8 +154,7 @@ def batch_tree_attention(
 @batch_tree_attention.register_fake
 def _(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-    head_stride: torch.Tensor, row_tree: torch.Tensor, row_slot: torch.Tensor, tree: torch.Tensor,
-    starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor, max_q: int, max_keys: int, scale: float,
+    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
+    max_q: int, max_keys: int, scale: float,
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-

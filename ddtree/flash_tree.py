@@ -4,8 +4,8 @@ kernels, with the tree's visibility read from the ancestor matrix instead of a m
 Why: at the few queries of a decode or a tree, the masked attention in plain kernels (two batched matmuls around a
 masked softmax, ~5 kernels a layer) ran 21 us at a Qwen3-8B decode with 640 keys against 6 us here
 (bench/flash_tune.py), and SDPA's fused kernels run one thread block per head, which leaves most of the GPU idle.
-Under torch.compile the matmul form fuses to about this kernel's speed at 8B shapes, so compiled verifiers keep it
-(verify_server/fused_runner.py); the drafter's block and uncompiled verifiers use this one. Here the keys are split
+The drafter's block runs this op (draft_server/draft_graphs.py); the verifier's steps run ddtree/flash_batch.py,
+the same body over each tree's own cache slot, found by address. Here the keys are split
 across thread blocks (flash-decoding): each block attends one K/V head's query heads (all of them share its keys,
 so K/V are read once) over one chunk of keys, and a second kernel merges the chunks by their log-sum-exp.
 
@@ -210,7 +210,7 @@ def compile_plans(
     device: torch.device,
 ) -> int:
     """Launches the kernels once in every configuration plan() picks for this head layout at these step row counts
-    and key counts (a verifier's query buckets, and every key count its steps can attend over), so that Triton
+    and key counts (a drafter's block, and every key count its steps can attend over), so that Triton
     compiles them now and not in the round of the first request that reaches a longer context (~1 s each: at
     Qwen3-8B shapes the first requests of 4k and 16k tokens took ~4 s more of the verifier's time before a first
     form of this ran at start-up). -> how many configurations were launched."""

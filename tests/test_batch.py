@@ -123,12 +123,17 @@ def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> N
     """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
     its K/V writes, attention and compactions one launch each over every tree's slot, found by address
     (ddtree/flash_batch.py); a batch of sampled rounds is one up to the logits. Each round's tokens and features
-    are those of the same round alone, and the greedy tokens the target's own."""
+    are those of the same round alone, and the greedy tokens the target's own. The attention kernels the rounds
+    launch were all compiled at start-up (compile_batch_plans): none waits for Triton's JIT."""
+    from tests.test_flash_tree import _compiled_kernels
+
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True) for _ in range(2)]
     assert engines[0].fused.decoder.attention == "flash"
+    compiled = _compiled_kernels()
     got = run_rounds(engines, truths, rounds=10, seed=5)
+    assert _compiled_kernels() == compiled
     for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
     assert {key[-1] for key in engines[0].fused.graphs.keys()} >= {"batch", "batch-scores"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.flash_tree import compile_plans, flash_supported, flash_tree_attention, plan
+from ddtree.flash_tree import flash_supported, flash_tree_attention, plan
 from ddtree.sdpa import matmul_attention
 from verify_server.step_attention import step_mask
 from verify_server.tree_attention import ancestor_matrix
@@ -94,10 +94,10 @@ def test_flash_under_compile_and_graph_capture() -> None:
 
 
 def _compiled_kernels() -> int:
-    """How many kernels Triton has compiled for the flash op so far (its JIT's per-device caches)."""
-    from ddtree import flash_tree
+    """How many kernels Triton has compiled for the verifier's batch op so far (its JIT's per-device caches)."""
+    from ddtree import flash_batch
 
-    kernels = (flash_tree._partial_kernel, flash_tree._merge_kernel)
+    kernels = (flash_batch._batch_partial_kernel, flash_batch._merge_kernel)
     caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
     if None in caches:
         pytest.skip("this Triton keeps its compiled kernels elsewhere")
@@ -105,21 +105,33 @@ def _compiled_kernels() -> int:
 
 
 @needs_gpu
-def test_compile_plans_leaves_nothing_to_compile_for_any_step() -> None:
-    """After compile_plans, steps of the verifier's query buckets over any key bucket or slot capacity (a cache
-    slot's view, as the verifier passes it) launch kernels already compiled: no round waits for Triton's JIT."""
+def test_compile_batch_plans_leave_nothing_to_compile_for_any_step() -> None:
+    """After compile_batch_plans, the verifier's steps (a lone round or a batch of 2, 4 or 8 trees, in its query
+    buckets, over any key bucket, each tree in a slot of its own capacity) launch kernels already compiled: no
+    round waits for Triton's JIT."""
     from ddtree.cuda_graphs import key_bucket, key_buckets
+    from ddtree.flash_batch import batch_tree_attention, compile_batch_plans
     from verify_server.step_inputs import QUERY_BUCKETS
 
-    capacity = 16_896  # a 16k-row slot with its spare rows
-    assert compile_plans(32, 8, 128, QUERY_BUCKETS, key_buckets(capacity), torch.bfloat16, CUDA) > 1
+    limit = 16_896  # a 16k-row slot with its spare rows
+    assert compile_batch_plans(32, 8, 128, (1, 2, 4, 8), QUERY_BUCKETS, key_buckets(limit), torch.bfloat16, CUDA) > 1
     compiled = _compiled_kernels()
-    slot = torch.randn(8, capacity, 128, device=CUDA, dtype=torch.bfloat16)
-    for q_len in (1, 16, 32, 48, 64, 128, 256):
-        for used in (q_len + 100, 700, 1300, 3000, 4300, 9000, 13_000, capacity):  # rows up to the step's last
-            kv_len = key_bucket(used, capacity)
-            q = torch.randn(q_len, 32, 128, device=CUDA, dtype=torch.bfloat16)
-            tree = ancestor_matrix(torch.arange(q_len, device=CUDA) - 1)  # a chain
-            start = torch.tensor(used - q_len, device=CUDA)
-            flash_tree_attention(q, slot, slot, kv_len, start, tree, 128**-0.5)
+    slots = [torch.zeros(8, capacity, 128, device=CUDA, dtype=torch.bfloat16) for capacity in (1024, 4352, limit)]
+    for trees in (1, 2, 4, 8):
+        for q_len in (1, 16, 48, 128, 256):
+            for used in (q_len + 100, 700, 1000, 3000, 4300, 9000, limit):  # rows up to the step's last
+                owners = [slot for slot in slots if slot.shape[1] >= used][:trees]
+                owners += [owners[-1]] * (trees - len(owners))
+                # 8 bytes off a 16-byte boundary, as a lone round's rows of its tables are
+                table = lambda values: torch.tensor([0, *values], device=CUDA)[1:]  # noqa: E731
+                rows = trees * q_len
+                q = torch.randn(rows, 32, 128, device=CUDA, dtype=torch.bfloat16)
+                k = torch.randn(rows, 8, 128, device=CUDA, dtype=torch.bfloat16)
+                tree = ancestor_matrix(torch.arange(q_len, device=CUDA) - 1).repeat(trees, 1, 1)  # chains
+                bases = table([slot.data_ptr() for slot in owners])
+                batch_tree_attention(
+                    q, k, k, bases, bases, table([slot.stride(0) for slot in owners]), tree,
+                    table([used - q_len] * trees), table([q_len] * trees), table([b * q_len for b in range(trees)]),
+                    q_len, key_bucket(used, limit), 128**-0.5,
+                )
     assert _compiled_kernels() == compiled

@@ -21,7 +21,7 @@ from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.compaction import launch as compact
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, unfused_linear
-from verify_server.step_attention import FLASH, StepVisibility, step_mask
+from verify_server.step_attention import FLASH, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
@@ -176,34 +176,6 @@ def check_flash() -> None:
                                 step_mask(start_t, tree, start + q_len), 0.125)
         torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
         print("flash ok", q_len, heads, kv_heads, kv_len, start, "splits", p.splits)
-    # a decoder layer's tree step through the op, eager and compiled: the step writes its K/V into a cache slot's
-    # whole rows and attends over the first kv_len of them (the slot's spare rows hold NaN: never read), as the
-    # masked matmul form does
-    shape = LayerShape(heads=4, kv_heads=2, head_dim=16, eps=1e-6)
-    rand = lambda *size: torch.randn(*size, generator=gen) / size[-1] ** 0.5  # noqa: E731
-    weights = (1 + 0.1 * torch.randn(64, generator=gen), rand(128, 64), None, 1 + rand(16), 1 + rand(16),
-               rand(64, 64), 1 + rand(64), rand(192, 64), rand(64, 96))
-    layer = FusedLayer(*(t if t is None else t.to(DEVICE) for t in weights))
-    q_len, start, kv_len, rows = 6, 90, 128, 200
-    parents = torch.tensor([-1, 0, 0, 1, 3, 2])
-    x, cos, sin = (torch.randn(*size, generator=gen) for size in ((q_len, 64), (q_len, 1, 16), (q_len, 1, 16)))
-    tree, start_t = ancestor_matrix(parents).to(DEVICE), torch.tensor(start, device=DEVICE)
-    visibility = StepVisibility(start_t, tree, step_mask(start_t, tree, kv_len))
-    slots = start + torch.arange(q_len, device=DEVICE)
-    outs = []
-    compiled = torch.compile(decoder_layer, fullgraph=True)
-    for step, kernel in ((decoder_layer, "matmul"), (decoder_layer, FLASH), (compiled, FLASH)):
-        caches = [torch.randn(2, rows, 16, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
-        for cache in caches:  # the matmul form reads the spare rows under zero weights: zeros there, as in a slot
-            cache[:, start + q_len :] = 0.0 if kernel == "matmul" else float("nan")
-        keys, values = (cache.to(DEVICE) for cache in caches)
-        out = step(x.to(DEVICE), layer, cos.to(DEVICE), sin.to(DEVICE), keys, values, kv_len, slots, visibility,
-                   shape, kernel, 0)
-        outs.append((out, keys[:, start : start + q_len], values[:, start : start + q_len]))  # the step's own K/V
-    for got in outs[1:]:  # the same answer, and the step's K/V written into the slot itself (under compile too)
-        for tensor, want in zip(got, outs[0]):
-            torch.testing.assert_close(tensor, want, atol=1e-5, rtol=1e-5)
-    print("flash ok decoder layer, eager and compiled")
     # every configuration for a few step sizes and key counts launches (whether Triton then has nothing left to
     # compile, only a GPU can tell: test_flash_tree.py)
     assert compile_plans(6, 2, 64, (1, 16, 48), (64, 96, 1536, 4608), torch.float32, DEVICE) > 3
@@ -252,12 +224,12 @@ def check_batch() -> None:
     qb = 20
     order = torch.tensor([[0, 2, 5, 6] + [19] * 16, [0] * qb, [0, 1, 3, 7, 9, 12] + [19] * 14, [0, 4] + [19] * 18])
     depth = torch.tensor([3, 0, 5, 1])
-    tables = [batch.tables[0].clone()]
+    starts = batch.starts.clone()
     want = []
     for b, cache in enumerate(caches):
         k, v = cache.k.clone(), cache.v.clone()
-        slots = tables[0][b] + torch.arange(depth[b] + 1, device=DEVICE)
-        source = tables[0][b] + order[b, : depth[b] + 1].to(DEVICE)
+        slots = starts[b] + torch.arange(depth[b] + 1, device=DEVICE)
+        source = starts[b] + order[b, : depth[b] + 1].to(DEVICE)
         k[:, :, :, slots], v[:, :, :, slots] = k[:, :, :, source], v[:, :, :, source]
         want.append((k, v))
     batch.compact(order.to(DEVICE), depth.to(DEVICE))

@@ -56,9 +56,11 @@ class TreeBatch:
     """B trees as one step's rows; tree b's rows are [b * stride, b * stride + q_lens[b]) (stride: max_q, or the
     rows of the trees before it where unpadded) and its new K/V go to slots starts[b] + node of its cache.
 
-    row_tree, row_slot  [rows] int64 on the device: each row's tree, and its slot row in that tree's cache
+    row_slot   [rows] int64 on the device: each row's slot row in its tree's cache, for the loop form's K/V writes
+               (None with the flash kernels, which take each tree's rows from its start)
+    starts     [B] int64 on the device: each tree's first slot
     anc        [B, max_q, max_q] bool on the device: tree b's ancestor-or-self matrix in its top-left corner
-    tables     [3, B] int64 on the device: each tree's first slot, rows and first row
+    tables     [2, B] int64 on the device: each tree's rows and first row
     slots      [2 * layers + 1, B] int64 on the device (slot_table), for the flash kernels; None elsewhere
     kv_lens    per tree, the key rows the loop form attends over (its start plus its rows, or their key bucket)
     max_keys   at least every tree's start plus its rows: sizes the flash kernel's key chunks
@@ -68,9 +70,9 @@ class TreeBatch:
     offsets: list[int]
     q_lens: list[int]
     kv_lens: list[int]
-    row_tree: torch.Tensor
-    row_slot: torch.Tensor
+    row_slot: torch.Tensor | None
     anc: torch.Tensor
+    starts: torch.Tensor
     tables: torch.Tensor
     slots: torch.Tensor | None
     max_q: int
@@ -86,10 +88,10 @@ class TreeBatch:
         q [rows, heads, d] over its slot's committed keys and its own tree -> [rows, heads, d]."""
         if kernel == FLASH:
             layers = (self.slots.shape[0] - 1) // 2
-            starts, q_lens, offsets = self.tables
+            q_lens, offsets = self.tables
             return batch_tree_attention(
-                q, k, v, self.slots[layer], self.slots[layers + layer], self.slots[-1], self.row_tree, self.row_slot,
-                self.anc, starts, q_lens, offsets, self.max_q, self.max_keys, scale,
+                q, k, v, self.slots[layer], self.slots[layers + layer], self.slots[-1], self.anc, self.starts,
+                q_lens, offsets, self.max_q, self.max_keys, scale,
             )
         outs = []
         for b, cache in enumerate(self.caches):
@@ -98,7 +100,7 @@ class TreeBatch:
             keys, values = cache.k[j, 0], cache.v[j, 0]  # [kv_heads, capacity, d]
             keys.index_copy_(1, self.row_slot[rows], k[rows].transpose(0, 1))
             values.index_copy_(1, self.row_slot[rows], v[rows].transpose(0, 1))
-            mask = step_mask(self.tables[0, b], self.anc[b, :n, :n], kv_len)
+            mask = step_mask(self.starts[b], self.anc[b, :n, :n], kv_len)
             outs.append(attend(q[rows], keys, values, kv_len, mask, kernel, scale, gqa))
         return torch.cat(outs)
 
@@ -107,10 +109,10 @@ class TreeBatch:
         [B, max_q] the path's node indices root..deepest then any index below max_q, depth [B] its accepted depth
         (compaction.compact_path's contract, per tree)."""
         if self.slots is not None:
-            compact_batch(self.slots, self.tables[0], order, depth, self.caches[0].k)
+            compact_batch(self.slots, self.starts, order, depth, self.caches[0].k)
             return
         for b, cache in enumerate(self.caches):
-            compact_path(cache, self.tables[0, b], order[b], depth[b : b + 1])
+            compact_path(cache, self.starts[b], order[b], depth[b : b + 1])
 
 
 def build_batch(items: list[BatchTree], device: torch.device, flash: bool) -> tuple[TreeBatch, torch.Tensor]:
@@ -122,43 +124,47 @@ def build_batch(items: list[BatchTree], device: torch.device, flash: bool) -> tu
     offsets = [sum(q_lens[:b]) for b in range(len(items))]
     max_q = max(q_lens)
     anc = torch.zeros(len(items), max_q, max_q, dtype=torch.bool)  # [B, max_q, max_q]
-    columns = []  # per tree: [6, q] ids, positions, parents, depths, row_tree, row_slot
+    columns = []  # per tree: [5, q] ids, positions, parents, depths, row_slot
     for b, item in enumerate(items):
         tree, q = item.tree.cpu(), q_lens[b]
         ids = tree.tokens.clone()
         ids[0] = item.root
         anc[b, :q, :q] = ancestor_matrix(tree.parents)
-        columns.append(torch.stack((ids, starts[b] + tree.depths, tree.parents, tree.depths, torch.full((q,), b),
+        columns.append(torch.stack((ids, starts[b] + tree.depths, tree.parents, tree.depths,
                                     torch.arange(starts[b], starts[b] + q))))
-    tables = torch.zeros(6, len(items), dtype=torch.long)  # [6, B]: starts, q_lens, offsets, then unused
+    tables = torch.zeros(5, len(items), dtype=torch.long)  # [5, B]: starts, q_lens, offsets, then unused
     tables[:3] = torch.tensor([starts, q_lens, offsets])
     rows = offsets[-1] + q_lens[-1]
-    packed = torch.cat((*columns, tables), dim=1).to(device)  # [6, rows + B]
+    packed = torch.cat((*columns, tables), dim=1).to(device)  # [5, rows + B]
     slots = torch.tensor(slot_table(caches), dtype=torch.long).to(device) if flash else None
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
-    batch = TreeBatch(caches, offsets, q_lens, kv_lens, packed[4, :rows], packed[5, :rows], anc.to(device),
-                      packed[:3, rows:], slots, max_q, max(kv_lens))
+    batch = TreeBatch(caches, offsets, q_lens, kv_lens, packed[4, :rows], anc.to(device), packed[0, rows:],
+                      packed[1:3, rows:], slots, max_q, max(kv_lens))
     return batch, packed[:4, :rows]
 
 
 @dataclass
 class BatchBuffers:
-    """The static inputs of a captured batch of B trees in query bucket qb, rewritten before each replay in one
-    copy: per tree a StepBuffers' layout (tokens, parents, depths, then start, nodes, root; rows padded to an even
-    length, so that each starts 16-byte aligned), then the batch's slot table (slot_table). The host side keeps
-    the caches and key counts of the batch last written, which only the loop form (no graphs) reads.
+    """The static inputs of a captured batch of B trees in query bucket qb (a lone round is a batch of one),
+    rewritten before each replay in one copy: per tree a row of its tokens, parents and depths (rows of qb; past
+    the tree's real q they hold stale values the graph masks out), then start (the root's slot), num (real nodes)
+    and the root token (rows padded to an even length, so that each starts 16-byte aligned), then the batch's slot
+    table (slot_table). The host side keeps the caches and key counts of the batch last written, which only the
+    loop form (no graphs) reads.
 
-    inputs  [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
+    inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
+    staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
+             queued without a host sync in between, so `copied` marks when the last copy has left it; a rewrite
+             waits for that (long done, in practice)
     """
 
     data: torch.Tensor
-    staging: torch.Tensor  # the same on the host (pinned on a GPU)
+    staging: torch.Tensor
     inputs: torch.Tensor
     slots: torch.Tensor
     nodes: torch.Tensor  # [qb] 0, 1, ...
-    row_tree: torch.Tensor  # [B * qb] each row's tree
     tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
-    copied: torch.cuda.Event | None
+    copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
     caches: list[KVCache]
     kv_lens: list[int]
 
@@ -171,7 +177,7 @@ class BatchBuffers:
         nodes = torch.arange(qb, device=device)
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
         return cls(data, staging, data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees),
-                   nodes, torch.arange(trees, device=device).repeat_interleave(qb), tables,
+                   nodes, tables,
                    torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
@@ -179,19 +185,55 @@ class BatchBuffers:
         return self.nodes.shape[0]
 
     def write(self, items: list[BatchTree]) -> None:
+        """Each tree from its session's committed length. Trees on the host go up with the scalars and the slot
+        table in one copy; a tree already on the device (a co-located drafter's) is copied there after it."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
         trees, width, qb = len(items), self.inputs.shape[1], self.qb
-        host = self.staging.numpy()
+        host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        on_device = []
         for b, item in enumerate(items):
-            row, tree = host[b * width : (b + 1) * width], item.tree.cpu()
+            row, tree = host[b * width : (b + 1) * width], item.tree
             q = tree.tokens.shape[0]
-            for i, values in enumerate((tree.tokens, tree.parents, tree.depths)):
-                row[i * qb : i * qb + q] = values.numpy()
+            if q > 1 and tree.tokens.device.type != "cpu":
+                on_device.append(b)
+            elif q > 1:
+                for i, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                    row[i * qb : i * qb + q] = values.numpy()
             row[3 * qb : 3 * qb + 3] = (item.cache.length, q, item.root)
         host[trees * width :] = [address for part in slot_table([item.cache for item in items]) for address in part]
         self.data.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+        for b in on_device:
+            self._copy_tree(b, items[b].tree)
+        self._written(items, [item.cache.length for item in items])
+
+    def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
+        """A lone round queued before the session's previous one is read: its start and root come from that
+        round's outcome on the device, cursor [2] = (next start, bonus token), and nothing goes through the host
+        (its copy would wait for the round in flight). start: the furthest that round can take the session."""
+        q = item.tree.tokens.shape[0]
+        if q > 1 and item.tree.tokens.device != self.inputs.device:
+            raise ValueError("a chained round takes its tree on the device")
+        if q > 1:
+            self._copy_tree(0, item.tree)
+        qb = self.qb
+        self.inputs[0, 3 * qb + 1].fill_(q)  # a kernel argument, not a read of host memory
+        self.inputs[0, 3 * qb : 3 * qb + 3 : 2].copy_(cursor)  # start and root
+        cache = item.cache
+        if cache.address_column is None:
+            cache.address_column = torch.tensor(slot_addresses(cache), device=self.inputs.device)
+        self.slots[:, 0].copy_(cache.address_column)
+        self._written([item], [start])
+
+    def _copy_tree(self, b: int, tree: DraftTree) -> None:
+        """Tree b's arrays, already on the device: device-to-device copies."""
+        q, qb = tree.tokens.shape[0], self.qb
+        rows = self.inputs[b, : 3 * qb].view(3, qb)
+        for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+            rows[row, :q].copy_(values, non_blocking=True)
+
+    def _written(self, items: list[BatchTree], starts: list[int]) -> None:
         self.caches = [item.cache for item in items]
-        self.kv_lens = [key_bucket(item.cache.length + qb, item.cache.capacity) for item in items]
+        self.kv_lens = [key_bucket(start + self.qb, item.cache.capacity) for item, start in zip(items, starts)]

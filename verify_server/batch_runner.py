@@ -1,8 +1,9 @@
 """FusedRunner's batched steps: several sessions' trees in one forward (verify_server/batch.py), uncaptured, or
 captured per (trees, query bucket, key bucket) whatever slots the trees' sessions hold: a greedy batch with its
-walks and compactions in the graph (batch_round), a sampled one up to its logits (batch_scores). BatchSteps uses
-the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_unpack` and
-`_accept`.
+walks and compactions in the graph (batch_round), a sampled one up to its logits (batch_scores). A lone round is a
+batch of one (FusedRunner.greedy_round, tree_forward), so its graphs too are shared by every slot. BatchSteps uses
+the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_slot_of`,
+`_unpack` and `_accept`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class BatchSteps:
     """batch_forward, batch_round, batch_scores (see the module docstring)."""
 
     _scratch: KVCache | None  # where a captured batch's filler trees write; allocated on first need
+    _slot_of: dict[int, int]  # id(cache) -> its slot
     _batch_buffers: dict[tuple[int, int], BatchBuffers]  # (trees, bucket) -> static inputs
 
     def batch_forward(
@@ -37,18 +39,18 @@ class BatchSteps:
 
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
         """Greedy rounds of several sessions in one replay (greedy_round's, batched), each tree padded to the query
         bucket of the largest -> (packed [trees, 2 + qb], each row as accept_path returns it; features of each
-        path's nodes [trees, qb, taps*hidden], the first k+1 rows of each valid, or None), rewritten by the graph's
-        next replay; None where it is not captured (see _prepare_batch). The caller commits each tree's k + 1
-        rows; rows past the items are filler."""
+        path's nodes [trees, qb, taps*hidden], the first k+1 rows of each valid, or None; cursors [trees, 2], each
+        tree's next start and bonus token), rewritten by the graph's next replay; None where it is not captured
+        (see _prepare_batch). The caller commits each tree's k + 1 rows; rows past the items are filler."""
         prepared = self._prepare_batch(items)
         if prepared is None:
             return None
         buf, kv_len = prepared
-        key = (buf.inputs.shape[0], buf.qb, kv_len, taps, "batch")
-        return self.graphs.run(key, lambda: self._batch_greedy(buf, taps, kv_len))
+        return self.graphs.run(self._batch_key(buf, kv_len, taps, "batch"),
+                               lambda: self._batch_greedy(buf, taps, kv_len))
 
     def batch_scores(
         self, items: list[BatchTree], taps: tuple[int, ...]
@@ -61,18 +63,22 @@ class BatchSteps:
         if prepared is None:
             return None
         buf, kv_len = prepared
-        key = (buf.inputs.shape[0], buf.qb, kv_len, taps, "batch-scores")
-        logits, features, xs, _ = self.graphs.run(key, lambda: self._batch_scores(buf, taps, kv_len))
+        logits, features, xs, _ = self.graphs.run(self._batch_key(buf, kv_len, taps, "batch-scores"),
+                                                  lambda: self._batch_scores(buf, taps, kv_len))
         return logits, features, xs, buf.qb
 
-    def _prepare_batch(self, items: list[BatchTree]) -> tuple[BatchBuffers, int] | None:
-        """The batch's static inputs written, and its key bucket; None where it is not captured: eager mode,
-        trees beyond the largest bucket, or a GPU without the flash kernel (which finds the slots by address; the
-        loop form would bind a graph to the slots it was captured with). Batches are of 2, 4, 8, ... trees, filled
-        up with one-node trees over a scratch slot (fewer graphs to capture): a graph is keyed by their count, the
-        bucket and the key bucket only, and any sessions' slots replay it."""
+    def _prepare_batch(
+        self, items: list[BatchTree], after: torch.Tensor | None = None, start: int = 0
+    ) -> tuple[BatchBuffers, int] | None:
+        """The batch's static inputs written, and its key bucket; None where it is not captured: eager mode, trees
+        beyond the largest bucket, or several trees on a GPU without the flash kernel (which finds the slots by
+        address; the loop form binds a graph to the slots it was captured with, so there only a lone round is
+        captured, per slot). Batches are of 1, 2, 4, 8, ... trees, filled up with one-node trees over a scratch
+        slot (fewer graphs to capture): a graph is keyed by their count, the bucket and the key bucket only, and
+        any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
+        round in flight (BatchBuffers.write_after), start the furthest that round can take it."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if self.static else None
-        if qb is None or (self.graphs.enabled and self.decoder.attention != FLASH):
+        if qb is None or (self.graphs.enabled and self.decoder.attention != FLASH and len(items) > 1):
             return None
         trees = 1 << (len(items) - 1).bit_length()
         if trees > len(items):
@@ -82,8 +88,18 @@ class BatchSteps:
         buf = self._batch_buffers.get((trees, qb))
         if buf is None:
             buf = self._batch_buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, self.num_kv_layers, self.device)
-        buf.write(items)
-        return buf, key_bucket(max(item.cache.length for item in items) + qb, self.max_keys)
+        if after is None:
+            buf.write(items)
+            start = max(item.cache.length for item in items)
+        else:
+            buf.write_after(items[0], after, start)
+        return buf, key_bucket(start + qb, self.max_keys)
+
+    def _batch_key(self, buf: BatchBuffers, kv_len: int, taps: tuple[int, ...], kind: str) -> tuple:
+        """A captured batch's graph: by shape alone where the flash kernels find the slots by address; else (a lone
+        round, see _prepare_batch) by its slot too."""
+        key = (buf.inputs.shape[0], buf.qb, kv_len, taps, kind)
+        return key if self.decoder.attention == FLASH else (*key, self._slot_of[id(buf.caches[0])])
 
     def _batch_scores(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
@@ -92,26 +108,39 @@ class BatchSteps:
         unpacked = [self._unpack(buf.inputs[b, : 3 * qb + 3], buf.nodes, self.decoder.embed, self.decoder.rope.table)
                     for b in range(trees)]
         xs = [TreeInputs(*u[:7]) for u in unpacked]
-        hidden, cos, sin = (torch.cat([u[i] for u in unpacked]) for i in (7, 8, 9))  # [trees * qb, ...]
-        starts = torch.stack([x.start for x in xs])  # [trees]
+        hidden, cos, sin = (_cat([u[i] for u in unpacked]) for i in (7, 8, 9))  # [trees * qb, ...]
+        starts = _stack([x.start for x in xs])  # [trees]
         flash = self.decoder.attention == FLASH
-        batch = TreeBatch(buf.caches, [b * qb for b in range(trees)], [qb] * trees, buf.kv_lens, buf.row_tree,
-                          (starts[:, None] + buf.nodes).view(-1), torch.stack([x.anc for x in xs]),
-                          torch.cat((starts[None], buf.tables)), buf.slots if flash else None, qb, kv_len)
+        row_slot = None if flash else (starts[:, None] + buf.nodes).view(-1)  # [trees * qb]
+        batch = TreeBatch(buf.caches, [b * qb for b in range(trees)], [qb] * trees, buf.kv_lens, row_slot,
+                          _stack([x.anc for x in xs]), starts, buf.tables, buf.slots if flash else None, qb, kv_len)
         hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
         return self.decoder.logits(hidden, compiled=True), features, xs, batch  # logits [trees * qb, V]
 
     def _batch_greedy(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Idempotent as _greedy is: each tree's forward rewrites its slots [start, start+qb) before its
-        compaction reads them."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its
+        compaction reads them, and the compaction only reads slots in that range. Padding nodes never match (valid
+        is False), so they are never accepted."""
         logits, features, xs, batch = self._batch_scores(buf, taps, kv_len)
         qb = buf.qb
         walked = [self._accept(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
-        packed = torch.stack([p for p, _ in walked])  # [trees, 2 + qb]
-        order = torch.stack([path for _, path in walked]).clamp(max=qb - 1)  # [trees, qb] each path first
+        packed = _stack([p for p, _ in walked])  # [trees, 2 + qb]
+        # each path first; a filler's slots are beyond its committed length
+        order = _stack([path for _, path in walked]).clamp(max=qb - 1)  # [trees, qb]
         batch.compact(order, packed[:, 0].contiguous())
+        cursors = torch.stack((batch.starts + packed[:, 0] + 1, packed[:, 1]), dim=1)  # [trees, 2] start, root
         if features is None:
-            return packed, None
-        return packed, features.view(len(xs), qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
+            return packed, None, cursors
+        gathered = features.view(len(xs), qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
+        return packed, gathered, cursors
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack, without a copy for a lone round's one tree."""
+    return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

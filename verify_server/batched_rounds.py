@@ -121,11 +121,11 @@ class BatchedRounds:
         return self._walk_and_commit(sessions, trees, timer)
 
     def _commit_captured(
-        self, sessions: list[VerifySession], captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer,
-        host_features: bool,
+        self, sessions: list[VerifySession], captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
+        timer: StepTimer, host_features: bool,
     ) -> list[StepResult]:
         """A captured greedy batch: its walks and compactions ran in the graph; the host reads and commits them."""
-        packed, features = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None
+        packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
         timer.mark()
         host = timer.sync(packed.tolist)  # the batch's single host sync
         results = []

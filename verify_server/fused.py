@@ -23,7 +23,7 @@ from ddtree.flash_tree import flash_supported
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
-from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, StepVisibility, attend
+from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, attend
 
 if TYPE_CHECKING:
     from verify_server.batch import TreeBatch
@@ -188,15 +188,15 @@ def decoder_layer(
     values: torch.Tensor,
     kv_len: int,
     slots: torch.Tensor,
-    mask: torch.Tensor | StepVisibility | None,
+    mask: torch.Tensor | None,
     shape: LayerShape,
     attention_kernel: str,
     fused_rows: int = 0,
 ) -> torch.Tensor:
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, rows, d] (a cache
     slot's whole rows: under torch.compile, a slice of them written in place was copied whole for the attention)
-    at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, a StepVisibility, or None:
-    causal over the new tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
+    at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, or None: causal over the new
+    tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
     rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's
     Triton kernels (a GPU): GEMVs at one row, rows_linear beyond."""
     q, k, v = layer_qkv(hidden, layer, cos, sin, shape, fused_rows)
@@ -280,33 +280,15 @@ class FusedDecoder:
         before) -> the last layer's output [q, hidden] (logits() norms it), features [q, len(taps) * hidden] (None
         without taps)."""
         hidden, cos, sin = embed_tokens(ids, positions, self.embed, self.rope.table)
-        return self.layers_forward(hidden, cos, sin, cache, slots, mask, kv_len, taps)
-
-    def layers_forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-        mask: torch.Tensor | StepVisibility | None,
-        kv_len: int,
-        taps: tuple[int, ...],
-        compiled: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward from embed_tokens' outputs. compiled: run the layers through the configured step
-        (set_compiled), which takes a StepVisibility."""
-        if compiled:
-            return self._layers(self._compiled, self.attention, self.fused_rows, hidden, cos, sin, cache, slots, mask,
-                                kv_len, taps)
         return self._layers(decoder_layer, "sdpa", 0, hidden, cos, sin, cache, slots, mask, kv_len, taps)
 
     def prompt_forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slots: torch.Tensor,
         kv_len: int, taps: tuple[int, ...], after_committed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """layers_forward for a prompt from slot 0, through the configured prompt step: the configured projections,
-        attention by SDPA under its own causal mask (top-left aligned: key rows past the prompt stay unseen).
+        """A prompt from slot 0, from embed_tokens' outputs, through the configured prompt step: the configured
+        projections, attention by SDPA under its own causal mask (top-left aligned: key rows past the prompt stay
+        unseen).
         after_committed: a chunk of a prompt whose slots [0, kv_len - q) are committed already (a chunked prefill's
         later chunks): it sees them all, and itself causally (step_attention.chunk_attention)."""
         kernel = CHUNK if after_committed else "sdpa"
@@ -315,7 +297,7 @@ class FusedDecoder:
 
     def _layers(
         self, step: Callable[..., torch.Tensor], kernel: str, rows: int, hidden: torch.Tensor, cos: torch.Tensor,
-        sin: torch.Tensor, cache: KVCache, slots: torch.Tensor, mask: torch.Tensor | StepVisibility | None,
+        sin: torch.Tensor, cache: KVCache, slots: torch.Tensor, mask: torch.Tensor | None,
         kv_len: int, taps: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tapped = []
@@ -354,10 +336,9 @@ class FusedDecoder:
         if fused_rows and not gemv_supported(self.embed.device):
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
-        self._compiled, self._compiled_prompt, self._head = decoder_layer, prompt_layer, head_logits
+        self._compiled_prompt, self._head = prompt_layer, head_logits
         self._qkv, self._out = layer_qkv, layer_out  # a batch's layer around its per-tree attention
         if enabled:  # automatic dynamic: q turns symbolic on first change
-            self._compiled = torch.compile(decoder_layer, fullgraph=True)
             self._compiled_prompt = torch.compile(prompt_layer, fullgraph=True)
             self._head = torch.compile(head_logits, fullgraph=True)
             self._qkv = torch.compile(layer_qkv, fullgraph=True)

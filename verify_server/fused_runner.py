@@ -1,20 +1,19 @@
-"""Runs the fused decoder with static buffers and CUDA graphs per (cache slot, query bucket).
+"""Runs the fused decoder with static buffers and CUDA graphs per shape bucket.
 
-A captured graph is bound to the addresses it was recorded with, so caches are not allocated per session but
-taken from a pool of slots (power-of-two size classes, reused after a session ends) and a graph is captured the
-first time a slot meets a (query bucket, key bucket) pair; the key bucket keeps attention proportional to the
-context rather than to the slot. A step's inputs are the tree's three arrays and three scalars, copied into a
-per-bucket static buffer in one or a few copies; the graph derives ids, positions and the padding from them. A tree
-smaller than its bucket is padded with children of the root that are never accepted, whose K/V land in the slot's
-spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a captured graph
-too, through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few
-hundred launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls,
-where the graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix
-too) take the same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest
-bucket, run the forward eagerly. Several sessions' trees in one step (verify_server/batch_runner.py, BatchSteps)
-reach their slots by address instead, so their graphs are keyed by the batch's shape alone.
+Caches are not allocated per session but taken from a pool of slots (power-of-two size classes, reused after a
+session ends), kept for the engine's life. A round's tree is padded to a query bucket and its inputs (the tree's
+three arrays, three scalars and its slot's addresses) are copied into that bucket's static buffer in one copy; the
+graph derives ids, positions and the padding from them and finds the slot by its address (a lone round is a batch
+of one: verify_server/batch_runner.py, BatchSteps), so a graph is captured the first time a (trees, query bucket,
+key bucket) shape is met, whatever slots replay it later; the key bucket keeps attention proportional to the
+context rather than to the slot. A tree smaller than its bucket is padded with children of the root that are never
+accepted, whose K/V land in the slot's spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens
+is prefilled from a graph captured per (slot, prompt bucket), through the configured (compiled) layers with SDPA's
+causal attention: uncaptured and uncompiled, its few hundred launches were most of a short request's time outside
+its rounds. Longer prompts (bound by their matmuls, where the graph saves nothing) and a chunked prompt's chunks
+after the first (attending to the committed prefix too) take the same compiled prompt step uncaptured; one-token
+prompts and chunks, and trees beyond the largest bucket, run the forward eagerly.
 """
-
 from __future__ import annotations
 
 import torch
@@ -22,17 +21,16 @@ from transformers import PreTrainedModel
 
 from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
 from ddtree.flash_batch import compile_batch_plans
-from ddtree.flash_tree import compile_plans, flash_supported
+from ddtree.flash_tree import flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
-from verify_server.batch import BatchBuffers
+from verify_server.batch import BatchBuffers, BatchTree
 from verify_server.batch_runner import BatchSteps
-from verify_server.compaction import compact_path
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
-from verify_server.step_attention import FLASH, StepVisibility, chunk_mask, step_mask
+from verify_server.step_attention import FLASH, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
+    MAX_GRAPH_NODES, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
     size_class, unpack_step,
 )
 
@@ -60,7 +58,7 @@ class FusedRunner(BatchSteps):
         self.max_keys = size_class(model.config.max_position_embeddings + MAX_GRAPH_NODES) + MAX_GRAPH_NODES
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
-        self._buffers: dict[int, StepBuffers] = {}  # bucket -> static inputs
+        self._buffers: dict[int, StepBuffers] = {}  # prompt bucket -> static inputs
         self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
         self._scratch: KVCache | None = None  # where a batch's filler trees write
         self.max_batch = max_batch
@@ -71,12 +69,13 @@ class FusedRunner(BatchSteps):
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
-        (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py: 2 kernels a layer where the
-        matmul form runs 5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more
+        (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py's body over each tree's slot
+        by address, ddtree/flash_batch.py: 2 kernels a layer and the K/V write where the matmul form runs 5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more
         tokens/s in every mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
         flash's speed over a short context, 5.67 ms against 5.73 a Qwen3-8B AR step, but its [q, kv] scores grow
         with the context: over a 16.5k-token one, a 32-node tree's attention took 179 us a layer against 74.)
-        Else the matmul form. fused_rows: steps of up to this many rows run their projections as
+        Else the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:
+        BatchSteps._prepare_batch). fused_rows: steps of up to this many rows run their projections as
         ddtree/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
         default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
@@ -96,23 +95,12 @@ class FusedRunner(BatchSteps):
         self.static = self.graphs.enabled
         if self.static and self.decoder.attention == FLASH:
             shape = self.decoder.shape
-            keys = self._key_counts()
-            compile_plans(shape.heads, shape.kv_heads, shape.head_dim, QUERY_BUCKETS, keys, self.dtype, self.device)
-            # batches of 2, 4, ... trees (a batch is filled up to a power of two), as many as can run at once
+            # lone rounds, and batches of 2, 4, ... trees (a batch is filled up to a power of two), as many as can
+            # run at once
             largest = min(self.max_batch, self.slots.max_sessions)
-            trees = [1 << i for i in range(1, (largest - 1).bit_length() + 1)]
-            compile_batch_plans(shape.heads, shape.kv_heads, shape.head_dim, trees, QUERY_BUCKETS, keys, self.dtype,
-                                self.device)
-
-    def _key_counts(self) -> list[int]:
-        """Every key count a captured step can attend over: a key bucket, or a slot's whole capacity (size class
-        plus the largest step's rows) where the bucket would pass it."""
-        capacities = []
-        size = MIN_SLOT_TOKENS
-        while size < self.max_keys:
-            capacities.append(size + MAX_GRAPH_NODES)
-            size *= 2
-        return key_buckets(self.max_keys) + capacities
+            trees = [1 << i for i in range((largest - 1).bit_length() + 1)]
+            compile_batch_plans(shape.heads, shape.kv_heads, shape.head_dim, trees, QUERY_BUCKETS,
+                                key_buckets(self.max_keys), self.dtype, self.device)
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 
@@ -193,77 +181,35 @@ class FusedRunner(BatchSteps):
         beyond the largest bucket): run it the general way. The tree may be on the host or the device; `root`
         replaces its root token. `after`: the cursor of a round still in flight, whose outcome gives this round
         its start and root on the device; `start` is then an upper bound (it sizes the key bucket). Every output
-        is rewritten by the next replay of the same graph. The caller tracks the committed length."""
-        run = self._prepare(cache, tree, root, start, after)
-        if run is None:
+        is rewritten by the next replay of the same graph. The caller tracks the committed length. A batch of
+        one (BatchSteps)."""
+        prepared = self._prepare_batch([BatchTree(cache, tree, root)], after, start)
+        if prepared is None:
             return None
-        buf, kv_len = run
-        return self.graphs.run(
-            (self._slot_of[id(cache)], buf.qb, kv_len, taps, "greedy"),
-            lambda: self._greedy(cache, buf, taps, kv_len),
-        )
+        buf, kv_len = prepared
+        packed, features, cursors = self.graphs.run(self._batch_key(buf, kv_len, taps, "batch"),
+                                                    lambda: self._batch_greedy(buf, taps, kv_len))
+        return packed[0], None if features is None else features[0], cursors[0]
 
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs] | None:
         """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
         the tree as the graph read it: ids with the session's root, parents, depths, ancestor matrix [q, q]) for
-        the caller's sampling and walk, all on the device; None as for greedy_round."""
-        run = self._prepare(cache, tree, root, cache.length)
-        if run is None:
+        the caller's sampling and walk, all on the device; None as for greedy_round. A batch of one."""
+        scored = self.batch_scores([BatchTree(cache, tree, root)], taps)
+        if scored is None:
             return None
-        buf, kv_len = run
-        logits, features, x = self.graphs.run(
-            (self._slot_of[id(cache)], buf.qb, kv_len, taps, "scores"),
-            lambda: self._scores(cache, buf, taps, kv_len),
-        )
+        logits, features, xs, _ = scored
         q = tree.tokens.shape[0]
-        return logits[:q], None if features is None else features[:q], x.head(q)
-
-    def _prepare(
-        self, cache: KVCache, tree: DraftTree, root: int, start: int, after: torch.Tensor | None = None
-    ) -> tuple[StepBuffers, int] | None:
-        qb = bucket(tree.tokens.shape[0]) if self.static else None
-        if qb is None:
-            return None
-        buf = self._buffer(qb)
-        if after is None:
-            buf.write(tree, start, root)
-        else:
-            buf.write_after(tree, after)
-        return buf, key_bucket(start + qb, cache.capacity)
+        return logits[:q], None if features is None else features[:q], xs[0].head(q)
 
     def _buffer(self, qb: int) -> StepBuffers:
-        """The static inputs of query bucket qb, allocated on first use (a tree's and a prompt's alike)."""
+        """The static inputs of prompt bucket qb, allocated on first use."""
         buf = self._buffers.get(qb)
         if buf is None:
             buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
         return buf
-
-    def _greedy(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Idempotent although it compacts: the forward rewrites every slot in [start, start+qb) first, and the
-        compaction only reads slots in that range. Padding nodes never match (valid is False), so they are never
-        accepted."""
-        logits, features, x = self._scores(cache, buf, taps, kv_len)
-        packed, path = self._accept(x, logits)
-        order = path.clamp(max=buf.qb - 1)  # the path first; the filler's slots are beyond the committed length
-        compact_path(cache, x.start, order, packed[:1])
-        cursor = torch.stack((x.start + packed[0] + 1, packed[1]))  # [2] where the next round starts, its root
-        return packed, None if features is None else features[order], cursor
-
-    def _scores(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...], kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs]:
-        *tree, hidden, cos, sin = self._unpack(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
-        x = TreeInputs(*tree)
-        slots = x.start + buf.nodes  # [qb]
-        dense = None if self.decoder.attention == FLASH else step_mask(x.start, x.anc, kv_len)
-        mask = StepVisibility(x.start, x.anc, dense)
-        # attention over the first kv_len slots (a key bucket), whatever the context
-        hidden, features = self.decoder.layers_forward(hidden, cos, sin, cache, slots, mask, kv_len, taps, True)
-        return self.decoder.logits(hidden, compiled=True), features, x
 
     def _prompt(
         self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]

@@ -30,6 +30,7 @@ class KVCache:
         self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
         self.addresses: tuple[int, ...] | None = None  # verify_server/batch.py slot_addresses, once worked out
+        self.address_column: torch.Tensor | None = None  # the same on the device, for rounds queued without the host
 
     @property
     def capacity(self) -> int:

@@ -1,15 +1,13 @@
-"""Attention for the fused decoder's steps: what a step's new tokens see (StepVisibility: a start row and the tree's
-[q, q] ancestor matrix, or that expanded into a dense mask over the cache) and the kernels that take it, one
-contract each (ATTENTION_CHOICES; measured against each other in bench/README.md)."""
+"""Attention for the fused decoder's steps: what a step's new tokens see (a tree's [q, q] ancestor matrix after its
+start row, expanded into a dense mask over the cache) and the kernels that take it, one contract each
+(ATTENTION_CHOICES; measured against each other in bench/README.md; FLASH, the default on a GPU, reads the start row
+and the tree instead of a mask: verify_server/batch.py)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from ddtree.flash_tree import flash_tree_attention
 from ddtree.sdpa import attention, grouped_attention, matmul_attention
 
 
@@ -93,33 +91,21 @@ ATTENTION_KERNELS = {
     "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention,
     "flex": flex_tree_attention,
 }
-FLASH = "flash"  # ddtree.flash_tree: reads the step's start and tree instead of a materialised mask
+FLASH = "flash"  # ddtree.flash_batch: reads each tree's start and ancestor matrix instead of a materialised mask
 CHUNK = "chunk"  # a prompt chunk after committed rows (chunk_attention); not a choice for trees
 ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
 
 
-@dataclass(frozen=True)
-class StepVisibility:
-    """What a captured step's new tokens see, in the two forms the kernels take: start (0-d long, the first new
-    row) and tree [q, q] bool for flash; the dense [1, 1, q, kv_len] mask (step_mask) for the others."""
-
-    start: torch.Tensor
-    tree: torch.Tensor
-    dense: torch.Tensor | None
-
-
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: int, mask: torch.Tensor | StepVisibility | None,
-    kernel: str, scale: float, gqa: bool,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_len: int, mask: torch.Tensor | None, kernel: str,
+    scale: float, gqa: bool,
 ) -> torch.Tensor:
     """q [q, heads, d] over the first kv_len rows of keys/values [kv_heads, rows, d] (a slot's, the step's new K/V
-    written already) under `mask` (a dense mask, a StepVisibility, or None: causal over the new tokens; CHUNK
-    ignores it: every earlier key and the chunk causally) through `kernel` -> [q, heads, d]."""
-    if kernel == FLASH:
-        return flash_tree_attention(q, keys, values, kv_len, mask.start, mask.tree, scale)
+    written already) under `mask` (a dense mask, or None: causal over the new tokens; CHUNK ignores it: every
+    earlier key and the chunk causally) through `kernel` (not FLASH, which takes a batch's tables) -> [q, heads,
+    d]."""
     if kernel == CHUNK:
         return chunk_attention(q, keys, values, kv_len, scale, gqa)
     keys, values = keys[:, :kv_len], values[:, :kv_len]
-    dense = mask.dense if isinstance(mask, StepVisibility) else mask
-    out = ATTENTION_KERNELS[kernel](q.transpose(0, 1)[None], keys[None], values[None], dense, scale, gqa)
+    out = ATTENTION_KERNELS[kernel](q.transpose(0, 1)[None], keys[None], values[None], mask, scale, gqa)
     return out[0].transpose(0, 1)

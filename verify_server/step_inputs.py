@@ -1,7 +1,8 @@
-"""What a captured verify step reads: the query buckets a step is padded to, the per-bucket static input buffer
-the host rewrites before each replay, and the functions that unpack it inside the graph (a tree's ids, parents,
-depths, positions and ancestor matrix, or a prompt's ids; with the embedding and RoPE rows) and read the greedy
-outcome. verify_server/fused_runner.py captures and replays the steps around them.
+"""What a captured verify step reads: the query buckets a step is padded to, a prompt's static input buffer (a
+tree's are verify_server/batch.py's BatchBuffers), and the functions that unpack a step's inputs inside the graph
+(a tree's ids, parents, depths, positions and ancestor matrix, or a prompt's ids; with the embedding and RoPE rows)
+and read the greedy outcome. verify_server/fused_runner.py and batch_runner.py capture and replay the steps around
+them.
 """
 
 from __future__ import annotations
@@ -46,14 +47,13 @@ def size_class(capacity: int) -> int:
 
 @dataclass
 class StepBuffers:
-    """One query bucket's static inputs, rewritten before each replay in one or a few copies (no per-field
-    kernels): the tree's arrays and three scalars, from which the graph derives ids, positions and the padding.
+    """A prompt bucket's static inputs, rewritten before each replay in one copy: the prompt's tokens in the first
+    row, then start (0), num (its length) and its first token, in a tree step's layout (BatchBuffers' rows), from
+    which the graph derives ids, positions and the padding.
 
-    inputs  [3 * qb + 3] long on the device: tokens, parents, depths (rows of qb; past the tree's real q they
-            hold stale values the graph masks out), then start (the root's slot), num (real nodes), the root token
-    staging the same on the host (pinned on a GPU) for trees that arrive on the host and for the scalars. Its
-            copy is asynchronous and a chained round (write_after) is queued without a host sync in between, so
-            `copied` marks when the last copy has left it; a rewrite waits for that (long done, in practice)
+    inputs  [3 * qb + 3] long on the device
+    staging the same on the host (pinned on a GPU). Its copy is asynchronous, so `copied` marks when the last copy
+            has left it; a rewrite waits for that (long done, in practice)
     """
 
     inputs: torch.Tensor
@@ -73,49 +73,12 @@ class StepBuffers:
         return self.nodes.shape[0]
 
     def write_prompt(self, prompt: list[int]) -> None:
-        """A prompt: its tokens in the first row (parents and depths are implied: a chain from slot 0)."""
-        host = self._host()
-        host[: len(prompt)] = prompt
-        host[3 * self.qb :] = (0, len(prompt), prompt[0])
-        self._upload(self.inputs, self.staging)
-
-    def write(self, tree: DraftTree, start: int, root: int) -> None:
-        q, qb = tree.tokens.shape[0], self.qb
-        host = self._host()  # numpy item writes cost ~0.1 us where a torch call costs several
-        host[3 * qb :] = (start, q, root)
-        if q > 1 and tree.tokens.device.type == "cpu":
-            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
-                host[row * qb : row * qb + q] = values.numpy()
-            self._upload(self.inputs, self.staging)
-            return
-        self._copy_tree(tree)
-        self._upload(self.inputs[3 * qb :], self.staging[3 * qb :])
-
-    def write_after(self, tree: DraftTree, cursor: torch.Tensor) -> None:
-        """A round queued before the previous one is read: its start and root come from that round's outcome on
-        the device, cursor [2] = (next start, bonus token); nothing goes through the host."""
-        q, qb = tree.tokens.shape[0], self.qb
-        if q > 1 and tree.tokens.device != self.inputs.device:
-            raise ValueError("a chained round takes its tree on the device")
-        self._copy_tree(tree)
-        self.inputs[3 * qb + 1].fill_(q)  # a kernel argument, not a read of host memory
-        self.inputs[3 * qb :: 2].copy_(cursor)  # start and root
-
-    def _copy_tree(self, tree: DraftTree) -> None:
-        """A tree already on the device (a co-located drafter's): device-to-device copies."""
-        q, qb = tree.tokens.shape[0], self.qb
-        if q > 1:
-            rows = self.inputs[: 3 * qb].view(3, qb)
-            for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
-                rows[row, :q].copy_(values, non_blocking=True)
-
-    def _host(self):
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
-        return self.staging.numpy()
-
-    def _upload(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        device.copy_(host, non_blocking=True)
+        host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        host[: len(prompt)] = prompt
+        host[3 * self.qb :] = (0, len(prompt), prompt[0])
+        self.inputs.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
@@ -139,9 +102,9 @@ class TreeInputs:
 def unpack_step(
     inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """Inside the graph: a StepBuffers' raw `inputs` [3 * qb + 3] -> the TreeInputs fields, in order, then the
-    step's embedded inputs (fused.embed_tokens: hidden, cos, sin) from the embedding and the RoPE table (device ops
-    only; a tuple so that torch.compile returns it as is)."""
+    """Inside the graph: a tree's row of BatchBuffers' inputs [3 * qb + 3] -> the TreeInputs fields, in order,
+    then the step's embedded inputs (fused.embed_tokens: hidden, cos, sin) from the embedding and the RoPE table
+    (device ops only; a tuple so that torch.compile returns it as is)."""
     qb = nodes.shape[0]
     tokens, parents, depths = inputs[: 3 * qb].view(3, qb)
     start, num, root = inputs[3 * qb :].unbind()  # 0-d views
