@@ -32,8 +32,8 @@ class PendingRound:
     features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
               without taps; on the device in memory of its own, or for a host_features round in the session's host
               buffer of its ring slot (pinned on a GPU)
-    cursor    [2] on the device: (the next round's start slot, the bonus token); a graph output, valid until the
-              session's next launch, which reads it
+    cursor    [2] on the device: (the next round's start slot, the bonus token), which the session's next launch
+              (and its drafter's draft_after) reads; launch() keeps it in memory of its own
     advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
               next round's start
     """
@@ -66,6 +66,9 @@ class QueuedRounds:
         pending = self._launch(session_id, sess, tree)
         if pending is None:
             raise SessionError("only greedy rounds on the captured path can be queued; use verify")
+        # the graph's output, which another session's round of the same shape rewrites (a graph serves every slot)
+        # before this session's next round, or its drafter, reads it
+        pending.cursor = pending.cursor.clone()
         return pending
 
     def collect(self, pending: PendingRound) -> StepResult:
