@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddtree.cuda_graphs import key_bucket
@@ -34,20 +35,20 @@ class BatchTree:
     root: int
 
 
-def slot_table(caches: list[KVCache]) -> list[list[int]]:
-    """[2 * layers + 1][B] the slots' addresses for the flash kernels: each layer's keys, then each layer's values
-    ([kv_heads, capacity, d] planes), then the slots' head strides (capacity * d)."""
-    return [list(column) for column in zip(*(slot_addresses(c) for c in caches))]
+def slot_table(caches: list[KVCache]) -> np.ndarray:
+    """[2 * layers + 1, B] int64 the slots' addresses for the flash kernels: each layer's keys, then each layer's
+    values ([kv_heads, capacity, d] planes), then the slots' head strides (capacity * d)."""
+    return np.stack([slot_addresses(c) for c in caches], axis=1)
 
 
-def slot_addresses(cache: KVCache) -> tuple[int, ...]:
+def slot_addresses(cache: KVCache) -> np.ndarray:
     """One slot's column of slot_table, worked out once: a slot's tensors live as long as the engine."""
     if cache.addresses is None:
         step = cache.k.stride(0) * cache.k.element_size()  # bytes from one layer's K/V to the next
         layers = range(len(cache.index))  # the fused path's targets: every decoder layer has K/V
         keys = [cache.k.data_ptr() + cache.index[i] * step for i in layers]
         values = [cache.v.data_ptr() + cache.index[i] * step for i in layers]
-        cache.addresses = (*keys, *values, cache.k.stride(2))
+        cache.addresses = np.array((*keys, *values, cache.k.stride(2)), dtype=np.int64)
     return cache.addresses
 
 
@@ -136,7 +137,7 @@ def build_batch(items: list[BatchTree], device: torch.device, flash: bool) -> tu
     tables[:3] = torch.tensor([starts, q_lens, offsets])
     rows = offsets[-1] + q_lens[-1]
     packed = torch.cat((*columns, tables), dim=1).to(device)  # [5, rows + B]
-    slots = torch.tensor(slot_table(caches), dtype=torch.long).to(device) if flash else None
+    slots = torch.from_numpy(slot_table(caches)).to(device) if flash else None
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
     batch = TreeBatch(caches, offsets, q_lens, kv_lens, packed[4, :rows], anc.to(device), packed[0, rows:],
                       packed[1:3, rows:], slots, max_q, max(kv_lens))
@@ -149,8 +150,8 @@ class BatchBuffers:
     rewritten before each replay in one copy: per tree a row of its tokens, parents and depths (rows of qb; past
     the tree's real q they hold stale values the graph masks out), then start (the root's slot), num (real nodes)
     and the root token (rows padded to an even length, so that each starts 16-byte aligned), then the batch's slot
-    table (slot_table). The host side keeps the caches and key counts of the batch last written, which only the
-    loop form (no graphs) reads.
+    table (slot_table). The host side keeps the caches and starts of the batch last written, which only the loop
+    form (no graphs) reads.
 
     inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
     staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
@@ -165,8 +166,8 @@ class BatchBuffers:
     nodes: torch.Tensor  # [qb] 0, 1, ...
     tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
-    caches: list[KVCache]
-    kv_lens: list[int]
+    caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
+    starts: list[int]
 
     @classmethod
     def allocate(cls, trees: int, qb: int, layers: int, device: torch.device) -> BatchBuffers:
@@ -177,8 +178,7 @@ class BatchBuffers:
         nodes = torch.arange(qb, device=device)
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
         return cls(data, staging, data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees),
-                   nodes, tables,
-                   torch.cuda.Event() if device.type == "cuda" else None, [], [])
+                   nodes, tables, torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
     def qb(self) -> int:
@@ -191,6 +191,7 @@ class BatchBuffers:
             self.copied.synchronize()  # the previous copy has left the staging buffer
         trees, width, qb = len(items), self.inputs.shape[1], self.qb
         host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        table = host[trees * width :].reshape(-1, trees)  # [2 * layers + 1, B] a view
         on_device = []
         for b, item in enumerate(items):
             row, tree = host[b * width : (b + 1) * width], item.tree
@@ -201,13 +202,13 @@ class BatchBuffers:
                 for i, values in enumerate((tree.tokens, tree.parents, tree.depths)):
                     row[i * qb : i * qb + q] = values.numpy()
             row[3 * qb : 3 * qb + 3] = (item.cache.length, q, item.root)
-        host[trees * width :] = [address for part in slot_table([item.cache for item in items]) for address in part]
+            table[:, b] = slot_addresses(item.cache)
         self.data.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
         for b in on_device:
             self._copy_tree(b, items[b].tree)
-        self._written(items, [item.cache.length for item in items])
+        self.caches, self.starts = [item.cache for item in items], [item.cache.length for item in items]
 
     def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
         """A lone round queued before the session's previous one is read: its start and root come from that
@@ -223,9 +224,9 @@ class BatchBuffers:
         self.inputs[0, 3 * qb : 3 * qb + 3 : 2].copy_(cursor)  # start and root
         cache = item.cache
         if cache.address_column is None:
-            cache.address_column = torch.tensor(slot_addresses(cache), device=self.inputs.device)
+            cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
         self.slots[:, 0].copy_(cache.address_column)
-        self._written([item], [start])
+        self.caches, self.starts = [cache], [start]
 
     def _copy_tree(self, b: int, tree: DraftTree) -> None:
         """Tree b's arrays, already on the device: device-to-device copies."""
@@ -234,6 +235,7 @@ class BatchBuffers:
         for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
             rows[row, :q].copy_(values, non_blocking=True)
 
-    def _written(self, items: list[BatchTree], starts: list[int]) -> None:
-        self.caches = [item.cache for item in items]
-        self.kv_lens = [key_bucket(start + self.qb, item.cache.capacity) for item, start in zip(items, starts)]
+    @property
+    def kv_lens(self) -> list[int]:
+        """The key rows each tree of the batch last written attends over in the loop form (TreeBatch.kv_lens)."""
+        return [key_bucket(start + self.qb, cache.capacity) for cache, start in zip(self.caches, self.starts)]

@@ -14,6 +14,7 @@ its rounds. Longer prompts (bound by their matmuls, where the graph saves nothin
 after the first (attending to the committed prefix too) take the same compiled prompt step uncaptured; one-token
 prompts and chunks, and trees beyond the largest bucket, run the forward eagerly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -70,8 +71,9 @@ class FusedRunner(BatchSteps):
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
         (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py's body over each tree's slot
-        by address, ddtree/flash_batch.py: 2 kernels a layer and the K/V write where the matmul form runs 5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more
-        tokens/s in every mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
+        by address, ddtree/flash_batch.py; 2 kernels a layer, the K/V write included, where the matmul form ran
+        5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more tokens/s in every
+        mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
         flash's speed over a short context, 5.67 ms against 5.73 a Qwen3-8B AR step, but its [q, kv] scores grow
         with the context: over a 16.5k-token one, a 32-node tree's attention took 179 us a layer against 74.)
         Else the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:

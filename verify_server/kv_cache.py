@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -29,7 +30,7 @@ class KVCache:
         self.k = alloc(shape, device=device, dtype=dtype)
         self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
-        self.addresses: tuple[int, ...] | None = None  # verify_server/batch.py slot_addresses, once worked out
+        self.addresses: np.ndarray | None = None  # verify_server/batch.py slot_addresses, once worked out
         self.address_column: torch.Tensor | None = None  # the same on the device, for rounds queued without the host
 
     @property
