@@ -16,7 +16,8 @@ import torch
 
 from ddtree.cost_curve import SHAPES, copy_bandwidth, random_drafter
 from ddtree.timing import profiled_calls
-from draft_server.drafter import DraftEngine, DraftSession
+from draft_server.drafter import DraftEngine
+from draft_server.session import DraftSession
 
 
 def main() -> None:

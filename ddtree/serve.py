@@ -43,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
+    p.add_argument("--draft-max-batch", type=int, default=1,
+                   help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -71,7 +73,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
-                         "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget)]
+                         "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget),
+                         "--max-batch", str(args.draft_max_batch)]
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
                       "--max-batch", str(args.max_batch)]

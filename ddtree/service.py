@@ -127,6 +127,9 @@ def streamed(unary: Callable[..., Awaitable[Any]]) -> Callable[..., AsyncIterato
     return stream
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a Batch's sizes histogram
+
+
 class Batch(Generic[E]):
     """Calls of one kind that wait for the engine together and run as one step (the verifier's rounds of several
     sessions: verify_server/batched_rounds.py). A call that finds no run under way starts one on the loop's next

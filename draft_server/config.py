@@ -21,6 +21,10 @@ class DraftServerConfig(ServiceConfig):
     port: int = option(50061, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
     max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
+    max_batch: int = option(
+        1, "at most N sessions' Draft calls (waiting for the engine at once) drafted with their blocks in one "
+        "forward; 1: one at a time"
+    )
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
         "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"
@@ -32,6 +36,8 @@ class DraftServerConfig(ServiceConfig):
             raise ValueError("the drafter service needs both a drafter and a target directory")
         if self.max_budget < 1:
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         try:
             budgets = self.warm_up_budget_list
         except ValueError:

@@ -21,11 +21,13 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
-from ddtree.flash_tree import compile_plans, flash_supported, flash_tree_attention
-from ddtree.gemv import default_fused_rows, gemv_supported, rows_linear
-from ddtree.sdpa import grouped_attention
+from ddtree.flash_batch import compile_batch_plans
+from ddtree.flash_tree import compile_plans, flash_supported
+from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
-from draft_server.dflash import DFlashDrafter, DFlashLayer
+from draft_server.block import block_layer
+from draft_server.dflash import DFlashDrafter
+from draft_server.draft_batch import BatchBlocks
 from draft_server.draft_inputs import DraftInputs
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
@@ -42,57 +44,16 @@ def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def block_layer(
-    x: torch.Tensor,
-    layer: DFlashLayer,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    keys: int,
-    bias: torch.Tensor | None,
-    block: torch.Tensor,
-    fused: bool = False,
-) -> torch.Tensor:
-    """DFlashLayer.forward on the block stream x [1, B, hidden] at `positions` [B] (== its rows in the slot), with
-    the block's K/V written into the slot's caches [1, kv_heads, rows, d] and attention over rows [0, keys).
-    bias: [1, 1, rep*B, keys] additive (grouped SDPA); None: flash-decoding with the block as a [B, B] all-visible
-    `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels.
-    fused: the projections through ddtree/gemv.py's rows kernel, the norms, the SiLU gate and the residual adds
-    folded in (a GPU; fused q|k|v and gate|up weights, no attention biases)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if fused:
-        norm = layer.input_layernorm
-        qkv = rows_linear(x[0], attn.qkv[0], norm.weight, None, norm.eps, False)  # [B, (heads + 2 kv_heads) * d]
-        q, k, v = attn.split_qkv(qkv[None], cos, sin)
-    else:  # q [1, heads, B, d], k and v [1, kv_heads, B, d]
-        q, k, v = attn.query_key_value(layer.input_layernorm(x), cos, sin)
-    k_cache.index_copy_(2, positions, k)
-    v_cache.index_copy_(2, positions, v)
-    if bias is None:
-        out = flash_tree_attention(
-            q[0].transpose(0, 1), k_cache[0], v_cache[0], keys, positions[0], block, attn.head_dim**-0.5
-        )[None]  # [1, B, heads, d]
-    else:
-        out = grouped_attention(q, k_cache[:, :, :keys], v_cache[:, :, :keys], bias).transpose(1, 2)
-    if fused:
-        rows = rows_linear(out.flatten(2)[0], attn.o_proj.weight, None, x[0], 0.0, False)  # [B, hidden]
-        norm = layer.post_attention_layernorm
-        gated = rows_linear(rows, mlp.gate_up, norm.weight, None, norm.eps, True)  # silu(gate) * up
-        return rows_linear(gated, mlp.down_proj.weight, None, rows, 0.0, False)[None]
-    x = x + attn.o_proj(out.flatten(2))
-    return x + mlp(layer.post_attention_layernorm(x))
-
-
-class StaticDrafter:
+class StaticDrafter(BatchBlocks):
     """The context append, the block forward and the tree build over static buffers, each replayed from a CUDA
-    graph per shape bucket when `graphs` and on a GPU (otherwise the same code runs as plain calls)."""
+    graph per shape bucket when `graphs` and on a GPU (otherwise the same code runs as plain calls); several
+    sessions' blocks in one forward too (draft_batch.py, BatchBlocks)."""
 
     def __init__(
         self, drafter: DFlashDrafter, head: TargetHead, max_sessions: int, max_context: int, graphs: bool = True,
-        compile: bool = False,
+        compile: bool = False, max_batch: int = 1,
     ) -> None:
+        """max_batch: the most sessions' blocks a batch takes (the start-up compile's bound)."""
         cfg = drafter.config
         drafter.fuse()  # one GEMM for q|k|v and one for gate|up per layer, one for k|v per append: in place, shared
         self.drafter, self.head, self.config = drafter, head, cfg
@@ -128,11 +89,20 @@ class StaticDrafter:
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
         if self.flash and self.graphs.enabled:  # Triton compiles each of its configurations now, not in a round
-            compile_plans(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, (cfg.block_size,),
-                          key_buckets(self.rows), self.dtype, self.device)
-        # the block's projections through the fused rows kernel on small drafters, as the verifier's trees
-        self.fused_rows = (gemv_supported(self.device) and default_fused_rows(cfg.hidden_size) >= cfg.block_size
-                           and not cfg.attention_bias)
+            shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            compile_plans(*shape, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
+            blocks = [1 << i for i in range(1, (min(max_batch, max_sessions) - 1).bit_length() + 1)]
+            if blocks:  # batches of 2, 4, ... blocks (a batch is filled up to a power of two)
+                compile_batch_plans(*shape, blocks, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
+        # the block's projections through the fused rows kernel on small drafters, as the verifier's trees: a
+        # batch's blocks too while they fit (block_rows rows at most)
+        fused = gemv_supported(self.device) and not cfg.attention_bias
+        self.block_rows = default_fused_rows(cfg.hidden_size) if fused else 0
+        self.fused_rows = self.block_rows >= cfg.block_size
+        # compiled, a batch of blocks is the flash kernel's; the loop form (the CPU) runs uncompiled
+        self._batch_block_step = (torch.compile(self._batch_block_body, fullgraph=True) if compile and self.flash
+                                  else self._batch_block_body)
+        self._block_batches, self._columns, self._scratch = {}, {}, None
         self._block_tree = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool, device=self.device)
         self._arange = torch.arange(self.rows, dtype=torch.long, device=self.device)  # row index == absolute position
         # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
@@ -148,8 +118,9 @@ class StaticDrafter:
             # the host's inputs go up through pinned memory: a pageable copy would sync the stream
             self._staging = DraftInputs(*layout, torch.device("cpu"), pin=True)
             self._uploaded = torch.cuda.Event()
-        # the last tree on the host, as the wire carries it (tree(host=True)): [3 * (max nodes + 1)] int32, pinned
-        self._host_tree = torch.empty(0, dtype=torch.int32)
+        # the last trees on the host, as the wire carries them (tree(host=True)), one per block of a batch:
+        # [3 * (max nodes + 1)] int32 each, pinned
+        self._host_trees: list[torch.Tensor] = []
 
     @property
     def slot_bytes(self) -> int:
@@ -219,18 +190,23 @@ class StaticDrafter:
         keys = key_bucket(bound + self.config.block_size, self.rows)
         self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
 
-    def tree(self, budget: int, top_k: int | None, host: bool = False) -> tuple[DraftTree, torch.Tensor | None]:
+    def tree(
+        self, budget: int, top_k: int | None, host: bool = False, index: int = 0
+    ) -> tuple[DraftTree, torch.Tensor | None]:
         """The tree over the last block's log-probs, on the device, in memory no later replay overwrites; with
         `host` on a GPU also its copy as the wire carries it, queued now: [3, N+1] int32 in pinned memory that the
-        next host tree reuses, to be read once the draft's kernels are done (else None)."""
+        next host tree of this `index` (a batch's block) reuses, to be read once the draft's kernels are done (else
+        None)."""
         k, layout = self.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
         tree = DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
         if not host or self._staging is None:  # a GPU only: on the CPU the tree is on the host already
             return tree, None
-        if self._host_tree.numel() < packed.numel():
-            self._host_tree = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
-        nodes = self._host_tree[: packed.numel()].view(packed.shape)
+        while len(self._host_trees) <= index:
+            self._host_trees.append(torch.empty(0, dtype=torch.int32))
+        if self._host_trees[index].numel() < packed.numel():
+            self._host_trees[index] = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
+        nodes = self._host_trees[index][: packed.numel()].view(packed.shape)
         nodes.copy_(packed.to(torch.int32), non_blocking=True)  # tokens < vocab, parents and depths < nodes
         return tree, nodes
 

@@ -8,75 +8,19 @@ a cache allocated per session, shapes that follow the context, nothing captured;
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from ddtree.timing import StepTimer, TimerEvents
-from ddtree.types import DraftTree
+from ddtree.timing import TimerEvents
+from draft_server.batched_drafts import BatchedDrafts
 from draft_server.dflash import DFlashDrafter, sliding_window_mask
 from draft_server.draft_graphs import StaticDrafter
+from draft_server.session import CapacityError, DraftResult, DraftSession, SessionError, UnknownSessionError
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayouts, build_tree
 
 
-class SessionError(ValueError):
-    """A request that does not fit the session's state (unknown id, wrong position, full cache)."""
-
-
-class UnknownSessionError(SessionError):
-    """No such session: never started, already ended, or expired."""
-
-
-class CapacityError(SessionError):
-    """The session's preallocated context cache cannot hold the step, or the engine has no room for the session."""
-
-
-@dataclass
-class DraftSession:
-    """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
-    never stored, so `length` is always the next absolute position the context will cover."""
-
-    ctx_k: list[torch.Tensor]  # per layer [1, kv_heads, rows, head_dim]; rows >= capacity (a static slot has spare)
-    ctx_v: list[torch.Tensor]
-    capacity: int  # positions the session asked for: the root must stay below it
-    slot: int | None = None  # the static path's cache slot
-    length: int = 0
-    # after a draft_after, the context's end is the outcome of a verify round the host has not read: somewhere in
-    # [length, length_max]; the next draft names it (its features' first position)
-    length_max: int = 0
-    last_used: float = 0.0
-
-    def settle(self, start: int) -> None:
-        """The context ends at `start`: where the next draft's features begin."""
-        if not self.length <= start <= self.length_max:
-            known = f"{self.length}" if self.length == self.length_max else f"[{self.length}, {self.length_max}]"
-            raise SessionError(f"context covers positions [0, {known}), so new features cannot start at {start}")
-        self.length = self.length_max = start
-
-
-@dataclass
-class DraftResult:
-    """A drafted tree, on the drafter's device: nothing waits for the draft's kernels until the tree is read (the
-    verifier's host sync in-process, the tree's encoding in the service)."""
-
-    tree: DraftTree
-    timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)
-    # draft(host_tree=True) on a GPU's static path: the tree as [3, N+1] int32 (tokens, parents, depths) in pinned
-    # host memory, filled by the draft's kernels (read it after forward_s / tree_s, which wait for them); the next
-    # such draft of the engine reuses it
-    nodes: torch.Tensor | None = None
-
-    @property
-    def forward_s(self) -> float:
-        return self.timer.split()[0]
-
-    @property
-    def tree_s(self) -> float:
-        return self.timer.split()[1]
-
-
-class DraftEngine:
+class DraftEngine(BatchedDrafts):
     def __init__(
         self,
         drafter: DFlashDrafter,
@@ -86,12 +30,14 @@ class DraftEngine:
         max_sessions: int = 16,
         max_context: int | None = None,
         compile: bool = False,
+        max_batch: int = 1,
     ) -> None:
         """eager: the dynamic path (a cache per session, nothing captured). Otherwise the static path holds at most
         `max_sessions` sessions of at most `max_context` positions each (default: the drafter's
         max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU.
         compile: torch.compile the static path's context append, block layers and tree build (fewer, fused
-        kernels; a few compiles in warm-up, then one per new budget)."""
+        kernels; a few compiles in warm-up, then one per new budget). max_batch: the most sessions' drafts
+        draft_batch runs in one forward."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
@@ -107,7 +53,9 @@ class DraftEngine:
         max_context = max_context or cfg.max_position_embeddings
         if max_sessions < 1 or max_context < 2:
             raise ValueError(f"need max_sessions >= 1 and max_context >= 2, got {max_sessions} and {max_context}")
-        self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile)
+        self.max_batch = max_batch
+        self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile,
+                                                       max_batch=max_batch)
         # the tree shapes' constants, kept per (budget, top_k); the static path's, when there is one
         self.layouts = (
             self.static.layouts if self.static else TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)
@@ -177,6 +125,27 @@ class DraftEngine:
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
         the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
         copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service)."""
+        sess, features = self._begin(session_id, features, root_token, root_position, budget)
+        timer = self.timers.timer()
+        if self.static is not None:
+            self.static.draft(sess.slot, sess.length, features, root_token, root_position)
+            sess.length = sess.length_max = root_position
+            timer.mark()
+            tree, nodes = self.static.tree(budget, top_k, host_tree)
+            timer.end()
+            return DraftResult(tree, timer, nodes)
+        self._append_eager(sess, features)
+        logprobs = self._block_logprobs(sess, root_token, root_position)
+        timer.mark()
+        tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
+        timer.end()
+        return DraftResult(tree, timer)
+
+    def _begin(
+        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int
+    ) -> tuple[DraftSession, torch.Tensor]:
+        """A draft's checks (SessionError, the session untouched), then its session's context settled where the
+        features begin -> (the session, the features, [0, taps*hidden] for none)."""
         sess = self.session(session_id)
         if features is None:
             features = torch.empty(0, self.feature_dim, dtype=self.dtype)
@@ -193,20 +162,7 @@ class DraftEngine:
         self._check_budget(budget)
         sess.settle(root_position - m)
         sess.last_used = time.monotonic()
-        timer = self.timers.timer()
-        if self.static is not None:
-            self.static.draft(sess.slot, sess.length, features, root_token, root_position)
-            sess.length = sess.length_max = root_position
-            timer.mark()
-            tree, nodes = self.static.tree(budget, top_k, host_tree)
-            timer.end()
-            return DraftResult(tree, timer, nodes)
-        self._append_eager(sess, features)
-        logprobs = self._block_logprobs(sess, root_token, root_position)
-        timer.mark()
-        tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
-        timer.end()
-        return DraftResult(tree, timer)
+        return sess, features
 
     @torch.inference_mode()
     def append(self, session_id: str, features: torch.Tensor) -> tuple[int, float]:

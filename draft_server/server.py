@@ -16,13 +16,18 @@ from itertools import accumulate
 
 import grpc
 import torch
+from prometheus_client import Histogram
 
-from ddtree.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service import (
+    BATCH_BUCKETS, Batch, EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed,
+)
 from ddtree.service_process import run_service, serve
 from ddtree.types import DrafterInfo
+from draft_server.batched_drafts import DraftCall
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
-from draft_server.drafter import CapacityError, DraftEngine, DraftSession, UnknownSessionError
+from draft_server.drafter import DraftEngine
+from draft_server.session import CapacityError, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -41,6 +46,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, host: EngineHost[DraftEngine], config: DraftServerConfig) -> None:
         self.host = host
         self.config = config
+        sizes = Histogram("ddtree_draft_batch_size", "Sessions' Draft calls drafted with their blocks in one forward",
+                          buckets=BATCH_BUCKETS, registry=host.metrics.registry)
+        # every session's Draft calls that wait for the engine at once share its next block forward
+        self.drafts: Batch[DraftEngine] = Batch("Draft", self._drafts, config.max_batch, sizes)
 
     def max_session_tokens(self, engine: DraftEngine) -> int:
         return self.config.max_session_tokens or engine.config.max_position_embeddings
@@ -62,7 +71,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("EndSession", context, end)
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        response = await self.host.call("Draft", context, lambda engine: self._draft(engine, request), forward=True)
+        response = await self.host.call_batched("Draft", context, request, self.drafts, forward=True)
         self.host.remember(rehearse_draft, request, response)
         return response
 
@@ -100,18 +109,33 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         engine.start_session(request.session_id, request.capacity)
         return pb.DrafterStartSessionResponse()
 
-    def _draft(self, engine: DraftEngine, request: pb.DraftRequest) -> pb.DraftResponse:
+    def _drafts(self, engine: DraftEngine, requests: list[pb.DraftRequest]) -> list[pb.DraftResponse | Exception]:
+        """Several sessions' Draft calls, those that pass their checks with their blocks in one forward
+        (DraftEngine.draft_batch) -> each call's answer, or the error it fails with."""
+        outcomes: list[pb.DraftResponse | Exception | None] = [None] * len(requests)
+        calls, where = [], []
+        for i, request in enumerate(requests):
+            try:
+                calls.append(self._call(request))
+                where.append(i)
+            except Exception as exc:  # noqa: BLE001 - this call's own error
+                outcomes[i] = exc
+        for i, result in zip(where, engine.draft_batch(calls, host_tree=True)):
+            if isinstance(result, Exception):
+                outcomes[i] = result
+                continue
+            forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (kernels, the tree's copy)
+            outcomes[i] = tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
+        return outcomes
+
+    def _call(self, request: pb.DraftRequest) -> DraftCall:
         if not 1 <= request.budget <= self.config.max_budget:
             raise RequestError(f"budget must be in [1, {self.config.max_budget}], got {request.budget}")
         if request.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {request.top_k}")
         features = _features(request) if request.HasField("features") else None
-        result = engine.draft(
-            request.session_id, features, request.root_token, request.root_position, request.budget,
-            request.top_k or None, host_tree=True,
-        )
-        forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
-        return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
+        return DraftCall(request.session_id, features, request.root_token, request.root_position, request.budget,
+                         request.top_k or None)
 
     def _append(self, engine: DraftEngine, request: pb.AppendRequest | relay.AppendCall) -> pb.AppendResponse:
         call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
@@ -153,7 +177,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     engine = DraftEngine(
         drafter, TargetHead.load(config.target, device, dtype),
         eager=config.eager, max_sessions=config.max_sessions, max_context=config.max_session_tokens,
-        compile=config.compiles,
+        compile=config.compiles, max_batch=config.max_batch,
     )
     cfg = engine.config
     log.info(
@@ -182,21 +206,47 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
     on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
     positions keeps those that fit."""
+    start = time.perf_counter()
     session_id = f"warm-up-{uuid.uuid4().hex}"
     room = engine.static.max_context if engine.static is not None else None
     fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
     rows = [m for m, fit in zip(WARM_UP_ROWS, fits) if fit]
     engine.start_session(session_id, sum(rows) + engine.block_size)
-    start, length = time.perf_counter(), 0
     try:
+        length = 0
         for m in rows:
             length += m
             engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
         for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
             engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
-        log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)
     finally:
         engine.end_session(session_id)
+    _warm_up_batches(engine, rows)
+    log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)
+
+
+def _warm_up_batches(engine: DraftEngine, rows: list[int]) -> None:
+    """Blocks of several sessions in one forward (draft_batch): their step compiles for row counts of its own
+    (blocks x B), a batch of 2 and one of 4 (3 sessions, filled up), at the same contexts as the drafts above."""
+    if engine.static is None or not engine.static.batches:
+        return
+    most = min(engine.max_batch, engine.static.slots.max_sessions)
+    for count in (n for n in (2, 3) if n <= most):
+        sessions = [f"warm-up-{uuid.uuid4().hex}" for _ in range(count)]
+        for session_id in sessions:
+            engine.start_session(session_id, sum(rows) + engine.block_size)
+        try:
+            length = 0
+            for m in rows:
+                length += m
+                calls = [DraftCall(s, torch.zeros(m, engine.feature_dim), 0, length, engine.block_size - 1)
+                         for s in sessions]
+                for result in engine.draft_batch(calls):
+                    if isinstance(result, Exception):
+                        raise result
+        finally:
+            for session_id in sessions:
+                engine.end_session(session_id)
 
 
 async def run_server(config: DraftServerConfig) -> None:

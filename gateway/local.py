@@ -8,7 +8,8 @@ import torch
 
 from ddtree.timing import DeferredTimings
 from ddtree.types import DraftTree, SamplingParams, StepResult
-from draft_server.drafter import DraftEngine, DraftResult
+from draft_server.drafter import DraftEngine
+from draft_server.session import DraftResult
 from verify_server.queued_rounds import PendingRound
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 

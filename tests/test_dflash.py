@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from draft_server.dflash import DFlashDrafter, apply_rope, load_drafter, save_drafter
-from draft_server.drafter import DraftEngine, SessionError
+from draft_server.drafter import DraftEngine
+from draft_server.session import SessionError
 from draft_server.target_head import TargetHead
 from tests.conftest import BLOCK, HIDDEN, VOCAB
 

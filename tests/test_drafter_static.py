@@ -11,7 +11,8 @@ from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.dflash_config import DFlashConfig
 from ddtree.cuda_graphs import key_bucket, key_buckets
-from draft_server.drafter import CapacityError, DraftEngine, SessionError, UnknownSessionError
+from draft_server.drafter import DraftEngine
+from draft_server.session import CapacityError, SessionError, UnknownSessionError
 from draft_server.server import load_engine
 from draft_server.target_head import TargetHead
 from tests.conftest import HIDDEN, VOCAB

@@ -93,7 +93,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
         env.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `ddtree serve` sets it: see there
         svc = Services(
             drafter=launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter", str(drafter),
-                                             *dtype], (draft, draft_metrics), logs),
+                                             "--max-batch", "4", *dtype], (draft, draft_metrics), logs),
             verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", MODEL,
                                                *dtype], (verify, verify_metrics), logs),
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
@@ -180,8 +180,8 @@ def test_openai_client(services, expected) -> None:
 
 
 def test_concurrent_chats_share_the_verifiers_forwards(services, expected) -> None:
-    """Chats at once, in every speculation mode: each answer is what it is alone, and the verifier ran some of
-    their rounds (trees and AR steps together) in shared forwards."""
+    """Chats at once, in every speculation mode: each answer is what it is alone, the verifier ran some of their
+    rounds (trees and AR steps together) in shared forwards, and the drafter some of their blocks."""
     chats = [([{"role": "user", "content": f"tell me story number {i}"}], mode)
              for i, mode in enumerate(("ddtree", "ddtree", "chain", "off", "ddtree", "chain"))]
     for messages, _ in chats:
@@ -197,10 +197,13 @@ def test_concurrent_chats_share_the_verifiers_forwards(services, expected) -> No
         async with httpx.AsyncClient() as http:
             return await asyncio.gather(*(ask(http, messages, mode) for messages, mode in chats))
 
-    calls = [services.verifier.metric(f"ddtree_verify_batch_size_{part}") or 0.0 for part in ("sum", "count")]
+    shared = [(service, f"ddtree_{name}_batch_size") for service, name in ((services.verifier, "verify"),
+                                                                             (services.drafter, "draft"))]
+    before = [[service.metric(f"{sizes}_{part}") or 0.0 for part in ("sum", "count")] for service, sizes in shared]
     assert asyncio.run(all_at_once()) == [expected(messages, 60)[0] for messages, _ in chats]
-    after = [services.verifier.metric(f"ddtree_verify_batch_size_{part}") for part in ("sum", "count")]
-    assert after[0] - calls[0] > after[1] - calls[1]  # more rounds than forwards: some shared one
+    for (service, sizes), (calls, forwards) in zip(shared, before):
+        after = [service.metric(f"{sizes}_{part}") for part in ("sum", "count")]
+        assert after[0] - calls > after[1] - forwards, sizes  # more calls than forwards: some shared one
 
 
 def test_bench_through_the_gateway(services, tmp_path) -> None:

@@ -19,7 +19,9 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from ddtree.service import Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
+from ddtree.service import (
+    BATCH_BUCKETS, Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed,
+)
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, SamplingParams, VerifierInfo
@@ -36,7 +38,6 @@ from verify_server.verify import ROOT_ONLY, VerifyEngine
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, the tensor header, the timings
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),

@@ -1,0 +1,67 @@
+"""A drafter session's state (its context K/V and how far it reaches), a draft's result, and the errors a call
+fails with (the services answer them INVALID_ARGUMENT, NOT_FOUND or RESOURCE_EXHAUSTED)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.timing import StepTimer
+from ddtree.types import DraftTree
+
+
+class SessionError(ValueError):
+    """A request that does not fit the session's state (unknown id, wrong position, full cache)."""
+
+
+class UnknownSessionError(SessionError):
+    """No such session: never started, already ended, or expired."""
+
+
+class CapacityError(SessionError):
+    """The session's preallocated context cache cannot hold the step, or the engine has no room for the session."""
+
+
+@dataclass
+class DraftSession:
+    """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
+    never stored, so `length` is always the next absolute position the context will cover."""
+
+    ctx_k: list[torch.Tensor]  # per layer [1, kv_heads, rows, head_dim]; rows >= capacity (a static slot has spare)
+    ctx_v: list[torch.Tensor]
+    capacity: int  # positions the session asked for: the root must stay below it
+    slot: int | None = None  # the static path's cache slot
+    length: int = 0
+    # after a draft_after, the context's end is the outcome of a verify round the host has not read: somewhere in
+    # [length, length_max]; the next draft names it (its features' first position)
+    length_max: int = 0
+    last_used: float = 0.0
+
+    def settle(self, start: int) -> None:
+        """The context ends at `start`: where the next draft's features begin."""
+        if not self.length <= start <= self.length_max:
+            known = f"{self.length}" if self.length == self.length_max else f"[{self.length}, {self.length_max}]"
+            raise SessionError(f"context covers positions [0, {known}), so new features cannot start at {start}")
+        self.length = self.length_max = start
+
+
+@dataclass
+class DraftResult:
+    """A drafted tree, on the drafter's device: nothing waits for the draft's kernels until the tree is read (the
+    verifier's host sync in-process, the tree's encoding in the service)."""
+
+    tree: DraftTree
+    timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)
+    # draft(host_tree=True) on a GPU's static path: the tree as [3, N+1] int32 (tokens, parents, depths) in pinned
+    # host memory, filled by the draft's kernels (read it after forward_s / tree_s, which wait for them); the next
+    # such draft of the engine reuses it
+    nodes: torch.Tensor | None = None
+
+    @property
+    def forward_s(self) -> float:
+        return self.timer.split()[0]
+
+    @property
+    def tree_s(self) -> float:
+        return self.timer.split()[1]
