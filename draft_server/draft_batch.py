@@ -108,8 +108,8 @@ class BatchBlocks:
         """Each session's context append (its own graphs), then all the blocks in one forward -> the batch, whose
         logprobs[b] are call b's block's (batch_tree reads them); rewritten by the next draft_batch of as many
         blocks. Blocks are padded to a power of two where graphs run, with blocks over a scratch slot."""
-        for call in calls:
-            self.append(call.slot, call.start, call.features)
+        for b, call in enumerate(calls):
+            self.append(call.slot, call.start, call.features, b)
         blocks = [(call.slot, call.position, call.root) for call in calls]
         count = 1 << (len(calls) - 1).bit_length() if self.graphs.enabled else len(calls)
         blocks += [(-1, 0, 0)] * (count - len(calls))  # fillers: the scratch slot, a block at position 0

@@ -113,11 +113,11 @@ class StaticDrafter(BatchBlocks):
         self._inputs = DraftInputs(*layout, self.device)
         self._start, self._pos = self._inputs.start, self._inputs.position  # [1] each: an append's first row, p
         self._ids, self._features = self._inputs.ids, self._inputs.features  # [1, B] root + MASKs; [P, taps*hidden]
-        self._staging = self._uploaded = None
-        if self.device.type == "cuda":
-            # the host's inputs go up through pinned memory: a pageable copy would sync the stream
-            self._staging = DraftInputs(*layout, torch.device("cpu"), pin=True)
-            self._uploaded = torch.cuda.Event()
+        # the host's inputs go up through pinned memory on a GPU (a pageable copy would sync the stream): one
+        # staging buffer, and the event of its last copy, per draft of a batch (made on first use), so that a batch's
+        # appends are queued without waiting for each other's copies
+        self._layout = layout
+        self._stagings: list[tuple[DraftInputs, torch.cuda.Event]] = []
         # the last trees on the host, as the wire carries them (tree(host=True)), one per block of a batch:
         # [3 * (max nodes + 1)] int32 each, pinned
         self._host_trees: list[torch.Tensor] = []
@@ -128,12 +128,13 @@ class StaticDrafter(BatchBlocks):
 
     # ---- context ------------------------------------------------------------------------------------------------
 
-    def append(self, slot: int, start: int, features: torch.Tensor) -> None:
+    def append(self, slot: int, start: int, features: torch.Tensor, index: int = 0) -> None:
         """features [m, taps*hidden], target hidden states at positions [start, start+m) -> their K/V in the slot,
-        max_append rows per captured step (only the last chunk is padded, so no chunk overwrites another's rows)."""
+        max_append rows per captured step (only the last chunk is padded, so no chunk overwrites another's rows).
+        index: the staging buffer (a batch's draft)."""
         for begin in range(0, features.shape[0], self.max_append):
             chunk = features[begin : begin + self.max_append]
-            self._upload(start + begin, chunk)
+            self._upload(start + begin, chunk, index=index)
             self._replay_append(slot, chunk.shape[0])
 
     def draft(self, slot: int, start: int, features: torch.Tensor, root: int, position: int) -> None:
@@ -153,20 +154,25 @@ class StaticDrafter(BatchBlocks):
         mb = append_bucket(m)
         self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
 
-    def _upload(self, start: int, features: torch.Tensor, root: int | None = None, position: int | None = None) -> None:
+    def _upload(
+        self, start: int, features: torch.Tensor, root: int | None = None, position: int | None = None, index: int = 0
+    ) -> None:
         """Writes an append's first row and its features (and a block's root and position, when given) into the
-        inputs: on a GPU, with host features, in one copy through the pinned staging buffer. Features already on
-        the device (a chained round's, in-process) are written in place, scalars as fills: waiting for the staging
-        buffer could hold the host behind the rounds in flight."""
-        if self._staging is None or features.device.type != "cpu":
+        inputs: on a GPU, with host features, in one copy through the pinned staging buffer `index`. Features
+        already on the device (a chained round's, in-process) are written in place, scalars as fills: waiting for
+        the staging buffer could hold the host behind the rounds in flight."""
+        if self.device.type != "cuda" or features.device.type != "cpu":
             self._inputs.write(start, features, root, position)
             return
+        while len(self._stagings) <= index:
+            self._stagings.append((DraftInputs(*self._layout, torch.device("cpu"), pin=True), torch.cuda.Event()))
+        staging, uploaded = self._stagings[index]
         # the previous upload has left the staging buffer: long done, as every draft from the host is read before
         # the next one
-        self._uploaded.synchronize()
-        self._staging.write(start, features, root, position)
-        self._inputs.upload(self._staging, features.shape[0])
-        self._uploaded.record()
+        uploaded.synchronize()
+        staging.write(start, features, root, position)
+        self._inputs.upload(staging, features.shape[0])
+        uploaded.record()
 
     def _append(self, slot: int, features: torch.Tensor) -> None:
         """features [n, taps*hidden] -> K/V at rows _start + [0, n). Rows past the real m get the K/V of stale
@@ -200,7 +206,7 @@ class StaticDrafter(BatchBlocks):
         k, layout = self.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
         tree = DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
-        if not host or self._staging is None:  # a GPU only: on the CPU the tree is on the host already
+        if not host or self.device.type != "cuda":  # a GPU only: on the CPU the tree is on the host already
             return tree, None
         while len(self._host_trees) <= index:
             self._host_trees.append(torch.empty(0, dtype=torch.int32))
