@@ -149,11 +149,16 @@ class Batch(Generic[E]):
         self._runner: asyncio.Task | None = None
 
     async def submit(self, host: EngineHost[E], item: Any) -> Any:
-        answer = asyncio.get_running_loop().create_future()
-        self._waiting.append((item, answer))
-        if self._runner is None:
-            self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
-        outcome = await answer
+        if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop
+            (outcome,) = await host.execute(self.rpc, lambda engine: self.run(engine, [item]))
+            if self.sizes is not None:
+                self.sizes.observe(1)
+        else:
+            answer = asyncio.get_running_loop().create_future()
+            self._waiting.append((item, answer))
+            if self._runner is None:
+                self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
+            outcome = await answer
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome

@@ -174,6 +174,24 @@ def test_batch_gathers_the_calls_that_wait_together() -> None:
     assert outcomes[:4] == [0, 20, 40, 60] and isinstance(outcomes[4], ValueError) and outcomes[5] == 80
 
 
+def test_a_batch_of_one_runs_each_call_as_it_comes() -> None:
+    """max_size 1 (batching off): each call is its own run, inline on the loop where the engine is idle, as a call
+    that is not batched; its failure is its own."""
+    engine = Recorder()
+    host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0,
+                      inline_rpcs=frozenset({"Draft"}))
+    host.engine = engine
+    batch = Batch("Draft", lambda e, items: e.run(items), max_size=1)
+
+    async def scenario() -> list:
+        calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (0, 3, 4)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert engine.runs == [[0], [3], [4]]
+    assert outcomes[0] == 0 and isinstance(outcomes[1], ValueError) and outcomes[2] == 40
+
+
 def test_batch_skips_callers_gone_and_fails_a_failed_run_for_all() -> None:
     """A call cancelled while it waits is not run; a run that fails as a whole fails each of its calls with its
     error, and the next run goes on."""
