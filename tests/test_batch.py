@@ -24,9 +24,11 @@ GREEDY = 3  # the first three sessions are greedy; the others sample, each with 
 SAMPLED = (SamplingParams(temperature=0.8, top_k=20, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12))
 
 
-def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int) -> list[list[int]]:
-    """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch), the others
-    one by one (verify / decode). Greedy sessions get oracle trees (the truth to a random depth among decoys) or
+def run_rounds(
+    engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int, host_features: bool = False
+) -> list[list[int]]:
+    """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch; its features
+    handed over in host memory with host_features, as the service asks), the others one by one (verify / decode). Greedy sessions get oracle trees (the truth to a random depth among decoys) or
     a decode; the sampling sessions get random trees. -> each session's tokens."""
     rng = random.Random(seed)
     got = [[] for _ in truths]
@@ -44,27 +46,30 @@ def run_rounds(engines: list[VerifyEngine], truths: list[list[int]], rounds: int
             true_depth = rng.choice([depth, rng.randint(0, depth)])
             tree = oracle_tree(rng, got[i][-1], want, true_depth, depth) if depth else ROOT_ONLY
             calls.append((f"s{i}", tree))
-        together = engines[0].verify_batch(calls)
+        together = engines[0].verify_batch(calls, host_features)
         for other in engines[1:]:
             for (session_id, tree), step in zip(calls, together):
                 alone = other.verify(session_id, tree)
                 assert alone.tokens == step.tokens
-                torch.testing.assert_close(alone.features, step.features, atol=1e-4, rtol=1e-4)
+                assert step.features.device.type == ("cpu" if host_features else alone.features.device.type)
+                torch.testing.assert_close(alone.features, step.features.to(alone.features.device), atol=1e-4,
+                                           rtol=1e-4)
         for i, step in enumerate(together):
             got[i] += step.tokens
     return got
 
 
-@pytest.mark.parametrize("path", ["fused", "fused-static"])
-def test_batched_rounds_equal_each_session_alone(path: str, qwen3_target: Path) -> None:
+@pytest.mark.parametrize("path,host_features", [("fused", False), ("fused-static", False), ("fused-static", True)])
+def test_batched_rounds_equal_each_session_alone(path: str, host_features: bool, qwen3_target: Path) -> None:
     """Five sessions a round (three greedy at different contexts, two sampling: a batch of each), trees of every
     size and AR steps mixed: the batch's tokens and features are those of each call alone (the sampled ones drawn
     from the same generators), the greedy ones the target's own continuation, with deep acceptance; the sessions'
-    caches end as long as what they committed."""
+    caches end as long as what they committed. host_features: the features in host memory, each session's own
+    (a captured greedy batch writes them to its ring of buffers, which the round after next reuses)."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]
-    got = run_rounds(engines, truths, rounds=14, seed=3)
+    got = run_rounds(engines, truths, rounds=14, seed=3, host_features=host_features)
     for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
     steps = sum(len(tokens) for tokens in got[:GREEDY]) - GREEDY
@@ -132,7 +137,7 @@ def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> N
     engines = [VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True) for _ in range(2)]
     assert engines[0].fused.decoder.attention == "flash"
     compiled = _compiled_kernels()
-    got = run_rounds(engines, truths, rounds=10, seed=5)
+    got = run_rounds(engines, truths, rounds=10, seed=5, host_features=True)  # as the service asks
     assert _compiled_kernels() == compiled
     for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]

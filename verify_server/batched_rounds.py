@@ -3,7 +3,7 @@
 A service that finds several sessions' Verify or Decode calls waiting hands them over together. Each call's
 outcome is what verify() would have given it alone: the same tokens (the walk, the sampling with the session's own
 generator and the compaction run per tree), or the same error. Only the forward is shared. BatchedRounds uses the
-engine's `fused` runner, `timers`, `session()` and `verify()`.
+engine's `fused` runner, `timers`, `session()`, `verify()`, `_next_ring()` and `_keep_rows()`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class BatchedRounds:
             return self._walk_and_commit(sessions, trees, timer)
         if sessions[0].params.greedy:  # forward, walks and compactions in one replay
             captured = self.fused.batch_round(items, taps)
-            return None if captured is None else self._commit_captured(sessions, captured, timer, host_features)
+            return None if captured is None else self._commit_captured(sessions, items, captured, timer,
+                                                                        host_features)
         scored = self.fused.batch_scores(items, taps)  # the forward in one replay; the rest per tree, as alone
         if scored is None:
             return None
@@ -121,22 +122,26 @@ class BatchedRounds:
         return self._walk_and_commit(sessions, trees, timer)
 
     def _commit_captured(
-        self, sessions: list[VerifySession], captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor],
-        timer: StepTimer, host_features: bool,
+        self, sessions: list[VerifySession], items: list[BatchTree],
+        captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], timer: StepTimer, host_features: bool,
     ) -> list[StepResult]:
-        """A captured greedy batch: its walks and compactions ran in the graph; the host reads and commits them."""
+        """A captured greedy batch: its walks and compactions ran in the graph; each tree's path features are
+        queued to memory of their own as a lone round's are (as many rows as its path can have), then the host
+        reads the outcomes and commits them."""
         packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
         timer.mark()
+        kept = []
+        if features is not None:
+            for b, (sess, item) in enumerate(zip(sessions, items)):
+                rows = features[b, : min(item.tree.max_depth + 1, features.shape[1])]  # [advance, taps*hidden]
+                kept.append(self._keep_rows(sess, self._next_ring(sess), rows, host_features))
         host = timer.sync(packed.tolist)  # the batch's single host sync
         results = []
         for b, sess in enumerate(sessions):
             k, bonus = host[b][0], host[b][1]
             sess.cache.length += k + 1
             sess.root = bonus
-            kept = None
-            if features is not None:  # out of the graph's output, which its next replay rewrites
-                kept = features[b, : k + 1].cpu() if host_features else features[b, : k + 1].clone()
-            results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept))
+            results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept else None))
         return self._timed(results, timer)
 
     def _walk_and_commit(

@@ -104,22 +104,31 @@ class QueuedRounds:
             return None
         packed, path_features, cursor = captured
         timer.mark()
+        ring = self._next_ring(sess)
+        host = sess.readback[ring].write(packed)
+        advance = min(tree.max_depth + 1, packed.shape[0] - 2)
+        features = None if path_features is None else self._keep_rows(sess, ring, path_features[:advance],
+                                                                         host_features)
+        timer.end()
+        pending = PendingRound(session_id, host, features, cursor, advance, timer)
+        sess.inflight.append(pending)
+        return pending
+
+
+    def _next_ring(self, sess: VerifySession) -> int:
+        """The session's ring slot for a round's readback and its features' host rows: the round after next
+        reuses it (the caller has read, or sent, them long before)."""
         if not sess.readback:
             sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
             sess.host_features = [None] * MAX_IN_FLIGHT
         ring = sess.queued % MAX_IN_FLIGHT
         sess.queued += 1
-        host = sess.readback[ring].write(packed)
-        advance = min(tree.max_depth + 1, packed.shape[0] - 2)
-        features = None
-        if path_features is not None:
-            # in memory of its own: the next replay overwrites the graph's output
-            rows = path_features[:advance]  # [advance, taps*hidden]
-            features = _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
-        timer.end()
-        pending = PendingRound(session_id, host, features, cursor, advance, timer)
-        sess.inflight.append(pending)
-        return pending
+        return ring
+
+    def _keep_rows(self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool) -> torch.Tensor:
+        """A captured round's path features rows [n, taps*hidden], a graph output that its next replay rewrites, in
+        memory of their own, queued now: the session's host rows of this ring slot (host_features), or a clone."""
+        return _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
 
 
 def _host_rows(sess: VerifySession, ring: int, rows: torch.Tensor, device: torch.device) -> PinnedReadback:
