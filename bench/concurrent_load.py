@@ -10,7 +10,8 @@ client sends its requests one after another (greedy unless --temperature, the gi
 short prompt each); every client starts at once. Reported per gateway and client count: completion tokens / wall
 time, the median and worst request latency (every latency, in the order the requests ended, in the JSON), and,
 with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
-(ddtree_verify_batch_size) and its forwards per second.
+(ddtree_verify_batch_size) and its forwards per second; with --drafter-metrics, the drafter's mean blocks a forward
+(ddtree_draft_batch_size).
 """
 
 from __future__ import annotations
@@ -31,18 +32,16 @@ from ddtree.bench_gateway import served_model
 
 WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
          "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
-BATCH = "ddtree_verify_batch_size"
-
-
-def batch_counters(url: str | None) -> tuple[float, float]:
-    """The verifier's batch-size histogram: (calls, forwards) so far; (0, 0) without a URL."""
+def batch_counters(url: str | None, histogram: str) -> tuple[float, float]:
+    """A service's batch-size histogram (ddtree_verify_batch_size, ddtree_draft_batch_size): (calls, forwards) so
+    far; (0, 0) without a URL."""
     if url is None:
         return 0.0, 0.0
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name in (f"{BATCH}_sum", f"{BATCH}_count")}
-    return values.get(f"{BATCH}_sum", 0.0), values.get(f"{BATCH}_count", 0.0)
+              if s.name in (f"{histogram}_sum", f"{histogram}_count")}
+    return values.get(f"{histogram}_sum", 0.0), values.get(f"{histogram}_count", 0.0)
 
 
 async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[str], args: argparse.Namespace,
@@ -60,27 +59,33 @@ async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[st
     return tokens
 
 
-async def load(url: str, metrics: str | None, model: str, clients: int, args: argparse.Namespace,
-               rng: random.Random) -> dict:
+async def load(url: str, metrics: tuple[str | None, str | None], model: str, clients: int,
+               args: argparse.Namespace, rng: random.Random) -> dict:
+    """metrics: the gateway's verifier's and drafter's metrics URLs (None: not read)."""
     prompts = [[" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.requests_per_client)]
                for _ in range(clients)]
     latencies: list[float] = []
-    calls0, forwards0 = batch_counters(metrics)
+    histograms = ("ddtree_verify_batch_size", "ddtree_draft_batch_size")
+    before = [batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)]
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as http:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
         wall = time.perf_counter() - start
-    calls, forwards = (after - before for after, before in zip(batch_counters(metrics), (calls0, forwards0)))
+    (calls, forwards), (drafts, blocks) = (
+        (after[0] - was[0], after[1] - was[1])
+        for after, was in zip((batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)), before)
+    )
     return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall,
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
             "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
-            "latencies_s": latencies}
+            "mean_draft_batch": drafts / blocks if blocks else None, "latencies_s": latencies}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gateways", required=True, help="comma-separated gateway URLs")
     p.add_argument("--verifier-metrics", help="comma-separated metrics URLs of the gateways' verifiers, in order")
+    p.add_argument("--drafter-metrics", help="comma-separated metrics URLs of the gateways' drafters, in order")
     p.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -90,19 +95,23 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     urls = [u.rstrip("/") for u in args.gateways.split(",")]
-    metrics = [u.rstrip("/") for u in args.verifier_metrics.split(",")] if args.verifier_metrics else [None] * len(urls)
+    def per_gateway(value: str | None) -> list[str | None]:
+        return [u.rstrip("/") for u in value.split(",")] if value else [None] * len(urls)
+
+    metrics = list(zip(per_gateway(args.verifier_metrics), per_gateway(args.drafter_metrics)))
     model = served_model(urls[0])
     rng = random.Random(0)
     counts = [int(c) for c in args.clients.split(",")]
     for url in urls:  # warm-up, as many clients as the most of the run: their sessions' first rounds capture graphs
-        asyncio.run(load(url, None, model, max(counts), argparse.Namespace(**{**vars(args), "requests_per_client": 1}),
-                         rng))
+        asyncio.run(load(url, (None, None), model, max(counts),
+                         argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng))
     results: dict[str, list[dict]] = {u: [] for u in urls}
     for i, clients in enumerate(counts):
         for url, metric in (list(zip(urls, metrics)) if i % 2 == 0 else list(zip(urls, metrics))[::-1]):
             r = asyncio.run(load(url, metric, model, clients, args, rng))
             results[url].append(r)
             batch = "" if r["mean_batch"] is None else f", mean batch {r['mean_batch']:.2f}"
+            batch += "" if r["mean_draft_batch"] is None else f", mean draft batch {r['mean_draft_batch']:.2f}"
             print(f"{url} {clients} clients: {r['tokens_per_s']:.1f} tokens/s, latency median "
                   f"{r['latency_median_s'] * 1000:.0f} ms, max {r['latency_max_s'] * 1000:.0f} ms{batch}", flush=True)
     if args.out:
