@@ -154,6 +154,32 @@ def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:
     assert compiled_graphs() == before
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a batch of blocks is compiled where the flash kernel runs")
+def test_drafter_warm_up_compiles_every_batch_shape_on_gpu(drafter_dir: Path) -> None:
+    """With --max-batch above 1, the warm-up's batches of 2 and 4 blocks leave no compile to batches of any size at
+    any context."""
+    from draft_server.batched_drafts import DraftCall
+
+    _, engine = engines(load_drafter(drafter_dir), device="cuda", max_sessions=8, max_context=400, compile=True,
+                        max_batch=8)
+    warm_up_drafter(engine, budgets=(5,))
+    before = compiled_graphs()
+    rng = random.Random(2)
+    for count in (2, 8, 3, 5):
+        sessions = [f"{count}-{i}" for i in range(count)]
+        for session_id in sessions:
+            engine.start_session(session_id, 400)
+        length = 0
+        for new in (40, 1, 16, 200):  # a prompt's features, then a round's; key buckets 64-384
+            length += new
+            calls = [DraftCall(s, torch.randn(new, FEATURE_DIM), 1, length, rng.choice([5, engine.block_size - 1]))
+                     for s in sessions]
+            assert not any(isinstance(result, Exception) for result in engine.draft_batch(calls))
+        for session_id in sessions:
+            engine.end_session(session_id)
+    assert compiled_graphs() == before
+
+
 def test_drafter_warm_up_keeps_to_a_small_context_limit(drafter_dir: Path) -> None:
     """A drafter started with a small --max-session-tokens still warms up (the drafts that fit) and serves."""
     _, engine = engines(load_drafter(drafter_dir), max_sessions=1, max_context=40)
