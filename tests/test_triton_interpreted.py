@@ -1,6 +1,6 @@
-"""The Triton kernels (flash-decoding tree attention, alone and for a batch of trees, the one-program tree build,
-the fused GEMVs, the compaction) checked on the CPU through Triton's interpreter, in a process of their own (the interpreter is chosen
-when triton is imported)."""
+"""The Triton kernels (flash-decoding tree attention, alone and for a batch of trees or of draft blocks, the
+one-program tree build, the fused GEMVs, the compaction) checked on the CPU through Triton's interpreter, in a
+process of their own (the interpreter is chosen when triton is imported)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("check", ["tree", "flash", "gemv", "drafter", "compaction", "batch"])
+@pytest.mark.parametrize("check", ["tree", "flash", "gemv", "drafter", "compaction", "batch", "draft_batch"])
 def test_kernel_in_the_interpreter(check: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_interpreted", check], cwd=ROOT, capture_output=True, text=True,

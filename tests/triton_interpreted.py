@@ -1,7 +1,7 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch}`. The same kernels run compiled on a GPU in
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch}`. The same kernels run compiled on a GPU in
 test_flash_tree.py and test_drafter_static.py."""
 
 from __future__ import annotations
@@ -240,7 +240,46 @@ def check_batch() -> None:
     print("batch ok", len(shapes), "trees")
 
 
+def check_draft_batch() -> None:
+    """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
+    GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
+    features of several sizes and contexts of several key buckets included."""
+    import random
+
+    from draft_server.batched_drafts import DraftCall
+    from draft_server.dflash import DFlashDrafter, init_drafter_weights
+    from draft_server.dflash_config import DFlashConfig
+    from tests.conftest import HIDDEN, VOCAB
+    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
+
+    cfg = DFlashConfig(
+        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, block_size=6, mask_token_id=VOCAB - 1, target_layer_ids=[0, 2],
+        num_target_layers=4,
+    )
+    model = DFlashDrafter(cfg)
+    init_drafter_weights(model, std=0.25, seed=2)
+    torch.manual_seed(0)
+    eager, static = engines(model.eval(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
+    static.static.flash = True  # the GPU's kernel path (already so on a GPU)
+    rng = random.Random(0)
+    lengths = [0, 0, 0]
+    for engine in (eager, static):
+        for s in range(3):
+            engine.start_session(f"s{s}", 200)
+    for round_ in range(4):
+        calls = []
+        for s in range(3):
+            m = rng.randint(20, 70) if round_ == 0 else rng.choice([0, 1, 5])
+            lengths[s] += m
+            calls.append(DraftCall(f"s{s}", torch.randn(m, FEATURE_DIM), rng.randrange(VOCAB), lengths[s], 8))
+        for call, result in zip(calls, static.draft_batch(calls)):
+            assert_same_tree(result.tree, eager.draft(*call).tree)
+    assert static.static._block_batches  # noqa: SLF001 - the blocks went together
+    print("draft_batch ok", max(lengths), "positions")
+
+
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
-     "compaction": check_compaction, "batch": check_batch}[sys.argv[1]]()
+     "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch}[sys.argv[1]]()
