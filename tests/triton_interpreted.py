@@ -1,8 +1,9 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch}`. The same kernels run compiled on a GPU in
-test_flash_tree.py and test_drafter_static.py."""
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify}`. The same
+kernels run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and
+test_draft_batch.py."""
 
 from __future__ import annotations
 
@@ -240,6 +241,58 @@ def check_batch() -> None:
     print("batch ok", len(shapes), "trees")
 
 
+def check_verify() -> None:
+    """The verifier's captured rounds through the batch op and the batch compaction (plain calls in the
+    interpreter, replayed graphs on a GPU): lone rounds (batches of one), chained rounds and batches of two sessions
+    give the target's own greedy tokens, deep acceptance included."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.types import SamplingParams
+    from tests.conftest import hf_greedy, make_target
+    from tests.test_verify import oracle_tree
+    from verify_server.verify import VerifyEngine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = make_target("qwen3", Path(tmp))
+        engine = VerifyEngine.from_pretrained(target, device=DEVICE)
+        model = AutoModelForCausalLM.from_pretrained(target).eval()
+    if DEVICE.type == "cpu":  # the GPU's captured code, its flash kernels through the interpreter
+        engine.fused.static = True
+        engine.fused.decoder.attention = FLASH
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3, 5, 8]}
+    truths = {name: hf_greedy(model, prompt, 60) for name, prompt in prompts.items()}
+    got = {}
+    for name, prompt in prompts.items():
+        engine.start_session(name, 200, SamplingParams(), taps=[1, 3])
+        got[name] = list(engine.prefill(name, prompt).tokens)
+    rng = random.Random(5)
+
+    def tree(name: str, root: int, at: int, depth: int):
+        return oracle_tree(rng, root, truths[name][at:], depth, depth + 1)
+
+    for round_ in range(6):
+        if round_ % 3 == 0:  # a batch of both sessions
+            calls = [(name, tree(name, got[name][-1], len(got[name]), rng.randint(1, 5))) for name in prompts]
+            steps = dict(zip(prompts, engine.verify_batch(calls)))
+        elif round_ % 3 == 1:  # each alone: a batch of one
+            steps = {name: engine.verify(name, tree(name, got[name][-1], len(got[name]), 4)) for name in prompts}
+        else:  # session a's two rounds chained, the second's start and root from the first's outcome
+            first = engine.launch("a", tree("a", got["a"][-1], len(got["a"]), 3))
+            second = engine.launch("a", tree("a", 0, len(got["a"]) + 4, 2))
+            steps = {"a": engine.collect(first), "a2": engine.collect(second)}  # checked in this order
+        for name, step in steps.items():
+            session = name[0]
+            want = truths[session][len(got[session]) : len(got[session]) + len(step.tokens)]
+            assert step.tokens == want, (round_, name, step.tokens, want, len(got[session]))
+            got[session] += step.tokens
+    assert sum(len(tokens) for tokens in got.values()) > 40  # deep acceptance
+    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens")
+
+
 def check_draft_batch() -> None:
     """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
     GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
@@ -282,4 +335,5 @@ def check_draft_batch() -> None:
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
-     "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch}[sys.argv[1]]()
+     "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
+     "verify": check_verify}[sys.argv[1]]()
