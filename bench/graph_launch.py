@@ -27,7 +27,7 @@ from draft_server.drafter import DraftEngine
 from draft_server.server import warm_up as draft_warm_up
 from draft_server.target_head import TargetHead
 from ddtree.types import DraftTree, SamplingParams
-from verify_server.server import warm_up as verify_warm_up
+from verify_server.warm_up import warm_up as verify_warm_up
 from verify_server.verify import VerifyEngine
 
 PROMPT = 400  # tokens of context before the timed rounds

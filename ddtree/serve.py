@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from ddtree.models import resolve_pair
 from ddtree.service_config import DTYPE_NAMES
+from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
 
 LOOPBACK = "127.0.0.1"
@@ -59,6 +62,11 @@ class Child:
     printer: threading.Thread
 
 
+def drafter_taps(drafter: str) -> list[int]:
+    """The target layers a drafter directory's model taps (its config's target_layer_ids)."""
+    return DFlashConfig.from_dict(json.loads((Path(drafter) / "config.json").read_text())).target_layer_ids
+
+
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The three command lines, in start order (the gateway last: it needs the others' addresses)."""
     target, drafter = resolve_pair(args.target, args.drafter)
@@ -75,9 +83,11 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
                          "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget),
                          "--max-batch", str(args.draft_max_batch)]
+    # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
+    taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
-                      "--max-batch", str(args.max_batch)]
+                      "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget)]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
                "--verifier", f"{LOOPBACK}:{args.verify_port}",
                "--drafter", f"{LOOPBACK}:{args.draft_port}" if drafter is not None else "none"]

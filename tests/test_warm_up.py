@@ -22,7 +22,7 @@ from tests.test_verify import make_engine
 from verify_server import fused
 from verify_server.fused import unfused_linear
 from verify_server.step_inputs import MAX_GRAPH_NODES
-from verify_server.server import warm_up as warm_up_verifier
+from verify_server.warm_up import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine
 
 BLOCK_DEPTHS = 9  # a b10 drafter's trees, where the warm-up's are chains of up to 31: a tree's depth changes nothing
@@ -196,3 +196,15 @@ def test_drafter_warm_up_budgets_are_checked() -> None:
     for bad in ("32,x", "0", "65"):
         with pytest.raises(ValueError, match="warm_up_budgets"):
             DraftServerConfig(**config, warm_up_budgets=bad)
+
+
+def test_verifier_warm_up_taps_are_checked() -> None:
+    from verify_server.config import VerifyServerConfig
+
+    assert VerifyServerConfig(target="t", warm_up_taps="1, 3,5").warm_up_tap_list == (1, 3, 5)
+    assert VerifyServerConfig(target="t").warm_up_tap_list == ()
+    for bad in ("1,x", "-1"):
+        with pytest.raises(ValueError, match="warm_up_taps"):
+            VerifyServerConfig(target="t", warm_up_taps=bad)
+    with pytest.raises(ValueError, match="warm_up_nodes"):
+        VerifyServerConfig(target="t", warm_up_nodes=-1)

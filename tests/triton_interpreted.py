@@ -1,7 +1,7 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify}`. The same
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify,warm_up}`. The same
 kernels run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and
 test_draft_batch.py."""
 
@@ -293,6 +293,72 @@ def check_verify() -> None:
     print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens")
 
 
+class KeyRecorder:
+    """A GraphPool that records the keys it is asked to capture or replay and runs each step as a plain call."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(set(self.seen))
+
+    def run(self, key: tuple, fn):  # noqa: ANN201 - GraphPool.run's contract
+        self.seen.append(key)
+        return fn()
+
+
+def check_warm_up() -> None:
+    """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
+    of its taps and tree size then meet, greedy and sampled, alone and two at once, at contexts within its key
+    buckets: none of their round steps has a shape the warm-up has not run."""
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from ddtree.cuda_graphs import key_buckets
+    from ddtree.types import SamplingParams
+    from tests.conftest import make_target
+    from verify_server.verify import VerifyEngine
+    from verify_server.warm_up import _chain, capture_rounds
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = VerifyEngine.from_pretrained(make_target("qwen3", Path(tmp)), device=DEVICE)
+    engine.fused.static = True
+    engine.fused.decoder.attention = FLASH
+    engine.fused.graphs = recorder = KeyRecorder()
+    nodes, taps, most_keys = 7, [1, 3], 128
+    for tapped in ([], taps):
+        capture_rounds(engine, tapped, nodes, most_keys)
+    warm = {key for key in recorder.seen if key[-1] != "prefill"}
+    # taps, params, one tree or two, AR step or tree, key buckets
+    assert not engine.sessions and len(warm) == 2 * 2 * 2 * 2 * len(key_buckets(most_keys)), len(warm)
+    recorder.seen.clear()
+    rng = random.Random(1)
+    for tapped in ([], taps):
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+            for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
+                sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(2)}
+                for name in sessions:
+                    engine.start_session(name, most_keys, params, tapped)
+                    ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
+                    sessions[name] = engine.prefill(name, ids).tokens[-1]
+                for _ in range(3):
+                    size = rng.choice([0, nodes])
+                    if rng.random() < 0.5:
+                        steps = engine.verify_batch([(name, _chain(root, size)) for name, root in sessions.items()])
+                    else:
+                        steps = [engine.verify(name, _chain(root, size)) for name, root in sessions.items()]
+                    for name, step in zip(sessions, steps):
+                        sessions[name] = step.tokens[-1]
+                for name in sessions:
+                    engine.end_session(name)
+    met = {key for key in recorder.seen if key[-1] != "prefill"}
+    assert met and met <= warm, sorted(met - warm)
+    print("warm_up ok", len(met), "round shapes met, all captured in warm-up")
+
+
 def check_draft_batch() -> None:
     """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
     GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
@@ -336,4 +402,4 @@ if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
      "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
-     "verify": check_verify}[sys.argv[1]]()
+     "verify": check_verify, "warm_up": check_warm_up}[sys.argv[1]]()

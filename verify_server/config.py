@@ -30,6 +30,13 @@ class VerifyServerConfig(ServiceConfig):
         "forward; 1: one at a time"
     )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
+    warm_up_taps: str = option(
+        "", "the target layers the drafter in front of this verifier taps (its target_layer_ids, comma-separated): "
+        "where CUDA graphs run, the warm-up captures the rounds of sessions tapping them, as well as of sessions "
+        "tapping none, so that no first request waits for a capture (ddtree serve passes them)"
+    )
+    warm_up_nodes: int = option(32, "the tree size requests ask for most (the gateway's --budget): its rounds' "
+                                     "graphs are captured in warm-up (at most max_tree_size)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,10 +48,22 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        try:
+            taps = self.warm_up_tap_list
+        except ValueError:
+            raise ValueError(f"warm_up_taps must be comma-separated integers, got {self.warm_up_taps!r}") from None
+        if any(t < 0 for t in taps):
+            raise ValueError(f"warm_up_taps must be layer indices >= 0, got {taps}")
+        if self.warm_up_nodes < 0:
+            raise ValueError(f"warm_up_nodes must be >= 0, got {self.warm_up_nodes}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:
             raise ValueError(
                 f"max_tree_size and max_tree_depth must be >= 1, got {self.max_tree_size}, {self.max_tree_depth}"
             )
+
+    @property
+    def warm_up_tap_list(self) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.warm_up_taps.split(",") if t.strip())
 
     @property
     def served_name(self) -> str:

@@ -7,16 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import torch
 from prometheus_client import Histogram
 
 from ddtree.service import (
@@ -24,16 +20,16 @@ from ddtree.service import (
 )
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
-from ddtree.types import DraftTree, SamplingParams, VerifierInfo
+from ddtree.types import DraftTree, VerifierInfo
 from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.lane import Route
 from verify_server.config import VerifyServerConfig
-from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import ROOT_ONLY, VerifyEngine
+from verify_server.warm_up import warm_up
 
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -223,68 +219,6 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     return engine
 
 
-@contextlib.contextmanager
-def _warm_up_session(engine: VerifyEngine, capacity: int) -> Iterator[str]:
-    """A greedy session tapping the last layer (features handed over, as a drafter's session has them), ended
-    however the warm-up step goes."""
-    session_id = f"warm-up-{uuid.uuid4().hex}"
-    engine.start_session(session_id, capacity, SamplingParams(), [engine.num_layers - 1])
-    try:
-        yield session_id
-    finally:
-        engine.end_session(session_id)
-
-
-def _chain(root: int, nodes: int) -> DraftTree:
-    """A warm-up tree: `nodes` tokens 0 in a chain under `root` (node i's parent is i - 1)."""
-    chain = torch.arange(nodes + 1)
-    return DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))), chain - 1, chain, nodes)
-
-
-def warm_up(engine: VerifyEngine) -> None:
-    """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
-    cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
-    it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
-    prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
-    (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features)."""
-    start = time.perf_counter()
-    # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
-    # too, in the larger session, where a captured step of that many rows is one a request can bring.
-    limit = engine.fused.decoder.fused_rows if engine.fused is not None else 0
-    past_limit = (limit,) if 31 < limit < MAX_GRAPH_NODES else ()
-    # slots of 256 and 512 rows; key buckets 64 and 128-192
-    for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):
-        with _warm_up_session(engine, capacity) as session_id:
-            engine.prefill(session_id, [0] * prompt)
-            root = engine.decode(session_id, host_features=True).tokens[-1]
-            for nodes in (1, 15, 31, *extra):  # query buckets 16 and 32 (and the first past the limit)
-                root = engine.verify(session_id, _chain(root, nodes), host_features=True).tokens[-1]
-            engine.decode(session_id, host_features=True)
-    # Several sessions' rounds in one forward (verify_batch): its layer steps compile for row counts of their own
-    # (trees x bucket), on both sides of the fused projections' limit.
-    with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
-        roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
-        for nodes in (1, 15, 31, *past_limit):
-            calls = [(session_id, _chain(root, nodes)) for session_id, root in roots.items()]
-            for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
-                if isinstance(step, Exception):
-                    raise step
-                roots[session_id] = step.tokens[-1]
-    # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
-    # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
-    # holds their sizes and the slots' strides as symbolic.
-    for prompt in (17, *(n + 1 for n in past_limit)):
-        with _warm_up_session(engine, prompt + 1) as session_id:
-            engine.prefill(session_id, [0] * prompt)
-    # A chunked prompt's later chunks: the prompt step again, attending to the committed rows too (two sizes, one
-    # past the limit, and a last chunk, which picks the first token).
-    chunks = (40, 20, 30, *(n + 1 for n in past_limit), 10)
-    with _warm_up_session(engine, sum(chunks) + 1) as session_id:
-        for i, chunk in enumerate(chunks):
-            engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
-    log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
-
-
 async def run_server(config: VerifyServerConfig) -> None:
     metrics = ServiceMetrics(
         "ddtree_verify", "kv_cache_bytes", "Target KV cache held by live sessions", config.torch_device()
@@ -298,7 +232,7 @@ async def run_server(config: VerifyServerConfig) -> None:
             SERVICE_NAME,
             lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
             lambda: load_engine(config),
-            warm_up,
+            lambda engine: warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size)),
             servicer.lane_routes(),
             alive=ranks_alive,
         )

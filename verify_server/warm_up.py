@@ -1,0 +1,123 @@
+"""The verifier's warm-up: every step shape a request can bring, run once before the service says SERVING, so that
+no request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of its rounds'
+graphs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ddtree.cuda_graphs import key_buckets
+from ddtree.types import DraftTree, SamplingParams
+from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
+from verify_server.verify import VerifyEngine
+
+log = logging.getLogger("verify_server")
+WARM_UP_KEYS = 1024  # the key buckets whose round graphs the warm-up captures: contexts of up to ~1k tokens
+
+
+@contextlib.contextmanager
+def _warm_up_session(
+    engine: VerifyEngine, capacity: int, taps: list[int] | None = None, params: SamplingParams | None = None
+) -> Iterator[str]:
+    """A session (greedy, tapping the last layer unless told: features handed over, as a drafter's session has
+    them), ended however the warm-up step goes."""
+    session_id = f"warm-up-{uuid.uuid4().hex}"
+    engine.start_session(session_id, capacity, params or SamplingParams(),
+                         [engine.num_layers - 1] if taps is None else taps)
+    try:
+        yield session_id
+    finally:
+        engine.end_session(session_id)
+
+
+def _chain(root: int, nodes: int) -> DraftTree:
+    """A warm-up tree: `nodes` tokens 0 in a chain under `root` (node i's parent is i - 1)."""
+    chain = torch.arange(nodes + 1)
+    return DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))), chain - 1, chain, nodes)
+
+
+def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32) -> None:
+    """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
+    cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
+    it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
+    prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
+    (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
+    CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
+    taps, known to whoever starts this service with it; nodes: the tree size requests ask for most)."""
+    start = time.perf_counter()
+    # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
+    # too, in the larger session, where a captured step of that many rows is one a request can bring.
+    limit = engine.fused.decoder.fused_rows if engine.fused is not None else 0
+    past_limit = (limit,) if 31 < limit < MAX_GRAPH_NODES else ()
+    # slots of 256 and 512 rows; key buckets 64 and 128-192
+    for capacity, prompt, extra in ((64, 2, ()), (300, 100, past_limit)):
+        with _warm_up_session(engine, capacity) as session_id:
+            engine.prefill(session_id, [0] * prompt)
+            root = engine.decode(session_id, host_features=True).tokens[-1]
+            for nodes in (1, 15, 31, *extra):  # query buckets 16 and 32 (and the first past the limit)
+                root = engine.verify(session_id, _chain(root, nodes), host_features=True).tokens[-1]
+            engine.decode(session_id, host_features=True)
+    # Several sessions' rounds in one forward (verify_batch): its layer steps compile for row counts of their own
+    # (trees x bucket), on both sides of the fused projections' limit.
+    with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
+        roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
+        for nodes in (1, 15, 31, *past_limit):
+            calls = [(session_id, _chain(root, nodes)) for session_id, root in roots.items()]
+            for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
+                if isinstance(step, Exception):
+                    raise step
+                roots[session_id] = step.tokens[-1]
+    # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
+    # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
+    # holds their sizes and the slots' strides as symbolic.
+    for prompt in (17, *(n + 1 for n in past_limit)):
+        with _warm_up_session(engine, prompt + 1) as session_id:
+            engine.prefill(session_id, [0] * prompt)
+    # A chunked prompt's later chunks: the prompt step again, attending to the committed rows too (two sizes, one
+    # past the limit, and a last chunk, which picks the first token).
+    chunks = (40, 20, 30, *(n + 1 for n in past_limit), 10)
+    with _warm_up_session(engine, sum(chunks) + 1) as session_id:
+        for i, chunk in enumerate(chunks):
+            engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
+    log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
+    if engine.fused is not None and engine.fused.graphs.enabled:
+        if taps and max(taps) >= engine.num_layers:
+            log.warning("warm-up taps %s are not layers of this %d-layer target: capturing untapped rounds only",
+                        list(taps), engine.num_layers)
+            taps = None
+        start, graphs = time.perf_counter(), len(engine.fused.graphs)
+        for tapped in ([], *([list(taps)] if taps else [])):  # requests without a drafter tap nothing
+            capture_rounds(engine, tapped, nodes)
+        log.info("warm-up captured %d round graphs in %.3f s", len(engine.fused.graphs) - graphs,
+                 time.perf_counter() - start)
+
+
+def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
+    """The round graphs of sessions tapping `taps`, greedy and sampled, alone and two at once, for AR steps and
+    trees of `nodes` nodes, over every key bucket up to most_keys: a graph is captured the first time its shape
+    is met (verify_server/batch_runner.py), ~30-50 ms each at Qwen3-8B shapes, which the first requests of a
+    fresh service would otherwise wait for, bucket by bucket as their contexts grow."""
+    for node_count in (0, nodes):
+        qb = bucket(node_count + 1)
+        if qb is None:
+            continue
+        for keys in key_buckets(most_keys):
+            if keys <= qb:
+                continue
+            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+                # committed rows: keys - qb, so that a round's start plus its bucket is this key bucket
+                with _warm_up_session(engine, keys, taps, params) as alone, \
+                        _warm_up_session(engine, keys, taps, params) as first, \
+                        _warm_up_session(engine, keys, taps, params) as second:
+                    roots = {s: engine.prefill(s, [0] * (keys - qb)).tokens[-1] for s in (alone, first, second)}
+                    engine.verify(alone, _chain(roots[alone], node_count), host_features=True)
+                    calls = [(s, _chain(roots[s], node_count)) for s in (first, second)]
+                    for step in engine.verify_batch(calls, host_features=True):
+                        if isinstance(step, Exception):
+                            raise step
