@@ -107,7 +107,7 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
         qb = bucket(node_count + 1)
         if qb is None:
             continue
-        for keys in key_buckets(most_keys):
+        for keys in key_buckets(min(most_keys, engine.model.config.max_position_embeddings)):
             if keys <= qb:
                 continue
             for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
