@@ -28,8 +28,9 @@ def run_rounds(
     engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int, host_features: bool = False
 ) -> list[list[int]]:
     """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch; its features
-    handed over in host memory with host_features, as the service asks), the others one by one (verify / decode). Greedy sessions get oracle trees (the truth to a random depth among decoys) or
-    a decode; the sampling sessions get random trees. -> each session's tokens."""
+    handed over in host memory with host_features, as the service asks), the others one by one (verify / decode).
+    Greedy sessions get oracle trees (the truth to a random depth among decoys) or a decode; the sampling sessions
+    get random trees. -> each session's tokens."""
     rng = random.Random(seed)
     got = [[] for _ in truths]
     for engine in engines:
