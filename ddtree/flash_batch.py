@@ -20,7 +20,7 @@ from ddtree.flash_tree import TARGET_PROGRAMS, Plan, new_configs, plan, triton
 if triton is not None:
     import triton.language as tl
 
-    from ddtree.flash_tree import _attend_keys, _merge_kernel
+    from ddtree.flash_tree import _attend_keys, _merge_kernel, _store_partial
 
     # The tables hold one entry per tree and are rows of small int64 tensors, often 8 bytes off a 16-byte boundary
     # (a lone round's [rows, 1] slot table): Triton must not compile a variant per alignment, which a start-up
@@ -73,13 +73,8 @@ if triton is not None:
         m_i, l_i, acc = _attend_keys(q, Kt, Vt, tree, m_i, l_i, acc, committed, hi, start, token, row_ok, kvh, dims,
                                      stride_kh_new, stride_kr, stride_vh_new, stride_vr, stride_t, q_len, scale,
                                      BLOCK_N, IEEE, True)
-        seen_any = l_i > 0
-        out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-        lse = tl.where(seen_any, m_i + tl.log(l_i), float("-inf"))
-        row = offset + token
-        tl.store(O + split * stride_os + row[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(Lse + split * stride_ls + row * stride_lq + head, lse, mask=row_ok)
+        _store_partial(O, Lse, acc, l_i, m_i, split, offset + token, head, dims, row_ok, stride_os, stride_oq,
+                       stride_oh, stride_ls, stride_lq)
 
 
 def batch_plan(max_q: int, heads: int, kv_heads: int, max_keys: int, head_dim: int, trees: int) -> Plan:

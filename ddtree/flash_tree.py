@@ -77,6 +77,19 @@ if triton is not None:
         return m_i, l_i, acc
 
     @triton.jit
+    def _store_partial(
+        O, Lse, acc, l_i, m_i, split, row, head, dims, row_ok, stride_os, stride_oq, stride_oh, stride_ls, stride_lq,
+    ):
+        """A key chunk's normalised output rows and their log-sum-exp (-inf for a row that saw no key) into the
+        partials the merge reads (split, row, head)."""
+        seen_any = l_i > 0
+        out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
+        lse = tl.where(seen_any, m_i + tl.log(l_i), float("-inf"))
+        tl.store(O + split * stride_os + row[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(Lse + split * stride_ls + row * stride_lq + head, lse, mask=row_ok)
+
+    @triton.jit
     def _partial_kernel(
         Q, K, V, Tree, Start, O, Lse,
         stride_qq, stride_qh, stride_kh, stride_kn, stride_vh, stride_vn, stride_t,
@@ -107,12 +120,8 @@ if triton is not None:
         m_i, l_i, acc = _attend_keys(q, K, V, Tree, m_i, l_i, acc, committed, hi, start, token, row_ok, kvh, dims,
                                      stride_kh, stride_kn, stride_vh, stride_vn, stride_t, q_len, scale,
                                      BLOCK_N, IEEE, True)
-        seen_any = l_i > 0
-        out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-        lse = tl.where(seen_any, m_i + tl.log(l_i), float("-inf"))
-        tl.store(O + split * stride_os + token[:, None] * stride_oq + head[:, None] * stride_oh + dims[None, :],
-                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(Lse + split * stride_ls + token * stride_lq + head, lse, mask=row_ok)
+        _store_partial(O, Lse, acc, l_i, m_i, split, token, head, dims, row_ok, stride_os, stride_oq, stride_oh,
+                       stride_ls, stride_lq)
 
     @triton.jit
     def _merge_kernel(

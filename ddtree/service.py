@@ -127,6 +127,26 @@ def streamed(unary: Callable[..., Awaitable[Any]]) -> Callable[..., AsyncIterato
     return stream
 
 
+def run_checked(
+    requests: list[Any], parse: Callable[[Any], Any], run: Callable[[list[Any]], list[Any]],
+    answer: Callable[[Any], Any],
+) -> list[Any]:
+    """A Batch's run over a service's calls: each request parsed and checked (its error is its own outcome), the
+    valid ones run together (run -> one result or exception each), each result answered -> one outcome per
+    request, in order."""
+    outcomes: list[Any] = [None] * len(requests)
+    calls, where = [], []
+    for i, request in enumerate(requests):
+        try:
+            calls.append(parse(request))
+            where.append(i)
+        except Exception as exc:  # noqa: BLE001 - this call's own error
+            outcomes[i] = exc
+    for i, result in zip(where, run(calls) if calls else []):
+        outcomes[i] = result if isinstance(result, Exception) else answer(result)
+    return outcomes
+
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a Batch's sizes histogram
 
 

@@ -19,7 +19,8 @@ import torch
 from prometheus_client import Histogram
 
 from ddtree.service import (
-    BATCH_BUCKETS, Batch, EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed,
+    BATCH_BUCKETS, Batch, EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, run_checked,
+    streamed,
 )
 from ddtree.service_process import run_service, serve
 from ddtree.types import DrafterInfo
@@ -27,7 +28,7 @@ from draft_server.batched_drafts import DraftCall
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.drafter import DraftEngine
-from draft_server.session import CapacityError, DraftSession, UnknownSessionError
+from draft_server.session import CapacityError, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -112,21 +113,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _drafts(self, engine: DraftEngine, requests: list[pb.DraftRequest]) -> list[pb.DraftResponse | Exception]:
         """Several sessions' Draft calls, those that pass their checks with their blocks in one forward
         (DraftEngine.draft_batch) -> each call's answer, or the error it fails with."""
-        outcomes: list[pb.DraftResponse | Exception | None] = [None] * len(requests)
-        calls, where = [], []
-        for i, request in enumerate(requests):
-            try:
-                calls.append(self._call(request))
-                where.append(i)
-            except Exception as exc:  # noqa: BLE001 - this call's own error
-                outcomes[i] = exc
-        for i, result in zip(where, engine.draft_batch(calls, host_tree=True)):
-            if isinstance(result, Exception):
-                outcomes[i] = result
-                continue
-            forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (kernels, the tree's copy)
-            outcomes[i] = tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
-        return outcomes
+        return run_checked(requests, self._call, lambda calls: engine.draft_batch(calls, host_tree=True), _answer)
 
     def _call(self, request: pb.DraftRequest) -> DraftCall:
         if not 1 <= request.budget <= self.config.max_budget:
@@ -143,6 +130,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise RequestError("features are required (at least one row)")
         length, forward_s = engine.append(call.session_id, _floating(call.features))
         return pb.AppendResponse(context_length=length, timings=tensors.timings_to_pb(forward_s, {}))
+
+
+def _answer(result: DraftResult) -> pb.DraftResponse:
+    forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
+    return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
 
 
 def _features(request: pb.DraftRequest) -> torch.Tensor:

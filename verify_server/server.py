@@ -16,7 +16,8 @@ import grpc
 from prometheus_client import Histogram
 
 from ddtree.service import (
-    BATCH_BUCKETS, Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed,
+    BATCH_BUCKETS, Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, run_checked,
+    streamed,
 )
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
@@ -157,17 +158,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     ) -> list[pb.StepResponse | Exception]:
         """Several sessions' Verify and Decode calls, those that pass their checks in one forward
         (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with."""
-        outcomes: list[pb.StepResponse | Exception | None] = [None] * len(requests)
-        calls, where = [], []
-        for i, request in enumerate(requests):
-            try:
-                calls.append((request.session_id, self._tree(engine, request)))
-                where.append(i)
-            except Exception as exc:  # noqa: BLE001 - this call's own error
-                outcomes[i] = exc
-        for i, step in zip(where, engine.verify_batch(calls, host_features=True)):
-            outcomes[i] = step if isinstance(step, Exception) else tensors.step_to_pb(step)
-        return outcomes
+        return run_checked(requests, lambda request: (request.session_id, self._tree(engine, request)),
+                           lambda calls: engine.verify_batch(calls, host_features=True), tensors.step_to_pb)
 
     def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
         """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""
