@@ -37,7 +37,7 @@ class BatchedDrafts:
         checks, one per session, on the static path where it batches, draft together; the others (and a session's
         second call, which comes after its first) draft alone, in order, after them."""
         if len(calls) == 1 or self.static is None or not self.static.batches:
-            return [self._alone(call, host_tree) for call in calls]
+            return [self._alone(call, host_tree, i) for i, call in enumerate(calls)]
         outcomes: list[DraftResult | Exception | None] = [None] * len(calls)
         together: list[tuple[int, BlockCall]] = []
         seen: set[str] = set()
@@ -55,8 +55,8 @@ class BatchedDrafts:
         if len(together) > 1:
             self._draft_together(calls, together, outcomes, host_tree)
         for i, call in enumerate(calls):
-            if outcomes[i] is None:
-                outcomes[i] = self._alone(call, host_tree)
+            if outcomes[i] is None:  # its host tree in a buffer after those of the blocks drafted together
+                outcomes[i] = self._alone(call, host_tree, len(together) + i)
         return outcomes
 
     def _draft_together(
@@ -76,9 +76,10 @@ class BatchedDrafts:
             outcomes[i] = DraftResult(tree, timer, nodes)
         timer.end()
 
-    def _alone(self, call: DraftCall, host_tree: bool) -> DraftResult | Exception:
-        """draft() -> its result, or the exception it raised (the call's own outcome; the batch goes on)."""
+    def _alone(self, call: DraftCall, host_tree: bool, tree_buffer: int) -> DraftResult | Exception:
+        """draft() -> its result, or the exception it raised (the call's own outcome; the batch goes on).
+        tree_buffer: its host tree's own buffer, as every result of the batch is read after the last is drafted."""
         try:
-            return self.draft(*call, host_tree=host_tree)
+            return self.draft(*call, host_tree=host_tree, tree_buffer=tree_buffer)
         except Exception as exc:  # noqa: BLE001
             return exc

@@ -118,20 +118,22 @@ class DraftEngine(BatchedDrafts):
         budget: int,
         top_k: int | None = None,
         host_tree: bool = False,
+        tree_buffer: int = 0,
     ) -> DraftResult:
         """features [m, taps*hidden]: target hidden states for positions [length, length+m), which must end right
         before `root_position` (None: m = 0). Appends them to the context, drafts the block [root, MASK * (B-1)] at
         positions root_position.., and builds a tree of `budget` nodes (top_k=1, budget=B-1 gives the DFlash chain).
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
         the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
-        copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service)."""
+        copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service);
+        tree_buffer: which pinned buffer that copy lands in (a batch's drafts each need their own until read)."""
         sess, features = self._begin(session_id, features, root_token, root_position, budget)
         timer = self.timers.timer()
         if self.static is not None:
             self.static.draft(sess.slot, sess.length, features, root_token, root_position)
             sess.length = sess.length_max = root_position
             timer.mark()
-            tree, nodes = self.static.tree(budget, top_k, host_tree)
+            tree, nodes = self.static.tree(budget, top_k, host_tree, tree_buffer)
             timer.end()
             return DraftResult(tree, timer, nodes)
         self._append_eager(sess, features)

@@ -251,7 +251,7 @@ def check_verify() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from ddtree.types import SamplingParams
+    from ddtree.types import DraftTree, SamplingParams
     from tests.conftest import hf_greedy, make_target
     from tests.test_verify import oracle_tree
     from verify_server.verify import VerifyEngine
@@ -272,7 +272,9 @@ def check_verify() -> None:
     rng = random.Random(5)
 
     def tree(name: str, root: int, at: int, depth: int):
-        return oracle_tree(rng, root, truths[name][at:], depth, depth + 1)
+        made = oracle_tree(rng, root, truths[name][at:], depth, depth + 1)
+        # on the device, as a co-located drafter's: a chained round's copy from the host would wait for the first
+        return DraftTree(made.tokens.to(DEVICE), made.parents.to(DEVICE), made.depths.to(DEVICE), made.max_depth)
 
     for round_ in range(6):
         if round_ % 3 == 0:  # a batch of both sessions

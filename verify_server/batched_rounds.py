@@ -33,6 +33,7 @@ class TreeRows(NamedTuple):
     anc: torch.Tensor  # [q, q] ancestor-or-self
     logits: torch.Tensor  # [q, V] fp32
     features: torch.Tensor | None  # [q, taps*hidden]
+    max_depth: int  # the deepest a path can reach (the drafter's block size - 1)
 
 
 class BatchedRounds:
@@ -106,8 +107,8 @@ class BatchedRounds:
             for b, q in enumerate(q_lens):
                 rows = batch.tree_rows(b)
                 trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
-                                      None if features is None else features[rows]))
-            return self._walk_and_commit(sessions, trees, timer)
+                                      None if features is None else features[rows], items[b].tree.max_depth))
+            return self._walk_and_commit(sessions, trees, timer, host_features)
         if sessions[0].params.greedy:  # forward, walks and compactions in one replay
             captured = self.fused.batch_round(items, taps)
             return None if captured is None else self._commit_captured(sessions, items, captured, timer,
@@ -117,9 +118,9 @@ class BatchedRounds:
             return None
         logits, features, xs, qb = scored
         trees = [TreeRows(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q], logits[b * qb : b * qb + q],
-                          None if features is None else features[b * qb : b * qb + q])
-                 for b, (x, q) in enumerate(zip(xs, q_lens))]
-        return self._walk_and_commit(sessions, trees, timer)
+                          None if features is None else features[b * qb : b * qb + q], item.tree.max_depth)
+                 for b, (x, q, item) in enumerate(zip(xs, q_lens, items))]
+        return self._walk_and_commit(sessions, trees, timer, host_features)
 
     def _commit_captured(
         self, sessions: list[VerifySession], items: list[BatchTree],
@@ -145,21 +146,27 @@ class BatchedRounds:
         return self._timed(results, timer)
 
     def _walk_and_commit(
-        self, sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer
+        self, sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer, host_features: bool
     ) -> list[StepResult]:
         """An uncaptured round's end, one tree or several (verify() calls it too): each tree's choices (sampled
         with its session's generator), walk, compaction (and a hybrid target's recurrent state), with one host
-        sync for all."""
+        sync for all. host_features: each path's features are queued to the session's host rows before that sync,
+        as a captured round's are (read after it, they would cost the caller a second sync)."""
         timer.mark()
-        packed, paths = [], []
+        packed, paths, kept = [], [], []
         for sess, tree in zip(sessions, trees):
             choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q] the target's token after each
             walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
             packed.append(walked)
             paths.append(path)
+            if host_features and tree.features is not None:
+                q = tree.ids.shape[0]
+                # rows past the accepted depth point at the spare row q: clamped, they copy a row never read
+                rows = path[: min(tree.max_depth + 1, q)].clamp(max=q - 1)
+                kept.append(self._keep_rows(sess, self._next_ring(sess), tree.features.index_select(0, rows), True))
         host = timer.sync((packed[0] if len(packed) == 1 else torch.cat(packed)).tolist)  # the single host sync
         results, at = [], 0
-        for sess, path, tree in zip(sessions, paths, trees):
+        for i, (sess, path, tree) in enumerate(zip(sessions, paths, trees)):
             q = tree.ids.shape[0]
             answer = host[at : at + 2 + q]
             at += 2 + q
@@ -169,7 +176,7 @@ class BatchedRounds:
             if sess.states is not None:
                 sess.states.commit(self.scratch, keep)
             sess.root = bonus
-            features = None if tree.features is None else tree.features[keep]
+            features = kept[i][: k + 1] if kept else None if tree.features is None else tree.features[keep]
             results.append(StepResult(answer[3 : 3 + k] + [bonus], features))
         return self._timed(results, timer)
 

@@ -237,7 +237,7 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
         appends the target's choice after it (the bonus), and compacts the cache to that path. The tree may be on
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
-        session's. host_features: a captured round copies the path's features to host memory within the round,
+        session's. host_features: the round queues the path's features' copy to host memory before its sync,
         so a caller that sends them on (the service) waits for no copy after the round's one sync (a copy after
         it was ~13% of the verifier's host samples in a services bench, bench/README.md), into a buffer of the
         session's that the round after next reuses; otherwise they stay on the device, where an in-process drafter
@@ -268,7 +268,8 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
             ids[0] = sess.root
             anc = ancestor_matrix(parents)  # [q, q]
             logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
-        return self._walk_and_commit([sess], [TreeRows(ids, parents, depths, anc, logits, features)], timer)[0]
+        rows = TreeRows(ids, parents, depths, anc, logits, features, tree.max_depth)
+        return self._walk_and_commit([sess], [rows], timer, host_features)[0]
 
     def _check_room(self, sess: VerifySession, start: int, new_tokens: int) -> None:
         if start + new_tokens > sess.capacity:
