@@ -67,9 +67,11 @@ if triton is not None:
         pid = tl.program_id(0)
         b, plane = pid // (layers * kv_heads), pid % (layers * kv_heads)
         layer, head = plane // kv_heads, plane % kv_heads
-        offset = head * tl.load(Slots + 2 * layers * stride_slots + b)
-        K = tl.load(Slots + layer * stride_slots + b).to(tl.pointer_type(Like.dtype.element_ty)) + offset
-        V = tl.load(Slots + (layers + layer) * stride_slots + b).to(tl.pointer_type(Like.dtype.element_ty)) + offset
+        # aligned as ddtree/flash_batch.py's kernel tells the compiler: rows moved with vector loads and stores
+        offset = head * tl.multiple_of(tl.load(Slots + 2 * layers * stride_slots + b), 16)
+        element = tl.pointer_type(Like.dtype.element_ty)
+        K = tl.multiple_of(tl.load(Slots + layer * stride_slots + b).to(element), 16) + offset
+        V = tl.multiple_of(tl.load(Slots + (layers + layer) * stride_slots + b).to(element), 16) + offset
         _move_path(K, V, tl.load(Start + b), Order + b * stride_order, tl.load(Depth + b) + 1, D, ROWS)
 
 
