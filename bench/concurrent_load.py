@@ -11,7 +11,9 @@ short prompt each); every client starts at once. Reported per gateway and client
 time, the median and worst request latency (every latency, in the order the requests ended, in the JSON), and,
 with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
 (ddtree_verify_batch_size) and its forwards per second; with --drafter-metrics, the drafter's mean blocks a forward
-(ddtree_draft_batch_size).
+(ddtree_draft_batch_size). The JSON also holds each level's mean time a round spent in each phase, from the gateway's
+own metrics (ddtree_round_phase_seconds: draft, verify, server, transport, relay), which shows which side a change
+moved (e.g. drafts batched: whether the draft phase grew).
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ def batch_counters(url: str | None, histogram: str) -> tuple[float, float]:
     return values.get(f"{histogram}_sum", 0.0), values.get(f"{histogram}_count", 0.0)
 
 
+def phase_sums(url: str) -> dict[str, tuple[float, float]]:
+    """The gateway's ddtree_round_phase_seconds so far: phase -> (seconds, rounds)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("ddtree_round_phase_seconds_sum", "ddtree_round_phase_seconds_count"):
+                sums.setdefault(sample.labels["phase"], [0.0, 0.0])[sample.name.endswith("_count")] = sample.value
+    return {phase: (total, count) for phase, (total, count) in sums.items()}
+
+
 async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[str], args: argparse.Namespace,
                  latencies: list[float]) -> int:
     tokens = 0
@@ -67,10 +81,13 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
     latencies: list[float] = []
     histograms = ("ddtree_verify_batch_size", "ddtree_draft_batch_size")
     before = [batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)]
+    phases_before = phase_sums(url)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as http:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
         wall = time.perf_counter() - start
+    phases = {phase: (total - phases_before.get(phase, (0.0, 0.0))[0], count - phases_before.get(phase, (0.0, 0.0))[1])
+              for phase, (total, count) in phase_sums(url).items()}
     (calls, forwards), (drafts, blocks) = (
         (after[0] - was[0], after[1] - was[1])
         for after, was in zip((batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)), before)
@@ -78,7 +95,9 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
     return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall,
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
             "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
-            "mean_draft_batch": drafts / blocks if blocks else None, "latencies_s": latencies}
+            "mean_draft_batch": drafts / blocks if blocks else None,
+            "round_phase_ms": {phase: round(total / count * 1000, 3) for phase, (total, count) in phases.items() if count},
+            "latencies_s": latencies}
 
 
 def main() -> None:
@@ -112,8 +131,10 @@ def main() -> None:
             results[url].append(r)
             batch = "" if r["mean_batch"] is None else f", mean batch {r['mean_batch']:.2f}"
             batch += "" if r["mean_draft_batch"] is None else f", mean draft batch {r['mean_draft_batch']:.2f}"
+            phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in r["round_phase_ms"].items())
             print(f"{url} {clients} clients: {r['tokens_per_s']:.1f} tokens/s, latency median "
-                  f"{r['latency_median_s'] * 1000:.0f} ms, max {r['latency_max_s'] * 1000:.0f} ms{batch}", flush=True)
+                  f"{r['latency_median_s'] * 1000:.0f} ms, max {r['latency_max_s'] * 1000:.0f} ms{batch}; round ms: "
+                  f"{phases}", flush=True)
     if args.out:
         settings = {k: v for k, v in vars(args).items() if k != "out"}
         args.out.write_text(json.dumps({"settings": settings, "gateways": results}, indent=1) + "\n")

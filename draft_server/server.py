@@ -10,9 +10,6 @@ import argparse
 import logging
 import sys
 import time
-import uuid
-from collections.abc import Sequence
-from itertools import accumulate
 
 import grpc
 import torch
@@ -30,6 +27,7 @@ from draft_server.dflash import load_drafter
 from draft_server.drafter import DraftEngine
 from draft_server.session import CapacityError, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
+from draft_server.warm_up import warm_up
 from protos import relay, tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
@@ -186,59 +184,6 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
             "on" if static.graphs.enabled else "off",
         )
     return engine
-
-
-WARM_UP_ROWS = (1, 16, 100, 3)  # new features per warm-up draft: one, a round's, a prompt's; key buckets 64 then 128
-
-
-def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
-    """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
-    the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
-    request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
-    each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
-    on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
-    positions keeps those that fit."""
-    start = time.perf_counter()
-    session_id = f"warm-up-{uuid.uuid4().hex}"
-    room = engine.static.max_context if engine.static is not None else None
-    fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
-    rows = [m for m, fit in zip(WARM_UP_ROWS, fits) if fit]
-    engine.start_session(session_id, sum(rows) + engine.block_size)
-    try:
-        length = 0
-        for m in rows:
-            length += m
-            engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
-        for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
-            engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
-    finally:
-        engine.end_session(session_id)
-    _warm_up_batches(engine, rows)
-    log.info("warm-up drafts done in %.3f s", time.perf_counter() - start)
-
-
-def _warm_up_batches(engine: DraftEngine, rows: list[int]) -> None:
-    """Blocks of several sessions in one forward (draft_batch): their step compiles for row counts of its own
-    (blocks x B), a batch of 2 and one of 4 (3 sessions, filled up), at the same contexts as the drafts above."""
-    if engine.static is None or not engine.static.batches:
-        return
-    most = min(engine.max_batch, engine.static.slots.max_sessions)
-    for count in (n for n in (2, 3) if n <= most):
-        sessions = [f"warm-up-{uuid.uuid4().hex}" for _ in range(count)]
-        for session_id in sessions:
-            engine.start_session(session_id, sum(rows) + engine.block_size)
-        try:
-            length = 0
-            for m in rows:
-                length += m
-                calls = [DraftCall(s, torch.zeros(m, engine.feature_dim), 0, length, engine.block_size - 1)
-                         for s in sessions]
-                for result in engine.draft_batch(calls):
-                    if isinstance(result, Exception):
-                        raise result
-        finally:
-            for session_id in sessions:
-                engine.end_session(session_id)
 
 
 async def run_server(config: DraftServerConfig) -> None:

@@ -23,6 +23,7 @@ from ddtree.service import EngineHost, ServiceMetrics
 from ddtree.service_process import serve
 from ddtree.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
+from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
 from gateway.grpc_clients import BackendError, GrpcDrafter, GrpcVerifier
 from gateway.local import LocalDrafter, LocalVerifier, load_local
@@ -167,7 +168,7 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
         return draft_server.load_engine(config)
 
     def recorded_warm_up(engine):
-        draft_server.warm_up(engine)
+        warm_up_drafter(engine)
         warmed_up.set()
 
     async def scenario():

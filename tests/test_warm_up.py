@@ -16,7 +16,7 @@ from ddtree.gemv import RMSNORM, SWIGLU
 from ddtree.types import DraftTree, SamplingParams
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
-from draft_server.server import warm_up as warm_up_drafter
+from draft_server.warm_up import warm_up as warm_up_drafter
 from tests.test_drafter_static import FEATURE_DIM, engines
 from tests.test_verify import make_engine
 from verify_server import fused

@@ -1,7 +1,8 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify,warm_up}`. The same
+`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify,warm_up,
+draft_warm_up}`. The same
 kernels run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and
 test_draft_batch.py."""
 
@@ -361,17 +362,11 @@ def check_warm_up() -> None:
     print("warm_up ok", len(met), "round shapes met, all captured in warm-up")
 
 
-def check_draft_batch() -> None:
-    """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
-    GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
-    features of several sizes and contexts of several key buckets included."""
-    import random
-
-    from draft_server.batched_drafts import DraftCall
+def _flash_drafter():  # noqa: ANN202 - a DFlashDrafter
+    """A tiny drafter whose head_dim the flash kernels take."""
     from draft_server.dflash import DFlashDrafter, init_drafter_weights
     from draft_server.dflash_config import DFlashConfig
     from tests.conftest import HIDDEN, VOCAB
-    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 
     cfg = DFlashConfig(
         hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -380,8 +375,21 @@ def check_draft_batch() -> None:
     )
     model = DFlashDrafter(cfg)
     init_drafter_weights(model, std=0.25, seed=2)
+    return model.eval()
+
+
+def check_draft_batch() -> None:
+    """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
+    GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
+    features of several sizes and contexts of several key buckets included."""
+    import random
+
+    from draft_server.batched_drafts import DraftCall
+    from tests.conftest import VOCAB
+    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
+
     torch.manual_seed(0)
-    eager, static = engines(model.eval(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
+    eager, static = engines(_flash_drafter(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
     static.static.flash = True  # the GPU's kernel path (already so on a GPU)
     rng = random.Random(0)
     lengths = [0, 0, 0]
@@ -400,8 +408,46 @@ def check_draft_batch() -> None:
     print("draft_batch ok", max(lengths), "positions")
 
 
+def check_draft_warm_up() -> None:
+    """The drafter's warm-up (draft_server/warm_up.py) captures a batch of blocks of every size that sessions'
+    drafts then form (2 to 8 sessions, filled up to 2, 4 or 8 blocks) in every key bucket of their contexts: none
+    of their batches has a shape the warm-up has not run."""
+    import random
+
+    from draft_server.batched_drafts import DraftCall
+    from draft_server.warm_up import warm_up
+    from tests.conftest import VOCAB
+    from tests.test_drafter_static import FEATURE_DIM, engines
+
+    _, engine = engines(_flash_drafter(), device=DEVICE.type, max_sessions=8, max_context=200, max_batch=8)
+    engine.static.flash = True
+    engine.static.graphs = recorder = KeyRecorder()
+    warm_up(engine)
+    warm = {key for key in recorder.seen if key[0] == "block-batch"}
+    assert not engine.sessions and len(warm) == 3 * 5, sorted(warm)  # 2, 4, 8 blocks; key buckets 64 to 256
+    recorder.seen.clear()
+    rng = random.Random(3)
+    for count in (2, 3, 5, 8):
+        sessions = {f"{count}-{i}": 0 for i in range(count)}
+        for name in sessions:
+            engine.start_session(name, 200)
+        while max(sessions.values()) < 180:
+            calls = []
+            for name, length in sessions.items():
+                m = rng.randint(1, 40) if length == 0 else rng.randint(0, 12)
+                sessions[name] = min(length + m, 194)
+                m = sessions[name] - length
+                calls.append(DraftCall(name, torch.randn(m, FEATURE_DIM), rng.randrange(VOCAB), sessions[name], 4))
+            assert not any(isinstance(result, Exception) for result in engine.draft_batch(calls))
+        for name in sessions:
+            engine.end_session(name)
+    met = {key for key in recorder.seen if key[0] == "block-batch"}
+    assert met and met <= warm, sorted(met - warm)
+    print("draft_warm_up ok", len(met), "batch shapes met, all captured in warm-up")
+
+
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
      "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
-     "verify": check_verify, "warm_up": check_warm_up}[sys.argv[1]]()
+     "verify": check_verify, "warm_up": check_warm_up, "draft_warm_up": check_draft_warm_up}[sys.argv[1]]()

@@ -1,0 +1,99 @@
+"""The drafter's warm-up: the drafts requests will bring, run once before the service says SERVING, so that no
+request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of a batch of blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
+
+import torch
+
+from ddtree.cuda_graphs import key_bucket, key_buckets
+from draft_server.batched_drafts import DraftCall
+from draft_server.draft_batch import BlockCall
+from draft_server.drafter import DraftEngine
+
+log = logging.getLogger("draft_server")
+WARM_UP_ROWS = (1, 16, 100, 3)  # new features per warm-up draft: one, a round's, a prompt's; key buckets 64 then 128
+WARM_UP_KEYS = 1024  # the key buckets whose batch graphs the warm-up captures: contexts of up to ~1k tokens
+
+
+@contextlib.contextmanager
+def _sessions(engine: DraftEngine, count: int, capacity: int) -> Iterator[list[str]]:
+    """`count` warm-up sessions, ended however the warm-up goes."""
+    sessions = [f"warm-up-{uuid.uuid4().hex}" for _ in range(count)]
+    try:
+        for session_id in sessions:
+            engine.start_session(session_id, capacity)
+        yield sessions
+    finally:
+        for session_id in sessions:
+            engine.end_session(session_id)
+
+
+def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
+    """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
+    the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
+    request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
+    each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
+    on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
+    positions keeps those that fit. Then, with batches of blocks on, those batches (warm_up_batches)."""
+    start = time.perf_counter()
+    room = engine.static.max_context if engine.static is not None else None
+    fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
+    rows = [m for m, fit in zip(WARM_UP_ROWS, fits) if fit]
+    with _sessions(engine, 1, sum(rows) + engine.block_size) as (session_id,):
+        length = 0
+        for m in rows:
+            length += m
+            engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
+        for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
+            engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
+    captured = warm_up_batches(engine, rows)
+    log.info("warm-up drafts done in %.3f s (%d batch graphs captured)", time.perf_counter() - start, captured)
+
+
+def warm_up_batches(engine: DraftEngine, rows: list[int], most_keys: int = WARM_UP_KEYS) -> int:
+    """Blocks of several sessions in one forward (draft_batch), where they run: first whole drafts of 2 and 3
+    sessions (a batch of 4, filled up) at the contexts above, which compile the batch step for row counts of its own
+    (blocks x B) and make them dynamic; then, where graphs run, a batch of each size requests can form (2, 4, ...
+    blocks: a batch is filled up to a power of two) in every key bucket up to `most_keys` rows, so that no request
+    waits for its capture. -> the batch graphs captured."""
+    static = engine.static
+    if static is None or not static.batches or engine.max_batch < 2:
+        return 0
+    most = min(engine.max_batch, static.slots.max_sessions)
+    for count in (n for n in (2, 3) if n <= most):
+        with _sessions(engine, count, sum(rows) + engine.block_size) as sessions:
+            length = 0
+            for m in rows:
+                length += m
+                calls = [DraftCall(s, torch.zeros(m, engine.feature_dim), 0, length, engine.block_size - 1)
+                         for s in sessions]
+                for result in engine.draft_batch(calls):
+                    if isinstance(result, Exception):
+                        raise result
+    if not static.graphs.enabled:
+        return 0
+    graphs = len(static.graphs)
+    limit = min(most_keys, static.max_context)
+    # the buckets of contexts up to the limit (their rows end at most at the slot's last row)
+    last = key_bucket(limit, static.rows)
+    buckets = [keys for keys in key_buckets(static.rows) if engine.block_size <= keys <= last]
+    sizes = sorted({min(1 << i, most) for i in range(1, (most - 1).bit_length() + 1)})  # 2, 4, ..., most
+    # the sessions' slots are written as a draft writes its block's rows (no autograd history on them)
+    with _sessions(engine, most, 1) as sessions, torch.inference_mode():
+        slots = [engine.session(s).slot for s in sessions]
+        for size in sizes:
+            for keys in buckets:
+                # blocks whose rows end at the bucket's last row; the slots' rows there are scratch (no session
+                # reads a row it has not written), so nothing is appended first
+                position = keys - engine.block_size
+                static.draft_batch([BlockCall(slot, position, torch.zeros(0, engine.feature_dim), 0, position)
+                                    for slot in slots[:size]])
+    return len(static.graphs) - graphs
