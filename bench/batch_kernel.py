@@ -14,28 +14,9 @@ import torch
 
 from ddtree.flash_batch import batch_tree_attention
 from ddtree.flash_tree import flash_tree_attention
+from ddtree.timing import graph_call_us
 
 HEADS, KV_HEADS, D, START, CAPACITY = 32, 8, 128, 512, 768
-
-
-def device_us(fn, calls: int = 50, replays: int = 4) -> float:
-    """Device time of one call of fn, replayed from a graph of `calls` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / (calls * replays) * 1000
 
 
 def compare(q: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -64,7 +45,7 @@ def compare(q: int, device: torch.device, dtype: torch.dtype) -> None:
         slot_v[:, START:kv_len], ref_v[:, START:kv_len])
     line = f"q {q}: max err {err:.4f}, kv written {written}"
     if device.type == "cuda":
-        single_us, batch_us = device_us(single), device_us(batch)
+        single_us, batch_us = graph_call_us(single, calls=50, replays=4), graph_call_us(batch, calls=50, replays=4)
         line += f", single {single_us:.1f} us, batch {batch_us:.1f} us, ratio {batch_us / single_us:.2f}"
     print(line, flush=True)
 
