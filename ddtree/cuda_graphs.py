@@ -58,6 +58,13 @@ class GraphPool:
         """The keys captured so far."""
         return list(self._graphs)
 
+    def drop(self, stale: Callable[[Hashable], bool]) -> int:
+        """Forgets the graphs whose key is `stale` (e.g. those that read a buffer about to be freed) -> how many."""
+        keys = [key for key in self._graphs if stale(key)]
+        for key in keys:
+            del self._graphs[key]
+        return len(keys)
+
     def run(self, key: Hashable, fn: Callable[[], Any]) -> Any:
         """fn() the first time a key is seen (after warm-up, while capturing); a replay afterwards."""
         if not self.enabled:
@@ -84,15 +91,20 @@ class GraphPool:
 
 
 class SlotPool(Generic[T]):
-    """Per-session buffers that captured graphs read and write (KV caches), so their addresses must never change:
-    each is allocated the first time a buffer of its size is needed, kept for the engine's life, and handed to the
-    next session of that size once released. Memory grows with the sessions held at once, up to `max_sessions`
-    held. A buffer's slot number is fixed, so graphs are keyed by it."""
+    """Per-session buffers that captured graphs read and write (KV caches), so their addresses must never change
+    while a buffer lives: each is allocated the first time a buffer of its size is needed and handed to the next
+    session of that size once released. At most `max_sessions` buffers exist, whatever their sizes: once that many
+    are allocated, a new size takes the place of the largest free buffer of another size (`evict` is told first,
+    to drop what refers to it, e.g. graphs keyed by its slot), so memory stays bounded by the sessions held at once
+    however their sizes vary. A buffer's slot number is fixed while it lives, so graphs are keyed by it."""
 
-    def __init__(self, max_sessions: int, allocate: Callable[[int], T]) -> None:
+    def __init__(
+        self, max_sessions: int, allocate: Callable[[int], T], evict: Callable[[int, T], None] | None = None
+    ) -> None:
         self.max_sessions = max_sessions
         self._allocate = allocate  # size -> a new buffer (zeroed: graphs read masked-out, never-written rows)
-        self._items: list[T] = []
+        self._evict = evict
+        self._items: list[T | None] = []
         self._sizes: list[int] = []  # per slot
         self._free: set[int] = set()
 
@@ -104,9 +116,22 @@ class SlotPool(Generic[T]):
             return min(free)
         if len(self._items) - len(self._free) >= self.max_sessions:
             return None
-        self._items.append(self._allocate(size))
-        self._sizes.append(size)
-        return len(self._items) - 1
+        if len(self._items) < self.max_sessions:
+            self._items.append(self._allocate(size))
+            self._sizes.append(size)
+            return len(self._items) - 1
+        slot = max(self._free, key=lambda s: (self._sizes[s], s))  # free, of another size: the most memory back
+        self._free.remove(slot)
+        if self._evict is not None:
+            self._evict(slot, self._items[slot])
+        self._items[slot] = None  # gone before its successor is allocated
+        self._items[slot], self._sizes[slot] = self._allocate(size), size
+        return slot
+
+    @property
+    def allocated(self) -> int:
+        """Buffers that exist, held or free."""
+        return len(self._items)
 
     def release(self, slot: int) -> None:
         self._free.add(slot)  # its contents stay: rows at or past a session's length are always masked out

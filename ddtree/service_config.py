@@ -94,7 +94,8 @@ class ServiceConfig(FlagConfig):
         None, "largest session capacity accepted (default: derived from the model's max_position_embeddings)"
     )
     max_sessions: int = option(
-        16, "sessions held at once; the static (graph) path preallocates one cache slot per session up front"
+        16, "sessions held at once; the static (graph) path keeps at most this many cache slots, each allocated "
+        "on first need (the verifier's in size classes: a new class takes a free slot's place once all exist)"
     )
     eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
     compile: bool | None = option(

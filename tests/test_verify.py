@@ -268,3 +268,33 @@ def test_queued_rounds_chain_on_the_device_and_are_collected_in_order(qwen3_targ
     assert step_b.tokens == truth[6:10]
     assert engine.sessions["s"].cache.length == len(prompt) + 9
     assert engine.decode("s").tokens == truth[10:11]  # the session goes on from the collected state
+
+
+def test_slots_of_other_sizes_give_way_with_their_graphs(qwen3_target: Path) -> None:
+    """Once max_sessions cache slots exist, a session of a size none of them has takes the place of a free slot of
+    another size: the slots never outnumber max_sessions however the sessions' sizes vary, a slot in use is never
+    taken, the graphs captured for the slot given up go with it (shared ones stay), and the sessions' greedy
+    tokens are the target's own throughout."""
+    engine = make_engine(qwen3_target, "fused-static")
+    engine.fused.slots.max_sessions = 2
+    prompt = [3, 1, 4, 1, 5]
+    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 12)
+    fused, graphs = engine.fused, engine.fused.graphs._graphs  # noqa: SLF001 - planted entries, see below
+    shared = (1, 16, 64, (), "batch")  # a round graph every slot replays
+    graphs[shared] = (None, None)
+    engine.start_session("held", 100, SamplingParams(), [])
+    held = engine.prefill("held", prompt).tokens
+    for capacity in (300, 700, 1500, 300, 100):  # size classes 512, 1024, 2048, 512, 256
+        engine.start_session("s", capacity, SamplingParams(), [])
+        slot = fused._slot_of[id(engine.session("s").cache)]  # noqa: SLF001
+        graphs[(16, (), "prefill", ("slot", slot))] = (None, None)  # as if its prompt had been captured
+        got = engine.prefill("s", prompt).tokens
+        got += engine.decode("s").tokens + engine.decode("s").tokens
+        assert got == truth[: len(got)]
+        engine.end_session("s")
+        assert fused.slots.allocated <= 2
+    # every size after the first took the one free slot's place, its graph with it; the held session's stayed
+    assert [key for key in graphs if key != shared] == [(16, (), "prefill", ("slot", slot))]
+    assert shared in graphs
+    held += engine.decode("held").tokens
+    assert held == truth[: len(held)]

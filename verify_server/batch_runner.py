@@ -2,7 +2,7 @@
 captured per (trees, query bucket, key bucket) whatever slots the trees' sessions hold: a greedy batch with its
 walks and compactions in the graph (batch_round), a sampled one up to its logits (batch_scores). A lone round is a
 batch of one (FusedRunner.greedy_round, tree_forward), so its graphs too are shared by every slot. BatchSteps uses
-the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_slot_of`,
+the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_slot_key`,
 `_unpack` and `_accept`.
 """
 
@@ -22,7 +22,6 @@ class BatchSteps:
     """batch_forward, batch_round, batch_scores (see the module docstring)."""
 
     _scratch: KVCache | None  # where a captured batch's filler trees write; allocated on first need
-    _slot_of: dict[int, int]  # id(cache) -> its slot
     _batch_buffers: dict[tuple[int, int], BatchBuffers]  # (trees, bucket) -> static inputs
 
     def batch_forward(
@@ -99,7 +98,7 @@ class BatchSteps:
         """A captured batch's graph: by shape alone where the flash kernels find the slots by address; else (a lone
         round, see _prepare_batch) by its slot too."""
         key = (buf.inputs.shape[0], buf.qb, kv_len, taps, kind)
-        return key if self.decoder.attention == FLASH else (*key, self._slot_of[id(buf.caches[0])])
+        return key if self.decoder.attention == FLASH else self._slot_key(key, buf.caches[0])
 
     def _batch_scores(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int

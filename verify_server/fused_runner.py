@@ -57,7 +57,7 @@ class FusedRunner(BatchSteps):
         # the most key rows a step attends over: the largest slot a session within the model's context (plus a
         # tree) takes, with the largest captured step's spare rows
         self.max_keys = size_class(model.config.max_position_embeddings + MAX_GRAPH_NODES) + MAX_GRAPH_NODES
-        self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache)
+        self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache, self._evict)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
         self._buffers: dict[int, StepBuffers] = {}  # prompt bucket -> static inputs
         self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
@@ -119,6 +119,15 @@ class FusedRunner(BatchSteps):
     def release(self, cache: KVCache) -> None:
         self.slots.release(self._slot_of[id(cache)])
 
+    def _slot_key(self, key: tuple, cache: KVCache) -> tuple:
+        """The key of a graph captured for one slot's cache (its addresses baked in): ends with the slot's tag."""
+        return (*key, ("slot", self._slot_of[id(cache)]))
+
+    def _evict(self, slot: int, cache: KVCache) -> None:
+        """A free slot given up for one of another size (SlotPool): the graphs that read or write it go with it."""
+        self.graphs.drop(lambda key: key[-1] == ("slot", slot))
+        del self._slot_of[id(cache)]
+
     def _new_cache(self, size: int) -> KVCache:
         # zeroed: padded steps read never-written slots through masked-out weights, and 0 * NaN would still poison
         shape = self.decoder.shape
@@ -168,7 +177,7 @@ class FusedRunner(BatchSteps):
         buf = self._buffer(qb)
         buf.write_prompt(prompt)
         logits, features = self.graphs.run(
-            (self._slot_of[id(cache)], qb, taps, "prefill"), lambda: self._prompt(cache, buf, taps)
+            self._slot_key((qb, taps, "prefill"), cache), lambda: self._prompt(cache, buf, taps)
         )
         return logits, None if features is None else features[: len(prompt)].clone()
 
