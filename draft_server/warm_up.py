@@ -65,9 +65,9 @@ def warm_up_batches(engine: DraftEngine, rows: list[int], most_keys: int = WARM_
     blocks: a batch is filled up to a power of two) in every key bucket up to `most_keys` rows, so that no request
     waits for its capture. -> the batch graphs captured."""
     static = engine.static
-    if static is None or not static.batches or engine.max_batch < 2:
+    most = 0 if static is None else min(engine.max_batch, static.slots.max_sessions)  # blocks a batch can hold
+    if most < 2 or not static.batches:
         return 0
-    most = min(engine.max_batch, static.slots.max_sessions)
     for count in (n for n in (2, 3) if n <= most):
         with _sessions(engine, count, sum(rows) + engine.block_size) as sessions:
             length = 0

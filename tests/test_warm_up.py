@@ -208,3 +208,16 @@ def test_verifier_warm_up_taps_are_checked() -> None:
             VerifyServerConfig(target="t", warm_up_taps=bad)
     with pytest.raises(ValueError, match="warm_up_nodes"):
         VerifyServerConfig(target="t", warm_up_nodes=-1)
+
+
+def test_warm_ups_of_a_single_session_service(qwen3_target: Path, drafter_dir: Path) -> None:
+    """Services started with --max-sessions 1 warm up (no batches: they never hold two sessions at once) and serve."""
+    verifier = VerifyEngine.from_pretrained(qwen3_target, max_sessions=1)
+    warm_up_verifier(verifier)
+    _, drafter = engines(load_drafter(drafter_dir), max_sessions=1, max_context=400, max_batch=8)
+    warm_up_drafter(drafter)
+    assert not verifier.sessions and not drafter.sessions
+    verifier.start_session("s", 64, SamplingParams(), [])
+    assert len(verifier.prefill("s", [1, 2, 3]).tokens) == 1
+    drafter.start_session("s", 64)
+    drafter.draft("s", torch.randn(3, FEATURE_DIM), 1, 3, budget=4)

@@ -359,6 +359,9 @@ def check_warm_up() -> None:
                     engine.end_session(name)
     met = {key for key in recorder.seen if "prefill" not in key}
     assert met and met <= warm, sorted(met - warm)
+    for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
+        engine.fused.slots.max_sessions = most
+        capture_rounds(engine, taps, nodes, 64)
     print("warm_up ok", len(met), "round shapes met, all captured in warm-up")
 
 

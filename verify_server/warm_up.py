@@ -42,6 +42,13 @@ def _chain(root: int, nodes: int) -> DraftTree:
     return DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))), chain - 1, chain, nodes)
 
 
+def _batches(engine: VerifyEngine) -> bool:
+    """Whether several sessions' rounds can share a forward, so that the warm-up runs batches (and may hold two
+    sessions at once: the fused path's slots bound the sessions held)."""
+    fused = engine.fused
+    return fused is None or min(fused.max_batch, fused.slots.max_sessions) >= 2
+
+
 def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
@@ -65,14 +72,15 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
             engine.decode(session_id, host_features=True)
     # Several sessions' rounds in one forward (verify_batch): its layer steps compile for row counts of their own
     # (trees x bucket), on both sides of the fused projections' limit.
-    with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
-        roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
-        for nodes in (1, 15, 31, *past_limit):
-            calls = [(session_id, _chain(root, nodes)) for session_id, root in roots.items()]
-            for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
-                if isinstance(step, Exception):
-                    raise step
-                roots[session_id] = step.tokens[-1]
+    if _batches(engine):
+        with _warm_up_session(engine, 300) as first, _warm_up_session(engine, 300) as second:
+            roots = {session_id: engine.prefill(session_id, [0] * 100).tokens[-1] for session_id in (first, second)}
+            for nodes in (1, 15, 31, *past_limit):
+                calls = [(session_id, _chain(root, nodes)) for session_id, root in roots.items()]
+                for (session_id, _), step in zip(calls, engine.verify_batch(calls, host_features=True)):
+                    if isinstance(step, Exception):
+                        raise step
+                    roots[session_id] = step.tokens[-1]
     # Prompts are steps of their own kind (causal, not a tree): besides the two above, a second prompt bucket on
     # the fused projections' side of the limit and one past it. After the sessions above, so that Dynamo already
     # holds their sizes and the slots' strides as symbolic.
@@ -113,11 +121,14 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
                 continue
             for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
                 # committed rows: keys - qb, so that a round's start plus its bucket is this key bucket
-                with _warm_up_session(engine, keys, taps, params) as alone, \
-                        _warm_up_session(engine, keys, taps, params) as first, \
+                with _warm_up_session(engine, keys, taps, params) as alone:
+                    root = engine.prefill(alone, [0] * (keys - qb)).tokens[-1]
+                    engine.verify(alone, _chain(root, node_count), host_features=True)
+                if not _batches(engine):
+                    continue
+                with _warm_up_session(engine, keys, taps, params) as first, \
                         _warm_up_session(engine, keys, taps, params) as second:
-                    roots = {s: engine.prefill(s, [0] * (keys - qb)).tokens[-1] for s in (alone, first, second)}
-                    engine.verify(alone, _chain(roots[alone], node_count), host_features=True)
+                    roots = {s: engine.prefill(s, [0] * (keys - qb)).tokens[-1] for s in (first, second)}
                     calls = [(s, _chain(roots[s], node_count)) for s in (first, second)]
                     for step in engine.verify_batch(calls, host_features=True):
                         if isinstance(step, Exception):
