@@ -55,7 +55,8 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
         for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
             engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
     captured = warm_up_batches(engine, rows)
-    log.info("warm-up drafts done in %.3f s (%d batch graphs captured)", time.perf_counter() - start, captured)
+    log.info("warm-up drafts done in %.3f s%s", time.perf_counter() - start,
+             f" ({captured} batch graphs captured)" if captured else "")
 
 
 def warm_up_batches(engine: DraftEngine, rows: list[int], most_keys: int = WARM_UP_KEYS) -> int:
