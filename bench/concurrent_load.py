@@ -87,7 +87,7 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
         tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
         wall = time.perf_counter() - start
     phases = {phase: (total - phases_before.get(phase, (0.0, 0.0))[0], count - phases_before.get(phase, (0.0, 0.0))[1])
-              for phase, (total, count) in phase_sums(url).items()}
+              for phase, (total, count) in phase_sums(url).items()}  # this level's rounds only
     (calls, forwards), (drafts, blocks) = (
         (after[0] - was[0], after[1] - was[1])
         for after, was in zip((batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)), before)
@@ -96,7 +96,8 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
             "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
             "mean_draft_batch": drafts / blocks if blocks else None,
-            "round_phase_ms": {phase: round(total / count * 1000, 3) for phase, (total, count) in phases.items() if count},
+            "round_phase_ms": {phase: round(total / count * 1000, 3)
+                               for phase, (total, count) in phases.items() if count},
             "latencies_s": latencies}
 
 

@@ -55,8 +55,8 @@ class BatchedDrafts:
         if len(together) > 1:
             self._draft_together(calls, together, outcomes, host_tree)
         for i, call in enumerate(calls):
-            if outcomes[i] is None:  # its host tree in a buffer after those of the blocks drafted together
-                outcomes[i] = self._alone(call, host_tree, len(together) + i)
+            if outcomes[i] is None:  # its host tree in a buffer after the one of the blocks drafted together
+                outcomes[i] = self._alone(call, host_tree, 1 + i)
         return outcomes
 
     def _draft_together(
@@ -71,8 +71,8 @@ class BatchedDrafts:
             sess = self.session(calls[i].session_id)
             sess.length = sess.length_max = block.position
         timer.mark()
-        for b, (i, _) in enumerate(together):
-            tree, nodes = self.static.batch_tree(batch, b, calls[i].budget, calls[i].top_k, host_tree)
+        trees = self.static.batch_trees(batch, [(calls[i].budget, calls[i].top_k) for i, _ in together], host_tree)
+        for (i, _), (tree, nodes) in zip(together, trees):
             outcomes[i] = DraftResult(tree, timer, nodes)
         timer.end()
 

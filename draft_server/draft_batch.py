@@ -6,11 +6,11 @@ each layer's projections and MLP at once; only the attention is per block, each 
 a block sees its slot's committed context and all of its own rows, which is the verifier's batched tree attention
 (ddtree/flash_batch.py) with every block an all-visible tree. That kernel finds each slot by its address in a table
 on the device and writes the block's own K/V there too, so a batch of blocks is captured in one CUDA graph per
-(blocks, key bucket), whatever slots it meets. Each session's context append and its tree build still run alone,
-before and after. Elsewhere (the CPU) the attention loops over the blocks under their biases, the single block's
-form, which the tests compare with drafting each session alone. BatchBlocks uses StaticDrafter's `config`,
-`drafter`, `head`, `device`, `dtype`, `rows`, `graphs`, `flash`, `block_rows`, `slots`, `slot_shape`, `_arange`,
-`_ids`, `_logprobs`, `_masks`, `append` and `tree`.
+(blocks, key bucket), whatever slots it meets. Each session's context append still runs alone, before; the
+blocks' trees are built after, in one more graph. Elsewhere (the CPU) the attention loops over the blocks under
+their biases, the single block's form, which the tests compare with drafting each session alone. BatchBlocks
+uses StaticDrafter's `config`, `drafter`, `head`, `device`, `dtype`, `rows`, `graphs`, `flash`, `block_rows`,
+`slots`, `slot_shape`, `_arange`, `_ids`, `_logprobs`, `_masks`, `layouts`, `append`, `_tree` and `_host_copy`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class BlockBatch:
 
 
 class BatchBlocks:
-    """draft_batch and batch_tree (see the module docstring)."""
+    """draft_batch and batch_trees (see the module docstring)."""
 
     _block_batches: dict[int, BlockBatch]  # blocks -> static inputs
     _columns: dict[int, np.ndarray]  # slot -> its addresses
@@ -106,7 +106,7 @@ class BatchBlocks:
 
     def draft_batch(self, calls: list[BlockCall]) -> BlockBatch:
         """Each session's context append (its own graphs), then all the blocks in one forward -> the batch, whose
-        logprobs[b] are call b's block's (batch_tree reads them); rewritten by the next draft_batch of as many
+        logprobs[b] are call b's block's (batch_trees reads them); rewritten by the next draft_batch of as many
         blocks. Blocks are padded to a power of two where graphs run, with blocks over a scratch slot."""
         for b, call in enumerate(calls):
             self.append(call.slot, call.start, call.features, b)
@@ -123,14 +123,38 @@ class BatchBlocks:
         self.graphs.run(("block-batch", count, keys), lambda: self._batch_block_step(batch, keys))
         return batch
 
-    def batch_tree(
-        self, batch: BlockBatch, b: int, budget: int, top_k: int | None, host: bool = False
-    ) -> tuple[DraftTree, torch.Tensor | None]:
-        """The tree of block b of the last draft_batch, as tree() builds a single draft's (host: its copy to the
-        host in a buffer of its own per b)."""
-        self._logprobs.copy_(batch.logprobs[b])
-        self._ids[0, :1].copy_(batch.inputs[1, b : b + 1])
-        return self.tree(budget, top_k, host, b)
+    def batch_trees(
+        self, batch: BlockBatch, shapes: list[tuple[int, int | None]], host: bool = False
+    ) -> list[tuple[DraftTree, torch.Tensor | None]]:
+        """The trees of the last draft_batch's blocks, shapes[b] = block b's (budget, top_k), built as tree()
+        builds a single draft's but in one graph, with one copy out of it (and with `host` on a GPU one to the host,
+        in tree()'s first host buffer) for them all: per block, tree() took a launch and three copies. Each tree in
+        memory no later replay overwrites."""
+        plans = [(budget, *self.layouts.get(budget, top_k)) for budget, top_k in shapes]  # (budget, k, layout)
+        key = ("batch-trees", tuple((budget, k) for budget, k, _ in plans))
+        flat, packed_shapes = self.graphs.run(key, lambda: self._batch_trees(batch, plans))
+        flat = flat.clone()  # [sum over blocks of 3 * (N_b + 1)]
+        on_host = self._host_copy(flat, 0) if host else None
+        trees, at = [], 0
+        for shape in packed_shapes:  # [3, N_b + 1] each
+            rows = slice(at, at + shape.numel())
+            at = rows.stop
+            packed = flat[rows].view(shape)
+            tree = DraftTree(packed[0], packed[1], packed[2], max_depth=self.config.block_size - 1)
+            trees.append((tree, None if on_host is None else on_host[rows].view(shape)))
+        return trees
+
+    def _batch_trees(
+        self, batch: BlockBatch, plans: list[tuple[int, int, object]]
+    ) -> tuple[torch.Tensor, list[torch.Size]]:
+        """Each block's tree from its log-probs and root, through the single tree's buffers and code (_tree) ->
+        (their [3, N_b + 1] arrays flattened one after another, their shapes)."""
+        packed = []
+        for b, (budget, k, layout) in enumerate(plans):
+            self._logprobs.copy_(batch.logprobs[b])
+            self._ids[0, :1].copy_(batch.inputs[1, b : b + 1])
+            packed.append(self._tree(budget, k, layout))
+        return torch.cat([p.flatten() for p in packed]), [p.shape for p in packed]
 
     def _column(self, slot: int) -> np.ndarray:
         """A slot's addresses for the flash kernel (-1: the scratch slot), worked out once: slots live as long as

@@ -201,20 +201,26 @@ class StaticDrafter(BatchBlocks):
     ) -> tuple[DraftTree, torch.Tensor | None]:
         """The tree over the last block's log-probs, on the device, in memory no later replay overwrites; with
         `host` on a GPU also its copy as the wire carries it, queued now: [3, N+1] int32 in pinned memory that the
-        next host tree of this `index` (a batch's block) reuses, to be read once the draft's kernels are done (else
-        None)."""
+        next host tree of this `index` reuses (each draft of a draft_batch call has its own), to be read once the
+        draft's kernels are done (else None)."""
         k, layout = self.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
         tree = DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
-        if not host or self.device.type != "cuda":  # a GPU only: on the CPU the tree is on the host already
-            return tree, None
+        return tree, self._host_copy(packed, index) if host else None
+
+    def _host_copy(self, packed: torch.Tensor, index: int) -> torch.Tensor | None:
+        """packed trees' copy to the host as the wire carries them (int32), queued now into pinned host buffer
+        `index` (reused by its next copy), shaped as packed; None off a GPU, where the trees are on the host
+        already."""
+        if self.device.type != "cuda":
+            return None
         while len(self._host_trees) <= index:
             self._host_trees.append(torch.empty(0, dtype=torch.int32))
         if self._host_trees[index].numel() < packed.numel():
             self._host_trees[index] = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
         nodes = self._host_trees[index][: packed.numel()].view(packed.shape)
         nodes.copy_(packed.to(torch.int32), non_blocking=True)  # tokens < vocab, parents and depths < nodes
-        return tree, nodes
+        return nodes
 
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
     def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:

@@ -54,17 +54,20 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
             engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
         for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
             engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
-    captured = warm_up_batches(engine, rows)
+    captured = warm_up_batches(engine, rows, budgets)
     log.info("warm-up drafts done in %.3f s%s", time.perf_counter() - start,
              f" ({captured} batch graphs captured)" if captured else "")
 
 
-def warm_up_batches(engine: DraftEngine, rows: list[int], most_keys: int = WARM_UP_KEYS) -> int:
+def warm_up_batches(
+    engine: DraftEngine, rows: list[int], budgets: Sequence[int] = (), most_keys: int = WARM_UP_KEYS
+) -> int:
     """Blocks of several sessions in one forward (draft_batch), where they run: first whole drafts of 2 and 3
     sessions (a batch of 4, filled up) at the contexts above, which compile the batch step for row counts of its own
     (blocks x B) and make them dynamic; then, where graphs run, a batch of each size requests can form (2, 4, ...
-    blocks: a batch is filled up to a power of two) in every key bucket up to `most_keys` rows, so that no request
-    waits for its capture. -> the batch graphs captured."""
+    blocks: a batch is filled up to a power of two) in every key bucket up to `most_keys` rows, and the trees of
+    every number of sessions' blocks (the chain's, and those of `budgets`), so that no request waits for a
+    capture. -> the batch graphs captured."""
     static = engine.static
     most = 0 if static is None else min(engine.max_batch, static.slots.max_sessions)  # blocks a batch can hold
     if most < 2 or not static.batches:
@@ -90,11 +93,16 @@ def warm_up_batches(engine: DraftEngine, rows: list[int], most_keys: int = WARM_
     # the sessions' slots are written as a draft writes its block's rows (no autograd history on them)
     with _sessions(engine, most, 1) as sessions, torch.inference_mode():
         slots = [engine.session(s).slot for s in sessions]
+        batch = None
         for size in sizes:
             for keys in buckets:
                 # blocks whose rows end at the bucket's last row; the slots' rows there are scratch (no session
                 # reads a row it has not written), so nothing is appended first
                 position = keys - engine.block_size
-                static.draft_batch([BlockCall(slot, position, torch.zeros(0, engine.feature_dim), 0, position)
-                                    for slot in slots[:size]])
+                batch = static.draft_batch([BlockCall(slot, position, torch.zeros(0, engine.feature_dim), 0, position)
+                                            for slot in slots[:size]])
+        shapes = ((engine.block_size - 1, 1), *((b, None) for b in budgets))
+        for count in range(2, most + 1) if batch is not None else ():  # by the blocks drafted, not the padded batch
+            for shape in shapes:
+                static.batch_trees(batch, [shape] * count)
     return len(static.graphs) - graphs

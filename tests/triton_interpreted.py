@@ -425,9 +425,12 @@ def check_draft_warm_up() -> None:
     _, engine = engines(_flash_drafter(), device=DEVICE.type, max_sessions=8, max_context=200, max_batch=8)
     engine.static.flash = True
     engine.static.graphs = recorder = KeyRecorder()
-    warm_up(engine)
-    warm = {key for key in recorder.seen if key[0] == "block-batch"}
-    assert not engine.sessions and len(warm) == 3 * 5, sorted(warm)  # 2, 4, 8 blocks; key buckets 64 to 256
+    warm_up(engine, budgets=(4,))
+    batches = ("block-batch", "batch-trees")
+    warm = {key for key in recorder.seen if key[0] in batches}
+    # 2, 4, 8 blocks in key buckets 64 to 256; the trees of 2 to 8 blocks, chains or of 4 nodes; those of the
+    # whole drafts of 2 and 3 sessions before them (budget B - 1)
+    assert not engine.sessions and len(warm) == 3 * 5 + 7 * 2 + 2, sorted(warm)
     recorder.seen.clear()
     rng = random.Random(3)
     for count in (2, 3, 5, 8):
@@ -444,7 +447,7 @@ def check_draft_warm_up() -> None:
             assert not any(isinstance(result, Exception) for result in engine.draft_batch(calls))
         for name in sessions:
             engine.end_session(name)
-    met = {key for key in recorder.seen if key[0] == "block-batch"}
+    met = {key for key in recorder.seen if key[0] in batches}
     assert met and met <= warm, sorted(met - warm)
     print("draft_warm_up ok", len(met), "batch shapes met, all captured in warm-up")
 
