@@ -314,7 +314,7 @@ class KeyRecorder:
 
 def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
-    of its taps and tree size then meet, greedy and sampled, alone and two at once, at contexts within its key
+    of its taps and tree size then meet, greedy and sampled, alone and up to five at once, at contexts within its key
     buckets: none of their round steps has a shape the warm-up has not run."""
     import random
     import tempfile
@@ -335,25 +335,23 @@ def check_warm_up() -> None:
     for tapped in ([], taps):
         capture_rounds(engine, tapped, nodes, most_keys)
     warm = {key for key in recorder.seen if "prefill" not in key}
-    # taps, params, one tree or two, AR step or tree, key buckets
-    assert not engine.sessions and len(warm) == 2 * 2 * 2 * 2 * len(key_buckets(most_keys)), len(warm)
+    # taps, params, 1, 2, 4 or 8 trees (max_batch 8), AR step or tree, key buckets
+    assert not engine.sessions and len(warm) == 2 * 2 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
     for tapped in ([], taps):
         for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
             for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
-                sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(2)}
+                sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
                 for name in sessions:
                     engine.start_session(name, most_keys, params, tapped)
                     ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
                     sessions[name] = engine.prefill(name, ids).tokens[-1]
                 for _ in range(3):
                     size = rng.choice([0, nodes])
-                    if rng.random() < 0.5:
-                        steps = engine.verify_batch([(name, _chain(root, size)) for name, root in sessions.items()])
-                    else:
-                        steps = [engine.verify(name, _chain(root, size)) for name, root in sessions.items()]
-                    for name, step in zip(sessions, steps):
+                    together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
+                    steps = engine.verify_batch([(name, _chain(sessions[name], size)) for name in together])
+                    for name, step in zip(together, steps):
                         sessions[name] = step.tokens[-1]
                 for name in sessions:
                     engine.end_session(name)

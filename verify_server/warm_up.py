@@ -14,6 +14,7 @@ import torch
 
 from ddtree.cuda_graphs import key_buckets
 from ddtree.types import DraftTree, SamplingParams
+from verify_server.batch import BatchTree
 from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
 from verify_server.verify import VerifyEngine
 
@@ -107,8 +108,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
 
 
 def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
-    """The round graphs of sessions tapping `taps`, greedy and sampled, alone and two at once, for AR steps and
-    trees of `nodes` nodes, over every key bucket up to most_keys (within the target's context): a graph is
+    """The round graphs of sessions tapping `taps`, greedy and sampled, alone, two at once and in larger batches,
+    for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's context): a graph is
     captured the first time its shape is met (verify_server/batch_runner.py), which the first requests of a fresh
     service would otherwise wait for, bucket by bucket as their contexts grow (at Qwen3-8B shapes a first request
     took ~130 ms more than the next ones, bench/README.md)."""
@@ -133,3 +134,31 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
                     for step in engine.verify_batch(calls, host_features=True):
                         if isinstance(step, Exception):
                             raise step
+    _capture_larger_batches(engine, taps, nodes, most_keys)
+
+
+def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int) -> None:
+    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once), straight through
+    the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its length), at
+    the lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees shares the
+    graph of the power of two above n."""
+    fused = engine.fused
+    most = min(fused.max_batch, fused.slots.max_sessions)
+    sizes = [1 << i for i in range(2, (most - 1).bit_length() + 1)]  # 4, 8, ...: 1 and 2 ran as sessions above
+    if not sizes:
+        return
+    limit = min(most_keys, engine.model.config.max_position_embeddings)
+    cache = fused.acquire(limit)
+    try:
+        with torch.inference_mode():  # the rounds write the slot, as a session's do
+            for node_count in (0, nodes):
+                qb = bucket(node_count + 1)
+                for keys in (k for k in key_buckets(limit) if qb is not None and k > qb):
+                    cache.length = keys - qb  # a round's start plus its bucket is this key bucket
+                    for trees in sizes:
+                        items = [BatchTree(cache, _chain(0, node_count), 0)] * trees
+                        fused.batch_round(items, tuple(taps))  # greedy: forward, walks and compactions
+                        fused.batch_scores(items, tuple(taps))  # sampled: the forward
+    finally:
+        cache.length = 0
+        fused.release(cache)
