@@ -112,8 +112,7 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
     batches, for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
     context): a graph is captured the first time its shape is met (verify_server/batch_runner.py), which the first
     requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow (at Qwen3-8B shapes
-    a first request
-    took ~130 ms more than the next ones, bench/README.md)."""
+    a first request took ~130 ms more than the next ones, bench/README.md)."""
     for node_count in (0, nodes):
         qb = bucket(node_count + 1)
         if qb is None:
