@@ -142,7 +142,7 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
     through the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its
     length), at the lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees
     shares the graph of the power of two above n. Not the sampled ones: each keeps its [trees * qb, vocab] fp32
-    logits as its output (8 trees of 64 rows at Qwen3-8B's vocabulary: 311 MB a graph, ~8 GB over the key buckets
+    logits as its output (8 trees of 64 rows at Qwen3-8B's vocabulary: 311 MB a graph, ~7.5 GB over the key buckets
     and taps), so they are captured only when requests meet them."""
     fused = engine.fused
     most = min(fused.max_batch, fused.slots.max_sessions)
