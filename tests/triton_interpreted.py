@@ -314,8 +314,8 @@ class KeyRecorder:
 
 def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
-    of its taps and tree size then meet, greedy alone and up to five at once, sampled alone and two at once, at
-    contexts within its key buckets: none of their round steps has a shape the warm-up has not run."""
+    of its taps and tree size then meet, greedy and sampled, alone and up to five at once, at contexts within its
+    key buckets: none of their round steps has a shape the warm-up has not run."""
     import random
     import tempfile
     from pathlib import Path
@@ -335,8 +335,8 @@ def check_warm_up() -> None:
     for tapped in ([], taps):
         capture_rounds(engine, tapped, nodes, most_keys)
     warm = {key for key in recorder.seen if "prefill" not in key}
-    # taps, AR step or tree, key buckets; greedy 1, 2, 4 or 8 trees (max_batch 8), sampled 1 or 2
-    assert not engine.sessions and len(warm) == 2 * 2 * len(key_buckets(most_keys)) * (4 + 2), len(warm)
+    # taps, params, 1, 2, 4 or 8 trees (max_batch 8), AR step or tree, key buckets
+    assert not engine.sessions and len(warm) == 2 * 2 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
     for tapped in ([], taps):
@@ -349,8 +349,7 @@ def check_warm_up() -> None:
                     sessions[name] = engine.prefill(name, ids).tokens[-1]
                 for _ in range(3):
                     size = rng.choice([0, nodes])
-                    most = 5 if params.greedy else 2  # greedy batches of 1, 2, 4, 8 trees; sampled of 1, 2
-                    together = rng.sample(list(sessions), rng.choice([n for n in (1, 2, 3, 5) if n <= most]))
+                    together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
                     steps = engine.verify_batch([(name, _chain(sessions[name], size)) for name in together])
                     for name, step in zip(together, steps):
                         sessions[name] = step.tokens[-1]

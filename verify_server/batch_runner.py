@@ -57,14 +57,16 @@ class BatchSteps:
         """The forward of several sessions' sampled rounds in one replay (tree_forward's, batched) -> (logits
         [trees * qb, V] fp32, features [trees * qb, taps*hidden] or None, each tree as the graph read it, qb):
         tree b's rows are [b * qb, b * qb + q); the caller samples, walks and compacts each. None as for
-        batch_round."""
+        batch_round. The logits come from the graph's last hidden states after the replay: as a graph's output
+        they would stay allocated with it, [trees * qb, V] fp32 for every shape captured (311 MB for 8 trees of
+        64 rows at Qwen3-8B's vocabulary)."""
         prepared = self._prepare_batch(items)
         if prepared is None:
             return None
         buf, kv_len = prepared
-        logits, features, xs, _ = self.graphs.run(self._batch_key(buf, kv_len, taps, "batch-scores"),
-                                                  lambda: self._batch_scores(buf, taps, kv_len))
-        return logits, features, xs, buf.qb
+        hidden, features, xs, _ = self.graphs.run(self._batch_key(buf, kv_len, taps, "batch-scores"),
+                                                  lambda: self._batch_hidden(buf, taps, kv_len))
+        return self.decoder.logits(hidden, compiled=True), features, xs, buf.qb
 
     def _prepare_batch(
         self, items: list[BatchTree], after: torch.Tensor | None = None, start: int = 0
@@ -100,9 +102,11 @@ class BatchSteps:
         key = (buf.inputs.shape[0], buf.qb, kv_len, taps, kind)
         return key if self.decoder.attention == FLASH else self._slot_key(key, buf.caches[0])
 
-    def _batch_scores(
+    def _batch_hidden(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], TreeBatch]:
+        """The batch's layers -> (the last layer's output [trees * qb, hidden], features, each tree's inputs, the
+        batch)."""
         trees, qb = buf.inputs.shape[0], buf.qb
         unpacked = [self._unpack(buf.inputs[b, : 3 * qb + 3], buf.nodes, self.decoder.embed, self.decoder.rope.table)
                     for b in range(trees)]
@@ -114,7 +118,7 @@ class BatchSteps:
         batch = TreeBatch(buf.caches, [b * qb for b in range(trees)], [qb] * trees, buf.kv_lens, row_slot,
                           _stack([x.anc for x in xs]), starts, buf.tables, buf.slots if flash else None, qb, kv_len)
         hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
-        return self.decoder.logits(hidden, compiled=True), features, xs, batch  # logits [trees * qb, V]
+        return hidden, features, xs, batch
 
     def _batch_greedy(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int
@@ -122,7 +126,8 @@ class BatchSteps:
         """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its
         compaction reads them, and the compaction only reads slots in that range. Padding nodes never match (valid
         is False), so they are never accepted."""
-        logits, features, xs, batch = self._batch_scores(buf, taps, kv_len)
+        hidden, features, xs, batch = self._batch_hidden(buf, taps, kv_len)
+        logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         qb = buf.qb
         walked = [self._accept(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
         packed = _stack([p for p, _ in walked])  # [trees, 2 + qb]

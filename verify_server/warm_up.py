@@ -108,8 +108,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
 
 
 def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
-    """The round graphs of sessions tapping `taps`, greedy and sampled, alone and two at once (greedy also in
-    larger batches), for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
+    """The round graphs of sessions tapping `taps`, greedy and sampled, alone, two at once and in larger
+    batches, for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
     context): a graph is captured the first time its shape is met (verify_server/batch_runner.py), which the first
     requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow (at Qwen3-8B shapes
     a first request took ~130 ms more than the next ones, bench/README.md)."""
@@ -138,12 +138,10 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
 
 
 def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int) -> None:
-    """capture_rounds' greedy graphs for batches of 4, 8, ... trees (up to the most that can run at once), straight
-    through the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its
-    length), at the lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees
-    shares the graph of the power of two above n. Not the sampled ones: each keeps its [trees * qb, vocab] fp32
-    logits as its output (8 trees of 64 rows at Qwen3-8B's vocabulary: 311 MB a graph, ~7.5 GB over the key buckets
-    and taps), so they are captured only when requests meet them."""
+    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once), straight through
+    the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its length), at
+    the lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees shares the
+    graph of the power of two above n."""
     fused = engine.fused
     most = min(fused.max_batch, fused.slots.max_sessions)
     sizes = [1 << i for i in range(2, (most - 1).bit_length() + 1)]  # 4, 8, ...: 1 and 2 ran as sessions above
@@ -159,7 +157,8 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
                     cache.length = keys - qb  # a round's start plus its bucket is this key bucket
                     for trees in sizes:
                         items = [BatchTree(cache, _chain(0, node_count), 0)] * trees
-                        fused.batch_round(items, tuple(taps))  # forward, walks and compactions
+                        fused.batch_round(items, tuple(taps))  # greedy: forward, walks and compactions
+                        fused.batch_scores(items, tuple(taps))  # sampled: the forward
     finally:
         cache.length = 0
         fused.release(cache)
