@@ -1,10 +1,8 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
-on a GPU when run there without it:
-`python -m tests.triton_interpreted {tree,flash,gemv,drafter,compaction,batch,draft_batch,verify,warm_up,
-draft_warm_up}`. The same
-kernels run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and
-test_draft_batch.py."""
+on a GPU when run there without it: `python -m tests.triton_interpreted CHECK`, CHECK one of tree, flash, gemv,
+drafter, compaction, batch, draft_batch, verify, warm_up, draft_warm_up. The same kernels run compiled on a GPU in
+test_flash_tree.py, test_drafter_static.py, test_batch.py and test_draft_batch.py."""
 
 from __future__ import annotations
 
