@@ -54,8 +54,8 @@ class DraftResult:
     tree: DraftTree
     timer: StepTimer  # forward: context append + block forward; rest: the tree build (device time on a GPU)
     # draft(host_tree=True) on a GPU's static path: the tree as [3, N+1] int32 (tokens, parents, depths) in pinned
-    # host memory, filled by the draft's kernels (read it after forward_s / tree_s, which wait for them); the next
-    # such draft of the engine reuses it
+    # host memory, filled by the draft's kernels (read it after forward_s / tree_s, which wait for them); a later
+    # draft reuses it (a draft_batch call's drafts each have their own)
     nodes: torch.Tensor | None = None
 
     @property

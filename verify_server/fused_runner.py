@@ -1,18 +1,19 @@
 """Runs the fused decoder with static buffers and CUDA graphs per shape bucket.
 
 Caches are not allocated per session but taken from a pool of slots (power-of-two size classes, reused after a
-session ends), kept for the engine's life. A round's tree is padded to a query bucket and its inputs (the tree's
-three arrays, three scalars and its slot's addresses) are copied into that bucket's static buffer in one copy; the
-graph derives ids, positions and the padding from them and finds the slot by its address (a lone round is a batch
-of one: verify_server/batch_runner.py, BatchSteps), so a graph is captured the first time a (trees, query bucket,
-key bucket) shape is met, whatever slots replay it later; the key bucket keeps attention proportional to the
-context rather than to the slot. A tree smaller than its bucket is padded with children of the root that are never
-accepted, whose K/V land in the slot's spare tail and are never committed. A prompt of 2 to MAX_GRAPH_NODES tokens
-is prefilled from a graph captured per (slot, prompt bucket), through the configured (compiled) layers with SDPA's
-causal attention: uncaptured and uncompiled, its few hundred launches were most of a short request's time outside
-its rounds. Longer prompts (bound by their matmuls, where the graph saves nothing) and a chunked prompt's chunks
-after the first (attending to the committed prefix too) take the same compiled prompt step uncaptured; one-token
-prompts and chunks, and trees beyond the largest bucket, run the forward eagerly.
+session ends; at most max_sessions of them, a new size class taking a free slot's place once all exist). A round's
+tree is padded to a query bucket and its inputs (the tree's three arrays, three scalars and its slot's addresses)
+are copied into that bucket's static buffer in one copy; the graph derives ids, positions and the padding from them
+and finds the slot by its address (a lone round is a batch of one: verify_server/batch_runner.py, BatchSteps), so a
+graph is captured the first time a (trees, query bucket, key bucket) shape is met, whatever slots replay it later;
+the key bucket keeps attention proportional to the context rather than to the slot. A tree smaller than its bucket
+is padded with children of the root that are never accepted, whose K/V land in the slot's spare tail and are never
+committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a graph captured per (slot, prompt bucket),
+through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few hundred
+launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls, where the
+graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix too) take the
+same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest bucket, run the
+forward eagerly.
 """
 
 from __future__ import annotations

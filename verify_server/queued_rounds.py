@@ -105,6 +105,8 @@ class QueuedRounds:
         packed, path_features, cursor = captured
         timer.mark()
         ring = self._next_ring(sess)
+        if not sess.readback:  # a captured greedy round's outcome only: sampled rounds are read after their walk
+            sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
         host = sess.readback[ring].write(packed)
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
         features = None if path_features is None else self._keep_rows(sess, ring, path_features[:advance],
@@ -114,20 +116,19 @@ class QueuedRounds:
         sess.inflight.append(pending)
         return pending
 
-
     def _next_ring(self, sess: VerifySession) -> int:
         """The session's ring slot for a round's readback and its features' host rows: the round after next
         reuses it (the caller has read, or sent, them long before)."""
-        if not sess.readback:
-            sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
+        if not sess.host_features:
             sess.host_features = [None] * MAX_IN_FLIGHT
         ring = sess.queued % MAX_IN_FLIGHT
         sess.queued += 1
         return ring
 
     def _keep_rows(self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool) -> torch.Tensor:
-        """A captured round's path features rows [n, taps*hidden], a graph output that its next replay rewrites, in
-        memory of their own, queued now: the session's host rows of this ring slot (host_features), or a clone."""
+        """A round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites, or an
+        uncaptured round's) in memory of their own, queued now: the session's host rows of this ring slot
+        (host_features), or a clone."""
         return _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
 
 
