@@ -111,10 +111,11 @@ def serve(argv: list[str]) -> int:
     if argv[:1] == ["--profile-jobs"]:
         profile_to, argv = Path(argv[1]), argv[2:]
     profiler = cProfile.Profile()
-    call = service.EngineHost.call
+    answer, execute = service.EngineHost._answer, service.EngineHost.execute  # noqa: SLF001 - stamped here
 
-    async def stamped(self, rpc, context, job, forward=False):
-        arrived = time.perf_counter()
+    async def stamped_execute(self, rpc, job):
+        """The engine's job (a call's, or a Batch run's of several calls) with its start and end stamped into each
+        response it makes."""
         round_job = rpc in service.ROUND_RPCS
         profiled = profile_to is not None and round_job
 
@@ -131,9 +132,9 @@ def serve(argv: list[str]) -> int:
             try:
                 if traced:
                     with record_function(f"{rpc} job"):
-                        response = job(engine)
+                        outcome = job(engine)
                 else:
-                    response = job(engine)
+                    outcome = job(engine)
             finally:
                 if profiled:
                     profiler.disable()
@@ -141,18 +142,26 @@ def serve(argv: list[str]) -> int:
                     jobs += 1
                     if traced and jobs == TRACE_FIRST_JOB + TRACE_JOBS:
                         tracer.stop()
-            detail = response.timings.detail
-            detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, time.perf_counter()
-            for name, seconds in (stages or {}).items():
-                detail[f"{rpc}.stage.{name}"] = seconds
-            return response
+            ended = time.perf_counter()
+            for response in outcome if isinstance(outcome, list) else [outcome]:  # a Batch run: one per call
+                if hasattr(response, "timings"):  # not an exception
+                    detail = response.timings.detail
+                    detail[f"{rpc}.job_start"], detail[f"{rpc}.job_end"] = started, ended
+                    for name, seconds in (stages or {}).items():
+                        detail[f"{rpc}.stage.{name}"] = seconds
+            return outcome
 
-        response = await call(self, rpc, context, timed_job, forward)
+        return await execute(self, rpc, timed_job)
+
+    async def stamped_answer(self, rpc, context, forward, respond):
+        """A call from its arrival at the servicer to its answer's leaving, stamped into the response."""
+        arrived = time.perf_counter()
+        response = await answer(self, rpc, context, forward, respond)
         detail = response.timings.detail
         detail[f"{rpc}.arrived"], detail[f"{rpc}.answered"] = arrived, time.perf_counter()
         return response
 
-    service.EngineHost.call = stamped
+    service.EngineHost._answer, service.EngineHost.execute = stamped_answer, stamped_execute  # noqa: SLF001
     try:
         return main(argv)
     finally:

@@ -129,9 +129,9 @@ class BatchBlocks:
         """The trees of the last draft_batch's blocks, shapes[b] = block b's (budget, top_k), built as tree()
         builds a single draft's but in one graph, with one copy out of it (and with `host` on a GPU one to the host,
         in tree()'s first host buffer) for them all: per block, tree() took a launch and three copies. Each tree in
-        memory no later replay overwrites."""
+        memory no later replay overwrites. Its graph reads `batch`: one per number of blocks, in the key."""
         plans = [(budget, *self.layouts.get(budget, top_k)) for budget, top_k in shapes]  # (budget, k, layout)
-        key = ("batch-trees", tuple((budget, k) for budget, k, _ in plans))
+        key = ("batch-trees", batch.inputs.shape[1], tuple((budget, k) for budget, k, _ in plans))
         flat, packed_shapes = self.graphs.run(key, lambda: self._batch_trees(batch, plans))
         flat = flat.clone()  # [sum over blocks of 3 * (N_b + 1)]
         on_host = self._host_copy(flat, 0) if host else None

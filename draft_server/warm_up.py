@@ -91,18 +91,19 @@ def warm_up_batches(
     buckets = [keys for keys in key_buckets(static.rows) if engine.block_size <= keys <= last]
     sizes = sorted({min(1 << i, most) for i in range(1, (most - 1).bit_length() + 1)})  # 2, 4, ..., most
     # the sessions' slots are written as a draft writes its block's rows (no autograd history on them)
+    shapes = ((engine.block_size - 1, 1), *((b, None) for b in budgets))
     with _sessions(engine, most, 1) as sessions, torch.inference_mode():
         slots = [engine.session(s).slot for s in sessions]
-        batch = None
-        for size in sizes:
+        for smaller, size in zip([1, *sizes], sizes):
             for keys in buckets:
                 # blocks whose rows end at the bucket's last row; the slots' rows there are scratch (no session
                 # reads a row it has not written), so nothing is appended first
                 position = keys - engine.block_size
                 batch = static.draft_batch([BlockCall(slot, position, torch.zeros(0, engine.feature_dim), 0, position)
                                             for slot in slots[:size]])
-        shapes = ((engine.block_size - 1, 1), *((b, None) for b in budgets))
-        for count in range(2, most + 1) if batch is not None else ():  # by the blocks drafted, not the padded batch
-            for shape in shapes:
-                static.batch_trees(batch, [shape] * count)
+            # the trees of every number of blocks this batch holds once filled up (by the blocks drafted, not the
+            # padded batch), each graph over this batch's log-probs
+            for count in range(smaller + 1, size + 1):
+                for shape in shapes:
+                    static.batch_trees(batch, [shape] * count)
     return len(static.graphs) - graphs

@@ -294,26 +294,55 @@ def check_verify() -> None:
     print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens")
 
 
-class KeyRecorder:
-    """A GraphPool that records the keys it is asked to capture or replay and runs each step as a plain call."""
+class ReplayRecorder:
+    """A GraphPool for the CPU that records the keys it is asked to capture or replay and replays as a CUDA graph
+    does: a key's later runs re-run the step first captured under it (over the buffers that one read), into the
+    first run's outputs. So a caller whose inputs sit in other buffers than the captured step's gets the wrong
+    result here too, as on a GPU (the drafter's batch trees once shared one graph between batches of 4 and 8)."""
 
     enabled = True
 
     def __init__(self) -> None:
         self.seen: list[tuple] = []
+        self._steps: dict[tuple, tuple] = {}  # key -> (the captured step, its outputs)
 
     def __len__(self) -> int:
-        return len(set(self.seen))
+        return len(self._steps)
 
     def run(self, key: tuple, fn):  # noqa: ANN201 - GraphPool.run's contract
         self.seen.append(key)
-        return fn()
+        if key not in self._steps:
+            self._steps[key] = (fn, fn())
+            return self._steps[key][1]
+        step, outputs = self._steps[key]
+        _write_into(outputs, step())
+        return outputs
+
+    def drop(self, stale) -> int:  # noqa: ANN001 - GraphPool.drop's contract
+        keys = [key for key in self._steps if stale(key)]
+        for key in keys:
+            del self._steps[key]
+        return len(keys)
+
+
+def _write_into(outputs, replayed) -> None:  # noqa: ANN001 - a step's outputs: tensors, possibly nested
+    """A replay's results into the captured outputs (a captured graph's outputs are the same tensors every time)."""
+    if isinstance(outputs, torch.Tensor):
+        if outputs is not replayed:
+            outputs.copy_(replayed)
+    elif isinstance(outputs, (tuple, list)) and not isinstance(outputs, torch.Size):
+        for out, new in zip(outputs, replayed, strict=True):
+            _write_into(out, new)
+    elif isinstance(outputs, dict):
+        for name, out in outputs.items():
+            _write_into(out, replayed[name])
 
 
 def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and sampled, alone and up to five at once, at contexts within its
-    key buckets: none of their round steps has a shape the warm-up has not run."""
+    key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it captured
+    gives each round the tokens the same engine gives without graphs."""
     import random
     import tempfile
     from pathlib import Path
@@ -325,10 +354,12 @@ def check_warm_up() -> None:
     from verify_server.warm_up import _chain, capture_rounds
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = VerifyEngine.from_pretrained(make_target("qwen3", Path(tmp)), device=DEVICE)
-    engine.fused.static = True
-    engine.fused.decoder.attention = FLASH
-    engine.fused.graphs = recorder = KeyRecorder()
+        target = make_target("qwen3", Path(tmp))
+        engine, plain = (VerifyEngine.from_pretrained(target, device=DEVICE) for _ in range(2))
+    for e in (engine, plain):
+        e.fused.static = True
+        e.fused.decoder.attention = FLASH
+    engine.fused.graphs = recorder = ReplayRecorder()
     nodes, taps, most_keys = 7, [1, 3], 128
     for tapped in ([], taps):
         capture_rounds(engine, tapped, nodes, most_keys)
@@ -342,17 +373,22 @@ def check_warm_up() -> None:
             for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
                 sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
                 for name in sessions:
-                    engine.start_session(name, most_keys, params, tapped)
                     ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
+                    for e in (engine, plain):
+                        e.start_session(name, most_keys, params, tapped)
                     sessions[name] = engine.prefill(name, ids).tokens[-1]
+                    assert plain.prefill(name, ids).tokens[-1] == sessions[name]
                 for _ in range(3):
                     size = rng.choice([0, nodes])
                     together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
-                    steps = engine.verify_batch([(name, _chain(sessions[name], size)) for name in together])
+                    trees = [(name, _chain(sessions[name], size)) for name in together]
+                    steps = engine.verify_batch(trees)
+                    assert [step.tokens for step in steps] == [step.tokens for step in plain.verify_batch(trees)]
                     for name, step in zip(together, steps):
                         sessions[name] = step.tokens[-1]
                 for name in sessions:
-                    engine.end_session(name)
+                    for e in (engine, plain):
+                        e.end_session(name)
     met = {key for key in recorder.seen if "prefill" not in key}
     assert met and met <= warm, sorted(met - warm)
     for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
@@ -410,17 +446,18 @@ def check_draft_batch() -> None:
 def check_draft_warm_up() -> None:
     """The drafter's warm-up (draft_server/warm_up.py) captures a batch of blocks of every size that sessions'
     drafts then form (2 to 8 sessions, filled up to 2, 4 or 8 blocks) in every key bucket of their contexts: none
-    of their batches has a shape the warm-up has not run."""
+    of their batches has a shape the warm-up has not run, and replaying what it captured drafts each session's
+    tree as the eager engine drafts it alone."""
     import random
 
     from draft_server.batched_drafts import DraftCall
     from draft_server.warm_up import warm_up
     from tests.conftest import VOCAB
-    from tests.test_drafter_static import FEATURE_DIM, engines
+    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 
-    _, engine = engines(_flash_drafter(), device=DEVICE.type, max_sessions=8, max_context=200, max_batch=8)
+    eager, engine = engines(_flash_drafter(), device=DEVICE.type, max_sessions=8, max_context=200, max_batch=8)
     engine.static.flash = True
-    engine.static.graphs = recorder = KeyRecorder()
+    engine.static.graphs = recorder = ReplayRecorder()
     warm_up(engine, budgets=(4,))
     batches = ("block-batch", "batch-trees")
     warm = {key for key in recorder.seen if key[0] in batches}
@@ -433,6 +470,7 @@ def check_draft_warm_up() -> None:
         sessions = {f"{count}-{i}": 0 for i in range(count)}
         for name in sessions:
             engine.start_session(name, 200)
+            eager.start_session(name, 200)
         while max(sessions.values()) < 180:
             calls = []
             for name, length in sessions.items():
@@ -440,9 +478,12 @@ def check_draft_warm_up() -> None:
                 sessions[name] = min(length + m, 194)
                 m = sessions[name] - length
                 calls.append(DraftCall(name, torch.randn(m, FEATURE_DIM), rng.randrange(VOCAB), sessions[name], 4))
-            assert not any(isinstance(result, Exception) for result in engine.draft_batch(calls))
+            for call, result in zip(calls, engine.draft_batch(calls)):
+                assert not isinstance(result, Exception), result
+                assert_same_tree(result.tree, eager.draft(*call).tree)
         for name in sessions:
             engine.end_session(name)
+            eager.end_session(name)
     met = {key for key in recorder.seen if key[0] in batches}
     assert met and met <= warm, sorted(met - warm)
     print("draft_warm_up ok", len(met), "batch shapes met, all captured in warm-up")
