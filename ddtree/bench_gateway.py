@@ -35,9 +35,22 @@ def _request(url: str, body: dict | None = None) -> dict | str:
     return json.loads(raw) if reply.headers.get_content_type() == "application/json" else raw
 
 
-def served_model(url: str) -> str:
-    """The model name a gateway serves (its /v1/models)."""
-    return _request(f"{url}/v1/models")["data"][0]["id"]
+def served_model(url: str, wait_s: float = 900.0) -> str:
+    """The model name a gateway serves (its /v1/models), once its /health says "ok": the verifier serving and the
+    drafter too where one is configured. A gateway serves autoregressively while its drafter still warms up (a
+    minute or more after the verifier at 8B shapes), and a bench started then would time that as speculation.
+    Raises TimeoutError after wait_s seconds of anything else."""
+    deadline, status = time.monotonic() + wait_s, None
+    while True:
+        try:
+            status = _request(f"{url}/health")
+        except (OSError, ValueError) as exc:  # not listening yet, or 503 while loading
+            status = str(exc)
+        if isinstance(status, dict) and status.get("status") == "ok":
+            return _request(f"{url}/v1/models")["data"][0]["id"]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready for speculation after {wait_s:.0f} s: {status}")
+        time.sleep(1.0)
 
 
 def read_counters(url: str) -> dict[str, float]:

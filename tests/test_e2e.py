@@ -18,6 +18,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from ddtree.bench_gateway import served_model
 from tests.conftest import make_drafter
 from tests.gateway_support import chat_ids, events, local_backends, make_chat_target, metric, reference
 from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports,
@@ -300,6 +301,9 @@ def test_killed_drafter_mid_stream_completes_autoregressively(services, expected
     assert metric(gateway_metrics, "ddtree_fallbacks_total") == before + 1
     health = httpx.get(f"{services.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "degraded"
+    # the benches wait for speculation: autoregressive decoding is not timed as a speculating stack's
+    with pytest.raises(TimeoutError, match="degraded"):
+        served_model(services.url, wait_s=1.0)
 
 
 def test_serve_runs_three_services_and_stops_cleanly(models, tmp_path, expected) -> None:
