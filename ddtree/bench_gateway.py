@@ -40,7 +40,7 @@ def served_model(url: str, wait_s: float = 900.0) -> str:
     drafter too where one is configured. A gateway serves autoregressively while its drafter still warms up (a
     minute or more after the verifier at 8B shapes), and a bench started then would time that as speculation.
     Raises TimeoutError after wait_s seconds of anything else."""
-    deadline, status = time.monotonic() + wait_s, None
+    deadline, status, said = time.monotonic() + wait_s, None, False
     while True:
         try:
             status = _request(f"{url}/health")
@@ -48,6 +48,9 @@ def served_model(url: str, wait_s: float = 900.0) -> str:
             status = str(exc)
         if isinstance(status, dict) and status.get("status") == "ok":
             return _request(f"{url}/v1/models")["data"][0]["id"]
+        if not said:  # once: a wait of minutes says what it waits for
+            print(f"[bench] waiting for {url} to speculate ({status}), up to {wait_s:.0f} s", flush=True)
+            said = True
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} not ready for speculation after {wait_s:.0f} s: {status}")
         time.sleep(1.0)
