@@ -19,7 +19,8 @@ from draft_server.draft_batch import BlockCall
 from draft_server.drafter import DraftEngine
 
 log = logging.getLogger("draft_server")
-WARM_UP_ROWS = (1, 16, 100, 3)  # new features per warm-up draft: one, a round's, a prompt's; key buckets 64 then 128
+# new features per warm-up draft: one, a round's, a prompt's; with blocks of 16, key buckets 64 then 192
+WARM_UP_ROWS = (1, 16, 100, 3)
 WARM_UP_KEYS = 1024  # the key buckets whose batch graphs the warm-up captures: contexts of up to ~1k tokens
 
 
