@@ -1,5 +1,6 @@
 """The drafter's warm-up: the drafts requests will bring, run once before the service says SERVING, so that no
-request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of a batch of blocks.
+request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of a lone draft's
+graphs in the first slot or of a batch of blocks.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
     each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
     on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
-    positions keeps those that fit. Then, with batches of blocks on, those batches (warm_up_batches)."""
+    positions keeps those that fit. Then, where graphs run, every lone draft's graph of the first slot
+    (warm_up_slot), and with batches of blocks on, those batches (warm_up_batches)."""
     start = time.perf_counter()
     room = engine.static.max_context if engine.static is not None else None
     fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
@@ -55,9 +57,40 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
             engine.draft(session_id, torch.zeros(m, engine.feature_dim), 0, length, budget=engine.block_size - 1)
         for budget, top_k in ((engine.block_size - 1, 1), *((b, None) for b in budgets)):  # re-drafts, no new rows
             engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
-    captured = warm_up_batches(engine, rows, budgets)
-    log.info("warm-up drafts done in %.3f s%s", time.perf_counter() - start,
-             f" ({captured} batch graphs captured)" if captured else "")
+    captured = warm_up_slot(engine)
+    batched = warm_up_batches(engine, rows, budgets)
+    log.info("warm-up drafts done in %.3f s%s%s", time.perf_counter() - start,
+             f" ({captured} graphs of the first slot captured)" if captured else "",
+             f" ({batched} batch graphs captured)" if batched else "")
+
+
+def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
+    """Where graphs run, a lone draft's graphs are captured per slot (its append per size bucket, its block per key
+    bucket) on their first use, and a capture costs ~40 drafts (bench/first_drafts.py). This captures them for
+    the slot the next session takes (the lowest free one, which every session gets while it runs alone): a block
+    in every key bucket up to `most_keys` rows, an append of every size. Other slots still capture theirs as
+    sessions first use them. -> the graphs captured."""
+    static = engine.static
+    if static is None or not static.graphs.enabled:
+        return 0
+    graphs, block, room = len(static.graphs), engine.block_size, static.max_context
+    last = key_bucket(min(most_keys, room), static.rows)
+    with _sessions(engine, 1, room) as (session_id,):  # blocks whose rows end at each bucket's last row
+        length = 0
+        for keys in key_buckets(static.rows):
+            position = keys - block
+            if keys > last or position + block > room:
+                break
+            if position > length:
+                engine.draft(session_id, torch.zeros(position - length, engine.feature_dim), 0, position, block - 1)
+                length = position
+    with _sessions(engine, 1, room) as (session_id,):  # appends of 1, 2, 4, ... rows, as many as fit
+        length, size = 0, 1
+        while size <= static.max_append and length + size + block <= room:
+            length += size
+            engine.draft(session_id, torch.zeros(size, engine.feature_dim), 0, length, block - 1)
+            size *= 2
+    return len(static.graphs) - graphs
 
 
 def warm_up_batches(

@@ -17,7 +17,9 @@ from ddtree.types import DraftTree, SamplingParams
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.warm_up import warm_up as warm_up_drafter
-from tests.test_drafter_static import FEATURE_DIM, engines
+from tests.conftest import VOCAB
+from tests.graph_replay import ReplayRecorder
+from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 from tests.test_verify import make_engine
 from verify_server import fused
 from verify_server.fused import unfused_linear
@@ -152,6 +154,31 @@ def test_drafter_warm_up_compiles_every_step_shape(drafter_dir: Path) -> None:
         engine.draft("s", features, 1, length + new, budget=budget, top_k=top_k)
         length += new
     assert compiled_graphs() == before
+
+
+def test_drafter_warm_up_captures_the_first_slots_lone_drafts(drafter_dir: Path) -> None:
+    """Where graphs run (here their replay rule on the CPU), a session that runs alone after the warm-up takes the
+    slot the warm-up drafted in, and from a prompt to ~1k rows of context, a round's features at a time, its drafts
+    replay graphs the warm-up captured (none is captured while it waits) and draft the eager drafter's trees."""
+    eager, engine = engines(load_drafter(drafter_dir), max_sessions=2, max_context=1100)
+    engine.static.graphs = recorder = ReplayRecorder()
+    warm_up_drafter(engine, budgets=(5,))
+    warm = set(recorder.seen)
+    recorder.seen.clear()
+    rng = random.Random(6)
+    for e in (eager, engine):
+        e.start_session("s", 1100)
+    assert engine.session("s").slot == 0
+    length = 0
+    while length < 1000:
+        new = rng.randint(20, 300) if length == 0 else rng.randint(1, engine.block_size)
+        length += new
+        budget, top_k = rng.choice([(engine.block_size - 1, 1), (engine.block_size - 1, None), (5, None)])
+        call = ("s", torch.randn(new, FEATURE_DIM), rng.randrange(VOCAB), length, budget, top_k)
+        assert_same_tree(engine.draft(*call).tree, eager.draft(*call).tree)
+    met = set(recorder.seen)
+    assert met <= warm, sorted(met - warm, key=str)
+    assert len({key for key in met if key[0] == "block"}) >= 5  # the context went through key buckets up to 1024
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a batch of blocks is compiled where the flash kernel runs")
