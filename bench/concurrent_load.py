@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.bench_gateway import served_model
+from ddtree.bench_gateway import read_counters, served_model
+from gateway.metrics import PHASES
 
 WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
          "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
@@ -44,18 +45,6 @@ def batch_counters(url: str | None, histogram: str) -> tuple[float, float]:
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
               if s.name in (f"{histogram}_sum", f"{histogram}_count")}
     return values.get(f"{histogram}_sum", 0.0), values.get(f"{histogram}_count", 0.0)
-
-
-def phase_sums(url: str) -> dict[str, tuple[float, float]]:
-    """The gateway's ddtree_round_phase_seconds so far: phase -> (seconds, rounds)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    sums: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ("ddtree_round_phase_seconds_sum", "ddtree_round_phase_seconds_count"):
-                sums.setdefault(sample.labels["phase"], [0.0, 0.0])[sample.name.endswith("_count")] = sample.value
-    return {phase: (total, count) for phase, (total, count) in sums.items()}
 
 
 async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[str], args: argparse.Namespace,
@@ -81,13 +70,13 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
     latencies: list[float] = []
     histograms = ("ddtree_verify_batch_size", "ddtree_draft_batch_size")
     before = [batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)]
-    phases_before = phase_sums(url)
+    counters_before = read_counters(url)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as http:
         start = time.perf_counter()
         tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
         wall = time.perf_counter() - start
-    phases = {phase: (total - phases_before.get(phase, (0.0, 0.0))[0], count - phases_before.get(phase, (0.0, 0.0))[1])
-              for phase, (total, count) in phase_sums(url).items()}  # this level's rounds only
+    counters = read_counters(url)
+    level = {name: value - counters_before.get(name, 0.0) for name, value in counters.items()}  # this level's only
     (calls, forwards), (drafts, blocks) = (
         (after[0] - was[0], after[1] - was[1])
         for after, was in zip((batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)), before)
@@ -96,8 +85,8 @@ async def load(url: str, metrics: tuple[str | None, str | None], model: str, cli
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
             "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
             "mean_draft_batch": drafts / blocks if blocks else None,
-            "round_phase_ms": {phase: round(total / count * 1000, 3)
-                               for phase, (total, count) in phases.items() if count},
+            "round_phase_ms": {phase: round(level[f"phase[{phase}]"] / level[f"rounds[{phase}]"] * 1000, 3)
+                               for phase in PHASES if level.get(f"rounds[{phase}]")},
             "latencies_s": latencies}
 
 

@@ -57,7 +57,8 @@ def served_model(url: str, wait_s: float = 900.0) -> str:
 
 
 def read_counters(url: str) -> dict[str, float]:
-    """The speculation counters and per-phase sums, flattened to name[label] -> value."""
+    """The speculation counters, and per phase its seconds (phase[...]) and the rounds that spent them
+    (rounds[...]), flattened to name -> value."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(_request(f"{url}/metrics")):
         for s in family.samples:
@@ -65,6 +66,8 @@ def read_counters(url: str) -> dict[str, float]:
                 values[s.name] = s.value
             elif s.name == "ddtree_round_phase_seconds_sum":
                 values[f"phase[{s.labels['phase']}]"] = s.value
+            elif s.name == "ddtree_round_phase_seconds_count":
+                values[f"rounds[{s.labels['phase']}]"] = s.value
     return values
 
 

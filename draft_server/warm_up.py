@@ -74,13 +74,10 @@ def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
     if static is None or not static.graphs.enabled:
         return 0
     graphs, block, room = len(static.graphs), engine.block_size, static.max_context
-    last = key_bucket(min(most_keys, room), static.rows)
     with _sessions(engine, 1, room) as (session_id,):  # blocks whose rows end at each bucket's last row
         length = 0
-        for keys in key_buckets(static.rows):
+        for keys in (keys for keys in _warm_buckets(engine, most_keys) if keys <= room):
             position = keys - block
-            if keys > last or position + block > room:
-                break
             if position > length:
                 engine.draft(session_id, torch.zeros(position - length, engine.feature_dim), 0, position, block - 1)
                 length = position
@@ -91,6 +88,14 @@ def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
             engine.draft(session_id, torch.zeros(size, engine.feature_dim), 0, length, block - 1)
             size *= 2
     return len(static.graphs) - graphs
+
+
+def _warm_buckets(engine: DraftEngine, most_keys: int) -> list[int]:
+    """The key buckets of contexts up to `most_keys` rows and the context limit, each at least a block (the last may
+    end past the limit, at most at the slot's last row)."""
+    static = engine.static
+    last = key_bucket(min(most_keys, static.max_context), static.rows)
+    return [keys for keys in key_buckets(static.rows) if engine.block_size <= keys <= last]
 
 
 def warm_up_batches(
@@ -119,10 +124,7 @@ def warm_up_batches(
     if not static.graphs.enabled:
         return 0
     graphs = len(static.graphs)
-    limit = min(most_keys, static.max_context)
-    # the buckets of contexts up to the limit (their rows end at most at the slot's last row)
-    last = key_bucket(limit, static.rows)
-    buckets = [keys for keys in key_buckets(static.rows) if engine.block_size <= keys <= last]
+    buckets = _warm_buckets(engine, most_keys)
     sizes = sorted({min(1 << i, most) for i in range(1, (most - 1).bit_length() + 1)})  # 2, 4, ..., most
     # the sessions' slots are written as a draft writes its block's rows (no autograd history on them)
     shapes = ((engine.block_size - 1, 1), *((b, None) for b in budgets))

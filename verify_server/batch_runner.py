@@ -1,10 +1,9 @@
 """FusedRunner's batched steps: several sessions' trees in one forward (verify_server/batch.py), uncaptured, or
 captured per (trees, query bucket, key bucket) whatever slots the trees' sessions hold: a greedy batch with its
 walks and compactions in the graph (batch_round), a sampled one up to its last hidden states, the logits after
-(batch_scores). A lone round is a
-batch of one (FusedRunner.greedy_round, tree_forward), so its graphs too are shared by every slot. BatchSteps uses
-the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`, `num_kv_layers`, `_new_cache`, `_slot_key`,
-`_unpack` and `_accept`.
+(batch_scores). A lone round is a batch of one (FusedRunner.greedy_round, tree_forward), so its graphs too are
+shared by every slot. BatchSteps uses the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`,
+`num_kv_layers`, `_new_cache`, `_slot_key`, `_unpack` and `_accept`.
 """
 
 from __future__ import annotations
