@@ -5,8 +5,9 @@ kernels therefore take each slot's K and V base addresses, and its head stride, 
 (the pattern of Triton's grouped GEMM): one launch (plus the merge) writes every tree's new K/V into its slot and
 attends every tree's rows over its own keys, with the same flash-decoding body as ddtree/flash_tree.py. The trees'
 rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
-and it sees nothing past them. A CUDA-only fast path, as flash_tree's: CPU
-runs take verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
+and it sees nothing past them. write_slot_rows writes rows into a slot found the same way, for graphs that serve
+every slot (the drafter's context appends). A CUDA-only fast path, as flash_tree's: CPU runs take
+verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
 """
 
 from __future__ import annotations
@@ -78,6 +79,29 @@ if triton is not None:
                                      BLOCK_N, IEEE, True)
         _store_partial(O, Lse, acc, l_i, m_i, split, offset + token, head, dims, row_ok, stride_os, stride_oq,
                        stride_oh, stride_ls, stride_lq)
+
+
+    @triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["Table", "Slot", "Start"])
+    def _write_rows_kernel(
+        K, V, Table, Slot, Start, rows, width, layers, kv_heads, stride_kl, stride_kh, stride_kr, stride_vl,
+        stride_vh, stride_vr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Rows tile of one (layer, K/V head): K / V [layers, kv_heads, rows, D] into the slot whose addresses are
+        row Slot of Table, at slot rows Start, Start + 1, ..."""
+        pid, tile = tl.program_id(0), tl.program_id(1)
+        layer, kvh = pid // kv_heads, pid % kv_heads
+        addresses = Table + tl.load(Slot) * width
+        K_slot = tl.multiple_of(tl.load(addresses + layer).to(tl.pointer_type(K.dtype.element_ty)), 16)
+        V_slot = tl.multiple_of(tl.load(addresses + layers + layer).to(tl.pointer_type(V.dtype.element_ty)), 16)
+        stride_h = tl.multiple_of(tl.load(addresses + 2 * layers), 16)
+        new = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+        dims = tl.arange(0, D)
+        ok = new[:, None] < rows
+        dst = kvh * stride_h + (tl.load(Start) + new)[:, None] * D + dims[None, :]
+        k = tl.load(K + layer * stride_kl + kvh * stride_kh + new[:, None] * stride_kr + dims[None, :], mask=ok)
+        v = tl.load(V + layer * stride_vl + kvh * stride_vh + new[:, None] * stride_vr + dims[None, :], mask=ok)
+        tl.store(K_slot + dst, k, mask=ok)
+        tl.store(V_slot + dst, v, mask=ok)
 
 
 def batch_plan(max_q: int, heads: int, kv_heads: int, max_keys: int, head_dim: int, trees: int) -> Plan:
@@ -156,3 +180,19 @@ def _(
     max_q: int, max_keys: int, scale: float,
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def write_slot_rows(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
+    """k, v [layers, kv_heads, rows, d] (unit stride in d) into rows start[0], start[0] + 1, ... of every layer of the
+    slot whose addresses are row slot[0] of table [slots, 2 * layers + 1] (each layer's keys' address, each
+    layer's values', then the head stride: a column of batch_tree_attention's tables), all on the device. One
+    launch. Not an op: called outside compiled code (an op with no output would be pruned), so a captured graph
+    holds it and a replay writes whichever slot the table's row names then."""
+    layers, kv_heads, rows, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("write_slot_rows takes rows of unit stride")
+    block = 16
+    _write_rows_kernel[(layers * kv_heads, triton.cdiv(rows, block))](
+        k, v, table, slot, start, rows, table.shape[1], layers, kv_heads, k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), D=d, BLOCK_N=block,
+    )

@@ -52,7 +52,7 @@ class BlockBatch:
     """
 
     data: torch.Tensor
-    staging: torch.Tensor  # `data` on the host (pinned on a GPU)
+    staging: torch.Tensor | None  # `data` on the host (pinned on a GPU); None for a lone block's (lone())
     inputs: torch.Tensor
     slots: torch.Tensor
     anc: torch.Tensor
@@ -74,6 +74,16 @@ class BlockBatch:
             torch.zeros(blocks, block_size - 1, vocab, device=device),
             torch.cuda.Event() if device.type == "cuda" else None, [], [],
         )
+
+    @classmethod
+    def lone(cls, inputs: torch.Tensor, logprobs: torch.Tensor, layers: int) -> BlockBatch:
+        """A single draft's block as a batch of one (StaticDrafter.by_address), over buffers of the single draft's:
+        inputs [2, 1] its position and root (in its uploaded header), logprobs [1, B-1, vocab] (the tree's input).
+        Its graph fills `slots` from the slot's row of the address table; write() is not for it."""
+        block_size, device = logprobs.shape[1] + 1, logprobs.device
+        slots = torch.zeros(2 * layers + 1, 1, dtype=torch.long, device=device)
+        return cls(slots, None, inputs, slots, torch.ones(1, block_size, block_size, dtype=torch.bool, device=device),
+                   torch.tensor([[block_size], [0]], device=device), logprobs, None, [], [])
 
     def write(self, blocks: list[tuple[int, int, int]], columns: list[np.ndarray]) -> None:
         """blocks: (slot, position, root) each; columns: each slot's addresses (a column of `slots`)."""

@@ -3,8 +3,10 @@
 Eagerly, a Qwen3-8B-shaped drafter block costs ~4.75 ms against ~0.5 ms of weight streaming: it is launch bound,
 and its shapes change every round (the context grows by the m tokens the verifier accepted), so it cannot be
 captured as it stands. Here nothing a step reads changes shape or address between rounds:
-- each session holds one slot of a fixed pool of context caches, kept for the engine's life, and the append and
-  block graphs are captured per slot (and per append bucket / key bucket);
+- each session holds one slot of a fixed pool of context caches, kept for the engine's life. Where the flash
+  kernels run (`by_address`), the append and block graphs find the slot by its address in a table on the device,
+  indexed by the slot number the draft uploads: one graph per append bucket / key bucket serves every slot, and
+  the warm-up captures them all before the first request. Elsewhere they are captured per slot on first use;
 - new features are padded to a power-of-two bucket and their K/V written at rows `start + i` (a device tensor),
   so the padding lands past the committed length, where the next append overwrites it;
 - the block writes its own K/V into the slot's uncommitted rows [p, p+B) instead of concatenating them to the
@@ -21,13 +23,13 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
-from ddtree.flash_batch import compile_batch_plans
+from ddtree.flash_batch import compile_batch_plans, write_slot_rows
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
 from draft_server.block import block_layer
 from draft_server.dflash import DFlashDrafter
-from draft_server.draft_batch import BatchBlocks
+from draft_server.draft_batch import BatchBlocks, BlockBatch
 from draft_server.draft_inputs import DraftInputs
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
@@ -86,14 +88,15 @@ class StaticDrafter(BatchBlocks):
         # slot (caches are inputs); keys turns symbolic on change.
         self._block_step = torch.compile(self._block_body, fullgraph=True) if compile else self._block_body
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
+        self._stacked_kv_step = torch.compile(self._stacked_kv, fullgraph=True) if compile else self._stacked_kv
         # flash-decoding for the block's attention where it runs; sliding layers keep the bias (grouped SDPA)
         self.flash = flash_supported(self.device, cfg.head_dim) and not cfg.has_sliding_layers
         if self.flash and self.graphs.enabled:  # Triton compiles each of its configurations now, not in a round
             shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             compile_plans(*shape, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
-            blocks = [1 << i for i in range(1, (min(max_batch, max_sessions) - 1).bit_length() + 1)]
-            if blocks:  # batches of 2, 4, ... blocks (a batch is filled up to a power of two)
-                compile_batch_plans(*shape, blocks, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
+            # a lone block (by_address), and batches of 2, 4, ... blocks (a batch is filled up to a power of two)
+            blocks = [1 << i for i in range((min(max_batch, max_sessions) - 1).bit_length() + 1)]
+            compile_batch_plans(*shape, blocks, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
         # the block's projections through the fused rows kernel on small drafters, as the verifier's trees: a
         # batch's blocks too while they fit (block_rows rows at most)
         fused = gemv_supported(self.device) and not cfg.attention_bias
@@ -108,11 +111,21 @@ class StaticDrafter(BatchBlocks):
         # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
         self._logprobs = torch.zeros(cfg.block_size - 1, head.vocab_size, device=self.device)
         # What the graphs read of a draft, in one byte buffer so that a draft's inputs from the host go up in one
-        # copy: a header of int64 [start, p, root, MASK * (B-1)], then the new features' rows (see DraftInputs)
+        # copy: a header of int64 [slot, start, p, root, MASK * (B-1)], then the new features' rows (see DraftInputs)
         layout = (cfg.block_size, cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype, cfg.mask_token_id)
         self._inputs = DraftInputs(*layout, self.device)
         self._start, self._pos = self._inputs.start, self._inputs.position  # [1] each: an append's first row, p
         self._ids, self._features = self._inputs.ids, self._inputs.features  # [1, B] root + MASKs; [P, taps*hidden]
+        self._header_slot: int | None = None  # the slot the device header holds, where the host knows it
+        # by_address: every slot's addresses [max_sessions, 2 * layers + 1] (each layer's K, each layer's V, the
+        # head stride: a column of a batch's table), each row written once, the first time its slot drafts, from
+        # pinned memory that is never rewritten; and a lone block as a batch of one over the header's position and
+        # root, its table row gathered by the header's slot in the graph, its log-probs into _logprobs
+        table = (max_sessions, 2 * cfg.num_hidden_layers + 1)
+        self._addresses = torch.zeros(table, dtype=torch.long, device=self.device)
+        self._addresses_host = torch.zeros(table, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._addressed: set[int] = set()
+        self._lone = BlockBatch.lone(self._inputs.block, self._logprobs[None], cfg.num_hidden_layers)
         # the host's inputs go up through pinned memory on a GPU (a pageable copy would sync the stream): one
         # staging buffer, and the event of its last copy, per draft of a batch (made on first use), so that a batch's
         # appends are queued without waiting for each other's copies
@@ -126,6 +139,13 @@ class StaticDrafter(BatchBlocks):
     def slot_bytes(self) -> int:
         return 2 * self.config.num_hidden_layers * torch.Size(self.slot_shape).numel() * self.dtype.itemsize
 
+    @property
+    def by_address(self) -> bool:
+        """Whether a single draft's graphs find its slot by address (its block through the batch kernel, as a batch
+        of one; its append through write_slot_rows), so that one graph per shape serves every slot: where graphs
+        run over the flash kernels. Elsewhere a slot's graphs have its tensors baked in."""
+        return self.flash and self.graphs.enabled
+
     # ---- context ------------------------------------------------------------------------------------------------
 
     def append(self, slot: int, start: int, features: torch.Tensor, index: int = 0) -> None:
@@ -134,7 +154,7 @@ class StaticDrafter(BatchBlocks):
         index: the staging buffer (a batch's draft)."""
         for begin in range(0, features.shape[0], self.max_append):
             chunk = features[begin : begin + self.max_append]
-            self._upload(start + begin, chunk, index=index)
+            self._upload(slot, start + begin, chunk, index=index)
             self._replay_append(slot, chunk.shape[0])
 
     def draft(self, slot: int, start: int, features: torch.Tensor, root: int, position: int) -> None:
@@ -144,25 +164,32 @@ class StaticDrafter(BatchBlocks):
         last = max(0, features.shape[0] - 1) // self.max_append * self.max_append  # the last chunk's first row
         self.append(slot, start, features[:last])
         chunk = features[last:]
-        self._upload(start + last, chunk, root, position)
+        self._upload(slot, start + last, chunk, root, position)
         if chunk.shape[0]:
             self._replay_append(slot, chunk.shape[0])
-        keys = key_bucket(position + self.config.block_size, self.rows)
-        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+        self._replay_block(slot, key_bucket(position + self.config.block_size, self.rows))
 
     def _replay_append(self, slot: int, m: int) -> None:
+        """The append of the m uploaded rows, padded to their bucket: features [mb, taps*hidden] -> their K/V at
+        rows _start + [0, mb). Rows past the real m get the K/V of stale (finite) padding features: past the new
+        length, so masked until the next append overwrites them."""
         mb = append_bucket(m)
-        self.graphs.run(("append", slot, mb), lambda: self._append(slot, self._features[:mb]))
+        if self.by_address:
+            self.graphs.run(("append", mb), lambda: self._append_by_address(self._features[:mb]))
+        else:
+            self.graphs.run(("append", slot, mb), lambda: self._append_step(self._features[:mb], *self.slots[slot]))
 
     def _upload(
-        self, start: int, features: torch.Tensor, root: int | None = None, position: int | None = None, index: int = 0
+        self, slot: int, start: int, features: torch.Tensor, root: int | None = None, position: int | None = None,
+        index: int = 0,
     ) -> None:
-        """Writes an append's first row and its features (and a block's root and position, when given) into the
-        inputs: on a GPU, with host features, in one copy through the pinned staging buffer `index`. Features
-        already on the device (a chained round's, in-process) are written in place, scalars as fills: waiting for
-        the staging buffer could hold the host behind the rounds in flight."""
+        """Writes the slot, an append's first row and its features (and a block's root and position, when given)
+        into the inputs: on a GPU, with host features, in one copy through the pinned staging buffer `index`.
+        Features already on the device (a chained round's, in-process) are written in place, scalars as fills (the
+        slot only when the header holds another): waiting for the staging buffer could hold the host behind the
+        rounds in flight."""
         if self.device.type != "cuda" or features.device.type != "cpu":
-            self._inputs.write(start, features, root, position)
+            self._inputs.write(self._point_at(slot), start, features, root, position)
             return
         while len(self._stagings) <= index:
             self._stagings.append((DraftInputs(*self._layout, torch.device("cpu"), pin=True), torch.cuda.Event()))
@@ -170,21 +197,44 @@ class StaticDrafter(BatchBlocks):
         # the previous upload has left the staging buffer: long done, as every draft from the host is read before
         # the next one
         uploaded.synchronize()
-        staging.write(start, features, root, position)
+        self._point_at(slot)
+        staging.write(slot, start, features, root, position)
         self._inputs.upload(staging, features.shape[0])
         uploaded.record()
 
-    def _append(self, slot: int, features: torch.Tensor) -> None:
-        """features [n, taps*hidden] -> K/V at rows _start + [0, n). Rows past the real m get the K/V of stale
-        (finite) padding features: past the new length, so masked until the next append overwrites them."""
-        self._append_step(features, *self.slots[slot])
+    def _point_at(self, slot: int) -> int | None:
+        """The header is to hold `slot` -> the slot to write into it, None where it holds it already. By address,
+        the slot's row of the address table is written the first time the slot drafts (slots outlive sessions; its
+        pinned source is never rewritten, so the copy is queued)."""
+        if self.by_address and slot not in self._addressed:
+            self._addresses_host[slot] = torch.from_numpy(self._column(slot))
+            self._addresses[slot].copy_(self._addresses_host[slot], non_blocking=True)
+            self._addressed.add(slot)
+        if slot == self._header_slot:
+            return None
+        self._header_slot = slot
+        return slot
 
     def _append_body(self, features: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         rows = self._start + self._arange[: features.shape[0]]  # [n]
-        new_kv = self.drafter.context_kv(features[None], rows[None])
-        for (k, v), k_cache, v_cache in zip(new_kv, k_caches, v_caches):
+        for (k, v), k_cache, v_cache in zip(self._new_kv(features), k_caches, v_caches):
             k_cache.index_copy_(2, rows, k)
             v_cache.index_copy_(2, rows, v)
+
+    def _new_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features [n, taps*hidden] -> per layer (k, v) [1, kv_heads, n, head_dim] at rows _start + [0, n)."""
+        rows = self._start + self._arange[: features.shape[0]]  # [n]
+        return self.drafter.context_kv(features[None], rows[None])
+
+    def _stacked_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_new_kv's K and V, each [layers, kv_heads, n, head_dim] (compiled, the stack costs no copy of its own)."""
+        new_kv = self._new_kv(features)
+        return torch.stack([k[0] for k, _ in new_kv]), torch.stack([v[0] for _, v in new_kv])
+
+    def _append_by_address(self, features: torch.Tensor) -> None:
+        """_replay_append's step by address: one launch writes every layer's rows into the slot named by the
+        header, through its row of the address table."""
+        write_slot_rows(*self._stacked_kv_step(features), self._addresses, self._inputs.slot, self._start)
 
     # ---- block --------------------------------------------------------------------------------------------------
 
@@ -193,8 +243,22 @@ class StaticDrafter(BatchBlocks):
         verify round's outcome not yet known on the host; `bound` >= that position sizes the key bucket."""
         self._pos.copy_(cursor[:1])
         self._ids[0, :1].copy_(cursor[1:])
-        keys = key_bucket(bound + self.config.block_size, self.rows)
-        self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+        if (point := self._point_at(slot)) is not None:
+            self._inputs.slot.fill_(point)
+        self._replay_block(slot, key_bucket(bound + self.config.block_size, self.rows))
+
+    def _replay_block(self, slot: int, keys: int) -> None:
+        """The block at _pos, attending over the slot's rows [0, keys) -> _logprobs: by address as a batch of one,
+        its table row gathered in the graph by the header's slot; else the single block's step over the slot."""
+        if self.by_address:
+            self.graphs.run(("block", keys), lambda: self._lone_block(keys))
+        else:
+            self.graphs.run(("block", slot, keys), lambda: self._block(slot, keys))
+
+    def _lone_block(self, keys: int) -> None:
+        # the slot's addresses as a batch of one's table [2 * layers + 1, 1]: one gather, into it
+        torch.index_select(self._addresses, 0, self._inputs.slot, out=self._lone.slots.view(1, -1))
+        self._batch_block_step(self._lone, keys)
 
     def tree(
         self, budget: int, top_k: int | None, host: bool = False, index: int = 0
@@ -225,7 +289,7 @@ class StaticDrafter(BatchBlocks):
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
     def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:
         """-> a copy of the [B-1, vocab] fp32 log-probs, uncaptured: the block `draft` replays, for inspection."""
-        self._upload(position, self._features[:0], root, position)
+        self._upload(slot, position, self._features[:0], root, position)
         self._block(slot, key_bucket(position + self.config.block_size, self.rows))
         return self._logprobs.clone()
 

@@ -1,6 +1,6 @@
 """The drafter's warm-up: the drafts requests will bring, run once before the service says SERVING, so that no
-request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of a lone draft's
-graphs in the first slot or of a batch of blocks.
+request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of a single draft's
+graphs (in every slot where they find the slot by address, else in the first) or of a batch of blocks.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
     each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
     on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
-    positions keeps those that fit. Then, where graphs run, every lone draft's graph of the first slot
-    (warm_up_slot), and with batches of blocks on, those batches (warm_up_batches)."""
+    positions keeps those that fit. Then, where graphs run, every single draft's graph (warm_up_slot), and with
+    batches of blocks on, those batches (warm_up_batches)."""
     start = time.perf_counter()
     room = engine.static.max_context if engine.static is not None else None
     fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
@@ -60,25 +60,26 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     captured = warm_up_slot(engine)
     batched = warm_up_batches(engine, rows, budgets)
     log.info("warm-up drafts done in %.3f s%s%s", time.perf_counter() - start,
-             f" ({captured} graphs of the first slot captured)" if captured else "",
+             f" ({captured} single draft graphs captured)" if captured else "",
              f" ({batched} batch graphs captured)" if batched else "")
 
 
 def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
-    """Where graphs run, a lone draft's graphs are captured per slot (its append per size bucket, its block per key
-    bucket) on their first use, and a capture costs ~40 drafts (bench/first_drafts.py). This captures them for
-    the slot the next session takes (the lowest free one, which every session gets while it runs alone): a block
-    in every key bucket up to `most_keys` rows, an append of every size. Other slots still capture theirs as
-    sessions first use them. -> the graphs captured."""
+    """Where graphs run, a single draft's graphs (its append per size bucket, its block per key bucket) are captured
+    on their first use, and a capture costs ~40 drafts (bench/first_drafts.py). This captures them in the slot the
+    next session takes (the lowest free one): a block in every key bucket up to `most_keys` rows, an append of
+    every size. Where they find their slot by address (StaticDrafter.by_address: a GPU with the flash kernels),
+    they serve every slot; elsewhere the first slot's, which every session running alone gets, and other slots
+    capture theirs as sessions first use them. -> the graphs captured."""
     static = engine.static
     if static is None or not static.graphs.enabled:
         return 0
     graphs, block, room = len(static.graphs), engine.block_size, static.max_context
-    with _sessions(engine, 1, room) as (session_id,):  # blocks whose rows end at each bucket's last row
-        length = 0
-        for keys in (keys for keys in _warm_buckets(engine, most_keys) if keys <= room):
-            position = keys - block
-            if position > length:
+    with _sessions(engine, 1, room) as (session_id,):  # blocks whose rows end at each bucket's last row, or as
+        length = 0  # near it as the context reaches
+        for keys in _warm_buckets(engine, most_keys):
+            position = min(keys - block, room - 1)
+            if position >= length and key_bucket(position + block, static.rows) == keys:
                 engine.draft(session_id, torch.zeros(position - length, engine.feature_dim), 0, position, block - 1)
                 length = position
     with _sessions(engine, 1, room) as (session_id,):  # appends of 1, 2, 4, ... rows, as many as fit
@@ -91,10 +92,10 @@ def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
 
 
 def _warm_buckets(engine: DraftEngine, most_keys: int) -> list[int]:
-    """The key buckets of contexts up to `most_keys` rows and the context limit, each at least a block (the last may
-    end past the limit, at most at the slot's last row)."""
+    """The key buckets of blocks whose rows end within `most_keys` rows, each at least a block: up to the block of
+    the last position a context can reach (its rows end past the context limit, within the slot's rows)."""
     static = engine.static
-    last = key_bucket(min(most_keys, static.max_context), static.rows)
+    last = key_bucket(min(most_keys, static.max_context - 1 + engine.block_size), static.rows)
     return [keys for keys in key_buckets(static.rows) if engine.block_size <= keys <= last]
 
 

@@ -279,10 +279,11 @@ def test_draft_inputs_share_one_buffer() -> None:
     assert target.features.data_ptr() - target.buffer.data_ptr() == host.head_bytes
     assert host.head_bytes % HEADER_ALIGN == 0 and target.features.shape == (rows, width)
     features = torch.randn(2, width)
-    host.write(7, features, root=5, position=9)
-    assert (int(host.start), int(host.position), host.ids[0, 0].item()) == (7, 9, 5)
+    host.write(3, 7, features, root=5, position=9)
+    assert (int(host.slot), int(host.start), int(host.position), host.ids[0, 0].item()) == (3, 7, 9, 5)
     target.upload(host, rows=2)  # the header and the two rows written: nothing beyond
-    assert (int(target.start), int(target.position), target.ids.tolist()[0]) == (7, 9, [5] + [mask] * (block - 1))
+    assert (int(target.slot), int(target.start), int(target.position)) == (3, 7, 9)
+    assert target.ids.tolist()[0] == [5] + [mask] * (block - 1)
     assert torch.equal(target.features[:2], features.to(torch.bfloat16)) and not target.features[2:].any()
-    host.write(11, features[:0])  # an append alone: the block's scalars stay
-    assert (int(host.start), int(host.position), host.ids[0, 0].item()) == (11, 9, 5)
+    host.write(None, 11, features[:0])  # an append alone, the slot as it was: the block's scalars stay
+    assert (int(host.slot), int(host.start), int(host.position), host.ids[0, 0].item()) == (3, 11, 9, 5)

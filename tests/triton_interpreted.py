@@ -404,7 +404,9 @@ def check_draft_warm_up() -> None:
     """The drafter's warm-up (draft_server/warm_up.py) captures a batch of blocks of every size that sessions'
     drafts then form (2 to 8 sessions, filled up to 2, 4 or 8 blocks) in every key bucket of their contexts: none
     of their batches has a shape the warm-up has not run, and replaying what it captured drafts each session's
-    tree as the eager engine drafts it alone."""
+    tree as the eager engine drafts it alone. Then sessions drafting alone in slots other than the first: their
+    single drafts (found by address) replay the graphs the warm-up captured in the first slot, and draft the eager
+    trees."""
     import random
 
     from draft_server.batched_drafts import DraftCall
@@ -418,6 +420,7 @@ def check_draft_warm_up() -> None:
     engine.static.flash = True
     engine.static.graphs = recorder = ReplayRecorder()
     warm_up(engine, budgets=(4,))
+    captured = set(recorder.seen)
     batches = ("block-batch", "batch-trees")
     warm = {key for key in recorder.seen if key[0] in batches}
     # 2, 4, 8 blocks in key buckets 64 to 256; the trees of 2 to 8 blocks, chains or of 4 nodes; those of the
@@ -445,7 +448,24 @@ def check_draft_warm_up() -> None:
             eager.end_session(name)
     met = {key for key in recorder.seen if key[0] in batches}
     assert met and met <= warm, sorted(met - warm)
-    print("draft_warm_up ok", len(met), "batch shapes met, all captured in warm-up")
+    singles = ("append", "block", "tree")
+    recorder.seen.clear()
+    lengths = {"idle": 0, "a": 0, "b": 0}  # "idle" holds the first slot
+    for name in lengths:
+        engine.start_session(name, 200)
+        eager.start_session(name, 200)
+    while max(lengths.values()) < 180:
+        for name in ("a", "b"):
+            m = rng.randint(1, 40) if lengths[name] == 0 else rng.randint(0, 12)
+            m = min(lengths[name] + m, 194) - lengths[name]
+            lengths[name] += m
+            call = (name, torch.randn(m, FEATURE_DIM), rng.randrange(VOCAB), lengths[name], 4)
+            assert_same_tree(engine.draft(*call).tree, eager.draft(*call).tree)
+    assert {engine.session(name).slot for name in ("a", "b")} == {1, 2}
+    lone = {key for key in recorder.seen if key[0] in singles}
+    assert {key[0] for key in lone} == set(singles) and lone <= captured, sorted(lone - captured)
+    print("draft_warm_up ok", len(met), "batch shapes and", len(lone), "single draft shapes met, all captured in "
+          "warm-up")
 
 
 if __name__ == "__main__":
