@@ -1,11 +1,12 @@
-"""The drafter's first drafts in cache slots its warm-up did not use. Where CUDA graphs run, a session's single
-drafts replay graphs captured per slot (its context append per append size, its block per key bucket): the
-warm-up captures those of the first slot (up to 1024 rows of context; before the twenty-third session's change, two
-key buckets only), so a session in any other slot captures its own on its first draft and again at each new key
-bucket, and the request waits for each capture. Loads and warms up the engine as the service does
-(draft_server.server.load_engine, warm_up), then drafts for several sessions at once (one slot each, taken in
-turn): a prompt's features, then a round's at a time across key buckets. Reports per session the wall time of its
-first draft, the median and the worst of the others (each to the end of its kernels), and the graphs captured.
+"""The drafter's first drafts in cache slots other than the warm-up's. Where CUDA graphs run, a session's single
+drafts replay graphs (its context append per append size, its block per key bucket): where the flash kernels run
+they find the slot by address, so the warm-up's graphs (up to 1024 rows of context) serve every slot (since the
+twenty-fourth session; before, each slot captured its own on its first draft and at each new key bucket, ~40 drafts'
+time a capture, and the request waited for it). Elsewhere they are still captured per slot. Loads and warms up
+the engine as the service does (draft_server.server.load_engine, warm_up), then drafts for several sessions at once
+(one slot each, taken in turn): a prompt's features, then a round's at a time across key buckets. Reports per
+session the wall time of its first draft, the median and the worst of the others (each to the end of its
+kernels), and the graphs captured.
 
     python bench/first_drafts.py --device cuda --sessions 4 --rounds 40 [--drafter DIR --target DIR]
                                  [--budget 32] [--out results/first_drafts.json]
