@@ -81,19 +81,21 @@ if triton is not None:
                        stride_oh, stride_ls, stride_lq)
 
 
-    @triton.jit(do_not_specialize=["rows"], do_not_specialize_on_alignment=["Table", "Slot", "Start"])
+    @triton.jit(do_not_specialize=["rows", "first_layer"], do_not_specialize_on_alignment=["Table", "Slot", "Start"])
     def _write_rows_kernel(
-        K, V, Table, Slot, Start, rows, width, layers, kv_heads, stride_kl, stride_kh, stride_kr, stride_vl,
+        K, V, Table, Slot, Start, rows, width, first_layer, kv_heads, stride_kl, stride_kh, stride_kr, stride_vl,
         stride_vh, stride_vr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
-        """Rows tile of one (layer, K/V head): K / V [layers, kv_heads, rows, D] into the slot whose addresses are
-        row Slot of Table, at slot rows Start, Start + 1, ..."""
+        """Rows tile of one (layer, K/V head): K / V [layers, kv_heads, rows, D] into layers first_layer, ... of the
+        slot whose addresses are row Slot of Table, at slot rows Start, Start + 1, ..."""
         pid, tile = tl.program_id(0), tl.program_id(1)
-        layer, kvh = pid // kv_heads, pid % kv_heads
+        layer, kvh = first_layer + pid // kv_heads, pid % kv_heads
         addresses = Table + tl.load(Slot) * width
+        slot_layers = (width - 1) // 2
         K_slot = tl.multiple_of(tl.load(addresses + layer).to(tl.pointer_type(K.dtype.element_ty)), 16)
-        V_slot = tl.multiple_of(tl.load(addresses + layers + layer).to(tl.pointer_type(V.dtype.element_ty)), 16)
-        stride_h = tl.multiple_of(tl.load(addresses + 2 * layers), 16)
+        V_slot = tl.multiple_of(tl.load(addresses + slot_layers + layer).to(tl.pointer_type(V.dtype.element_ty)), 16)
+        stride_h = tl.multiple_of(tl.load(addresses + 2 * slot_layers), 16)
+        layer -= first_layer  # K's and V's own
         new = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
         dims = tl.arange(0, D)
         ok = new[:, None] < rows
@@ -182,17 +184,20 @@ def _(
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def write_slot_rows(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
-    """k, v [layers, kv_heads, rows, d] (unit stride in d) into rows start[0], start[0] + 1, ... of every layer of the
-    slot whose addresses are row slot[0] of table [slots, 2 * layers + 1] (each layer's keys' address, each
-    layer's values', then the head stride: a column of batch_tree_attention's tables), all on the device. One
-    launch. Not an op: called outside compiled code (an op with no output would be pruned), so a captured graph
-    holds it and a replay writes whichever slot the table's row names then."""
+def write_slot_rows(
+    k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, slot: torch.Tensor, start: torch.Tensor,
+    first_layer: int = 0,
+) -> None:
+    """k, v [layers, kv_heads, rows, d] (unit stride in d) into rows start[0], start[0] + 1, ... of layers
+    first_layer, first_layer + 1, ... of the slot whose addresses are row slot[0] of table [slots, 2 * L + 1] (each
+    of its L layers' keys' address, each layer's values', then the head stride: a column of batch_tree_attention's
+    tables), all on the device. One launch. Not an op: called outside compiled code (an op with no output would be
+    pruned), so a captured graph holds it and a replay writes whichever slot the table's row names then."""
     layers, kv_heads, rows, d = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("write_slot_rows takes rows of unit stride")
     block = 16
     _write_rows_kernel[(layers * kv_heads, triton.cdiv(rows, block))](
-        k, v, table, slot, start, rows, table.shape[1], layers, kv_heads, k.stride(0), k.stride(1), k.stride(2),
+        k, v, table, slot, start, rows, table.shape[1], first_layer, kv_heads, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), D=d, BLOCK_N=block,
     )

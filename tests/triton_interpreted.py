@@ -299,7 +299,8 @@ def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and sampled, alone and up to five at once, at contexts within its
     key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it captured
-    gives each round the tokens the same engine gives without graphs."""
+    gives each round the tokens the same engine gives without graphs; capture_prompts captures every prompt
+    bucket, whose graphs serve every slot."""
     import random
     import tempfile
     from pathlib import Path
@@ -308,7 +309,7 @@ def check_warm_up() -> None:
     from ddtree.types import SamplingParams
     from tests.conftest import make_target
     from verify_server.verify import VerifyEngine
-    from verify_server.warm_up import _chain, capture_rounds
+    from verify_server.warm_up import _chain, capture_prompts, capture_rounds
 
     with tempfile.TemporaryDirectory() as tmp:
         target = make_target("qwen3", Path(tmp))
@@ -320,7 +321,9 @@ def check_warm_up() -> None:
     nodes, taps, most_keys = 7, [1, 3], 128
     for tapped in ([], taps):
         capture_rounds(engine, tapped, nodes, most_keys)
+        capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}
+    warm_prompts = {key for key in recorder.seen if "prefill" in key}
     # taps, params, 1, 2, 4 or 8 trees (max_batch 8), AR step or tree, key buckets
     assert not engine.sessions and len(warm) == 2 * 2 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
@@ -348,6 +351,11 @@ def check_warm_up() -> None:
                         e.end_session(name)
     met = {key for key in recorder.seen if "prefill" not in key}
     assert met and met <= warm, sorted(met - warm)
+    # prompts too replay graphs the warm-up captured, which serve every slot (their K/V written by address), in
+    # whichever slot a session took: the tokens above are the plain engine's
+    prompts = {key for key in recorder.seen if "prefill" in key}
+    assert prompts and prompts <= warm_prompts, sorted(prompts - warm_prompts)
+    assert not any(part[:1] == ("slot",) for key in prompts for part in key if isinstance(part, tuple))
     for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
         engine.fused.slots.max_sessions = most
         capture_rounds(engine, taps, nodes, 64)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
+from ddtree.flash_batch import write_slot_rows
 from ddtree.flash_tree import flash_supported
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
 from verify_server.kv_cache import KVCache
@@ -294,6 +295,25 @@ class FusedDecoder:
         kernel = CHUNK if after_committed else "sdpa"
         return self._layers(self._compiled_prompt, kernel, self.fused_rows, hidden, cos, sin, cache, slots, None,
                             kv_len, taps)
+
+    def prompt_by_address(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scratch: KVCache, slots: torch.Tensor,
+        kv_len: int, taps: tuple[int, ...], table: torch.Tensor, zero: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """prompt_forward for a graph that serves every cache slot: each layer writes its K/V into `scratch`, a
+        one-layer cache, and attends there as over a slot (a prompt from slot 0 sees its own rows only), then
+        ddtree.flash_batch.write_slot_rows copies the rows `slots` [q] (0, 1, ...) into the slot whose addresses
+        are table [1, 2 * layers + 1] (slot_addresses' column, uploaded with the prompt); zero [1] is 0 on the
+        device. The same compiled layer as prompt_forward's, so the same numbers."""
+        tapped = []
+        keys, values = scratch.k[0, 0], scratch.v[0, 0]  # [kv_heads, rows, d]
+        q = slots.shape[0]
+        for i, layer in enumerate(self.layers):
+            hidden = self._compiled_prompt(hidden, layer, cos, sin, keys, values, kv_len, slots, None, self.shape,
+                                           "sdpa", self.fused_rows)
+            write_slot_rows(keys[None, :, :q], values[None, :, :q], table, zero, zero, first_layer=i)
+            tapped.append(hidden if i in taps else None)
+        return hidden, _features(tapped, taps)
 
     def _layers(
         self, step: Callable[..., torch.Tensor], kernel: str, rows: int, hidden: torch.Tensor, cos: torch.Tensor,

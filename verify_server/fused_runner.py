@@ -26,7 +26,7 @@ from ddtree.flash_batch import compile_batch_plans
 from ddtree.flash_tree import flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
-from verify_server.batch import BatchBuffers, BatchTree
+from verify_server.batch import BatchBuffers, BatchTree, slot_addresses
 from verify_server.batch_runner import BatchSteps
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
@@ -63,6 +63,8 @@ class FusedRunner(BatchSteps):
         self._buffers: dict[int, StepBuffers] = {}  # prompt bucket -> static inputs
         self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
         self._scratch: KVCache | None = None  # where a batch's filler trees write
+        self._prompt_scratch: KVCache | None = None  # where a prompt by address attends (_prompt_by_address)
+        self._zero: torch.Tensor | None = None
         self.max_batch = max_batch
         self.configure(graphs, compile, attention, fused_rows)
 
@@ -176,10 +178,14 @@ class FusedRunner(BatchSteps):
         if qb is None:
             return None
         buf = self._buffer(qb)
-        buf.write_prompt(prompt)
-        logits, features = self.graphs.run(
-            self._slot_key((qb, taps, "prefill"), cache), lambda: self._prompt(cache, buf, taps)
-        )
+        if self.decoder.attention == FLASH:  # a graph for every slot: it writes the K/V where the addresses say
+            buf.write_prompt(prompt, slot_addresses(cache))
+            logits, features = self.graphs.run((qb, taps, "prefill"), lambda: self._prompt_by_address(buf, taps))
+        else:
+            buf.write_prompt(prompt)
+            logits, features = self.graphs.run(
+                self._slot_key((qb, taps, "prefill"), cache), lambda: self._prompt(cache, buf, taps)
+            )
         return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
@@ -220,7 +226,7 @@ class FusedRunner(BatchSteps):
         """The static inputs of prompt bucket qb, allocated on first use."""
         buf = self._buffers.get(qb)
         if buf is None:
-            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device)
+            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device, 2 * self.num_kv_layers + 1)
         return buf
 
     def _prompt(
@@ -234,4 +240,22 @@ class FusedRunner(BatchSteps):
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         kv_len = key_bucket(buf.qb, cache.capacity)
         hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, buf.nodes, kv_len, taps)
+        return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features
+
+    def _prompt_by_address(
+        self, buf: StepBuffers, taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """_prompt for any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend in
+        a one-layer scratch cache of the largest prompt bucket's rows (allocated on first need) and copy their
+        K/V into the slot whose addresses came up with the prompt."""
+        if self._prompt_scratch is None:
+            self._prompt_scratch = KVCache([0], self.decoder.shape.kv_heads, self.decoder.shape.head_dim,
+                                           key_bucket(MAX_GRAPH_NODES, self.max_keys), self.device, self.dtype,
+                                           zero=True)
+            self._zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
+        scratch = self._prompt_scratch
+        hidden, features = self.decoder.prompt_by_address(hidden, cos, sin, scratch, buf.nodes,
+                                                          key_bucket(buf.qb, scratch.capacity), taps, buf.addresses,
+                                                          self._zero)
         return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features

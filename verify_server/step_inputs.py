@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddtree.types import DraftTree
@@ -49,9 +50,10 @@ def size_class(capacity: int) -> int:
 class StepBuffers:
     """A prompt bucket's static inputs, rewritten before each replay in one copy: the prompt's tokens in the first
     row, then start (0), num (its length) and its first token, in a tree step's layout (BatchBuffers' rows), from
-    which the graph derives ids, positions and the padding.
+    which the graph derives ids, positions and the padding; then, for a graph that finds the slot by address, the
+    slot's addresses (slot_addresses' column).
 
-    inputs  [3 * qb + 3] long on the device
+    inputs  [3 * qb + 3 + columns] long on the device
     staging the same on the host (pinned on a GPU). Its copy is asynchronous, so `copied` marks when the last copy
             has left it; a rewrite waits for that (long done, in practice)
     """
@@ -62,9 +64,9 @@ class StepBuffers:
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
 
     @classmethod
-    def allocate(cls, qb: int, device: torch.device) -> StepBuffers:
-        inputs = torch.zeros(3 * qb + 3, dtype=torch.long, device=device)
-        staging = torch.zeros(3 * qb + 3, dtype=torch.long, pin_memory=device.type == "cuda")
+    def allocate(cls, qb: int, device: torch.device, columns: int = 0) -> StepBuffers:
+        inputs = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, device=device)
+        staging = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, pin_memory=device.type == "cuda")
         copied = torch.cuda.Event() if device.type == "cuda" else None
         return cls(inputs, staging, torch.arange(qb, device=device), copied)
 
@@ -72,12 +74,20 @@ class StepBuffers:
     def qb(self) -> int:
         return self.nodes.shape[0]
 
-    def write_prompt(self, prompt: list[int]) -> None:
+    @property
+    def addresses(self) -> torch.Tensor:
+        """[1, columns] the slot's addresses last written (write_prompt), as a one-row address table."""
+        return self.inputs[3 * self.qb + 3 :][None]
+
+    def write_prompt(self, prompt: list[int], addresses: np.ndarray | None = None) -> None:
+        """The prompt, and the slot's addresses where the graph finds the slot by them."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
         host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
         host[: len(prompt)] = prompt
-        host[3 * self.qb :] = (0, len(prompt), prompt[0])
+        host[3 * self.qb : 3 * self.qb + 3] = (0, len(prompt), prompt[0])
+        if addresses is not None:
+            host[3 * self.qb + 3 :] = addresses
         self.inputs.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()

@@ -1,6 +1,6 @@
 """The verifier's warm-up: every step shape a request can bring, run once before the service says SERVING, so that
-no request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of its rounds'
-graphs."""
+no request waits for a compile (torch.compile, Triton) or, where CUDA graphs run, for the capture of its rounds' or
+its prompt's graphs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 from ddtree.cuda_graphs import key_buckets
 from ddtree.types import DraftTree, SamplingParams
 from verify_server.batch import BatchTree
-from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
+from verify_server.step_attention import FLASH
+from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
@@ -57,7 +58,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
     prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
     (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
-    taps, known to whoever starts this service with it; nodes: the tree size requests ask for most)."""
+    taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
+    they serve every slot, of prompts of every captured bucket (capture_prompts)."""
     start = time.perf_counter()
     # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
     # too, in the larger session, where a captured step of that many rows is one a request can bring.
@@ -103,7 +105,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
         start, graphs = time.perf_counter(), len(engine.fused.graphs)
         for tapped in ([], *([list(taps)] if taps else [])):  # requests without a drafter tap nothing
             capture_rounds(engine, tapped, nodes)
-        log.info("warm-up captured %d round graphs in %.3f s", len(engine.fused.graphs) - graphs,
+            capture_prompts(engine, tapped)
+        log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
                  time.perf_counter() - start)
 
 
@@ -135,6 +138,19 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
                         if isinstance(step, Exception):
                             raise step
     _capture_larger_batches(engine, taps, nodes, most_keys)
+
+
+def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
+    """Where a prompt's graph serves every cache slot (the flash kernels' GPUs: FusedRunner._prompt_by_address),
+    a prompt of every captured bucket for sessions tapping `taps`, so that no first prompt of up to MAX_GRAPH_NODES
+    tokens waits for a capture. Elsewhere prompts' graphs are per slot, and the first prompt of a bucket in each
+    slot captures its own."""
+    if engine.fused.decoder.attention != FLASH:
+        return
+    for qb in QUERY_BUCKETS:
+        if 1 < qb < engine.model.config.max_position_embeddings:  # a one-token prompt runs uncaptured
+            with _warm_up_session(engine, qb + 1, taps) as session_id:
+                engine.prefill(session_id, [0] * qb)
 
 
 def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int) -> None:
