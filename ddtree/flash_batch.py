@@ -6,8 +6,8 @@ kernels therefore take each slot's K and V base addresses, and its head stride, 
 attends every tree's rows over its own keys, with the same flash-decoding body as ddtree/flash_tree.py. The trees'
 rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
 and it sees nothing past them. write_slot_rows writes rows into a slot found the same way, for graphs that serve
-every slot (the drafter's context appends). A CUDA-only fast path, as flash_tree's: CPU runs take
-verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
+every slot (the drafter's context appends, the verifier's prompts). A CUDA-only fast path, as flash_tree's: CPU runs
+take verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ HEADER_ALIGN = 256  # bytes: the features' rows start aligned for wide loads
 
 class DraftInputs:
     """Views of one buffer: slot [1] (the session's cache slot), start [1] (an append's first cache row), position
-    [1] (the block's p), ids [1, B] (root, then MASK * (B-1)), block [2, 1] (p and root again), features
-    [rows, taps*hidden]; on the host also
-    `header`, a numpy view of [slot, start, p, root] (item writes cost ~0.1 µs where a torch call costs several)."""
+    [1] (the block's p), ids [1, B] (root, then MASK * (B-1)), block [2, 1] (p and root again), features [rows,
+    taps*hidden]; on the host also `header`, a numpy view of [slot, start, p, root] (item writes cost ~0.1 µs where
+    a torch call costs several)."""
 
     def __init__(
         self, block_size: int, width: int, rows: int, dtype: torch.dtype, mask_token_id: int, device: torch.device,

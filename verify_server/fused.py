@@ -304,7 +304,7 @@ class FusedDecoder:
         one-layer cache, and attends there as over a slot (a prompt from slot 0 sees its own rows only), then
         ddtree.flash_batch.write_slot_rows copies the rows `slots` [q] (0, 1, ...) into the slot whose addresses
         are table [1, 2 * layers + 1] (slot_addresses' column, uploaded with the prompt); zero [1] is 0 on the
-        device. The same compiled layer as prompt_forward's, so the same numbers."""
+        device. The same compiled layer and attention call as prompt_forward's."""
         tapped = []
         keys, values = scratch.k[0, 0], scratch.v[0, 0]  # [kv_heads, rows, d]
         q = slots.shape[0]
