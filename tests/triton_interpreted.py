@@ -180,6 +180,28 @@ def check_flash() -> None:
     # every configuration for a few step sizes and key counts launches (whether Triton then has nothing left to
     # compile, only a GPU can tell: test_flash_tree.py)
     assert compile_plans(6, 2, 64, (1, 16, 48), (64, 96, 1536, 4608), torch.float32, DEVICE) > 3
+    check_slot_rows()
+
+
+def check_slot_rows() -> None:
+    """write_slot_rows: rows of some layers into a slot found through its row of an address table (slots of
+    different capacities, first layers past 0, row counts across tiles) land exactly there, nothing else moves."""
+    from ddtree.flash_batch import write_slot_rows
+
+    gen = torch.Generator().manual_seed(4)
+    layers, kv_heads, d = 3, 2, 16
+    slots = [torch.randn(2, layers, kv_heads, rows, d, generator=gen).to(DEVICE) for rows in (40, 70)]  # K, V each
+    table = torch.tensor([[*(s[0, i].data_ptr() for i in range(layers)), *(s[1, i].data_ptr() for i in range(layers)),
+                           s.stride(2)] for s in slots], device=DEVICE)  # [slots, 2 * layers + 1]
+    for slot, first, count, rows, start in ((1, 0, 3, 1, 69), (0, 1, 2, 17, 5), (1, 2, 1, 33, 30)):
+        want = slots[slot].clone()
+        k, v = (torch.randn(count, kv_heads, rows, d, generator=gen).to(DEVICE) for _ in range(2))
+        want[0, first : first + count, :, start : start + rows] = k
+        want[1, first : first + count, :, start : start + rows] = v
+        other = slots[1 - slot].clone()
+        write_slot_rows(k, v, table, torch.tensor([slot], device=DEVICE), torch.tensor([start], device=DEVICE), first)
+        assert torch.equal(slots[slot], want) and torch.equal(slots[1 - slot], other)
+    print("slot rows ok")
 
 
 def check_batch() -> None:
