@@ -152,10 +152,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a Batch's sizes histogram
 
 class Batch(Generic[E]):
     """Calls of one kind that wait for the engine together and run as one step (the verifier's rounds of several
-    sessions: verify_server/batched_rounds.py). A call that finds no run under way starts one on the loop's next
-    turn, so the calls that arrived with it join; calls that arrive while a run is in the engine wait for the next
-    run, which takes them all (up to max_size). run(engine, items) -> one outcome per item, a response or the
-    exception that call fails with: one call's failure is its own."""
+    sessions: verify_server/batched_rounds.py). A call that finds no run under way leads one: after one turn of
+    the loop, in which the calls that arrived with it join, it runs them itself where the engine is free to run
+    inline (its answer is there when the run returns: no task, no wake-up), else a runner task does. Calls that
+    arrive while a run is in the engine wait for the next run, which takes them all (up to max_size). run(engine,
+    items) -> one outcome per item, a response or the exception that call fails with: one call's failure is its
+    own."""
 
     def __init__(
         self, rpc: str, run: Callable[[E, list[Any]], list[Any]], max_size: int, sizes: Histogram | None = None
@@ -167,6 +169,7 @@ class Batch(Generic[E]):
         self.rpc, self.run, self.max_size, self.sizes = rpc, run, max_size, sizes
         self._waiting: list[tuple[Any, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
+        self._leading = False  # a call waits its turn of the loop before it runs the calls waiting
 
     async def submit(self, host: EngineHost[E], item: Any) -> Any:
         if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop
@@ -176,30 +179,54 @@ class Batch(Generic[E]):
         else:
             answer = asyncio.get_running_loop().create_future()
             self._waiting.append((item, answer))
-            if self._runner is None:
-                self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
-            outcome = await answer
+            if self._runner is None and not self._leading:
+                await self._lead(host, answer)
+            outcome = await answer  # already there where this call ran the calls itself
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
+    async def _lead(self, host: EngineHost[E], answer: asyncio.Future) -> None:
+        """This call's run (see the class docstring). Cancelled during its turn, it hands the others to a runner."""
+        self._leading = True
+        try:
+            await asyncio.sleep(0)  # the calls that arrive with this one join it
+        except asyncio.CancelledError:
+            answer.cancel()  # skipped by the runner
+            self._leading = False
+            self._start_runner(host)
+            raise
+        self._leading = False
+        if host.runs_inline(self.rpc):  # no await suspends the run: nothing can cancel it half-way
+            await self._run_batch(host, self._take())
+        self._start_runner(host)  # the calls beyond max_size, or all of them where the engine is busy
+
+    def _take(self) -> list[tuple[Any, asyncio.Future]]:
+        taken, self._waiting = self._waiting[: self.max_size], self._waiting[self.max_size :]
+        return [(item, answer) for item, answer in taken if not answer.done()]  # callers gone: skipped
+
+    async def _run_batch(self, host: EngineHost[E], taken: list[tuple[Any, asyncio.Future]]) -> None:
+        if not taken:
+            return
+        items = [item for item, _ in taken]
+        try:
+            outcomes = await host.execute(self.rpc, lambda engine: self.run(engine, items))
+        except Exception as exc:  # noqa: BLE001 - the run as a whole failed: each call fails with it
+            outcomes = [exc] * len(taken)
+        if self.sizes is not None:
+            self.sizes.observe(len(taken))
+        for (_, answer), outcome in zip(taken, outcomes):
+            if not answer.done():
+                answer.set_result(outcome)
+
+    def _start_runner(self, host: EngineHost[E]) -> None:
+        if self._waiting and self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
+
     async def _run_waiting(self, host: EngineHost[E]) -> None:
         try:
             while self._waiting:
-                taken, self._waiting = self._waiting[: self.max_size], self._waiting[self.max_size :]
-                taken = [(item, answer) for item, answer in taken if not answer.done()]  # callers gone: skipped
-                if not taken:
-                    continue
-                items = [item for item, _ in taken]
-                try:
-                    outcomes = await host.execute(self.rpc, lambda engine: self.run(engine, items))
-                except Exception as exc:  # noqa: BLE001 - the run as a whole failed: each call fails with it
-                    outcomes = [exc] * len(taken)
-                if self.sizes is not None:
-                    self.sizes.observe(len(taken))
-                for (_, answer), outcome in zip(taken, outcomes):
-                    if not answer.done():
-                        answer.set_result(outcome)
+                await self._run_batch(host, self._take())
         finally:
             self._runner = None
 
@@ -274,6 +301,10 @@ class EngineHost(Generic[E]):
         """call() for a call that may share one engine step with others of its kind: the item joins `batch`, whose
         run answers every item waiting together (see Batch); the status, timings and metrics stay the call's own."""
         return await self._answer(rpc, context, forward, lambda: batch.submit(self, item))
+
+    def runs_inline(self, rpc: str) -> bool:
+        """Whether execute(rpc, ...) would run its job on the loop now, without waiting for the engine thread."""
+        return rpc in self.inline_rpcs and not self._queued and not self._lock.locked()
 
     async def execute(self, rpc: str, job: Callable[[E], Any]) -> Any:
         """job(engine): inline for the RPCs in `inline_rpcs` when the engine is idle, else on the engine thread."""

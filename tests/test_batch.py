@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.service import Batch, EngineHost, ServiceMetrics
+from ddtree.service import ROUND_RPCS, Batch, EngineHost, ServiceMetrics
 from ddtree.types import SamplingParams
 from verify_server.session import CapacityError, SessionError, UnknownSessionError
 from verify_server.verify import ROOT_ONLY, VerifyEngine
@@ -146,26 +147,33 @@ def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> N
 
 
 class Recorder:
-    """An engine whose batched step records the items it was handed."""
+    """An engine whose batched step records the items it was handed, and where each run ran: the event loop's task
+    that ran it, or the engine thread (None)."""
 
     def __init__(self) -> None:
         self.sessions: dict = {}
         self.runs: list[list[int]] = []
+        self.ran_in: list[asyncio.Task | None] = []
 
     def end_session(self, session_id: str) -> bool:
         return False
 
     def run(self, items: list[int]) -> list[int | Exception]:
         self.runs.append(items)
+        on_loop = threading.current_thread() is threading.main_thread()
+        self.ran_in.append(asyncio.current_task() if on_loop else None)
         return [ValueError("odd") if item % 2 else item * 10 for item in items]
 
 
-def test_batch_gathers_the_calls_that_wait_together() -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "engine-thread"])
+def test_batch_gathers_the_calls_that_wait_together(inline: bool) -> None:
     """Calls that arrive together share a run; calls that arrive while a run is in the engine share the next one
-    (up to max_size); each gets its own outcome, a failure included."""
+    (up to max_size); each gets its own outcome, a failure included. Where the engine runs inline, the first call
+    of a group runs the group in its own task (no runner task: its answer is there when the run returns); where
+    every step goes to the engine thread (tensor parallel), the groups are the same."""
     engine = Recorder()
     metrics = ServiceMetrics("test", "bytes", "help", torch.device("cpu"))
-    host = EngineHost(metrics, (), lambda s: 0, 60.0)
+    host = EngineHost(metrics, (), lambda s: 0, 60.0, inline_rpcs=ROUND_RPCS if inline else frozenset())
     host.engine = engine
     batch = Batch("Verify", lambda e, items: e.run(items), max_size=3)
 
@@ -173,11 +181,36 @@ def test_batch_gathers_the_calls_that_wait_together() -> None:
         first = [asyncio.ensure_future(batch.submit(host, i)) for i in (0, 2, 4, 6)]  # one turn: 3 + 1
         done = await asyncio.gather(*first)
         later = [asyncio.ensure_future(batch.submit(host, i)) for i in (1, 8)]
-        return [*done, *(await asyncio.gather(*later, return_exceptions=True))]
+        outcomes = [*done, *(await asyncio.gather(*later, return_exceptions=True))]
+        return outcomes, first + later
 
-    outcomes = asyncio.run(scenario())
+    outcomes, calls = asyncio.run(scenario())
     assert engine.runs == [[0, 2, 4], [6], [1, 8]]
     assert outcomes[:4] == [0, 20, 40, 60] and isinstance(outcomes[4], ValueError) and outcomes[5] == 80
+    if inline:  # the leaders' own tasks; the call beyond max_size by a runner task
+        assert engine.ran_in[0] is calls[0] and engine.ran_in[2] is calls[4]
+        assert engine.ran_in[1] not in calls and engine.ran_in[1] is not None
+    else:
+        assert engine.ran_in == [None] * 3
+
+
+def test_batch_leader_cancelled_in_its_turn_leaves_the_others_served() -> None:
+    """The first call of a group is cancelled while it waits for the others to join: it never runs, and the calls
+    that joined it still run, together, with their own outcomes."""
+    engine = Recorder()
+    host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
+    host.engine = engine
+    batch = Batch("Verify", lambda e, items: e.run(items), max_size=8)
+
+    async def scenario() -> list:
+        calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (2, 4, 6)]
+        await asyncio.sleep(0)  # the first call leads and waits its turn; the others have joined
+        calls[0].cancel()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert isinstance(outcomes[0], asyncio.CancelledError) and outcomes[1:] == [40, 60]
+    assert engine.runs == [[4, 6]]
 
 
 def test_a_batch_of_one_runs_each_call_as_it_comes() -> None:
