@@ -20,18 +20,11 @@ from pathlib import Path
 import torch
 
 from ddtree.models import resolve_pair
+from ddtree.serve import drafter_taps
 from ddtree.types import SamplingParams
 from verify_server.config import VerifyServerConfig
 from verify_server.server import load_engine
 from verify_server.warm_up import warm_up
-
-
-def drafter_taps(drafter: str | None) -> str:
-    """The layers a drafter taps (its dflash_config.target_layer_ids), comma-separated; "" without a drafter."""
-    if drafter is None:
-        return ""
-    config = json.loads((Path(drafter) / "config.json").read_text())
-    return ",".join(str(t) for t in config["dflash_config"]["target_layer_ids"])
 
 
 def main() -> None:
@@ -45,8 +38,8 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     target, drafter = resolve_pair(args.target, args.drafter)
-    config = VerifyServerConfig(target=target, device=args.device, max_sessions=args.sessions,
-                                warm_up_taps=args.taps if args.taps is not None else drafter_taps(drafter))
+    taps = args.taps if args.taps is not None else ",".join(map(str, drafter_taps(drafter) if drafter else []))
+    config = VerifyServerConfig(target=target, device=args.device, max_sessions=args.sessions, warm_up_taps=taps)
     engine = load_engine(config)
     start = time.perf_counter()
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size))

@@ -216,19 +216,19 @@ class StaticDrafter(BatchBlocks):
         return slot
 
     def _append_body(self, features: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        rows = self._start + self._arange[: features.shape[0]]  # [n]
-        for (k, v), k_cache, v_cache in zip(self._new_kv(features), k_caches, v_caches):
+        rows, new_kv = self._new_kv(features)
+        for (k, v), k_cache, v_cache in zip(new_kv, k_caches, v_caches):
             k_cache.index_copy_(2, rows, k)
             v_cache.index_copy_(2, rows, v)
 
-    def _new_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """features [n, taps*hidden] -> per layer (k, v) [1, kv_heads, n, head_dim] at rows _start + [0, n)."""
+    def _new_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """features [n, taps*hidden] -> (their rows _start + [0, n), per layer (k, v) [1, kv_heads, n, head_dim])."""
         rows = self._start + self._arange[: features.shape[0]]  # [n]
-        return self.drafter.context_kv(features[None], rows[None])
+        return rows, self.drafter.context_kv(features[None], rows[None])
 
     def _stacked_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """_new_kv's K and V, each [layers, kv_heads, n, head_dim] (compiled, the stack costs no copy of its own)."""
-        new_kv = self._new_kv(features)
+        _, new_kv = self._new_kv(features)
         return torch.stack([k[0] for k, _ in new_kv]), torch.stack([v[0] for _, v in new_kv])
 
     def _append_by_address(self, features: torch.Tensor) -> None:

@@ -24,6 +24,13 @@ class BatchSteps:
     _scratch: KVCache | None  # where a captured batch's filler trees write; allocated on first need
     _batch_buffers: dict[tuple[int, int], BatchBuffers]  # (trees, bucket) -> static inputs
 
+    @property
+    def by_address(self) -> bool:
+        """Whether captured steps find their sessions' cache slots by address (the flash kernels' tables, and
+        write_slot_rows for prompts), so that one graph serves every slot; elsewhere a graph is bound to the slot
+        it was captured with."""
+        return self.decoder.attention == FLASH
+
     def batch_forward(
         self, items: list[BatchTree], taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
@@ -79,7 +86,7 @@ class BatchSteps:
         any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
         round in flight (BatchBuffers.write_after), start the furthest that round can take it."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if self.static else None
-        if qb is None or (self.graphs.enabled and self.decoder.attention != FLASH and len(items) > 1):
+        if qb is None or (self.graphs.enabled and not self.by_address and len(items) > 1):
             return None
         trees = 1 << (len(items) - 1).bit_length()
         if trees > len(items):
@@ -100,7 +107,7 @@ class BatchSteps:
         """A captured batch's graph: by shape alone where the flash kernels find the slots by address; else (a lone
         round, see _prepare_batch) by its slot too."""
         key = (buf.inputs.shape[0], buf.qb, kv_len, taps, kind)
-        return key if self.decoder.attention == FLASH else self._slot_key(key, buf.caches[0])
+        return key if self.by_address else self._slot_key(key, buf.caches[0])
 
     def _batch_hidden(
         self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int

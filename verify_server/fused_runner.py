@@ -178,7 +178,7 @@ class FusedRunner(BatchSteps):
         if qb is None:
             return None
         buf = self._buffer(qb)
-        if self.decoder.attention == FLASH:  # a graph for every slot: it writes the K/V where the addresses say
+        if self.by_address:  # a graph for every slot: it writes the K/V where the addresses say
             buf.write_prompt(prompt, slot_addresses(cache))
             logits, features = self.graphs.run((qb, taps, "prefill"), lambda: self._prompt_by_address(buf, taps))
         else:

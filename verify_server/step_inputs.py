@@ -64,7 +64,7 @@ class StepBuffers:
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
 
     @classmethod
-    def allocate(cls, qb: int, device: torch.device, columns: int = 0) -> StepBuffers:
+    def allocate(cls, qb: int, device: torch.device, columns: int) -> StepBuffers:
         inputs = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, device=device)
         staging = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, pin_memory=device.type == "cuda")
         copied = torch.cuda.Event() if device.type == "cuda" else None

@@ -15,7 +15,6 @@ import torch
 from ddtree.cuda_graphs import key_buckets
 from ddtree.types import DraftTree, SamplingParams
 from verify_server.batch import BatchTree
-from verify_server.step_attention import FLASH
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
 from verify_server.verify import VerifyEngine
 
@@ -145,7 +144,7 @@ def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
     a prompt of every captured bucket for sessions tapping `taps`, so that no first prompt of up to MAX_GRAPH_NODES
     tokens waits for a capture. Elsewhere prompts' graphs are per slot, and the first prompt of a bucket in each
     slot captures its own."""
-    if engine.fused.decoder.attention != FLASH:
+    if not engine.fused.by_address:
         return
     for qb in QUERY_BUCKETS:
         if 1 < qb < engine.model.config.max_position_embeddings:  # a one-token prompt runs uncaptured
