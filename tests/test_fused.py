@@ -15,6 +15,7 @@ from tests.conftest import hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 from verify_server.config import VerifyServerConfig
 from verify_server.fused import fused_unsupported
+from verify_server.kv_cache import KVCache
 from verify_server.step_inputs import MAX_GRAPH_NODES, bucket, size_class
 from verify_server.session import CapacityError
 from verify_server.verify import VerifyEngine
@@ -54,6 +55,17 @@ def test_slot_pool_bounds_sessions_and_reuses_caches(qwen3_target: Path) -> None
     engine.start_session("c", 200, SamplingParams(), [])  # same size class: the freed cache, emptied
     assert engine.sessions["c"].cache is cache and cache.length == 0
     assert cache.capacity == size_class(200) + MAX_GRAPH_NODES  # room for the largest padded step
+
+
+def test_caches_first_needed_inside_a_step_are_ordinary_tensors() -> None:
+    # A scratch cache allocated mid-step (under inference mode) and a session's (outside it) must be one kind of
+    # tensor: Dynamo guards on dispatch keys and compiled the prompt layer again for the other kind.
+    with torch.inference_mode():
+        inside = KVCache([0, 1], 2, 8, 16, torch.device("cpu"), torch.float32, zero=True)
+    outside = KVCache([0, 1], 2, 8, 16, torch.device("cpu"), torch.float32, zero=True)
+    for cache in (inside, outside):
+        assert not cache.k.is_inference() and not cache.v.is_inference()
+    assert torch._C._dispatch_keys(inside.k) == torch._C._dispatch_keys(outside.k)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
 from verify_server.step_attention import FLASH, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
+    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
     size_class, unpack_step,
 )
 
@@ -246,12 +246,13 @@ class FusedRunner(BatchSteps):
         self, buf: StepBuffers, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """_prompt for any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend in
-        a one-layer scratch cache of the largest prompt bucket's rows (allocated on first need) and copy their
-        K/V into the slot whose addresses came up with the prompt."""
+        a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose addresses came
+        up with the prompt. The scratch has the rows of the smallest slot, so that the compiled layer meets the
+        sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows compiled the
+        layer once more for that bucket)."""
         if self._prompt_scratch is None:
             self._prompt_scratch = KVCache([0], self.decoder.shape.kv_heads, self.decoder.shape.head_dim,
-                                           key_bucket(MAX_GRAPH_NODES, self.max_keys), self.device, self.dtype,
-                                           zero=True)
+                                           MIN_SLOT_TOKENS + MAX_GRAPH_NODES, self.device, self.dtype, zero=True)
             self._zero = torch.zeros(1, dtype=torch.long, device=self.device)
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         scratch = self._prompt_scratch

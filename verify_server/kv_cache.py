@@ -27,8 +27,12 @@ class KVCache:
         self.index = {layer: i for i, layer in enumerate(layer_ids)}  # decoder layer id -> first axis of k, v
         shape = (len(layer_ids), 1, num_kv_heads, capacity, head_dim)
         alloc = torch.zeros if zero else torch.empty
-        self.k = alloc(shape, device=device, dtype=dtype)
-        self.v = alloc(shape, device=device, dtype=dtype)
+        # Ordinary tensors even where a cache is first needed inside a step (a scratch cache, under inference mode):
+        # Dynamo guards on a tensor's dispatch keys, and a cache of the other kind compiled the steps that take it
+        # again (the demo's warm-up on the GPU: 12 guard failures on dispatch keys, gone with this).
+        with torch.inference_mode(False):
+            self.k = alloc(shape, device=device, dtype=dtype)
+            self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
         self.addresses: np.ndarray | None = None  # verify_server/batch.py slot_addresses, once worked out
         self.address_column: torch.Tensor | None = None  # the same on the device, for rounds queued without the host
