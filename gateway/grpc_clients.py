@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -65,8 +66,17 @@ class _Client:
     # requests messages or bytes in pieces (WireFeatures), and never rehearsed (tens of MB)
     BULK: frozenset[str] = frozenset()
     INFO_REQUEST: type[Message]
+    SERVICE: str  # the service's name in ddtree.proto
+    STUB: Callable[[grpc.aio.Channel], Any]  # its generated stub class
 
-    def __init__(self, address: str, service: str, timeout_s: float, max_message_bytes: int, lanes: bool) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        lanes: bool = True,
+    ) -> None:
+        service = pb.DESCRIPTOR.services_by_name[self.SERVICE].full_name
         self.address = address
         self.timeout_s = timeout_s
         self._service = service
@@ -79,6 +89,7 @@ class _Client:
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stub = self.STUB(self._channel)
         self._bulk = {  # the BULK calls' unary forms, for requests in pieces and unparsed answers
             rpc: self._channel.unary_unary(f"/{service}/{rpc}", request_serializer=_serialized,
                                            response_deserializer=self.STREAMED[rpc] and self.STREAMED[rpc].FromString)
@@ -217,18 +228,8 @@ class GrpcDrafter(_Client):
     STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse}
     BULK = frozenset({"Append"})
     INFO_REQUEST = pb.DrafterInfoRequest
-
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        lanes: bool = True,
-    ) -> None:
-        name = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
-        super().__init__(address, name, timeout_s, max_message_bytes, lanes)
-        self._stub = pb_grpc.DrafterStub(self._channel)
-        self._known: DrafterInfo | None = None
+    SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
+    _known: DrafterInfo | None = None  # info(), once asked
 
     @property
     def block_size(self) -> int:
@@ -288,17 +289,7 @@ class GrpcVerifier(_Client):
     STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None}
     BULK = frozenset({"TakeFeatures"})
     INFO_REQUEST = pb.VerifierInfoRequest
-
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        lanes: bool = True,
-    ) -> None:
-        name = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-        super().__init__(address, name, timeout_s, max_message_bytes, lanes)
-        self._stub = pb_grpc.VerifierStub(self._channel)
+    SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
 
     async def info(self) -> VerifierInfo:
         return tensors.verifier_info_from_pb(await self._info())
