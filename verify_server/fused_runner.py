@@ -63,7 +63,7 @@ class FusedRunner(BatchSteps):
         self._buffers: dict[int, StepBuffers] = {}  # prompt bucket -> static inputs
         self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
         self._scratch: KVCache | None = None  # where a batch's filler trees write
-        self._prompt_scratch: KVCache | None = None  # where a prompt by address attends (_prompt_by_address)
+        self._prompt_scratch: KVCache | None = None  # where a prompt by address attends (_prompt)
         self._zero: torch.Tensor | None = None
         self.max_batch = max_batch
         self.configure(graphs, compile, attention, fused_rows)
@@ -180,12 +180,11 @@ class FusedRunner(BatchSteps):
         buf = self._buffer(qb)
         if self.by_address:  # a graph for every slot: it writes the K/V where the addresses say
             buf.write_prompt(prompt, slot_addresses(cache))
-            logits, features = self.graphs.run((qb, taps, "prefill"), lambda: self._prompt_by_address(buf, taps))
+            key, bound = (qb, taps, "prefill"), None
         else:
             buf.write_prompt(prompt)
-            logits, features = self.graphs.run(
-                self._slot_key((qb, taps, "prefill"), cache), lambda: self._prompt(cache, buf, taps)
-            )
+            key, bound = self._slot_key((qb, taps, "prefill"), cache), cache
+        logits, features = self.graphs.run(key, lambda: self._prompt(bound, buf, taps))
         return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
@@ -230,33 +229,29 @@ class FusedRunner(BatchSteps):
         return buf
 
     def _prompt(
-        self, cache: KVCache, buf: StepBuffers, taps: tuple[int, ...]
+        self, cache: KVCache | None, buf: StepBuffers, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A captured prompt through the configured (compiled) layers, attention by SDPA -> (logits of its last real
         token [1, V] fp32, features [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows
         past the prompt (its padding, up to the key bucket) stay unseen. (A dense mask cost more: at Qwen3-8B shapes
         a captured 512-token prefill under it took 28.5 ms where the uncaptured causal one took 25.6; and the
-        uncompiled layers ran ~300 kernels for a 64-token demo prompt, bench/README.md.)"""
-        num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
-        kv_len = key_bucket(buf.qb, cache.capacity)
-        hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, buf.nodes, kv_len, taps)
-        return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features
-
-    def _prompt_by_address(
-        self, buf: StepBuffers, taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """_prompt for any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend in
-        a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose addresses came
+        uncompiled layers ran ~300 kernels for a 64-token demo prompt, bench/README.md.)
+        cache None: into any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend
+        in a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose addresses came
         up with the prompt. The scratch has the rows of the smallest slot, so that the compiled layer meets the
         sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows compiled the
         layer once more for that bucket)."""
-        if self._prompt_scratch is None:
-            self._prompt_scratch = KVCache([0], self.decoder.shape.kv_heads, self.decoder.shape.head_dim,
-                                           MIN_SLOT_TOKENS + MAX_GRAPH_NODES, self.device, self.dtype, zero=True)
-            self._zero = torch.zeros(1, dtype=torch.long, device=self.device)
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
-        scratch = self._prompt_scratch
-        hidden, features = self.decoder.prompt_by_address(hidden, cos, sin, scratch, buf.nodes,
-                                                          key_bucket(buf.qb, scratch.capacity), taps, buf.addresses,
-                                                          self._zero)
+        if cache is not None:
+            kv_len = key_bucket(buf.qb, cache.capacity)
+            hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, buf.nodes, kv_len, taps)
+        else:
+            if self._prompt_scratch is None:
+                self._prompt_scratch = KVCache([0], self.decoder.shape.kv_heads, self.decoder.shape.head_dim,
+                                               MIN_SLOT_TOKENS + MAX_GRAPH_NODES, self.device, self.dtype, zero=True)
+                self._zero = torch.zeros(1, dtype=torch.long, device=self.device)
+            scratch = self._prompt_scratch
+            hidden, features = self.decoder.prompt_by_address(hidden, cos, sin, scratch, buf.nodes,
+                                                              key_bucket(buf.qb, scratch.capacity), taps,
+                                                              buf.addresses, self._zero)
         return self.decoder.logits(hidden.index_select(0, (num - 1).view(1)), compiled=True), features

@@ -140,7 +140,7 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
 
 
 def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
-    """Where a prompt's graph serves every cache slot (the flash kernels' GPUs: FusedRunner._prompt_by_address),
+    """Where a prompt's graph serves every cache slot (the flash kernels' GPUs: FusedRunner._prompt),
     a prompt of every captured bucket for sessions tapping `taps`, so that no first prompt of up to MAX_GRAPH_NODES
     tokens waits for a capture. Elsewhere prompts' graphs are per slot, and the first prompt of a bucket in each
     slot captures its own."""
