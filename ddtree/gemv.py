@@ -45,6 +45,13 @@ SMALL_HIDDEN = 1024
 FUSED_ROWS = 128
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm over x's last dimension, as the kernels fold it in: statistics in fp32, the weight applied in
+    x's dtype (weight broadcasts: per head, [heads, d], for a Qwen3 q|k norm of several heads at once)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def default_fused_rows(hidden_size: int) -> int:
     """Up to how many rows a step runs the fused projections by default (1: decode steps only)."""
     return FUSED_ROWS if hidden_size <= SMALL_HIDDEN else 1

@@ -17,6 +17,7 @@ from torch import nn
 
 from ddtree.sdpa import attention
 from ddtree.checkpoint import load_state_dict_files, save_state_dict_sharded
+from ddtree.gemv import rms_norm
 from draft_server.dflash_config import DFlashConfig
 
 
@@ -28,9 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 like the target's own layers, so bf16 drafts match the reference implementation.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):

@@ -181,8 +181,8 @@ def test_ancestor_matrix() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 17, 64, 65, 300])
 def test_ancestor_matrix_of_any_depth_equals_walking_up(n: int) -> None:
-    """Pointer doubling against walking up node by node: a chain (depth n - 1, the deepest n nodes can be), a
-    random tree, and the padded buckets' constant step count."""
+    """Pointer doubling (and on a GPU the kernel) against walking up node by node: a chain (depth n - 1, the
+    deepest n nodes can be), a random tree, and the padded buckets' constant step count."""
     rng = random.Random(n)
     for parents in ([-1] + list(range(n - 1)), [-1] + [rng.randrange(i) for i in range(1, n)]):
         want = torch.zeros(n, n, dtype=torch.bool)
@@ -194,6 +194,8 @@ def test_ancestor_matrix_of_any_depth_equals_walking_up(n: int) -> None:
         assert torch.equal(ancestor_matrix(torch.tensor(parents)), want)
         if n <= MAX_GRAPH_NODES:
             assert torch.equal(ancestor_matrix(torch.tensor(parents), ANCESTOR_STEPS), want)
+        if torch.cuda.is_available():  # the GPU's kernel (tests/triton_interpreted.py checks it on the CPU)
+            assert torch.equal(ancestor_matrix(torch.tensor(parents, device="cuda")).cpu(), want)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -22,7 +22,7 @@ from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, to
 from verify_server.compaction import launch as compact
 from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
-from verify_server.tree_attention import ancestor_matrix
+from verify_server.tree_attention import ancestor_matrix, ancestors
 from tests.graph_replay import ReplayRecorder
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
@@ -118,7 +118,8 @@ def check_gemv() -> None:
     shape = LayerShape(heads=4, kv_heads=2, head_dim=16, eps=1e-6)
     hidden, inter, qkv_rows = 64, 96, (4 + 2 * 2) * 16
     rand = lambda *size: torch.randn(*size, generator=gen) / size[-1] ** 0.5  # noqa: E731
-    weights = (1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, 1 + rand(16), 1 + rand(16),
+    qk_norm = torch.cat(((1 + rand(16)).expand(4, 16), (1 + rand(16)).expand(2, 16)))  # q_norm per head, then k_norm
+    weights = (1 + 0.1 * torch.randn(hidden, generator=gen), rand(qkv_rows, hidden), None, qk_norm,
                rand(hidden, 64), 1 + rand(hidden), rand(2 * inter, hidden), rand(hidden, inter))
     layer = FusedLayer(*(None if t is None else t.to(DEVICE) for t in weights))
     for q in (1, 5):  # a decode step (GEMVs) and a few rows (the rows kernel), causal over the new tokens
@@ -155,6 +156,16 @@ def check_compaction() -> None:
             got_k, got_v = k.clone().to(DEVICE), v.clone().to(DEVICE)
             compact(got_k, got_v, torch.tensor(start, device=DEVICE), order.to(DEVICE), depth.to(DEVICE))
             assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v), (qb, start, deepest)
+    # the ancestor matrix a captured round builds on a GPU: trees of several tiles, chains, and padding that hangs
+    # off the root, against pointer doubling
+    for n in (1, 5, 33, 70):
+        for chain in (False, True):
+            parents = torch.tensor([-1] + [i - 1 if chain else int(torch.randint(0, i, (1,), generator=gen))
+                                           for i in range(1, n)])
+            if n > 5:
+                parents[n - 3 :] = 0
+            assert torch.equal(ancestors(parents.to(DEVICE)).cpu(), ancestor_matrix(parents)), (n, chain)
+    print("ancestors ok")
     print("compaction ok")
 
 

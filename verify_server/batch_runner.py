@@ -3,7 +3,7 @@ captured per (trees, query bucket, key bucket) whatever slots the trees' session
 walks and compactions in the graph (batch_round), a sampled one up to its last hidden states, the logits after
 (batch_scores). A lone round is a batch of one (FusedRunner.greedy_round, tree_forward), so its graphs too are
 shared by every slot. BatchSteps uses the runner's `decoder`, `device`, `static`, `graphs`, `max_keys`,
-`num_kv_layers`, `_new_cache`, `_slot_key`, `_unpack` and `_accept`.
+`num_kv_layers`, `_new_cache`, `_slot_key`, `_unpack` and `_outcome`.
 """
 
 from __future__ import annotations
@@ -136,14 +136,15 @@ class BatchSteps:
         hidden, features, xs, batch = self._batch_hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         qb = buf.qb
-        walked = [self._accept(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
-        packed = _stack([p for p, _ in walked])  # [trees, 2 + qb]
+        outcomes = [self._outcome(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
+        packed, order, cursors = (_stack([o[i] for o in outcomes]) for i in range(3))  # [trees, 2 + qb | qb | 2]
+        if qb == 1:  # AR steps: the root alone, in place, its features the path's
+            return packed, None if features is None else features[:, None], cursors
         # each path first; a filler's slots are beyond its committed length
-        order = _stack([path for _, path in walked]).clamp(max=qb - 1)  # [trees, qb]
         batch.compact(order, packed[:, 0].contiguous())
-        cursors = torch.stack((batch.starts + packed[:, 0] + 1, packed[:, 1]), dim=1)  # [trees, 2] start, root
         if features is None:
             return packed, None, cursors
+        # [trees, qb, taps*hidden]: outside the compiled outcome, whose guards would hold the taps' width
         gathered = features.view(len(xs), qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
         return packed, gathered, cursors
 

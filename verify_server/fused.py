@@ -21,7 +21,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ddtree.flash_batch import write_slot_rows
 from ddtree.flash_tree import flash_supported
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rows_linear
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, gemv_supported, rms_norm, rows_linear
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
 from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, attend
@@ -47,12 +47,6 @@ def fused_unsupported(config: PretrainedConfig) -> str | None:
     if not tabled(config):
         return f"rope_type {rope_type(config)!r} (its frequencies depend on the step's largest position)"
     return None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: statistics in fp32, the weight applied in the model dtype."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def unfused_linear(
@@ -139,8 +133,7 @@ class FusedLayer:
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2)
-    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim] q_norm's weight per query head, k_norm's per K/V head
     o: torch.Tensor  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
@@ -152,14 +145,17 @@ def layer_qkv(
     fused_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's attention inputs from hidden [q, hidden]: q [q, heads, d], k and v [q, kv_heads, d], q and k normed
-    (Qwen3) and rotated."""
-    q_len, d = hidden.shape[0], shape.head_dim
+    (Qwen3) and rotated. q's and k's heads are normed and rotated as one tensor (each head by its own weight, the
+    same arithmetic as apart): compiled, one kernel a layer where q and k took one each."""
+    q_len, d, heads = hidden.shape[0], shape.head_dim, shape.heads
     qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
-    q, k, v = qkv.split((shape.heads * d, shape.kv_heads * d, shape.kv_heads * d), dim=-1)
-    q, k, v = q.view(q_len, shape.heads, d), k.view(q_len, shape.kv_heads, d), v.view(q_len, shape.kv_heads, d)
-    if layer.q_norm is not None:
-        q, k = rms_norm(q, layer.q_norm, shape.eps), rms_norm(k, layer.k_norm, shape.eps)
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+    qk_width = (heads + shape.kv_heads) * d
+    qk = qkv[:, :qk_width].view(q_len, heads + shape.kv_heads, d)  # [q, heads + kv_heads, d]
+    v = qkv[:, qk_width:].view(q_len, shape.kv_heads, d)
+    if layer.qk_norm is not None:
+        qk = rms_norm(qk, layer.qk_norm, shape.eps)
+    qk = rotate(qk, cos, sin)
+    return qk[:, :heads], qk[:, heads:], v
 
 
 def layer_out(
@@ -207,6 +203,16 @@ def decoder_layer(
     return layer_out(out, hidden, layer, shape, fused_rows)
 
 
+def head_norms(
+    q_norm: torch.nn.Module | None, k_norm: torch.nn.Module | None, shape: LayerShape
+) -> torch.Tensor | None:
+    """Qwen3's per-head norms as FusedLayer.qk_norm [heads + kv_heads, head_dim] (None without them)."""
+    if q_norm is None:
+        return None
+    d = shape.head_dim
+    return torch.cat((q_norm.weight.detach().expand(shape.heads, d), k_norm.weight.detach().expand(shape.kv_heads, d)))
+
+
 def _features(tapped: list[torch.Tensor | None], taps: tuple[int, ...]) -> torch.Tensor | None:
     """tapped: each layer's output where it is tapped (None elsewhere) -> features [q, len(taps) * hidden] in the
     order of taps (None without taps)."""
@@ -217,6 +223,13 @@ def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
     """decoder_layer for a prompt (mask None, attention 'sdpa'). A function of its own, because a compiled
     function's recompile limit counts per function: with the tree steps' it went past the limit of 8 (a step of
     each kind at up to the fused row limit and beyond, static first, then symbolic)."""
+    return decoder_layer(*args, **kwargs)
+
+
+def chunk_layer(*args: object, **kwargs: object) -> torch.Tensor:
+    """decoder_layer for a later chunk of a prompt (attention CHUNK), apart from prompt_layer for the same reason:
+    together, each kind at up to the fused row limit and beyond, over the slots' two size classes and the prompt
+    scratch, they were 8 compiles, the limit, on the CPU (tests/test_warm_up.py's serving after the warm-up)."""
     return decoder_layer(*args, **kwargs)
 
 
@@ -245,21 +258,17 @@ class FusedDecoder:
         decoder.layers = torch.nn.ModuleList()  # the unfused copies would double the weights' memory
         self.set_compiled(False)
 
-    @staticmethod
-    def _fuse(layer: torch.nn.Module) -> FusedLayer:
+    def _fuse(self, layer: torch.nn.Module) -> FusedLayer:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         bias = None
         if attn.q_proj.bias is not None:
             bias = torch.cat([p.bias.detach() for p in projections])
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
         return FusedLayer(
             input_norm=layer.input_layernorm.weight.detach(),
             qkv=torch.cat([p.weight.detach() for p in projections]),
             qkv_bias=bias,
-            q_norm=None if q_norm is None else q_norm.weight.detach(),
-            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            qk_norm=head_norms(getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), self.shape),
             o=attn.o_proj.weight.detach(),
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=torch.cat((mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())),
@@ -292,8 +301,8 @@ class FusedDecoder:
         unseen).
         after_committed: a chunk of a prompt whose slots [0, kv_len - q) are committed already (a chunked prefill's
         later chunks): it sees them all, and itself causally (step_attention.chunk_attention)."""
-        kernel = CHUNK if after_committed else "sdpa"
-        return self._layers(self._compiled_prompt, kernel, self.fused_rows, hidden, cos, sin, cache, slots, None,
+        step, kernel = (self._compiled_chunk, CHUNK) if after_committed else (self._compiled_prompt, "sdpa")
+        return self._layers(step, kernel, self.fused_rows, hidden, cos, sin, cache, slots, None,
                             kv_len, taps)
 
     def prompt_by_address(
@@ -356,10 +365,11 @@ class FusedDecoder:
         if fused_rows and not gemv_supported(self.embed.device):
             raise ValueError("the fused projections need Triton and a CUDA device")
         self.attention, self.fused_rows = attention, fused_rows
-        self._compiled_prompt, self._head = prompt_layer, head_logits
+        self._compiled_prompt, self._compiled_chunk, self._head = prompt_layer, chunk_layer, head_logits
         self._qkv, self._out = layer_qkv, layer_out  # a batch's layer around its per-tree attention
         if enabled:  # automatic dynamic: q turns symbolic on first change
             self._compiled_prompt = torch.compile(prompt_layer, fullgraph=True)
+            self._compiled_chunk = torch.compile(chunk_layer, fullgraph=True)
             self._head = torch.compile(head_logits, fullgraph=True)
             self._qkv = torch.compile(layer_qkv, fullgraph=True)
             self._out = torch.compile(layer_out, fullgraph=True)

@@ -32,7 +32,7 @@ from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
 from verify_server.step_attention import FLASH, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_accept, prompt_step,
+    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_outcome, prompt_step,
     size_class, unpack_step,
 )
 
@@ -93,7 +93,7 @@ class FusedRunner(BatchSteps):
         # steps, the embedding and RoPE rows, the walk); compiled, they fuse into a few
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
         self._unpack_prompt = torch.compile(prompt_step, fullgraph=True) if compile else prompt_step
-        self._accept = torch.compile(greedy_accept, fullgraph=True) if compile else greedy_accept
+        self._outcome = torch.compile(greedy_outcome, fullgraph=True) if compile else greedy_outcome
         self.graphs = GraphPool(self.device, enabled=graphs)
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.

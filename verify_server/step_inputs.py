@@ -140,6 +140,14 @@ def prompt_step(
     return num, *embed_tokens(torch.where(nodes < num, inputs[: nodes.shape[0]], 0), nodes, embed, rope)
 
 
-def greedy_accept(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [qb, V] -> accept_path's (packed, path) for the target's greedy choices."""
-    return accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
+def greedy_outcome(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy round's outcome from its logits [qb, V] -> (packed [2 + qb] as accept_path returns it for the
+    target's greedy choices; order [qb] the path's nodes root..deepest, then indices below qb: what the compaction
+    moves and the path's features' rows; cursor [2] the session's next start and bonus token). One function, so
+    that compiled it is a few kernels where its steps apart were a launch each."""
+    if x.ids.shape[0] == 1:  # an AR step: the root alone is the path (a static shape under torch.compile)
+        bonus = logits.argmax(dim=-1)  # [1]
+        depth = torch.zeros_like(bonus)
+        return torch.cat((depth, bonus, x.ids)), depth, torch.stack((x.start + 1, bonus[0]))
+    packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
+    return packed, path.clamp(max=path.shape[0] - 1), torch.stack((x.start + packed[0] + 1, packed[1]))

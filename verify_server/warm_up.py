@@ -15,7 +15,7 @@ import torch
 from ddtree.cuda_graphs import key_buckets
 from ddtree.types import DraftTree, SamplingParams
 from verify_server.batch import BatchTree
-from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
+from verify_server.step_inputs import MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, bucket
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
@@ -89,12 +89,15 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
     for prompt in (17, *(n + 1 for n in past_limit)):
         with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
-    # A chunked prompt's later chunks: the prompt step again, attending to the committed rows too (two sizes, one
-    # past the limit, and a last chunk, which picks the first token).
+    # A chunked prompt's later chunks: a step of their own (attending to the committed rows too), compiled apart
+    # from the prompts' (fused.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the first
+    # token; in slots of two size classes, so that the slot's rows are symbolic for it too.
     chunks = (40, 20, 30, *(n + 1 for n in past_limit), 10)
-    with _warm_up_session(engine, sum(chunks) + 1) as session_id:
-        for i, chunk in enumerate(chunks):
-            engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
+    smaller = sum(chunks) + 1
+    for capacity in (smaller, min(2 * smaller + MIN_SLOT_TOKENS, engine.model.config.max_position_embeddings)):
+        with _warm_up_session(engine, capacity) as session_id:
+            for i, chunk in enumerate(chunks):
+                engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
     if engine.fused is not None and engine.fused.graphs.enabled:
         if taps and max(taps) >= engine.num_layers:
