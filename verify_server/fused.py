@@ -228,8 +228,8 @@ def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
 
 def chunk_layer(*args: object, **kwargs: object) -> torch.Tensor:
     """decoder_layer for a later chunk of a prompt (attention CHUNK), apart from prompt_layer for the same reason:
-    together, each kind at up to the fused row limit and beyond, over the slots' two size classes and the prompt
-    scratch, they were 8 compiles, the limit, on the CPU (tests/test_warm_up.py's serving after the warm-up)."""
+    together, each kind at up to the fused row limit and beyond, over the slots' size classes and the prompt
+    scratch, went past the limit on a GPU (tests/test_warm_up.py, serving after the warm-up)."""
     return decoder_layer(*args, **kwargs)
 
 
