@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.flash_tree import compile_plans, launch, plan
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, launch_rows
+from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, launch_rows, rms_norm
 from ddtree.gemv import launch as gemv
 from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.compaction import launch as compact
-from verify_server.fused import FusedLayer, LayerShape, decoder_layer, rms_norm, unfused_linear
+from verify_server.fused import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
 from verify_server.tree_attention import ancestor_matrix, ancestors
 from tests.graph_replay import ReplayRecorder

@@ -147,7 +147,9 @@ def greedy_outcome(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, t
     that compiled it is a few kernels where its steps apart were a launch each."""
     if x.ids.shape[0] == 1:  # an AR step: the root alone is the path (a static shape under torch.compile)
         bonus = logits.argmax(dim=-1)  # [1]
-        depth = torch.zeros_like(bonus)
-        return torch.cat((depth, bonus, x.ids)), depth, torch.stack((x.start + 1, bonus[0]))
-    packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
-    return packed, path.clamp(max=path.shape[0] - 1), torch.stack((x.start + packed[0] + 1, packed[1]))
+        order = torch.zeros_like(bonus)  # [1] the root, also its accepted depth
+        packed = torch.cat((order, bonus, x.ids))
+    else:
+        packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
+        order = path.clamp(max=path.shape[0] - 1)
+    return packed, order, torch.stack((x.start + packed[0] + 1, packed[1]))
