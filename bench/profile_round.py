@@ -2,7 +2,11 @@
 build and the verifier's round, each replayed on its own so that its kernels can be counted and timed.
 
 Usage: python bench/profile_round.py [--target DIR --drafter DIR] [--budget 32] [--dtype float32] [--compile]
-       [--host-rounds TOKENS]
+       [--host-rounds TOKENS] [--census TOKENS]
+
+--census: the kernels a round of whole generations runs as the bench runs them (ar, chain, ddtree; in-process,
+chained where the engines chain), glue outside the captured steps included: a generation's kernels less those of
+a one-token generation (its prefill), per round.
 
 For a small pair every part is bound by how many kernels run one after another (each costs a few microseconds
 whatever its size), so the table reports kernels per call next to the wall time of a call.
@@ -62,6 +66,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--host-rounds", type=int, default=0, metavar="TOKENS",
                    help="also profile the host side of a generation of TOKENS tokens (cProfile)")
+    p.add_argument("--census", type=int, default=0, metavar="TOKENS",
+                   help="also count the kernels a round of generations of TOKENS tokens runs, per mode")
     args = p.parse_args()
     target, drafter_dir = resolve_pair(args.target, args.drafter)
     verifier, drafter = load_local(target, drafter_dir, "cuda", getattr(torch, args.dtype), compile=args.compile)
@@ -89,8 +95,52 @@ def main() -> None:
     measure("AR step", lambda: v.decode("s"), args.rows)
     v.end_session("s")
     d.end_session("s")
+    if args.census:
+        for mode in ("ar", "chain", "ddtree"):
+            census(verifier, drafter, prompt[:64], Speculation(mode, args.budget), args.census, args.rows)
     if args.host_rounds:
         host_profile(verifier, drafter, prompt[:64], args.budget, args.host_rounds, args.rows)
+
+
+def census(verifier, drafter, prompt: list[int], spec: Speculation, tokens: int, rows: int) -> None:
+    """Kernels (memory copies and fills included) per round of a generation of `tokens` tokens, less those of a
+    one-token generation (the prompt's), and the wall time per round without the profiler."""
+
+    def generate(new: int) -> int:
+        async def rounds() -> int:
+            return len([r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, new, [])])
+
+        count = asyncio.run(rounds())
+        torch.cuda.synchronize()
+        return count
+
+    def kernels(new: int) -> tuple[int, dict[str, tuple[int, float]]]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            count = generate(new)
+        table = {e.key: (e.count, e.self_device_time_total) for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA}
+        return count, table
+
+    generate(tokens)  # warm-up: graphs for this prompt's buckets
+    start = time.perf_counter()
+    whole = generate(tokens)
+    wall = time.perf_counter() - start
+    short = generate(1)
+    start = time.perf_counter()
+    generate(1)
+    wall_short = time.perf_counter() - start
+    (n_whole, whole_table), (n_short, short_table) = kernels(tokens), kernels(1)
+    per = max(1, n_whole - n_short)
+    delta = {k: (c - short_table.get(k, (0, 0.0))[0], t - short_table.get(k, (0, 0.0))[1])
+             for k, (c, t) in whole_table.items()}
+    count = sum(c for c, _ in delta.values()) / per
+    device_ms = sum(t for _, t in delta.values()) / per / 1000
+    name = spec.mode + (f" {spec.budget}" if spec.mode == "ddtree" else "")
+    print(f"\n=== {name}: {per} rounds, {(wall - wall_short) / max(1, whole - short) * 1000:.3f} ms wall per round, "
+          f"{count:.1f} kernels per round ({device_ms:.3f} ms of kernels) ===")
+    for key, (c, t) in sorted(delta.items(), key=lambda kv: -kv[1][0])[:rows]:
+        if c > 0:
+            print(f"{c / per:6.2f} x {t / c:7.2f} us  {key[:200]}")
 
 
 def host_profile(verifier, drafter, prompt: list[int], budget: int, tokens: int, rows: int) -> None:

@@ -51,8 +51,9 @@ STAGES = (
     ("verify_server.server", "check_tree", "check"),
     ("verify_server.verify", "VerifyEngine._launch", "launch"),  # queues the captured round
     ("verify_server.fused_runner", "FusedRunner._prepare_batch", "inputs"),  # inside "launch": write + upload
-    ("ddtree.readback", "PinnedReadback.write", "readbacks"),  # inside "launch": outcome (and features) to host
-    ("verify_server.verify", "VerifyEngine._keep_rows", "features"),  # inside "launch": the path's rows queued
+    # inside "launch": the outcome's and the path's features' stores to the host, in one launch
+    ("verify_server.queued_rounds", "copy_together", "readbacks"),
+    ("verify_server.verify", "VerifyEngine._keep_rows", "features"),  # a batch's rounds: each path's rows queued
     ("verify_server.verify", "VerifyEngine.collect", "collect"),  # the round's one sync, then the commit
     ("protos.tensors", "step_to_pb", "to pb"),
 )

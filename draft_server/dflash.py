@@ -46,6 +46,21 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
 
+    def table(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """[2, rows, head_dim]: cos_sin of positions 0..rows-1, for captured steps to gather (gather_cos_sin).
+        Compiled, cos_sin fused into a step's first norm-and-rotate kernel, and Inductor ran that kernel as one
+        program of 255 registers: 12-16 µs a draft where its gathering neighbours take ~2.5
+        (bench/README.md, twenty-seventh session)."""
+        cos, sin = self.cos_sin(torch.arange(rows, device=self.inv_freq.device)[None], dtype)
+        return torch.stack((cos[0, 0], sin[0, 0]))
+
+
+def gather_cos_sin(table: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Rotary.table, positions [b, s] -> cos, sin [b, 1, s, head_dim] as Rotary.cos_sin computes them (each
+    position's values depend on it alone)."""
+    rows = table[:, positions]  # [2, b, s, head_dim]
+    return rows[0][:, None], rows[1][:, None]
+
 
 def sliding_window_mask(query_pos: torch.Tensor, ctx_pos: torch.Tensor, window: int) -> torch.Tensor:
     """query_pos [b, q] block positions, ctx_pos [b, c] context positions -> mask [b, 1, q, c+q] bool (True = attend):
@@ -194,11 +209,14 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """features [b, c, taps*hidden] target hidden states at absolute positions [b, c]
-        -> per layer (k, v), each [b, kv_heads, c, head_dim], rotated at those positions."""
+        -> per layer (k, v), each [b, kv_heads, c, head_dim], rotated at those positions. rope: a Rotary.table to
+        gather the rotation from (else computed)."""
         ctx = self.hidden_norm(self.fc(features))
-        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype) if rope is None else gather_cos_sin(rope, positions)
         return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
 
     def forward(

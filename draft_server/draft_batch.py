@@ -10,7 +10,8 @@ on the device and writes the block's own K/V there too, so a batch of blocks is 
 blocks' trees are built after, in one more graph. Elsewhere (the CPU) the attention loops over the blocks under
 their biases, the single block's form, which the tests compare with drafting each session alone. BatchBlocks
 uses StaticDrafter's `config`, `drafter`, `head`, `device`, `dtype`, `rows`, `graphs`, `flash`, `block_rows`,
-`slots`, `slot_shape`, `_arange`, `_ids`, `_logprobs`, `_masks`, `layouts`, `append`, `_tree` and `_host_copy`.
+`slots`, `slot_shape`, `_arange`, `_rope`, `_ids`, `_logprobs`, `_masks`, `layouts`, `append`, `_tree` and
+`_host_copy`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ddtree.flash_batch import batch_tree_attention
 from ddtree.sdpa import grouped_attention
 from ddtree.types import DraftTree
 from draft_server.block import block_out, block_qkv
+from draft_server.dflash import gather_cos_sin
 
 
 class BlockCall(NamedTuple):
@@ -194,7 +196,7 @@ class BatchBlocks:
         ids = torch.where(offsets == 0, batch.inputs[1][:, None], cfg.mask_token_id)  # [blocks, B] root, MASKs
         positions = batch.inputs[0][:, None] + offsets  # [blocks, B] == each block's rows in its slot
         x = self.head.embed_tokens(ids.view(1, -1))  # [1, blocks * B, hidden]
-        cos, sin = drafter.rotary.cos_sin(positions.view(1, -1), x.dtype)
+        cos, sin = gather_cos_sin(self._rope, positions.view(1, -1))
         fused = self.block_rows >= count * size
         biases = None if self.flash else [self._masks(positions[b], keys) for b in range(count)]
         for i, (layer, kind) in enumerate(zip(drafter.layers, cfg.layer_types)):

@@ -23,12 +23,13 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
+from ddtree.device_copies import copy_together
 from ddtree.flash_batch import compile_batch_plans, write_slot_rows
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
 from ddtree.types import DraftTree
 from draft_server.block import block_layer
-from draft_server.dflash import DFlashDrafter
+from draft_server.dflash import DFlashDrafter, gather_cos_sin
 from draft_server.draft_batch import BatchBlocks, BlockBatch
 from draft_server.draft_inputs import DraftInputs
 from draft_server.target_head import TargetHead
@@ -108,6 +109,7 @@ class StaticDrafter(BatchBlocks):
         self._block_batches, self._columns, self._scratch = {}, {}, None
         self._block_tree = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool, device=self.device)
         self._arange = torch.arange(self.rows, dtype=torch.long, device=self.device)  # row index == absolute position
+        self._rope = drafter.rotary.table(self.rows, self.dtype)  # [2, rows, head_dim] cos, sin of every row
         # [B-1, vocab] fp32: the block's output and the tree's input (one buffer, not a graph output per slot)
         self._logprobs = torch.zeros(cfg.block_size - 1, head.vocab_size, device=self.device)
         # What the graphs read of a draft, in one byte buffer so that a draft's inputs from the host go up in one
@@ -224,7 +226,7 @@ class StaticDrafter(BatchBlocks):
     def _new_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """features [n, taps*hidden] -> (their rows _start + [0, n), per layer (k, v) [1, kv_heads, n, head_dim])."""
         rows = self._start + self._arange[: features.shape[0]]  # [n]
-        return rows, self.drafter.context_kv(features[None], rows[None])
+        return rows, self.drafter.context_kv(features[None], rows[None], self._rope)
 
     def _stacked_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """_new_kv's K and V, each [layers, kv_heads, n, head_dim] (compiled, the stack costs no copy of its own)."""
@@ -238,13 +240,18 @@ class StaticDrafter(BatchBlocks):
 
     # ---- block --------------------------------------------------------------------------------------------------
 
-    def block_after(self, slot: int, cursor: torch.Tensor, bound: int) -> None:
-        """The block with its position and root read on the device from cursor [2] = (position, root token), a
-        verify round's outcome not yet known on the host; `bound` >= that position sizes the key bucket."""
-        self._pos.copy_(cursor[:1])
-        self._ids[0, :1].copy_(cursor[1:])
+    def draft_after(self, slot: int, start: int, features: torch.Tensor, cursor: torch.Tensor, bound: int) -> None:
+        """append(slot, start, features) of features on the device (at most max_append rows), then the block with
+        its position and root read on the device from cursor [2] = (position, root token), a verify round's outcome
+        not yet known on the host; `bound` >= that position sizes the key bucket. The inputs go in one launch (the
+        append's first row from the device's row numbers: a fill is a launch of its own)."""
         if (point := self._point_at(slot)) is not None:
             self._inputs.slot.fill_(point)
+        m = features.shape[0]
+        copy_together([(self._start, self._arange[start : start + 1]), (self._pos, cursor[:1]),
+                       (self._ids[0, :1], cursor[1:]), (self._features[:m], features.to(self.dtype))])
+        if m:
+            self._replay_append(slot, m)
         self._replay_block(slot, key_bucket(bound + self.config.block_size, self.rows))
 
     def _replay_block(self, slot: int, keys: int) -> None:
@@ -319,7 +326,7 @@ class StaticDrafter(BatchBlocks):
         positions = self._pos + self._arange[: cfg.block_size]  # [B] absolute positions, == the block's rows
         full, sliding = (None, None) if self.flash else self._masks(positions, keys)
         x = self.head.embed_tokens(self._ids)  # [1, B, hidden]
-        cos, sin = drafter.rotary.cos_sin(positions[None], x.dtype)
+        cos, sin = gather_cos_sin(self._rope, positions[None])
         for layer, kind, k_cache, v_cache in zip(drafter.layers, cfg.layer_types, k_caches, v_caches):
             bias = sliding if kind == "sliding_attention" else full
             x = block_layer(x, layer, cos, sin, k_cache, v_cache, positions, keys, bias, self._block_tree,

@@ -230,9 +230,8 @@ class DraftEngine(BatchedDrafts):
         sess.settle(start)
         sess.last_used = time.monotonic()
         timer = self.timers.timer()
-        self.static.append(sess.slot, start, features)
+        self.static.draft_after(sess.slot, start, features, cursor, start + n)
         sess.length, sess.length_max = start + 1, start + n
-        self.static.block_after(sess.slot, cursor, start + n)
         timer.mark()
         tree, _ = self.static.tree(budget, top_k)
         timer.end()

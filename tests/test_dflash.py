@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draft_server.dflash import DFlashDrafter, apply_rope, load_drafter, save_drafter
+from draft_server.dflash import DFlashDrafter, Rotary, apply_rope, gather_cos_sin, load_drafter, save_drafter
 from draft_server.drafter import DraftEngine
 from draft_server.session import SessionError
 from draft_server.target_head import TargetHead
@@ -159,3 +159,16 @@ def test_fused_projections_share_the_weights_and_compute_the_same(drafter_dir: P
     features = torch.randn(1, 7, 2 * HIDDEN)
     for got, want in zip(fused.context_kv(features, positions[:, :7]), plain.context_kv(features, positions[:, :7])):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rope_table_gathers_what_cos_sin_computes(dtype: torch.dtype) -> None:
+    """The static path's steps gather the rotation from a table (Rotary.table); any positions, in any order and
+    batch shape, get the values cos_sin computes for them, bit for bit."""
+    rotary = Rotary(64, 1_000_000.0)
+    table = rotary.table(3000, dtype)  # [2, rows, head_dim]
+    assert table.shape == (2, 3000, 64) and table.dtype == dtype
+    positions = torch.tensor([[2999, 0, 17, 1024, 1025, 5], [3, 3, 2048, 511, 1, 2998]])
+    for got, want in zip(gather_cos_sin(table, positions), rotary.cos_sin(positions, dtype)):
+        assert got.shape == want.shape == (2, 1, 6, 64)
+        assert torch.equal(got, want)

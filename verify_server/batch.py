@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ddtree.cuda_graphs import key_bucket
+from ddtree.device_copies import copy_together
 from ddtree.flash_batch import batch_tree_attention
 from ddtree.types import DraftTree
 from verify_server.compaction import compact_batch, compact_path
@@ -154,6 +155,7 @@ class BatchBuffers:
     form (no graphs) reads.
 
     inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
+    counts   [qb + 1] 0, 1, ..., qb on the device: a node count's value, for a chained round's copy (write_after)
     staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
              queued without a host sync in between, so `copied` marks when the last copy has left it; a rewrite
              waits for that (long done, in practice)
@@ -163,7 +165,8 @@ class BatchBuffers:
     staging: torch.Tensor
     inputs: torch.Tensor
     slots: torch.Tensor
-    nodes: torch.Tensor  # [qb] 0, 1, ...
+    nodes: torch.Tensor  # [qb] 0, 1, ...: the head of counts
+    counts: torch.Tensor
     tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
     caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
@@ -175,10 +178,10 @@ class BatchBuffers:
         size = trees * width + (2 * layers + 1) * trees
         data = torch.zeros(size, dtype=torch.long, device=device)
         staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
-        nodes = torch.arange(qb, device=device)
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
+        counts = torch.arange(qb + 1, device=device)
         return cls(data, staging, data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees),
-                   nodes, tables, torch.cuda.Event() if device.type == "cuda" else None, [], [])
+                   counts[:qb], counts, tables, torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
     def qb(self) -> int:
@@ -206,34 +209,31 @@ class BatchBuffers:
         self.data.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        for b in on_device:
-            self._copy_tree(b, items[b].tree)
+        copy_together([pair for b in on_device for pair in self._tree_rows(b, items[b].tree)])
         self.caches, self.starts = [item.cache for item in items], [item.cache.length for item in items]
 
     def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
         """A lone round queued before the session's previous one is read: its start and root come from that
         round's outcome on the device, cursor [2] = (next start, bonus token), and nothing goes through the host
-        (its copy would wait for the round in flight). start: the furthest that round can take the session."""
+        (its copy would wait for the round in flight). start: the furthest that round can take the session. The
+        tree, the scalars and the slot's addresses go in one launch (device_copies.copy_together)."""
         q = item.tree.tokens.shape[0]
         if q > 1 and item.tree.tokens.device != self.inputs.device:
             raise ValueError("a chained round takes its tree on the device")
-        if q > 1:
-            self._copy_tree(0, item.tree)
-        qb = self.qb
-        self.inputs[0, 3 * qb + 1].fill_(q)  # a kernel argument, not a read of host memory
-        self.inputs[0, 3 * qb : 3 * qb + 3 : 2].copy_(cursor)  # start and root
         cache = item.cache
         if cache.address_column is None:
             cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
-        self.slots[:, 0].copy_(cache.address_column)
+        head = self.inputs[0, 3 * self.qb :]  # start, num, root
+        pairs = [(head[0:1], cursor[:1]), (head[1:2], self.counts[q : q + 1]), (head[2:3], cursor[1:]),
+                 (self.slots[:, 0], cache.address_column)]  # a lone batch's column: contiguous
+        copy_together(pairs + (self._tree_rows(0, item.tree) if q > 1 else []))
         self.caches, self.starts = [cache], [start]
 
-    def _copy_tree(self, b: int, tree: DraftTree) -> None:
-        """Tree b's arrays, already on the device: device-to-device copies."""
+    def _tree_rows(self, b: int, tree: DraftTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) of tree b's arrays, already on the device, in its row of the inputs."""
         q, qb = tree.tokens.shape[0], self.qb
         rows = self.inputs[b, : 3 * qb].view(3, qb)
-        for row, values in enumerate((tree.tokens, tree.parents, tree.depths)):
-            rows[row, :q].copy_(values, non_blocking=True)
+        return [(rows[row, :q], values) for row, values in enumerate((tree.tokens, tree.parents, tree.depths))]
 
     @property
     def kv_lens(self) -> list[int]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.device_copies import copy_together
 from ddtree.readback import PinnedReadback
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, SamplingParams, StepResult
@@ -63,12 +64,9 @@ class QueuedRounds:
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
-        pending = self._launch(session_id, sess, tree)
+        pending = self._launch(session_id, sess, tree, keep_cursor=True)
         if pending is None:
             raise SessionError("only greedy rounds on the captured path can be queued; use verify")
-        # the graph's output, which another session's round of the same shape rewrites (a graph serves every slot)
-        # before this session's next round, or its drafter, reads it
-        pending.cursor = pending.cursor.clone()
         return pending
 
     def collect(self, pending: PendingRound) -> StepResult:
@@ -86,9 +84,13 @@ class QueuedRounds:
         return StepResult(host[3 : 3 + k] + [bonus], features, forward_s=forward_s, timings={"walk_s": walk_s})
 
     def _launch(
-        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False
+        self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False,
+        keep_cursor: bool = False,
     ) -> PendingRound | None:
-        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured."""
+        """Queues a captured greedy round -> its PendingRound; None on the paths that are not captured. Its outcome,
+        its path's features and (keep_cursor) its cursor leave the graph's outputs in one launch: another session's
+        round of the same shape rewrites those (a graph serves every slot) before this session's next round, or its
+        drafter, reads the cursor."""
         if self.fused is None or not sess.params.greedy:
             return None
         if len(sess.inflight) >= MAX_IN_FLIGHT:
@@ -107,10 +109,19 @@ class QueuedRounds:
         ring = self._next_ring(sess)
         if not sess.readback:  # a captured greedy round's outcome only: sampled rounds are read after their walk
             sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
-        host = sess.readback[ring].write(packed)
+        stored, host = sess.readback[ring].target(packed)
+        copies = [(stored, packed)]
+        if keep_cursor:
+            copies.append((kept := torch.empty_like(cursor), cursor))
+            cursor = kept
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
-        features = None if path_features is None else self._keep_rows(sess, ring, path_features[:advance],
-                                                                         host_features)
+        features = None
+        if path_features is not None:
+            rows = path_features[:advance]
+            stored, features = (_host_rows(sess, ring, rows, self.device).target(rows) if host_features
+                                else (kept := torch.empty_like(rows), kept))
+            copies.append((stored, rows))
+        copy_together(copies)
         timer.end()
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
@@ -124,6 +135,7 @@ class QueuedRounds:
         ring = sess.queued % MAX_IN_FLIGHT
         sess.queued += 1
         return ring
+
 
     def _keep_rows(self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool) -> torch.Tensor:
         """A round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites, or an

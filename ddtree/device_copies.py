@@ -1,0 +1,50 @@
+"""Several small copies between device tensors in one launch.
+
+Between two rounds queued on the device without the host reading the first (chained rounds, gateway/rounds.py),
+each engine moves a few small tensors from the last round's outcome into the next step's static inputs: a tree's
+rows, a cursor's scalars, the accepted path's features. Each copy_ or fill_ is a launch of its own, a ~1 µs kernel
+and the gap before the next, about fifteen a round on the demo pair (`bench/profile_round.py --census`).
+torch's multi-tensor copy (`torch._foreach_copy_`) does a list of copies in one kernel where all share a dtype and
+each is dense, so the copies here travel as int64 words: a bf16 feature row and int64 scalars share the launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+WORD = 8  # bytes of the int64 words the copies travel as
+
+
+def copy_together(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst.copy_(src) for every (dst, src) pair, of one shape and dtype each, on one device: one launch for those
+    whose bytes are whole aligned words in contiguous memory on both sides, a copy_ each for any others."""
+    dsts, srcs = [], []
+    for dst, src in pairs:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"copy of {src.dtype}{list(src.shape)} into {dst.dtype}{list(dst.shape)}")
+        if dst.numel() == 0:
+            continue
+        words = _words(dst), _words(src)
+        if words[0] is None or words[1] is None:
+            dst.copy_(src)
+        else:
+            dsts.append(words[0])
+            srcs.append(words[1])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """t's bytes as a flat int64 view, or None where they are not contiguous whole aligned words (a tensor that is
+    not dense would send the whole list down torch's slow path: a copy each)."""
+    if not t.is_contiguous():
+        return None
+    flat = t.view(-1)
+    if t.dtype == torch.long:
+        return flat
+    size = t.element_size()
+    if flat.numel() * size % WORD or t.storage_offset() * size % WORD:
+        return None
+    return flat.view(torch.long)
