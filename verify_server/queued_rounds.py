@@ -118,8 +118,10 @@ class QueuedRounds:
         features = None
         if path_features is not None:
             rows = path_features[:advance]
-            stored, features = (_host_rows(sess, ring, rows, self.device).target(rows) if host_features
-                                else (kept := torch.empty_like(rows), kept))
+            if host_features:
+                stored, features = _host_rows(sess, ring, rows, self.device).target(rows)
+            else:
+                stored = features = torch.empty_like(rows)
             copies.append((stored, rows))
         copy_together(copies)
         timer.end()
@@ -135,7 +137,6 @@ class QueuedRounds:
         ring = sess.queued % MAX_IN_FLIGHT
         sess.queued += 1
         return ring
-
 
     def _keep_rows(self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool) -> torch.Tensor:
         """A round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites, or an
