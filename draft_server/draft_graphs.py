@@ -248,8 +248,8 @@ class StaticDrafter(BatchBlocks):
         if (point := self._point_at(slot)) is not None:
             self._inputs.slot.fill_(point)
         m = features.shape[0]
-        copy_together([(self._start, self._arange[start : start + 1]), (self._pos, cursor[:1]),
-                       (self._ids[0, :1], cursor[1:]), (self._features[:m], features.to(self.dtype))])
+        copy_together([(self._start, self._arange[start : start + 1]), (self._inputs.cursor, cursor),
+                       (self._features[:m], features.to(self.dtype))])
         if m:
             self._replay_append(slot, m)
         self._replay_block(slot, key_bucket(bound + self.config.block_size, self.rows))

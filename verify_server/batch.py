@@ -156,6 +156,9 @@ class BatchBuffers:
 
     inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
     counts   [qb + 1] 0, 1, ..., qb on the device: a node count's value, for a chained round's copy (write_after)
+    lone     write_after's destinations, views made once: tree 0's start, num and root [1] each, its slot column
+             [2 * layers + 1] (contiguous where the batch is of one tree, the only one write_after writes), its
+             tokens, parents and depths rows [3, qb]
     staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
              queued without a host sync in between, so `copied` marks when the last copy has left it; a rewrite
              waits for that (long done, in practice)
@@ -167,6 +170,7 @@ class BatchBuffers:
     slots: torch.Tensor
     nodes: torch.Tensor  # [qb] 0, 1, ...: the head of counts
     counts: torch.Tensor
+    lone: tuple[torch.Tensor, ...]
     tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
     caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
@@ -180,8 +184,10 @@ class BatchBuffers:
         staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
         counts = torch.arange(qb + 1, device=device)
-        return cls(data, staging, data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees),
-                   counts[:qb], counts, tables, torch.cuda.Event() if device.type == "cuda" else None, [], [])
+        inputs, slots = data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees)
+        lone = (*inputs[0, 3 * qb : 3 * qb + 3].split(1), slots[:, 0], *inputs[0, : 3 * qb].view(3, qb))
+        return cls(data, staging, inputs, slots, counts[:qb], counts, lone, tables,
+                   torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
     def qb(self) -> int:
@@ -223,10 +229,13 @@ class BatchBuffers:
         cache = item.cache
         if cache.address_column is None:
             cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
-        head = self.inputs[0, 3 * self.qb :]  # start, num, root
-        pairs = [(head[0:1], cursor[:1]), (head[1:2], self.counts[q : q + 1]), (head[2:3], cursor[1:]),
-                 (self.slots[:, 0], cache.address_column)]  # a lone batch's column: contiguous
-        copy_together(pairs + (self._tree_rows(0, item.tree) if q > 1 else []))
+        start_to, num_to, root_to, slots_to, *rows = self.lone
+        pairs = [(start_to, cursor[:1]), (num_to, self.counts[q : q + 1]), (root_to, cursor[1:]),
+                 (slots_to, cache.address_column)]
+        if q > 1:
+            tree = item.tree
+            pairs += [(row[:q], values) for row, values in zip(rows, (tree.tokens, tree.parents, tree.depths))]
+        copy_together(pairs)
         self.caches, self.starts = [cache], [start]
 
     def _tree_rows(self, b: int, tree: DraftTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
