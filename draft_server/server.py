@@ -15,10 +15,8 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from ddtree.service import (
-    BATCH_BUCKETS, Batch, EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, run_checked,
-    streamed,
-)
+from ddtree.call_batch import BATCH_BUCKETS, Batch, run_checked
+from ddtree.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
 from ddtree.service_process import run_service, serve
 from ddtree.types import DrafterInfo
 from draft_server.batched_drafts import DraftCall

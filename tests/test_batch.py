@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.service import ROUND_RPCS, Batch, EngineHost, ServiceMetrics
+from ddtree.call_batch import Batch
+from ddtree.service import ROUND_RPCS, EngineHost, ServiceMetrics
 from ddtree.types import SamplingParams
 from verify_server.session import CapacityError, SessionError, UnknownSessionError
 from verify_server.verify import ROOT_ONLY, VerifyEngine

@@ -15,10 +15,8 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
-from ddtree.service import (
-    BATCH_BUCKETS, Batch, EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, run_checked,
-    streamed,
-)
+from ddtree.call_batch import BATCH_BUCKETS, Batch, run_checked
+from ddtree.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
 from ddtree.service_config import MAX_MESSAGE_BYTES
 from ddtree.service_process import run_service, serve
 from ddtree.types import DraftTree, VerifierInfo

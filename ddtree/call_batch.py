@@ -1,0 +1,119 @@
+"""Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
+rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
+(draft_server/draft_batch.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
+service's requests, each parsed and answered on its own. The engine host they run on: ddtree/service.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Generic
+
+from prometheus_client import Histogram
+
+from ddtree.service import E, EngineHost
+
+
+def run_checked(
+    requests: list[Any], parse: Callable[[Any], Any], run: Callable[[list[Any]], list[Any]],
+    answer: Callable[[Any], Any],
+) -> list[Any]:
+    """A Batch's run over a service's calls: each request parsed and checked (its error is its own outcome), the
+    valid ones run together (run -> one result or exception each), each result answered -> one outcome per
+    request, in order."""
+    outcomes: list[Any] = [None] * len(requests)
+    calls, where = [], []
+    for i, request in enumerate(requests):
+        try:
+            calls.append(parse(request))
+            where.append(i)
+        except Exception as exc:  # noqa: BLE001 - this call's own error
+            outcomes[i] = exc
+    for i, result in zip(where, run(calls) if calls else []):
+        outcomes[i] = result if isinstance(result, Exception) else answer(result)
+    return outcomes
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a Batch's sizes histogram
+
+
+class Batch(Generic[E]):
+    """Calls of one kind that wait for the engine together and run as one step (the verifier's rounds of several
+    sessions: verify_server/batched_rounds.py). A call that finds no run under way leads one: after one turn of
+    the loop, in which the calls that arrived with it join, it runs them itself where the engine is free to run
+    inline (its answer is there when the run returns: no task, no wake-up), else a runner task does. Calls that
+    arrive while a run is in the engine wait for the next run, which takes them all (up to max_size). run(engine,
+    items) -> one outcome per item, a response or the exception that call fails with: one call's failure is its
+    own."""
+
+    def __init__(
+        self, rpc: str, run: Callable[[E, list[Any]], list[Any]], max_size: int, sizes: Histogram | None = None
+    ) -> None:
+        """rpc: the name the runs go by (whether they run inline, service.EngineHost); sizes: observes each run's
+        number of calls."""
+        if max_size < 1:
+            raise ValueError(f"a batch holds at least 1 call, got {max_size}")
+        self.rpc, self.run, self.max_size, self.sizes = rpc, run, max_size, sizes
+        self._waiting: list[tuple[Any, asyncio.Future]] = []
+        self._runner: asyncio.Task | None = None
+        self._leading = False  # a call waits its turn of the loop before it runs the calls waiting
+
+    async def submit(self, host: EngineHost[E], item: Any) -> Any:
+        if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop
+            (outcome,) = await host.execute(self.rpc, lambda engine: self.run(engine, [item]))
+            if self.sizes is not None:
+                self.sizes.observe(1)
+        else:
+            answer = asyncio.get_running_loop().create_future()
+            self._waiting.append((item, answer))
+            if self._runner is None and not self._leading:
+                await self._lead(host, answer)
+            outcome = await answer  # already there where this call ran the calls itself
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _lead(self, host: EngineHost[E], answer: asyncio.Future) -> None:
+        """This call's run (see the class docstring). Cancelled during its turn, it hands the others to a runner."""
+        self._leading = True
+        try:
+            await asyncio.sleep(0)  # the calls that arrive with this one join it
+        except asyncio.CancelledError:
+            answer.cancel()  # skipped by the runner
+            self._leading = False
+            self._start_runner(host)
+            raise
+        self._leading = False
+        if host.runs_inline(self.rpc):  # no await suspends the run: nothing can cancel it half-way
+            await self._run_batch(host, self._take())
+        self._start_runner(host)  # the calls beyond max_size, or all of them where the engine is busy
+
+    def _take(self) -> list[tuple[Any, asyncio.Future]]:
+        taken, self._waiting = self._waiting[: self.max_size], self._waiting[self.max_size :]
+        return [(item, answer) for item, answer in taken if not answer.done()]  # callers gone: skipped
+
+    async def _run_batch(self, host: EngineHost[E], taken: list[tuple[Any, asyncio.Future]]) -> None:
+        if not taken:
+            return
+        items = [item for item, _ in taken]
+        try:
+            outcomes = await host.execute(self.rpc, lambda engine: self.run(engine, items))
+        except Exception as exc:  # noqa: BLE001 - the run as a whole failed: each call fails with it
+            outcomes = [exc] * len(taken)
+        if self.sizes is not None:
+            self.sizes.observe(len(taken))
+        for (_, answer), outcome in zip(taken, outcomes):
+            if not answer.done():
+                answer.set_result(outcome)
+
+    def _start_runner(self, host: EngineHost[E]) -> None:
+        if self._waiting and self._runner is None:
+            self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
+
+    async def _run_waiting(self, host: EngineHost[E]) -> None:
+        try:
+            while self._waiting:
+                await self._run_batch(host, self._take())
+        finally:
+            self._runner = None
