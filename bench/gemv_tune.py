@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ddtree.cost_curve import copy_bandwidth
 from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, gemv_plan, launch, launch_rows, rms_norm, rows_plan
 from ddtree.timing import graph_call_us, ranked
-from verify_server.fused import unfused_linear
+from verify_server.fused_layer import unfused_linear
 
 L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through
 # name -> (out, in, prologue, residual): a layer's four projections and the lm_head at each model's shapes

@@ -22,7 +22,7 @@ from tests.graph_replay import ReplayRecorder
 from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 from tests.test_verify import make_engine
 from verify_server import fused
-from verify_server.fused import unfused_linear
+from verify_server.fused_layer import unfused_linear
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.warm_up import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine

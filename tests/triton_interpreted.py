@@ -20,7 +20,7 @@ from ddtree.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
 from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.compaction import launch as compact
-from verify_server.fused import FusedLayer, LayerShape, decoder_layer, unfused_linear
+from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
 from verify_server.tree_attention import ancestor_matrix, ancestors
 from tests.graph_replay import ReplayRecorder
