@@ -90,8 +90,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
         with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
     # A chunked prompt's later chunks: a step of their own (attending to the committed rows too), compiled apart
-    # from the prompts' (fused_layer.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the first
-    # token; in slots of two size classes, so that the slot's rows are symbolic for it too.
+    # from the prompts' (fused_layer.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the
+    # first token; in slots of two size classes, so that the slot's rows are symbolic for it too.
     chunks = (40, 20, 30, *(n + 1 for n in past_limit), 10)
     smaller = sum(chunks) + 1
     for capacity in (smaller, min(2 * smaller + MIN_SLOT_TOKENS, engine.model.config.max_position_embeddings)):
