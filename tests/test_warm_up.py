@@ -21,7 +21,7 @@ from tests.conftest import VOCAB
 from tests.graph_replay import ReplayRecorder
 from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 from tests.test_verify import make_engine
-from verify_server import fused
+from verify_server import fused_layer
 from verify_server.fused_layer import unfused_linear
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.warm_up import warm_up as warm_up_verifier
@@ -65,8 +65,8 @@ def test_verifier_warm_up_compiles_every_step_shape(
     engine = make_engine(qwen3_target, "fused-static")
     engine.fused.configure(graphs=False, compile=True, attention="matmul")
     if fused_rows:
-        monkeypatch.setattr(fused, "rows_linear", unfused_linear)
-        monkeypatch.setattr(fused, "decode_linear", cpu_decode_linear)
+        monkeypatch.setattr(fused_layer, "rows_linear", unfused_linear)
+        monkeypatch.setattr(fused_layer, "decode_linear", cpu_decode_linear)
         engine.fused.decoder.fused_rows = fused_rows  # set_compiled refuses it on a CPU
     engine.fused.static = True  # the bucketed steps CUDA graphs replay, forced on so that the CPU runs them
     warm_up_verifier(engine)
