@@ -53,7 +53,7 @@ STAGES = (
     ("verify_server.fused_runner", "FusedRunner._prepare_batch", "inputs"),  # inside "launch": write + upload
     # inside "launch": the outcome's and the path's features' stores to the host, in one launch
     ("verify_server.queued_rounds", "copy_together", "readbacks"),
-    ("verify_server.verify", "VerifyEngine._keep_rows", "features"),  # a batch's rounds: each path's rows queued
+    ("verify_server.verify", "VerifyEngine._kept_rows", "features"),  # inside "launch": where the path's rows go
     ("verify_server.verify", "VerifyEngine.collect", "collect"),  # the round's one sync, then the commit
     ("protos.tensors", "step_to_pb", "to pb"),
 )

@@ -39,19 +39,10 @@ class PinnedReadback:
     def capacity(self) -> int:
         return self.host.numel()
 
-    def write(self, src: torch.Tensor) -> torch.Tensor:
-        """Queues src (contiguous, this buffer's dtype, at most capacity elements) into the buffer -> the host
-        view of src's shape, which holds src once the queued work has run."""
-        dst, host = self.target(src)
-        if self._device_view is None:
-            host.copy_(src)
-        else:  # x * 1 is x for every value (NaN, -0 included), and an elementwise kernel stores it
-            torch.mul(src, 1, out=dst)
-        return host
-
     def target(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (where a kernel is to store src: the buffer's head as the device sees it, the host view off a GPU;
-        the host view of src's shape), for a caller that queues the store itself with other copies
+        """src (this buffer's dtype, at most capacity elements) -> (where a kernel is to store it: the buffer's head
+        as the device sees it, the host view off a GPU; the host view of src's shape, which holds src once the
+        queued store has run). The caller queues the store with the round's other copies
         (ddtree.device_copies.copy_together: a multi-tensor kernel's stores, no copy engine)."""
         n = src.numel()
         host = self.host[:n].view(src.shape)

@@ -1,10 +1,12 @@
-"""Host buffers the device writes: on a GPU through a kernel's stores into mapped pinned memory, else a copy."""
+"""Host buffers the device writes: on a GPU through a kernel's stores into mapped pinned memory (copy_together),
+else a copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ddtree.device_copies import copy_together
 from ddtree.readback import PinnedReadback
 
 
@@ -21,7 +23,8 @@ def test_writes_land_in_the_host_buffer_exactly(device: str, dtype: torch.dtype)
     for shape in ((66,), (5, 20), (1,)):  # later writes shorter than earlier ones: only the head is rewritten
         src = (1000 * torch.randn(shape, generator=gen)).to(dtype)
         src.view(-1)[0] = float("nan") if dtype.is_floating_point else -7
-        host = buf.write(src.to(device))
+        stored, host = buf.target(src)
+        copy_together([(stored, src.to(device))])
         if device == "cuda":
             torch.cuda.synchronize()
         assert host.shape == src.shape and host.data_ptr() == buf.host.data_ptr()
@@ -30,4 +33,4 @@ def test_writes_land_in_the_host_buffer_exactly(device: str, dtype: torch.dtype)
 
 def test_a_write_beyond_the_capacity_is_refused() -> None:
     with pytest.raises(RuntimeError):
-        PinnedReadback(4, torch.long, torch.device("cpu")).write(torch.arange(5))
+        PinnedReadback(4, torch.long, torch.device("cpu")).target(torch.arange(5))

@@ -3,7 +3,7 @@
 A service that finds several sessions' Verify or Decode calls waiting hands them over together. Each call's
 outcome is what verify() would have given it alone: the same tokens (the walk, the sampling with the session's own
 generator and the compaction run per tree), or the same error. Only the forward is shared. BatchedRounds uses the
-engine's `fused` runner, `timers`, `session()`, `verify()`, `_next_ring()` and `_keep_rows()`.
+engine's `fused` runner, `timers`, `session()`, `verify()`, `_next_ring()` and `_kept_rows()`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from ddtree.device_copies import copy_together
 from ddtree.timing import StepTimer
 from ddtree.types import DraftTree, StepResult
 from verify_server.batch import BatchTree
@@ -131,11 +132,14 @@ class BatchedRounds:
         reads the outcomes and commits them."""
         packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
         timer.mark()
-        kept = []
+        kept, copies = [], []
         if features is not None:
             for b, (sess, item) in enumerate(zip(sessions, items)):
                 rows = features[b, : min(item.tree.max_depth + 1, features.shape[1])]  # [advance, taps*hidden]
-                kept.append(self._keep_rows(sess, self._next_ring(sess), rows, host_features))
+                stored, rows_kept = self._kept_rows(sess, self._next_ring(sess), rows, host_features)
+                copies.append((stored, rows))
+                kept.append(rows_kept)
+        copy_together(copies)
         host = timer.sync(packed.tolist)  # the batch's single host sync
         results = []
         for b, sess in enumerate(sessions):
@@ -153,7 +157,7 @@ class BatchedRounds:
         sync for all. host_features: each path's features are queued to the session's host rows before that sync,
         as a captured round's are (read after it, they would cost the caller a second sync)."""
         timer.mark()
-        packed, paths, kept = [], [], []
+        packed, paths, kept, copies = [], [], [], []
         for sess, tree in zip(sessions, trees):
             choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q] the target's token after each
             walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
@@ -162,8 +166,11 @@ class BatchedRounds:
             if host_features and tree.features is not None:
                 q = tree.ids.shape[0]
                 # rows past the accepted depth point at the spare row q: clamped, they copy a row never read
-                rows = path[: min(tree.max_depth + 1, q)].clamp(max=q - 1)
-                kept.append(self._keep_rows(sess, self._next_ring(sess), tree.features.index_select(0, rows), True))
+                rows = tree.features.index_select(0, path[: min(tree.max_depth + 1, q)].clamp(max=q - 1))
+                stored, rows_kept = self._kept_rows(sess, self._next_ring(sess), rows, True)
+                copies.append((stored, rows))
+                kept.append(rows_kept)
+        copy_together(copies)
         host = timer.sync((packed[0] if len(packed) == 1 else torch.cat(packed)).tolist)  # the single host sync
         results, at = [], 0
         for i, (sess, path, tree) in enumerate(zip(sessions, paths, trees)):

@@ -118,10 +118,7 @@ class QueuedRounds:
         features = None
         if path_features is not None:
             rows = path_features[:advance]
-            if host_features:
-                stored, features = _host_rows(sess, ring, rows, self.device).target(rows)
-            else:
-                stored = features = torch.empty_like(rows)
+            stored, features = self._kept_rows(sess, ring, rows, host_features)
             copies.append((stored, rows))
         copy_together(copies)
         timer.end()
@@ -138,11 +135,17 @@ class QueuedRounds:
         sess.queued += 1
         return ring
 
-    def _keep_rows(self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool) -> torch.Tensor:
-        """A round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites, or an
-        uncaptured round's) in memory of their own, queued now: the session's host rows of this ring slot
-        (host_features), or a clone."""
-        return _host_rows(sess, ring, rows, self.device).write(rows) if host_features else rows.clone()
+    def _kept_rows(
+        self, sess: VerifySession, ring: int, rows: torch.Tensor, host_features: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites,
+        or an uncaptured round's) are kept in memory of their own -> (the destination for the caller's copy,
+        device_copies.copy_together with the round's others; the rows as kept): the session's host rows of this
+        ring slot (host_features), or new device memory."""
+        if host_features:
+            return _host_rows(sess, ring, rows, self.device).target(rows)
+        kept = torch.empty_like(rows)
+        return kept, kept
 
 
 def _host_rows(sess: VerifySession, ring: int, rows: torch.Tensor, device: torch.device) -> PinnedReadback:
