@@ -21,10 +21,14 @@ class TimerEvents:
     """The CUDA events of an engine's StepTimers, recycled: a timer's start cost the services' jobs 18-60 µs of
     host time at Qwen3-8B shapes, of which creating its three events is a part that need not recur (3.3 µs hot,
     bench/README.md). A timer takes three at its start and gives them back once split() has read them; one dropped
-    unread leaves its events to the garbage collector. Steps run one at a time per engine, so no lock."""
+    unread leaves its events to the garbage collector. Steps run one at a time per engine, so no lock. The timers
+    record on the stream that was current when the engine made its pool (an engine's steps run on one stream):
+    looking it up per timer cost ~10 µs of a round's host time on an H200 host (`torch.cuda.current_stream`
+    builds a Stream object each call)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._free: list[tuple[torch.cuda.Event, ...]] = []
 
     def timer(self) -> StepTimer:
@@ -51,8 +55,9 @@ class StepTimer:
         self._pool = events
         if device.type == "cuda":
             # looked up once: Event.record() without a stream looks the current one up again, ~10 Python calls
-            self._stream = torch.cuda.current_stream(device)
-            self._events = events.take() if events is not None else TimerEvents(device).take()
+            events = events or TimerEvents(device)
+            self._stream = events.stream
+            self._events = events.take()
             self._events[0].record(self._stream)
         self._marked = self._ended = self._synced = None
         self._split: tuple[float, float] | None = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
-from ddtree.device_copies import copy_together
+from ddtree.device_copies import CopiesMemo
 from ddtree.flash_batch import compile_batch_plans, write_slot_rows
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
@@ -136,6 +136,10 @@ class StaticDrafter(BatchBlocks):
         # the last trees on the host, as the wire carries them (tree(host=True)), one per block of a batch:
         # [3 * (max nodes + 1)] int32 each, pinned
         self._host_trees: list[torch.Tensor] = []
+        # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's
+        # features), and tree(keep=False)'s trees by shape: (the graph's output, the DraftTree of its rows)
+        self._after_copies = CopiesMemo(limit=16)
+        self._trees: dict[tuple[int, int], tuple[torch.Tensor, DraftTree]] = {}
 
     @property
     def slot_bytes(self) -> int:
@@ -248,8 +252,13 @@ class StaticDrafter(BatchBlocks):
         if (point := self._point_at(slot)) is not None:
             self._inputs.slot.fill_(point)
         m = features.shape[0]
-        copy_together([(self._start, self._arange[start : start + 1]), (self._inputs.cursor, cursor),
-                       (self._features[:m], features.to(self.dtype))])
+        features = features.to(self.dtype)
+        # a chained session's cursor and features come from a ring of the verifier's buffers: the same copies recur
+        self._after_copies.run(
+            (cursor, features),
+            lambda: [(self._inputs.cursor, cursor), (self._features[:m], features)],
+            more=[(self._start, self._arange[start : start + 1])],
+        )
         if m:
             self._replay_append(slot, m)
         self._replay_block(slot, key_bucket(bound + self.config.block_size, self.rows))
@@ -268,15 +277,23 @@ class StaticDrafter(BatchBlocks):
         self._batch_block_step(self._lone, keys)
 
     def tree(
-        self, budget: int, top_k: int | None, host: bool = False, index: int = 0
+        self, budget: int, top_k: int | None, host: bool = False, index: int = 0, keep: bool = True
     ) -> tuple[DraftTree, torch.Tensor | None]:
-        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites; with
-        `host` on a GPU also its copy as the wire carries it, queued now: [3, N+1] int32 in pinned memory that the
-        next host tree of this `index` reuses (each draft of a draft_batch call has its own), to be read once the
-        draft's kernels are done (else None)."""
+        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites (keep;
+        else the graph's own output, which the next tree of its shape rewrites: for a caller that queues its copy
+        before any other draft, as a chained round's verify launch does); with `host` on a GPU also its copy as the
+        wire carries it, queued now: [3, N+1] int32 in pinned memory that the next host tree of this `index` reuses
+        (each draft of a draft_batch call has its own), to be read once the draft's kernels are done (else None)."""
         k, layout = self.layouts.get(budget, top_k)
-        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout)).clone()  # [3, N+1]
-        tree = DraftTree(tokens=packed[0], parents=packed[1], depths=packed[2], max_depth=self.config.block_size - 1)
+        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout))  # [3, N+1]
+        made = None if keep else self._trees.get((budget, k))
+        if made is not None and made[0] is packed:
+            tree = made[1]  # the same graph's output: the same tree, whose arrays the verifier's copies know
+        else:
+            rows = packed.clone() if keep else packed
+            tree = DraftTree(tokens=rows[0], parents=rows[1], depths=rows[2], max_depth=self.config.block_size - 1)
+            if not keep and self.graphs.enabled:  # else each call's output is a new tensor
+                self._trees[budget, k] = packed, tree
         return tree, self._host_copy(packed, index) if host else None
 
     def _host_copy(self, packed: torch.Tensor, index: int) -> torch.Tensor | None:

@@ -217,7 +217,8 @@ class DraftEngine(BatchedDrafts):
         only its accepted k+1 are real; cursor [2] = (start + k + 1, the bonus token) is its outcome there. All n
         rows are appended (those past k+1 land where the block's own rows, then later appends, overwrite them) and
         the block is drafted at the cursor's position, so nothing here waits for the round. The host learns k at
-        the next draft, which starts its features at start + k + 1."""
+        the next draft, which starts its features at start + k + 1. The tree is the graph's own output (no copy a
+        round): the caller queues the verify round that reads it before this engine drafts again."""
         sess = self.session(session_id)
         if self.static is None:
             raise SessionError("only the static path drafts after a round in flight")
@@ -233,7 +234,7 @@ class DraftEngine(BatchedDrafts):
         self.static.draft_after(sess.slot, start, features, cursor, start + n)
         sess.length, sess.length_max = start + 1, start + n
         timer.mark()
-        tree, _ = self.static.tree(budget, top_k)
+        tree, _ = self.static.tree(budget, top_k, keep=False)
         timer.end()
         return DraftResult(tree, timer)
 

@@ -12,13 +12,13 @@ uncaptured single-tree step's form, which the CPU tests compare with verifying e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ddtree.cuda_graphs import key_bucket
-from ddtree.device_copies import copy_together
+from ddtree.device_copies import CopiesMemo, copy_together
 from ddtree.flash_batch import batch_tree_attention
 from ddtree.types import DraftTree
 from verify_server.compaction import compact_batch, compact_path
@@ -175,6 +175,9 @@ class BatchBuffers:
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
     caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
     starts: list[int]
+    # write_after's copies by cache, cursor and tree: a chained session's recur round after round (a ring of two
+    # cursors, the drafter graph's tree)
+    after_copies: CopiesMemo = field(default_factory=lambda: CopiesMemo(limit=64))
 
     @classmethod
     def allocate(cls, trees: int, qb: int, layers: int, device: torch.device) -> BatchBuffers:
@@ -226,16 +229,19 @@ class BatchBuffers:
         q = item.tree.tokens.shape[0]
         if q > 1 and item.tree.tokens.device != self.inputs.device:
             raise ValueError("a chained round takes its tree on the device")
-        cache = item.cache
+        cache, tree = item.cache, item.tree
         if cache.address_column is None:
             cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
-        start_to, num_to, root_to, slots_to, *rows = self.lone
-        pairs = [(start_to, cursor[:1]), (num_to, self.counts[q : q + 1]), (root_to, cursor[1:]),
-                 (slots_to, cache.address_column)]
-        if q > 1:
-            tree = item.tree
-            pairs += [(row[:q], values) for row, values in zip(rows, (tree.tokens, tree.parents, tree.depths))]
-        copy_together(pairs)
+
+        def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            start_to, num_to, root_to, slots_to, *rows = self.lone
+            found = [(start_to, cursor[:1]), (num_to, self.counts[q : q + 1]), (root_to, cursor[1:]),
+                     (slots_to, cache.address_column)]
+            if q > 1:
+                found += [(row[:q], values) for row, values in zip(rows, (tree.tokens, tree.parents, tree.depths))]
+            return found
+
+        self.after_copies.run((cache, cache.address_column, cursor, tree.tokens, tree.parents, tree.depths), pairs)
         self.caches, self.starts = [cache], [start]
 
     def _tree_rows(self, b: int, tree: DraftTree) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,10 +31,11 @@ class PendingRound:
     packed    [2 + qb] host view of accept_path's packed result, written by the device (ddtree/readback.py) once
               the round has run
     features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
-              without taps; on the device in memory of its own, or for a host_features round in the session's host
-              buffer of its ring slot (pinned on a GPU)
+              without taps; on the device in memory of its own (launch(): the session's buffer of its ring slot,
+              which the round after next rewrites), or for a host_features round in the session's host buffer of
+              its ring slot (pinned on a GPU)
     cursor    [2] on the device: (the next round's start slot, the bonus token), which the session's next launch
-              (and its drafter's draft_after) reads; launch() keeps it in memory of its own
+              (and its drafter's draft_after) reads; launch() keeps it in the session's buffer of its ring slot
     advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
               next round's start
     """
@@ -110,21 +111,46 @@ class QueuedRounds:
         if not sess.readback:  # a captured greedy round's outcome only: sampled rounds are read after their walk
             sess.readback = [PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device) for _ in range(MAX_IN_FLIGHT)]
         stored, host = sess.readback[ring].target(packed)
-        copies = [(stored, packed)]
-        if keep_cursor:
-            copies.append((kept := torch.empty_like(cursor), cursor))
-            cursor = kept
         advance = min(tree.max_depth + 1, packed.shape[0] - 2)
-        features = None
-        if path_features is not None:
-            rows = path_features[:advance]
-            stored, features = self._kept_rows(sess, ring, rows, host_features)
-            copies.append((stored, rows))
-        copy_together(copies)
+        if keep_cursor:
+            features, cursor = self._keep_chained(sess, ring, stored, packed, cursor, path_features, advance)
+        else:
+            copies = [(stored, packed)]
+            features = None
+            if path_features is not None:
+                rows = path_features[:advance]
+                stored, features = self._kept_rows(sess, ring, rows, host_features)
+                copies.append((stored, rows))
+            copy_together(copies)
         timer.end()
         pending = PendingRound(session_id, host, features, cursor, advance, timer)
         sess.inflight.append(pending)
         return pending
+
+    @staticmethod
+    def _keep_chained(
+        sess: VerifySession, ring: int, stored: torch.Tensor, packed: torch.Tensor, cursor: torch.Tensor,
+        path_features: torch.Tensor | None, advance: int,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A chained round's outcome out of the graph's outputs in one launch: packed into the readback buffer
+        `stored`, the cursor and the path's first `advance` features rows into the session's buffers of ring slot
+        `ring`. Those are made once: the round after next reuses them, queued after the next round and its draft
+        have read them. So the same copies recur round after round, and are made once per graph (CopiesMemo).
+        -> (the kept features or None, the kept cursor)."""
+        if not sess.chained:
+            sess.chained = [None] * MAX_IN_FLIGHT
+        kept = sess.chained[ring]
+        if kept is None or (path_features is not None and (kept[1] is None or kept[1].shape[0] != advance)):
+            features = None if path_features is None else torch.empty_like(path_features[:advance])
+            kept = sess.chained[ring] = (torch.empty_like(cursor), features)
+        kept_cursor, kept_features = kept
+
+        def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            found = [(stored, packed), (kept_cursor, cursor)]
+            return found if path_features is None else found + [(kept_features, path_features[:advance])]
+
+        sess.chained_copies.run((packed, cursor, path_features, stored, kept_cursor, kept_features, advance), pairs)
+        return kept_features, kept_cursor
 
     def _next_ring(self, sess: VerifySession) -> int:
         """The session's ring slot for a round's readback and its features' host rows: the round after next

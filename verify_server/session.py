@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ddtree.device_copies import CopiesMemo
 from ddtree.readback import PinnedReadback
 from ddtree.types import SamplingParams
 from verify_server.kv_cache import KVCache
@@ -49,6 +50,10 @@ class VerifySession:
     queued: int = 0  # rounds queued so far (picks the readback buffer)
     # per readback slot, host memory for a host_features round's path features, flat
     host_features: list[PinnedReadback | None] = field(default_factory=list)
+    # per readback slot, where a chained round keeps its cursor [2] and path features [advance, taps*hidden] (or
+    # None) on the device, and the copies into them from the graphs' outputs (QueuedRounds._keep_chained)
+    chained: list[tuple[torch.Tensor, torch.Tensor | None] | None] = field(default_factory=list)
+    chained_copies: CopiesMemo = field(default_factory=lambda: CopiesMemo(limit=8))
     # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
     # on the host (pinned on a GPU, with the event that marks their copy done; None on a CPU)
     kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
