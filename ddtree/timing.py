@@ -100,7 +100,8 @@ class StepTimer:
                 self.mark()
             if self._ended is None:
                 self.end()
-            self._events[2].synchronize()
+            if self._synced is None:  # else sync() waited for them already
+                self._events[2].synchronize()
             forward = self._events[0].elapsed_time(self._events[1]) / 1000
             rest = self._events[1].elapsed_time(self._events[2]) / 1000 + host_after
             if self._pool is not None:  # read and done: the next step's timer records them again
