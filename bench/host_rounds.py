@@ -14,50 +14,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import importlib
 import inspect
+import sys
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
-import ddtree.cuda_graphs
-import ddtree.device_copies
-import ddtree.readback
-import ddtree.timing
-import draft_server.draft_graphs
-import draft_server.drafter
-import gateway.local
-import gateway.rounds
-import verify_server.batch
-import verify_server.batch_runner
-import verify_server.fused_runner
-import verify_server.queued_rounds
 from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
-WRAPPED = [  # (module, class or None for the module's functions, functions)
-    (ddtree.cuda_graphs, "GraphPool", ["run"]),
-    (torch.cuda, "CUDAGraph", ["replay"]),
-    (ddtree.device_copies, "CopiesMemo", ["run"]),
-    (ddtree.device_copies, None, ["copy_together"]),
-    (ddtree.timing, "TimerEvents", ["timer"]),
-    (ddtree.timing, "StepTimer", ["mark", "end", "sync", "split"]),
-    (ddtree.readback, "PinnedReadback", ["target"]),
-    (verify_server.batch, "BatchBuffers", ["write_after"]),
-    (verify_server.batch_runner, "BatchSteps", ["_prepare_batch"]),
-    (verify_server.fused_runner, "FusedRunner", ["greedy_round"]),
-    (verify_server.queued_rounds, "QueuedRounds", ["launch", "collect", "_launch", "_keep_chained", "_next_ring"]),
-    (draft_server.draft_graphs, "StaticDrafter", ["draft_after", "_point_at", "_replay_append", "_replay_block",
-                                                  "tree"]),
-    (draft_server.drafter, "DraftEngine", ["draft_after"]),
-    (gateway.local, "LocalVerifier", ["launch", "collect"]),
-    (gateway.local, "LocalDrafter", ["draft_after"]),
-    (gateway.rounds, None, ["_queue", "_merged"]),
+WRAPPED = [  # (module, class or None for the module's functions, functions); another revision's may lack some
+    ("ddtree.cuda_graphs", "GraphPool", ["run"]),
+    ("torch.cuda", "CUDAGraph", ["replay"]),
+    ("ddtree.device_copies", "CopiesMemo", ["run"]),
+    ("ddtree.device_copies", None, ["copy_together"]),
+    ("ddtree.timing", "TimerEvents", ["timer"]),
+    ("ddtree.timing", "StepTimer", ["mark", "end", "sync", "split"]),
+    ("ddtree.readback", "PinnedReadback", ["target"]),
+    ("verify_server.batch", "BatchBuffers", ["write_after"]),
+    ("verify_server.batch_runner", "BatchSteps", ["_prepare_batch"]),
+    ("verify_server.fused_runner", "FusedRunner", ["greedy_round"]),
+    ("verify_server.queued_rounds", "QueuedRounds", ["launch", "collect", "_launch", "_keep_chained", "_next_ring"]),
+    ("draft_server.draft_graphs", "StaticDrafter", ["draft_after", "_point_at", "_replay_append", "_replay_block",
+                                                    "tree"]),
+    ("draft_server.drafter", "DraftEngine", ["draft_after"]),
+    ("gateway.local", "LocalVerifier", ["launch", "collect"]),
+    ("gateway.local", "LocalDrafter", ["draft_after"]),
+    ("gateway.round_loops", None, ["_queue", "round_timings"]),  # as the loop calls them
+    ("gateway.rounds", None, ["_queue", "_merged"]),  # where the loop lived before the twenty-eighth session
 ]
 # modules that call copy_together by a name of their own (another revision's chained rounds did)
-COPY_CALLERS = [verify_server.batch, verify_server.queued_rounds, draft_server.draft_graphs]
+COPY_CALLERS = ["verify_server.batch", "verify_server.queued_rounds", "draft_server.draft_graphs"]
 
 
 class Timers:
@@ -104,6 +96,13 @@ class Timers:
         return timed
 
 
+def _module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
 def calibrate(device: torch.device) -> float:
     """µs of a fixed host workload (views, attribute reads and a foreach copy on the device, no sync), best of 5."""
     t = torch.zeros(64, dtype=torch.long, device=device)
@@ -132,15 +131,19 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     timers = Timers()
-    for module, cls, names in WRAPPED:
-        owner = module if cls is None else getattr(module, cls, None)
+    for module_name, cls, names in WRAPPED:
+        module = _module(module_name)
+        owner = module if cls is None or module is None else getattr(module, cls, None)
         for name in names:
-            if owner is not None and hasattr(owner, name):  # another revision's functions may differ
-                label = f"{cls or module.__name__.rsplit('.', 1)[-1]}.{name}"
-                setattr(owner, name, timers.wrap(label, getattr(owner, name)))
-    for module in COPY_CALLERS:
+            if owner is not None and hasattr(owner, name):
+                label = f"{cls or module_name.rsplit('.', 1)[-1]}.{name}"
+                timed = timers.wrap(label, getattr(owner, name))
+                static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+                setattr(owner, name, staticmethod(timed) if static else timed)
+    for module_name in COPY_CALLERS:
+        module = _module(module_name)
         if hasattr(module, "copy_together"):
-            module.copy_together = ddtree.device_copies.copy_together
+            module.copy_together = sys.modules["ddtree.device_copies"].copy_together
     target, drafter = resolve_pair(args.target, args.drafter)
     verifier, draft = load_local(target, drafter, args.device, torch.bfloat16 if cuda else torch.float32, compile=cuda)
     sync = torch.cuda.synchronize if cuda else lambda: None

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-import draft_server.draft_graphs as draft_graphs
+import draft_server.draft_trees as draft_trees
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts, measure
 from ddtree.models import resolve_pair
 from gateway.local import load_local
@@ -36,16 +36,16 @@ def main() -> None:
                            args.num_prompts)
     verifier, drafter = load_local(target, drafter_dir, "cpu", torch.float32)
     eos = verifier.engine.read_eos_ids(target)
-    build_tree = draft_graphs.build_tree  # the tree build of the uncompiled static path (the CPU's)
+    build_tree = draft_trees.build_tree  # the tree build of the uncompiled static path (the CPU's)
     results = []
     for budget in (int(b) for b in args.budgets.split(",")):
         for t in (float(t) for t in args.temperatures.split(",")):
-            draft_graphs.build_tree = lambda logprobs, *rest, t=t: build_tree(torch.log_softmax(logprobs / t, -1), *rest)
+            draft_trees.build_tree = lambda logprobs, *rest, t=t: build_tree(torch.log_softmax(logprobs / t, -1), *rest)
             run = measure(verifier, drafter, prompts, Speculation("ddtree", budget), args.max_new_tokens, eos,
                           lambda: None)
             results.append({"budget": budget, "temperature": t, "tau": run["tau"], "tokens": run["tokens"]})
             print(results[-1], flush=True)
-    draft_graphs.build_tree = build_tree
+    draft_trees.build_tree = build_tree
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results}, indent=1) + "\n")
 

@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention", choices=ATTENTION_CHOICES, help="the verifier's attention kernel (default: the "
                    "fastest measured for the path, verify_server/fused_runner.py)")
     p.add_argument("--no-chain", action="store_true",
-                   help="read each round on the host before queueing the next (gateway/rounds.py _chained_rounds)")
+                   help="read each round on the host before queueing the next (gateway/round_loops.py chained_rounds)")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def chained(verifier, drafter, specs: list[Speculation]) -> bool:
-    """Whether every mode's rounds were queued ahead of the host (gateway/rounds.py _chained_rounds), as the round
+    """Whether every mode's rounds were queued ahead of the host (gateway/round_loops.py chained_rounds), as the round
     loop decides it: the switch alone says nothing on the paths that cannot chain (HF, CPU, tensor parallel)."""
     return drafter is not None and drafter.chains and all(
         verifier.can_chain(SamplingParams(), spec.max_nodes(drafter.block_size)) for spec in specs

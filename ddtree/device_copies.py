@@ -1,6 +1,6 @@
 """Several small copies between device tensors in one launch.
 
-Between two rounds queued on the device without the host reading the first (chained rounds, gateway/rounds.py),
+Between two rounds queued on the device without the host reading the first (chained rounds, gateway/round_loops.py),
 each engine moves a few small tensors from the last round's outcome into the next step's static inputs: a tree's
 rows, a cursor's scalars, the accepted path's features. Each copy_ or fill_ is a launch of its own, a ~1 µs kernel
 and the gap before the next, about fifteen a round on the demo pair (`bench/profile_round.py --census`).

@@ -27,17 +27,14 @@ from ddtree.device_copies import CopiesMemo
 from ddtree.flash_batch import compile_batch_plans, write_slot_rows
 from ddtree.flash_tree import compile_plans, flash_supported
 from ddtree.gemv import default_fused_rows, gemv_supported
-from ddtree.types import DraftTree
 from draft_server.block import block_layer
 from draft_server.dflash import DFlashDrafter, gather_cos_sin
 from draft_server.draft_batch import BatchBlocks, BlockBatch
 from draft_server.draft_inputs import DraftInputs
+from draft_server.draft_trees import DraftTrees
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayout, TreeLayouts, build_tree
-from draft_server.tree_kernel import kernel_supported, kernel_tree
 
 
-TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
 # Rows one captured append takes: a round's m <= B, a prompt's features come in chunks of this many. Uncaptured,
 # a prompt's append cost ~1 ms of launches, twice a whole later draft on the demo pair (bench/README.md).
 MAX_APPEND = 512
@@ -47,10 +44,10 @@ def append_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-class StaticDrafter(BatchBlocks):
+class StaticDrafter(BatchBlocks, DraftTrees):
     """The context append, the block forward and the tree build over static buffers, each replayed from a CUDA
     graph per shape bucket when `graphs` and on a GPU (otherwise the same code runs as plain calls); several
-    sessions' blocks in one forward too (draft_batch.py, BatchBlocks)."""
+    sessions' blocks in one forward too (draft_batch.py, BatchBlocks); the trees: draft_trees.py, DraftTrees."""
 
     def __init__(
         self, drafter: DFlashDrafter, head: TargetHead, max_sessions: int, max_context: int, graphs: bool = True,
@@ -75,13 +72,7 @@ class StaticDrafter(BatchBlocks):
             ),
         )
         self.graphs = GraphPool(self.device, enabled=graphs)
-        self.layouts = TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)  # the tree graphs' constants
-        # ~150 small kernels a tree (15 depths of add + sort + gathers) is most of its cost: on a GPU with Triton
-        # the tree is one best-first program after the top-k (tree_kernel.py); elsewhere, compiled, the work
-        # around the sorts fuses. Shapes are static per (budget, top_k): one compile each.
-        self.tree_kernel = kernel_supported(self.device)
-        self._compiled_tree = torch.compile(build_tree, dynamic=False, fullgraph=True) if compile else None
-        self._compiled_shapes: set[tuple[int, int]] = set()  # (budget, top_k) the compiled tree build has seen
+        self._init_trees(compile)
         # The block and the append: eagerly ~60 kernels a layer (HF-style modules); compiled, the norms, RoPE and
         # SiLU fuse into the projections' neighbours, and so do the work around the layers (the embedding, the
         # rotary tables, the final norm, the log-softmax and the cache writes: ~20 more launches a draft on the
@@ -133,13 +124,8 @@ class StaticDrafter(BatchBlocks):
         # appends are queued without waiting for each other's copies
         self._layout = layout
         self._stagings: list[tuple[DraftInputs, torch.cuda.Event]] = []
-        # the last trees on the host, as the wire carries them (tree(host=True)), one per block of a batch:
-        # [3 * (max nodes + 1)] int32 each, pinned
-        self._host_trees: list[torch.Tensor] = []
-        # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's
-        # features), and tree(keep=False)'s trees by shape: (the graph's output, the DraftTree of its rows)
+        # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's features)
         self._after_copies = CopiesMemo(limit=16)
-        self._trees: dict[tuple[int, int], tuple[torch.Tensor, DraftTree]] = {}
 
     @property
     def slot_bytes(self) -> int:
@@ -276,63 +262,12 @@ class StaticDrafter(BatchBlocks):
         torch.index_select(self._addresses, 0, self._inputs.slot, out=self._lone.slots.view(1, -1))
         self._batch_block_step(self._lone, keys)
 
-    def tree(
-        self, budget: int, top_k: int | None, host: bool = False, index: int = 0, keep: bool = True
-    ) -> tuple[DraftTree, torch.Tensor | None]:
-        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites (keep;
-        else the graph's own output, which the next tree of its shape rewrites: for a caller that queues its copy
-        before any other draft, as a chained round's verify launch does); with `host` on a GPU also its copy as the
-        wire carries it, queued now: [3, N+1] int32 in pinned memory that the next host tree of this `index` reuses
-        (each draft of a draft_batch call has its own), to be read once the draft's kernels are done (else None)."""
-        k, layout = self.layouts.get(budget, top_k)
-        packed = self.graphs.run(("tree", budget, k), lambda: self._tree(budget, k, layout))  # [3, N+1]
-        made = None if keep else self._trees.get((budget, k))
-        if made is not None and made[0] is packed:
-            tree = made[1]  # the same graph's output: the same tree, whose arrays the verifier's copies know
-        else:
-            rows = packed.clone() if keep else packed
-            tree = DraftTree(tokens=rows[0], parents=rows[1], depths=rows[2], max_depth=self.config.block_size - 1)
-            if not keep and self.graphs.enabled:  # else each call's output is a new tensor
-                self._trees[budget, k] = packed, tree
-        return tree, self._host_copy(packed, index) if host else None
-
-    def _host_copy(self, packed: torch.Tensor, index: int) -> torch.Tensor | None:
-        """packed trees' copy to the host as the wire carries them (int32), queued now into pinned host buffer
-        `index` (reused by its next copy), shaped as packed; None off a GPU, where the trees are on the host
-        already."""
-        if self.device.type != "cuda":
-            return None
-        while len(self._host_trees) <= index:
-            self._host_trees.append(torch.empty(0, dtype=torch.int32))
-        if self._host_trees[index].numel() < packed.numel():
-            self._host_trees[index] = torch.empty(packed.numel(), dtype=torch.int32, pin_memory=True)
-        nodes = self._host_trees[index][: packed.numel()].view(packed.shape)
-        nodes.copy_(packed.to(torch.int32), non_blocking=True)  # tokens < vocab, parents and depths < nodes
-        return nodes
-
     @torch.inference_mode()  # it writes the block's K/V into the slot: no autograd history on the cache
     def block_logprobs(self, slot: int, root: int, position: int) -> torch.Tensor:
         """-> a copy of the [B-1, vocab] fp32 log-probs, uncaptured: the block `draft` replays, for inspection."""
         self._upload(slot, position, self._features[:0], root, position)
         self._block(slot, key_bucket(position + self.config.block_size, self.rows))
         return self._logprobs.clone()
-
-    def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
-        root = self._ids[0, :1]  # on the device: no upload
-        if self.tree_kernel and (tree := kernel_tree(self._logprobs, root, top_k, layout)) is not None:
-            return tree
-        args = (self._logprobs, root, budget, top_k, layout)
-        shape = (budget, top_k)
-        if self._compiled_tree is not None and (shape in self._compiled_shapes or len(self._compiled_shapes) < TREE_COMPILES):
-            # each (budget, top_k) is its own compile (static shapes). Dynamo's limit of 8 per function, counted
-            # over the whole process, would make the ninth budget a hard error under fullgraph: the bound here is
-            # ours, per engine, and Dynamo's is lifted for this call
-            self._compiled_shapes.add(shape)
-            with torch._dynamo.config.patch(recompile_limit=2**20):
-                tree = self._compiled_tree(*args)
-        else:
-            tree = build_tree(*args)  # beyond TREE_COMPILES budgets (or uncompiled): the same code, unfused
-        return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
 
     def _block(self, slot: int, keys: int) -> None:
         """The block at _pos, attending over the slot's rows [0, keys) -> _logprobs."""

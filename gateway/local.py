@@ -20,7 +20,7 @@ class LocalDrafter:
         self.block_size = engine.block_size
         self.target_layer_ids = list(engine.config.target_layer_ids)
         # the static path on a GPU returns once its kernels are queued (DraftEngine.draft): the round loop drafts
-        # before handing the previous round over (gateway/rounds.py)
+        # before handing the previous round over (gateway/round_loops.py)
         self.queues = engine.static is not None and engine.device.type == "cuda"
         # ... and can draft after a verify round still in flight (DraftEngine.draft_after)
         self.chains = engine.static is not None
@@ -53,7 +53,7 @@ def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:
 
 class LocalVerifier:
     def __init__(self, engine: VerifyEngine, close: Callable[[], None] | None = None, chain: bool | None = None) -> None:
-        """chain: queue greedy rounds on the device ahead of the host (gateway/rounds.py: _chained_rounds) where
+        """chain: queue greedy rounds on the device ahead of the host (gateway/round_loops.py: chained_rounds) where
         the engine can; default on a GPU, where the host's turn between rounds would leave the device idle."""
         self.engine = engine
         self.close = close or (lambda: None)

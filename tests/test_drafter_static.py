@@ -155,7 +155,7 @@ def test_compiled_drafter_gives_the_same_trees(kind: str, drafter_dir: Path) -> 
 def test_compiled_drafter_takes_any_number_of_budgets(drafter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the compiled tree shapes (Dynamo would refuse a ninth recompile under fullgraph), budgets still draft,
     through the uncompiled build; the limit is lowered here so that CPU compiles stay few."""
-    monkeypatch.setattr("draft_server.draft_graphs.TREE_COMPILES", 2)
+    monkeypatch.setattr("draft_server.draft_trees.TREE_COMPILES", 2)
     torch.manual_seed(4)
     eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
     rounds = [(6, 2, 4, None), (3, 5, 5, 2), (5, 7, 6, None), (4, 1, 4, None), (2, 3, 9, 1)]

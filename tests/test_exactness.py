@@ -54,7 +54,7 @@ class LoggedVerifier(LocalVerifier):
 
 def load(target: Path, drafter_dir: Path, path: str, log: list[str] | None = None):
     """fused / hf as load_local makes them on the CPU; chained: the fused path's captured code (what the GPU
-    replays, forced on) with rounds queued on the device ahead of the host (gateway/rounds.py _chained_rounds)."""
+    replays, forced on) with rounds queued on the device ahead of the host (gateway/round_loops.py chained_rounds)."""
     verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=path == "hf")
     if path == "chained":
         verifier.engine.fused.static = True

@@ -1,0 +1,137 @@
+"""The two forms of the round loop after the prefill (gateway/rounds.py run_rounds picks one): rounds one at a
+time, each from the host's copy of the last outcome (stepped_rounds), and greedy rounds queued on the device ahead
+of the host (chained_rounds, in-process on a GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+from ddtree.types import StepResult
+from gateway.backends import ChainingVerifier, QueuedRound
+from gateway.request import Request, Round, after_relay, discard, round_timings
+
+
+async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+    """One round at a time: each starts from the host's copy of the last one's outcome."""
+    session_id = run.session_id
+    pending: asyncio.Future | None = None  # the next round's first call, started before this round is handed over
+    index = 0
+    tree_size = 0
+    try:
+        while True:
+            tokens, finish = run.take(step)
+            if finish:
+                yield Round(index, tokens, tree_size, finish, timings)
+                return
+            drafter = run.drafter
+            if drafter:
+                args = (step.tokens[-1], run.root_position, *run.tree_shape())
+                first = (partial(drafter.draft, session_id, step.features, *args) if run.relay is None
+                         else partial(after_relay, run, drafter, session_id, *args))
+            else:
+                first = partial(run.verifier.decode, session_id)
+            # A remote backend's first call of the next round goes out before this round is handed over, so what
+            # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
+            # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
+            # own). So does an in-process draft that only queues device work: the device drafts while the round is
+            # handed over. Any other in-process call would simply run first, so it is made after the hand-over.
+            t0 = time.perf_counter()
+            queued = drafter is not None and getattr(drafter, "queues", False)
+            if getattr(drafter or run.verifier, "remote", False) or queued:
+                pending = asyncio.ensure_future(first())
+                await asyncio.sleep(0)
+            yield Round(index, tokens, tree_size, None, timings)
+            index += 1
+            if pending is None:
+                t0 = time.perf_counter()
+                call = first()
+            else:
+                call, pending = pending, None
+            tree_size, timings, rpc = 0, {}, {}
+            if not drafter:
+                step = await call
+            else:
+                tree = None
+                try:
+                    tree, timings = await call
+                except Exception as exc:  # noqa: BLE001 - see gateway/rounds.py run_rounds
+                    run.fall_back(exc)
+                if tree is not None:
+                    tree_size = tree.num_nodes
+                    t1 = time.perf_counter()
+                    step = await run.verifier.verify(session_id, tree)
+                    rpc = {"draft_rpc_s": t1 - t0}
+                else:
+                    step = await run.verifier.decode(session_id)
+            # merged when read: an in-process drafter's timings wait on device events, off the round's critical path
+            timings = round_timings(timings, rpc, step, time.perf_counter() - t0)
+    finally:
+        discard(pending)  # the caller stopped at a round while the next one's first call was in flight
+
+
+@dataclass
+class _Queued:
+    """A round queued on the device (ChainingVerifier.launch) with what the loop reports about it."""
+
+    pending: QueuedRound
+    tree_size: int
+    draft_timings: Mapping[str, float]
+
+
+async def chained_rounds(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+    """Greedy rounds with the next one queued on the device before the host reads the last one: its draft and
+    verify take their root, position and context features from the last round's outcome where it lies on the
+    device, so the device goes from round to round without waiting for the host (whose reading, stop checks and
+    hand-over overlap the next round). The next round is queued only when the last one cannot end the request by
+    length (so it stays inside the sessions' capacities); a stop token wastes it, and the sessions end anyway.
+    Round timings: round_s is the time between two rounds' results."""
+    verifier: ChainingVerifier = run.verifier
+    tokens, finish = run.take(step)
+    if finish:
+        yield Round(0, tokens, 0, finish, timings)
+        return
+    t0 = time.perf_counter()
+    queued = await _queue(run, step)
+    yield Round(0, tokens, 0, None, timings)
+    index = 0
+    while True:
+        index += 1
+        following = None
+        if run.generated + queued.pending.advance < run.max_new_tokens:
+            following = await _queue(run, last=queued)
+        step = await verifier.collect(queued.pending)
+        now = time.perf_counter()
+        tokens, finish = run.take(step)
+        timings = round_timings(queued.draft_timings, {}, step, now - t0)
+        t0 = now
+        if finish:
+            yield Round(index, tokens, queued.tree_size, finish, timings)
+            return
+        tree_size = queued.tree_size
+        queued = following or await _queue(run, step)
+        yield Round(index, tokens, tree_size, None, timings)
+
+
+async def _queue(run: Request, step: StepResult | None = None, last: _Queued | None = None) -> _Queued:
+    """Queues the next round: from the host's copy of the last step (the prefill, or a round collected first), or
+    from the outcome of `last`, still in flight, on the device."""
+    tree, draft_timings = None, {}
+    if run.drafter:
+        budget, top_k = run.tree_shape()
+        session_id, position = run.session_id, run.root_position
+        try:
+            if last is None:
+                args = (step.tokens[-1], position, budget, top_k)
+                call = (run.drafter.draft(session_id, step.features, *args) if run.relay is None
+                        else after_relay(run, run.drafter, session_id, *args))
+            else:
+                call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
+            tree, draft_timings = await call
+        except Exception as exc:  # noqa: BLE001 - see gateway/rounds.py run_rounds
+            run.fall_back(exc)
+    return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)
