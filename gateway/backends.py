@@ -88,5 +88,7 @@ class ChainingDrafter(DrafterClient, Protocol):
     async def draft_after(
         self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None
     ) -> tuple[DraftTree, Mapping[str, float]]:
-        """The draft of the round after `last` (queued, its root at position `start`), from its outcome."""
+        """The draft of the round after `last` (queued, its root at position `start`), from its outcome. The tree
+        may live in the drafter's own buffer (no copy a round): the caller launches its verify round before the
+        drafter drafts again."""
         ...
