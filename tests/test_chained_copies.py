@@ -27,9 +27,10 @@ def test_a_chained_rounds_outcome_is_kept_in_its_ring_slot_and_each_round_copies
     # a graph's outputs: rewritten in place by each replay
     packed, cursor = torch.zeros(18, dtype=torch.long), torch.zeros(2, dtype=torch.long)
     features = torch.zeros(16, WIDTH)
-    kept = {}
+    engine, kept = QueuedRounds(), {}
     for round_ in range(6):
-        ring = round_ % MAX_IN_FLIGHT
+        ring = engine._next_ring(sess)  # as a launch takes it: round after round, the ring's slots in turn
+        assert ring == round_ % MAX_IN_FLIGHT
         packed.fill_(round_)
         cursor.copy_(torch.tensor([10 + round_, 100 + round_]))
         features.copy_(torch.randn(16, WIDTH))
@@ -42,8 +43,9 @@ def test_a_chained_rounds_outcome_is_kept_in_its_ring_slot_and_each_round_copies
     assert len(sess.chained_copies._memo) == MAX_IN_FLIGHT  # one set of copies a ring slot, made on its first round
     assert kept[0][0].data_ptr() != kept[1][0].data_ptr()  # the round in flight keeps its outcome
     # a path of another length (a fallback to AR steps: one row) gets buffers of its own, and is copied right
-    kept_features, kept_cursor = QueuedRounds._keep_chained(sess, 0, readback[0].target(packed)[0], packed, cursor,
-                                                            features, 1)
+    ring = engine._next_ring(sess)
+    kept_features, kept_cursor = QueuedRounds._keep_chained(sess, ring, readback[ring].target(packed)[0], packed,
+                                                            cursor, features, 1)
     assert kept_features.shape == (1, WIDTH) and torch.equal(kept_features, features[:1])
 
 

@@ -137,10 +137,8 @@ class QueuedRounds:
         `ring`. Those are made once: the round after next reuses them, queued after the next round and its draft
         have read them. So the same copies recur round after round, and are made once per graph (CopiesMemo).
         -> (the kept features or None, the kept cursor)."""
-        if not sess.chained:
-            sess.chained = [None] * MAX_IN_FLIGHT
         kept = sess.chained[ring]
-        if kept is None or (path_features is not None and (kept[1] is None or kept[1].shape[0] != advance)):
+        if kept is None or (kept[1] is not None and kept[1].shape[0] != advance):  # a session's taps never change
             features = None if path_features is None else torch.empty_like(path_features[:advance])
             kept = sess.chained[ring] = (torch.empty_like(cursor), features)
         kept_cursor, kept_features = kept
@@ -153,10 +151,11 @@ class QueuedRounds:
         return kept_features, kept_cursor
 
     def _next_ring(self, sess: VerifySession) -> int:
-        """The session's ring slot for a round's readback and its features' host rows: the round after next
-        reuses it (the caller has read, or sent, them long before)."""
+        """The session's ring slot for a round's readback, its features' host rows and a chained round's kept
+        outcome: the round after next reuses it (the caller has read, or sent, them long before)."""
         if not sess.host_features:
             sess.host_features = [None] * MAX_IN_FLIGHT
+            sess.chained = [None] * MAX_IN_FLIGHT
         ring = sess.queued % MAX_IN_FLIGHT
         sess.queued += 1
         return ring
