@@ -1,8 +1,8 @@
 """`ddtree bench`: ar, chain and ddtree side by side, in one run, on one pair, with the same prompts.
 
 Reports tokens/s, the acceptance length τ (tokens committed per round, bonus included), per-phase time per round
-and the ratios between modes, and checks that every mode's greedy output equals AR's. Writes JSON (+ a PNG
-when matplotlib is installed).
+and the ratios between modes, and checks that every mode's greedy output equals AR's. Writes JSON and a PNG of
+it (ddtree/plots.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tqdm import tqdm
 from ddtree.generate import DTYPES
 from ddtree.heap import freeze_startup_heap
 from ddtree.models import resolve_pair
+from ddtree.plots import bench_figure, save_figure
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
@@ -190,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     }
     out = Path(args.out)
     report(result, out)
-    _plot(result, out.with_suffix(".png"))
     return 0
 
 
@@ -219,9 +219,10 @@ def mode_ratios(runs: list[dict]) -> dict[str, float]:
 
 
 def report(result: dict, out: Path) -> None:
-    """Writes the JSON and prints one line per run plus the ratios."""
+    """Writes the JSON and its figure (the same name, .png) and prints one line per run plus the ratios."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+    save_figure(bench_figure, result, out.with_suffix(".png"))
     for r in result["runs"]:
         round_ms = f"round {r['round_ms']:.2f} ms  " if "round_ms" in r else ""
         overhead = f"overhead {r['overhead_share']:.1%}  " if r.get("overhead_share") is not None else ""
@@ -237,24 +238,3 @@ def _hardware(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def _plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot written")
-        return
-    runs = result["runs"]
-    labels = [r["mode"] if r["mode"] != "ddtree" else f"ddtree/{r['budget']}" for r in runs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.bar(labels, [r["tokens_per_s"] for r in runs])
-    a.set_ylabel("tokens/s")
-    b.bar(labels, [r["tau"] for r in runs], color="tab:orange")
-    b.set_ylabel("τ (tokens per round)")
-    fig.suptitle(f"{result['hardware'].get('gpu', result['hardware']['device'])} — {Path(result['model_pair']['target']).name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

@@ -2,7 +2,8 @@
 
 Measures, in one run on one device: the copy bandwidth, hence the weight-streaming bound of a decode step
 (weight bytes / bandwidth); an AR step of our verifier; verify time against tree size; and a drafter step at the
-matching DFlash shape. Everything is a ratio against numbers taken in the same process.
+matching DFlash shape. Everything is a ratio against numbers taken in the same process. Writes JSON and a PNG of
+it (ddtree/plots.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from ddtree.plots import cost_curve_figure, save_figure
 from ddtree.types import SamplingParams
 from draft_server.dflash import DFlashDrafter, init_drafter_weights
 from draft_server.dflash_config import DFlashConfig
@@ -296,6 +298,7 @@ def run_cost_curve(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
+    save_figure(cost_curve_figure, result, out.with_suffix(".png"))
     return result
 
 

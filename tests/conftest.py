@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,10 @@ def make_hybrid_target(kind: str, path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
     return {kind: make_hybrid_target(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen3_5", "qwen3_next")}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk; fails on anything that is not a PNG (the benches' figures)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])

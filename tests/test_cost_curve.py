@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ddtree.cost_curve import run_cost_curve
+from tests.conftest import png_size
 
 
 def test_tiny_cost_curve_reports_every_cpu_path(tmp_path: Path) -> None:
@@ -22,3 +23,4 @@ def test_tiny_cost_curve_reports_every_cpu_path(tmp_path: Path) -> None:
     assert result["drafter"]["read_bytes"] > 0 and "bound_ms" not in result["drafter"]
     assert set(result["tree_build_ms"]) == {"torch"} and set(result["tree_build_ms"]["torch"]) == {"3", "15"}
     assert result["weight_streaming_bound_ms"] is None  # no copy bandwidth on a CPU
+    assert png_size(out.with_suffix(".png"))[0] > 0  # the figure beside the JSON

@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ddtree.bench_gateway import served_model
-from tests.conftest import make_drafter
+from tests.conftest import make_drafter, png_size
 from tests.gateway_support import chat_ids, events, local_backends, make_chat_target, metric, reference
 from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports,
                             interrupt, launch, wait_gateway_ready, wait_serving)
@@ -228,6 +228,7 @@ def test_bench_through_the_gateway(services, tmp_path) -> None:
     assert all(r["ttft_ms"] > 0 for r in result["runs"])
     assert all(r["request_ms"]["max"] >= r["request_ms"]["median"] > 0 for r in result["runs"])
     assert "ddtree16/chain" in result["ratios"]
+    assert png_size(out.with_suffix(".png"))[0] > 0  # the figure beside the JSON
 
 
 def test_bench_in_process(tmp_path) -> None:
@@ -252,6 +253,7 @@ def test_bench_in_process(tmp_path) -> None:
     assert all(r["request_ms"]["max"] >= r["request_ms"]["median"] > 0 for r in result["runs"])
     assert all(abs(r["seconds"] * 1000 - 2 * r["request_ms"]["median"]) < 1 for r in result["runs"])
     assert result["settings"]["graphs_captured_while_timing"] == 0 and "ddtree16/ar" in result["ratios"]
+    assert png_size(out.with_suffix(".png"))[0] > 0
 
 
 def test_client_disconnect_frees_both_sessions(services) -> None:
