@@ -12,7 +12,7 @@ time, the median and worst request latency (every latency, in the order the requ
 with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
 (ddtree_verify_batch_size) and its forwards per second; with --drafter-metrics, the drafter's mean blocks a forward
 (ddtree_draft_batch_size). The JSON also holds each level's mean time a round spent in each phase, from the gateway's
-own metrics (ddtree_round_phase_seconds: draft, verify, server, transport, relay), which shows which side a change
+own metrics (ddtree_round_phase_seconds: draft, tree, verify, walk, server, transport, relay), which shows which side a change
 moved (e.g. drafts batched: whether the draft phase grew).
 """
 

@@ -20,7 +20,7 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.
                  0.5, 1.0)
 TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
-PHASES = ("draft", "verify", "server", "transport", "relay")
+PHASES = ("draft", "tree", "verify", "walk", "server", "transport", "relay")
 
 
 class Metrics:
@@ -51,11 +51,12 @@ class Metrics:
                                            "Tokens committed per drafted round (accepted + bonus)",
                                            buckets=ACCEPT_BUCKETS, registry=r)
         self.phase = Histogram("ddtree_round_phase_seconds",
-                               "Time per decode round by phase: draft and verify are the model services' device "
-                               "work, server their host work around it (request decoding, host syncs, answer "
-                               "encoding), transport the rest (both ways over the round lane or gRPC, and the "
-                               "gateway's orchestration); relay a request's first draft waiting for its prompt's "
-                               "features on their way to the drafter (0 in every other round)",
+                               "Time per decode round by phase: the model services' device work as draft (the "
+                               "drafter's forward), tree (the tree build), verify (the target's forward) and walk "
+                               "(the acceptance walk and KV compaction); server their host work around it (request "
+                               "decoding, host syncs, answer encoding), transport the rest (both ways over the round "
+                               "lane or gRPC, and the gateway's orchestration); relay a request's first draft "
+                               "waiting for its prompt's features on their way to the drafter (0 in every other round)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
@@ -73,11 +74,14 @@ class Metrics:
         if rnd.index == 0:
             return
         t = rnd.timings
-        verify = t.get("verify_s", 0.0) + t.get("walk_s", 0.0)
+        forward, walk = t.get("verify_s", 0.0), t.get("walk_s", 0.0)
+        verify = forward + walk
         draft = t.get("draft_s", 0.0) + t.get("tree_s", 0.0)
-        self.phase.labels("verify").observe(verify)
+        self.phase.labels("verify").observe(forward)
+        self.phase.labels("walk").observe(walk)
         if rnd.tree_size:
-            self.phase.labels("draft").observe(draft)
+            self.phase.labels("draft").observe(t.get("draft_s", 0.0))
+            self.phase.labels("tree").observe(t.get("tree_s", 0.0))
             # On a request's last round the loop may have trimmed tokens at a stop token or max_tokens, so that
             # round counts only what was committed to the output.
             accepted = rnd.accepted - 1
@@ -91,7 +95,7 @@ class Metrics:
         # the services' own totals bound their compute; backends that report none (in-process) have no server part
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
         self.phase.labels("server").observe(server)
-        relay = t.get("relay_s", 0.0)  # every round, as verify, server and transport: their means stack to a round's
+        relay = t.get("relay_s", 0.0)  # every round, as verify, walk, server and transport: their means stack to a round's
         self.phase.labels("relay").observe(relay)
         self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
 

@@ -136,6 +136,11 @@ def bargauge(title: str, description: str, targets: list[dict[str, Any]], unit: 
     }
 
 
+# gateway/metrics.py PHASES, each in one colour on both phase panels
+PHASE_COLORS = (("draft", "purple"), ("tree", "light-purple"), ("verify", "blue"), ("walk", "light-blue"),
+                ("server", "orange"), ("transport", "yellow"), ("relay", "green"))
+
+
 def color(series: str, name: str) -> dict:
     return {"matcher": {"id": "byName", "options": series},
             "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": name}}]}
@@ -245,19 +250,17 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                                                         {"id": "decimals", "value": 0}]}]), 8, 8),
     ]
     rounds = [
-        (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter forward "
-                    "+ tree build), verify (target forward + acceptance walk), server (the model services' host "
-                    "work around them: request decoding, host syncs, answer encoding), transport (both ways over "
-                    "the round lane or gRPC, and orchestration), relay (a request's first draft waiting for its "
-                    "prompt's features on their way to the drafter). The stack is the mean round time.",
+        (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter "
+                    "forward), tree (tree build), verify (target forward), walk (acceptance walk and KV compaction), "
+                    "server (the model services' host work around them: request decoding, host syncs, answer "
+                    "encoding), transport (both ways over the round lane or gRPC, and orchestration), relay (a "
+                    "request's first draft waiting for its prompt's features on their way to the drafter). The "
+                    "stack is the mean round time; all but draft and verify is the round's overhead.",
                     [target(mean("ddtree_round_phase_seconds", "phase"), "{{phase}}")], "s", stack=True,
-                    overrides=[color("draft", "purple"), color("verify", "blue"), color("server", "orange"),
-                               color("transport", "yellow"), color("relay", "green")]), 8, 8),
+                    overrides=[color(phase, c) for phase, c in PHASE_COLORS]), 8, 8),
         (timeseries("Round phase p90", "90th percentile of each phase's time per round.",
                     [target(quantile(0.9, "ddtree_round_phase_seconds", "phase"), "{{phase}} p90")], "s",
-                    overrides=[color("draft p90", "purple"), color("verify p90", "blue"),
-                               color("server p90", "orange"), color("transport p90", "yellow"),
-                               color("relay p90", "green")]), 8, 8),
+                    overrides=[color(f"{phase} p90", c) for phase, c in PHASE_COLORS]), 8, 8),
         (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Prefill, Verify, Decode; "
                     "drafter: Draft), median and p99.",
                     [target(quantile(0.5, "ddtree_verify_forward_duration_seconds", "rpc"), "verify {{rpc}} p50"),
