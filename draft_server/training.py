@@ -172,3 +172,17 @@ def acceptance_stats(correct: torch.Tensor) -> tuple[list[float], float]:
     full = torch.nan_to_num(correct, nan=0.0)
     tau = 1.0 + full.cumprod(dim=-1).sum(dim=-1).mean().item()
     return per_pos, tau
+
+
+def chain_steps(correct: torch.Tensor) -> list[int]:
+    """correct [n, B-1] of blocks rooted at each of an answer's n tokens but its last, in order (NaN past the
+    answer) -> the tokens each round of a chain commits walking that answer: from the first root, its run of
+    leading correct positions plus the bonus, the next round rooted where that ends. Rounds start only where the
+    last one's run ended, so their mean (the chain's τ) is below acceptance_stats' mean over every anchor, which
+    counts the inside of each long run as anchors of their own (bench/tau_estimate.py)."""
+    runs = torch.nan_to_num(correct, nan=0.0).cumprod(dim=-1).sum(dim=-1).long().tolist()
+    steps, root = [], 0
+    while root < len(runs):
+        steps.append(min(runs[root] + 1, len(runs) - root))  # the answer's end: no bonus past it
+        root += steps[-1]
+    return steps
