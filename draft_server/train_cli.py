@@ -14,7 +14,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
-from draft_server.dflash import DFlashDrafter, init_drafter_weights, save_drafter
+from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter, save_drafter
 from draft_server.dflash_config import DFlashConfig
 from draft_server.training import (
     DrafterTrainConfig,
@@ -50,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop (and checkpoint) after this long; 0 = no limit")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument("--init", metavar="DIR",
+                   help="start from this drafter's weights (published DFlash format, e.g. one trained before or a "
+                        "released one) instead of random ones: its config.json gives the drafter's shape (block "
+                        "size, layers, taps, MASK), which --block-size, --num-layers, --tap-layers and --mask-token "
+                        "must match where given; a checkpoint that --resume finds takes precedence")
     p.add_argument("--cache-dir", help="where the tokenized corpus is cached (default: OUT/cache)")
     p.add_argument("--eval-corpus",
                    help="chat JSONL the target answered for prompts the drafter never trains on (e.g. held-out "
@@ -91,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    mask_id = int(args.mask_token) if args.mask_token.isdigit() else tokenizer.convert_tokens_to_ids(args.mask_token)
-    if mask_id is None or mask_id == tokenizer.unk_token_id:
-        raise SystemExit(f"mask token {args.mask_token!r} is not in the target's vocabulary; pass --mask-token ID")
+    init = load_drafter(args.init) if args.init else None
+    mask_id = init.config.mask_token_id if init is not None and args.mask_token == DEFAULT_MASK_TOKEN \
+        else _mask_id(args.mask_token, tokenizer)
     cache_dir = args.cache_dir or out / "cache"
     tokens = cached_tokens(tokenizer, args.target, args.corpus, cache_dir)
     valid = torch.from_numpy(assistant_mask(tokens, tokenizer))
@@ -108,13 +113,20 @@ def run(args: argparse.Namespace) -> int:
         args.target, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa", local_files_only=True
     ).to(device).eval()
     target.requires_grad_(False)
-    dcfg = drafter_config_for(target.config, mask_id, cfg)
+    if init is None:
+        dcfg = drafter_config_for(target.config, mask_id, cfg)
+    else:
+        dcfg = _init_config(init.config, target.config, args, mask_id, cfg)
     tapped = TappedTarget(target, dcfg.target_layer_ids)
     if tapped.head.embed[mask_id].float().norm() < 1e-3:
         print(f"warning: the mask token's embedding row ({mask_id}) is ~zero; blocks will carry little signal")
 
     drafter = DFlashDrafter(dcfg)
-    init_drafter_weights(drafter, seed=cfg.seed)
+    if init is None:
+        init_drafter_weights(drafter, seed=cfg.seed)
+    else:
+        drafter.load_state_dict(init.state_dict())
+        print(f"starting from the weights of {args.init}")
     drafter.to(device).train()
     # fused: one kernel for the whole update, where a step of a small drafter is bound by kernel launches
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
@@ -164,9 +176,39 @@ def run(args: argparse.Namespace) -> int:
     _evaluate(held_out, evals, step, drafter, tapped, cfg, weights)
     _checkpoint(out, drafter, opt, step, log, evals, dcfg)
     save_drafter(drafter, out, dtype=getattr(torch, args.save_dtype))
-    (out / LOG).write_text(json.dumps({"config": asdict(cfg), "log": log, "eval": evals}, indent=1))
+    (out / LOG).write_text(json.dumps({"config": asdict(cfg), "init": args.init, "log": log, "eval": evals}, indent=1))
     print(f"saved drafter to {out} at step {step}/{cfg.steps}")
     return 0
+
+
+def _mask_id(token: str, tokenizer) -> int:
+    mask_id = int(token) if token.isdigit() else tokenizer.convert_tokens_to_ids(token)
+    if mask_id is None or mask_id == tokenizer.unk_token_id:
+        raise SystemExit(f"mask token {token!r} is not in the target's vocabulary; pass --mask-token ID")
+    return mask_id
+
+
+def _init_config(init: DFlashConfig, target_config, args: argparse.Namespace, mask_id: int,
+                 cfg: DrafterTrainConfig) -> DFlashConfig:
+    """An --init drafter's config, checked against the target and any shape flags given; cfg (what the training log
+    records) takes its shape."""
+    t, defaults = target_config, DrafterTrainConfig()
+    taps = [int(x) for x in args.tap_layers.split(",")] if args.tap_layers else init.target_layer_ids
+    problems = [f"{what} {mine} where {theirs} {other}" for what, mine, theirs, other in (
+        ("hidden size", init.hidden_size, "the target has", t.hidden_size),
+        ("vocabulary", init.vocab_size, "the target has", t.vocab_size),
+        ("target layers", init.num_target_layers, "the target has", t.num_hidden_layers),
+        ("block size", init.block_size, "--block-size is", args.block_size if args.block_size != defaults.block_size
+         else init.block_size),
+        ("layers", init.num_hidden_layers, "--num-layers is", args.num_layers if args.num_layers != defaults.num_layers
+         else init.num_hidden_layers),
+        ("taps", init.target_layer_ids, "--tap-layers is", taps),
+        ("MASK", init.mask_token_id, "--mask-token is", mask_id),
+    ) if mine != other]
+    if problems:
+        raise SystemExit(f"--init {args.init} does not fit: its " + "; its ".join(problems))
+    cfg.block_size, cfg.num_layers, cfg.tap_layers = init.block_size, init.num_hidden_layers, list(init.target_layer_ids)
+    return init
 
 
 def _window_starts(tokens: np.ndarray, cfg: DrafterTrainConfig, step: int) -> np.ndarray:

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -112,12 +113,12 @@ def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
     )).save_pretrained(target_dir)
     out = tmp_path / "drafter"
 
-    def main(*extra: str) -> int:
+    def main(*extra: str, into: Path = out) -> int:
         parser = argparse.ArgumentParser()
         train_cli.add_parser(parser.add_subparsers())
         args = parser.parse_args([
             "train-drafter", "--target", str(target_dir), "--corpus", str(tmp_path / "corpus" / TRAIN_FILE),
-            "--out", str(out), "--device", "cpu", "--block-size", "4", "--num-layers", "1", "--window", "48",
+            "--out", str(into), "--device", "cpu", "--block-size", "4", "--num-layers", "1", "--window", "48",
             "--batch-size", "4", "--blocks-per-window", "4", "--warmup-steps", "2", "--save-every", "5",
             "--eval-corpus", str(tmp_path / "corpus" / TRAIN_FILE), *extra,
         ])
@@ -142,3 +143,13 @@ def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
     engine.start_session("s", 16)
     feats = torch.randn(3, drafter.config.num_taps * 32)
     assert engine.draft("s", feats, 5, 3, budget=6).tree.num_nodes == 6
+
+    # --init: a new run starts from the trained drafter's weights, not from random ones
+    warm = tmp_path / "warm"
+    assert main("--steps", "0", "--init", str(out), into=warm) == 0
+    assert all(torch.equal(a, b) for a, b in zip(load_drafter(warm).state_dict().values(), drafter.state_dict().values()))
+    assert main("--steps", "5", "--init", str(out), into=tmp_path / "warm5") == 0
+    warm_eval = json.loads((tmp_path / "warm5" / "training_log.json").read_text())["eval"]
+    assert warm_eval[0]["step"] == 5 and warm_eval[0]["loss"] < evals[0]["loss"]  # the cold run's step 5
+    with pytest.raises(SystemExit, match=r"its block size 4 where --block-size is 8"):
+        main("--steps", "1", "--init", str(out), "--block-size", "8", into=tmp_path / "bad")
