@@ -25,12 +25,16 @@ from draft_server.training import (
     loss_weights,
     lr_at,
     sample_anchors,
+    walk_answers,
 )
 
 CHECKPOINT = "train_state.pt"
 LOG = "training_log.json"
 DEFAULT_MASK_TOKEN = "<|mask|>"
 EVAL_WINDOWS = 128  # --eval-corpus windows: ~2000 blocks, enough for a τ estimate steady to a few hundredths
+# of them, the first windows whose answers are walked round by round: the chain's τ as served, which the mean over
+# random anchors overstates by about a third (bench/tau_estimate.py); ~300 blocks a window of 512 tokens
+WALK_WINDOWS = 16
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -220,23 +224,30 @@ def _window_starts(tokens: np.ndarray, cfg: DrafterTrainConfig, step: int) -> np
 @torch.no_grad()
 def _evaluate(held_out: tuple[torch.Tensor, torch.Tensor] | None, evals: list, step: int, drafter: DFlashDrafter,
               tapped: TappedTarget, cfg: DrafterTrainConfig, weights: torch.Tensor) -> None:
-    """Loss and τ estimate on the --eval-corpus windows, with the same anchors every time, appended to evals
+    """Loss and τ estimate on the --eval-corpus windows, with the same anchors every time, and the chain's τ as
+    served on the first WALK_WINDOWS of them (every answer walked round by round, walk_answers), appended to evals
     (once per step: a resumed run that ends where it started does not measure again)."""
     if held_out is None or (evals and evals[-1]["step"] == step):
         return
     device = weights.device
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    losses, correct = [], []
-    for ids, ok in zip(*(t.split(cfg.batch_size) for t in held_out)):
+    losses, correct, steps = [], [], []
+    for batch, (ids, ok) in enumerate(zip(*(t.split(cfg.batch_size) for t in held_out))):
         ids, ok = ids.to(device), ok.to(device)
         anchors = sample_anchors(ok, cfg.blocks_per_window, drafter.config.block_size, gen)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, hits = drafter_loss(drafter, tapped.head, ids, tapped.features(ids), anchors, ok, weights)
+            features = tapped.features(ids)
+            loss, hits = drafter_loss(drafter, tapped.head, ids, features, anchors, ok, weights)
+            for b in range(min(len(ids), WALK_WINDOWS - batch * cfg.batch_size)):
+                steps += walk_answers(drafter, tapped.head, ids[b], features[b], ok[b], weights)
         losses.append(loss.item())
         correct.append(hits)
     _, tau = acceptance_stats(torch.cat(correct))
-    evals.append({"step": step, "loss": round(sum(losses) / len(losses), 5), "tau_est": round(tau, 3)})
-    tqdm.write(f"step {step}: held-out loss {evals[-1]['loss']:.3f}, τ estimate {tau:.2f}")
+    walked = round(sum(steps) / len(steps), 3) if steps else None
+    evals.append({"step": step, "loss": round(sum(losses) / len(losses), 5), "tau_est": round(tau, 3),
+                  "tau_walked": walked})
+    tqdm.write(f"step {step}: held-out loss {evals[-1]['loss']:.3f}, τ estimate {tau:.2f} (mean over anchors), "
+               f"chain τ walked {walked} (as served)")
 
 
 def _checkpoint(out: Path, drafter: DFlashDrafter, opt, step: int, log: list, evals: list,

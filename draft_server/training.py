@@ -186,3 +186,22 @@ def chain_steps(correct: torch.Tensor) -> list[int]:
         steps.append(min(runs[root] + 1, len(runs) - root))  # the answer's end: no bonus past it
         root += steps[-1]
     return steps
+
+
+def walk_answers(
+    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+    weights: torch.Tensor, chunk: int = 64,
+) -> list[int]:
+    """ids, valid [L] and features [L, taps*hidden] of one sequence -> the tokens each chain round commits walking
+    every answer in it (each run of valid positions, its first token being the prefill's): blocks rooted at each
+    answer token but the last, `chunk` blocks a forward, then chain_steps. Its mean is the chain's τ as served."""
+    steps: list[int] = []
+    cuts = torch.diff(valid.int(), prepend=valid.new_zeros(1).int(), append=valid.new_zeros(1).int())
+    for begin, end in zip(torch.nonzero(cuts == 1).flatten().tolist(), torch.nonzero(cuts == -1).flatten().tolist()):
+        roots = torch.arange(begin, end - 1, device=ids.device)  # [n] the answer's tokens but its last
+        if roots.numel() == 0:
+            continue  # the prefill's token alone: no round
+        correct = [drafter_loss(drafter, head, ids[None], features[None], part[None], valid[None], weights)[1][0]
+                   for part in roots.split(chunk)]
+        steps += chain_steps(torch.cat(correct))
+    return steps

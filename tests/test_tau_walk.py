@@ -3,7 +3,8 @@
 A round roots a block at the last committed token with the target's features of everything before it as context,
 and commits the run of leading positions the drafter got right plus the bonus. Training's blocks
 (draft_server/training.py drafter_loss) are built the same way from the target's answer, so walking the answer with
-them (chain_steps) must give the served rounds' sizes one by one. A shifted prediction, a context position off by
+them (walk_answers, chain_steps) must give the served rounds' sizes one by one; train-drafter's evaluation reports
+that walk's τ. A shifted prediction, a context position off by
 one, block K/V kept in the drafter's cache: each of DESIGN §4's frequent mistakes breaks this equality where greedy
 exactness alone would not notice (the verifier keeps the output right however poor the drafts).
 """
@@ -20,7 +21,7 @@ from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget, chain_steps, drafter_loss, loss_weights
+from draft_server.training import TappedTarget, chain_steps, loss_weights, walk_answers
 from gateway.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
@@ -59,10 +60,9 @@ def test_chain_rounds_walk_the_teacher_forced_blocks(pair: tuple[str, str]) -> N
         ids = torch.tensor([prompt + answer])
         valid = torch.zeros_like(ids, dtype=torch.bool)
         valid[0, len(prompt):] = True
-        roots = torch.arange(len(prompt), ids.shape[1] - 1)[None]  # the prefill commits answer[0]; rounds root there
-        with torch.no_grad():
-            _, correct = drafter_loss(drafter, tapped.head, ids, tapped.features(ids), roots, valid, weights)
-        assert [len(tokens) for tokens in rounds[1:]] == chain_steps(correct[0])
+        with torch.no_grad():  # blocks rooted at each answer token (the prefill commits the first) but the last
+            walked = walk_answers(drafter, tapped.head, ids[0], tapped.features(ids)[0], valid[0], weights, chunk=16)
+        assert [len(tokens) for tokens in rounds[1:]] == walked
         deepest = max(deepest, *(len(tokens) for tokens in rounds[1:]))
     assert deepest >= 6  # deep acceptance, not the root-only path
 

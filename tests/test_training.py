@@ -133,6 +133,7 @@ def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
     evals = training_log["eval"]
     assert [e["step"] for e in evals] == [5, 10, 15, 20]  # every checkpoint, once, across the resume
     assert all(1.0 <= e["tau_est"] <= 4.0 and e["loss"] > 0 for e in evals)
+    assert all(1.0 <= e["tau_walked"] <= 4.0 for e in evals)  # rounds walked through the held-out answers
     drafter = load_drafter(out)
     assert drafter.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>")
     assert drafter.config.block_size == 4 and drafter.config.num_target_layers == 3
