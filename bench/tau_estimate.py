@@ -6,7 +6,7 @@ position: each starts where the last one's accepted run ended, so long runs cove
 This script takes the target's own greedy answers to the bench prompts, runs the drafter teacher-forced with a
 block rooted at every answer token but the last (the prefill commits the first answer token; rounds start from
 it), and reports both: the per-anchor mean the
-training log shows, and the chain τ of rounds walked through the same correctness table (draft_server/training.py
+training log shows, and the chain τ of rounds walked through the same correctness table (draft_server/acceptance.py
 chain_steps), which is what `ddtree bench` measures for the chain in fp32 (tests/test_tau_walk.py checks the rounds
 one by one).
 
@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.models import resolve_pair
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget, acceptance_stats, chain_steps, drafter_loss, loss_weights
+from draft_server.acceptance import chain_steps
+from draft_server.training import TappedTarget, acceptance_stats, drafter_loss, loss_weights
 
 
 def main() -> None:

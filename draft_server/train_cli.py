@@ -14,6 +14,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
+from draft_server.acceptance import walk_answers
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter, save_drafter
 from draft_server.dflash_config import DFlashConfig
 from draft_server.training import (
@@ -25,7 +26,6 @@ from draft_server.training import (
     loss_weights,
     lr_at,
     sample_anchors,
-    walk_answers,
 )
 
 CHECKPOINT = "train_state.pt"

@@ -123,6 +123,26 @@ class TappedTarget:
         return torch.cat([self._out[t] for t in self.taps], dim=-1)
 
 
+def block_logits(
+    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """ids [b, L], features [b, L, taps*hidden], anchors [b, n] -> logits [b, n, B-1, V] fp32: the block rooted at
+    anchor a is [x_a, MASK * (B-1)] at positions a..a+B-1, sees the context before a, and its position k predicts
+    the token at a + k, as a draft does at inference."""
+    cfg = drafter.config
+    bsz, length = ids.shape
+    blk = cfg.block_size
+    positions = anchors[:, :, None] + torch.arange(blk, device=ids.device)  # [b, n, B]
+    block_ids = torch.full_like(positions, cfg.mask_token_id)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    ctx_kv = drafter.context_kv(features, torch.arange(length, device=ids.device).expand(bsz, -1))
+    mask = block_attention_mask(anchors, length, blk)
+    sliding = block_attention_mask(anchors, length, blk, cfg.sliding_window) if cfg.has_sliding_layers else None
+    hidden = drafter(head.embed_tokens(block_ids.flatten(1)), positions.flatten(1), ctx_kv, mask, sliding)
+    hidden = hidden.view(bsz, anchors.shape[1], blk, -1)[:, :, 1:]  # [b, n, B-1, hidden]
+    return head.logits(hidden).float()
+
+
 def drafter_loss(
     drafter: DFlashDrafter,
     head: TargetHead,
@@ -134,22 +154,12 @@ def drafter_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [b, L], features [b, L, taps*hidden], anchors [b, n], valid [b, L] -> (weighted loss, per-position
     correctness [b, n, B-1] as float, NaN where the target token is not trained on)."""
-    cfg = drafter.config
-    bsz, length = ids.shape
-    blk = cfg.block_size
-    offsets = torch.arange(blk, device=ids.device)
-    positions = anchors[:, :, None] + offsets  # [b, n, B]
-    block_ids = torch.full_like(positions, cfg.mask_token_id)
-    block_ids[:, :, 0] = ids.gather(1, anchors)
-    ctx_kv = drafter.context_kv(features, torch.arange(length, device=ids.device).expand(bsz, -1))
-    mask = block_attention_mask(anchors, length, blk)
-    sliding = block_attention_mask(anchors, length, blk, cfg.sliding_window) if cfg.has_sliding_layers else None
-    hidden = drafter(head.embed_tokens(block_ids.flatten(1)), positions.flatten(1), ctx_kv, mask, sliding)
-    hidden = hidden.view(bsz, anchors.shape[1], blk, -1)[:, :, 1:]  # [b, n, B-1, hidden]
-    target_pos = positions[:, :, 1:].clamp(max=length - 1)
+    length = ids.shape[1]
+    positions = anchors[:, :, None] + torch.arange(1, drafter.config.block_size, device=ids.device)  # [b, n, B-1]
+    target_pos = positions.clamp(max=length - 1)
     targets = ids.gather(1, target_pos.flatten(1)).view_as(target_pos)
-    keep = valid.gather(1, target_pos.flatten(1)).view_as(target_pos) & (positions[:, :, 1:] < length)
-    logits = head.logits(hidden).float()  # [b, n, B-1, V]
+    keep = valid.gather(1, target_pos.flatten(1)).view_as(target_pos) & (positions < length)
+    logits = block_logits(drafter, head, ids, features, anchors)  # [b, n, B-1, V]
     ce = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
     w = weights.to(ce.device) * keep
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
@@ -173,35 +183,3 @@ def acceptance_stats(correct: torch.Tensor) -> tuple[list[float], float]:
     tau = 1.0 + full.cumprod(dim=-1).sum(dim=-1).mean().item()
     return per_pos, tau
 
-
-def chain_steps(correct: torch.Tensor) -> list[int]:
-    """correct [n, B-1] of blocks rooted at each of an answer's n tokens but its last, in order (NaN past the
-    answer) -> the tokens each round of a chain commits walking that answer: from the first root, its run of
-    leading correct positions plus the bonus, the next round rooted where that ends. Rounds start only where the
-    last one's run ended, so their mean (the chain's τ) is below acceptance_stats' mean over every anchor, which
-    counts the inside of each long run as anchors of their own (bench/tau_estimate.py)."""
-    runs = torch.nan_to_num(correct, nan=0.0).cumprod(dim=-1).sum(dim=-1).long().tolist()
-    steps, root = [], 0
-    while root < len(runs):
-        steps.append(min(runs[root] + 1, len(runs) - root))  # the answer's end: no bonus past it
-        root += steps[-1]
-    return steps
-
-
-def walk_answers(
-    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
-    weights: torch.Tensor, chunk: int = 64,
-) -> list[int]:
-    """ids, valid [L] and features [L, taps*hidden] of one sequence -> the tokens each chain round commits walking
-    every answer in it (each run of valid positions, its first token being the prefill's): blocks rooted at each
-    answer token but the last, `chunk` blocks a forward, then chain_steps. Its mean is the chain's τ as served."""
-    steps: list[int] = []
-    cuts = torch.diff(valid.int(), prepend=valid.new_zeros(1).int(), append=valid.new_zeros(1).int())
-    for begin, end in zip(torch.nonzero(cuts == 1).flatten().tolist(), torch.nonzero(cuts == -1).flatten().tolist()):
-        roots = torch.arange(begin, end - 1, device=ids.device)  # [n] the answer's tokens but its last
-        if roots.numel() == 0:
-            continue  # the prefill's token alone: no round
-        correct = [drafter_loss(drafter, head, ids[None], features[None], part[None], valid[None], weights)[1][0]
-                   for part in roots.split(chunk)]
-        steps += chain_steps(torch.cat(correct))
-    return steps
