@@ -1,9 +1,14 @@
-"""ddtree's τ from teacher-forced trees (CPU, fp32, no serving loop): the target's greedy answers to the bench
-prompts, the drafter's blocks rooted at every answer token, and each round's tree walked against the answer
-(draft_server/acceptance.py tree_steps; tests/test_tau_walk.py checks that this equals the served rounds one by
-one). Seconds where the serving loop takes minutes, so tree policies can be compared on many prompts: budgets,
+"""ddtree's and the chain's τ from teacher-forced blocks (CPU, fp32, no serving loop): the target's greedy answers to
+the bench prompts, the drafter's blocks rooted at every answer token, and each round's tree walked against the
+answer (draft_server/acceptance.py tree_steps; tests/test_tau_walk.py checks that this equals the served rounds one
+by one). Seconds where the serving loop takes minutes, so tree policies can be compared on many prompts: budgets,
 top-k, and transforms of the drafter's log-probs before the tree build (a temperature; a penalty on every token but
 each depth's most likely one, which shifts the budget from side branches to the main path).
+
+Also the τ estimate `ddtree train-drafter` logs (`tau_est`: 1 + the expected run of leading correct positions,
+averaged over anchors, draft_server/training.py acceptance_stats) over the same blocks, against the chain's walked
+τ: rounds start only where the last one's run ended, so the inside of a long run, which the estimate counts as
+anchors of their own, is covered by one round, and the estimate overstates τ.
 
     python bench/tree_walk.py [--budgets 8,32,64,128 --top-k 0 --temperatures 1 --penalties 0 --num-prompts 40
                                --max-new-tokens 256 --out FILE]
@@ -22,7 +27,7 @@ from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.models import resolve_pair
 from draft_server.acceptance import answer_logprobs, tree_steps
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget
+from draft_server.training import TappedTarget, acceptance_stats
 
 
 def transformed(logprobs: torch.Tensor, temperature: float, penalty: float) -> torch.Tensor:
@@ -61,6 +66,7 @@ def main() -> None:
                 for t in args.temperatures.split(",") for pen in args.penalties.split(",")]
     chain = drafter.config.block_size - 1
     rounds = {policy: [0, 0] for policy in [("chain", 1.0, 0.0), *policies]}  # policy -> [rounds, tokens]
+    correct = []  # per prompt [n, B-1]: each block's depths right (NaN past the answer)
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
             answer = target.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -69,6 +75,10 @@ def main() -> None:
                 continue
             ids = torch.tensor(prompt + answer)
             logprobs = answer_logprobs(drafter, tapped.head, ids, tapped.features(ids[None])[0], len(prompt))
+            depths = torch.arange(1, logprobs.shape[1] + 1)
+            ahead = torch.arange(logprobs.shape[0])[:, None] + depths  # [n, B-1] the answer index each predicts
+            right = logprobs.argmax(-1) == torch.tensor(answer)[ahead.clamp(max=len(answer) - 1)]
+            correct.append(right.float().masked_fill(ahead >= len(answer), float("nan")))
             for policy in rounds:
                 budget, temperature, penalty = policy
                 if budget == "chain":
@@ -80,10 +90,13 @@ def main() -> None:
             print(f"prompt {i + 1}/{len(prompts)}: {len(answer)} answer tokens", flush=True)
     runs = [{"budget": b, "temperature": t, "penalty": pen, "rounds": r, "tokens": n, "tau": round(n / r, 3)}
             for (b, t, pen), (r, n) in rounds.items()]
+    estimate = round(acceptance_stats(torch.cat(correct)[None])[1], 3)
     for run in runs:
         print(json.dumps(run))
+    print(json.dumps({"training_tau_estimate": estimate, "chain_tau_walked": runs[0]["tau"]}))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"args": vars(args), "training_tau_estimate": estimate, "runs": runs},
+                                             indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def chain_steps(correct: torch.Tensor) -> list[int]:
     each round of a chain commits walking that answer: from the first root, its run of leading correct positions
     plus the bonus, the next round rooted where that ends. Rounds start only where the last one's run ended, so
     their mean (the chain's τ) is below training's mean over every anchor (acceptance_stats), which counts the
-    inside of each long run as anchors of their own (bench/tau_estimate.py)."""
+    inside of each long run as anchors of their own (bench/tree_walk.py)."""
     runs = torch.nan_to_num(correct, nan=0.0).cumprod(dim=-1).sum(dim=-1).long().tolist()
     return _walk(lambda root: runs[root], len(runs))
 
