@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.models import resolve_pair
-from draft_server.acceptance import answer_logprobs, tree_steps
+from draft_server.acceptance import answer_correct, answer_logprobs, chain_steps, tree_steps
 from draft_server.dflash import load_drafter
 from draft_server.training import TappedTarget, acceptance_stats
 
@@ -64,9 +64,8 @@ def main() -> None:
     pad = eos[0] if isinstance(eos, list) else eos
     policies = [(int(b), float(t), float(pen)) for b in args.budgets.split(",")
                 for t in args.temperatures.split(",") for pen in args.penalties.split(",")]
-    chain = drafter.config.block_size - 1
     rounds = {policy: [0, 0] for policy in [("chain", 1.0, 0.0), *policies]}  # policy -> [rounds, tokens]
-    correct = []  # per prompt [n, B-1]: each block's depths right (NaN past the answer)
+    correct = []  # per prompt [n, B-1]: each block's depths right (NaN past the answer): the chain's walk
     with torch.no_grad():
         for i, prompt in enumerate(prompts):
             answer = target.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, do_sample=False,
@@ -75,14 +74,11 @@ def main() -> None:
                 continue
             ids = torch.tensor(prompt + answer)
             logprobs = answer_logprobs(drafter, tapped.head, ids, tapped.features(ids[None])[0], len(prompt))
-            depths = torch.arange(1, logprobs.shape[1] + 1)
-            ahead = torch.arange(logprobs.shape[0])[:, None] + depths  # [n, B-1] the answer index each predicts
-            right = logprobs.argmax(-1) == torch.tensor(answer)[ahead.clamp(max=len(answer) - 1)]
-            correct.append(right.float().masked_fill(ahead >= len(answer), float("nan")))
+            correct.append(answer_correct(logprobs, answer))
             for policy in rounds:
                 budget, temperature, penalty = policy
                 if budget == "chain":
-                    steps = tree_steps(logprobs, answer, chain, top_k=1)
+                    steps = chain_steps(correct[-1])
                 else:
                     steps = tree_steps(transformed(logprobs, temperature, penalty), answer, budget, args.top_k or None)
                 rounds[policy][0] += len(steps)

@@ -16,7 +16,7 @@ import torch
 
 from draft_server.dflash import DFlashDrafter
 from draft_server.target_head import TargetHead
-from draft_server.training import block_logits, drafter_loss
+from draft_server.training import block_logits
 from draft_server.tree import build_tree
 
 
@@ -61,29 +61,37 @@ def answer_runs(valid: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(torch.nonzero(cuts == 1).flatten().tolist(), torch.nonzero(cuts == -1).flatten().tolist()))
 
 
-def walk_answers(
-    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
-    weights: torch.Tensor, chunk: int = 64,
-) -> list[int]:
-    """ids, valid [L] and features [L, taps*hidden] of one sequence -> the tokens each chain round commits walking
-    every answer in it (each run of valid positions): blocks rooted at each answer token but the last, `chunk`
-    blocks a forward, then chain_steps. Its mean is the chain's τ as served."""
-    steps: list[int] = []
-    for begin, end in answer_runs(valid):
-        roots = torch.arange(begin, end - 1, device=ids.device)  # [n] the answer's tokens but its last
-        if roots.numel() == 0:
-            continue  # the prefill's token alone: no round
-        correct = [drafter_loss(drafter, head, ids[None], features[None], part[None], valid[None], weights)[1][0]
-                   for part in roots.split(chunk)]
-        steps += chain_steps(torch.cat(correct))
-    return steps
-
-
 def answer_logprobs(
-    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, begin: int, chunk: int = 64,
+    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, begin: int,
+    end: int | None = None, chunk: int = 64,
 ) -> torch.Tensor:
-    """ids [L] (a prompt, then from `begin` on its answer) and features [L, taps*hidden] -> log-probs [n, B-1, V]
-    fp32 of the blocks rooted at the answer's n roots (every answer token but the last), for tree_steps."""
-    roots = torch.arange(begin, ids.shape[0] - 1, device=ids.device)
+    """ids [L] holding an answer at [begin, end) (end: L by default) and features [L, taps*hidden] -> log-probs
+    [n, B-1, V] fp32 of the blocks rooted at the answer's n roots (every answer token but the last), `chunk` blocks
+    a forward."""
+    roots = torch.arange(begin, (ids.shape[0] if end is None else end) - 1, device=ids.device)
     parts = [block_logits(drafter, head, ids[None], features[None], part[None])[0] for part in roots.split(chunk)]
     return torch.log_softmax(torch.cat(parts), dim=-1)
+
+
+def answer_correct(logprobs: torch.Tensor, answer: list[int]) -> torch.Tensor:
+    """logprobs [n, B-1, V] of the blocks rooted at answer[:n] -> [n, B-1]: 1.0 where a depth's most likely token
+    is the answer's, 0.0 where not, NaN past the answer (chain_steps' table, and training's)."""
+    ahead = torch.arange(logprobs.shape[0])[:, None] + torch.arange(1, logprobs.shape[1] + 1)  # [n, B-1] answer index
+    tokens = torch.tensor(answer, device=logprobs.device)
+    right = logprobs.argmax(-1).cpu() == tokens.cpu()[ahead.clamp(max=len(answer) - 1)]
+    return right.float().masked_fill(ahead >= len(answer), float("nan"))
+
+
+def walk_answers(
+    drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor, features: torch.Tensor, valid: torch.Tensor,
+    chunk: int = 64,
+) -> list[int]:
+    """ids, valid [L] and features [L, taps*hidden] of one sequence -> the tokens each chain round commits walking
+    every answer in it (each run of valid positions). Its mean is the chain's τ as served."""
+    steps: list[int] = []
+    for begin, end in answer_runs(valid):
+        if end - begin < 2:
+            continue  # the prefill's token alone: no round
+        logprobs = answer_logprobs(drafter, head, ids, features, begin, end, chunk)
+        steps += chain_steps(answer_correct(logprobs, ids[begin:end].tolist()))
+    return steps

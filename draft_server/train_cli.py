@@ -197,18 +197,19 @@ def _init_config(init: DFlashConfig, target_config, args: argparse.Namespace, ma
     """An --init drafter's config, checked against the target and any shape flags given; cfg (what the training log
     records) takes its shape."""
     t, defaults = target_config, DrafterTrainConfig()
-    taps = [int(x) for x in args.tap_layers.split(",")] if args.tap_layers else init.target_layer_ids
-    problems = [f"{what} {mine} where {theirs} {other}" for what, mine, theirs, other in (
+    checks = [  # (what, the drafter's, whose, theirs): flags left at their defaults ask for nothing
         ("hidden size", init.hidden_size, "the target has", t.hidden_size),
         ("vocabulary", init.vocab_size, "the target has", t.vocab_size),
         ("target layers", init.num_target_layers, "the target has", t.num_hidden_layers),
-        ("block size", init.block_size, "--block-size is", args.block_size if args.block_size != defaults.block_size
-         else init.block_size),
-        ("layers", init.num_hidden_layers, "--num-layers is", args.num_layers if args.num_layers != defaults.num_layers
-         else init.num_hidden_layers),
-        ("taps", init.target_layer_ids, "--tap-layers is", taps),
         ("MASK", init.mask_token_id, "--mask-token is", mask_id),
-    ) if mine != other]
+    ]
+    if args.block_size != defaults.block_size:
+        checks.append(("block size", init.block_size, "--block-size is", args.block_size))
+    if args.num_layers != defaults.num_layers:
+        checks.append(("layers", init.num_hidden_layers, "--num-layers is", args.num_layers))
+    if args.tap_layers:
+        checks.append(("taps", init.target_layer_ids, "--tap-layers is", [int(x) for x in args.tap_layers.split(",")]))
+    problems = [f"{what} {mine} where {whose} {theirs}" for what, mine, whose, theirs in checks if mine != theirs]
     if problems:
         raise SystemExit(f"--init {args.init} does not fit: its " + "; its ".join(problems))
     cfg.block_size, cfg.num_layers, cfg.tap_layers = init.block_size, init.num_hidden_layers, list(init.target_layer_ids)
@@ -239,7 +240,7 @@ def _evaluate(held_out: tuple[torch.Tensor, torch.Tensor] | None, evals: list, s
             features = tapped.features(ids)
             loss, hits = drafter_loss(drafter, tapped.head, ids, features, anchors, ok, weights)
             for b in range(min(len(ids), WALK_WINDOWS - batch * cfg.batch_size)):
-                steps += walk_answers(drafter, tapped.head, ids[b], features[b], ok[b], weights)
+                steps += walk_answers(drafter, tapped.head, ids[b], features[b], ok[b])
         losses.append(loss.item())
         correct.append(hits)
     _, tau = acceptance_stats(torch.cat(correct))

@@ -182,4 +182,3 @@ def acceptance_stats(correct: torch.Tensor) -> tuple[list[float], float]:
     full = torch.nan_to_num(correct, nan=0.0)
     tau = 1.0 + full.cumprod(dim=-1).sum(dim=-1).mean().item()
     return per_pos, tau
-

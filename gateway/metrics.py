@@ -74,14 +74,13 @@ class Metrics:
         if rnd.index == 0:
             return
         t = rnd.timings
-        forward, walk = t.get("verify_s", 0.0), t.get("walk_s", 0.0)
-        verify = forward + walk
-        draft = t.get("draft_s", 0.0) + t.get("tree_s", 0.0)
+        forward, walk, drafting, tree = (t.get(k, 0.0) for k in ("verify_s", "walk_s", "draft_s", "tree_s"))
+        verify, draft = forward + walk, drafting + tree  # each service's device work, which its total bounds
         self.phase.labels("verify").observe(forward)
         self.phase.labels("walk").observe(walk)
         if rnd.tree_size:
-            self.phase.labels("draft").observe(t.get("draft_s", 0.0))
-            self.phase.labels("tree").observe(t.get("tree_s", 0.0))
+            self.phase.labels("draft").observe(drafting)
+            self.phase.labels("tree").observe(tree)
             # On a request's last round the loop may have trimmed tokens at a stop token or max_tokens, so that
             # round counts only what was committed to the output.
             accepted = rnd.accepted - 1
@@ -95,7 +94,8 @@ class Metrics:
         # the services' own totals bound their compute; backends that report none (in-process) have no server part
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
         self.phase.labels("server").observe(server)
-        relay = t.get("relay_s", 0.0)  # every round, as verify, walk, server and transport: their means stack to a round's
+        # every round, as verify, walk, server and transport: their means stack to a round's
+        relay = t.get("relay_s", 0.0)
         self.phase.labels("relay").observe(relay)
         self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
 

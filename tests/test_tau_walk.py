@@ -23,7 +23,7 @@ from ddtree.models import resolve_pair
 from ddtree.types import SamplingParams
 from draft_server.acceptance import answer_logprobs, chain_steps, tree_steps, walk_answers
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget, loss_weights
+from draft_server.training import TappedTarget
 from gateway.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
@@ -39,7 +39,7 @@ def pair() -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def walked(pair: tuple[str, str]):
     """Each prompt, then a function from a mode to its served rounds (the tokens each committed, the prefill's
-    first) and its teacher-forced model: tapped target, drafter, loss weights."""
+    first) and its teacher-forced model: tapped target and drafter."""
     tokenizer = AutoTokenizer.from_pretrained(pair[0], local_files_only=True)
     prompts = [load_prompts(str(DEFAULT_PROMPTS), tokenizer, max(PROMPTS) + 1)[i] for i in PROMPTS]
     verifier, drafter = load_local(*pair, "cpu", torch.float32)
@@ -55,11 +55,11 @@ def walked(pair: tuple[str, str]):
     target = AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float32, local_files_only=True).eval()
     model = load_drafter(pair[1])
     tapped = TappedTarget(target, model.config.target_layer_ids)
-    return prompts, served, tapped, model, loss_weights(model.config.block_size, 7.0)
+    return prompts, served, tapped, model
 
 
 def test_chain_rounds_walk_the_teacher_forced_blocks(walked) -> None:
-    prompts, served, tapped, drafter, weights = walked
+    prompts, served, tapped, drafter = walked
     deepest = 0
     for prompt, rounds in zip(prompts, served(Speculation("chain"))):
         answer = [t for tokens in rounds for t in tokens]
@@ -67,7 +67,7 @@ def test_chain_rounds_walk_the_teacher_forced_blocks(walked) -> None:
         valid = torch.zeros_like(ids, dtype=torch.bool)
         valid[0, len(prompt):] = True
         with torch.no_grad():  # blocks rooted at each answer token (the prefill commits the first) but the last
-            steps = walk_answers(drafter, tapped.head, ids[0], tapped.features(ids)[0], valid[0], weights, chunk=16)
+            steps = walk_answers(drafter, tapped.head, ids[0], tapped.features(ids)[0], valid[0], chunk=16)
         assert [len(tokens) for tokens in rounds[1:]] == steps
         deepest = max(deepest, *steps)
     assert deepest >= 6  # deep acceptance, not the root-only path
@@ -75,7 +75,7 @@ def test_chain_rounds_walk_the_teacher_forced_blocks(walked) -> None:
 
 @pytest.mark.parametrize("budget", [8, 32])
 def test_ddtree_rounds_walk_the_teacher_forced_trees(walked, budget: int) -> None:
-    prompts, served, tapped, drafter, _ = walked
+    prompts, served, tapped, drafter = walked
     deepest = 0
     for prompt, rounds in zip(prompts, served(Speculation("ddtree", budget))):
         answer = [t for tokens in rounds for t in tokens]
