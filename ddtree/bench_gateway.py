@@ -23,8 +23,8 @@ from gateway.metrics import PHASES
 from tqdm import tqdm
 
 
-COUNTERS = ("ddtree_spec_drafts_total", "ddtree_spec_accepted_tokens_total", "ddtree_generation_tokens_total",
-            "ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
+COUNTERS = ("ddtree_spec_drafts_total", "ddtree_spec_draft_tokens_total", "ddtree_spec_accepted_tokens_total",
+            "ddtree_generation_tokens_total", "ddtree_time_to_first_token_seconds_sum", "ddtree_time_to_first_token_seconds_count")
 
 
 def _request(url: str, body: dict | None = None) -> dict | str:
@@ -116,7 +116,9 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
         phases_ms = {p: round(1000 * delta.get(f"phase[{p}]", 0.0) / max(rounds, 1), 3) for p in PHASES}
         runs.append({
             "mode": label.split("/")[0],
-            "budget": speculation.get("budget", 0),
+            # the chain's nodes a round (the drafter's block size - 1, as in-process) from the gateway's counters
+            "budget": speculation.get("budget", round(delta.get("ddtree_spec_draft_tokens_total", 0.0) / drafts)
+                                      if drafts else 0),
             "tokens": int(tokens),
             "seconds": round(elapsed, 4),
             "tokens_per_s": round(tokens / elapsed, 2),
