@@ -21,7 +21,7 @@ from tqdm import tqdm
 from ddtree.generate import DTYPES
 from ddtree.heap import freeze_startup_heap
 from ddtree.models import resolve_pair
-from ddtree.plots import bench_figure, save_figure
+from ddtree.plots import bench_figure, run_label, save_figure
 from ddtree.types import SamplingParams
 from gateway.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
@@ -96,7 +96,7 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
     outputs, rounds_all, prefills, requests = [], [], [], []
     # one event loop for every request, as a server has: a fresh loop per prompt would time its set-up and teardown
     with asyncio.Runner() as runner:
-        for prompt in tqdm(prompts, desc=f"{spec.mode}{'' if spec.mode != 'ddtree' else f'/{spec.budget}'}", leave=False):
+        for prompt in tqdm(prompts, desc=run_label({"mode": spec.mode, "budget": spec.budget}), leave=False):
             sync()
             start = time.perf_counter()
             rounds = runner.run(one(prompt))

@@ -19,6 +19,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree.bench import mode_ratios, report, request_stats
+from ddtree.plots import run_label
 from gateway.metrics import PHASES
 from tqdm import tqdm
 
@@ -87,7 +88,7 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
     model = served_model(url)
     prompts = load_chat_prompts(prompts_file, num_prompts)
     specs = [("ar", {"mode": "off"}), ("chain", {"mode": "chain"})] + [
-        (f"ddtree/{b}", {"mode": "ddtree", "budget": b}) for b in budgets
+        ("ddtree", {"mode": "ddtree", "budget": b}) for b in budgets
     ]
 
     def one_pass(speculation: dict, label: str) -> tuple[list[str], list[float]]:
@@ -101,12 +102,12 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
             texts.append(reply["choices"][0]["message"]["content"])
         return texts, seconds
 
-    for label, speculation in specs:  # every mode once first: no graph capture or compile inside a timed pass
-        one_pass(speculation, f"warm-up {label}")
+    for mode, speculation in specs:  # every mode once first: no graph capture or compile inside a timed pass
+        one_pass(speculation, f"warm-up {run_label({**speculation, 'mode': mode})}")
     runs = []
-    for label, speculation in specs:
+    for mode, speculation in specs:
         before = read_counters(url)
-        texts, seconds = one_pass(speculation, label)
+        texts, seconds = one_pass(speculation, run_label({**speculation, "mode": mode}))
         elapsed = sum(seconds)
         after = read_counters(url)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -115,7 +116,7 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
         rounds = drafts or tokens  # an AR pass has one round per token
         phases_ms = {p: round(1000 * delta.get(f"phase[{p}]", 0.0) / max(rounds, 1), 3) for p in PHASES}
         runs.append({
-            "mode": label.split("/")[0],
+            "mode": mode,
             # the chain's nodes a round (the drafter's block size - 1, as in-process) from the gateway's counters
             "budget": speculation.get("budget", round(delta.get("ddtree_spec_draft_tokens_total", 0.0) / drafts)
                                       if drafts else 0),

@@ -77,8 +77,7 @@ def answer_correct(logprobs: torch.Tensor, answer: list[int]) -> torch.Tensor:
     """logprobs [n, B-1, V] of the blocks rooted at answer[:n] -> [n, B-1]: 1.0 where a depth's most likely token
     is the answer's, 0.0 where not, NaN past the answer (chain_steps' table, and training's)."""
     ahead = torch.arange(logprobs.shape[0])[:, None] + torch.arange(1, logprobs.shape[1] + 1)  # [n, B-1] answer index
-    tokens = torch.tensor(answer, device=logprobs.device)
-    right = logprobs.argmax(-1).cpu() == tokens.cpu()[ahead.clamp(max=len(answer) - 1)]
+    right = logprobs.argmax(-1).cpu() == torch.tensor(answer)[ahead.clamp(max=len(answer) - 1)]
     return right.float().masked_fill(ahead >= len(answer), float("nan"))
 
 
