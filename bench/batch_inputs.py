@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.types import DraftTree
+from protos.types import DraftTree
 from verify_server.batch import BatchBuffers, BatchTree
 from verify_server.kv_cache import KVCache
 from verify_server.step_inputs import ROOT_ONLY, bucket

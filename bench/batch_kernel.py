@@ -1,5 +1,5 @@
-"""The verifier's batch attention op for one tree (ddtree/flash_batch.py, which lone rounds run since they became
-batches of one) against the single-tree op it replaced (ddtree/flash_tree.py), at Qwen3-8B attention shapes over a
+"""The verifier's batch attention op for one tree (kernels/flash_batch.py, which lone rounds run since they became
+batches of one) against the single-tree op it replaced (kernels/flash_tree.py), at Qwen3-8B attention shapes over a
 512-row context: equal outputs, the batch op's K/V write into the slot checked, and the device time of a call of
 each, 50 calls replayed from a CUDA graph (a plain loop times the Python launch, ~150 us a call).
 
@@ -12,9 +12,9 @@ import argparse
 
 import torch
 
-from ddtree.flash_batch import batch_tree_attention
-from ddtree.flash_tree import flash_tree_attention
-from ddtree.timing import graph_call_us
+from kernels.flash_batch import batch_tree_attention
+from kernels.flash_tree import flash_tree_attention
+from runtime.timing import graph_call_us
 
 HEADS, KV_HEADS, D, START, CAPACITY = 32, 8, 128, 512, 768
 

@@ -1,8 +1,8 @@
 """The best-first tree kernel of another revision against this one's, side by side on one GPU: per call, from CUDA
-graphs of back-to-back calls (ddtree.timing.graph_call_us), best of three alternating measurements, at the demo
+graphs of back-to-back calls (runtime.timing.graph_call_us), best of three alternating measurements, at the demo
 pair's and Qwen3-8B's vocabularies over 15 depths; the two kernels' trees must be equal.
 
-    git show REV:draft_server/tree_kernel.py > /tmp/old_tree_kernel.py
+    git show REV:kernels/tree_build.py > /tmp/old_tree_kernel.py
     python bench/best_first_ab.py /tmp/old_tree_kernel.py --out results/best_first_ab.json
 """
 
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from ddtree.timing import graph_call_us
-from draft_server import tree_kernel as new
+from runtime.timing import graph_call_us
+from kernels import tree_build as new
 from draft_server.tree import TreeLayout, tree_top_k
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("old", type=Path, help="the other revision's draft_server/tree_kernel.py")
+    p.add_argument("old", type=Path, help="the other revision's kernels/tree_build.py")
     p.add_argument("--budgets", default="16,32,64,128")
     p.add_argument("--out", type=Path)
     args = p.parse_args()

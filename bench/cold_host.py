@@ -1,5 +1,5 @@
 """How much slower a round call's host steps run right after the host did something else for a while, and whether
-rehearsing them meanwhile (ddtree/event_loop.py, keep_warm) keeps them fast. No GPU needed: the steps are a Verify
+rehearsing them meanwhile (runtime/event_loop.py, keep_warm) keeps them fast. No GPU needed: the steps are a Verify
 call's host-only ones at Qwen3-8B shapes (parse a 64-node tree's request, decode and check the tree, encode an
 answer with two rows of features), as the verifier service's rehearsal runs them.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree.event_loop import PollingSelector
-from ddtree.types import DraftTree
+from runtime.event_loop import PollingSelector
+from protos.types import DraftTree
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from verify_server.validate import TreeLimits, check_tree

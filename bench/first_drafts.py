@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.models import resolve_pair
+from runtime.models import resolve_pair
 from draft_server.config import DraftServerConfig
 from draft_server.server import load_engine
 from draft_server.warm_up import warm_up

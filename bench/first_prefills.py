@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ddtree.models import resolve_pair
+from runtime.models import resolve_pair
 from ddtree.serve import drafter_taps
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from verify_server.config import VerifyServerConfig
 from verify_server.server import load_engine
 from verify_server.warm_up import warm_up

@@ -1,4 +1,4 @@
-"""Sweeps the flash-decoding tree attention's launch plan (ddtree/flash_tree.py) against the masked matmul
+"""Sweeps the flash-decoding tree attention's launch plan (kernels/flash_tree.py) against the masked matmul
 attention it replaces, at the verifier's and the drafter's shapes (the decode GEMVs: bench/gemv_tune.py). Times
 are per call, from CUDA graphs of back-to-back calls, so launch costs are out of the picture as they are in a
 captured step.
@@ -14,9 +14,9 @@ import json
 
 import torch
 
-from ddtree.flash_tree import launch, plan
-from ddtree.timing import graph_call_us, ranked
-from ddtree.sdpa import matmul_attention
+from kernels.flash_tree import launch, plan
+from runtime.timing import graph_call_us, ranked
+from kernels.sdpa import matmul_attention
 from verify_server.step_attention import step_mask
 
 # (name, q, heads, kv_heads, head_dim, kv_len, used): Qwen3-8B decode and trees, the demo pair's, the demo drafter
@@ -27,7 +27,7 @@ SHAPES = [
     ("8b-q64-4k", 64, 32, 8, 128, 4096, None),
     ("demo-q1", 1, 6, 2, 64, 256, None), ("demo-q32", 32, 6, 2, 64, 256, None), ("demo-block", 16, 6, 2, 64, 128, None),
 ]
-# long contexts in their key buckets (ddtree.cuda_graphs.key_bucket): a 1.2k, a 4.2k and a 16.5k-token prompt's
+# long contexts in their key buckets (kernels.cuda_graphs.key_bucket): a 1.2k, a 4.2k and a 16.5k-token prompt's
 # rounds at Qwen3-8B shapes (a tree of 32 nodes pads to 48 rows)
 LONG_SHAPES = [
     ("8b-q48-1.5k", 48, 32, 8, 128, 1536, 1250), ("8b-q1-6k", 1, 32, 8, 128, 6144, 4300),

@@ -1,12 +1,12 @@
 """Times a decode step's projections (one query row) at Qwen3-8B and demo-pair shapes: cuBLAS (F.linear alone,
 and with the unfused norm / SiLU gate / residual add around it, as an uncompiled layer runs them) against the
-fused Triton GEMVs of ddtree/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
+fused Triton GEMVs of kernels/gemv.py under the default plan and a sweep of plans, with each time's bandwidth
 as a share of this GPU's copy bandwidth, measured in the same run. Per call, from CUDA graphs of back-to-back
 calls that cycle through enough copies of the weight to stream it from memory, as a decode step does.
 
 With --rows M,...: the projections of a step of M rows (a verify step's tree) at the demo pair's shapes instead:
 cuBLAS with the compiled norm / SiLU gate / residual add around it, as a compiled layer runs them, against
-ddtree/gemv.py's rows kernel (gate/up with the SiLU gate as its epilogue, down with the residual) under the default
+kernels/gemv.py's rows kernel (gate/up with the SiLU gate as its epilogue, down with the residual) under the default
 plan and a sweep.
 
 The lm_head (with the final norm folded in, as verify_server/fused.py's head_logits runs it) is timed too.
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.cost_curve import copy_bandwidth
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, gemv_plan, launch, launch_rows, rms_norm, rows_plan
-from ddtree.timing import graph_call_us, ranked
+from kernels.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, gemv_plan, launch, launch_rows, rms_norm, rows_plan
+from runtime.timing import graph_call_us, ranked
 from verify_server.fused_layer import unfused_linear
 
 L2_OVERFLOW = 200 * 2**20  # bytes of distinct weights a timing cycles through

@@ -26,7 +26,7 @@ from draft_server.dflash import load_drafter
 from draft_server.drafter import DraftEngine
 from draft_server.server import warm_up as draft_warm_up
 from draft_server.target_head import TargetHead
-from ddtree.types import DraftTree, SamplingParams
+from protos.types import DraftTree, SamplingParams
 from verify_server.warm_up import warm_up as verify_warm_up
 from verify_server.verify import VerifyEngine
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.timing import StepTimer, TimerEvents
+from runtime.timing import StepTimer, TimerEvents
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:

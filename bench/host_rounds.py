@@ -23,19 +23,19 @@ from types import ModuleType
 
 import torch
 
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
 WRAPPED = [  # (module, class or None for the module's functions, functions); another revision's may lack some
-    ("ddtree.cuda_graphs", "GraphPool", ["run"]),
+    ("kernels.cuda_graphs", "GraphPool", ["run"]),
     ("torch.cuda", "CUDAGraph", ["replay"]),
-    ("ddtree.device_copies", "CopiesMemo", ["run"]),
-    ("ddtree.device_copies", None, ["copy_together"]),
-    ("ddtree.timing", "TimerEvents", ["timer"]),
-    ("ddtree.timing", "StepTimer", ["mark", "end", "sync", "split"]),
-    ("ddtree.readback", "PinnedReadback", ["target"]),
+    ("kernels.device_copies", "CopiesMemo", ["run"]),
+    ("kernels.device_copies", None, ["copy_together"]),
+    ("runtime.timing", "TimerEvents", ["timer"]),
+    ("runtime.timing", "StepTimer", ["mark", "end", "sync", "split"]),
+    ("kernels.readback", "PinnedReadback", ["target"]),
     ("verify_server.batch", "BatchBuffers", ["write_after"]),
     ("verify_server.batch_runner", "BatchSteps", ["_prepare_batch"]),
     ("verify_server.fused_runner", "FusedRunner", ["greedy_round"]),
@@ -43,8 +43,8 @@ WRAPPED = [  # (module, class or None for the module's functions, functions); an
     ("draft_server.draft_graphs", "StaticDrafter", ["draft_after", "_point_at", "_replay_append", "_replay_block",
                                                     "tree"]),
     ("draft_server.drafter", "DraftEngine", ["draft_after"]),
-    ("gateway.local", "LocalVerifier", ["launch", "collect"]),
-    ("gateway.local", "LocalDrafter", ["draft_after"]),
+    ("ddtree.local", "LocalVerifier", ["launch", "collect"]),
+    ("ddtree.local", "LocalDrafter", ["draft_after"]),
     ("gateway.round_loops", None, ["_queue", "round_timings"]),  # as the loop calls them
     ("gateway.rounds", None, ["_queue", "_merged"]),  # where the loop lived before the twenty-eighth session
 ]
@@ -143,7 +143,7 @@ def main() -> None:
     for module_name in COPY_CALLERS:
         module = _module(module_name)
         if hasattr(module, "copy_together"):
-            module.copy_together = sys.modules["ddtree.device_copies"].copy_together
+            module.copy_together = sys.modules["kernels.device_copies"].copy_together
     target, drafter = resolve_pair(args.target, args.drafter)
     verifier, draft = load_local(target, drafter, args.device, torch.bfloat16 if cuda else torch.float32, compile=cuda)
     sync = torch.cuda.synchronize if cuda else lambda: None

@@ -18,8 +18,9 @@ import random
 
 import torch
 
-from ddtree.cost_curve import RANDOM_PREFIX, random_target, timed
-from ddtree.types import DraftTree, SamplingParams
+from ddtree.cost_curve import timed
+from verify_server.random_target import RANDOM_PREFIX, random_target
+from protos.types import DraftTree, SamplingParams
 from verify_server.tensor_parallel import TensorParallelGroup
 from verify_server.verify import VerifyEngine
 

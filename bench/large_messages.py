@@ -2,7 +2,7 @@
 device): the verifier's encoding of its TakeFeatures answer (over a lane: its pieces, the features' memory as it
 lies), the gateway's relay of it (unparsed: the lane's buffer itself handed over, the AppendRequest's pieces),
 the drafter's decoding (the features copied once from the lane's buffer); on a worker thread as the services'
-engine thread runs them, with glibc's default allocator settings and with `ddtree.heap.keep_large_allocations`,
+engine thread runs them, with glibc's default allocator settings and with `runtime.heap.keep_large_allocations`,
 each in a fresh process (the settings are process-wide), side by side.
 
     python bench/large_messages.py [--rows 2048 --width 20480 --repeat 6] --out results/large_messages_cpu.json
@@ -26,7 +26,7 @@ def steps(rows: int, width: int, repeat: int) -> dict[str, float]:
     """-> median ms of each host step over the last repeat - 2 passes (the first two fill the heap)."""
     import torch
 
-    from protos import relay
+    from runtime import relay
 
     features = torch.randn(rows, width).to(torch.bfloat16)
 
@@ -72,7 +72,7 @@ def main() -> None:
     args = p.parse_args()
     if args.setting:
         if args.setting == "keep":
-            from ddtree.heap import keep_large_allocations
+            from runtime.heap import keep_large_allocations
 
             if not keep_large_allocations():
                 raise SystemExit("not glibc: nothing to compare")

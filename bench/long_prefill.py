@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from ddtree.cost_curve import random_target
-from ddtree.types import SamplingParams
+from verify_server.random_target import random_target
+from protos.types import SamplingParams
 from verify_server.fused_runner import FusedRunner
 from verify_server.kv_cache import KVCache
 from verify_server.verify import VerifyEngine

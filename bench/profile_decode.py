@@ -11,9 +11,10 @@ import argparse
 
 import torch
 
-from ddtree.cost_curve import RANDOM_PREFIX, copy_bandwidth, random_target
-from ddtree.timing import profiled_calls
-from ddtree.types import SamplingParams
+from ddtree.cost_curve import copy_bandwidth
+from verify_server.random_target import RANDOM_PREFIX, random_target
+from runtime.timing import profiled_calls
+from protos.types import SamplingParams
 from draft_server.tree import build_tree
 from verify_server.step_attention import ATTENTION_CHOICES
 from verify_server.verify import VerifyEngine, load_target

@@ -14,8 +14,9 @@ import argparse
 
 import torch
 
-from ddtree.cost_curve import SHAPES, copy_bandwidth, random_drafter
-from ddtree.timing import profiled_calls
+from ddtree.cost_curve import copy_bandwidth, random_drafter
+from runtime.shapes import SHAPES
+from runtime.timing import profiled_calls
 from draft_server.drafter import DraftEngine
 from draft_server.session import DraftSession
 

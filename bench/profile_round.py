@@ -24,9 +24,9 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
 CALLS = 50

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ddtree.cost_curve import SHAPES, random_drafter, random_target
-from ddtree.models import demo_dir
+from ddtree.cost_curve import random_drafter
+from runtime.shapes import SHAPES
+from verify_server.random_target import random_target
+from runtime.models import demo_dir
 from draft_server.dflash import save_drafter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

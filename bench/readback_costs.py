@@ -1,5 +1,5 @@
 """What a round's readback costs on the device after a graph replay: the outcome's copy to pinned host memory and
-the path features' clone, against the outcome written by a kernel into the same pinned memory (ddtree/readback.py).
+the path features' clone, against the outcome written by a kernel into the same pinned memory (kernels/readback.py).
 Device time between CUDA events around the readback alone, after each replay of a stand-in graph (a matmul and a
 small elementwise step, the outcome of the demo pair's ddtree 64 round's shape: 82 longs; 6 feature rows of 384).
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.readback import PinnedReadback
+from kernels.readback import PinnedReadback
 
 REPLAYS = 300
 

@@ -22,10 +22,10 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
 from draft_server.drafter import DraftEngine
-from gateway.local import load_local
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from verify_server.verify import VerifyEngine
 

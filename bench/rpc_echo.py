@@ -6,7 +6,7 @@ its one-way times read off the shared monotonic clock (time.perf_counter is CLOC
                                           # plain asyncio socket
     python bench/rpc_echo.py sizes        # a round's messages by size: gRPC stream against the round lane
     python bench/rpc_echo.py busy_poll    # plain sockets and the round lane, both ends sleeping in epoll between
-                                          # messages or busy-polling (ddtree/event_loop.py)
+                                          # messages or busy-polling (runtime/event_loop.py)
 
 Each prints one-way medians in microseconds (in / back) and writes them with --out FILE. Linux only.
 """
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import grpc
 
-from ddtree import event_loop
-from ddtree.service_process import message_size_options
+from runtime import event_loop
+from runtime.process import message_size_options
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.lane import Lane, LaneServer
+from runtime.lane import Lane, LaneServer
 
 # ---- gRPC's floor, and other transports ---------------------------------------------------------------------
 
@@ -91,7 +91,7 @@ async def _socket_server(address: str, mode: str, work_s: float) -> None:
 
 
 async def _lane_server(address: str, mode: str, work_s: float) -> None:
-    """The answers over a round lane (protos/lane.py): a DraftRequest in, a StepResponse carrying them out."""
+    """The answers over a round lane (runtime/lane.py): a DraftRequest in, a StepResponse carrying them out."""
 
     async def echo(_request: pb.DraftRequest, _context) -> pb.StepResponse:
         response = pb.StepResponse()

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddtree import event_loop
+from runtime import event_loop
 from ddtree.bench import DEFAULT_PROMPTS
-from ddtree.event_loop import busy_poll_seconds
+from runtime.event_loop import busy_poll_seconds
 
 # ---- stamped services ----------------------------------------------------------------------------------------
 
@@ -43,10 +43,10 @@ STAGES = (
     ("protos.tensors", "tensor_from_pb", "parse"),  # the drafter's features
     ("draft_server.drafter", "DraftEngine.draft", "engine"),  # queues append, block and tree; no sync
     ("protos.tensors", "draft_to_pb", "to pb"),  # with the draft's one sync: the tree's copy to the host
-    ("ddtree.timing", "StepTimer.__init__", "timer"),  # both services: the step's CUDA events
+    ("runtime.timing", "StepTimer.__init__", "timer"),  # both services: the step's CUDA events
     ("draft_server.draft_graphs", "StaticDrafter.draft", "inputs and graphs"),  # inside "engine": append + block
     ("draft_server.draft_graphs", "StaticDrafter.tree", "tree"),  # inside "engine": the tree's graph and copies
-    ("ddtree.cuda_graphs", "GraphPool.run", "replays"),  # both services: every graph launch, summed
+    ("kernels.cuda_graphs", "GraphPool.run", "replays"),  # both services: every graph launch, summed
     ("protos.tensors", "tree_from_pb", "parse"),
     ("verify_server.server", "check_tree", "check"),
     ("verify_server.verify", "VerifyEngine._launch", "launch"),  # queues the captured round
@@ -100,7 +100,7 @@ def serve(argv: list[str]) -> int:
     when the service stops (with --stages too, the stages show as ranges)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from ddtree import service
+    from runtime import service
     from ddtree.cli import main
 
     trace_to, jobs, tracer = None, 0, None
@@ -115,7 +115,7 @@ def serve(argv: list[str]) -> int:
     if argv[:1] == ["--profile-jobs"]:
         profile_to, argv = Path(argv[1]), argv[2:]
     profiler = cProfile.Profile()
-    answer, execute = service.EngineHost._answer, service.EngineHost.execute  # noqa: SLF001 - stamped here
+    answer, execute = service.EngineHost.answer, service.EngineHost.execute  # noqa: SLF001 - stamped here
 
     async def stamped_execute(self, rpc, job):
         """The engine's job (a call's, or a Batch run's of several calls) with its start and end stamped into each
@@ -165,7 +165,7 @@ def serve(argv: list[str]) -> int:
         detail[f"{rpc}.arrived"], detail[f"{rpc}.answered"] = arrived, time.perf_counter()
         return response
 
-    service.EngineHost._answer, service.EngineHost.execute = stamped_answer, stamped_execute  # noqa: SLF001
+    service.EngineHost.answer, service.EngineHost.execute = stamped_answer, stamped_execute  # noqa: SLF001
     try:
         return main(argv)
     finally:
@@ -207,8 +207,8 @@ async def probe(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from ddtree.bench import load_prompts
-    from ddtree.models import resolve_pair
-    from ddtree.types import SamplingParams
+    from runtime.models import resolve_pair
+    from protos.types import SamplingParams
     from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
     from gateway.rounds import Speculation, run_rounds
 
@@ -281,7 +281,7 @@ def main() -> int:
                    help="probe: the round calls over the services' round lanes and/or gRPC streams, side by side")
     p.add_argument("--profile", help="probe: cProfile of the round loop's own host work (first transport) to FILE")
     p.add_argument("--busy-poll-us", type=int, default=0,
-                   help="probe: its event loop polls this long after I/O, as the gateway's (ddtree/event_loop.py)")
+                   help="probe: its event loop polls this long after I/O, as the gateway's (runtime/event_loop.py)")
     p.add_argument("--keep-warm-us", type=int, default=0,
                    help="probe: while polling, rehearse its last round calls' host steps this often, as a gateway's")
     p.add_argument("--out")

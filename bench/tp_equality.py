@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
 from ddtree.generate import DTYPES
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from verify_server.verify import VerifyEngine
 
@@ -47,7 +47,7 @@ def random_outputs(spec: str, device: str, dtype: str, tp: int, prompts: int, ro
 
     import torch
 
-    from ddtree.cost_curve import RANDOM_PREFIX, random_target
+    from verify_server.random_target import RANDOM_PREFIX, random_target
     from draft_server.tree import build_tree
     from verify_server.tensor_parallel import TensorParallelGroup
 

@@ -17,9 +17,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
 

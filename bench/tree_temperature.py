@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 import draft_server.draft_trees as draft_trees
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts, measure
-from ddtree.models import resolve_pair
-from gateway.local import load_local
+from runtime.models import resolve_pair
+from ddtree.local import load_local
 from gateway.rounds import Speculation
 
 

@@ -1,4 +1,4 @@
-"""Sweeps the tree build's Triton kernels (draft_server/tree_kernel.py: the multi-stage top-k and the one-program
+"""Sweeps the tree build's Triton kernels (kernels/tree_build.py: the multi-stage top-k and the one-program
 best-first search) over their thread-block sizes, at the demo pair's and Qwen3-8B's vocabularies and the budgets
 the bench runs, against build_tree in torch. Times are per call, from CUDA graphs of back-to-back calls, so launch
 costs are out of the picture as they are in a captured draft. `chunk` and `merge` each time the whole top-k (both
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ddtree.timing import graph_call_us, ranked
-from draft_server.tree import TreeLayouts, build_tree, top_candidates
-from draft_server.tree_kernel import (
+from runtime.timing import graph_call_us, ranked
+from draft_server.tree import TreeLayouts, build_tree
+from kernels.tree_build import top_candidates
+from kernels.tree_build import (
     MAX_SORT, NARROW_WARPS, WIDE_WARPS, best_first_tree, multiprocessors, sort_warps, top_k, top_k_any, top_plan,
 )
 

@@ -1,12 +1,12 @@
 """ddtree's and the chain's τ from teacher-forced blocks (CPU, fp32, no serving loop): the target's greedy answers to
 the bench prompts, the drafter's blocks rooted at every answer token, and each round's tree walked against the
-answer (draft_server/acceptance.py tree_steps; tests/test_tau_walk.py checks that this equals the served rounds one
+answer (training/acceptance.py tree_steps; tests/test_tau_walk.py checks that this equals the served rounds one
 by one). Seconds where the serving loop takes minutes, so tree policies can be compared on many prompts: budgets,
 top-k, and transforms of the drafter's log-probs before the tree build (a temperature; a penalty on every token but
 each depth's most likely one, which shifts the budget from side branches to the main path).
 
 Also the τ estimate `ddtree train-drafter` logs (`tau_est`: 1 + the expected run of leading correct positions,
-averaged over anchors, draft_server/training.py acceptance_stats) over the same blocks, against the chain's walked
+averaged over anchors, training/drafter_loss.py acceptance_stats) over the same blocks, against the chain's walked
 τ: rounds start only where the last one's run ended, so the inside of a long run, which the estimate counts as
 anchors of their own, is covered by one round, and the estimate overstates τ.
 
@@ -24,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
-from ddtree.models import resolve_pair
-from draft_server.acceptance import answer_correct, answer_logprobs, chain_steps, tree_steps
+from runtime.models import resolve_pair
+from training.acceptance import answer_correct, answer_logprobs, chain_steps, tree_steps
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget, acceptance_stats
+from training.drafter_loss import TappedTarget, acceptance_stats
 
 
 def transformed(logprobs: torch.Tensor, temperature: float, penalty: float) -> torch.Tensor:

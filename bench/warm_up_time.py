@@ -23,7 +23,7 @@ from typing import Any
 from torch._dynamo.utils import counters
 
 import verify_server.warm_up as warm_up_module
-from ddtree.models import resolve_pair
+from runtime.models import resolve_pair
 from ddtree.serve import drafter_taps
 from verify_server.config import VerifyServerConfig
 from verify_server.server import load_engine

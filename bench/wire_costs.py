@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.types import DraftTree, StepResult
+from protos.types import DraftTree, StepResult
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from verify_server.validate import TreeLimits, check_tree

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -19,11 +18,12 @@ import torch
 from tqdm import tqdm
 
 from ddtree.generate import DTYPES
-from ddtree.heap import freeze_startup_heap
-from ddtree.models import resolve_pair
-from ddtree.plots import bench_figure, run_label, save_figure
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from runtime.heap import freeze_startup_heap
+from runtime.models import resolve_pair
+from ddtree.bench_report import mode_ratios, report, request_stats
+from ddtree.plots import run_label
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from verify_server.step_attention import ATTENTION_CHOICES
 
@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eager", action="store_true", help="generic HF verifier forward: no static buffers or CUDA graphs")
     p.add_argument("--compile", action="store_true", help="torch.compile the verifier's fused layers and round and the drafter's block, append and tree build")
     p.add_argument("--fused-rows", type=_row_limit, default=None, metavar="N",
-                   help="verifier steps of up to N rows run fused Triton projections (ddtree/gemv.py; 0: cuBLAS "
+                   help="verifier steps of up to N rows run fused Triton projections (kernels/gemv.py; 0: cuBLAS "
                         "everywhere; default: by the target's size)")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, help="the verifier's attention kernel (default: the "
                    "fastest measured for the path, verify_server/fused_runner.py)")
@@ -129,12 +129,6 @@ def measure(verifier, drafter, prompts: list[list[int]], spec: Speculation, max_
     }
 
 
-def request_stats(seconds: list[float]) -> dict[str, float]:
-    """Median and slowest request, ms: one slow request (a compile, a capture, a collector pause) shows as a max far
-    above the median, where the mean tokens/s alone would only look low."""
-    return {"median": round(1000 * statistics.median(seconds), 3), "max": round(1000 * max(seconds), 3)}
-
-
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -206,31 +200,6 @@ def captured_graphs(verifier, drafter) -> int:
     """CUDA graphs both engines hold: any captured while timing put a capture (and maybe a compile) in a figure."""
     fused, static = verifier.engine.fused, drafter.engine.static if drafter is not None else None
     return (len(fused.graphs) if fused is not None else 0) + (len(static.graphs) if static is not None else 0)
-
-
-def mode_ratios(runs: list[dict]) -> dict[str, float]:
-    """tokens/s ratios of runs ordered [ar, chain, ddtree budgets...]: chain/ar, ddtreeN/ar, ddtreeN/chain."""
-    ar, chain = runs[0]["tokens_per_s"], runs[1]["tokens_per_s"]
-    return {
-        "chain/ar": round(chain / ar, 3),
-        **{f"ddtree{r['budget']}/ar": round(r["tokens_per_s"] / ar, 3) for r in runs[2:]},
-        **{f"ddtree{r['budget']}/chain": round(r["tokens_per_s"] / chain, 3) for r in runs[2:]},
-    }
-
-
-def report(result: dict, out: Path) -> None:
-    """Writes the JSON and its figure (the same name, .png) and prints one line per run plus the ratios."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    save_figure(bench_figure, result, out.with_suffix(".png"))
-    for r in result["runs"]:
-        round_ms = f"round {r['round_ms']:.2f} ms  " if "round_ms" in r else ""
-        overhead = f"overhead {r['overhead_share']:.1%}  " if r.get("overhead_share") is not None else ""
-        prefill = "".join(f"{name} {r[key]:.2f} ms  " for key, name in (("prefill_ms", "prefill"), ("ttft_ms", "ttft"))
-                          if key in r)
-        print(f"{r['mode']:>7} {r['budget']:>4}  {r['tokens_per_s']:>9.1f} tok/s  tau {r['tau']:.2f}  "
-              f"{round_ms}{overhead}{prefill}{r['phases_ms']}  matches_ar {r['matches_ar']:.2f}")
-    print(json.dumps(result["ratios"]))
 
 
 def _hardware(device: torch.device) -> dict:

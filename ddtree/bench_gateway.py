@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.bench import mode_ratios, report, request_stats
+from ddtree.bench_report import mode_ratios, report, request_stats
 from ddtree.plots import run_label
 from gateway.metrics import PHASES
 from tqdm import tqdm

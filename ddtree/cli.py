@@ -10,9 +10,9 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "generate": "ddtree.generate",
     "bench": "ddtree.bench",
-    "train-target": "ddtree.demo.train_target",
-    "train-drafter": "draft_server.train_cli",
-    "distill-corpus": "draft_server.distill",
+    "train-target": "training.demo.train_target",
+    "train-drafter": "training.train_drafter",
+    "distill-corpus": "training.distill",
     "draft": "draft_server.server",
     "verify": "verify_server.server",
     "gateway": "gateway.cli",

@@ -16,32 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.plots import cost_curve_figure, save_figure
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from draft_server.dflash import DFlashDrafter, init_drafter_weights
 from draft_server.dflash_config import DFlashConfig
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayouts, build_tree
-from draft_server.tree_kernel import kernel_supported, kernel_tree
-from verify_server.tree_attention import ATTENTION_NAME
+from kernels.tree_build import kernel_supported, kernel_tree
+from verify_server.random_target import RANDOM_PREFIX, random_target
 from verify_server.verify import VerifyEngine
-
-# Qwen3-8B and its published DFlash drafter (z-lab/Qwen3-8B-DFlash-b16), layer hyper-parameters only.
-SHAPES = {
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=5, block_size=16),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, drafter_layers=1, block_size=16),
-    # the bundled demo pair's shapes (models/demo)
-    "demo": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
-                 num_key_value_heads=2, head_dim=64, vocab_size=8192, drafter_layers=3, block_size=16),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, drafter_layers=2, block_size=8),
-}
-
+from runtime.shapes import SHAPES
 
 def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
     """Median wall time of fn in ms, synchronising the device around each call."""
@@ -63,48 +49,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src), device, 10)
     return 2 * nbytes / (ms / 1000)
-
-
-# Hybrid (Gated DeltaNet + attention, every fourth layer full attention) Qwen3.5-architecture layer shapes.
-HYBRID_SHAPES = {
-    "qwen3.6-27b": dict(
-        hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, vocab_size=248320, rope_parameters={"rope_type": "default", "rope_theta": 1e7},
-    ),
-    "tiny-hybrid": dict(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, vocab_size=512,
-    ),
-}
-RANDOM_PREFIX = "random:"
-
-
-def random_target(spec: str, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """An architecture-true target with seeded random weights, built on `device` (the same seed gives every
-    tensor-parallel rank the same full model before it keeps its own slice). `spec` is a SHAPES name, or
-    `<HYBRID_SHAPES name>:<layers>` for a hybrid with that many decoder layers."""
-    shape, _, layers = spec.partition(":")
-    if shape in HYBRID_SHAPES:
-        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
-        config = Qwen3_5TextConfig(
-            **HYBRID_SHAPES[shape], num_hidden_layers=int(layers or 8), max_position_embeddings=262144,
-            tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-        )
-        torch.manual_seed(0)
-        with torch.device(device):
-            return Qwen3_5ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
-    s = SHAPES[shape]
-    config = Qwen3Config(
-        hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_hidden_layers"],
-        num_attention_heads=s["num_attention_heads"], num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"],
-        vocab_size=s["vocab_size"], max_position_embeddings=40960, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        return Qwen3ForCausalLM._from_config(config, attn_implementation=ATTENTION_NAME, dtype=dtype).eval()
 
 
 def verifier_curve(engine: VerifyEngine, prompt: list[int], sizes: list[int], tree_logprobs: torch.Tensor,
@@ -202,7 +146,7 @@ def tree_curve(s: dict, logprobs: torch.Tensor, sizes: list[int], repeat: int) -
     builds = {"torch": lambda n, k, layout: build_tree(logprobs, 0, n, layout=layout)}
     if kernel_supported(device):
         root = torch.zeros(1, dtype=torch.long, device=device)
-        builds["kernels"] = lambda n, k, layout: kernel_tree(logprobs, root, k, layout)
+        builds["kernels"] = lambda n, k, layout: kernel_tree(logprobs, root, k, layout.nodes)
     return {name: {str(n): round(timed(lambda n=n, shape=layouts.get(n, None): build(n, *shape), device, repeat), 3)
                    for n in sizes}
             for name, build in builds.items()}

@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
 from verify_server.verify import VerifyEngine
 

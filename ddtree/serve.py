@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddtree.models import resolve_pair
-from ddtree.service_config import DTYPE_NAMES
+from runtime.models import resolve_pair
+from runtime.config import DTYPE_NAMES
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.flash_tree import flash_tree_attention
-from ddtree.gemv import rows_linear
-from ddtree.sdpa import grouped_attention
+from kernels.flash_tree import flash_tree_attention
+from kernels.gemv import rows_linear
+from kernels.sdpa import grouped_attention
 from draft_server.dflash import DFlashLayer
 
 
@@ -16,7 +16,7 @@ def block_qkv(
     x: torch.Tensor, layer: DFlashLayer, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block layer's projections of the stream x [1, rows, hidden] -> q [1, heads, rows, d], k and v [1, kv_heads,
-    rows, d], normed and rotated. fused: through ddtree/gemv.py's rows kernel, the norm folded in (a GPU; fused
+    rows, d], normed and rotated. fused: through kernels/gemv.py's rows kernel, the norm folded in (a GPU; fused
     q|k|v weights, no attention biases)."""
     attn = layer.self_attn
     if fused:
@@ -55,8 +55,8 @@ def block_layer(
     """DFlashLayer.forward on the block stream x [1, B, hidden] at `positions` [B] (== its rows in the slot), with
     the block's K/V written into the slot's caches [1, kv_heads, rows, d] and attention over rows [0, keys).
     bias: [1, 1, rep*B, keys] additive (grouped SDPA); None: flash-decoding with the block as a [B, B] all-visible
-    `block` tree after the committed rows (ddtree/flash_tree.py), the same visibility in two kernels.
-    fused: the projections through ddtree/gemv.py's rows kernel (block_qkv, block_out)."""
+    `block` tree after the committed rows (kernels/flash_tree.py), the same visibility in two kernels.
+    fused: the projections through kernels/gemv.py's rows kernel (block_qkv, block_out)."""
     q, k, v = block_qkv(x, layer, cos, sin, fused)
     k_cache.index_copy_(2, positions, k)
     v_cache.index_copy_(2, positions, v)

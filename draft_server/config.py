@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ddtree.models import resolve_pair
-from ddtree.service_config import ServiceConfig, option
+from runtime.models import resolve_pair
+from runtime.config import ServiceConfig, option
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.sdpa import attention
-from ddtree.checkpoint import load_state_dict_files, save_state_dict_sharded
-from ddtree.gemv import rms_norm
+from kernels.sdpa import attention
+from runtime.checkpoint import load_state_dict_files, save_state_dict_sharded
+from kernels.gemv import rms_norm
 from draft_server.dflash_config import DFlashConfig
 
 

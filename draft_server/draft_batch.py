@@ -4,7 +4,7 @@ A drafter's block is B rows; at a large drafter's shapes its forward is bound by
 verifier's tree is, so the blocks of several sessions ride along almost free. The rows of all the blocks go through
 each layer's projections and MLP at once; only the attention is per block, each over its own session's cache slot:
 a block sees its slot's committed context and all of its own rows, which is the verifier's batched tree attention
-(ddtree/flash_batch.py) with every block an all-visible tree. That kernel finds each slot by its address in a table
+(kernels/flash_batch.py) with every block an all-visible tree. That kernel finds each slot by its address in a table
 on the device and writes the block's own K/V there too, so a batch of blocks is captured in one CUDA graph per
 (blocks, key bucket), whatever slots it meets. Each session's context append still runs alone, before; the
 blocks' trees are built after, in one more graph. Elsewhere (the CPU) the attention loops over the blocks under
@@ -22,10 +22,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ddtree.cuda_graphs import key_bucket
-from ddtree.flash_batch import batch_tree_attention
-from ddtree.sdpa import grouped_attention
-from ddtree.types import DraftTree
+from kernels.cuda_graphs import key_bucket
+from kernels.flash_batch import batch_tree_attention
+from kernels.sdpa import grouped_attention
+from protos.types import DraftTree
 from draft_server.block import block_out, block_qkv
 from draft_server.dflash import gather_cos_sin
 
@@ -47,7 +47,7 @@ class BlockBatch:
 
     inputs    [2, blocks] int64 on the device: each block's position, then its root token (views of `data`)
     slots     [2 * layers + 1, blocks] int64 on the device: each layer's K address per slot, then each layer's V,
-              then the head strides (ddtree/flash_batch.py's tables)
+              then the head strides (kernels/flash_batch.py's tables)
     anc       [blocks, B, B] bool, all True: a block sees all of its own rows
     tables    [2, blocks] int64: each block's rows (B) and first row
     logprobs  [blocks, B-1, vocab] fp32: each block's log-probs, as a single block's go to StaticDrafter._logprobs

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
-from ddtree.device_copies import CopiesMemo
-from ddtree.flash_batch import compile_batch_plans, write_slot_rows
-from ddtree.flash_tree import compile_plans, flash_supported
-from ddtree.gemv import default_fused_rows, gemv_supported
+from kernels.cuda_graphs import KEY_ALIGN, GraphPool, SlotPool, key_bucket, key_buckets
+from kernels.device_copies import CopiesMemo
+from kernels.flash_batch import compile_batch_plans, write_slot_rows
+from kernels.flash_tree import compile_plans, flash_supported
+from kernels.gemv import default_fused_rows, gemv_supported
 from draft_server.block import block_layer
 from draft_server.dflash import DFlashDrafter, gather_cos_sin
 from draft_server.draft_batch import BatchBlocks, BlockBatch

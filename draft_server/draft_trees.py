@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.types import DraftTree
+from protos.types import DraftTree
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
-from draft_server.tree_kernel import kernel_supported, kernel_tree
+from kernels.tree_build import kernel_supported, kernel_tree
 
 TREE_COMPILES = 16  # distinct (budget, top_k) tree shapes compiled; more run uncompiled (still captured)
 
@@ -70,7 +70,7 @@ class DraftTrees:
 
     def _tree(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         root = self._ids[0, :1]  # on the device: no upload
-        if self.tree_kernel and (tree := kernel_tree(self._logprobs, root, top_k, layout)) is not None:
+        if self.tree_kernel and (tree := kernel_tree(self._logprobs, root, top_k, layout.nodes)) is not None:
             return tree
         args = (self._logprobs, root, budget, top_k, layout)
         shape = (budget, top_k)

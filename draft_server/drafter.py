@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ddtree.timing import TimerEvents
+from runtime.timing import TimerEvents
 from draft_server.batched_drafts import BatchedDrafts
 from draft_server.dflash import DFlashDrafter, sliding_window_mask
 from draft_server.draft_graphs import StaticDrafter

@@ -15,10 +15,10 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from ddtree.call_batch import BATCH_BUCKETS, Batch, run_checked
-from ddtree.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
-from ddtree.service_process import run_service, serve
-from ddtree.types import DrafterInfo
+from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
+from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
+from runtime.process import run_service, serve
+from protos.types import DrafterInfo
 from draft_server.batched_drafts import DraftCall
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
@@ -26,10 +26,11 @@ from draft_server.drafter import DraftEngine
 from draft_server.session import CapacityError, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from draft_server.warm_up import warm_up
-from protos import relay, tensors
+from protos import tensors
+from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.lane import Route
+from runtime.lane import Route
 
 log = logging.getLogger("draft_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -68,7 +69,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("EndSession", context, end)
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        response = await self.host.call_batched("Draft", context, request, self.drafts, forward=True)
+        response = await self.drafts.call(self.host, "Draft", context, request, forward=True)
         self.host.remember(rehearse_draft, request, response)
         return response
 
@@ -82,7 +83,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
+        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
         return {"Draft": (pb.DraftRequest, self.Draft), "Append": (relay.AppendCall, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:

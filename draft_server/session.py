@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.timing import StepTimer
-from ddtree.types import DraftTree
+from runtime.timing import StepTimer
+from protos.types import DraftTree
 
 
 class SessionError(ValueError):

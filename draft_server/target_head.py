@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ddtree.checkpoint import checkpoint_keys, load_state_dict_files
+from runtime.checkpoint import checkpoint_keys, load_state_dict_files
 
 
 @dataclass

@@ -17,24 +17,8 @@ from functools import partial
 
 import torch
 
-from ddtree.types import DraftTree
-
-
-TOPK_CHUNK = 128  # vocabulary entries per first-stage top-k
-
-
-def top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprobs [D, V] -> the k largest values per row, descending, and their token ids ([D, k] each), as topk.
-    One topk over a long row runs about one thread block per row (52 us of a 150 us tree build on the demo pair,
-    H200: bench/results/profile_round_demo_bf16_compile_flash.txt); in two stages (the top k of every chunk of
-    TOPK_CHUNK tokens, then of those D * V/TOPK_CHUNK * k candidates) the first spreads over D * V/TOPK_CHUNK."""
-    rows, vocab = logprobs.shape
-    if k > TOPK_CHUNK or vocab % TOPK_CHUNK or vocab < 8 * TOPK_CHUNK:
-        return logprobs.topk(k, dim=-1)
-    vals, ids = logprobs.view(rows, vocab // TOPK_CHUNK, TOPK_CHUNK).topk(k, dim=-1, sorted=False)  # [D, chunks, k]
-    ids = ids + torch.arange(0, vocab, TOPK_CHUNK, device=logprobs.device)[:, None]  # chunk-local -> token ids
-    top_vals, best = vals.flatten(1).topk(k, dim=-1)  # [D, k]
-    return top_vals, ids.flatten(1).gather(1, best)
+from kernels.tree_build import top_candidates
+from protos.types import DraftTree
 
 
 def tree_top_k(budget: int, top_k: int | None, vocab: int) -> int:

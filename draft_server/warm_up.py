@@ -14,7 +14,7 @@ from itertools import accumulate
 
 import torch
 
-from ddtree.cuda_graphs import key_bucket, key_buckets
+from kernels.cuda_graphs import key_bucket, key_buckets
 from draft_server.batched_drafts import DraftCall
 from draft_server.draft_batch import BlockCall
 from draft_server.drafter import DraftEngine

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Send
 from transformers import PreTrainedTokenizerBase
 
-from ddtree.demo.tokenizer import load_tokenizer
+from runtime.models import load_tokenizer
 from gateway.config import GatewayConfig
 from gateway.health import Backends
 from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat,

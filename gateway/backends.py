@@ -1,5 +1,5 @@
 """The round loop's view of the drafter and the verifier (gateway/rounds.py): the calls it makes, whichever side of
-a process boundary they are on. gateway/grpc_clients.py implements them over gRPC, gateway/local.py in-process."""
+a process boundary they are on. gateway/grpc_clients.py implements them over gRPC, ddtree/local.py in-process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from protos.types import DraftTree, SamplingParams, StepResult
 
 
 class DrafterClient(Protocol):
@@ -67,7 +67,7 @@ class QueuedRound(Protocol):
 
 
 class ChainingVerifier(VerifierClient, Protocol):
-    """An in-process verifier that queues rounds without waiting for the one before (gateway/local.py)."""
+    """An in-process verifier that queues rounds without waiting for the one before (ddtree/local.py)."""
 
     def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
         """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""

@@ -17,10 +17,10 @@ from pathlib import Path
 import uvicorn
 from transformers import PreTrainedTokenizerBase
 
-from ddtree import event_loop
-from ddtree.demo.tokenizer import load_tokenizer
-from ddtree.event_loop import busy_poll_seconds
-from ddtree.heap import freeze_startup_heap, keep_large_allocations, watch_collector
+from runtime import event_loop
+from runtime.models import load_tokenizer
+from runtime.event_loop import busy_poll_seconds
+from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier

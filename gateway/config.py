@@ -1,6 +1,6 @@
 """GatewayConfig: every setting of the gateway, from flags with DDTREE_GATEWAY_* env fallbacks.
 
-A FlagConfig (ddtree/service_config.py), like the model services': each field is a flag `--field-name` whose
+A FlagConfig (runtime/config.py), like the model services': each field is a flag `--field-name` whose
 default comes from `DDTREE_GATEWAY_<FIELD_NAME>` when set, else from the dataclass.
 """
 
@@ -10,9 +10,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ddtree.event_loop import check_busy_poll_us, check_keep_warm_us
-from ddtree.models import resolve_pair
-from ddtree.service_config import (
+from runtime.event_loop import check_busy_poll_us, check_keep_warm_us
+from runtime.models import resolve_pair
+from runtime.config import (
     BUSY_POLL_HELP, KEEP_WARM_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option,
 )
 

@@ -1,11 +1,11 @@
 """The round loop's DrafterClient / VerifierClient over gRPC (grpc.aio), with the same signatures as the
-in-process backends of gateway/local.py, so `run_rounds` cannot tell them apart.
+in-process backends of ddtree/local.py, so `run_rounds` cannot tell them apart.
 
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
 A session's round calls and a prompt's features (the calls in a client's STREAMED) go over one connection per
-session and call, each answer within the deadline of a call: to the service's round lane (protos/lane.py; the port
+session and call, each answer within the deadline of a call: to the service's round lane (runtime/lane.py; the port
 comes from its Info answer) where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's
 XStream; the features' calls, BULK, have none and go unary); a server without the stream forms
 (UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form
@@ -31,13 +31,14 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ddtree.service_config import MAX_MESSAGE_BYTES
-from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from runtime.config import MAX_MESSAGE_BYTES
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.transports import GrpcStream, SessionStream
-from protos import relay, tensors
+from protos import tensors
+from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.lane import CallFailed, Lane
+from runtime.lane import CallFailed, Lane
 
 log = logging.getLogger(__name__)
 

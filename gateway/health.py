@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from ddtree.types import DrafterInfo, VerifierInfo
+from protos.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
 

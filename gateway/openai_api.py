@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 
 
 class APIError(Exception):

@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ddtree.timing import DeferredTimings
-from ddtree.types import DraftTree, StepResult
+from runtime.timing import DeferredTimings
+from protos.types import DraftTree, StepResult
 from gateway.backends import DrafterClient, VerifierClient
 
 Mode = Literal["ar", "chain", "ddtree"]

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
-from ddtree.types import StepResult
+from protos.types import StepResult
 from gateway.backends import ChainingVerifier, QueuedRound
 from gateway.request import Request, Round, after_relay, discard, round_timings
 

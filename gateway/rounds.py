@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ddtree.types import SamplingParams, StepResult
+from protos.types import SamplingParams, StepResult
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.request import MODES, Mode, Request, Round, Speculation, discard
 from gateway.round_loops import chained_rounds, stepped_rounds

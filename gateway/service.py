@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from gateway.admission import RunningLimit
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStrings

@@ -1,5 +1,5 @@
 """The two transports of a session's round calls on the gateway's side: a connection to the service's round lane
-(protos/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream). Both
+(runtime/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream). Both
 exchange one request for one answer, in order; gateway/grpc_clients.py picks one per session and call."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from protos.lane import CallFailed, Lane
+from runtime.lane import CallFailed, Lane
 
 
 class GrpcStream:

@@ -1,5 +1,5 @@
 """torch tensors <-> `Tensor` messages, and the one place where wire messages <-> internal dataclasses convert (with
-protos/relay.py, the wire forms of a prompt's features on their way to the drafter).
+runtime/relay.py, the wire forms of a prompt's features on their way to the drafter).
 
 Servers and clients call only these functions, so a field added to the .proto is wired up here and nowhere else.
 Decoding never trusts the sender: a wrong dtype or byte count is a ValueError, which servers answer with
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from protos.ddtree.v1 import ddtree_pb2 as pb
 
 # Wire dtype names are torch's without the prefix; bytes are little-endian (every supported host is).

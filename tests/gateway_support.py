@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from ddtree.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
-from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
-from gateway.local import LocalDrafter, LocalVerifier, load_local
+from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import Speculation, run_rounds
 from gateway.health import Backends
 from tests.conftest import VOCAB, make_target

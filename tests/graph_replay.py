@@ -1,4 +1,4 @@
-"""A stand-in for ddtree.cuda_graphs.GraphPool that keeps CUDA graphs' replay rule on the CPU, for tests of the
+"""A stand-in for kernels.cuda_graphs.GraphPool that keeps CUDA graphs' replay rule on the CPU, for tests of the
 captured code paths: a graph replays the kernels it captured, over the buffers they read then, whatever the
 caller meant to pass this time."""
 

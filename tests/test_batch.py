@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.call_batch import Batch
-from ddtree.service import ROUND_RPCS, EngineHost, ServiceMetrics
-from ddtree.types import SamplingParams
+from runtime.call_batch import Batch
+from runtime.service import ROUND_RPCS, EngineHost, ServiceMetrics
+from protos.types import SamplingParams
 from verify_server.session import CapacityError, SessionError, UnknownSessionError
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
@@ -130,7 +130,7 @@ def test_a_hybrid_target_verifies_a_batch_one_call_at_a_time(hybrid_targets: dic
 def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> None:
     """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
     its K/V writes, attention and compactions one launch each over every tree's slot, found by address
-    (ddtree/flash_batch.py); a batch of sampled rounds is one up to the logits. Each round's tokens and features
+    (kernels/flash_batch.py); a batch of sampled rounds is one up to the logits. Each round's tokens and features
     are those of the same round alone, and the greedy tokens the target's own. The attention kernels the rounds
     launch were all compiled at start-up (compile_batch_plans): none waits for Triton's JIT."""
     from tests.test_flash_tree import _compiled_kernels

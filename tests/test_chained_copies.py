@@ -1,4 +1,4 @@
-"""A chained round's copies, made once and run every round (ddtree/device_copies.py CopiesMemo): on a GPU the graphs'
+"""A chained round's copies, made once and run every round (kernels/device_copies.py CopiesMemo): on a GPU the graphs'
 outputs, the drafter's tree and the session's ring buffers are the same tensors round after round, so the copies
 between them are made on the first round and carry each later round's new values. The CPU tests of chained
 rounds meet new output tensors every round (no graphs), so these tests hold the tensors fixed as the graphs do."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.readback import PinnedReadback
-from ddtree.types import DraftTree, SamplingParams
+from kernels.readback import PinnedReadback
+from protos.types import DraftTree, SamplingParams
 from verify_server.batch import BatchBuffers, BatchTree, slot_addresses
 from verify_server.kv_cache import KVCache
 from verify_server.queued_rounds import MAX_IN_FLIGHT, QueuedRounds

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.demo.corpus import (HELDOUT_FILE, TRAIN_FILE, build_corpus, default_stdlib_dir, module_files,
+from training.demo.corpus import (HELDOUT_FILE, TRAIN_FILE, build_corpus, default_stdlib_dir, module_files,
                                 read_jsonl)
-from ddtree.demo import train_target
-from ddtree.demo.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from training.demo import train_target
+from training.demo.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 # Small packages present in every supported Python; at 50% two of them (heapq, shlex) are held out.
 PACKAGES = ["json", "textwrap", "colorsys", "shlex", "heapq", "bisect", "glob", "fnmatch"]

@@ -32,7 +32,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree.cli import build_parser
-from ddtree.service import ServiceMetrics
+from runtime.service import ServiceMetrics
 from tests.conftest import make_drafter
 from tests.gateway_support import make_chat_target
 from tests.services import free_ports, interrupt, wait_gateway_ready

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.device_copies import Copies, CopiesMemo, copy_together
-from ddtree.readback import PinnedReadback
+from kernels.device_copies import Copies, CopiesMemo, copy_together
+from kernels.readback import PinnedReadback
 
 
 def devices() -> list[str]:

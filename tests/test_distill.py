@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from ddtree.demo.corpus import TRAIN_FILE, build_corpus, read_jsonl
-from ddtree.demo.tokenizer import train_tokenizer
-from draft_server import distill
+from training.demo.corpus import TRAIN_FILE, build_corpus, read_jsonl
+from training.demo.tokenizer import train_tokenizer
+from training import distill
 
 
 def test_length_batches_sort_and_respect_both_caps() -> None:

@@ -10,7 +10,7 @@ import torch
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.dflash_config import DFlashConfig
-from ddtree.cuda_graphs import key_bucket, key_buckets
+from kernels.cuda_graphs import key_bucket, key_buckets
 from draft_server.drafter import DraftEngine
 from draft_server.session import CapacityError, SessionError, UnknownSessionError
 from draft_server.server import load_engine

@@ -87,7 +87,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
     target, drafter = models
     logs = tmp_path_factory.mktemp("e2e_logs")
     draft, draft_metrics, verify, verify_metrics, http = free_ports(5)
-    # every process polls its sockets for a while after I/O (ddtree/event_loop.py), as on a GPU host by default,
+    # every process polls its sockets for a while after I/O (runtime/event_loop.py), as on a GPU host by default,
     # and rehearses its last round calls' host steps meanwhile
     dtype = ["--dtype", "float32", "--busy-poll-us", "3000", "--keep-warm-us", "300"]
     with pytest.MonkeyPatch.context() as env:

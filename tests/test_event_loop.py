@@ -1,4 +1,4 @@
-"""The busy-polling event loop (ddtree/event_loop.py): when it polls, that it never holds a timer back or misses
+"""The busy-polling event loop (runtime/event_loop.py): when it polls, that it never holds a timer back or misses
 an event, and that a round lane's exchange runs on it. The e2e services run on it too (tests/test_e2e.py)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from ddtree import event_loop
-from ddtree.event_loop import PollingSelector, busy_poll_seconds, usable_cpus
-from ddtree.service_config import ServiceConfig
+from runtime import event_loop
+from runtime.event_loop import PollingSelector, busy_poll_seconds, usable_cpus
+from runtime.config import ServiceConfig
 from gateway.config import GatewayConfig
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.lane import Lane, LaneServer
+from runtime.lane import Lane, LaneServer
 
 
 def test_busy_poll_setting(monkeypatch, tmp_path) -> None:

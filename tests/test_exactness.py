@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.types import SamplingParams
-from gateway.local import LocalDrafter, LocalVerifier, load_local
+from protos.types import SamplingParams
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import VOCAB, hf_greedy
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.flash_tree import flash_supported, flash_tree_attention, plan
-from ddtree.sdpa import matmul_attention
+from kernels.flash_tree import flash_supported, flash_tree_attention, plan
+from kernels.sdpa import matmul_attention
 from verify_server.step_attention import step_mask
 from verify_server.tree_attention import ancestor_matrix
 
@@ -95,7 +95,7 @@ def test_flash_under_compile_and_graph_capture() -> None:
 
 def _compiled_kernels() -> int:
     """How many kernels Triton has compiled for the verifier's batch op so far (its JIT's per-device caches)."""
-    from ddtree import flash_batch
+    from kernels import flash_batch
 
     kernels = (flash_batch._batch_partial_kernel, flash_batch._merge_kernel)
     caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
@@ -109,8 +109,8 @@ def test_compile_batch_plans_leave_nothing_to_compile_for_any_step() -> None:
     """After compile_batch_plans, the verifier's steps (a lone round or a batch of 2, 4 or 8 trees, in its query
     buckets, over any key bucket, each tree in a slot of its own capacity) launch kernels already compiled: no
     round waits for Triton's JIT."""
-    from ddtree.cuda_graphs import key_bucket, key_buckets
-    from ddtree.flash_batch import batch_tree_attention, compile_batch_plans
+    from kernels.cuda_graphs import key_bucket, key_buckets
+    from kernels.flash_batch import batch_tree_attention, compile_batch_plans
     from verify_server.step_inputs import QUERY_BUCKETS
 
     limit = 16_896  # a 16k-row slot with its spare rows

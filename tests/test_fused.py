@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, Qwen3Config
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from tests.conftest import hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 from verify_server.config import VerifyServerConfig

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.detokenize import IncrementalDetokenizer, StopStrings

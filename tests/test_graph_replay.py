@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from tests.conftest import VOCAB, hf_greedy
 from tests.graph_replay import ReplayRecorder
 from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines, sliding_drafter

@@ -19,14 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from transformers import AutoModelForCausalLM
 
-from ddtree.service import EngineHost, ServiceMetrics
-from ddtree.service_process import serve
-from ddtree.types import DraftTree, SamplingParams
+from runtime.service import EngineHost, ServiceMetrics
+from runtime.process import serve
+from protos.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
 from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
 from gateway.grpc_clients import BackendError, GrpcDrafter, GrpcVerifier
-from gateway.local import LocalDrafter, LocalVerifier, load_local
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb

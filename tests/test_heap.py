@@ -1,4 +1,4 @@
-"""The collector's pauses as a metric (ddtree/heap.py): every collection timed while watched, none after; and large
+"""The collector's pauses as a metric (runtime/heap.py): every collection timed while watched, none after; and large
 blocks reused by the allocator once the process keeps them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from prometheus_client import CollectorRegistry
 
-from ddtree.heap import watch_collector
+from runtime.heap import watch_collector
 
 
 def pauses(registry: CollectorRegistry, generation: int) -> float:
@@ -38,7 +38,7 @@ def test_watch_collector_times_every_collection_until_stopped() -> None:
 # times; the page faults each time are counted. A fresh process per setting: mallopt changes the whole process.
 FAULTS = """
 import json, resource, sys, threading
-from ddtree.heap import keep_large_allocations
+from runtime.heap import keep_large_allocations
 applied = keep_large_allocations() if sys.argv[1] == "keep" else None
 faults = []
 def write_blocks():
@@ -75,6 +75,6 @@ def test_a_frozen_start_up_heap_is_finalised_at_exit() -> None:
     """Objects frozen at start-up are unfrozen at exit, so Triton's bindings find theirs released (else every
     service's shutdown printed hundreds of nanobind "leaked" lines)."""
     pytest.importorskip("triton")
-    script = "import triton\nfrom ddtree.heap import freeze_startup_heap\nfreeze_startup_heap()\n"
+    script = "import triton\nfrom runtime.heap import freeze_startup_heap\nfreeze_startup_heap()\n"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "leaked" not in out.stderr, out.stderr[-2000:]

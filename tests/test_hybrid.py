@@ -15,13 +15,13 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
 from bench import hybrid_cost
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 from draft_server.dflash import DFlashDrafter, apply_rope, init_drafter_weights
 from draft_server.dflash_config import DFlashConfig
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
-from draft_server.training import block_attention_mask
-from gateway.local import load_local
+from training.drafter_loss import block_attention_mask
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from tests.conftest import HIDDEN, VOCAB, hf_greedy, make_drafter, make_hybrid_target
 from tests.test_verify import oracle_tree

@@ -1,4 +1,4 @@
-"""The round lane's wire protocol (protos/lane.py) on loopback: answers and statuses as gRPC's, every malformed
+"""The round lane's wire protocol (runtime/lane.py) on loopback: answers and statuses as gRPC's, every malformed
 input answered or refused without taking the server down, and a shutdown that does not wait for idle clients."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, _Frames
+from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, _Frames
 
 MAX_BYTES = 4096
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from ddtree.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from draft_server.tree import build_tree
-from protos import generate, relay, tensors
+from protos import generate, tensors
+from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.device_copies import copy_together
-from ddtree.readback import PinnedReadback
+from kernels.device_copies import copy_together
+from kernels.readback import PinnedReadback
 
 
 def devices() -> list[str]:

@@ -16,15 +16,15 @@ import grpc
 import pytest
 import torch
 
-from ddtree.service import EngineHost, RequestError, ServiceMetrics, streamed
-from ddtree.service_process import use_device
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from runtime.service import EngineHost, RequestError, ServiceMetrics, streamed
+from runtime.process import use_device
+from protos.types import DraftTree, SamplingParams, StepResult
 from gateway.grpc_clients import BackendError, GrpcDrafter
 from gateway.rounds import Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.lane import LaneServer
+from runtime.lane import LaneServer
 
 # ---- EngineHost: where engine calls run ------------------------------------------------------------------------
 

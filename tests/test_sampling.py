@@ -12,8 +12,8 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from tests.conftest import make_drafter, make_target
 from verify_server.sampling import processed_probs

@@ -2,8 +2,8 @@
 
 A round roots a block at the last committed token with the target's features of everything before it as context,
 and commits what the target accepts of the drafted tokens plus the bonus. Training's blocks
-(draft_server/training.py block_logits) are built the same way from the target's answer, so walking the answer with
-them (draft_server/acceptance.py) must give the served rounds' sizes one by one: the chain's from each block's
+(training/drafter_loss.py block_logits) are built the same way from the target's answer, so walking the answer with
+them (training/acceptance.py) must give the served rounds' sizes one by one: the chain's from each block's
 correct positions, ddtree's from the trees their log-probs build. train-drafter's evaluation reports the chain walk's
 τ. A shifted prediction, a context position off by one, block K/V kept in the drafter's cache, a tree walked wrong:
 each of DESIGN §4's frequent mistakes breaks this equality where greedy exactness alone would not notice (the
@@ -19,12 +19,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ddtree.bench import DEFAULT_PROMPTS, load_prompts
-from ddtree.models import resolve_pair
-from ddtree.types import SamplingParams
-from draft_server.acceptance import answer_logprobs, chain_steps, tree_steps, walk_answers
+from runtime.models import resolve_pair
+from protos.types import SamplingParams
+from training.acceptance import answer_logprobs, chain_steps, tree_steps, walk_answers
 from draft_server.dflash import load_drafter
-from draft_server.training import TappedTarget
-from gateway.local import load_local
+from training.drafter_loss import TappedTarget
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
 PROMPTS = (1, 8)  # bench prompts the demo drafter accepts deeply on (runs of 6 and more)

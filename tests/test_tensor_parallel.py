@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.types import SamplingParams
-from gateway.local import load_local
+from protos.types import SamplingParams
+from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompts

@@ -1,4 +1,4 @@
-"""StepTimer and its recycled CUDA events (ddtree/timing.py)."""
+"""StepTimer and its recycled CUDA events (runtime/timing.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from ddtree.timing import TimerEvents
+from runtime.timing import TimerEvents
 
 
 def test_cpu_timer_splits_wall_time() -> None:

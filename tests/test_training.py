@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from ddtree.types import SamplingParams
-from draft_server import train_cli
+from protos.types import SamplingParams
+from training import train_drafter
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.drafter import DraftEngine
 from draft_server.target_head import TargetHead
-from draft_server.training import (
+from training.drafter_loss import (
     DrafterTrainConfig,
     TappedTarget,
     block_attention_mask,
@@ -25,7 +25,7 @@ from draft_server.training import (
     loss_weights,
     sample_anchors,
 )
-from gateway.local import LocalDrafter, LocalVerifier
+from ddtree.local import LocalDrafter, LocalVerifier
 from gateway.rounds import Speculation, run_rounds
 from tests.conftest import hf_greedy
 from verify_server.verify import VerifyEngine
@@ -100,8 +100,8 @@ def test_training_lowers_loss_and_the_drafter_then_accepts_deeply(qwen3_target: 
 
 
 def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
-    from ddtree.demo.corpus import TRAIN_FILE, build_corpus
-    from ddtree.demo.tokenizer import train_tokenizer
+    from training.demo.corpus import TRAIN_FILE, build_corpus
+    from training.demo.tokenizer import train_tokenizer
 
     build_corpus(tmp_path / "corpus", packages=["json", "textwrap", "colorsys"], heldout_percent=0, seed=0, progress=False)
     target_dir = tmp_path / "target"
@@ -115,7 +115,7 @@ def test_train_drafter_cli_round_trip(tmp_path: Path) -> None:
 
     def main(*extra: str, into: Path = out) -> int:
         parser = argparse.ArgumentParser()
-        train_cli.add_parser(parser.add_subparsers())
+        train_drafter.add_parser(parser.add_subparsers())
         args = parser.parse_args([
             "train-drafter", "--target", str(target_dir), "--corpus", str(tmp_path / "corpus" / TRAIN_FILE),
             "--out", str(into), "--device", "cpu", "--block-size", "4", "--num-layers", "1", "--window", "48",

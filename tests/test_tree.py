@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from draft_server.tree import TOPK_CHUNK, TreeLayout, build_tree, top_candidates
+from draft_server.tree import TreeLayout, build_tree
+from kernels.tree_build import TOPK_CHUNK, top_candidates
 
 
 def brute_force(logprobs: torch.Tensor, budget: int, top_k: int) -> list[tuple[int, ...]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.types import DraftTree, SamplingParams
+from protos.types import DraftTree, SamplingParams
 from verify_server.step_inputs import ANCESTOR_STEPS, MAX_GRAPH_NODES
 from verify_server.session import SessionError
 from verify_server.tree_attention import ancestor_matrix

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from ddtree.gemv import RMSNORM, SWIGLU
-from ddtree.types import DraftTree, SamplingParams
+from kernels.gemv import RMSNORM, SWIGLU
+from protos.types import DraftTree, SamplingParams
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
 from draft_server.warm_up import warm_up as warm_up_drafter
@@ -47,7 +47,7 @@ def random_tree(rng: random.Random, root: int, nodes: int, vocab: int) -> DraftT
 
 def cpu_decode_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
                       residual: torch.Tensor | None, eps: float, prologue: int) -> torch.Tensor:
-    """ddtree.gemv.decode_linear's contract in torch ops, for CPU runs of the fused branches."""
+    """kernels.gemv.decode_linear's contract in torch ops, for CPU runs of the fused branches."""
     if prologue == SWIGLU:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up

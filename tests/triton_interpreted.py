@@ -13,12 +13,13 @@ import torch
 
 import torch.nn.functional as F
 
-from ddtree.flash_tree import compile_plans, launch, plan
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, launch_rows, rms_norm
-from ddtree.gemv import launch as gemv
-from ddtree.sdpa import matmul_attention
-from draft_server.tree import TreeLayout, build_tree, top_candidates, tree_top_k
-from draft_server.tree_kernel import best_first_tree, multiprocessors, top_k, top_plan
+from kernels.flash_tree import compile_plans, launch, plan
+from kernels.gemv import NONE, RMSNORM, SWIGLU, GemvPlan, RowsPlan, launch_rows, rms_norm
+from kernels.gemv import launch as gemv
+from kernels.sdpa import matmul_attention
+from draft_server.tree import TreeLayout, build_tree, tree_top_k
+from kernels.tree_build import top_candidates
+from kernels.tree_build import best_first_tree, multiprocessors, top_k, top_plan
 from verify_server.compaction import launch as compact
 from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
@@ -197,7 +198,7 @@ def check_flash() -> None:
 def check_slot_rows() -> None:
     """write_slot_rows: rows of some layers into a slot found through its row of an address table (slots of
     different capacities, first layers past 0, row counts across tiles) land exactly there, nothing else moves."""
-    from ddtree.flash_batch import write_slot_rows
+    from kernels.flash_batch import write_slot_rows
 
     gen = torch.Generator().manual_seed(4)
     layers, kv_heads, d = 3, 2, 16
@@ -216,11 +217,11 @@ def check_slot_rows() -> None:
 
 
 def check_batch() -> None:
-    """Several sessions' trees in one launch (ddtree/flash_batch.py, through TreeBatch.attend): each tree's K/V land
+    """Several sessions' trees in one launch (kernels/flash_batch.py, through TreeBatch.attend): each tree's K/V land
     in its own slot, and its rows' attention equals the per-tree loop under dense masks, for slots of different
     capacities, trees of different sizes (a one-node decode among them) and contexts of several key chunks."""
-    from ddtree.flash_batch import compile_batch_plans
-    from ddtree.types import DraftTree
+    from kernels.flash_batch import compile_batch_plans
+    from protos.types import DraftTree
     from verify_server.batch import BatchTree, build_batch
     from verify_server.kv_cache import KVCache
 
@@ -284,7 +285,7 @@ def check_verify() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from ddtree.types import DraftTree, SamplingParams
+    from protos.types import DraftTree, SamplingParams
     from tests.conftest import hf_greedy, make_target
     from tests.test_verify import oracle_tree
     from verify_server.verify import VerifyEngine
@@ -338,8 +339,8 @@ def check_warm_up() -> None:
     import tempfile
     from pathlib import Path
 
-    from ddtree.cuda_graphs import key_buckets
-    from ddtree.types import SamplingParams
+    from kernels.cuda_graphs import key_buckets
+    from protos.types import SamplingParams
     from tests.conftest import make_target
     from verify_server.verify import VerifyEngine
     from verify_server.warm_up import _chain, capture_prompts, capture_rounds

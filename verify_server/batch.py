@@ -4,7 +4,7 @@ At batch 1 a large target's step is bound by reading its weights, and a tree's r
 are other sessions' trees. A TreeBatch lays B trees' nodes back to back as one step's rows: the projections, norms
 and MLP run over all of them at once, and only the K/V writes, the attention and the compaction are per tree, each
 over its own session's cache slot. On a GPU with the flash kernel each is one launch for the whole batch
-(ddtree/flash_batch.py, verify_server/compaction.py), finding each slot by its address in a table on the device;
+(kernels/flash_batch.py, verify_server/compaction.py), finding each slot by its address in a table on the device;
 so a batch of greedy rounds is captured in a CUDA graph like a single round, whatever slots it meets
 (BatchBuffers holds its inputs). Elsewhere the same steps loop over the trees, each under its dense mask (the
 uncaptured single-tree step's form, which the CPU tests compare with verifying each tree alone).
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ddtree.cuda_graphs import key_bucket
-from ddtree.device_copies import CopiesMemo, copy_together
-from ddtree.flash_batch import batch_tree_attention
-from ddtree.types import DraftTree
+from kernels.cuda_graphs import key_bucket
+from kernels.device_copies import CopiesMemo, copy_together
+from kernels.flash_batch import batch_tree_attention
+from protos.types import DraftTree
 from verify_server.compaction import compact_batch, compact_path
 from verify_server.kv_cache import KVCache
 from verify_server.step_attention import FLASH, attend, step_mask

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.cuda_graphs import key_bucket
+from kernels.cuda_graphs import key_bucket
 from verify_server.batch import BatchBuffers, BatchTree, TreeBatch, build_batch
 from verify_server.fused import embed_tokens
 from verify_server.kv_cache import KVCache

@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from ddtree.device_copies import copy_together
-from ddtree.timing import StepTimer
-from ddtree.types import DraftTree, StepResult
+from kernels.device_copies import copy_together
+from runtime.timing import StepTimer
+from protos.types import DraftTree, StepResult
 from verify_server.batch import BatchTree
 from verify_server.sampling import choose_tokens
 from verify_server.session import VerifySession

@@ -67,7 +67,7 @@ if triton is not None:
         pid = tl.program_id(0)
         b, plane = pid // (layers * kv_heads), pid % (layers * kv_heads)
         layer, head = plane // kv_heads, plane % kv_heads
-        # aligned as ddtree/flash_batch.py's kernel tells the compiler: rows moved with vector loads and stores
+        # aligned as kernels/flash_batch.py's kernel tells the compiler: rows moved with vector loads and stores
         offset = head * tl.multiple_of(tl.load(Slots + 2 * layers * stride_slots + b), 16)
         element = tl.pointer_type(Like.dtype.element_ty)
         K = tl.multiple_of(tl.load(Slots + layer * stride_slots + b).to(element), 16) + offset

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from ddtree.models import resolve_pair
-from ddtree.service_config import ServiceConfig, option
+from runtime.models import resolve_pair
+from runtime.config import ServiceConfig, option
 
 
 @dataclass(frozen=True, kw_only=True)

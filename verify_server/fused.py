@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ddtree.flash_batch import write_slot_rows
-from ddtree.flash_tree import flash_supported
-from ddtree.gemv import gemv_supported
+from kernels.flash_batch import write_slot_rows
+from kernels.flash_tree import flash_supported
+from kernels.gemv import gemv_supported
 from verify_server.fused_layer import (
     FusedLayer, LayerShape, chunk_layer, decoder_layer, head_norms, layer_out, layer_qkv, normed_linear, prompt_layer,
 )
@@ -154,7 +154,7 @@ class FusedDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prompt_forward for a graph that serves every cache slot: each layer writes its K/V into `scratch`, a
         one-layer cache, and attends there as over a slot (a prompt from slot 0 sees its own rows only), then
-        ddtree.flash_batch.write_slot_rows copies the rows `slots` [q] (0, 1, ...) into the slot whose addresses
+        kernels.flash_batch.write_slot_rows copies the rows `slots` [q] (0, 1, ...) into the slot whose addresses
         are table [1, 2 * layers + 1] (slot_addresses' column, uploaded with the prompt); zero [1] is 0 on the
         device. The same compiled layer and attention call as prompt_forward's."""
         tapped = []
@@ -198,7 +198,7 @@ class FusedDecoder:
     def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
         configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for steps
-        of up to fused_rows rows, the fused projections (ddtree.gemv; a GPU too)."""
+        of up to fused_rows rows, the fused projections (kernels.gemv; a GPU too)."""
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):

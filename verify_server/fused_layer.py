@@ -1,5 +1,5 @@
 """One decoder layer of the fused path (verify_server/fused.py) as functions of its tensors: the projections
-(q|k|v and gate|up each one matmul, through ddtree.gemv's Triton kernels where they run, the norms, the SiLU gate
+(q|k|v and gate|up each one matmul, through kernels.gemv's Triton kernels where they run, the norms, the SiLU gate
 and the residual adds folded in), q's and k's heads normed and rotated as one tensor, the new K/V written into a
 cache slot and the attention over it (verify_server/step_attention.py). Numerics follow HF's modules op for op.
 prompt_layer and chunk_layer are the same layer under names of their own, each compiled apart.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ddtree.gemv import NONE, RMSNORM, SWIGLU, decode_linear, rms_norm, rows_linear
+from kernels.gemv import NONE, RMSNORM, SWIGLU, decode_linear, rms_norm, rows_linear
 from verify_server.step_attention import attend
 
 
@@ -20,7 +20,7 @@ def unfused_linear(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
     eps: float, swiglu: bool,
 ) -> torch.Tensor:
-    """ddtree.gemv.rows_linear's contract in torch ops (cuBLAS and, compiled, the compiler's kernels around it):
+    """kernels.gemv.rows_linear's contract in torch ops (cuBLAS and, compiled, the compiler's kernels around it):
     residual + g(f(x) @ weight.T), f the RMSNorm with norm_weight, g the SiLU gate of [gate | up] when swiglu."""
     y = F.linear(x if norm_weight is None else rms_norm(x, norm_weight, eps), weight)
     if swiglu:
@@ -30,7 +30,7 @@ def unfused_linear(
 
 
 def fused_kernel(q: int, fused_rows: int) -> str | None:
-    """Which ddtree.gemv kernel runs a q-row step's projections: 'gemv' (q == 1), 'rows' (q <= fused_rows) or None
+    """Which kernels.gemv kernel runs a q-row step's projections: 'gemv' (q == 1), 'rows' (q <= fused_rows) or None
     (torch ops). Under torch.compile, q == 1 is static (dimensions of size 1 are specialised) and q <= fused_rows a
     guard on a symbolic q: steps past the limit compile apart."""
     if fused_rows >= 1 and q == 1:
@@ -142,7 +142,7 @@ def decoder_layer(
     slot's whole rows: under torch.compile, a slice of them written in place was copied whole for the attention)
     at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, or None: causal over the new
     tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
-    rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as ddtree.gemv's
+    rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as kernels.gemv's
     Triton kernels (a GPU): GEMVs at one row, rows_linear beyond."""
     q, k, v = layer_qkv(hidden, layer, cos, sin, shape, fused_rows)
     keys.index_copy_(1, slots, k.transpose(0, 1))

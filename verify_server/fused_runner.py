@@ -23,11 +23,11 @@ from collections.abc import Hashable
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
-from ddtree.flash_batch import compile_batch_plans
-from ddtree.flash_tree import flash_supported
-from ddtree.gemv import default_fused_rows, gemv_supported
-from ddtree.types import DraftTree
+from kernels.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
+from kernels.flash_batch import compile_batch_plans
+from kernels.flash_tree import flash_supported
+from kernels.gemv import default_fused_rows, gemv_supported
+from protos.types import DraftTree
 from verify_server.batch import BatchBuffers, BatchTree, slot_addresses
 from verify_server.batch_runner import BatchSteps
 from verify_server.fused import FusedDecoder, embed_tokens
@@ -75,15 +75,15 @@ class FusedRunner(BatchSteps):
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
         on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
-        (bench/README.md, H200): flash-decoding over the tree (ddtree/flash_tree.py's body over each tree's slot
-        by address, ddtree/flash_batch.py; 2 kernels a layer, the K/V write included, where the matmul form ran
+        (bench/README.md, H200): flash-decoding over the tree (kernels/flash_tree.py's body over each tree's slot
+        by address, kernels/flash_batch.py; 2 kernels a layer, the K/V write included, where the matmul form ran
         5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more tokens/s in every
         mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
         flash's speed over a short context, 5.67 ms against 5.73 a Qwen3-8B AR step, but its [q, kv] scores grow
         with the context: over a 16.5k-token one, a 32-node tree's attention took 179 us a layer against 74.)
         Else the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:
         BatchSteps._prepare_batch). fused_rows: steps of up to this many rows run their projections as
-        ddtree/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
+        kernels/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
         default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
         if attention is None:

@@ -13,39 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.device_copies import copy_together
-from ddtree.readback import PinnedReadback
-from ddtree.timing import StepTimer
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from kernels.device_copies import copy_together
+from kernels.readback import PinnedReadback
+from runtime.timing import StepTimer
+from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
-from verify_server.session import SessionError, VerifySession
+from verify_server.session import PendingRound, SessionError, VerifySession
 
 # Rounds of one session queued and not yet collected, at most: the one the host waits for and the next.
 MAX_IN_FLIGHT = 2
-
-
-@dataclass
-class PendingRound:
-    """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
-
-    packed    [2 + qb] host view of accept_path's packed result, written by the device (ddtree/readback.py) once
-              the round has run
-    features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
-              without taps; on the device in memory of its own (launch(): the session's buffer of its ring slot,
-              which the round after next rewrites), or for a host_features round in the session's host buffer of
-              its ring slot (pinned on a GPU)
-    cursor    [2] on the device: (the next round's start slot, the bonus token), which the session's next launch
-              (and its drafter's draft_after) reads; launch() keeps it in the session's buffer of its ring slot
-    advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
-              next round's start
-    """
-
-    session_id: str
-    packed: torch.Tensor
-    features: torch.Tensor | None
-    cursor: torch.Tensor
-    advance: int
-    timer: StepTimer
 
 
 class QueuedRounds:

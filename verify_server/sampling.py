@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.types import SamplingParams
+from protos.types import SamplingParams
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

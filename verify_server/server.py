@@ -15,15 +15,16 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
-from ddtree.call_batch import BATCH_BUCKETS, Batch, run_checked
-from ddtree.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
-from ddtree.service_config import MAX_MESSAGE_BYTES
-from ddtree.service_process import run_service, serve
-from ddtree.types import DraftTree, VerifierInfo
-from protos import relay, tensors
+from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
+from runtime.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
+from runtime.config import MAX_MESSAGE_BYTES
+from runtime.process import run_service, serve
+from protos.types import DraftTree, VerifierInfo
+from protos import tensors
+from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.lane import Route
+from runtime.lane import Route
 from verify_server.config import VerifyServerConfig
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
@@ -85,18 +86,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call("TakeFeatures", context, take)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        response = await self.host.call_batched("Verify", context, request, self.rounds, forward=True)
+        response = await self.rounds.call(self.host, "Verify", context, request, forward=True)
         self.host.remember(self._rehearse_verify, request, response)
         return response
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.host.call_batched("Decode", context, request, self.rounds, forward=True)
+        return await self.rounds.call(self.host, "Decode", context, request, forward=True)
 
     VerifyStream = streamed(Verify)  # a session's rounds over one stream
     DecodeStream = streamed(Decode)
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (protos/lane.py): the round calls, and the prompt features' call."""
+        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
         return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode),
                 "TakeFeatures": (pb.TakeFeaturesRequest, self._lane_take_features)}
 

@@ -9,19 +9,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from ddtree.device_copies import CopiesMemo
-from ddtree.readback import PinnedReadback
-from ddtree.types import SamplingParams
+from kernels.device_copies import CopiesMemo
+from kernels.readback import PinnedReadback
+from protos.types import SamplingParams
+from runtime.timing import StepTimer
 from verify_server.kv_cache import KVCache
 from verify_server.state_cache import StateCache
-
-if TYPE_CHECKING:
-    from verify_server.queued_rounds import PendingRound
-
 
 class SessionError(ValueError):
     """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
@@ -33,6 +29,30 @@ class UnknownSessionError(SessionError):
 
 class CapacityError(SessionError):
     """The session's preallocated KV cache cannot hold the step."""
+
+
+@dataclass
+class PendingRound:
+    """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
+
+    packed    [2 + qb] host view of accept_path's packed result, written by the device (kernels/readback.py) once
+              the round has run
+    features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
+              without taps; on the device in memory of its own (launch(): the session's buffer of its ring slot,
+              which the round after next rewrites), or for a host_features round in the session's host buffer of
+              its ring slot (pinned on a GPU)
+    cursor    [2] on the device: (the next round's start slot, the bonus token), which the session's next launch
+              (and its drafter's draft_after) reads; launch() keeps it in the session's buffer of its ring slot
+    advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
+              next round's start
+    """
+
+    session_id: str
+    packed: torch.Tensor
+    features: torch.Tensor | None
+    cursor: torch.Tensor
+    advance: int
+    timer: StepTimer
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from ddtree.sdpa import attention, grouped_attention, matmul_attention
+from kernels.sdpa import attention, grouped_attention, matmul_attention
 
 
 def step_mask(start: torch.Tensor, tree: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract with each K/V group's query heads folded into the query axis (ddtree.sdpa)."""
+    """The same contract with each K/V group's query heads folded into the query axis (kernels.sdpa)."""
     if mask is None or not gqa:
         return sdpa_attention(q, k, v, mask, scale, gqa)
     return grouped_attention(q, k, v, mask, scale)
@@ -63,7 +63,7 @@ def grouped_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 def matmul_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                           scale: float, gqa: bool) -> torch.Tensor:
-    """The same contract through ddtree.sdpa.matmul_attention (two batched matmuls around a masked softmax)."""
+    """The same contract through kernels.sdpa.matmul_attention (two batched matmuls around a masked softmax)."""
     if mask is None:
         return sdpa_attention(q, k, v, mask, scale, gqa)
     return matmul_attention(q, k, v, mask, scale)
@@ -91,7 +91,7 @@ ATTENTION_KERNELS = {
     "sdpa": sdpa_attention, "grouped": grouped_sdpa_attention, "matmul": matmul_tree_attention,
     "flex": flex_tree_attention,
 }
-FLASH = "flash"  # ddtree.flash_batch: reads each tree's start and ancestor matrix instead of a materialised mask
+FLASH = "flash"  # kernels.flash_batch: reads each tree's start and ancestor matrix instead of a materialised mask
 CHUNK = "chunk"  # a prompt chunk after committed rows (chunk_attention); not a choice for trees
 ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddtree.types import DraftTree
+from protos.types import DraftTree
 from verify_server.fused import embed_tokens
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.walk import accept_path

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.session import SessionError
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.verify import VerifyEngine
@@ -158,8 +158,8 @@ def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout
 def load_sharded(
     target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype, max_tree_size: int = 1024
 ) -> VerifyEngine:
-    """`target` is a model directory, or `random:<shape>` (ddtree.cost_curve) for benchmarks at real shapes."""
-    from ddtree.cost_curve import RANDOM_PREFIX, random_target
+    """`target` is a model directory, or `random:<shape>` (verify_server.random_target) for benchmarks at real shapes."""
+    from verify_server.random_target import RANDOM_PREFIX, random_target
     from verify_server.verify import load_target
 
     if target.startswith(RANDOM_PREFIX):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
-from ddtree.sdpa import attention
+from kernels.sdpa import attention
 from verify_server.kv_cache import KVCache
 
 try:

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ddtree.service import RequestError
-from ddtree.types import DraftTree, SamplingParams
+from runtime.service import RequestError
+from protos.types import DraftTree, SamplingParams
 
 
 @dataclass(frozen=True)

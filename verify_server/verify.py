@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ddtree.timing import TimerEvents
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from runtime.timing import TimerEvents
+from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import BatchedRounds, TreeRows
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
@@ -67,7 +67,7 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         buffers, CUDA graphs when `graphs` and on a GPU, and at most max_sessions cache slots; other targets, or
         fused=False, take the generic path through the HF modules. compile: torch.compile the fused layer step
         (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
-        the fused path's steps of up to this many rows run the Triton projections of ddtree/gemv.py where they can
+        the fused path's steps of up to this many rows run the Triton projections of kernels/gemv.py where they can
         (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
         (step_attention.ATTENTION_CHOICES); None: FusedRunner's default. max_batch: the most sessions' rounds
         verify_batch runs in one forward (bounds what the fused path compiles at start-up)."""

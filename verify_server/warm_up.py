@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ddtree.cuda_graphs import key_buckets
-from ddtree.types import DraftTree, SamplingParams
+from kernels.cuda_graphs import key_buckets
+from protos.types import DraftTree, SamplingParams
 from verify_server.batch import BatchTree
 from verify_server.step_inputs import MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, bucket
 from verify_server.verify import VerifyEngine

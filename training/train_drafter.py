@@ -13,11 +13,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
-from draft_server.acceptance import walk_answers
+from training.demo.data import cached_tokens, eval_windows, sample_batch
+from training.acceptance import walk_answers
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter, save_drafter
 from draft_server.dflash_config import DFlashConfig
-from draft_server.training import (
+from training.drafter_loss import (
     DrafterTrainConfig,
     TappedTarget,
     acceptance_stats,

@@ -27,13 +27,28 @@ import math
 
 import torch
 
-from draft_server.tree import TreeLayout, top_candidates
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: build_tree runs instead (kernel_supported() is False)
     triton = None
+
+TOPK_CHUNK = 128  # vocabulary entries per first-stage top-k
+
+
+def top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs [D, V] -> the k largest values per row, descending, and their token ids ([D, k] each), as topk.
+    One topk over a long row runs about one thread block per row (52 us of a 150 us tree build on the demo pair,
+    H200: bench/results/profile_round_demo_bf16_compile_flash.txt); in two stages (the top k of every chunk of
+    TOPK_CHUNK tokens, then of those D * V/TOPK_CHUNK * k candidates) the first spreads over D * V/TOPK_CHUNK."""
+    rows, vocab = logprobs.shape
+    if k > TOPK_CHUNK or vocab % TOPK_CHUNK or vocab < 8 * TOPK_CHUNK:
+        return logprobs.topk(k, dim=-1)
+    vals, ids = logprobs.view(rows, vocab // TOPK_CHUNK, TOPK_CHUNK).topk(k, dim=-1, sorted=False)  # [D, chunks, k]
+    ids = ids + torch.arange(0, vocab, TOPK_CHUNK, device=logprobs.device)[:, None]  # chunk-local -> token ids
+    top_vals, best = vals.flatten(1).topk(k, dim=-1)  # [D, k]
+    return top_vals, ids.flatten(1).gather(1, best)
+
 
 # largest sort one program holds in registers (4096 ran on the H200 at Qwen3-8B shapes); wider top-k merges fall
 # back to torch.topk
@@ -183,7 +198,7 @@ def top_k(
     logprobs: torch.Tensor, k: int, top: tuple[int, int, int], warps: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs [D, V] fp32 -> the k largest per row, descending, and their token ids ([D, k] each), as
-    tree.top_candidates; equal values come in token order. Per-chunk sorts, then merges of `group` candidates a
+    top_candidates; equal values come in token order. Per-chunk sorts, then merges of `group` candidates a
     program until one per depth is left: it writes the result. warps: (per-chunk sort, merges), default
     chunk_warps and sort_warps."""
     depths, vocab = logprobs.shape
@@ -229,17 +244,17 @@ def best_first_tree(
     return out
 
 
-def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, layout: TreeLayout) -> torch.Tensor | None:
+def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, num_nodes: int) -> torch.Tensor | None:
     """logprobs [D, V] fp32, root [1] long -> build_tree's tree of the top k tokens per depth (TreeLayouts.get's k)
     as [3, N+1] long (tokens, parents, depths), from the kernels: the top-k (top_k_any), then the
     best-first search. None where the search cannot pack the tree (build_tree it is, then)."""
-    if not best_first_fits(layout.nodes, logprobs.shape[0]):
+    if not best_first_fits(num_nodes, logprobs.shape[0]):
         return None
-    return best_first_tree(*top_k_any(logprobs, k), root, layout.nodes)
+    return best_first_tree(*top_k_any(logprobs, k), root, num_nodes)
 
 
 def top_k_any(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k where its plan fits (k at most MAX_SORT / 2), torch's two-stage top-k (tree.top_candidates) elsewhere."""
+    """top_k where its plan fits (k at most MAX_SORT / 2), torch's two-stage top-k (top_candidates) elsewhere."""
     depths, vocab = logprobs.shape
     top = top_plan(vocab, k, depths, multiprocessors(logprobs.device))
     return top_candidates(logprobs, k) if top is None else top_k(logprobs, k, top)

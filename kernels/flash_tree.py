@@ -4,14 +4,14 @@ kernels, with the tree's visibility read from the ancestor matrix instead of a m
 Why: at the few queries of a decode or a tree, the masked attention in plain kernels (two batched matmuls around a
 masked softmax, ~5 kernels a layer) ran 21 us at a Qwen3-8B decode with 640 keys against 6 us here
 (bench/flash_tune.py), and SDPA's fused kernels run one thread block per head, which leaves most of the GPU idle.
-The drafter's block runs this op (draft_server/draft_graphs.py); the verifier's steps run ddtree/flash_batch.py,
+The drafter's block runs this op (draft_server/draft_graphs.py); the verifier's steps run kernels/flash_batch.py,
 the same body over each tree's own cache slot, found by address. Here the keys are split
 across thread blocks (flash-decoding): each block attends one K/V head's query heads (all of them share its keys,
 so K/V are read once) over one chunk of keys, and a second kernel merges the chunks by their log-sum-exp.
 
 Visibility of key row r to new token i (the step's rows are [start, start + q)): every committed row (r < start),
 and of the new rows those of i's ancestors and i itself (tree[i, r - start]); nothing at or beyond start + q.
-A CUDA-only fast path: CPU runs (tests, CI) use ddtree.sdpa.matmul_attention with the same visibility.
+A CUDA-only fast path: CPU runs (tests, CI) use kernels.sdpa.matmul_attention with the same visibility.
 The op is a torch.library custom op, so torch.compile (fullgraph, dynamic shapes) calls it as one opaque node.
 """
 

@@ -3,7 +3,7 @@
 Each tree attends over its own session's cache slot, and slots are separate tensors of different capacities. The
 kernels therefore take each slot's K and V base addresses, and its head stride, from small tables on the device
 (the pattern of Triton's grouped GEMM): one launch (plus the merge) writes every tree's new K/V into its slot and
-attends every tree's rows over its own keys, with the same flash-decoding body as ddtree/flash_tree.py. The trees'
+attends every tree's rows over its own keys, with the same flash-decoding body as kernels/flash_tree.py. The trees'
 rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
 and it sees nothing past them. write_slot_rows writes rows into a slot found the same way, for graphs that serve
 every slot (the drafter's context appends, the verifier's prompts). A CUDA-only fast path, as flash_tree's: CPU runs
@@ -16,12 +16,12 @@ import torch
 
 from collections.abc import Iterable
 
-from ddtree.flash_tree import TARGET_PROGRAMS, Plan, new_configs, plan, triton
+from kernels.flash_tree import TARGET_PROGRAMS, Plan, new_configs, plan, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from ddtree.flash_tree import _attend_keys, _merge_kernel, _store_partial
+    from kernels.flash_tree import _attend_keys, _merge_kernel, _store_partial
 
     # The tables hold one entry per tree and are rows of small int64 tensors, often 8 bytes off a 16-byte boundary
     # (a lone round's [rows, 1] slot table): Triton must not compile a variant per alignment, which a start-up

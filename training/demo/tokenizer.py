@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ddtree.demo.corpus import read_jsonl
+from training.demo.corpus import read_jsonl
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -88,11 +88,6 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | os.PathLik
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["chat_template"] = tokenizer.chat_template
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local directory; never consults the network."""
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def padded_vocab_size(tokenizer: PreTrainedTokenizerBase, multiple: int = 64) -> int:

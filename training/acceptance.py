@@ -1,7 +1,7 @@
 """The rounds a drafter makes through a known greedy answer, from teacher-forced blocks (no serving loop).
 
 A round roots a block at the last committed token, with the target's features of everything before it as context,
-and commits what the target accepts plus the bonus. Training's blocks (draft_server/training.py block_logits) are
+and commits what the target accepts plus the bonus. Training's blocks (training/drafter_loss.py block_logits) are
 built the same way from the target's own answer, so walking the answer with them gives the served rounds one by one
 (tests/test_tau_walk.py): the chain's from each block's correct positions, a tree's from the tree each block's
 log-probs build, matched against the answer as the target's greedy choices. A round's root is an answer token (the
@@ -16,7 +16,7 @@ import torch
 
 from draft_server.dflash import DFlashDrafter
 from draft_server.target_head import TargetHead
-from draft_server.training import block_logits
+from training.drafter_loss import block_logits
 from draft_server.tree import build_tree
 
 

@@ -19,7 +19,7 @@ from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.sdpa import BACKENDS
+from kernels.sdpa import BACKENDS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     answers: dict[int, str] = {}
     answer_tokens = truncated = 0
     # HF attention calls SDPA, which on Hopper may pick cuDNN: it plans every new key length again, and the key
-    # length grows by one each decoding step (see ddtree/sdpa.py). Flash/efficient kernels need no planning.
+    # length grows by one each decoding step (see kernels/sdpa.py). Flash/efficient kernels need no planning.
     with sdpa_kernel(list(BACKENDS)), tqdm(total=len(prompts), desc="distill", unit="prompt") as bar:
         for batch in batches:
             if time.monotonic() > deadline:

@@ -1,6 +1,6 @@
 """What the drafter and verifier gRPC services share around their engine: one engine thread, per-RPC status
 mapping + metrics + timings, idle-session expiry. The process around it (gRPC server, round lane, health,
-reflection, metrics endpoint, lifecycle): ddtree/service_process.py.
+reflection, metrics endpoint, lifecycle): runtime/process.py.
 
 Engines are not thread-safe and their model work blocks. Loading, the TTL sweep, prefills and the bookkeeping
 calls run on one single-thread executor, so the event loop stays free for health checks and new calls while they
@@ -13,7 +13,7 @@ keep every step on the engine thread, so the loop can still notice a dead rank.
 
 The session table is the engine's own `sessions` dict, so a session lives in exactly one place; the session
 gauges read it when scraped. Per-call metrics are recorded after the answer is on its way. `streamed` turns a unary
-servicer method into its stream form (the .proto's XStream); the round lane (protos/lane.py) serves the same
+servicer method into its stream form (the .proto's XStream); the round lane (runtime/lane.py) serves the same
 methods over plain TCP beside the gRPC port, and the gateway sends a session's rounds over it when announced.
 """
 
@@ -25,14 +25,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-if TYPE_CHECKING:
-    from ddtree.call_batch import Batch
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +123,7 @@ def streamed(unary: Callable[..., Awaitable[Any]]) -> Callable[..., AsyncIterato
         async for request in requests:
             yield await unary(self, request, context)
 
-    stream.__doc__ = f"{unary.__name__} once per message of the stream (see ddtree.service.streamed)."
+    stream.__doc__ = f"{unary.__name__} once per message of the stream (see runtime.service.streamed)."
     return stream
 
 
@@ -167,7 +164,7 @@ class EngineHost(Generic[E]):
 
     def rehearse(self) -> None:
         """Runs the last round call's host-only steps again, so that the next call finds their code and data in
-        the CPU's caches (a busy-polling loop calls this while it waits: ddtree/event_loop.py, keep_warm)."""
+        the CPU's caches (a busy-polling loop calls this while it waits: runtime/event_loop.py, keep_warm)."""
         if self._rehearsal is not None:
             steps, messages = self._rehearsal
             steps(*messages)
@@ -177,7 +174,7 @@ class EngineHost(Generic[E]):
         return [] if engine is None else list(engine.sessions.values())
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs fn(*args) on the engine thread (a busy-polling loop stops polling meanwhile: ddtree/event_loop.py)."""
+        """Runs fn(*args) on the engine thread (a busy-polling loop stops polling meanwhile: runtime/event_loop.py)."""
         self._queued += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, self._locked, fn, *args)
@@ -192,14 +189,7 @@ class EngineHost(Generic[E]):
         """Runs `job(engine)` -> response (a message with a `timings` field), on the event loop for the RPCs in
         `inline_rpcs` when the engine is idle, on the engine thread otherwise; fills in timings.total_s, records
         metrics, and turns exceptions into gRPC statuses."""
-        return await self._answer(rpc, context, forward, lambda: self.execute(rpc, job))
-
-    async def call_batched(
-        self, rpc: str, context: grpc.aio.ServicerContext, item: Any, batch: Batch[E], forward: bool = False
-    ) -> Any:
-        """call() for a call that may share one engine step with others of its kind: the item joins `batch`, whose
-        run answers every item waiting together (see Batch); the status, timings and metrics stay the call's own."""
-        return await self._answer(rpc, context, forward, lambda: batch.submit(self, item))
+        return await self.answer(rpc, context, forward, lambda: self.execute(rpc, job))
 
     def runs_inline(self, rpc: str) -> bool:
         """Whether execute(rpc, ...) would run its job on the loop now, without waiting for the engine thread."""
@@ -216,7 +206,7 @@ class EngineHost(Generic[E]):
                 self._lock.release()
         return await self.run(job, self.engine)
 
-    async def _answer(
+    async def answer(
         self, rpc: str, context: grpc.aio.ServicerContext, forward: bool, respond: Callable[[], Awaitable[Any]]
     ) -> Any:
         start = time.perf_counter()

@@ -6,8 +6,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ddtree.timing import DeferredTimings
-from ddtree.types import DraftTree, SamplingParams, StepResult
+from runtime.timing import DeferredTimings
+from protos.types import DraftTree, SamplingParams, StepResult
 from draft_server.drafter import DraftEngine
 from draft_server.session import DraftResult
 from verify_server.queued_rounds import PendingRound

@@ -29,9 +29,10 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from ddtree.demo import corpus as corpus_lib
-from ddtree.demo.data import cached_tokens, eval_windows, sample_batch
-from ddtree.demo.tokenizer import (DEFAULT_VOCAB_SIZE, ENDOFTEXT, IM_END, load_tokenizer, padded_vocab_size,
+from training.demo import corpus as corpus_lib
+from training.demo.data import cached_tokens, eval_windows, sample_batch
+from runtime.models import load_tokenizer
+from training.demo.tokenizer import (DEFAULT_VOCAB_SIZE, ENDOFTEXT, IM_END, padded_vocab_size,
                                    save_tokenizer, train_tokenizer)
 
 CHECKPOINT_FILE = "checkpoint.pt"

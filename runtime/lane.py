@@ -42,7 +42,7 @@ _FIRST_BUFFER_BYTES = 1 << 16
 _KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
 
 class RequestParser(Protocol):
-    """What reads a lane's requests: a message class, or any class with its FromString (protos/relay.py
+    """What reads a lane's requests: a message class, or any class with its FromString (runtime/relay.py
     AppendCall), which may raise DecodeError."""
 
     def FromString(self, payload: memoryview) -> Any: ...  # noqa: N802 - protobuf's name

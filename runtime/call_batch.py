@@ -1,7 +1,7 @@
 """Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
 rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
 (draft_server/draft_batch.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
-service's requests, each parsed and answered on its own. The engine host they run on: ddtree/service.py.
+service's requests, each parsed and answered on its own. The engine host they run on: runtime/service.py.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Generic
 
+import grpc
+
 from prometheus_client import Histogram
 
-from ddtree.service import E, EngineHost
+from runtime.service import E, EngineHost
 
 
 def run_checked(
@@ -58,6 +60,13 @@ class Batch(Generic[E]):
         self._waiting: list[tuple[Any, asyncio.Future]] = []
         self._runner: asyncio.Task | None = None
         self._leading = False  # a call waits its turn of the loop before it runs the calls waiting
+
+    async def call(
+        self, host: EngineHost[E], rpc: str, context: grpc.aio.ServicerContext, item: Any, forward: bool = False
+    ) -> Any:
+        """host.call() for a call that may share one engine step with others of its kind: the item joins this batch,
+        whose run answers every item waiting together; the status, timings and metrics stay the call's own."""
+        return await host.answer(rpc, context, forward, lambda: self.submit(host, item))
 
     async def submit(self, host: EngineHost[E], item: Any) -> Any:
         if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop

@@ -1,7 +1,7 @@
 """The process around a model service (`ddtree draft`, `ddtree verify`): its event loop (busy-polling,
-ddtree/event_loop.py), the gRPC server with health and reflection, the round lane beside it (protos/lane.py), the
+runtime/event_loop.py), the gRPC server with health and reflection, the round lane beside it (runtime/lane.py), the
 metrics endpoint, loading and warming up the engine before SERVING, and a graceful stop on SIGINT/SIGTERM. The
-engine and the calls' bookkeeping live in ddtree/service.py.
+engine and the calls' bookkeeping live in runtime/service.py.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from ddtree import event_loop
-from ddtree.event_loop import busy_poll_seconds
-from ddtree.heap import freeze_startup_heap, keep_large_allocations, watch_collector
-from ddtree.service import E, EngineHost
-from ddtree.service_config import ServiceConfig
-from protos.lane import LaneServer, Route
+from runtime import event_loop
+from runtime.event_loop import busy_poll_seconds
+from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
+from runtime.service import E, EngineHost
+from runtime.config import ServiceConfig
+from runtime.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ async def serve(
 ) -> None:
     """Listens at once (health NOT_SERVING, calls UNAVAILABLE), loads and warms up the engine, then serves
     (health SERVING) until SIGINT/SIGTERM, then drains in-flight calls for `shutdown_grace` seconds.
-    `lane_routes`: the calls the round lane serves (protos/lane.py), unless config.lane_port is -1.
+    `lane_routes`: the calls the round lane serves (runtime/lane.py), unless config.lane_port is -1.
     `alive(engine)`, polled every second while serving, ends the service (NOT_SERVING, then exit) when False."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

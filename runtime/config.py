@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddtree.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us, check_keep_warm_us
+from runtime.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us, check_keep_warm_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1, which is also the default: a prompt's features travel whole, verifier ->

@@ -46,7 +46,7 @@ class PinnedReadback:
         """src (this buffer's dtype, at most capacity elements) -> (where a kernel is to store it: the buffer's head
         as the device sees it, the host view off a GPU; the host view of src's shape, which holds src once the
         queued store has run). The caller queues the store with the round's other copies
-        (ddtree.device_copies.copy_together: a multi-tensor kernel's stores, no copy engine)."""
+        (kernels.device_copies.copy_together: a multi-tensor kernel's stores, no copy engine)."""
         views = self._targets.get(src.shape)
         if views is None:
             n = src.numel()

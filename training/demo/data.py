@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from ddtree.demo.corpus import read_jsonl
-from ddtree.demo.tokenizer import ENDOFTEXT
+from training.demo.corpus import read_jsonl
+from training.demo.tokenizer import ENDOFTEXT
 
 ENCODE_CHUNK = 1024  # records per tokenizer call: big enough for its Rust threads, small enough for tqdm
 

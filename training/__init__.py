@@ -1,0 +1,2 @@
+"""Training, apart from the services: the demo target (train-target), the drafter's distilled corpus
+(distill-corpus) and the DFlash drafter (train-drafter), with the acceptance walk that evaluates it."""
