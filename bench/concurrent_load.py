@@ -3,7 +3,7 @@ number of clients grows (e.g. two `ddtree serve` stacks on one GPU, one with `--
 
     python bench/concurrent_load.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8021 \
         --verifier-metrics http://127.0.0.1:9472,http://127.0.0.1:9482 --clients 1,2,4,8 \
-        --requests-per-client 3 --max-tokens 64 --out results/concurrent_load.json
+        --requests-per-client 3 --max-tokens 64 --out concurrent_load.json
 
 At each client count the gateways take turns (the order alternating), so both see the same machine state. Each
 client sends its requests one after another (greedy unless --temperature, the given speculation mode, a fresh
@@ -12,8 +12,8 @@ time, the median and worst request latency (every latency, in the order the requ
 with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
 (ddtree_verify_batch_size) and its forwards per second; with --drafter-metrics, the drafter's mean blocks a forward
 (ddtree_draft_batch_size). The JSON also holds each level's mean time a round spent in each phase, from the gateway's
-own metrics (ddtree_round_phase_seconds: draft, tree, verify, walk, server, transport, relay), which shows which side a change
-moved (e.g. drafts batched: whether the draft phase grew).
+own metrics (ddtree_round_phase_seconds: draft, tree, verify, walk, server, transport, relay), which shows which side a
+setting moves (e.g. with `--draft-max-batch`: whether the draft phase grows).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ context, then times verify(tree of 16 and 64 nodes) and decode (a root-only tree
 calls with the device synchronised. Prints one JSON line; the ratios verify/AR are the figures to compare.
 
     python bench/hybrid_cost.py --layers 8 --device cuda
+    python bench/hybrid_cost.py --layers 16 --tp 2 --device cuda   # sharded over cuda:0 and cuda:1
     python bench/hybrid_cost.py --tiny --device cpu        # argument / import sanity only
 """
 

@@ -2,7 +2,7 @@
 gateway (e.g. two gateways in front of the same services, one with `--prefill-chunk 0`, one chunked).
 
     python bench/long_prompt_ttft.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8012 \
-        --lengths 1800,7000 --repeat 3 --max-tokens 8 --out results/long_prompt_ttft.json
+        --lengths 1800,7000 --repeat 3 --max-tokens 8 --out long_prompt_ttft.json
 
 Requests alternate between the gateways (one at a time, greedy, ddtree mode), so both see the same machine
 state. Each prompt is a fresh text (no prefix in common with the last: nothing cached could help) of about
@@ -53,7 +53,7 @@ def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
     usage = reply.json()["usage"]
     after = read_counters(url)
     # where the rounds' time went (gateway/metrics.py PHASES; the first draft's wait for the relayed features is
-    # `relay`, in the transport before the end of the nineteenth session) and how many rounds drafted
+    # `relay`) and how many rounds drafted
     rounds = {name: after[name] - before[name] for name in after if name.startswith("phase[")}
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "first_s": after[TTFT] - before[TTFT], "last_s": last, "rounds_s": rounds,

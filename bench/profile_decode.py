@@ -2,7 +2,7 @@
 between a step and the weight-streaming bound.
 
 Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64] [--compile] [--attention grouped] [--eager]
-TARGET: a model directory, or random:<shape> (ddtree/cost_curve.py SHAPES, e.g. random:qwen3-8b).
+TARGET: a model directory, or random:<shape> (runtime/shapes.py SHAPES, e.g. random:qwen3-8b).
 """
 
 from __future__ import annotations

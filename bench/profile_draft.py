@@ -5,7 +5,7 @@ A draft call is what the drafter service runs per round: the context append of a
 block forward and the tree build, on the static path (CUDA graphs), compiled or not.
 
 Usage: python bench/profile_draft.py [SHAPE] [--budgets 15,63] [--compile] [--accepted 4]
-SHAPE: a ddtree/cost_curve.py SHAPES name (default qwen3-8b): random weights at the published DFlash drafter's shape.
+SHAPE: a runtime/shapes.py SHAPES name (default qwen3-8b): random weights at the published DFlash drafter's shape.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from ddtree.cost_curve import copy_bandwidth, random_drafter
 from runtime.shapes import SHAPES
 from runtime.timing import profiled_calls
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.session import DraftSession
 
 

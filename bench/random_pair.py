@@ -1,6 +1,6 @@
-"""Writes an architecture-true model pair with seeded random weights at a cost-curve shape (ddtree/cost_curve.py
+"""Writes an architecture-true model pair with seeded random weights at a cost-curve shape (runtime/shapes.py
 SHAPES), as directories the services load like any other: a Qwen3 target (HF format, the demo target's tokenizer
-and chat template copied in, so a gateway or the probe can tokenize) and a DFlash drafter (published format).
+and chat template copied in, so a gateway can tokenize) and a DFlash drafter (published format).
 
     python bench/random_pair.py qwen3-8b /tmp/pair [--device cuda]   # -> /tmp/pair/target, /tmp/pair/drafter
 

@@ -3,7 +3,7 @@
     python bench/tp_equality.py TARGET DRAFTER --out OUT_JSON [--tp 2] [--dtype bfloat16] [--prompts 8] [--device cuda]
         the benchmark prompts through the full round loop, all modes
     python bench/tp_equality.py --random qwen3-8b --out OUT_JSON [--tp 2] [--prompts 8]
-        a random-weight target at real shapes (ddtree.cost_curve): the same prompts and the same random draft trees
+        a random-weight target at real shapes (runtime/shapes.py): the same prompts and the same random draft trees
         verified at TP=1 and TP=N; reports identical sequences and where the first divergence falls
 """
 
@@ -78,7 +78,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--random", metavar="SHAPE", help="random-weight target at these shapes instead of TARGET")
     ap.add_argument("--rounds", type=int, default=32, help="verify rounds per prompt (--random)")
     ap.add_argument("target", nargs="?", help="target directory (not with --random)")

@@ -1,12 +1,12 @@
 """Where the verifier's start-up goes: loading, the warm-up's forwards (compiles) and its graph captures, with the
 time and the Dynamo compiles (torch._dynamo counters: frames captured, unique graphs) of each capture stage
 (capture_rounds, capture_prompts, timed by wrapping them for this run). Loads and warms up the engine as the
-service does (verify_server.server.load_engine, warm_up). Compare revisions with fresh compile caches each
-(TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), one after the other; TORCH_LOGS=recompiles says why each recompile was
-needed.
+service does (verify_server.server.load_engine, warm_up). Point TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR at empty
+directories for a cold start (a fresh machine), then run again with the same ones for a warm start (what the compose
+file's compile-cache volume gives a restarted service); TORCH_LOGS=recompiles says why each recompile was needed.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/ic TRITON_CACHE_DIR=/tmp/tc python bench/warm_up_time.py --device cuda
-        [--target DIR --drafter DIR] [--sessions 4] [--out results/warm_up_time.json]
+        [--target DIR --drafter DIR] [--sessions 4] [--out warm_up_time.json]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ by() {
 stamp() { echo "train.sh: $1 done at ${SECONDS}s" >> "$2"; }
 export TQDM_MININTERVAL=5  # a progress line every 5 s: the logs keep the speed without one line per step
 
-# Target: the 7 M-token corpus is memorised long before a long schedule ends (the previous 600-step run:
+# Target: the 7 M-token corpus is memorised long before a long schedule ends (a 600-step run:
 # held-out loss 2.99 at step 250, 3.22 at 600), and a memorising target answers training prompts by rote but
 # held-out ones not, so its drafter would learn behaviour it never meets. 300 steps, evaluated every 25, and the
 # weights with the lowest held-out loss are the ones exported.
