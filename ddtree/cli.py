@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train-target": "training.demo.train_target",
     "train-drafter": "training.train_drafter",
     "distill-corpus": "training.distill",
+    "embed-pair": "training.embed_pair",
     "draft": "draft_server.server",
     "verify": "verify_server.server",
     "gateway": "gateway.cli",
