@@ -1,4 +1,5 @@
-"""Tree attention for several sessions' trees in one launch: the verifier's batched rounds (verify_server/batch.py).
+"""Tree attention for several sessions' trees in one launch: the verifier's batched rounds
+(verify_server/tree_batch.py).
 
 Each tree attends over its own session's cache slot, and slots are separate tensors of different capacities. The
 kernels therefore take each slot's K and V base addresses, and its head stride, from small tables on the device
@@ -7,7 +8,7 @@ attends every tree's rows over its own keys, with the same flash-decoding body a
 rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
 and it sees nothing past them. write_slot_rows writes rows into a slot found the same way, for graphs that serve
 every slot (the drafter's context appends, the verifier's prompts). A CUDA-only fast path, as flash_tree's: CPU runs
-take verify_server/batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
+take verify_server/tree_batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if triton is not None:
             return
         # Addresses and strides read from memory carry no alignment for the compiler: told (slots are whole
         # allocations, their planes multiples of D rows), it vectorises the key loads as for a pointer argument;
-        # without, the kernel ran 2.5x flash_tree's for a 64-row tree at Qwen3-8B shapes (H200)
+        # without, the key loads go element by element and the kernel falls far behind flash_tree's
         K = tl.multiple_of(tl.load(KBase + b).to(tl.pointer_type(Q.dtype.element_ty)), 16)
         V = tl.multiple_of(tl.load(VBase + b).to(tl.pointer_type(Q.dtype.element_ty)), 16)
         stride_kh = tl.multiple_of(tl.load(HeadStride + b), 16)

@@ -6,9 +6,9 @@ Engines are not thread-safe and their model work blocks. Loading, the TTL sweep,
 calls run on one single-thread executor, so the event loop stays free for health checks and new calls while they
 last. The per-round steps (Draft, Verify, Decode: milliseconds each, the whole of a round's critical path) run on
 the event loop itself whenever the engine is idle: a hand-off to the engine thread and back costs two thread
-wake-ups per call (~0.3 ms per call on a busy 2-core host, a sixth of a round's overhead through the services). One
-lock keeps engine calls one at a time whichever thread makes them; when the engine thread holds it or has work
-queued, a step queues behind that work as before. Engines whose steps wait on other processes (tensor parallel)
+wake-ups per call, a large share of a round's overhead through the services on a busy host. One lock keeps
+engine calls one at a time whichever thread makes them; when the engine thread holds it or has work queued, a step
+queues behind that work on the engine thread. Engines whose steps wait on other processes (tensor parallel)
 keep every step on the engine thread, so the loop can still notice a dead rank.
 
 The session table is the engine's own `sessions` dict, so a session lives in exactly one place; the session
@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import grpc
 import torch
@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 log = logging.getLogger(__name__)
 
 MAX_SESSION_ID_CHARS = 128
-# Forward and RPC times span ~1 ms (a GPU decode step) to seconds (a long CPU prefill).
+# Forward and RPC times span a millisecond (a GPU decode step) to seconds (a long CPU prefill).
 _SECONDS_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 
 
@@ -71,6 +71,14 @@ class Engine(Protocol):
     sessions: dict[str, Session]
 
     def end_session(self, session_id: str) -> bool: ...
+
+
+@runtime_checkable
+class ShardedEngine(Protocol):
+    """An engine whose steps wait on other processes (a target sharded over tensor-parallel ranks)."""
+
+    def alive(self) -> bool:
+        """False once any of those processes has died: the service must stop answering, not hang."""
 
 
 E = TypeVar("E", bound=Engine)
@@ -149,25 +157,9 @@ class EngineHost(Generic[E]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = threading.Lock()  # held by whichever thread is running the engine
         self._queued = 0  # engine-thread jobs submitted and not yet answered (counted on the event loop)
-        # the last round call's host-only steps and their messages, kept only while a polling loop rehearses them
-        self.rehearsing = False
-        self._rehearsal: tuple[Callable[..., None], tuple[Any, ...]] | None = None
         # Computed when scraped, from a snapshot of the session table (a C-level copy, atomic under the GIL).
         metrics.active_sessions.set_function(lambda: len(self._sessions()))
         metrics.cache_bytes.set_function(lambda: sum(self._session_bytes(s) for s in self._sessions()))
-
-    def remember(self, steps: Callable[..., None], *messages: Any) -> None:
-        """The last round call's host-only steps (parsing and encoding its own messages: no engine, no device)
-        and those messages, which rehearse() runs again; nothing is kept unless rehearsals are on."""
-        if self.rehearsing:
-            self._rehearsal = (steps, messages)
-
-    def rehearse(self) -> None:
-        """Runs the last round call's host-only steps again, so that the next call finds their code and data in
-        the CPU's caches (a busy-polling loop calls this while it waits: runtime/event_loop.py, keep_warm)."""
-        if self._rehearsal is not None:
-            steps, messages = self._rehearsal
-            steps(*messages)
 
     def _sessions(self) -> list[Any]:
         engine = self.engine
@@ -246,7 +238,7 @@ class EngineHost(Generic[E]):
         """Loads and warms up the engine on the engine thread; calls are served only afterwards."""
         engine = await self.run(load)
         await self.run(warm_up, engine)
-        if getattr(engine, "alive", None) is not None:
+        if isinstance(engine, ShardedEngine):
             # Tensor parallel: a step waits on the other ranks. On the engine thread, a rank that dies mid-step
             # hangs that thread only, and the loop still notices (serve's `alive`) and stops the service.
             self.inline_rpcs = frozenset()

@@ -9,10 +9,11 @@ import torch
 
 from kernels.readback import PinnedReadback
 from protos.types import DraftTree, SamplingParams
-from verify_server.batch import BatchBuffers, BatchTree, slot_addresses
-from verify_server.kv_cache import KVCache
+from verify_server.kv_cache import KVCache, slot_addresses
 from verify_server.queued_rounds import MAX_IN_FLIGHT, QueuedRounds
 from verify_server.session import VerifySession
+from verify_server.step_inputs import BatchBuffers
+from verify_server.tree_batch import BatchTree
 
 WIDTH = 8  # taps * hidden of the path features
 
@@ -27,9 +28,9 @@ def test_a_chained_rounds_outcome_is_kept_in_its_ring_slot_and_each_round_copies
     # a graph's outputs: rewritten in place by each replay
     packed, cursor = torch.zeros(18, dtype=torch.long), torch.zeros(2, dtype=torch.long)
     features = torch.zeros(16, WIDTH)
-    engine, kept = QueuedRounds(), {}
+    kept = {}
     for round_ in range(6):
-        ring = engine._next_ring(sess)  # as a launch takes it: round after round, the ring's slots in turn
+        ring = sess.next_ring()  # as a launch takes it: round after round, the ring's slots in turn
         assert ring == round_ % MAX_IN_FLIGHT
         packed.fill_(round_)
         cursor.copy_(torch.tensor([10 + round_, 100 + round_]))
@@ -43,7 +44,7 @@ def test_a_chained_rounds_outcome_is_kept_in_its_ring_slot_and_each_round_copies
     assert len(sess.chained_copies._memo) == MAX_IN_FLIGHT  # one set of copies a ring slot, made on its first round
     assert kept[0][0].data_ptr() != kept[1][0].data_ptr()  # the round in flight keeps its outcome
     # a path of another length (a fallback to AR steps: one row) gets buffers of its own, and is copied right
-    ring = engine._next_ring(sess)
+    ring = sess.next_ring()
     kept_features, kept_cursor = QueuedRounds._keep_chained(sess, ring, readback[ring].target(packed)[0], packed,
                                                             cursor, features, 1)
     assert kept_features.shape == (1, WIDTH) and torch.equal(kept_features, features[:1])

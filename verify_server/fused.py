@@ -29,10 +29,10 @@ from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
 from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH
 
 if TYPE_CHECKING:
-    from verify_server.batch import TreeBatch
+    from verify_server.tree_batch import TreeBatch
 
 FUSED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
-INITIAL_ROPE_ROWS = 32768  # the demo pair's whole range (2048), as measured in bench/README.md
+INITIAL_ROPE_ROWS = 32768  # the table's first size: the contexts most sessions stay within
 
 
 def fused_unsupported(config: PretrainedConfig) -> str | None:
@@ -55,10 +55,8 @@ def head_logits(
     hidden: torch.Tensor, norm_weight: torch.Tensor, lm_head: torch.Tensor, eps: float, fused_rows: int
 ) -> torch.Tensor:
     """The last layer's output [n, hidden] -> fp32 logits [n, vocab]: the final norm, folded into the lm_head's
-    GEMV at one row where the fused projections run. Not in the rows kernel: over a vocabulary's many columns
-    it lost to cuBLAS with the compiled norm (demo, 64 rows: 11.8 against 5.0 us; 16 rows: 4.0 against 4.2;
-    one row, GEMV against the eager norm and cuBLAS: demo 4.2 against 15.9 us, Qwen3-8B 283 against 310;
-    bench/results/gemv_tune_*lm_head*)."""
+    GEMV at one row where the fused projections run (faster there than the norm and cuBLAS apart). Not in the
+    rows kernel: over a vocabulary's many columns, cuBLAS with the compiled norm is as fast or faster."""
     return normed_linear(hidden, lm_head, norm_weight, eps, min(fused_rows, 1)).float()
 
 

@@ -94,7 +94,7 @@ def layer_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's attention inputs from hidden [q, hidden]: q [q, heads, d], k and v [q, kv_heads, d], q and k normed
     (Qwen3) and rotated. q's and k's heads are normed and rotated as one tensor (each head by its own weight, the
-    same arithmetic as apart): compiled, one kernel a layer where q and k took one each."""
+    same arithmetic as apart): compiled, one kernel a layer where q and k apart take one each."""
     q_len, d, heads = hidden.shape[0], shape.head_dim, shape.heads
     qkv = normed_linear(hidden, layer.qkv, layer.input_norm, shape.eps, fused_rows, layer.qkv_bias)
     qk_width = (heads + shape.kv_heads) * d
@@ -139,7 +139,7 @@ def decoder_layer(
     fused_rows: int = 0,
 ) -> torch.Tensor:
     """One decoder layer on hidden [q, hidden]: writes the new K/V into keys/values [kv_heads, rows, d] (a cache
-    slot's whole rows: under torch.compile, a slice of them written in place was copied whole for the attention)
+    slot's whole rows: under torch.compile, a slice of them written in place is copied whole for the attention)
     at `slots` [q], attends over their first kv_len rows under `mask` (a dense mask, or None: causal over the new
     tokens), returns the layer's output [q, hidden]. fused_rows: a step of up to this many
     rows runs its projections, with the norms, the SiLU gate and the residual adds folded in, as kernels.gemv's
@@ -163,7 +163,7 @@ def head_norms(
 
 def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
     """decoder_layer for a prompt (mask None, attention 'sdpa'). A function of its own, because a compiled
-    function's recompile limit counts per function: with the tree steps' it went past the limit of 8 (a step of
+    function's recompile limit (8) counts per function: with the tree steps' it would pass the limit (a step of
     each kind at up to the fused row limit and beyond, static first, then symbolic)."""
     return decoder_layer(*args, **kwargs)
 
@@ -171,5 +171,5 @@ def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
 def chunk_layer(*args: object, **kwargs: object) -> torch.Tensor:
     """decoder_layer for a later chunk of a prompt (attention CHUNK), apart from prompt_layer for the same reason:
     together, each kind at up to the fused row limit and beyond, over the slots' size classes and the prompt
-    scratch, went past the limit on a GPU (tests/test_warm_up.py, serving after the warm-up)."""
+    scratch, pass the limit on a GPU (tests/test_warm_up.py: no step compiles after the warm-up)."""
     return decoder_layer(*args, **kwargs)

@@ -4,21 +4,19 @@ Caches are not allocated per session but taken from a pool of slots (power-of-tw
 session ends; at most max_sessions of them, a new size class taking a free slot's place once all exist). A round's
 tree is padded to a query bucket and its inputs (the tree's three arrays, three scalars and its slot's addresses)
 are copied into that bucket's static buffer in one copy; the graph derives ids, positions and the padding from them
-and finds the slot by its address (a lone round is a batch of one: verify_server/batch_runner.py, BatchSteps), so a
-graph is captured the first time a (trees, query bucket, key bucket) shape is met, whatever slots replay it later;
-the key bucket keeps attention proportional to the context rather than to the slot. A tree smaller than its bucket
-is padded with children of the root that are never accepted, whose K/V land in the slot's spare tail and are never
+and finds the slot by its address (a lone round is a batch of one: verify_server/tree_steps.py), so a graph is
+captured the first time a (trees, query bucket, key bucket) shape is met, whatever slots replay it later; the key
+bucket keeps attention proportional to the context rather than to the slot. A tree smaller than its bucket is
+padded with children of the root that are never accepted, whose K/V land in the slot's spare tail and are never
 committed. A prompt of 2 to MAX_GRAPH_NODES tokens is prefilled from a graph captured per (slot, prompt bucket),
-through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its few hundred
-launches were most of a short request's time outside its rounds. Longer prompts (bound by their matmuls, where the
-graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix too) take the
-same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest bucket, run the
+through the configured (compiled) layers with SDPA's causal attention: uncaptured and uncompiled, its hundreds of
+launches would be most of a short request's time outside its rounds. Longer prompts (bound by their matmuls, where
+the graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix too) take
+the same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest bucket, run the
 forward eagerly.
 """
 
 from __future__ import annotations
-
-from collections.abc import Hashable
 
 import torch
 from transformers import PreTrainedModel
@@ -28,18 +26,20 @@ from kernels.flash_batch import compile_batch_plans
 from kernels.flash_tree import flash_supported
 from kernels.gemv import default_fused_rows, gemv_supported
 from protos.types import DraftTree
-from verify_server.batch import BatchBuffers, BatchTree, slot_addresses
-from verify_server.batch_runner import BatchSteps
 from verify_server.fused import FusedDecoder, embed_tokens
-from verify_server.kv_cache import KVCache
+from verify_server.kv_cache import KVCache, slot_addresses
 from verify_server.step_attention import FLASH, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, StepBuffers, TreeInputs, bucket, greedy_outcome, prompt_step,
-    size_class, unpack_step,
+    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step, size_class,
 )
+from verify_server.tree_batch import BatchTree, TreeBatch
+from verify_server.tree_steps import GreedyOutputs, TreeSteps
 
 
-class FusedRunner(BatchSteps):
+class FusedRunner:
+    """The fused decoder's steps over a pool of cache slots: prompts, and trees of one or several sessions (its
+    TreeSteps), static and captured where graphs run (see the module docstring)."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -62,44 +62,32 @@ class FusedRunner(BatchSteps):
         self.max_keys = size_class(model.config.max_position_embeddings + MAX_GRAPH_NODES) + MAX_GRAPH_NODES
         self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache, self._evict)
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
-        self._buffers: dict[int, StepBuffers] = {}  # prompt bucket -> static inputs
-        self._batch_buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
-        self._scratch: KVCache | None = None  # where a batch's filler trees write
+        self._buffers: dict[int, PromptBuffers] = {}  # prompt bucket -> static inputs
         self._prompt_scratch: KVCache | None = None  # where a prompt by address attends (_prompt)
         self._zero: torch.Tensor | None = None
         self.max_batch = max_batch
+        self.trees = TreeSteps(self.decoder, self.max_keys, self._new_cache, self._slot_key)
         self.configure(graphs, compile, attention, fused_rows)
 
     def configure(
         self, graphs: bool, compile: bool = False, attention: str | None = None, fused_rows: int | None = None
     ) -> None:
         """(Re)sets how bucketed steps run; graphs captured before are dropped (benchmarks compare the variants
-        on one loaded model). attention None: the fastest measured for the few queries of a decode or a tree
-        (bench/README.md, H200): flash-decoding over the tree (kernels/flash_tree.py's body over each tree's slot
-        by address, kernels/flash_batch.py; 2 kernels a layer, the K/V write included, where the matmul form ran
-        5, ~6 against ~21 us at 8B shapes uncompiled; compiled, on the demo pair, 6-11% more tokens/s in every
-        mode) where it runs, compiled or not. (The compiler fuses the matmul form to about
-        flash's speed over a short context, 5.67 ms against 5.73 a Qwen3-8B AR step, but its [q, kv] scores grow
-        with the context: over a 16.5k-token one, a 32-node tree's attention took 179 us a layer against 74.)
-        Else the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:
-        BatchSteps._prepare_batch). fused_rows: steps of up to this many rows run their projections as
-        kernels/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
-        default_fused_rows."""
+        on one loaded model). attention None: flash-decoding over the tree where it runs, compiled or not
+        (kernels/flash_batch.py: each tree's keys read from its slot by address, the K/V write in the same launch;
+        fewer kernels a layer than the matmul form, and no [q, kv] scores tensor that grows with the context). Else
+        the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:
+        TreeSteps._prepare). fused_rows: steps of up to this many rows run their projections as kernels/gemv.py's
+        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
         if attention is None:
             attention = FLASH if flash_supported(self.device, self.decoder.shape.head_dim) else "matmul"
         if fused_rows is None:
             fused_rows = default_fused_rows(hidden)
         self.decoder.set_compiled(compile, attention, fused_rows if gemv_supported(self.device) else 0)
-        # around the layers, a round is ~60 small kernels (reading the buffer, the ancestor matrix's doubling
-        # steps, the embedding and RoPE rows, the walk); compiled, they fuse into a few
-        self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
+        self.trees.configure(compile)
         self._unpack_prompt = torch.compile(prompt_step, fullgraph=True) if compile else prompt_step
-        self._outcome = torch.compile(greedy_outcome, fullgraph=True) if compile else greedy_outcome
         self.graphs = GraphPool(self.device, enabled=graphs)
-        # greedy_round's outputs of a replayed graph, as a lone round's: views made once per graph, not a round.
-        # key -> (the graph's packed outputs, (packed, features, cursor) of tree 0)
-        self._lone_outputs: dict[Hashable, tuple[torch.Tensor, tuple]] = {}
         # Padding to buckets over the slot's whole capacity only pays when graphs replay it; tests turn it on for
         # CPU runs so that the captured code path is checked where no GPU is.
         self.static = self.graphs.enabled
@@ -126,6 +114,12 @@ class FusedRunner(BatchSteps):
 
     def release(self, cache: KVCache) -> None:
         self.slots.release(self._slot_of[id(cache)])
+
+    @property
+    def by_address(self) -> bool:
+        """Whether captured steps find their sessions' cache slots by address (TreeSteps.by_address), so that one
+        graph serves every slot."""
+        return self.trees.by_address
 
     def _slot_key(self, key: tuple, cache: KVCache) -> tuple:
         """The key of a graph captured for one slot's cache (its addresses baked in): ends with the slot's tag."""
@@ -203,55 +197,53 @@ class FusedRunner(BatchSteps):
         beyond the largest bucket): run it the general way. The tree may be on the host or the device; `root`
         replaces its root token. `after`: the cursor of a round still in flight, whose outcome gives this round
         its start and root on the device; `start` is then an upper bound (it sizes the key bucket). Every output
-        is rewritten by the next replay of the same graph. The caller tracks the committed length. A batch of
-        one (BatchSteps)."""
-        prepared = self._prepare_batch([BatchTree(cache, tree, root)], after, start)
-        if prepared is None:
-            return None
-        buf, kv_len = prepared
-        key = self._batch_key(buf, kv_len, taps, "batch")
-        packed, features, cursors = self.graphs.run(key, lambda: self._batch_greedy(buf, taps, kv_len))
-        made = self._lone_outputs.get(key)
-        if made is not None and made[0] is packed:  # the same graph's outputs (a dropped key is captured anew)
-            return made[1]
-        lone = packed[0], None if features is None else features[0], cursors[0]
-        if self.graphs.enabled:  # else each call's outputs are new tensors
-            self._lone_outputs[key] = packed, lone
-        return lone
+        is rewritten by the next replay of the same graph. The caller tracks the committed length."""
+        return self.trees.lone_greedy(cache, taps, tree, root, start, after, self.graphs if self.static else None)
 
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs] | None:
         """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
         the tree as the graph read it: ids with the session's root, parents, depths, ancestor matrix [q, q]) for
-        the caller's sampling and walk, all on the device; None as for greedy_round. A batch of one."""
-        scored = self.batch_scores([BatchTree(cache, tree, root)], taps)
-        if scored is None:
-            return None
-        logits, features, xs, _ = scored
-        q = tree.tokens.shape[0]
-        return logits[:q], None if features is None else features[:q], xs[0].head(q)
+        the caller's sampling and walk, all on the device; None as for greedy_round."""
+        return self.trees.lone_scores(cache, taps, tree, root, self.graphs if self.static else None)
 
-    def _buffer(self, qb: int) -> StepBuffers:
+    def batch_forward(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
+        """Several sessions' trees in one uncaptured forward (TreeSteps.forward)."""
+        return self.trees.forward(items, taps)
+
+    def batch_round(self, items: list[BatchTree], taps: tuple[int, ...]) -> GreedyOutputs | None:
+        """Greedy rounds of several sessions in one replay (TreeSteps.greedy); None where not captured."""
+        return self.trees.greedy(items, taps, self.graphs if self.static else None)
+
+    def batch_scores(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], int] | None:
+        """The forward of several sessions' sampled rounds in one replay (TreeSteps.scores); None where not
+        captured."""
+        return self.trees.scores(items, taps, self.graphs if self.static else None)
+
+    def _buffer(self, qb: int) -> PromptBuffers:
         """The static inputs of prompt bucket qb, allocated on first use."""
         buf = self._buffers.get(qb)
         if buf is None:
-            buf = self._buffers[qb] = StepBuffers.allocate(qb, self.device, 2 * self.num_kv_layers + 1)
+            buf = self._buffers[qb] = PromptBuffers.allocate(qb, self.device, 2 * self.num_kv_layers + 1)
         return buf
 
     def _prompt(
-        self, cache: KVCache | None, buf: StepBuffers, taps: tuple[int, ...]
+        self, cache: KVCache | None, buf: PromptBuffers, taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A captured prompt through the configured (compiled) layers, attention by SDPA -> (logits of its last real
         token [1, V] fp32, features [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows
-        past the prompt (its padding, up to the key bucket) stay unseen. (A dense mask cost more: at Qwen3-8B shapes
-        a captured 512-token prefill under it took 28.5 ms where the uncaptured causal one took 25.6; and the
-        uncompiled layers ran ~300 kernels for a 64-token demo prompt, bench/README.md.)
+        past the prompt (its padding, up to the key bucket) stay unseen, and its causal kernel is faster than a
+        dense mask's.
         cache None: into any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend
         in a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose addresses came
         up with the prompt. The scratch has the rows of the smallest slot, so that the compiled layer meets the
-        sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows compiled the
-        layer once more for that bucket)."""
+        sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows would compile
+        the layer once more for that bucket)."""
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         if cache is not None:
             kv_len = key_bucket(buf.qb, cache.capacity)

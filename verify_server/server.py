@@ -16,7 +16,9 @@ import grpc
 from prometheus_client import Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
-from runtime.service import EngineHost, LimitError, ServiceMetrics, check_capacity, check_session_id, streamed
+from runtime.service import (
+    EngineHost, LimitError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
+)
 from runtime.config import MAX_MESSAGE_BYTES
 from runtime.process import run_service, serve
 from protos.types import DraftTree, VerifierInfo
@@ -86,9 +88,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call("TakeFeatures", context, take)
 
     async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        response = await self.rounds.call(self.host, "Verify", context, request, forward=True)
-        self.host.remember(self._rehearse_verify, request, response)
-        return response
+        return await self.rounds.call(self.host, "Verify", context, request, forward=True)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         return await self.rounds.call(self.host, "Decode", context, request, forward=True)
@@ -172,14 +172,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _tree_limits(self, engine: VerifyEngine) -> TreeLimits:
         return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
 
-    def _rehearse_verify(self, request: pb.VerifyRequest, response: pb.StepResponse) -> None:
-        """A Verify call's host-only steps on its own messages, nothing kept (--keep-warm-us): the request's parse,
-        its tree's decoding and checks (against its own root), the answer's encoding."""
-        pb.VerifyRequest.FromString(request.SerializeToString())
-        tree = tensors.tree_from_pb(request.tree)
-        check_tree(tree, int(tree.tokens[0]), self._tree_limits(self.host.engine))
-        response.SerializeToString()
-
 
 def kv_cache_bytes(session: VerifySession) -> int:
     """K/V plus, on hybrid targets, the linear-attention layers' recurrent state: all a session holds."""
@@ -234,8 +226,7 @@ async def run_server(config: VerifyServerConfig) -> None:
 
 def ranks_alive(engine: VerifyEngine) -> bool:
     """Under tensor parallelism a dead rank would hang every collective: the service must stop serving."""
-    alive = getattr(engine, "alive", None)
-    return alive is None or alive()
+    return not isinstance(engine, ShardedEngine) or engine.alive()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

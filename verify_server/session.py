@@ -19,6 +19,12 @@ from runtime.timing import StepTimer
 from verify_server.kv_cache import KVCache
 from verify_server.state_cache import StateCache
 
+# Rounds of one session queued and not yet collected, at most: the one the host waits for and the next. Also the
+# size of a session's ring of per-round buffers (readbacks, path features, a chained round's kept outcome): the
+# round after next reuses a round's, by which time its caller has read, or sent, them.
+MAX_IN_FLIGHT = 2
+
+
 class SessionError(ValueError):
     """A request that does not fit the session's state (unknown id, cache full, wrong order of calls)."""
 
@@ -77,3 +83,34 @@ class VerifySession:
     # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
     # on the host (pinned on a GPU, with the event that marks their copy done; None on a CPU)
     kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
+
+    def check_room(self, start: int, new_tokens: int) -> None:
+        """CapacityError unless a step writing new_tokens slots from slot `start` fits the session's capacity."""
+        if start + new_tokens > self.capacity:
+            raise CapacityError(
+                f"session needs {start + new_tokens} KV slots but was started with capacity {self.capacity}"
+            )
+
+    def next_ring(self) -> int:
+        """The ring slot of the round being queued, for its readback, its features' host rows and a chained
+        round's kept outcome (MAX_IN_FLIGHT)."""
+        if not self.host_features:
+            self.host_features = [None] * MAX_IN_FLIGHT
+            self.chained = [None] * MAX_IN_FLIGHT
+        ring = self.queued % MAX_IN_FLIGHT
+        self.queued += 1
+        return ring
+
+    def kept_rows(self, ring: int, rows: torch.Tensor, host_features: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a round's path features rows [n, taps*hidden] (a graph's output, which its next replay rewrites,
+        or an uncaptured round's) are kept in memory of their own -> (the destination for the caller's copy,
+        device_copies.copy_together with the round's others; the rows as kept): the host rows of ring slot `ring`
+        (host_features), or new device memory."""
+        if not host_features:
+            kept = torch.empty_like(rows)
+            return kept, kept
+        # grown on need, not allocated a round: the rows stay valid until the round after next
+        buf = self.host_features[ring]
+        if buf is None or buf.capacity < rows.numel() or buf.host.dtype != rows.dtype:
+            buf = self.host_features[ring] = PinnedReadback(rows.numel(), rows.dtype, rows.device)
+        return buf.target(rows)

@@ -1,7 +1,7 @@
 """Attention for the fused decoder's steps: what a step's new tokens see (a tree's [q, q] ancestor matrix after its
 start row, expanded into a dense mask over the cache) and the kernels that take it, one contract each
-(ATTENTION_CHOICES; measured against each other in bench/README.md; FLASH, the default on a GPU, reads the start row
-and the tree instead of a mask: verify_server/batch.py)."""
+(ATTENTION_CHOICES, for benchmarks to compare; FLASH, the default on a GPU, reads the start row and the tree instead
+of a mask: verify_server/tree_batch.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 def chunk_mask(q: int, kv_len: int) -> CausalBias:
     """What a prompt chunk after the first sees: every committed slot and the chunk causally, i.e. causal attention
     aligned to the last key (the chunk's q queries are the last of kv_len rows). A dense [q, kv_len] mask would
-    send SDPA to its math kernel, which holds the [heads, q, kv_len] scores (4 GiB a layer for a 2048-token chunk
-    of Qwen3-8B at 16k tokens); this bias runs the flash (or memory-efficient) kernel's own lower-right causal
+    send SDPA to its math kernel, which holds the [heads, q, kv_len] scores (gigabytes a layer for a long chunk of
+    a large target over a long context); this bias runs the flash (or memory-efficient) kernel's own lower-right causal
     variant on a GPU, and materialises only on a CPU."""
     return causal_lower_right(q, kv_len)
 

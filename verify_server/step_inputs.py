@@ -1,20 +1,24 @@
-"""What a captured verify step reads: the query buckets a step is padded to, a prompt's static input buffer (a
-tree's are verify_server/batch.py's BatchBuffers), and the functions that unpack a step's inputs inside the graph
-(a tree's ids, parents, depths, positions and ancestor matrix, or a prompt's ids; with the embedding and RoPE rows)
-and read the greedy outcome. verify_server/fused_runner.py and batch_runner.py capture and replay the steps around
-them.
+"""What a captured verify step reads: the query buckets a step is padded to, the static input buffers rewritten
+before each replay (a batch of trees': BatchBuffers, a lone round being a batch of one; a prompt's: PromptBuffers),
+and the functions that unpack them inside the graph (a tree's ids, parents, depths, positions and ancestor matrix,
+or a prompt's ids; with the embedding and RoPE rows) and read the greedy outcome. verify_server/fused_runner.py and
+tree_steps.py capture and replay the steps around them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kernels.cuda_graphs import key_bucket
+from kernels.device_copies import CopiesMemo, copy_together
 from protos.types import DraftTree
 from verify_server.fused import embed_tokens
+from verify_server.kv_cache import KVCache, slot_addresses
 from verify_server.tree_attention import ancestor_matrix
+from verify_server.tree_batch import BatchTree
 from verify_server.walk import accept_path
 
 MIN_SLOT_TOKENS = 256
@@ -47,7 +51,7 @@ def size_class(capacity: int) -> int:
 
 
 @dataclass
-class StepBuffers:
+class PromptBuffers:
     """A prompt bucket's static inputs, rewritten before each replay in one copy: the prompt's tokens in the first
     row, then start (0), num (its length) and its first token, in a tree step's layout (BatchBuffers' rows), from
     which the graph derives ids, positions and the padding; then, for a graph that finds the slot by address, the
@@ -64,7 +68,7 @@ class StepBuffers:
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
 
     @classmethod
-    def allocate(cls, qb: int, device: torch.device, columns: int) -> StepBuffers:
+    def allocate(cls, qb: int, device: torch.device, columns: int) -> PromptBuffers:
         inputs = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, device=device)
         staging = torch.zeros(3 * qb + 3 + columns, dtype=torch.long, pin_memory=device.type == "cuda")
         copied = torch.cuda.Event() if device.type == "cuda" else None
@@ -83,7 +87,7 @@ class StepBuffers:
         """The prompt, and the slot's addresses where the graph finds the slot by them."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
-        host = self.staging.numpy()  # numpy item writes cost ~0.1 us where a torch call costs several
+        host = self.staging.numpy()  # numpy item writes: a fraction of a torch call's host time
         host[: len(prompt)] = prompt
         host[3 * self.qb : 3 * self.qb + 3] = (0, len(prompt), prompt[0])
         if addresses is not None:
@@ -91,6 +95,117 @@ class StepBuffers:
         self.inputs.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+
+
+@dataclass
+class BatchBuffers:
+    """The static inputs of a captured batch of B trees in query bucket qb (a lone round is a batch of one),
+    rewritten before each replay in one copy: per tree a row of its tokens, parents and depths (rows of qb; past
+    the tree's real q they hold stale values the graph masks out), then start (the root's slot), num (real nodes)
+    and the root token (rows padded to an even length, so that each starts 16-byte aligned), then the batch's slot
+    table (kv_cache.slot_table). The host side keeps the caches and starts of the batch last written, which only
+    the loop form (no graphs) reads.
+
+    inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
+    counts   [qb + 1] 0, 1, ..., qb on the device: a node count's value, for a chained round's copy (write_after)
+    lone     write_after's destinations, views made once: tree 0's start, num and root [1] each, its slot column
+             [2 * layers + 1] (contiguous where the batch is of one tree, the only one write_after writes), its
+             tokens, parents and depths rows [3, qb]
+    staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
+             queued without a host sync in between, so `copied` marks when the last copy has left it; a rewrite
+             waits for that (long done, in practice)
+    """
+
+    data: torch.Tensor
+    staging: torch.Tensor
+    inputs: torch.Tensor
+    slots: torch.Tensor
+    nodes: torch.Tensor  # [qb] 0, 1, ...: the head of counts
+    counts: torch.Tensor
+    lone: tuple[torch.Tensor, ...]
+    tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
+    copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
+    caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
+    starts: list[int]
+    # write_after's copies by cache, cursor and tree: a chained session's recur round after round (a ring of two
+    # cursors, the drafter graph's tree)
+    after_copies: CopiesMemo = field(default_factory=lambda: CopiesMemo(limit=64))
+
+    @classmethod
+    def allocate(cls, trees: int, qb: int, layers: int, device: torch.device) -> BatchBuffers:
+        width = 3 * qb + 4
+        size = trees * width + (2 * layers + 1) * trees
+        data = torch.zeros(size, dtype=torch.long, device=device)
+        staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+        tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
+        counts = torch.arange(qb + 1, device=device)
+        inputs, slots = data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees)
+        lone = (*inputs[0, 3 * qb : 3 * qb + 3].split(1), slots[:, 0], *inputs[0, : 3 * qb].view(3, qb))
+        return cls(data, staging, inputs, slots, counts[:qb], counts, lone, tables,
+                   torch.cuda.Event() if device.type == "cuda" else None, [], [])
+
+    @property
+    def qb(self) -> int:
+        return self.nodes.shape[0]
+
+    def write(self, items: list[BatchTree]) -> None:
+        """Each tree from its session's committed length. Trees on the host go up with the scalars and the slot
+        table in one copy; a tree already on the device (a co-located drafter's) is copied there after it."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has left the staging buffer
+        trees, width, qb = len(items), self.inputs.shape[1], self.qb
+        host = self.staging.numpy()  # numpy item writes: a fraction of a torch call's host time
+        table = host[trees * width :].reshape(-1, trees)  # [2 * layers + 1, B] a view
+        on_device = []
+        for b, item in enumerate(items):
+            row, tree = host[b * width : (b + 1) * width], item.tree
+            q = tree.tokens.shape[0]
+            if q > 1 and tree.tokens.device.type != "cpu":
+                on_device.append(b)
+            elif q > 1:
+                for i, values in enumerate((tree.tokens, tree.parents, tree.depths)):
+                    row[i * qb : i * qb + q] = values.numpy()
+            row[3 * qb : 3 * qb + 3] = (item.cache.length, q, item.root)
+            table[:, b] = slot_addresses(item.cache)
+        self.data.copy_(self.staging, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        copy_together([pair for b in on_device for pair in self._tree_rows(b, items[b].tree)])
+        self.caches, self.starts = [item.cache for item in items], [item.cache.length for item in items]
+
+    def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
+        """A lone round queued before the session's previous one is read: its start and root come from that
+        round's outcome on the device, cursor [2] = (next start, bonus token), and nothing goes through the host
+        (its copy would wait for the round in flight). start: the furthest that round can take the session. The
+        tree, the scalars and the slot's addresses go in one launch (device_copies.copy_together)."""
+        q = item.tree.tokens.shape[0]
+        if q > 1 and item.tree.tokens.device != self.inputs.device:
+            raise ValueError("a chained round takes its tree on the device")
+        cache, tree = item.cache, item.tree
+        if cache.address_column is None:
+            cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
+
+        def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            start_to, num_to, root_to, slots_to, *rows = self.lone
+            found = [(start_to, cursor[:1]), (num_to, self.counts[q : q + 1]), (root_to, cursor[1:]),
+                     (slots_to, cache.address_column)]
+            if q > 1:
+                found += [(row[:q], values) for row, values in zip(rows, (tree.tokens, tree.parents, tree.depths))]
+            return found
+
+        self.after_copies.run((cache, cache.address_column, cursor, tree.tokens, tree.parents, tree.depths), pairs)
+        self.caches, self.starts = [cache], [start]
+
+    def _tree_rows(self, b: int, tree: DraftTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) of tree b's arrays, already on the device, in its row of the inputs."""
+        q, qb = tree.tokens.shape[0], self.qb
+        rows = self.inputs[b, : 3 * qb].view(3, qb)
+        return [(rows[row, :q], values) for row, values in enumerate((tree.tokens, tree.parents, tree.depths))]
+
+    @property
+    def kv_lens(self) -> list[int]:
+        """The key rows each tree of the batch last written attends over in the loop form (TreeBatch.kv_lens)."""
+        return [key_bucket(start + self.qb, cache.capacity) for cache, start in zip(self.caches, self.starts)]
 
 
 @dataclass
@@ -133,7 +248,7 @@ def unpack_step(
 def prompt_step(
     inputs: torch.Tensor, nodes: torch.Tensor, embed: torch.Tensor, rope: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """Inside the graph: a StepBuffers' `inputs` holding a prompt -> num [] (its length), then the prompt's embedded
+    """Inside the graph: a PromptBuffers' `inputs` holding a prompt -> num [] (its length), then the prompt's embedded
     inputs (fused.embed_tokens: hidden, cos, sin; token 0 past the prompt). Its positions and slots are the node
     indices."""
     num = inputs[3 * nodes.shape[0] + 1]
@@ -144,7 +259,7 @@ def greedy_outcome(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, t
     """A greedy round's outcome from its logits [qb, V] -> (packed [2 + qb] as accept_path returns it for the
     target's greedy choices; order [qb] the path's nodes root..deepest, then indices below qb: what the compaction
     moves and the path's features' rows; cursor [2] the session's next start and bonus token). One function, so
-    that compiled it is a few kernels where its steps apart were a launch each."""
+    that compiled it is a few kernels where its steps apart are a launch each."""
     if x.ids.shape[0] == 1:  # an AR step: the root alone is the path (a static shape under torch.compile)
         bonus = logits.argmax(dim=-1)  # [1]
         order = torch.zeros_like(bonus)  # [1] the root, also its accepted depth

@@ -13,64 +13,24 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface
 
+from kernels.ancestors import ancestors, ancestors_supported
 from kernels.sdpa import attention
 from verify_server.kv_cache import KVCache
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: pointer doubling in torch ops (ancestor_matrix)
-    triton = None
 
 ATTENTION_NAME = "ddtree_tree"
 STEP_KWARG = "ddtree_step"
 
 
-if triton is not None:
-
-    @triton.jit
-    def _ancestors_kernel(Parents, Anc, n, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
-        """Tile (rows i, columns j) of anc: each node i walks up its parents to the root, marking the columns it
-        meets. A tree's depth is the walk's length: a few steps for a draft tree, where pointer doubling's
-        steps were a kernel each."""
-        i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)  # [I]
-        j = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)  # [J]
-        at = tl.where(i < n, i, 0).to(tl.int64)  # [I] the node each row's walk has reached
-        seen = at[:, None] == j[None, :]  # [I, J]
-        walked = 0
-        while (tl.max(at, 0) > 0) & (walked < n):  # a parent precedes its child: n steps reach the root
-            at = tl.maximum(tl.load(Parents + at), 0)  # the root's parent (-1) is the root
-            seen = seen | (at[:, None] == j[None, :])
-            walked += 1
-        tl.store(Anc + i[:, None] * n + j[None, :], seen.to(tl.uint8), mask=(i < n)[:, None] & (j < n)[None, :])
-
-
-@torch.library.custom_op("ddtree::ancestors", mutates_args=())
-def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """ancestor_matrix on a GPU in one Triton kernel (ancestor_matrix calls it there)."""
-    n = parents.shape[0]
-    anc = torch.empty(n, n, dtype=torch.bool, device=parents.device)
-    block = 32
-    _ancestors_kernel[(triton.cdiv(n, block), triton.cdiv(n, block))](
-        parents.contiguous(), anc.view(torch.uint8), n, BLOCK_I=block, BLOCK_J=block)
-    return anc
-
-
-@ancestors.register_fake
-def _(parents: torch.Tensor) -> torch.Tensor:
-    return parents.new_empty((parents.shape[0], parents.shape[0]), dtype=torch.bool)
-
-
 def ancestor_matrix(parents: torch.Tensor, steps: int | None = None) -> torch.Tensor:
     """parents [n] (-1 or 0 for the root, parent index < own index) -> anc [n, n] bool, anc[i, j] = j is i or one
-    of its ancestors. No host sync, no per-node loop on the host. On a GPU one kernel (ancestors). Elsewhere by
-    pointer doubling: after step k each row holds the ancestors less than 2**k levels up, so `steps` =
+    of its ancestors. No host sync, no per-node loop on the host. On a GPU one kernel (kernels/ancestors.py).
+    Elsewhere by pointer doubling: after step k each row holds the ancestors less than 2**k levels up, so `steps` =
     ceil(log2(n)) (the default) covers any tree of n nodes; a captured step passes the bound of its largest bucket
     instead, a constant, so that the code depends on neither the tree's depth nor its size."""
     n = parents.shape[0]
     if n == 1:  # an AR step's root
         return torch.ones(1, 1, dtype=torch.bool, device=parents.device)
-    if triton is not None and parents.is_cuda:
+    if ancestors_supported(parents):
         return ancestors(parents)
     up = parents.clamp(min=0)  # [n] the 2**k-th ancestor; the root is its own parent, so walking past it stays put
     anc = torch.eye(n, dtype=torch.bool, device=parents.device)  # [n, n] ancestors less than 1 level up: itself

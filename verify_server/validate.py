@@ -1,4 +1,4 @@
-"""Checks on what clients send the verifier, before any of it reaches the engine (DESIGN.md §5).
+"""Checks on what clients send the verifier, before any of it reaches the engine (docs/ARCHITECTURE.md §5).
 
 A bad tree must never crash the process or corrupt a session: an out-of-range parent or token would index out
 of bounds on the GPU (a device-side assert poisons the whole CUDA context), an oversized tree or depth bound

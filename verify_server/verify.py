@@ -1,6 +1,10 @@
-"""The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode
-(its queued greedy rounds are verify_server/queued_rounds.py, several sessions' rounds in one forward
-verify_server/batched_rounds.py; a session's state is verify_server/session.py)."""
+"""The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode.
+
+Its parts: the fused path's runner (verify_server/fused_runner.py) where the target has one, else the HF modules
+with our attention (tree_attention.py, linear_attention.py); captured greedy rounds queued on the device
+(queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); the
+walk and commit of an uncaptured round (walk.py); a session's state (session.py).
+"""
 
 from __future__ import annotations
 
@@ -10,22 +14,25 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from runtime.timing import TimerEvents
 from protos.types import DraftTree, SamplingParams, StepResult
-from verify_server.batched_rounds import BatchedRounds, TreeRows
+from runtime.timing import TimerEvents
+from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
+from verify_server.hf_forward import HFForward
 from verify_server.kv_cache import KVCache
-from verify_server.linear_attention import LINEAR_STEP_KWARG, LinearStep, install_linear_attention
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import choose_tokens
-from verify_server.session import CapacityError, SessionError, UnknownSessionError, VerifySession
+from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
+from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_inputs import ROOT_ONLY
-from verify_server.state_cache import StateCache, TreeScratch
-from verify_server.tree_attention import ATTENTION_NAME, STEP_KWARG, AttentionStep, ancestor_matrix
+from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
+from verify_server.walk import TreeRows, walk_and_commit
 
 
-def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_target(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
     """Any HF causal LM from a local directory, wired to our tree attention. Never downloads."""
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -39,7 +46,7 @@ def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: tor
 def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """A prefill's features as a take hands them out: on the host, so that a take only sends them. From a GPU, a
     copy to pinned memory queued behind the forward, and the event a take waits on: the prefill call itself does
-    not wait for it (a 2048-token chunk's at Qwen3-8B shapes is 84 MB)."""
+    not wait for it (a long chunk's features at a large target's width are tens of MB)."""
     if features.device.type == "cpu":
         return features, None
     kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
@@ -49,7 +56,10 @@ def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return kept, copied
 
 
-class VerifyEngine(QueuedRounds, BatchedRounds):
+class VerifyEngine:
+    """One target's verification for many sessions: the steps a service or an in-process round loop calls
+    (start_session, prefill, take_features, verify, decode, launch / collect, verify_batch, end_session)."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -83,23 +93,21 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
         self.timers = TimerEvents(self.device)
-        self.fused = None
+        self.fused: FusedRunner | None = None
+        self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
         if fused and fused_unsupported(cfg) is None:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
                                      max_batch)
-            self.linear, self.kv_layers, self.scratch = None, list(range(self.num_layers)), None
-            return
-        self.decoder = model.get_decoder()
-        # Hybrid targets (Qwen3.5 / Qwen3-Next): gated-delta layers keep recurrent state instead of K/V. One forward
-        # runs at a time, so one scratch for the per-node factors of the tree in flight serves every session.
-        self.linear = install_linear_attention(model)
+            self.queued = QueuedRounds(self.fused, self.timers)
+        self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self.verify)
+        self.hf: HFForward | None = None  # the generic path, for targets without a fused one
+        # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
+        self.linear: LinearLayout | None = None
+        self.scratch: TreeScratch | None = None
+        if self.fused is None:
+            self.hf = HFForward(model, max_tree_size + 1)
+            self.linear, self.scratch = self.hf.linear, self.hf.scratch
         self.kv_layers = [i for i in range(self.num_layers) if self.linear is None or i not in self.linear.layer_ids]
-        self.scratch = TreeScratch(self.linear, max_tree_size + 1, self.device, self.dtype) if self.linear else None
-        # Tapped layer outputs of the forward in flight, filled by hooks: layer id -> [1, q, hidden].
-        self._want_taps: frozenset[int] = frozenset()
-        self._taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.decoder.layers):
-            layer.register_forward_hook(self._tap_hook(i))
 
     @property
     def path(self) -> str:
@@ -130,13 +138,6 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
     def read_eos_ids(path: str | Path) -> list[int]:
         eos = AutoConfig.from_pretrained(path, local_files_only=True).eos_token_id
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-    def _tap_hook(self, layer_id: int):
-        def hook(_module, _args, output):
-            if layer_id in self._want_taps:
-                self._taps[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return hook
 
     # ---- sessions -------------------------------------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         if not prompt:
             raise SessionError("the prompt chunk is empty")
         start, n = sess.cache.length, len(prompt)
-        self._check_room(sess, start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
+        sess.check_room(start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
         timer = self.timers.timer()
         # the captured prompt step attends from slot 0 only; a later chunk also sees the committed prefix
         captured = None if self.fused is None or start else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
@@ -237,9 +238,8 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
         appends the target's choice after it (the bonus), and compacts the cache to that path. The tree may be on
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
-        session's. host_features: the round queues the path's features' copy to host memory before its sync,
-        so a caller that sends them on (the service) waits for no copy after the round's one sync (a copy after
-        it was ~13% of the verifier's host samples in a services bench, bench/README.md), into a buffer of the
+        session's. host_features: the round queues the path's features' copy to host memory before its sync, so a
+        caller that sends them on (the service) waits for no copy after the round's one sync, into a buffer of the
         session's that the round after next reuses; otherwise they stay on the device, where an in-process drafter
         reads them."""
         sess = self.session(session_id)
@@ -251,10 +251,11 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
         if self.scratch is not None and q > self.scratch.max_nodes:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
-        pending = self._launch(session_id, sess, tree, host_features)
-        if pending is not None:  # forward, walk and compaction in one graph replay
-            return self.collect(pending)
-        self._check_room(sess, sess.cache.length, q)
+        if self.queued is not None:  # forward, walk and compaction in one graph replay, where it is captured
+            pending = self.queued.launch(session_id, sess, tree, host_features)
+            if pending is not None:
+                return QueuedRounds.collect(sess, pending)
+        sess.check_room(sess.cache.length, q)
         timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
         scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
@@ -269,33 +270,46 @@ class VerifyEngine(QueuedRounds, BatchedRounds):
             anc = ancestor_matrix(parents)  # [q, q]
             logits, features = self._forward(sess, ids, start + depths, anc, last_only=False)
         rows = TreeRows(ids, parents, depths, anc, logits, features, tree.max_depth)
-        return self._walk_and_commit([sess], [rows], timer, host_features)[0]
+        return walk_and_commit([sess], [rows], timer, host_features, self.scratch)[0]
 
-    def _check_room(self, sess: VerifySession, start: int, new_tokens: int) -> None:
-        if start + new_tokens > sess.capacity:
-            raise CapacityError(
-                f"session needs {start + new_tokens} KV slots but was started with capacity {sess.capacity}"
-            )
+    # ---- queued and batched rounds ----------------------------------------------------------------------------
+
+    def can_launch(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes."""
+        return self.queued is not None and self.queued.can_queue(params, max_nodes)
+
+    @torch.inference_mode()
+    def launch(self, session_id: str, tree: DraftTree) -> PendingRound:
+        """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
+        session still in flight, this one takes its start and root from that round's outcome on the device, so
+        the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
+        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, the
+        uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify() runs those."""
+        sess = self.session(session_id)
+        if sess.root is None:
+            raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
+        pending = None if self.queued is None else self.queued.launch(session_id, sess, tree, keep_cursor=True)
+        if pending is None:
+            raise SessionError("only greedy rounds on the captured path can be queued; use verify")
+        return pending
+
+    def collect(self, pending: PendingRound) -> StepResult:
+        """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
+        return QueuedRounds.collect(self.session(pending.session_id), pending)
+
+    @torch.inference_mode()
+    def verify_batch(
+        self, calls: list[tuple[str, DraftTree]], host_features: bool = False
+    ) -> list[StepResult | Exception]:
+        """Several sessions' Verify and Decode calls, their forward shared where it can be -> each call's
+        StepResult, or the exception verify() would raise for it (BatchedRounds.verify_batch)."""
+        return self.batched.verify_batch(calls, host_features)
 
     def _forward(
-        self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None, last_only: bool
+        self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None,
+        last_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions [q] -> logits [q or 1, V] fp32, features [q, taps*hidden] (None without taps)."""
         if self.fused is not None:
             return self.fused.forward(sess.cache, tuple(sess.taps), ids, positions, tree, last_only)
-        step = AttentionStep(sess.cache, sess.cache.length, ids.shape[0], positions, tree)
-        steps: dict[str, AttentionStep | LinearStep] = {STEP_KWARG: step}
-        linear = None
-        if sess.states is not None:
-            linear = steps[LINEAR_STEP_KWARG] = LinearStep(step, sess.states, self.scratch)
-        self._want_taps, self._taps = frozenset(sess.taps), {}
-        try:
-            out = self.decoder(input_ids=ids[None], position_ids=positions[None], use_cache=False, **steps)
-            taps = [self._taps[t][0] for t in sess.taps]
-        finally:
-            self._want_taps, self._taps = frozenset(), {}
-        hidden = out.last_hidden_state[0]  # [q, hidden]
-        logits = self.lm_head(hidden[-1:] if last_only else hidden).float()
-        if linear is not None:
-            linear.commit_prefill()  # only now that every layer ran: a chunk failing midway leaves the state as it was
-        return logits, torch.cat(taps, dim=-1) if taps else None
+        return self.hf.forward(sess, ids, positions, tree, last_only)

@@ -1,8 +1,19 @@
-"""The acceptance walk: which root-to-node path of a scored tree the target agrees with, on the device."""
+"""The acceptance walk: which root-to-node path of a scored tree the target agrees with, on the device
+(accept_path, which captured rounds run inside their graph), and the end of an uncaptured round around it: each
+tree's choices, walk and compaction, and the session's commit (walk_and_commit)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from kernels.device_copies import copy_together
+from protos.types import StepResult
+from runtime.timing import StepTimer
+from verify_server.sampling import choose_tokens
+from verify_server.session import VerifySession
+from verify_server.state_cache import TreeScratch
 
 
 def accept_path(
@@ -29,9 +40,69 @@ def accept_path(
     # index_select with a device index, never t[0-d tensor]: that reads the index on the host (a sync, and an
     # error inside graph capture)
     deepest = torch.where(accepted, depths, -1).argmax().view(1)
-    # A path holds one node per depth 0..k: node at depth d goes to row d (a scatter where a sort by index cost
-    # ~9 us at 64 nodes on the H200), every other node to a spare row q, dropped.
+    # A path holds one node per depth 0..k: node at depth d goes to row d (a scatter: cheaper than a sort by
+    # index), every other node to a spare row q, dropped.
     row = torch.where(anc.index_select(0, deepest)[0], depths, q)  # [q]
     path = torch.full((q + 1,), q, dtype=nodes.dtype, device=ids.device).scatter(0, row, nodes)[:q]
     packed = torch.cat((depths.index_select(0, deepest), choice.index_select(0, deepest), ids[path.clamp(max=q - 1)]))
     return packed, path
+
+
+class TreeRows(NamedTuple):
+    """One tree's rows of a forward, on the device: what its sampling, walk and compaction read."""
+
+    ids: torch.Tensor  # [q], the session's root first
+    parents: torch.Tensor  # [q]
+    depths: torch.Tensor  # [q]
+    anc: torch.Tensor  # [q, q] ancestor-or-self
+    logits: torch.Tensor  # [q, V] fp32
+    features: torch.Tensor | None  # [q, taps*hidden]
+    max_depth: int  # the deepest a path can reach (the drafter's block size - 1)
+
+
+def walk_and_commit(
+    sessions: list[VerifySession], trees: list[TreeRows], timer: StepTimer, host_features: bool,
+    scratch: TreeScratch | None = None,
+) -> list[StepResult]:
+    """An uncaptured round's end, one tree or several (verify_batch's): each tree's choices (sampled with its
+    session's generator), walk, compaction (and a hybrid target's recurrent state, from `scratch`), with one host
+    sync for all. host_features: each path's features are queued to the session's host rows before that sync, as
+    a captured round's are (read after it, they would cost the caller a second sync)."""
+    timer.mark()
+    packed, paths, kept, copies = [], [], [], []
+    for sess, tree in zip(sessions, trees):
+        choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q] the target's token after each
+        walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
+        packed.append(walked)
+        paths.append(path)
+        if host_features and tree.features is not None:
+            q = tree.ids.shape[0]
+            # rows past the accepted depth point at the spare row q: clamped, they copy a row never read
+            rows = tree.features.index_select(0, path[: min(tree.max_depth + 1, q)].clamp(max=q - 1))
+            stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, True)
+            copies.append((stored, rows))
+            kept.append(rows_kept)
+    copy_together(copies)
+    host = timer.sync((packed[0] if len(packed) == 1 else torch.cat(packed)).tolist)  # the single host sync
+    results, at = [], 0
+    for i, (sess, path, tree) in enumerate(zip(sessions, paths, trees)):
+        q = tree.ids.shape[0]
+        answer = host[at : at + 2 + q]
+        at += 2 + q
+        k, bonus = answer[0], answer[1]
+        keep = path[: k + 1]
+        sess.cache.compact(sess.cache.length, keep)
+        if sess.states is not None:
+            sess.states.commit(scratch, keep)
+        sess.root = bonus
+        features = kept[i][: k + 1] if kept else None if tree.features is None else tree.features[keep]
+        results.append(StepResult(answer[3 : 3 + k] + [bonus], features))
+    return timed(results, timer)
+
+
+def timed(results: list[StepResult], timer: StepTimer) -> list[StepResult]:
+    """Every call of a round's forward (one tree's, or a batch's) reports its forward and walk times."""
+    forward_s, walk_s = timer.split()
+    for result in results:
+        result.forward_s, result.timings = forward_s, {"walk_s": walk_s}
+    return results

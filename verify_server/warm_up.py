@@ -14,8 +14,8 @@ import torch
 
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
-from verify_server.batch import BatchTree
 from verify_server.step_inputs import MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, bucket
+from verify_server.tree_batch import BatchTree
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
@@ -115,9 +115,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
 def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
     """The round graphs of sessions tapping `taps`, greedy and sampled, alone, two at once and in larger
     batches, for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
-    context): a graph is captured the first time its shape is met (verify_server/batch_runner.py), which the first
-    requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow (at Qwen3-8B shapes
-    a first request took ~130 ms more than the next ones, bench/README.md)."""
+    context): a graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first
+    requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow."""
     for node_count in (0, nodes):
         qb = bucket(node_count + 1)
         if qb is None:

@@ -1,10 +1,9 @@
-"""Compaction of a captured greedy round: the accepted path's K/V moved to the slots right after the committed
-ones, in every layer, in one Triton kernel.
+"""KV compaction in one Triton kernel: a verify round's accepted path moved to the slots right after the committed
+ones, in every layer of a KV cache.
 
-Why: in torch ops it is a gather into a temporary and a scatter back, for K and for V: four kernels, ~19 us of a
-demo round's ~0.45 ms at 16+ rows (bench/results/profile_decode_demo_compile_flash_gemv.txt), and they move every
-row of the step's bucket. Here one program per (layer, K/V head) moves only the accepted rows, and none where a
-row is already in place (a chain's accepted path always is).
+Why: in torch ops it is a gather into a temporary and a scatter back, for K and for V: four kernels, and they move
+every row of the step's bucket. Here one program per (layer, K/V head) moves only the accepted rows, and none where
+a row is already in place (a chain's accepted path always is).
 
 In place without a temporary: the path's node indices only increase and a node's index is at least its depth
 (parents precede children), so row i's source slot start + order[i] is never below its destination start + i.
@@ -16,20 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from verify_server.kv_cache import KVCache
-
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the torch ops run instead (kernel_supported() is False)
+except ImportError:  # CPU-only installs: callers take torch ops instead (compaction_supported() is False)
     triton = None
 
 ROWS = 16  # path rows per chunk
 
 
-def kernel_supported(cache: KVCache) -> bool:
-    head_dim = cache.k.shape[-1]
-    return triton is not None and cache.k.is_cuda and head_dim & (head_dim - 1) == 0
+def compaction_supported(k: torch.Tensor) -> bool:
+    """Whether the kernels run on a cache whose keys are k [..., capacity, head_dim]."""
+    head_dim = k.shape[-1]
+    return triton is not None and k.is_cuda and head_dim & (head_dim - 1) == 0
 
 
 if triton is not None:
@@ -63,7 +61,7 @@ if triton is not None:
         ROWS: tl.constexpr,
     ):
         """Program (tree b, layer, K/V head) moves rows 0..Depth[b] of tree b's path in that plane of its slot,
-        found by address (verify_server/batch.py slot_table: keys, values, head strides)."""
+        found by address in the slot table (each layer's keys, then each layer's values, then the head strides)."""
         pid = tl.program_id(0)
         b, plane = pid // (layers * kv_heads), pid % (layers * kv_heads)
         layer, head = plane // kv_heads, plane % kv_heads
@@ -75,34 +73,24 @@ if triton is not None:
         _move_path(K, V, tl.load(Start + b), Order + b * stride_order, tl.load(Depth + b) + 1, D, ROWS)
 
 
-def compact_path(cache: KVCache, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
-    """Device values only (inside a captured graph): start [] long, the step's first slot; order [qb] long, the
-    path's node indices root..deepest, then any index below qb; depth [1] long, the accepted depth k. Moves the
-    K/V of slots start + order[i] to start + i for i in 0..k, in every layer. Rows past k are left as they are,
-    or (torch ops) filled from order's tail: they lie past the committed length either way."""
-    if kernel_supported(cache):
-        launch(cache.k, cache.v, start, order, depth)
-        return
-    slots = start + torch.arange(order.shape[0], device=order.device)
-    cache.k.index_copy_(3, slots, cache.k.index_select(3, start + order))
-    cache.v.index_copy_(3, slots, cache.v.index_select(3, start + order))
+def launch(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
+    """On contiguous k, v [layers, 1, kv_heads, capacity, head_dim], device values only (a captured graph's): start
+    [] long, the step's first slot; order [qb] long, the path's node indices root..deepest, then any index below
+    qb; depth [1] long, the accepted depth k. Moves slots start + order[i] to start + i for i in 0..k; rows past k
+    are left as they are. (tests/triton_interpreted.py calls it on CPU tensors through Triton's interpreter.)"""
+    layers, _, kv_heads, capacity, head_dim = k.shape
+    _compact_kernel[(layers * kv_heads,)](k, v, start, order, depth, capacity, D=head_dim, ROWS=ROWS, num_warps=4)
 
 
-def compact_batch(
+def launch_batch(
     slots: torch.Tensor, starts: torch.Tensor, order: torch.Tensor, depth: torch.Tensor, like: torch.Tensor
 ) -> None:
-    """compact_path for a batch of trees in one launch, each in its own slot: slots [2 * layers + 1, B] int64
-    (verify_server/batch.py slot_table), starts [B], order [B, qb], depth [B] (device values); like: a slot's K
-    [layers, 1, kv_heads, capacity, head_dim], for the element type and shape they all share but capacity."""
+    """launch for a batch of trees in one launch, each in its own cache slot: slots [2 * layers + 1, B] int64 the
+    slots' addresses (each layer's keys, each layer's values, the head strides), starts [B], order [B, qb], depth
+    [B] (device values); like: a slot's K [layers, 1, kv_heads, capacity, head_dim], for the element type and
+    shape they all share but capacity."""
     layers, _, kv_heads, _, head_dim = like.shape
     _compact_batch_kernel[(starts.shape[0] * layers * kv_heads,)](
         like, slots, starts, order, depth, slots.stride(0), order.stride(0), layers, kv_heads, D=head_dim, ROWS=ROWS,
         num_warps=4,
     )
-
-
-def launch(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, order: torch.Tensor, depth: torch.Tensor) -> None:
-    """The kernel on contiguous k, v [layers, 1, kv_heads, capacity, head_dim] (tests/triton_interpreted.py calls
-    it on CPU tensors through Triton's interpreter)."""
-    layers, _, kv_heads, capacity, head_dim = k.shape
-    _compact_kernel[(layers * kv_heads,)](k, v, start, order, depth, capacity, D=head_dim, ROWS=ROWS, num_warps=4)
