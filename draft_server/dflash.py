@@ -48,9 +48,8 @@ class Rotary(nn.Module):
 
     def table(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
         """[2, rows, head_dim]: cos_sin of positions 0..rows-1, for captured steps to gather (gather_cos_sin).
-        Compiled, cos_sin fused into a step's first norm-and-rotate kernel, and Inductor ran that kernel as one
-        program of 255 registers: 12-16 µs a draft where its gathering neighbours take ~2.5
-        (bench/README.md, twenty-seventh session)."""
+        Compiled in a step, cos_sin fuses into the first norm-and-rotate kernel and makes it one program too large
+        for its registers, far slower than a gather from this table."""
         cos, sin = self.cos_sin(torch.arange(rows, device=self.inv_freq.device)[None], dtype)
         return torch.stack((cos[0, 0], sin[0, 0]))
 
@@ -93,9 +92,9 @@ class DFlashAttention(nn.Module):
     def fuse(self) -> None:
         """Lays the q, k and v projections end to end, one [(heads + 2 kv_heads) * d, hidden] weight whose slices
         the three modules' weights become (no second copy), so a block projects in one GEMM and a context append
-        its k|v in one. Separately, at Qwen3-8B shapes the k and v GEMMs ran at ~38% of the copy bandwidth, and
-        on small drafters every GEMM is mostly its launch (bench/README.md). Call it once the model has its final
-        device and dtype: a later .to() would copy the slices apart again."""
+        its k|v in one. Separately, the k and v GEMMs are too small to stream their weights at full bandwidth, and
+        on small drafters every GEMM is mostly its launch. Call it once the model has its final device and dtype:
+        a later .to() would copy the slices apart again."""
         if self.qkv is not None:
             return
         self.qkv = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))

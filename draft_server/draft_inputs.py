@@ -1,8 +1,7 @@
 """DraftInputs: what the drafter's captured steps read of a draft, in one byte buffer, so that everything a draft
 brings from the host (an append's first row, the block's position and root, the new features) goes up to the
-device in one copy instead of three scalar fills and a copy (a fill is a kernel launch: ~10 µs of host time each
-on an H200 host, bench/README.md). The slot is the session's cache slot, where graphs find their slot by address
-(StaticDrafter.by_address).
+device in one copy instead of three scalar fills and a copy (a fill is a kernel launch, each with its own host
+time). The slot is the session's cache slot, where graphs find their slot by address (StaticDrafter.by_address).
 
     buffer  [head_bytes + rows * row_bytes] uint8:
             int64 [slot, start, p, root, MASK * (B-1)], padded to HEADER_ALIGN bytes: the header
@@ -19,8 +18,8 @@ HEADER_ALIGN = 256  # bytes: the features' rows start aligned for wide loads
 class DraftInputs:
     """Views of one buffer: slot [1] (the session's cache slot), start [1] (an append's first cache row), position
     [1] (the block's p), ids [1, B] (root, then MASK * (B-1)), block [2, 1] and cursor [2] (p and root again),
-    features [rows, taps*hidden]; on the host also `header`, a numpy view of [slot, start, p, root] (item writes
-    cost ~0.1 µs where a torch call costs several)."""
+    features [rows, taps*hidden]; on the host also `header`, a numpy view of [slot, start, p, root] (an item write
+    costs far less host time than a torch call)."""
 
     def __init__(
         self, block_size: int, width: int, rows: int, dtype: torch.dtype, mask_token_id: int, device: torch.device,

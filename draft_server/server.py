@@ -19,11 +19,10 @@ from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
 from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
 from runtime.process import run_service, serve
 from protos.types import DrafterInfo
-from draft_server.batched_drafts import DraftCall
 from draft_server.config import DraftServerConfig
 from draft_server.dflash import load_drafter
-from draft_server.drafter import DraftEngine
-from draft_server.session import CapacityError, DraftResult, DraftSession, UnknownSessionError
+from draft_server.engine import DraftEngine
+from draft_server.session import CapacityError, DraftCall, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from draft_server.warm_up import warm_up
 from protos import tensors
@@ -46,7 +45,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.config = config
         sizes = Histogram("ddtree_draft_batch_size", "Sessions' Draft calls drafted with their blocks in one forward",
                           buckets=BATCH_BUCKETS, registry=host.metrics.registry)
-        # every session's Draft calls that wait for the engine at once share its next block forward
+        # the Draft calls that wait for the engine at once (up to --max-batch) share its next block forward
         self.drafts: Batch[DraftEngine] = Batch("Draft", self._drafts, config.max_batch, sizes)
 
     def max_session_tokens(self, engine: DraftEngine) -> int:
@@ -69,9 +68,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("EndSession", context, end)
 
     async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        response = await self.drafts.call(self.host, "Draft", context, request, forward=True)
-        self.host.remember(rehearse_draft, request, response)
-        return response
+        return await self.drafts.call(self.host, "Draft", context, request, forward=True)
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
@@ -144,15 +141,6 @@ def _floating(features: torch.Tensor) -> torch.Tensor:
     return features
 
 
-def rehearse_draft(request: pb.DraftRequest, response: pb.DraftResponse) -> None:
-    """A Draft call's host-only steps on its own messages, nothing kept (--keep-warm-us): the request's parse and
-    its features' decoding, the answer's encoding."""
-    pb.DraftRequest.FromString(request.SerializeToString())
-    if request.HasField("features"):  # absent from the first draft after a relayed prompt
-        tensors.tensor_from_pb(request.features)
-    response.SerializeToString()
-
-
 def context_cache_bytes(session: DraftSession) -> int:
     return sum(t.numel() * t.element_size() for t in (*session.ctx_k, *session.ctx_v))
 
@@ -179,7 +167,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
         static = engine.static
         log.info(
             "static drafter: up to %d sessions of %d positions, %.1f MiB per session slot (allocated on first use), "
-            "CUDA graphs %s", static.slots.max_sessions, static.max_context, static.slot_bytes / 2**20,
+            "CUDA graphs %s", static.slots.max_sessions, static.max_context, static.slots.slot_bytes / 2**20,
             "on" if static.graphs.enabled else "off",
         )
     return engine

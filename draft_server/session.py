@@ -1,9 +1,10 @@
-"""A drafter session's state (its context K/V and how far it reaches), a draft's result, and the errors a call
-fails with (the services answer them INVALID_ARGUMENT, NOT_FOUND or RESOURCE_EXHAUSTED)."""
+"""A drafter session's state (its context K/V and how far it reaches), a draft's call and result, and the errors a
+call fails with (the services answer them INVALID_ARGUMENT, NOT_FOUND or RESOURCE_EXHAUSTED)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,17 @@ class DraftSession:
             known = f"{self.length}" if self.length == self.length_max else f"[{self.length}, {self.length_max}]"
             raise SessionError(f"context covers positions [0, {known}), so new features cannot start at {start}")
         self.length = self.length_max = start
+
+
+class DraftCall(NamedTuple):
+    """DraftEngine.draft()'s arguments for one session (a call of DraftEngine.draft_batch)."""
+
+    session_id: str
+    features: torch.Tensor | None
+    root_token: int
+    root_position: int
+    budget: int
+    top_k: int | None = None
 
 
 @dataclass

@@ -75,7 +75,7 @@ class TreeLayout:
 
 class TreeLayouts:
     """One drafter's TreeLayouts, per (budget, top_k), built on first use and kept: building one is Python work
-    (~ms at large budgets) that no round should repeat."""
+    (costly at large budgets) that no round should repeat."""
 
     def __init__(self, num_depths: int, vocab: int, device: torch.device) -> None:
         self.num_depths, self.vocab, self.device = num_depths, vocab, device

@@ -15,9 +15,9 @@ from itertools import accumulate
 import torch
 
 from kernels.cuda_graphs import key_bucket, key_buckets
-from draft_server.batched_drafts import DraftCall
-from draft_server.draft_batch import BlockCall
-from draft_server.drafter import DraftEngine
+from draft_server.block_batch import BlockCall
+from draft_server.engine import DraftEngine
+from draft_server.session import DraftCall
 
 log = logging.getLogger("draft_server")
 # new features per warm-up draft: one, a round's, a prompt's; with blocks of 16, key buckets 64 then 192
@@ -42,9 +42,9 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
     """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
     the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
     request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
-    each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's: ~1 s each unless cached
-    on disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' 136
-    positions keeps those that fit. Then, where graphs run, every single draft's graph (warm_up_slot), and with
+    each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's, unless cached on
+    disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' positions
+    keeps those that fit. Then, where graphs run, every single draft's graph (warm_up_slot), and with
     batches of blocks on, those batches (warm_up_batches)."""
     start = time.perf_counter()
     room = engine.static.max_context if engine.static is not None else None
@@ -66,7 +66,7 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
 
 def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:
     """Where graphs run, a single draft's graphs (its append per size bucket, its block per key bucket) are captured
-    on their first use, and a capture costs ~40 drafts (bench/first_drafts.py). This captures them in the slot the
+    on their first use, and a capture costs the time of many drafts. This captures them in the slot the
     next session takes (the lowest free one): a block in every key bucket up to `most_keys` rows, an append of
     every size. Where they find their slot by address (StaticDrafter.by_address: a GPU with the flash kernels),
     they serve every slot; elsewhere the first slot's, which every session running alone gets, and other slots

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from draft_server.dflash import DFlashDrafter, Rotary, apply_rope, gather_cos_sin, load_drafter, save_drafter
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.session import SessionError
 from draft_server.target_head import TargetHead
 from tests.conftest import BLOCK, HIDDEN, VOCAB

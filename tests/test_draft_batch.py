@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_server.batched_drafts import DraftCall
+from draft_server.session import DraftCall
 from draft_server.dflash import load_drafter
 from tests.conftest import VOCAB
 from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines, sliding_drafter

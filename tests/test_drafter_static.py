@@ -11,7 +11,7 @@ from draft_server.config import DraftServerConfig
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
 from draft_server.dflash_config import DFlashConfig
 from kernels.cuda_graphs import key_bucket, key_buckets
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.session import CapacityError, SessionError, UnknownSessionError
 from draft_server.server import load_engine
 from draft_server.target_head import TargetHead
@@ -81,15 +81,15 @@ def run_rounds(
 @pytest.mark.parametrize("kind", ["full", "sliding", "chunked"])
 def test_static_path_matches_eager(kind: str, drafter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """chunked: captured appends of at most B rows, so the prompt-sized ones (37, 30, 40) go in chunks."""
-    from draft_server import draft_graphs
+    from draft_server import static_drafter
 
     if kind == "chunked":
-        monkeypatch.setattr(draft_graphs, "MAX_APPEND", 1)
+        monkeypatch.setattr(static_drafter, "MAX_APPEND", 1)
     torch.manual_seed(0)
     model = load_drafter(drafter_dir) if kind != "sliding" else sliding_drafter()
     eager, static = engines(model, max_sessions=2, max_context=256)
     assert not static.eager and eager.eager
-    assert static.static.max_append == (model.config.block_size if kind == "chunked" else draft_graphs.MAX_APPEND)
+    assert static.static.max_append == (model.config.block_size if kind == "chunked" else static_drafter.MAX_APPEND)
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM))
 
 
@@ -99,10 +99,10 @@ def test_appends_chunk_by_chunk_give_the_one_draft_context(
 ) -> None:
     """A chunked prefill's features appended in pieces (Append), the last with the first draft: the same context
     as one draft with them all, on both paths; then rounds on top stay the same."""
-    from draft_server import draft_graphs
+    from draft_server import static_drafter
 
     if kind == "chunked":
-        monkeypatch.setattr(draft_graphs, "MAX_APPEND", 1)
+        monkeypatch.setattr(static_drafter, "MAX_APPEND", 1)
     torch.manual_seed(5)
     model = load_drafter(drafter_dir) if kind != "sliding" else sliding_drafter()
     prompt = torch.randn(45, FEATURE_DIM)
@@ -155,12 +155,12 @@ def test_compiled_drafter_gives_the_same_trees(kind: str, drafter_dir: Path) -> 
 def test_compiled_drafter_takes_any_number_of_budgets(drafter_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the compiled tree shapes (Dynamo would refuse a ninth recompile under fullgraph), budgets still draft,
     through the uncompiled build; the limit is lowered here so that CPU compiles stay few."""
-    monkeypatch.setattr("draft_server.draft_trees.TREE_COMPILES", 2)
+    monkeypatch.setattr("draft_server.static_trees.TREE_COMPILES", 2)
     torch.manual_seed(4)
     eager, static = engines(load_drafter(drafter_dir), max_sessions=1, max_context=64, compile=True)
     rounds = [(6, 2, 4, None), (3, 5, 5, 2), (5, 7, 6, None), (4, 1, 4, None), (2, 3, 9, 1)]
     run_rounds(eager, static, torch.randn(20, FEATURE_DIM), rounds=rounds)
-    assert static.static._compiled_shapes == {(4, 4), (5, 2)}  # noqa: SLF001
+    assert static.static.trees._compiled_shapes == {(4, 4), (5, 2)}  # noqa: SLF001
 
 
 def test_freed_slot_serves_the_next_session_cleanly(drafter_dir: Path) -> None:
@@ -220,7 +220,7 @@ def test_graphs_match_eager_on_gpu(kind: str, drafter_dir: Path) -> None:
     torch.manual_seed(0)
     model = load_drafter(drafter_dir) if kind.startswith("full") else sliding_drafter()
     eager, static = engines(model, device="cuda", max_sessions=2, max_context=256, compile=kind == "full-compiled")
-    assert static.static.graphs.enabled and static.static.flash == (kind != "sliding")
+    assert static.static.graphs.enabled and static.static.blocks.flash == (kind != "sliding")
     features = torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM)
     run_rounds(eager, static, features, atol=1e-4)
     captured = len(static.static.graphs)

@@ -18,7 +18,7 @@ from bench import hybrid_cost
 from protos.types import SamplingParams
 from draft_server.dflash import DFlashDrafter, apply_rope, init_drafter_weights
 from draft_server.dflash_config import DFlashConfig
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.target_head import TargetHead
 from training.drafter_loss import block_attention_mask
 from ddtree.local import load_local

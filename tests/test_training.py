@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from protos.types import SamplingParams
 from training import train_drafter
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, load_drafter
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.target_head import TargetHead
 from training.drafter_loss import (
     DrafterTrainConfig,

@@ -185,7 +185,7 @@ def test_drafter_warm_up_captures_the_first_slots_lone_drafts(drafter_dir: Path)
 def test_drafter_warm_up_compiles_every_batch_shape_on_gpu(drafter_dir: Path) -> None:
     """With --max-batch above 1, the warm-up's batches of 2 and 4 blocks leave no compile to batches of any size at
     any context."""
-    from draft_server.batched_drafts import DraftCall
+    from draft_server.session import DraftCall
 
     _, engine = engines(load_drafter(drafter_dir), device="cuda", max_sessions=8, max_context=400, compile=True,
                         max_batch=8)

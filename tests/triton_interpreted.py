@@ -20,10 +20,11 @@ from kernels.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, tree_top_k
 from kernels.tree_build import top_candidates
 from kernels.tree_build import best_first_tree, multiprocessors, top_k, top_plan
-from verify_server.compaction import launch as compact
+from kernels.kv_compaction import launch as compact
 from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
-from verify_server.tree_attention import ancestor_matrix, ancestors
+from kernels.ancestors import ancestors
+from verify_server.tree_attention import ancestor_matrix
 from tests.graph_replay import ReplayRecorder
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
@@ -75,8 +76,8 @@ def check_drafter() -> None:
 
     torch.manual_seed(0)
     eager, static = engines(sliding_drafter(), DEVICE.type, max_sessions=2, max_context=256)
-    static.static.tree_kernel = True
-    static.static.fused_rows = True  # the block's projections through the rows kernel (fp32 in the interpreter)
+    static.static.trees.tree_kernel = True
+    static.static.blocks.fused_rows = True  # the block's projections through the rows kernel (fp32 in the interpreter)
     # the rows kernel sums its dot products in another order than torch: the log-probs agree to float noise (the
     # trees exactly)
     run_rounds(eager, static, torch.randn(sum(r[0] for r in ROUNDS), FEATURE_DIM, device=DEVICE), atol=1e-4)
@@ -222,7 +223,7 @@ def check_batch() -> None:
     capacities, trees of different sizes (a one-node decode among them) and contexts of several key chunks."""
     from kernels.flash_batch import compile_batch_plans
     from protos.types import DraftTree
-    from verify_server.batch import BatchTree, build_batch
+    from verify_server.tree_batch import BatchTree, build_batch
     from verify_server.kv_cache import KVCache
 
     heads, kv_heads, d, layers = 6, 2, 16, 2
@@ -413,18 +414,18 @@ def _flash_drafter():  # noqa: ANN202 - a DFlashDrafter
 
 
 def check_draft_batch() -> None:
-    """Several sessions' draft blocks through the batch op (draft_server/draft_batch.py's flash path; captured on a
+    """Several sessions' draft blocks through the batch op (draft_server/block_forward.py's flash path; captured on a
     GPU, plain calls in the interpreter): each session's tree is the one the eager engine drafts for it alone, new
     features of several sizes and contexts of several key buckets included."""
     import random
 
-    from draft_server.batched_drafts import DraftCall
+    from draft_server.session import DraftCall
     from tests.conftest import VOCAB
     from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 
     torch.manual_seed(0)
     eager, static = engines(_flash_drafter(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
-    static.static.flash = True  # the GPU's kernel path (already so on a GPU)
+    static.static.blocks.flash = True  # the GPU's kernel path (already so on a GPU)
     rng = random.Random(0)
     lengths = [0, 0, 0]
     for engine in (eager, static):
@@ -451,7 +452,7 @@ def check_draft_warm_up() -> None:
     trees."""
     import random
 
-    from draft_server.batched_drafts import DraftCall
+    from draft_server.session import DraftCall
     from draft_server.warm_up import warm_up
     from tests.conftest import VOCAB
     from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
@@ -459,7 +460,7 @@ def check_draft_warm_up() -> None:
     torch.manual_seed(0)  # the features: the batch kernel and the eager attention differ by float noise, which a
     # near-tie between two tokens' scores could turn into different trees
     eager, engine = engines(_flash_drafter(), device=DEVICE.type, max_sessions=8, max_context=200, max_batch=8)
-    engine.static.flash = True
+    engine.static.blocks.flash = True
     engine.static.graphs = recorder = ReplayRecorder()
     warm_up(engine, budgets=(4,))
     captured = set(recorder.seen)

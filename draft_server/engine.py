@@ -1,7 +1,8 @@
-"""The drafter engine: per-session context K/V caches and one draft step per round (transport-agnostic).
+"""DraftEngine: the drafter's sessions and calls (transport-agnostic): per-session context K/V caches, one draft
+step per round, and the drafts of several sessions together.
 
-Two paths share the session bookkeeping and the checks: the static one (default; draft_graphs.py: cache slots from
-a fixed pool, static buffers, CUDA graphs on a GPU, one host sync per round) and the eager one (`eager=True`:
+Two paths share the session bookkeeping and the checks: the static one (default; static_drafter.py: cache slots
+from a fixed pool, static buffers, CUDA graphs on a GPU, one host sync per round) and the eager one (`eager=True`:
 a cache allocated per session, shapes that follow the context, nothing captured; the reference for the other).
 """
 
@@ -12,15 +13,20 @@ import time
 import torch
 
 from runtime.timing import TimerEvents
-from draft_server.batched_drafts import BatchedDrafts
-from draft_server.dflash import DFlashDrafter, sliding_window_mask
-from draft_server.draft_graphs import StaticDrafter
-from draft_server.session import CapacityError, DraftResult, DraftSession, SessionError, UnknownSessionError
+from draft_server.block_batch import BlockCall
+from draft_server.dflash import DFlashDrafter
+from draft_server.eager_drafter import EagerDrafter
+from draft_server.session import (
+    CapacityError, DraftCall, DraftResult, DraftSession, SessionError, UnknownSessionError,
+)
+from draft_server.static_drafter import StaticDrafter
 from draft_server.target_head import TargetHead
-from draft_server.tree import TreeLayouts, build_tree
 
 
-class DraftEngine(BatchedDrafts):
+class DraftEngine:
+    """The drafter's sessions and the calls on them, over one of two paths: `static` (a StaticDrafter) or, with
+    eager=True, `eager_drafter` (an EagerDrafter); the other is None."""
+
     def __init__(
         self,
         drafter: DFlashDrafter,
@@ -37,7 +43,7 @@ class DraftEngine(BatchedDrafts):
         max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU.
         compile: torch.compile the static path's context append, block layers and tree build (fewer, fused
         kernels; a few compiles in warm-up, then one per new budget). max_batch: the most sessions' drafts
-        draft_batch runs in one forward."""
+        draft_batch runs in one forward (the service's --max-batch)."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
@@ -56,10 +62,7 @@ class DraftEngine(BatchedDrafts):
         self.max_batch = max_batch
         self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile,
                                                        max_batch=max_batch)
-        # the tree shapes' constants, kept per (budget, top_k); the static path's, when there is one
-        self.layouts = (
-            self.static.layouts if self.static else TreeLayouts(cfg.block_size - 1, head.vocab_size, self.device)
-        )
+        self.eager_drafter = EagerDrafter(drafter, head) if eager else None
 
     @property
     def block_size(self) -> int:
@@ -79,10 +82,7 @@ class DraftEngine(BatchedDrafts):
         if capacity < 1:
             raise SessionError(f"capacity must be >= 1, got {capacity}")
         if self.static is None:
-            cfg = self.config
-            shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-            ctx_k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)]
-            ctx_v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(cfg.num_hidden_layers)]
+            ctx_k, ctx_v = self.eager_drafter.caches(capacity)
             self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic())
             return
         if capacity > self.static.max_context:
@@ -136,10 +136,10 @@ class DraftEngine(BatchedDrafts):
             tree, nodes = self.static.tree(budget, top_k, host_tree, tree_buffer)
             timer.end()
             return DraftResult(tree, timer, nodes)
-        self._append_eager(sess, features)
-        logprobs = self._block_logprobs(sess, root_token, root_position)
+        self.eager_drafter.append(sess, features)
+        logprobs = self.eager_drafter.block_logprobs(sess, root_token, root_position)
         timer.mark()
-        tree = build_tree(logprobs, root_token, budget, top_k, self.layouts.get(budget, top_k)[1])
+        tree = self.eager_drafter.tree(logprobs, root_token, budget, top_k)
         timer.end()
         return DraftResult(tree, timer)
 
@@ -167,11 +167,67 @@ class DraftEngine(BatchedDrafts):
         return sess, features
 
     @torch.inference_mode()
+    def draft_batch(self, calls: list[DraftCall], host_tree: bool = False) -> list[DraftResult | Exception]:
+        """Several sessions' drafts, their blocks in one forward where the static path batches -> each call's
+        DraftResult, or the exception draft() would raise for it: each outcome is what draft() would give the call
+        alone (the same tree, up to the reduction order of the batched projections in bf16, or the same error).
+        Only the blocks' forward is shared: each session's append and tree build run as alone. The calls that pass
+        their checks, one per session, draft together; the others (and a session's second call, which comes after
+        its first) draft alone, in order, after them."""
+        if len(calls) == 1 or self.static is None or not self.static.batches:
+            return [self._alone(call, host_tree, i) for i, call in enumerate(calls)]
+        outcomes: list[DraftResult | Exception | None] = [None] * len(calls)
+        together: list[tuple[int, BlockCall]] = []
+        seen: set[str] = set()
+        for i, call in enumerate(calls):
+            if call.session_id in seen:
+                continue
+            try:
+                sess, features = self._begin(call.session_id, call.features, call.root_token, call.root_position,
+                                             call.budget)
+            except Exception as exc:  # noqa: BLE001 - this call's own error
+                outcomes[i] = exc
+                continue
+            seen.add(call.session_id)
+            together.append((i, BlockCall(sess.slot, sess.length, features, call.root_token, call.root_position)))
+        if len(together) > 1:
+            self._draft_together(calls, together, outcomes, host_tree)
+        for i, call in enumerate(calls):
+            if outcomes[i] is None:  # its host tree in a buffer after the one of the blocks drafted together
+                outcomes[i] = self._alone(call, host_tree, 1 + i)
+        return outcomes
+
+    def _draft_together(
+        self, calls: list[DraftCall], together: list[tuple[int, BlockCall]],
+        outcomes: list[DraftResult | Exception | None], host_tree: bool,
+    ) -> None:
+        """The checked calls' blocks in one forward, then each one's tree; every result shares the batch's timer
+        (forward: the appends and the blocks; rest: the trees)."""
+        timer = self.timers.timer()
+        batch = self.static.draft_batch([block for _, block in together])
+        for i, block in together:
+            sess = self.session(calls[i].session_id)
+            sess.length = sess.length_max = block.position
+        timer.mark()
+        trees = self.static.batch_trees(batch, [(calls[i].budget, calls[i].top_k) for i, _ in together], host_tree)
+        for (i, _), (tree, nodes) in zip(together, trees):
+            outcomes[i] = DraftResult(tree, timer, nodes)
+        timer.end()
+
+    def _alone(self, call: DraftCall, host_tree: bool, tree_buffer: int) -> DraftResult | Exception:
+        """draft() -> its result, or the exception it raised (the call's own outcome; the batch goes on).
+        tree_buffer: its host tree's own buffer, as every result of the batch is read after the last is drafted."""
+        try:
+            return self.draft(*call, host_tree=host_tree, tree_buffer=tree_buffer)
+        except Exception as exc:  # noqa: BLE001
+            return exc
+
+    @torch.inference_mode()
     def append(self, session_id: str, features: torch.Tensor) -> tuple[int, float]:
         """features [m, taps*hidden], m >= 1: target hidden states for positions [length, length+m) -> their
         context K/V, nothing drafted: a prompt's features, chunk by chunk, as the verifier hands them out after
-        its prefill (TakeFeatures). -> (the context's length now, the append's
-        device seconds: reading it waits for the append, which no round is waiting behind)."""
+        its prefill (TakeFeatures). -> (the context's length now, the append's device seconds: reading them waits
+        for the append, which no round is waiting behind)."""
         sess = self.session(session_id)
         self._check_features(features)
         m = features.shape[0]
@@ -186,21 +242,9 @@ class DraftEngine(BatchedDrafts):
             self.static.append(sess.slot, sess.length, features)
             sess.length = sess.length_max = sess.length + m
         else:
-            self._append_eager(sess, features)
+            self.eager_drafter.append(sess, features)
         timer.mark()
         return sess.length, timer.split()[0]
-
-    def _append_eager(self, sess: DraftSession, features: torch.Tensor) -> None:
-        """The eager path's context append: features [m, taps*hidden] at positions [length, length+m)."""
-        end = sess.length + features.shape[0]
-        if end == sess.length:
-            return
-        positions = torch.arange(sess.length, end, device=self.device)[None]
-        new_kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], positions)
-        for layer, (k, v) in enumerate(new_kv):
-            sess.ctx_k[layer][:, :, sess.length : end] = k
-            sess.ctx_v[layer][:, :, sess.length : end] = v
-        sess.length = sess.length_max = end
 
     @torch.inference_mode()
     def draft_after(
@@ -253,21 +297,8 @@ class DraftEngine(BatchedDrafts):
             raise SessionError(f"budget must be >= 1, got {budget}")
 
     def _block_logprobs(self, sess: DraftSession, root_token: int, root_position: int) -> torch.Tensor:
-        """-> [B-1, vocab] fp32 log-probs; block position j predicts the token at root_position + j (no shift)."""
+        """-> [B-1, vocab] fp32 log-probs of the block at root_position over the session's context, uncaptured;
+        block position j predicts the token at root_position + j (no shift)."""
         if self.static is not None:
             return self.static.block_logprobs(sess.slot, root_token, root_position)
-        b = self.block_size
-        ids = torch.full((1, b), self.config.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, 0] = root_token
-        positions = torch.arange(root_position, root_position + b, device=self.device)[None]
-        cfg, sliding = self.config, None
-        # Through a sliding layer no block query reaches context before `lo` (the root's window reaches furthest
-        # back), so those layers attend over [lo, length) only; the mask trims the later queries' windows.
-        lo = max(0, root_position - cfg.sliding_window + 1) if cfg.has_sliding_layers else 0
-        starts = [lo if kind == "sliding_attention" else 0 for kind in cfg.layer_types]
-        ctx = [(k[:, :, s : sess.length], v[:, :, s : sess.length]) for s, k, v in zip(starts, sess.ctx_k, sess.ctx_v)]
-        if cfg.has_sliding_layers:
-            ctx_pos = torch.arange(lo, sess.length, device=self.device)[None]
-            sliding = sliding_window_mask(positions, ctx_pos, cfg.sliding_window)  # [1, 1, B, length-lo+B]
-        hidden = self.drafter(self.head.embed_tokens(ids), positions, ctx, sliding_mask=sliding)  # [1, B, hidden]
-        return torch.log_softmax(self.head.logits(hidden[0, 1:]).float(), dim=-1)
+        return self.eager_drafter.block_logprobs(sess, root_token, root_position)
