@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.timing import DeferredTimings
 from protos.types import DraftTree, SamplingParams, StepResult
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.session import DraftResult
-from verify_server.queued_rounds import PendingRound
+from verify_server.session import PendingRound
 from verify_server.verify import ROOT_ONLY, VerifyEngine
+
+if TYPE_CHECKING:
+    from verify_server.tensor_parallel import TensorParallelEngine
 
 
 class LocalDrafter:
+    """The draft engine as a ChainingDrafter (gateway/backends.py)."""
+
+    remote = False
+
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
         self.block_size = engine.block_size
         self.target_layer_ids = list(engine.config.target_layer_ids)
         # the static path on a GPU returns once its kernels are queued (DraftEngine.draft): the round loop drafts
-        # before handing the previous round over (gateway/round_loops.py)
+        # before handing the previous round over
         self.queues = engine.static is not None and engine.device.type == "cuda"
         # ... and can draft after a verify round still in flight (DraftEngine.draft_after)
         self.chains = engine.static is not None
@@ -52,15 +60,23 @@ def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:
 
 
 class LocalVerifier:
-    def __init__(self, engine: VerifyEngine, close: Callable[[], None] | None = None, chain: bool | None = None) -> None:
+    """The verify engine (or a tensor-parallel group's rank 0) as a ChainingVerifier (gateway/backends.py)."""
+
+    remote = False
+
+    def __init__(
+        self, engine: VerifyEngine | TensorParallelEngine, close: Callable[[], None] | None = None,
+        chain: bool | None = None,
+    ) -> None:
         """chain: queue greedy rounds on the device ahead of the host (gateway/round_loops.py: chained_rounds) where
-        the engine can; default on a GPU, where the host's turn between rounds would leave the device idle."""
+        the engine can; default on a GPU, where the host's turn between rounds would leave the device idle. A
+        tensor-parallel group never does: it mirrors whole calls on every rank, not queued rounds."""
         self.engine = engine
         self.close = close or (lambda: None)
-        self.chain = getattr(engine, "device", torch.device("cpu")).type == "cuda" if chain is None else chain
+        self.chain = isinstance(engine, VerifyEngine) and (engine.device.type == "cuda" if chain is None else chain)
 
     def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
-        return self.chain and isinstance(self.engine, VerifyEngine) and self.engine.can_launch(params, max_nodes)
+        return self.chain and self.engine.can_launch(params, max_nodes)
 
     def launch(self, session_id: str, tree: DraftTree | None) -> PendingRound:
         return self.engine.launch(session_id, ROOT_ONLY if tree is None else tree)

@@ -1,5 +1,6 @@
 """The round loop's view of the drafter and the verifier (gateway/rounds.py): the calls it makes, whichever side of
-a process boundary they are on. gateway/grpc_clients.py implements them over gRPC, ddtree/local.py in-process."""
+a process boundary they are on, and what each backend declares it can do. gateway/grpc_clients.py implements them
+over gRPC, ddtree/local.py in-process."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from protos.types import DraftTree, SamplingParams, StepResult
 
 
 class DrafterClient(Protocol):
-    """Clients may also set `remote = True` (their calls go to another process) or `queues = True` (in-process,
-    a draft only queues device work and returns): either way the round loop starts a round's first call before it
-    hands the previous round to its caller (see run_rounds)."""
-
     block_size: int
     target_layer_ids: list[int]
+    # Its calls go to another process. Then, or where `queues` (in-process: a draft only queues device work and
+    # returns), the round loop starts a round's draft before it hands the previous round to its caller.
+    remote: bool
+    queues: bool
+    chains: bool  # a ChainingDrafter: drafts after a round still in flight (draft_after)
 
     async def start_session(self, session_id: str, capacity: int) -> None: ...
 
@@ -37,7 +39,14 @@ class DrafterClient(Protocol):
 
 
 class VerifierClient(Protocol):
-    """`remote = True` as for DrafterClient."""
+    # Its calls go to another process: the round loop starts an AR step before it hands the previous round over,
+    # and a prefill keeps the prompt's features for the relay to the drafter (take_features).
+    remote: bool
+
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
+        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds (only a
+        ChainingVerifier ever can)."""
+        ...
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
 
@@ -69,10 +78,6 @@ class QueuedRound(Protocol):
 class ChainingVerifier(VerifierClient, Protocol):
     """An in-process verifier that queues rounds without waiting for the one before (ddtree/local.py)."""
 
-    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
-        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds."""
-        ...
-
     def launch(self, session_id: str, tree: DraftTree | None) -> QueuedRound:
         """Queues a verify round of `tree` (None: an AR step); with a round in flight, from its outcome."""
         ...
@@ -81,9 +86,7 @@ class ChainingVerifier(VerifierClient, Protocol):
 
 
 class ChainingDrafter(DrafterClient, Protocol):
-    """An in-process drafter on the verifier's device; `chains = True`."""
-
-    chains: bool
+    """An in-process drafter on the verifier's device; `chains` is true."""
 
     async def draft_after(
         self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None

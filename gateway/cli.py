@@ -55,7 +55,6 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
     drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes, config.lanes) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
-        keep_warm(config.keep_warm_us, [c for c in (verifier, drafter) if c is not None])
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
@@ -69,18 +68,6 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
         await verifier.close()
         if drafter is not None:
             await drafter.close()
-
-
-def keep_warm(every_us: int, clients: list[GrpcVerifier | GrpcDrafter]) -> None:
-    """--keep-warm-us: the polling loop rehearses the clients' last round calls' host steps, which they keep."""
-
-    def rehearse() -> None:
-        for client in clients:
-            client.rehearse()
-
-    if event_loop.keep_warm(every_us, rehearse, "gateway"):
-        for client in clients:
-            client.rehearsing = True
 
 
 class _Server(uvicorn.Server):

@@ -10,11 +10,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from runtime.event_loop import check_busy_poll_us, check_keep_warm_us
+from runtime.event_loop import check_busy_poll_us
 from runtime.models import resolve_pair
-from runtime.config import (
-    BUSY_POLL_HELP, KEEP_WARM_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option,
-)
+from runtime.config import BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
@@ -46,7 +44,6 @@ class GatewayConfig(FlagConfig):
                                       "forwards alone, and other requests' rounds run between them; the features "
                                       "then go to the drafter chunk by chunk; 0: every prompt in one call")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
-    keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -65,7 +62,6 @@ class GatewayConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
-        check_keep_warm_us(self.keep_warm_us)
 
     @property
     def drafter_address(self) -> str | None:

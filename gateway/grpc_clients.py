@@ -7,8 +7,7 @@ back to AR decoding on any drafter exception. Cancelling the awaiting task cance
 A session's round calls and a prompt's features (the calls in a client's STREAMED) go over one connection per
 session and call, each answer within the deadline of a call: to the service's round lane (runtime/lane.py; the port
 comes from its Info answer) where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's
-XStream; the features' calls, BULK, have none and go unary); a server without the stream forms
-(UNIMPLEMENTED) gets the unary calls. Features and trees come back in their wire form
+XStream; the features' calls, BULK, have none and go unary). Features and trees come back in their wire form
 (protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
 are never decoded to torch tensors here.
 
@@ -33,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.config import MAX_MESSAGE_BYTES
 from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
-from gateway.transports import GrpcStream, SessionStream
+from gateway.transports import GrpcStream, SessionStream, UnaryCalls
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -60,11 +59,11 @@ class BackendError(RuntimeError):
 class _Client:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
-    remote = True  # run_rounds starts a round's first call before handing the previous round over
+    remote = True  # the round loop starts a round's first call before handing the previous round over
     # session calls made over a stream or lane -> their response type (None: the answer's bytes, unparsed)
     STREAMED: dict[str, type[Message] | None] = {}
     # those of them that carry a prompt's features: no gRPC stream form (unary calls where there is no lane), their
-    # requests messages or bytes in pieces (WireFeatures), and never rehearsed (tens of MB)
+    # requests messages or bytes in pieces (WireFeatures)
     BULK: frozenset[str] = frozenset()
     INFO_REQUEST: type[Message]
     SERVICE: str  # the service's name in ddtree.proto
@@ -97,15 +96,11 @@ class _Client:
             for rpc in self.BULK
         }
         self._streams: dict[tuple[str, str], SessionStream] = {}  # (rpc, session id) -> that session's calls of rpc
-        self._unary_only: set[str] = set()  # RPCs whose stream form this server lacks
         host, _, port = address.rpartition(":")  # only a plain HOST:PORT address has a host a lane port adds to
         self._lane_host = host.strip("[]") if host and port.isdigit() and "/" not in host else ""
         self._lanes = lanes and bool(self._lane_host)
         self._lane_port: int | None = None  # the service's round lane; None: not asked yet, 0: it has none
         self._lane_logged: int | None = None  # the lane port last announced in the log
-        # rpc -> its last round call's (request, answer) on any session, kept only while rehearsing (rehearse())
-        self.rehearsing = False
-        self._last: dict[str, tuple[Message, Message]] = {}
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
@@ -120,11 +115,9 @@ class _Client:
         return reply
 
     async def _session_call(self, rpc: str, session_id: str, request: Any) -> Any:
-        """`rpc` for one session: over the session's lane connection or stream of `<rpc>Stream` (opened on first
-        use), or the unary call where the server has no stream form. Any failure ends that connection or stream;
-        the next call opens a new one."""
-        if rpc not in self.STREAMED or rpc in self._unary_only:
-            return await self._call(rpc, self._unary(rpc), request)
+        """`rpc` (one of STREAMED) for one session: over the session's lane connection, stream of `<rpc>Stream` or,
+        for a BULK call without a lane, unary calls (opened on first use). Any failure ends that connection or
+        stream; the next call opens a new one."""
         key = (rpc, session_id)
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
@@ -134,10 +127,7 @@ class _Client:
                 async with asyncio.timeout(self.timeout_s):
                     if stream.transport is None:
                         stream.transport = await self._open(rpc)
-                    response = await stream.transport.exchange(request)
-                    if self.rehearsing and rpc not in self.BULK:
-                        self._last[rpc] = (request, response)
-                    return response
+                    return await stream.transport.exchange(request)
             except TimeoutError:
                 code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
             except CallFailed as exc:
@@ -146,18 +136,12 @@ class _Client:
                 self._drop(key, stream)
                 raise
             self._drop(key, stream)
-        if code == grpc.StatusCode.UNIMPLEMENTED:  # a server without the stream forms: unary calls from now on
-            self._unary_only.add(rpc)
-            return await self._call(rpc, self._unary(rpc), request)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
-    def _unary(self, rpc: str) -> Any:
-        """rpc's unary multicallable (a BULK call's own, which takes requests in pieces)."""
-        return self._bulk.get(rpc) or getattr(self._stub, rpc)
-
-    async def _open(self, rpc: str) -> Lane | GrpcStream:
-        """A new connection to the service's round lane, or a new gRPC stream where it has none or it is
-        unreachable (the port is asked for again at the next session's first call: the service may have moved)."""
+    async def _open(self, rpc: str) -> Lane | GrpcStream | UnaryCalls:
+        """A new connection to the service's round lane, or, where it has none or it is unreachable (the port is
+        asked for again at the next session's first call: the service may have moved), a new gRPC stream, or
+        unary calls for a BULK call."""
         if self._lanes and self._lane_port is None:
             with contextlib.suppress(BackendError):
                 await self._info()
@@ -175,7 +159,7 @@ class _Client:
                             self._lane_host, self._lane_port, self.address, exc, rpc)
                 self._lane_port = None
         if rpc in self.BULK:
-            raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} has no stream form: unary calls")
+            return UnaryCalls(self._bulk[rpc], self.timeout_s)
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
         return GrpcStream(getattr(self._stub, f"{rpc}Stream")())
 
@@ -192,16 +176,6 @@ class _Client:
             async with stream.lock:  # after any answer still awaited (it is cancelled with the stream otherwise)
                 if stream.transport is not None:
                     await stream.transport.end()
-
-    def rehearse(self) -> None:
-        """The host-only steps of each round call's last exchange on its own messages, nothing kept (a
-        busy-polling gateway runs this between rounds with --keep-warm-us): the request's copy and encoding, the
-        answer's parse."""
-        for request, response in list(self._last.values()):
-            copy = type(request)()
-            copy.CopyFrom(request)
-            copy.SerializeToString()
-            type(response).FromString(response.SerializeToString())
 
     async def health(self) -> bool:
         """True when the service reports SERVING (models loaded and warmed up); False otherwise or unreachable."""
@@ -226,6 +200,8 @@ def _serialized(request: Message | tuple[bytes | memoryview, ...]) -> bytes:
 
 
 class GrpcDrafter(_Client):
+    queues = False  # (remote: the round loop starts its drafts early anyway)
+    chains = False
     STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse}
     BULK = frozenset({"Append"})
     INFO_REQUEST = pb.DrafterInfoRequest
@@ -294,6 +270,9 @@ class GrpcVerifier(_Client):
 
     async def info(self) -> VerifierInfo:
         return tensors.verifier_info_from_pb(await self._info())
+
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
+        return False  # a round queued on the device ahead of the host needs the verifier in the loop's process
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         request = pb.VerifierStartSessionRequest(

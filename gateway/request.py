@@ -1,6 +1,6 @@
-"""What the round loop tracks of one request, and what it yields: the request's state across its rounds
-(Request), the speculation it asked for, each round's outcome (Round), and the small steps both loop forms
-(gateway/round_loops.py) share.
+"""One request's rounds: the speculation it asks for, what each round yields (Round), and the request's state across
+its rounds with the steps every form of its round loop takes (Request): the prompt's prefill, with the relay of its
+features to the drafter, the draft of the next round, the cut of a step's tokens at a stop token or the limit.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,7 +52,7 @@ class Round:
 
 @dataclass
 class Request:
-    """What a request's round loop tracks across its rounds."""
+    """What a request's round loop tracks across its rounds, and the steps it takes with it."""
 
     verifier: VerifierClient
     drafter: DrafterClient | None  # None in AR mode, and from a drafter failure on
@@ -63,8 +63,7 @@ class Request:
     on_fallback: Callable[[BaseException], None] | None
     generated: int = 0
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    # the prompt's kept features on their way to the drafter (gateway/rounds.py _relay): the first draft waits for
-    # them
+    # the prompt's kept features on their way to the drafter (prefill): the first draft waits for them
     relay: asyncio.Future | None = None
 
     def tree_shape(self) -> tuple[int, int | None]:
@@ -82,23 +81,75 @@ class Request:
         return self.prompt_len + self.generated - 1
 
     def fall_back(self, exc: BaseException) -> None:
+        """The drafter failed (down, timed out, erroring): the request goes on with AR steps on the verifier, its
+        output unchanged, only slower; `on_fallback` hears about it (metrics, logs)."""
         self.drafter = None
         if self.on_fallback is not None:
             self.on_fallback(exc)
 
+    def draft(self, step: StepResult) -> Awaitable[tuple[DraftTree, Mapping[str, float]]]:
+        """The draft of the round after `step` (the host's copy of the last outcome), with its features; the first
+        one after a prefill whose features were kept waits for their relay instead and brings none."""
+        args = (step.tokens[-1], self.root_position, *self.tree_shape())
+        if self.relay is None:
+            return self.drafter.draft(self.session_id, step.features, *args)
+        return self._after_relay(*args)
 
-async def after_relay(
-    run: Request, drafter: DrafterClient, session_id: str, root: int, position: int, budget: int, top_k: int | None
-) -> tuple[DraftTree, Mapping[str, float]]:
-    """The first draft after a prefill that kept its features: the drafter's context needs the prompt's features
-    first, and the draft brings none (the relay's failure fails the draft, and the round loop falls back to AR).
-    Its timings add relay_s, the wait for the relay."""
-    relay, run.relay = run.relay, None
-    start = time.perf_counter()
-    await relay
-    waited = time.perf_counter() - start
-    tree, timings = await drafter.draft(session_id, None, root, position, budget, top_k)
-    return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
+    async def _after_relay(
+        self, root: int, position: int, budget: int, top_k: int | None
+    ) -> tuple[DraftTree, Mapping[str, float]]:
+        """The drafter's context needs the prompt's features first (the relay's failure fails the draft, and the
+        round loop falls back to AR). Its timings add relay_s, the wait for the relay."""
+        relay, self.relay = self.relay, None
+        start = time.perf_counter()
+        await relay
+        waited = time.perf_counter() - start
+        tree, timings = await self.drafter.draft(self.session_id, None, root, position, budget, top_k)
+        return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
+
+    async def prefill(self, prompt: list[int], chunk: int) -> StepResult:
+        """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill; 0: one call), so
+        that the verifier serves other sessions' rounds between them. The verifier keeps the prompt's features
+        (keep_features: several taps of the target's hidden size a token) where a drafter needs them and they
+        would travel (a remote verifier, or chunks): then the calls carry only tokens, and the first token waits
+        for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps them
+        (_relay), and the first draft waits for them (`relay`) and brings none. -> the last chunk's step, its
+        forward_s the whole prompt's."""
+        if not 0 < chunk < len(prompt):
+            chunk = len(prompt)
+        begins = range(0, len(prompt), chunk)
+        keep = self.drafter is not None and (len(begins) > 1 or self.verifier.remote)
+        kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
+        if keep:
+            self.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, self.session_id, len(begins), kept))
+        forward_s = 0.0
+        for begin in begins:
+            more = begin + chunk < len(prompt)
+            step = await self.verifier.prefill(self.session_id, prompt[begin : begin + chunk], more=more,
+                                               keep_features=keep)
+            kept.release()
+            forward_s += step.forward_s
+        step.forward_s = forward_s
+        return step
+
+
+async def _relay(
+    verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int, kept: asyncio.Semaphore
+) -> None:
+    """A prompt's kept features, verifier -> drafter, as the verifier keeps them (a remote one's unparsed), while
+    the prompt's later chunks run: each chunk's are taken while the chunk before is appended to the drafter's
+    context, so that a long prompt's features are in the drafter's context soon after its first token."""
+    appending: asyncio.Future | None = None
+    try:
+        for _ in range(chunks):
+            await kept.acquire()
+            features = await verifier.take_features(session_id)
+            if appending is not None:
+                await appending
+            appending = asyncio.ensure_future(drafter.append(session_id, features))
+        await appending
+    finally:  # a failure or a cancel: nobody waits for the append any more
+        discard(appending)
 
 
 def discard(future: asyncio.Future | None) -> None:

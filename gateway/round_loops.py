@@ -1,6 +1,9 @@
-"""The two forms of the round loop after the prefill (gateway/rounds.py run_rounds picks one): rounds one at a
-time, each from the host's copy of the last outcome (stepped_rounds), and greedy rounds queued on the device ahead
-of the host (chained_rounds, in-process on a GPU).
+"""The two forms of a request's round loop after its prefill: rounds one at a time, each from the host's copy of the
+last outcome (stepped_rounds), and greedy rounds queued on the device ahead of the host (chained_rounds, for a
+ChainingVerifier and a ChainingDrafter: in-process on a GPU).
+
+A drafter's failure (down, timed out, erroring) never fails the request: the round goes on as an AR step and the
+request with AR steps (Request.fall_back).
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from protos.types import StepResult
-from gateway.backends import ChainingVerifier, QueuedRound
-from gateway.request import Request, Round, after_relay, discard, round_timings
+from gateway.backends import ChainingDrafter, ChainingVerifier, QueuedRound
+from gateway.request import Request, Round, discard, round_timings
 
 
 async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
@@ -29,20 +32,14 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
                 yield Round(index, tokens, tree_size, finish, timings)
                 return
             drafter = run.drafter
-            if drafter:
-                args = (step.tokens[-1], run.root_position, *run.tree_shape())
-                first = (partial(drafter.draft, session_id, step.features, *args) if run.relay is None
-                         else partial(after_relay, run, drafter, session_id, *args))
-            else:
-                first = partial(run.verifier.decode, session_id)
+            first = partial(run.draft, step) if drafter else partial(run.verifier.decode, session_id)
             # A remote backend's first call of the next round goes out before this round is handed over, so what
             # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
             # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
             # own). So does an in-process draft that only queues device work: the device drafts while the round is
             # handed over. Any other in-process call would simply run first, so it is made after the hand-over.
             t0 = time.perf_counter()
-            queued = drafter is not None and getattr(drafter, "queues", False)
-            if getattr(drafter or run.verifier, "remote", False) or queued:
+            if (drafter.remote or drafter.queues) if drafter else run.verifier.remote:
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
             yield Round(index, tokens, tree_size, None, timings)
@@ -59,7 +56,7 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
                 tree = None
                 try:
                     tree, timings = await call
-                except Exception as exc:  # noqa: BLE001 - see gateway/rounds.py run_rounds
+                except Exception as exc:  # noqa: BLE001 - a drafter failure degrades to AR, never fails the request
                     run.fall_back(exc)
                 if tree is not None:
                     tree_size = tree.num_nodes
@@ -121,17 +118,15 @@ async def _queue(run: Request, step: StepResult | None = None, last: _Queued | N
     """Queues the next round: from the host's copy of the last step (the prefill, or a round collected first), or
     from the outcome of `last`, still in flight, on the device."""
     tree, draft_timings = None, {}
-    if run.drafter:
-        budget, top_k = run.tree_shape()
-        session_id, position = run.session_id, run.root_position
+    drafter: ChainingDrafter | None = run.drafter
+    if drafter:
         try:
             if last is None:
-                args = (step.tokens[-1], position, budget, top_k)
-                call = (run.drafter.draft(session_id, step.features, *args) if run.relay is None
-                        else after_relay(run, run.drafter, session_id, *args))
+                call = run.draft(step)
             else:
-                call = run.drafter.draft_after(session_id, last.pending, position, budget, top_k)
+                budget, top_k = run.tree_shape()
+                call = drafter.draft_after(run.session_id, last.pending, run.root_position, budget, top_k)
             tree, draft_timings = await call
-        except Exception as exc:  # noqa: BLE001 - see gateway/rounds.py run_rounds
+        except Exception as exc:  # noqa: BLE001 - a drafter failure degrades to AR, never fails the request
             run.fall_back(exc)
     return _Queued(run.verifier.launch(run.session_id, tree), 0 if tree is None else tree.num_nodes, draft_timings)

@@ -1,6 +1,7 @@
-"""The two transports of a session's round calls on the gateway's side: a connection to the service's round lane
-(runtime/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream). Both
-exchange one request for one answer, in order; gateway/grpc_clients.py picks one per session and call."""
+"""The transports of a session's round calls on the gateway's side: a connection to the service's round lane
+(runtime/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream), or
+unary calls for the calls that have no stream form, those carrying a prompt's features (UnaryCalls). Each exchanges
+one request for one answer, in order; gateway/grpc_clients.py picks one per session and call."""
 
 from __future__ import annotations
 
@@ -39,9 +40,29 @@ class GrpcStream:
         await self._call.done_writing()  # the server ends the stream once it has answered everything
 
 
+class UnaryCalls:
+    """A session's calls of one RPC as unary calls, each with its deadline."""
+
+    def __init__(self, method: Any, timeout_s: float) -> None:  # a grpc.aio.UnaryUnaryMultiCallable
+        self._method = method
+        self._timeout_s = timeout_s
+
+    async def exchange(self, request: Any) -> Any:
+        try:
+            return await self._method(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise CallFailed(exc.code(), exc.details() or "") from None
+
+    def close(self) -> None:
+        pass  # a call in flight is cancelled with the task awaiting it
+
+    async def end(self) -> None:
+        pass
+
+
 @dataclass
 class SessionStream:
-    """A session's calls of one RPC, in order: over the service's round lane, or a gRPC stream."""
+    """A session's calls of one RPC, in order: over the service's round lane, a gRPC stream, or unary calls."""
 
-    transport: Lane | GrpcStream | None = None  # opened by the first call
+    transport: Lane | GrpcStream | UnaryCalls | None = None  # opened by the first call
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order

@@ -18,24 +18,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from runtime.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us, check_keep_warm_us
+from runtime.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1, which is also the default: a prompt's features travel whole, verifier ->
-# gateway -> drafter, and at Qwen3-8B shapes (5 taps x 4096, bf16) 256 MiB held ~6500 tokens of its 40960; the
-# largest holds the whole context. Below 1 MiB not even a small prefill's features fit.
+# gateway -> drafter, and at an 8B target's shapes a long prompt's run to hundreds of MiB; the largest holds the
+# whole context. Below 1 MiB not even a small prefill's features fit.
 MAX_MESSAGE_BYTES = 2**31 - 1
 _MESSAGE_BYTES_RANGE = (2**20, MAX_MESSAGE_BYTES)
 MAX_MESSAGE_HELP = "largest gRPC or lane message sent or received, in bytes (a prompt's features come in one)"
 BUSY_POLL_HELP = (
     "microseconds the event loop keeps polling its sockets after its last I/O before it sleeps: a round's "
-    "message then lands ~50 us sooner at each hop, at the cost of a busy core while sessions run (0: off; "
-    f"default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, else 0)"
-)
-KEEP_WARM_HELP = (
-    "while the event loop busy-polls, rehearse the last round calls' host-only steps (encoding and parsing their own "
-    "messages; no engine, no device) at most every this many microseconds, so the next call finds them in the "
-    "CPU's caches (0: off; needs busy polling)"
+    "message then lands sooner at each hop (no wake-up from sleep), at the cost of a busy core while sessions run "
+    f"(0: off; default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, "
+    "else 0)"
 )
 
 
@@ -100,8 +96,8 @@ class ServiceConfig(FlagConfig):
     eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
     compile: bool | None = option(
         None, "torch.compile the captured steps (the verifier's fused Qwen3 / Llama layers and round; the drafter's "
-        "block, context append and tree build), compiled in warm-up; fewer, fused kernels (at Qwen3-8B shapes a "
-        "verify step costs ~0.55x the uncompiled one). Default: on with a CUDA device, off on the CPU"
+        "block, context append and tree build), compiled in warm-up; fewer, fused kernels. Default: on with a CUDA "
+        "device, off on the CPU"
     )
     lane_port: int = option(
         0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
@@ -109,7 +105,6 @@ class ServiceConfig(FlagConfig):
     )
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
-    keep_warm_us: int = option(0, KEEP_WARM_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -130,7 +125,6 @@ class ServiceConfig(FlagConfig):
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
-        check_keep_warm_us(self.keep_warm_us)
         self.torch_device()  # a malformed device string fails at startup, not after loading
 
     @property

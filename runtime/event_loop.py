@@ -4,17 +4,7 @@ A round crosses four hops (gateway -> drafter -> gateway -> verifier -> gateway)
 asleep in epoll_wait, which the kernel then had to wake. So after any I/O a loop keeps polling (epoll_wait with a
 zero timeout, which lets go of the GIL every time) for `window` seconds before it blocks: while rounds run, the
 next message always arrives within the window, and an idle process sleeps as before once its last I/O is `window`
-old. The price is a busy core per process while sessions are active. Measured (bench/README.md, "busy polling"):
-a round lane's one-way 100 B hop on a 2-core VM 89 / 118 -> 25 / 31 us; the demo pair's four hops a round on an
-H200 host 0.39-0.47 -> 0.21-0.24 ms.
-
-While it polls, a loop can also keep a round call's host work warm (`keep_warm`): after a few milliseconds of
-anything else (a sleep, a spin, this very polling, waiting for the GPU), the same Python, protobuf and numpy steps
-ran 1.5-6x slower on the hosts we measured, their code and data gone from the CPU's caches (bench/README.md: a
-Verify call's host steps on a 2-core VM, 36 us back to back, 103-121 us after 6.5 ms of polling, 39 us when the
-polling loop had rehearsed them meanwhile; a Draft job right after a GPU wait on an H200 host). So a process (a
-model service, the gateway) can hand the selector a rehearsal of its last round calls' host-only steps on those
-calls' own messages, run at most every `every_s` while nothing arrives.
+old. The price is a busy core per process while sessions are active.
 
 A loop that waits on another thread of its process (a model service's engine thread) must not poll meanwhile:
 every torch call lets go of the GIL and takes it back, and while this thread polls, the other one gets it back
@@ -37,7 +27,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-AUTO_WINDOW_US = 20_000  # covers a verify job at Qwen3-8B shapes (~6 ms) and the hops around it, with room
+AUTO_WINDOW_US = 20_000  # covers a verify job at an 8B target's shapes and the hops around it, with room
 AUTO_MIN_CPUS = 8  # three polling processes (gateway and two services) next to the model's own CPU work
 CGROUP = Path("/sys/fs/cgroup")  # where the kernel shows this process's cgroup (a container's own)
 
@@ -63,12 +53,6 @@ def check_busy_poll_us(busy_poll_us: int | None) -> None:
         raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
 
 
-def check_keep_warm_us(keep_warm_us: int) -> None:
-    """A config's check of its `--keep-warm-us` setting."""
-    if keep_warm_us < 0:
-        raise ValueError(f"keep_warm_us must be >= 0, got {keep_warm_us}")
-
-
 def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
     """A `--busy-poll-us` setting -> the polling window in seconds; None: AUTO_WINDOW_US with AUTO_MIN_CPUS or more
     usable CPUs, none with fewer (where polling would take the cores the model's CPU work needs)."""
@@ -80,23 +64,13 @@ def busy_poll_seconds(busy_poll_us: int | None, cgroup: Path = CGROUP) -> float:
 
 class PollingSelector(selectors.DefaultSelector):
     """The platform's selector, polling (zero timeouts) up to `window` seconds after its last I/O event before it
-    waits with the loop's own timeout. A timer is never late for it: polling stops at the loop's timeout (a rehearsal
-begun just before may overrun it by its own few tens of microseconds)."""
+    waits with the loop's own timeout. A timer is never late for it: polling stops at the loop's timeout."""
 
     def __init__(self, window: float) -> None:
         super().__init__()
         self.window = window
         self._last_event = -float("inf")  # perf_counter of the last select that returned events
         self._pauses = 0  # pause() calls not yet resumed
-        self._warm: Callable[[], None] | None = None
-        self._warm_every = 0.0
-        self._warmed = -float("inf")  # perf_counter when the last rehearsal ended
-
-    def keep_warm(self, rehearse: Callable[[], None] | None, every_s: float) -> None:
-        """While polling, call rehearse() whenever `every_s` seconds have passed since its last run ended (None:
-        never). It runs on the loop's thread between polls, so it must be short (tens of microseconds) and touch
-        nothing a call relies on. The first exception it raises is logged and ends the rehearsals."""
-        self._warm, self._warm_every = rehearse, every_s
 
     @property
     def paused(self) -> bool:
@@ -116,9 +90,8 @@ begun just before may overrun it by its own few tens of microseconds)."""
             poll_until = min(poll_until, start + timeout)
         ready = []
         if start < poll_until and not self._pauses:  # never with a zero timeout: the loop has work queued
-            while not (ready := super().select(0)) and (now := time.perf_counter()) < poll_until:
-                if self._warm is not None and now - self._warmed >= self._warm_every:
-                    self._rehearse()
+            while not (ready := super().select(0)) and time.perf_counter() < poll_until:
+                pass
             if not ready and timeout is not None:
                 timeout = max(0.0, timeout - (time.perf_counter() - start))
         if not ready:
@@ -126,14 +99,6 @@ begun just before may overrun it by its own few tens of microseconds)."""
         if ready:
             self._last_event = time.perf_counter()
         return ready
-
-    def _rehearse(self) -> None:
-        try:
-            self._warm()
-        except Exception:  # noqa: BLE001 - a rehearsal must never take the loop down
-            log.exception("keeping the round calls' host work warm failed: no more rehearsals")
-            self._warm = None
-        self._warmed = time.perf_counter()
 
 
 class PollingEventLoop(asyncio.SelectorEventLoop):
@@ -160,21 +125,6 @@ class PollingEventLoop(asyncio.SelectorEventLoop):
             raise
         job.add_done_callback(lambda _: _call_soon(self, self.polling.resume))  # called on the worker thread
         return asyncio.wrap_future(job, loop=self)
-
-
-def keep_warm(every_us: int, rehearse: Callable[[], None], name: str) -> bool:
-    """Has the running loop rehearse a process's last round calls' host steps at most every `every_us` while it
-    busy-polls (0: never; a loop that does not poll never rehearses) -> whether it will. `name` is the process's,
-    for the log."""
-    if every_us <= 0:
-        return False
-    loop = asyncio.get_running_loop()
-    if not isinstance(loop, PollingEventLoop):
-        log.info("%s: --keep-warm-us needs busy polling (--busy-poll-us): no rehearsals", name)
-        return False
-    loop.polling.keep_warm(rehearse, every_us / 1e6)
-    log.info("%s: while polling, rehearses its last round calls' host steps every %d us", name, every_us)
-    return True
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:

@@ -103,7 +103,6 @@ async def serve(
             for name in ("", service_name):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("%s: SERVING", service_name)
-            host.rehearsing = event_loop.keep_warm(config.keep_warm_us, host.rehearse, service_name)
             tasks.append(asyncio.create_task(host.expire_forever(config.sweep_interval)))
             if alive is not None:
                 tasks.append(asyncio.create_task(_watch(host, alive, stop, service_name)))

@@ -87,9 +87,8 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
     target, drafter = models
     logs = tmp_path_factory.mktemp("e2e_logs")
     draft, draft_metrics, verify, verify_metrics, http = free_ports(5)
-    # every process polls its sockets for a while after I/O (runtime/event_loop.py), as on a GPU host by default,
-    # and rehearses its last round calls' host steps meanwhile
-    dtype = ["--dtype", "float32", "--busy-poll-us", "3000", "--keep-warm-us", "300"]
+    # every process polls its sockets for a while after I/O (runtime/event_loop.py), as on a GPU host by default
+    dtype = ["--dtype", "float32", "--busy-poll-us", "3000"]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `ddtree serve` sets it: see there
         svc = Services(
@@ -100,7 +99,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
-                                      "--busy-poll-us", "3000", "--keep-warm-us", "300",
+                                      "--busy-poll-us", "3000",
                                       "--prefill-chunk", str(PREFILL_CHUNK)], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )
@@ -145,19 +144,6 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
     assert takes[1] - takes[0] == (chunks if mode != "off" else 0)  # the verifier kept every chunk's features
     assert appends[1] - appends[0] == (chunks if mode != "off" else 0)  # all of them before the first draft
-
-
-def test_processes_rehearse_their_round_calls(services, expected) -> None:
-    """--keep-warm-us: the model services and the gateway rehearse while they poll between rounds, and no
-    rehearsal failed (a failure is logged and ends them); the rounds' output is checked by the tests around this
-    one."""
-    text, _, _ = expected(STORY, 40)
-    request = {"model": MODEL, "messages": STORY, "max_tokens": 40, "temperature": 0}
-    assert httpx.post(f"{services.url}/v1/chat/completions", json=request, timeout=60).json()["choices"][0][
-        "message"]["content"] == text
-    logs = "".join(log.read_text(errors="replace") for log in services.logs.iterdir())
-    assert logs.count("rehearses its last round calls' host steps every 300 us") == 3
-    assert "no more rehearsals" not in logs
 
 
 def test_openai_client(services, expected) -> None:

@@ -31,8 +31,6 @@ def test_busy_poll_setting(monkeypatch, tmp_path) -> None:
         ServiceConfig(busy_poll_us=-5)
     with pytest.raises(ValueError, match="busy_poll_us"):
         GatewayConfig(target="x", busy_poll_us=-5)
-    with pytest.raises(ValueError, match="keep_warm_us"):
-        ServiceConfig(keep_warm_us=-1)
 
 
 def test_usable_cpus_reads_a_cgroup_quota(monkeypatch, tmp_path) -> None:
@@ -117,32 +115,6 @@ def test_after_its_window_it_waits_out_the_whole_timeout(counted) -> None:
     assert selector.select(0.2) == []
     assert time.monotonic() - started >= 0.19  # polled ~10 ms, then waited the rest: the timer fires on time
     assert selector.calls >= 2  # polls, then the wait
-
-
-def test_keep_warm_rehearses_while_polling_only(counted, caplog) -> None:
-    """keep_warm: its rehearsal runs between polls, no more often than asked, never while paused or waiting; the
-    first failure is logged and ends the rehearsals, and the loop goes on."""
-    selector = _Counted(window=30.0)
-    selector.register(counted[1], selectors.EVENT_READ)
-    runs: list[float] = []
-    selector.keep_warm(lambda: runs.append(time.perf_counter()), 0.005)
-    assert selector.select(0.02) == [] and runs == []  # no I/O yet: a plain wait, no polling
-    _one_event(selector, counted)
-    assert selector.select(0.05) == []
-    assert 2 <= len(runs) <= 11 and all(b - a >= 0.005 for a, b in zip(runs, runs[1:]))
-    selector.pause()
-    del runs[:]
-    assert selector.select(0.02) == [] and runs == []
-    selector.resume()
-
-    def broken() -> None:
-        runs.append(0.0)
-        raise RuntimeError("boom")
-
-    selector.keep_warm(broken, 0.0)
-    assert selector.select(0.02) == [] and runs == [0.0]  # once, then never again
-    assert "no more rehearsals" in caplog.text
-    _one_event(selector, counted)  # and the selector still serves its sockets
 
 
 def test_lane_exchange_on_a_polling_loop() -> None:

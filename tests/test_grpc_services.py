@@ -93,10 +93,10 @@ async def _rounds(
 
 
 async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None,
-                         prefill_chunk: int = 0, unary: set[str] | None = None):
+                         prefill_chunk: int = 0):
     """The round loop against the services; `opened` collects "RPC:KIND" for every connection a session's calls
-    open (Lane: the service's round lane, GrpcStream: a gRPC stream), `unary` the calls made unary because they
-    have neither."""
+    open (Lane: the service's round lane, GrpcStream: a gRPC stream, UnaryCalls: unary calls, for the calls with
+    neither)."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
                 GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
@@ -108,10 +108,7 @@ async def _remote_rounds(services: Services, mode: str, params: SamplingParams, 
                 return transport
 
             client._open = recorded
-        result = await _rounds(verifier, drafter, mode, params, prefill_chunk)
-        if unary is not None:
-            unary.update(verifier._unary_only | drafter._unary_only)
-        return result
+        return await _rounds(verifier, drafter, mode, params, prefill_chunk)
 
 
 def _tokens(rounds: list[Round]) -> list[int]:
@@ -209,7 +206,8 @@ def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, serv
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
-    assert {entry.split(":")[1] for entry in opened} == {"Lane" if lanes else "GrpcStream"}
+    # without lanes the prompt's features (kept by the remote verifier) go in unary calls, having no stream form
+    assert {entry.split(":")[1] for entry in opened} == ({"Lane"} if lanes else {"GrpcStream", "UnaryCalls"})
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
@@ -223,15 +221,17 @@ def test_a_chunked_prompts_features_travel_over_the_lanes_or_unary(lanes, servic
     """The prompt in chunks of 3: its features taken from the verifier and appended to the drafter over their
     round lanes, or in unary calls without lanes (neither call has a gRPC stream form); the output is the same."""
     opened: list[str] = []
-    unary: set[str] = set()
-    remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", SamplingParams(), lanes, opened, 3, unary))
+    remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", SamplingParams(), lanes, opened, 3))
     in_process, _ = asyncio.run(_rounds(*local, "ddtree", SamplingParams()))
     assert fallbacks == [] and _tokens(remote) == hf_tokens
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
     if lanes:
-        assert {"TakeFeatures:Lane", "Append:Lane", "Draft:Lane", "Verify:Lane"} <= set(opened) and unary == set()
+        assert {"TakeFeatures:Lane", "Append:Lane", "Draft:Lane", "Verify:Lane"} <= set(opened)
+        assert not [entry for entry in opened if entry.endswith(":UnaryCalls")]
     else:
-        assert unary == {"TakeFeatures", "Append"} and "Append:GrpcStream" not in opened
+        assert {entry for entry in opened if entry.endswith(":UnaryCalls")} == {"TakeFeatures:UnaryCalls",
+                                                                               "Append:UnaryCalls"}
+        assert "Append:GrpcStream" not in opened
 
 
 def test_seeded_sampling_matches_in_process_loop(services, local):

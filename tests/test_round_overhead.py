@@ -75,20 +75,6 @@ async def _loaded(host: EngineHost, engine: FakeEngine) -> None:
     await host.load(lambda: engine, lambda _engine: None)
 
 
-def test_rehearsals_keep_the_last_round_calls_messages_only_while_on():
-    """EngineHost.remember keeps a round call's host steps and messages only once rehearsals are on (no work and
-    no memory per round otherwise); rehearse() runs the last one's steps on its messages."""
-    host, ran = _host(), []
-    host.remember(lambda *messages: ran.append(messages), "request", "answer")
-    host.rehearse()
-    assert ran == []
-    host.rehearsing = True
-    host.remember(lambda *messages: ran.append(messages), "request 2", "answer 2")
-    host.rehearse()
-    host.rehearse()
-    assert ran == [("request 2", "answer 2")] * 2
-
-
 def test_round_steps_run_on_the_event_loop_and_the_rest_on_the_engine_thread():
     host, engine = _host(), FakeEngine()
 
@@ -198,7 +184,11 @@ def test_metrics_are_recorded_once_answered_and_gauges_read_the_sessions_when_sc
 
 
 class Remote:
+    """A backend in another process, both drafter and verifier."""
+
     remote = True
+    queues = False
+    chains = False
     block_size = 4
     target_layer_ids = [0]
 
@@ -223,6 +213,9 @@ class Remote:
             self.log.append(f"{name} cancelled")
             raise
         return value
+
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
+        return False
 
     async def start_session(self, session_id: str, capacity: int, *args) -> None:
         pass
@@ -537,7 +530,7 @@ def test_sampled_requests_do_not_chain():
 
 class UnaryDrafter(pb_grpc.DrafterServicer):
     """Answers Draft with a chain [root, root + 1] after `delay` seconds; root token 0 is refused, as a bad request
-    is. No stream form, like a server from before the streams."""
+    is. Its unary calls; StreamDrafter adds the stream form."""
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
@@ -677,13 +670,3 @@ async def _first_transport(client: GrpcDrafter) -> str:
     await _root_of_draft(client, "a", 5)
     return type(_transport(client, "a")).__name__
 
-
-def test_servers_without_the_stream_forms_get_unary_calls():
-    async def scenario(client: GrpcDrafter):
-        roots = [await _root_of_draft(client, "a", root) for root in (5, 6)]
-        with pytest.raises(BackendError) as err:
-            await _root_of_draft(client, "a", 0)
-        return roots, client._unary_only, err.value.code
-
-    roots, unary_only, code = asyncio.run(_with_server(UnaryDrafter(), scenario))
-    assert roots == [5, 6] and unary_only == {"Draft"} and code == grpc.StatusCode.INVALID_ARGUMENT
