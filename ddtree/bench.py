@@ -161,11 +161,11 @@ def run(args: argparse.Namespace) -> int:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     specs = [Speculation("ar"), Speculation("chain")] + [Speculation("ddtree", int(b)) for b in args.budgets.split(",")]
     # Warm-up: every mode over every prompt, untimed, so the CUDA graphs (and, with --compile, the kernels) of
-    # every query and key bucket the timed runs meet are built before any timing (a shorter warm-up left a few
-    # captures in the first timed mode, ~0.3 ms a round of the chain's draft on the demo pair)
+    # every query and key bucket the timed runs meet are built before any timing (a shorter warm-up leaves a few
+    # captures in the first timed mode, which its figures would count)
     for spec in specs:
         measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync)
-    freeze_startup_heap()  # a full collection over the warm-up's objects took up to 0.6 s on the H200
+    freeze_startup_heap()  # a full collection over the warm-up's objects would pause a timed round
     graphs_before = captured_graphs(verifier, drafter)
     runs = [measure(verifier, drafter, prompts, spec, args.max_new_tokens, eos, sync) for spec in specs]
     reference = runs[0]["outputs"]

@@ -38,8 +38,8 @@ def _request(url: str, body: dict | None = None) -> dict | str:
 
 def served_model(url: str, wait_s: float = 900.0) -> str:
     """The model name a gateway serves (its /v1/models), once its /health says "ok": the verifier serving and the
-    drafter too where one is configured. A gateway serves autoregressively while its drafter still warms up (a
-    minute or more after the verifier at 8B shapes), and a bench started then would time that as speculation.
+    drafter too where one is configured. A gateway serves autoregressively while its drafter still warms up (long
+    after the verifier is ready at large shapes), and a bench started then would time that as speculation.
     Raises TimeoutError after wait_s seconds of anything else."""
     deadline, status, said = time.monotonic() + wait_s, None, False
     while True:

@@ -21,7 +21,7 @@ from ddtree.plots import cost_curve_figure, save_figure
 from protos.types import SamplingParams
 from draft_server.dflash import DFlashDrafter, init_drafter_weights
 from draft_server.dflash_config import DFlashConfig
-from draft_server.drafter import DraftEngine
+from draft_server.engine import DraftEngine
 from draft_server.target_head import TargetHead
 from draft_server.tree import TreeLayouts, build_tree
 from kernels.tree_build import kernel_supported, kernel_tree
@@ -140,7 +140,8 @@ def drafter_curve(s: dict, device: torch.device, dtype: torch.dtype, context: in
 
 def tree_curve(s: dict, logprobs: torch.Tensor, sizes: list[int], repeat: int) -> dict:
     """The tree build alone per budget, from the block's [B-1, vocab] log-probs: build_tree in torch (uncaptured:
-    what the CPU runs, and the GPU without Triton) and, on a GPU, the kernels a static draft runs (tree_kernel.py)."""
+    what the CPU runs, and the GPU without Triton) and, on a GPU, the kernels a static draft runs
+    (kernels/tree_build.py)."""
     device = logprobs.device
     layouts = TreeLayouts(s["block_size"] - 1, s["vocab_size"], device)
     builds = {"torch": lambda n, k, layout: build_tree(logprobs, 0, n, layout=layout)}

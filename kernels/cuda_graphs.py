@@ -1,6 +1,6 @@
 """CUDA graphs captured per shape bucket, replayed with inputs written into static buffers in place.
 
-A step of a small or medium model is dominated by kernel launches when run eagerly (DESIGN §6); replaying a
+A step of a small or medium model is dominated by kernel launches when run eagerly (docs/ARCHITECTURE.md §6); replaying a
 captured graph launches the whole step at once. The rule for callers: `fn` reads only tensors that live as long
 as the graph (static input buffers the caller fills before `run`, weights, KV caches) and returns its outputs;
 `run` returns the SAME output tensors on every replay, so a caller copies what it must keep before the next run.

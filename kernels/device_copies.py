@@ -2,8 +2,8 @@
 
 Between two rounds queued on the device without the host reading the first (chained rounds, gateway/round_loops.py),
 each engine moves a few small tensors from the last round's outcome into the next step's static inputs: a tree's
-rows, a cursor's scalars, the accepted path's features. Each copy_ or fill_ is a launch of its own, a ~1 µs kernel
-and the gap before the next, about fifteen a round on the demo pair (`bench/profile_round.py --census`).
+rows, a cursor's scalars, the accepted path's features. Each copy_ or fill_ is a launch of its own, a tiny kernel
+and the gap before the next, and a round has many (`bench/profile_round.py --census` counts them).
 torch's multi-tensor copy (`torch._foreach_copy_`) does a list of copies in one kernel where all share a dtype and
 each is dense, so the copies here travel as int64 words: a bf16 feature row and int64 scalars share the launch.
 """
@@ -26,9 +26,8 @@ def copy_together(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 class Copies:
     """copy_together's pairs checked and cut into words once, for copies that recur with the same tensors (a
     chained round's, from a graph's outputs into a session's buffers; CopiesMemo keeps them): run() is then the
-    multi-tensor launch alone. That launch is most of a call's host time: on the twenty-eighth session's H200 hosts
-    three a round took 55-78 µs made once against 54-74 checked each call; what made-once copies save is their
-    callers' slicing and pair building (~15 µs a round there, bench/README.md)."""
+    multi-tensor launch alone. That launch is most of a call's host time; what made-once copies save is their
+    callers' slicing and pair building, every round."""
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self._dsts: list[torch.Tensor] = []

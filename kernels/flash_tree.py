@@ -2,9 +2,9 @@
 kernels, with the tree's visibility read from the ancestor matrix instead of a materialised [q, kv] mask.
 
 Why: at the few queries of a decode or a tree, the masked attention in plain kernels (two batched matmuls around a
-masked softmax, ~5 kernels a layer) ran 21 us at a Qwen3-8B decode with 640 keys against 6 us here
-(bench/flash_tune.py), and SDPA's fused kernels run one thread block per head, which leaves most of the GPU idle.
-The drafter's block runs this op (draft_server/draft_graphs.py); the verifier's steps run kernels/flash_batch.py,
+masked softmax, ~5 kernels a layer) is bound by its launches and its scores' round trips through memory, and SDPA's
+fused kernels run one thread block per head, which leaves most of the GPU idle.
+The drafter's block runs this op (draft_server/block_forward.py); the verifier's steps run kernels/flash_batch.py,
 the same body over each tree's own cache slot, found by address. Here the keys are split
 across thread blocks (flash-decoding): each block attends one K/V head's query heads (all of them share its keys,
 so K/V are read once) over one chunk of keys, and a second kernel merges the chunks by their log-sum-exp.
@@ -158,32 +158,28 @@ class Plan:
 
 
 def plan(
-    q_len: int, heads: int, kv_heads: int, kv_len: int, head_dim: int = 128, *, target: int = TARGET_PROGRAMS,
-    block_m: int | None = None, block_n: int = BLOCK_N, warps: int | None = None, stages: int | None = None,
-    merge_warps: int = 1,
+    q_len: int, heads: int, kv_heads: int, kv_len: int, head_dim: int = 128, *, target: int = TARGET_PROGRAMS
 ) -> Plan:
     """Enough thread blocks to fill the GPU: the keys are split until K/V heads x row tiles x chunks reach
-    `target`, and never finer than block_n keys a chunk. The defaults are the fastest or within 10% of it at
-    every shape bench/flash_tune.py sweeps on an H200 (bench/results/flash_tune_h200.json; long contexts:
-    flash_tune_long_h200.json). Each row tile reads the chunk's keys again, so from LONG_KEYS keys on a tree's
-    rows go in tiles of 64: at Qwen3-8B shapes, a 32-node tree over a 24k-row key bucket ran 141 us a layer in
-    tiles of 16, 74 in tiles of 64."""
+    `target`, and never finer than BLOCK_N keys a chunk. The tiles, warps and stages were chosen on an H200 over
+    decode and tree steps at short and long contexts. Each row tile reads the chunk's keys again, so from LONG_KEYS
+    keys on, where reading the keys is most of a step's attention, a tree's rows go in tiles of 64."""
     rows = q_len * (heads // kv_heads)
     long = kv_len >= LONG_KEYS
-    block_m = block_m or (64 if long and rows > 64 else 16)
+    block_m = 64 if long and rows > 64 else 16
     tiles = -(-rows // block_m)
-    blocks = -(-kv_len // block_n)
+    blocks = -(-kv_len // BLOCK_N)
     splits = max(1, min(blocks, target // (kv_heads * tiles)))
-    chunk = -(-blocks // splits) * block_n
-    warps = warps or (8 if tiles == 1 and kv_len <= 1024 else 4)
-    stages = stages or (3 if head_dim <= 64 or kv_len >= 4 * LONG_KEYS else 2)
-    return Plan(block_m, tiles, -(-kv_len // chunk), chunk, block_n, warps, stages, merge_warps)
+    chunk = -(-blocks // splits) * BLOCK_N
+    warps = 8 if tiles == 1 and kv_len <= 1024 else 4
+    stages = 3 if head_dim <= 64 or kv_len >= 4 * LONG_KEYS else 2
+    return Plan(block_m, tiles, -(-kv_len // chunk), chunk, BLOCK_N, warps, stages, merge_warps=1)
 
 
 def launch(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, tree: torch.Tensor, scale: float, p: Plan
 ) -> torch.Tensor:
-    """The op's body under an explicit plan (the tuner calls it directly)."""
+    """The op's body under an explicit plan (the interpreted checks call it with small plans)."""
     q_len, heads, d = q.shape
     kv_heads, kv_len, _ = k.shape
     q, tree = q.contiguous(), tree.contiguous().view(torch.uint8)
@@ -220,9 +216,8 @@ def compile_plans(
 ) -> int:
     """Launches the kernels once in every configuration plan() picks for this head layout at these step row counts
     and key counts (a drafter's block, and every key count its steps can attend over), so that Triton
-    compiles them now and not in the round of the first request that reaches a longer context (~1 s each: at
-    Qwen3-8B shapes the first requests of 4k and 16k tokens took ~4 s more of the verifier's time before a first
-    form of this ran at start-up). -> how many configurations were launched."""
+    compiles them now and not in the round of the first request that reaches a longer context, which would stall
+    for each compile. -> how many configurations were launched."""
     kv_lens = sorted(set(kv_lens))
     keys = torch.zeros(kv_heads, kv_lens[-1], head_dim, dtype=dtype, device=device)  # views as a cache slot's
     seen: set[tuple] = set()
@@ -256,8 +251,8 @@ def flash_tree_attention(
     [kv_heads, rows, d] (a cache slot's, unit stride on d); start: 0-d long, the row of the step's first new
     token; tree [q, q] bool (tree[i, j]: new token i sees new token j, itself included) -> [q, heads, d] in q's
     dtype. The op takes the slot's whole rows and cuts them itself: under torch.compile, a slice of a cache just
-    written in place, handed to an opaque op, was copied whole (two copies of the K/V window a layer, 16 us each
-    over a 16k-token context at Qwen3-8B shapes)."""
+    written in place, handed to an opaque op, is copied whole (two copies of the K/V window a layer, which grow
+    with the context)."""
     k, v = k[:, :kv_len], v[:, :kv_len]
     return launch(q, k, v, start, tree, scale, plan(q.shape[0], q.shape[1], k.shape[0], kv_len, q.shape[2]))
 

@@ -1,9 +1,9 @@
 """A decode step's projections (one query row) as Triton GEMVs, with the layer's elementwise work folded in.
 
 Why: at one row every projection streams its weight once, so the step's floor is weight bytes / bandwidth. At
-Qwen3-8B shapes on an H200, cuBLAS ran the o-projection ([4096, 4096]) at ~2.1 TB/s (a 64-wide tile: 64 thread
-blocks on 132 SMs) and the down projection as split-K plus a reduction kernel, and the RMSNorms, the SiLU gate and
-the residual adds around them were 2-4 more kernels each (bench/results/profile_qwen3-8b_compile_flash_firstplan.txt).
+Qwen3-8B shapes cuBLAS runs the o-projection ([4096, 4096]) in 64-wide tiles (64 thread blocks on an H200's 132
+SMs, which streams well below the bandwidth) and the down projection as split-K plus a reduction kernel, and the
+RMSNorms, the SiLU gate and the residual adds around them are kernels of their own.
 Here each projection is one kernel over BLOCK_N rows per program, and what surrounds it rides along:
 - `RMSNORM`: the input is the un-normed residual stream; every program recomputes its RMS (the row is a few KB,
   read from L2) and applies the norm as HF does (statistics in fp32, normed row rounded to the model dtype, then
@@ -16,10 +16,10 @@ A torch.library custom op, so torch.compile and CUDA graphs take it as one node.
 
 Steps of a few rows (a verify step's tree or chain, a drafter's block) take `rows_linear`: the same folding over
 BLOCK_M-row tiles through tensor-core dots, for models so small that a step is bound by its kernel count rather
-than by its weights (the demo pair: each projection is ~3 us whatever its work, and the unfused norms, gate and
-adds around it doubled a verify step's kernels). There the SiLU gate is gate/up's epilogue, not down's prologue: a
-prologue recomputes its work in every program, which is M x K per program at M rows (cheap at one row, several us
-at 64).
+than by its weights (the demo pair: each projection costs about a launch whatever its work, and the unfused norms,
+gate and adds around it double a verify step's kernels). There the SiLU gate is gate/up's epilogue, not down's
+prologue: a prologue recomputes its work in every program, which is M x K per program at M rows (cheap at one
+row, not at tens of rows).
 """
 
 from __future__ import annotations
@@ -36,11 +36,9 @@ except ImportError:  # CPU-only installs: never called there (gemv_supported() i
 
 NONE, RMSNORM, SWIGLU = 0, 1, 2  # prologues: what the kernel does to its input row before the dot products
 # Small models (hidden size up to SMALL_HIDDEN), whose every kernel costs a launch whatever its work, run steps of up
-# to FUSED_ROWS rows through the fused projections by default; large ones one-row steps only: at Qwen3-8B shapes an
-# AR step fell from 5.40 to 4.79 ms with the GEMVs, but a rows kernel streamed weights 1.3-7x slower than cuBLAS
-# (bench/results/gemv_tune_rows_h200.json). On the demo pair the rows kernel took a chain's 16-row verify step from
-# 0.312-0.318 to 0.282-0.288 ms, a 48-row one from 0.327-0.333 to 0.300 and an 80-row one from 0.352-0.356 to
-# 0.334-0.343 (bench/README.md, fourteenth session).
+# to FUSED_ROWS rows through the fused projections by default; large ones one-row steps only: at Qwen3-8B shapes
+# the GEMVs speed up an AR step, but the rows kernel streams weights slower than cuBLAS's tiles, while on the demo
+# pair, whose steps are bound by their kernel count, it speeds up verify steps of 16 to 80 rows.
 SMALL_HIDDEN = 1024
 FUSED_ROWS = 128
 
@@ -70,9 +68,8 @@ class GemvPlan:
 
 
 def gemv_plan(n: int, k: int) -> GemvPlan:
-    """The fastest or within ~2% of it in bench/gemv_tune.py's sweep on an H200 (weights streamed from memory,
-    bench/results/gemv_tune_h200.json), by the weight's aspect: long rows (down) take short row blocks, tall
-    weights (gate/up) many rows a program, square ones (o) long column steps."""
+    """Chosen on an H200 at Qwen3-8B shapes (weights streamed from memory), by the weight's aspect: long rows
+    (down) take short row blocks, tall weights (gate/up) many rows a program, square ones (o) long column steps."""
     if k >= 2 * n:
         return GemvPlan(block_n=8, block_k=512, warps=4, stages=3)
     if n >= 4 * k:
@@ -204,7 +201,7 @@ def launch(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
     eps: float, prologue: int, p: GemvPlan,
 ) -> torch.Tensor:
-    """The op's body under an explicit plan (the tuner calls it directly)."""
+    """The op's body under an explicit plan (the interpreted checks call it with small plans)."""
     n, k = weight.shape
     x = x.contiguous()
     out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
@@ -246,8 +243,7 @@ class RowsPlan:
 def rows_plan(m: int, n: int, k: int) -> RowsPlan:
     """At the shapes this kernel is for a step is bound by latency: the input in one tile where it fits (ONE_TILE:
     one round trip to memory), 16 weight rows a program unless that makes more than ~100 programs (a second wave
-    on an H200's 132 SMs; n counts gate and up both), then 32. The best or within ~0.3 us of it at every demo
-    shape of bench/gemv_tune.py --rows (results/gemv_tune_rows_demo_h200.json)."""
+    on an H200's 132 SMs; n counts gate and up both), then 32. Chosen on an H200 at the demo pair's shapes."""
     block_n = 16 if n * triton.cdiv(m, 16) // 16 <= 100 else 32
     return RowsPlan(block_m=16, block_n=block_n, block_k=min(512, triton.next_power_of_2(k)), warps=4, stages=1)
 
@@ -256,7 +252,7 @@ def launch_rows(
     x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, residual: torch.Tensor | None,
     eps: float, swiglu: bool, p: RowsPlan,
 ) -> torch.Tensor:
-    """rows_linear's body under an explicit plan (the tuner calls it directly)."""
+    """rows_linear's body under an explicit plan (the interpreted checks call it with small plans)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     x = x.contiguous()

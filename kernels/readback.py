@@ -1,9 +1,8 @@
 """Host buffers that a GPU fills with a kernel's stores (zero-copy) rather than a copy engine's DMA.
 
 Why: a verify round reads its outcome back right after its graph replay. A cudaMemcpyAsync into pinned memory
-runs on a copy engine, and the hand-off to it from the kernels before adds latency: on an H200, the outcome's copy
-and the path features' clone after a replay took 12.2 us of device time; written by an elementwise kernel into
-the same pinned memory, 7.6 us (bench/readback_costs.py, bench/results/readback_costs_h200.json).
+runs on a copy engine, and the hand-off to it from the kernels before adds latency; an elementwise kernel that
+stores into the same pinned memory runs right after the replay's kernels, with no hand-off.
 
 With unified addressing (every 64-bit CUDA platform), pinned host memory is mapped into the device's address space
 at the same address, so a CUDA tensor over that address is a device view of the host buffer. The host reads it
@@ -25,14 +24,15 @@ class _CudaArray:
 
 
 class PinnedReadback:
-    """host [capacity] of `dtype`, pinned on a GPU; write() queues a device tensor's copy into its head."""
+    """host [capacity] of `dtype`, pinned on a GPU; target() says where a kernel stores a device tensor into its
+    head."""
 
     def __init__(self, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.host = torch.empty(capacity, dtype=dtype, pin_memory=cuda)
         self._device_view = None  # the same bytes, as a CUDA tensor
         # target()'s views by shape: a round's readback has the same shape round after round, and making the two
-        # views cost ~20 µs of a chained round's host time on an H200 host
+        # views is host time that every chained round would pay again
         self._targets: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}
         if cuda:
             raw = _CudaArray(self.host.data_ptr(), self.host.numel() * self.host.element_size())

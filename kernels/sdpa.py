@@ -1,9 +1,8 @@
 """Scaled dot-product attention with the backends we want.
 
 cuDNN's SDPA builds (and caches) an execution plan per shape; our key length grows by a few tokens every round,
-so every call is a new shape and planning alone cost ~7.6 ms per layer on the H200 (bench/profile_decode.py:
-61.6 ms per AR step of the 6-layer demo target, 84% in `_cudnn_attention_forward`). Flash / memory-efficient /
-math kernels need no planning.
+so every call is a new shape, and the planning alone outweighs the rest of a decode step (bench/profile_decode.py
+shows it inside `_cudnn_attention_forward`). Flash / memory-efficient / math kernels need no planning.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def matmul_attention(
 ) -> torch.Tensor:
     """The contract of grouped_attention as two batched matmuls around a masked fp32 softmax (mask bool, True =
     attend, or additive). For the few queries of a decode step or a small tree, cuBLAS spreads the keys
-    over the whole GPU where the fused attention kernels run a handful of thread blocks one key tile after another
-    (~95 us a layer at 768 keys on an H200 against a few us here); under torch.compile the mask and the softmax
-    fuse into one kernel."""
+    over the whole GPU where the fused attention kernels run a handful of thread blocks one key tile after another,
+    leaving most of the GPU idle; under torch.compile the mask and the softmax fuse into one kernel."""
     folded, mask = fold_groups(query, key.shape[1], mask)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(folded, key.transpose(-1, -2)).float() * scale  # [b, kv_heads, groups*q, k]

@@ -2,18 +2,14 @@
 program, the same tree as `tree.build_tree`, bit for bit (up to the order of equal log-probs in the top-k).
 
 Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a
-gather, a sort and slices; compiled and captured it still ran 52 kernels, 0.13 ms of a 1.04 ms round on the demo
-pair (bench/results/profile_round_demo_bf16_compile_flash_topk2.txt), each kernel a few µs however small its sort.
-Here one warp runs DESIGN §4's best-first search itself: the frontier (at most one entry per node so far, plus the
+gather, a sort and slices; compiled and captured it is still dozens of kernels, a large share of a small pair's
+round, each kernel a launch however small its sort.
+Here one warp runs the best-first search of docs/ARCHITECTURE.md §4 itself: the frontier (at most one entry per node so far, plus the
 root's first child) sits in its registers, and each step pops the best entry as the next node and pushes that
-node's next sibling and first child. A step is one reduction and two loads, so a tree costs what its nodes cost:
-5.1 / 8.6 / 17.8 / 42.2 us for 16 / 32 / 64 / 128 nodes on the H200, against 16.8 / 23.1 / 50.7 / 115.5 for the
-beam search by depth it replaced, whose every depth sorted up to ~w ln w contenders in registers
-(bench/results/tree_tune_best_first_h200.json). Since then 3.9 / 7.0 / 15.3 / 36.8 us with the nodes written out
-after the search rather than a token load and three stores per step, and 3.9 / 6.6 / 13.1 / 30.0 us with num_nodes
-frontier slots (bench/results/best_first_ab_{deferred_writes,frontier_slots}_h200.json). The top-k before it
-(torch.topk in two stages was 2 x 17 us) sorts chunks of the vocabulary in parallel, then merges each depth's chunk
-winners, a group of candidates a program, until k are left.
+node's next sibling and first child. A step is one reduction and two loads, so a tree costs what its nodes cost,
+where a beam search by depth sorts up to ~w ln w contenders in registers at every depth; the nodes are written out
+after the search, so no step waits on a load or issues stores. The top-k before it sorts chunks of the vocabulary
+in parallel, then merges each depth's chunk winners, a group of candidates a program, until k are left.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
 break as a stable sort does, and the scores are the same fp32 sums (a parent's score + the token's log-prob). In
@@ -38,8 +34,8 @@ TOPK_CHUNK = 128  # vocabulary entries per first-stage top-k
 
 def top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs [D, V] -> the k largest values per row, descending, and their token ids ([D, k] each), as topk.
-    One topk over a long row runs about one thread block per row (52 us of a 150 us tree build on the demo pair,
-    H200: bench/results/profile_round_demo_bf16_compile_flash.txt); in two stages (the top k of every chunk of
+    One topk over a long row runs about one thread block per row (most of a torch tree build's time on the demo
+    pair); in two stages (the top k of every chunk of
     TOPK_CHUNK tokens, then of those D * V/TOPK_CHUNK * k candidates) the first spreads over D * V/TOPK_CHUNK."""
     rows, vocab = logprobs.shape
     if k > TOPK_CHUNK or vocab % TOPK_CHUNK or vocab < 8 * TOPK_CHUNK:
@@ -59,9 +55,8 @@ MAX_SORT = 4096
 FIELD_BITS = 10
 MERGE_GROUP = 1024  # candidates one merge program of the top-k sorts (at least twice its keep)
 WIDE_CHUNK, NARROW_CHUNK = 1024, 512  # the top-k's chunks: tokens a program sorts (see top_plan)
-# Thread blocks of 16 warps for the sorts of 512 keys or more (bench/tree_tune.py, H200, demo vocabulary: the top-k
-# of a 32- to 128-node tree, whose merge takes 1024-2048 keys, 8.9-21.9 -> 7.8-17.5 us); 4 below that, where more
-# warps only add synchronisation.
+# Thread blocks of 16 warps for the sorts of 512 keys or more (chosen on an H200 at the demo vocabulary, where the
+# top-k of a 32- to 128-node tree merges 1024-2048 keys); 4 below that, where more warps only add synchronisation.
 WIDE_SORT, WIDE_WARPS, NARROW_WARPS = 512, 16, 4
 
 
@@ -76,8 +71,8 @@ def multiprocessors(device: torch.device) -> int:
 
 def chunk_warps(chunk: int, programs: int, device: torch.device) -> int:
     """Warps for the top-k's chunk sorts: 16 for wide ones whose programs leave multiprocessors idle (the demo
-    pair's 120 programs of 1024 keys: 9.34 -> 8.04 us at 64 nodes), 4 where programs queue for them (Qwen3-8B's
-    vocabulary in 1024-key chunks: 36.8 -> 45.7 us at 16 nodes with 16; bench/results/tree_tune_plans_h200.json)."""
+    pair's 120 programs of 1024 keys), 4 where programs queue for them (Qwen3-8B's vocabulary in 1024-key chunks,
+    which 16 warps a program slow down). Chosen on an H200."""
     return WIDE_WARPS if chunk >= WIDE_CHUNK and programs <= multiprocessors(device) else NARROW_WARPS
 
 
@@ -185,8 +180,7 @@ def top_plan(vocab: int, k: int, depths: int, multiprocessor_count: int) -> tupl
     the merges, which take MERGE_GROUP candidates a program down to k in as many rounds as they need. Chunks are
     at most WIDE_CHUNK tokens, and that only where so few programs leave multiprocessors idle (the demo pair's
     vocabulary: 120 programs; sorted at 16 warps, chunk_warps); else NARROW_CHUNK, in as many programs as it takes
-    (Qwen3-8B's: 4455). On the H200 a 64-node tree's top-k went 13.4 -> 8.0 us (demo) and 106 -> 55 us (Qwen3-8B)
-    against one merge of all candidates (bench/results/tree_tune_plans_h200.json)."""
+    (Qwen3-8B's: 4455). Staged merges beat one merge of all candidates at both vocabularies (chosen on an H200)."""
     keep = max(2, triton.next_power_of_2(k))
     widest = WIDE_CHUNK if depths * -(-vocab // WIDE_CHUNK) <= multiprocessor_count else NARROW_CHUNK
     chunk = max(keep, min(widest, triton.next_power_of_2(math.isqrt(vocab * keep))))
@@ -194,17 +188,14 @@ def top_plan(vocab: int, k: int, depths: int, multiprocessor_count: int) -> tupl
     return None if max(chunk, group) > MAX_SORT else (chunk, keep, group)
 
 
-def top_k(
-    logprobs: torch.Tensor, k: int, top: tuple[int, int, int], warps: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k(logprobs: torch.Tensor, k: int, top: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs [D, V] fp32 -> the k largest per row, descending, and their token ids ([D, k] each), as
-    top_candidates; equal values come in token order. Per-chunk sorts, then merges of `group` candidates a
-    program until one per depth is left: it writes the result. warps: (per-chunk sort, merges), default
-    chunk_warps and sort_warps."""
+    top_candidates; equal values come in token order. Per-chunk sorts (chunk_warps), then merges of `group`
+    candidates a program (sort_warps) until one per depth is left: it writes the result."""
     depths, vocab = logprobs.shape
     chunk, keep, group = top
     chunks = -(-vocab // chunk)
-    chunk_w, merge_w = warps or (chunk_warps(chunk, depths * chunks, logprobs.device), sort_warps(group))
+    chunk_w, merge_w = chunk_warps(chunk, depths * chunks, logprobs.device), sort_warps(group)
     candidates = chunks * keep
     cand = torch.empty(depths, candidates, dtype=torch.int64, device=logprobs.device)  # packed keys, per chunk
     _chunk_top_kernel[(depths, chunks)](logprobs, cand, vocab, logprobs.stride(0), CHUNK=chunk, KP=keep,
@@ -228,18 +219,16 @@ def best_first_fits(num_nodes: int, depths: int) -> bool:
     return num_nodes < 1 << FIELD_BITS and depths < 1 << (32 - 2 * FIELD_BITS - 1)
 
 
-def best_first_tree(
-    top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor, num_nodes: int, warps: int = 1
-) -> torch.Tensor:
+def best_first_tree(top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """top_vals [D, k] fp32 (descending per depth), top_ids [D, k] long, root [1] long -> [3, N+1] long (tokens,
     parents, depths; root first), N = num_nodes (TreeLayout.nodes), the same tree as build_tree. One warp: more
-    only adds barriers to every step's reduction (1 / 2 / 4 warps at 32 nodes: 8.6 / 10.6 / 11.0 us)."""
+    only adds barriers to every step's reduction."""
     depths, k = top_vals.shape
     out = torch.empty(3, num_nodes + 1, dtype=torch.long, device=top_vals.device)
     _best_first_kernel[(1,)](
         top_vals.contiguous(), top_ids.contiguous(), root, out, num_nodes,
         K=k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes)), N1=num_nodes + 1, BITS=FIELD_BITS,
-        num_warps=warps,
+        num_warps=1,
     )
     return out
 

@@ -8,8 +8,8 @@ INVALID_ARGUMENT. Decoding does not check trees against a session (verify_server
 The gateway only carries features from the verifier to the drafter and trees from the drafter to the verifier, so
 its decoders (`wire=True`) keep them in their wire form: a `WireTensor` and a `WireDraftTree` hold the received
 message, decode only if something looks inside, and encode back to that very message. A round then makes no
-torch call and no copy in the gateway (each costs ~0.1 ms there: between rounds the models' forwards evict it
-from the caches).
+torch call and no copy in the gateway (each costs more there than its work: between rounds the models' forwards
+evict it from the caches).
 """
 
 from __future__ import annotations

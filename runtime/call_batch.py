@@ -1,6 +1,6 @@
 """Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
 rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
-(draft_server/draft_batch.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
+(draft_server/engine.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
 service's requests, each parsed and answered on its own. The engine host they run on: runtime/service.py.
 """
 

@@ -1,9 +1,8 @@
 """The collector, the allocator and long-lived processes.
 
 A loaded model service holds millions of Python objects (modules, the model, compiled code, graph pools), all
-alive for the process's life. Python's full collection walks every tracked object: on the H200 host each one
-paused its process for 24-634 ms (a gc callback in every process of a bench run: the in-process bench, both model
-services and the gateway), and one that falls inside a request stalls it for that long. Freezing the heap once
+alive for the process's life. Python's full collection walks every tracked object, which pauses a loaded
+process for far longer than a round, and one that falls inside a request stalls it for that long. Freezing the heap once
 start-up is done moves those objects out of the collector's sight: later collections walk only what requests
 allocate. Process entry points only (a test process would keep whatever it froze). Each process also exports
 its pauses (`watch_collector`), so a dashboard shows whether they stay short.
@@ -45,13 +44,12 @@ KEPT_FREE_BYTES = 512 << 20  # freed heap kept for the next message before it go
 
 def keep_large_allocations() -> bool:
     """Has glibc serve large blocks from one heap and keep them once freed, so that a long prompt's messages
-    (features of a prefill chunk: 84 MB at Qwen3-8B shapes, copied ~10 times between the verifier and the
+    (features of a prefill chunk: 84 MB at Qwen3-8B shapes, copied several times between the verifier and the
     drafter) reuse memory instead of faulting fresh pages in. By default glibc maps every block over 32 MB anew
     and unmaps it when freed, and a thread other than the main one allocates from an arena of at most 64 MB,
-    which maps such blocks anew whatever the threshold: one arena for every thread, blocks up to 1 GiB from the
-    heap and 512 MiB of freed heap kept took a chunk's encoding, passing on and decoding on this project's 2-core
-    VM from 427 to 133 ms on a worker thread. Process entry points only; False where the C library is not glibc
-    (nothing changed).
+    which maps such blocks anew whatever the threshold: hence one arena for every thread, blocks up to 1 GiB from
+    the heap and 512 MiB of freed heap kept, so that a chunk's encoding, passing on and decoding on a worker thread
+    reuse warm pages. Process entry points only; False where the C library is not glibc (nothing changed).
     """
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None

@@ -2,16 +2,15 @@
 drafter (TakeFeatures; Append), as the same protobuf messages over a plain TCP connection beside the gRPC port,
 answered with gRPC status codes, so a lane call and a gRPC call are interchangeable answer for answer.
 
-Why: gRPC Python spends ~130-200 us of every one-way hop in its own machinery (its poller thread hands each event
-to the event loop; `bench/rpc_echo.py transports`), and a round makes four hops; a prompt's features are tens of MB
-a chunk. Everything else (Info, sessions, prefill, health, reflection) stays on gRPC, and a service announces its
-lane's port in its Info answer (0: none), so a client without lanes, or a server without one, simply uses the gRPC
-streams (or unary calls).
+Why: gRPC Python spends much of every one-way hop in its own machinery (its poller thread hands each event to the
+event loop), and a round makes four hops; a prompt's features are tens of MB a chunk. Everything else (Info,
+sessions, prefill, health, reflection) stays on gRPC, and a service announces its lane's port in its Info answer
+(0: none), so a client without lanes, or a server without one, simply uses the gRPC streams (or unary calls).
 
 Both ends read with asyncio's BufferedProtocol: the socket is read straight into one growing buffer per connection
 and messages are parsed from it in place. asyncio's StreamReader instead wakes its reader per chunk and copies as
-its buffer grows: on loopback a 400 kB message (a round's features at Qwen3-8B shapes) took it 0.3-0.6 ms, the
-buffered read ~0.15 ms.
+its buffer grows, several times the buffered read's cost for a 400 kB message (a round's features at Qwen3-8B
+shapes).
 
 Wire format: frames of  u32 length | u8 tag | payload  (integers little-endian).
     client, first:  tag 0, payload b"DDTREE-LANE/1 <Rpc>"   one connection carries one RPC of one session

@@ -1,10 +1,10 @@
-"""A prompt's features on their way verifier -> gateway -> drafter (the relay, gateway/rounds.py `_relay`) in wire
+"""A prompt's features on their way verifier -> gateway -> drafter (the relay, gateway/request.py `_relay`) in wire
 form: each hop handles the bytes as little as it can, since a 2048-token chunk at Qwen3-8B shapes is 84 MB.
 
 - The verifier writes a lane TakeFeatures answer straight from the features' host memory (`FeaturesAnswer`).
 - The gateway passes that answer on unparsed, as the drafter's AppendRequest (`WireFeatures`).
 - The drafter decodes a lane Append from the frame's bytes with one copy of the features (`AppendCall`), where the
-  protobuf parse, its bytes field and a writable buffer made three.
+  protobuf parse, its bytes field and a writable buffer would make three.
 """
 
 from __future__ import annotations

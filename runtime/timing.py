@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -18,13 +18,12 @@ T = TypeVar("T")
 
 
 class TimerEvents:
-    """The CUDA events of an engine's StepTimers, recycled: a timer's start cost the services' jobs 18-60 µs of
-    host time at Qwen3-8B shapes, of which creating its three events is a part that need not recur (3.3 µs hot,
-    bench/README.md). A timer takes three at its start and gives them back once split() has read them; one dropped
-    unread leaves its events to the garbage collector. Steps run one at a time per engine, so no lock. The timers
-    record on the stream that was current when the engine made its pool (an engine's steps run on one stream):
-    looking it up per timer cost ~10 µs of a round's host time on an H200 host (`torch.cuda.current_stream`
-    builds a Stream object each call)."""
+    """The CUDA events of an engine's StepTimers, recycled: a timer's start is host time on every step, and
+    creating its three events is a part of it that need not recur. A timer takes three at its start and gives them
+    back once split() has read them; one dropped unread leaves its events to the garbage collector. Steps run one at
+    a time per engine, so no lock. The timers record on the stream that was current when the engine made its pool
+    (an engine's steps run on one stream): looking it up per timer would cost host time every round
+    (`torch.cuda.current_stream` builds a Stream object each call)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -134,25 +133,6 @@ class DeferredTimings(Mapping[str, float]):
         return len(self._get())
 
 
-def graph_call_us(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """Device µs per call of fn, from a CUDA graph of `calls` back-to-back calls (launch costs out of the picture,
-    as in a captured step); for the kernel tuners in bench/."""
-    fn()  # compiles (Triton) and warms up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
-
-
 def profiled_calls(step: Callable[[], object], sync: Callable[[], None], rows: int) -> tuple[float, float, str]:
     """-> (wall ms per call of `step`, 20 back to back after 5 to warm up; device-kernel ms per call and the
     kernel table, by device time, from torch.profiler over 10 more calls): for the profilers in bench/."""
@@ -174,9 +154,3 @@ def profiled_calls(step: Callable[[], object], sync: Callable[[], None], rows: i
     kernel_ms = sum(e.self_device_time_total for e in events) / 10 / 1000
     return wall_ms, kernel_ms, events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
 
-
-def ranked(timings: list[tuple[float, Any]], keep: int = 5) -> dict:
-    """(µs, plan dataclass) pairs -> a tuner's summary: best_us, best and the `keep` fastest (top5), fastest first."""
-    order = sorted(timings, key=lambda t: t[0])
-    return {"best_us": round(order[0][0], 2), "best": order[0][1].__dict__,
-            "top5": [[round(us, 2), plan.__dict__] for us, plan in order[:keep]]}

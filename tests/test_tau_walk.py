@@ -6,7 +6,7 @@ and commits what the target accepts of the drafted tokens plus the bonus. Traini
 them (training/acceptance.py) must give the served rounds' sizes one by one: the chain's from each block's
 correct positions, ddtree's from the trees their log-probs build. train-drafter's evaluation reports the chain walk's
 τ. A shifted prediction, a context position off by one, block K/V kept in the drafter's cache, a tree walked wrong:
-each of DESIGN §4's frequent mistakes breaks this equality where greedy exactness alone would not notice (the
+each of the frequent mistakes of docs/ARCHITECTURE.md §4 breaks this equality where greedy exactness alone would not notice (the
 verifier keeps the output right however poor the drafts).
 """
 
@@ -102,7 +102,7 @@ def test_chain_steps_stop_at_the_answer_end() -> None:
 
 
 def test_a_chain_shaped_tree_walks_as_the_chain() -> None:
-    """tree_steps with top_k 1 and a budget of B-1 (the chain as a tree, DESIGN §4) = chain_steps of the same
+    """tree_steps with top_k 1 and a budget of B-1 (the chain as a tree, docs/ARCHITECTURE.md §4) = chain_steps of the same
     blocks: correct where a depth's most likely token is the answer's."""
     torch.manual_seed(0)
     answer = torch.randint(0, 6, (40,)).tolist()

@@ -33,7 +33,8 @@ LOG = "training_log.json"
 DEFAULT_MASK_TOKEN = "<|mask|>"
 EVAL_WINDOWS = 128  # --eval-corpus windows: ~2000 blocks, enough for a τ estimate steady to a few hundredths
 # of them, the first windows whose answers are walked round by round: the chain's τ as served, which the mean over
-# random anchors overstates by about a third (bench/tree_walk.py); ~300 blocks a window of 512 tokens
+# random anchors overstates (bench/tree_walk.py: rounds start only where the last one's run ended); ~300 blocks a
+# window of 512 tokens
 WALK_WINDOWS = 16
 
 

@@ -63,7 +63,7 @@ def cached_tokens(tokenizer: PreTrainedTokenizerBase, tokenizer_dir: str | os.Pa
                   progress: bool = True) -> np.ndarray:
     """encode_corpus, cached under a name derived from the tokenizer and corpus contents.
 
-    Every resumed run needs the same stream; tokenizing again would cost minutes of a ≤10-minute slot. The
+    Every resumed run needs the same stream; tokenizing again would cost minutes of every slot. The
     content hash means a rebuilt corpus or retrained tokenizer can never be paired with a stale cache.
     """
     key = _fingerprint(Path(tokenizer_dir) / "tokenizer.json", corpus_file)

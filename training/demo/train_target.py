@@ -1,9 +1,9 @@
 """`ddtree train-target`: trains the bundled demo target, a small Qwen3 causal LM, on the stdlib corpus.
 
-The GPU machines give at most ~10 minutes per command, so training is built to be cut into slices: the same
-command line with `--resume` continues from the last checkpoint, `--max-minutes` stops cleanly before the slot
-ends, and every stop also exports the current model (with `--keep-best`, the evaluated weights with the lowest
-held-out loss), so there is always a usable model in `--out`.
+Training is built to be cut into slices, for machines lent a few minutes at a time: the same command line with
+`--resume` continues from the last checkpoint, `--max-minutes` stops cleanly before the slot ends, and every stop
+also exports the current model (with `--keep-best`, the evaluated weights with the lowest held-out loss), so
+there is always a usable model in `--out`.
 
 The loss is next-token prediction on every token of the packed stream, prompts included: the prompts are
 themselves stdlib code and prose (more signal per step), and the drafter is later trained on this model's
