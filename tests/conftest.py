@@ -116,3 +116,25 @@ def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
+
+
+# What runs where (tests/README.md). Every test gets one of `unit` / `services`; `gpu` marks the tests (or the
+# parametrisations) that run only where CUDA is available and skip elsewhere.
+SERVICE_MODULES = {
+    "test_e2e", "test_gateway_api", "test_grpc_services", "test_deploy", "test_chunked_prefill", "test_tensor_parallel",
+    "test_cli_generate", "test_heap", "test_lane", "test_round_overhead", "test_triton_interpreted", "test_floors",
+}
+
+
+def _needs_gpu(item: pytest.Item) -> bool:
+    skips = [m for m in item.iter_markers("skipif") if any(w in m.kwargs.get("reason", "") for w in ("GPU", "CUDA"))]
+    params = getattr(item, "callspec", None)
+    return bool(skips) or (params is not None and any(str(v).startswith("cuda") for v in params.params.values()))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        item.add_marker(pytest.mark.services if module in SERVICE_MODULES else pytest.mark.unit)
+        if _needs_gpu(item):
+            item.add_marker(pytest.mark.gpu)
