@@ -1,5 +1,5 @@
-"""A batch of several sessions' draft blocks, drafted in one forward (docs/ARCHITECTURE.md §6): each block's call (BlockCall) and
-the static buffers a captured batch reads and writes (BlockBatch).
+"""A batch of several sessions' draft blocks, drafted in one forward (docs/ARCHITECTURE.md §6): each block's call
+(BlockCall) and the static buffers a captured batch reads and writes (BlockBatch).
 
 A drafter's block is B rows; at a large drafter's shapes its forward is bound by reading the weights, as the
 verifier's tree is, so the blocks of several sessions ride along almost free. The rows of all the blocks go through

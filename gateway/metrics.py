@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (docs/ARCHITECTURE.md §8). One registry per app instance, so tests and apps never share state.
+"""The gateway's Prometheus metrics (docs/ARCHITECTURE.md §8). One registry per app instance, so tests and apps never
+share state.
 
 The acceptance length operators know from vLLM is `1 + rate(ddtree_spec_accepted_tokens_total) /
 rate(ddtree_spec_drafts_total)`: every drafted round commits its accepted draft tokens plus one bonus token.

@@ -1,12 +1,12 @@
 """CUDA graphs captured per shape bucket, replayed with inputs written into static buffers in place.
 
-A step of a small or medium model is dominated by kernel launches when run eagerly (docs/ARCHITECTURE.md §6); replaying a
-captured graph launches the whole step at once. The rule for callers: `fn` reads only tensors that live as long
-as the graph (static input buffers the caller fills before `run`, weights, KV caches) and returns its outputs;
-`run` returns the SAME output tensors on every replay, so a caller copies what it must keep before the next run.
-The first `run` of a key calls `fn` up to three times (warm-up, then capture), so `fn` must be idempotent: writing
-K/V into not-yet-committed cache slots is fine, appending to anything is not.
-Every graph of one `GraphPool` shares one memory pool, so buckets captured lazily cost little memory.
+A step of a small or medium model is dominated by kernel launches when run eagerly (docs/ARCHITECTURE.md §6); replaying
+a captured graph launches the whole step at once. The rule for callers: `fn` reads only tensors that live as long as the
+graph (static input buffers the caller fills before `run`, weights, KV caches) and returns its outputs; `run` returns
+the SAME output tensors on every replay, so a caller copies what it must keep before the next run. The first `run` of a
+key calls `fn` up to three times (warm-up, then capture), so `fn` must be idempotent: writing K/V into not-yet-committed
+cache slots is fine, appending to anything is not. Every graph of one `GraphPool` shares one memory pool, so buckets
+captured lazily cost little memory.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The tree build in Triton kernels: a multi-stage top-k over the vocabulary, then a best-first search in one
 program, the same tree as `tree.build_tree`, bit for bit (up to the order of equal log-probs in the top-k).
 
-Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a
-gather, a sort and slices; compiled and captured it is still dozens of kernels, a large share of a small pair's
-round, each kernel a launch however small its sort.
-Here one warp runs the best-first search of docs/ARCHITECTURE.md §4 itself: the frontier (at most one entry per node so far, plus the
-root's first child) sits in its registers, and each step pops the best entry as the next node and pushes that
-node's next sibling and first child. A step is one reduction and two loads, so a tree costs what its nodes cost,
-where a beam search by depth sorts up to ~w ln w contenders in registers at every depth; the nodes are written out
-after the search, so no step waits on a load or issues stores. The top-k before it sorts chunks of the vocabulary
-in parallel, then merges each depth's chunk winners, a group of candidates a program, until k are left.
+Why: build_tree is sequential over depths (each beam extends the last), and in torch each depth is an add, a gather, a
+sort and slices; compiled and captured it is still dozens of kernels, a large share of a small pair's round, each kernel
+a launch however small its sort. Here one warp runs the best-first search of docs/ARCHITECTURE.md §4 itself: the
+frontier (at most one entry per node so far, plus the root's first child) sits in its registers, and each step pops the
+best entry as the next node and pushes that node's next sibling and first child. A step is one reduction and two loads,
+so a tree costs what its nodes cost, where a beam search by depth sorts up to ~w ln w contenders in registers at every
+depth; the nodes are written out after the search, so no step waits on a load or issues stores. The top-k before it
+sorts chunks of the vocabulary in parallel, then merges each depth's chunk winners, a group of candidates a program,
+until k are left.
 
 Ordering equals build_tree's stable sorts: a key packs the score (descending) above an index (ascending), so ties
 break as a stable sort does, and the scores are the same fp32 sums (a parent's score + the token's log-prob). In

@@ -1,13 +1,13 @@
 """Served rounds are exactly what training's teacher-forced blocks predict (the bundled demo pair, CPU, fp32).
 
-A round roots a block at the last committed token with the target's features of everything before it as context,
-and commits what the target accepts of the drafted tokens plus the bonus. Training's blocks
-(training/drafter_loss.py block_logits) are built the same way from the target's answer, so walking the answer with
-them (training/acceptance.py) must give the served rounds' sizes one by one: the chain's from each block's
-correct positions, ddtree's from the trees their log-probs build. train-drafter's evaluation reports the chain walk's
-τ. A shifted prediction, a context position off by one, block K/V kept in the drafter's cache, a tree walked wrong:
-each of the frequent mistakes of docs/ARCHITECTURE.md §4 breaks this equality where greedy exactness alone would not notice (the
-verifier keeps the output right however poor the drafts).
+A round roots a block at the last committed token with the target's features of everything before it as context, and
+commits what the target accepts of the drafted tokens plus the bonus. Training's blocks (training/drafter_loss.py
+block_logits) are built the same way from the target's answer, so walking the answer with them (training/acceptance.py)
+must give the served rounds' sizes one by one: the chain's from each block's correct positions, ddtree's from the trees
+their log-probs build. train-drafter's evaluation reports the chain walk's τ. A shifted prediction, a context position
+off by one, block K/V kept in the drafter's cache, a tree walked wrong: each of the frequent mistakes of
+docs/ARCHITECTURE.md §4 breaks this equality where greedy exactness alone would not notice (the verifier keeps the
+output right however poor the drafts).
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def test_chain_steps_stop_at_the_answer_end() -> None:
 
 
 def test_a_chain_shaped_tree_walks_as_the_chain() -> None:
-    """tree_steps with top_k 1 and a budget of B-1 (the chain as a tree, docs/ARCHITECTURE.md §4) = chain_steps of the same
-    blocks: correct where a depth's most likely token is the answer's."""
+    """tree_steps with top_k 1 and a budget of B-1 (the chain as a tree, docs/ARCHITECTURE.md §4) = chain_steps of the
+    same blocks: correct where a depth's most likely token is the answer's."""
     torch.manual_seed(0)
     answer = torch.randint(0, 6, (40,)).tolist()
     logprobs = torch.log_softmax(3 * torch.randn(39, 4, 6), dim=-1)  # [n roots, B-1, V]: often right, often not
