@@ -42,6 +42,21 @@ _NO_OP = {
 }
 
 
+def _encodable(value: Any) -> bool:
+    """Whether every string in a parsed JSON value encodes as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(_encodable(k) and _encodable(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_encodable(v) for v in value)
+    return True
+
+
 class SpeculationOverride(BaseModel):
     """Per-request speculation: "off" decodes autoregressively (no drafter)."""
 
@@ -60,9 +75,10 @@ class OpenAIRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    # a JSON number past a double's range parses as inf: a client's mistake, refused here rather than downstream
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extension; 0 or -1 = no top-k filter
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # vLLM's extension; 0 or -1 = no top-k filter; int32 on the wire
     seed: int | None = Field(None, ge=0, lt=2**64)  # the verifier's sampler seed is a uint64
     stop: str | list[str] | None = None
     stream: bool | None = False
@@ -78,6 +94,16 @@ class OpenAIRequest(BaseModel):
                 if name in data and data[name] not in allowed:
                     # not a ValueError: pydantic lets it through, so the answer can name the parameter
                     raise APIError(400, f"{name} is not supported by this server", param=name)
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+        if isinstance(data, dict):
+            for name, value in data.items():
+                if not _encodable(value):
+                    raise APIError(400, f"{name} holds text that is not valid Unicode (a lone surrogate)", param=name)
         return data
 
     @field_validator("n")
