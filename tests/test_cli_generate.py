@@ -42,3 +42,12 @@ def test_generate_rejects_bad_sampling(qwen3_target: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2 and "top_p" in out.stderr
+
+
+def test_the_overview_imports_no_subcommand() -> None:
+    """`ddtree --help` lists every subcommand without importing torch, transformers or gRPC."""
+    code = ("import sys; from ddtree import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted({'torch', 'transformers', 'grpc'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().endswith("[]"), done.stdout
+    assert all(name in done.stdout for name in ("serve", "embed-pair", "train-drafter", "gateway")), done.stdout
