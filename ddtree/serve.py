@@ -34,7 +34,8 @@ CHOSEN = ("target", "verifier", "drafter", "host", "port")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run drafter, verifier and gateway locally (three processes)")
     p.add_argument("--target", help="target model directory (default: the bundled demo target)")
-    p.add_argument("--drafter", help="DFlash drafter directory (default: the demo drafter; 'none': AR only)")
+    p.add_argument("--drafter", help="DFlash drafter directory; 'none': decode autoregressively (default: the demo "
+                   "drafter, with the demo target; with --target, required)")
     p.add_argument("--device", default="auto", help="torch device of both model services: cpu, cuda, cuda:N, auto")
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES)
     p.add_argument("--host", default=LOOPBACK, help="interface of the HTTP API")
@@ -69,6 +70,9 @@ def drafter_taps(drafter: str) -> list[int]:
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """The three command lines, in start order (the gateway last: it needs the others' addresses)."""
+    if args.target is not None and args.drafter is None:  # the demo drafter fits the demo target only
+        raise SystemExit("ddtree serve: --target needs --drafter: the target's DFlash drafter directory, or 'none' to "
+                         "decode autoregressively")
     target, drafter = resolve_pair(args.target, args.drafter)
     if (args.drafter or "").lower() == "none":
         drafter = None

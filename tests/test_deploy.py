@@ -278,6 +278,8 @@ def test_serve_hands_settings_and_switches_to_the_services() -> None:
     verify = build_parser().parse_args(services["verify"][services["verify"].index("verify"):])
     draft = build_parser().parse_args(services["draft"][services["draft"].index("draft"):])
     assert (verify.warm_up_taps, verify.warm_up_nodes, draft.max_batch) == ("1,3,5", 24, 4)  # the demo drafter's
+    with pytest.raises(SystemExit, match="--target needs --drafter"):  # never speculation silently off
+        commands(build_parser().parse_args(["serve", "--target", "some/target"]))
     services = commands(build_parser().parse_args(["serve", "--drafter", "none"]))
     assert build_parser().parse_args(services["verify"][services["verify"].index("verify"):]).warm_up_taps == ""
 
