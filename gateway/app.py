@@ -17,6 +17,7 @@ from starlette.types import Send
 from transformers import PreTrainedTokenizerBase
 
 from runtime.models import load_tokenizer
+from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.health import Backends
 from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat,
@@ -40,6 +41,7 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
             await service.stop()
 
     app = FastAPI(title="DDTree gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=config.max_request_bytes)
     app.state.service = service
 
     @app.exception_handler(APIError)
@@ -59,7 +61,8 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
-        prompt = service.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = await service.off_loop(service.chat_prompt, messages)
         gen = _generation(service, req, model, prompt, default_max_tokens=None)
         fmt = ResponseFormat(True, model.name, req.include_usage())
         return await _respond(service, gen, fmt, bool(req.stream), http)
@@ -67,7 +70,7 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
-        prompt = service.text_prompt(req.prompt, model)
+        prompt = await service.off_loop(service.text_prompt, req.prompt, model)
         gen = _generation(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
         fmt = ResponseFormat(False, model.name, req.include_usage())
         return await _respond(service, gen, fmt, bool(req.stream), http)

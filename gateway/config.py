@@ -43,6 +43,8 @@ class GatewayConfig(FlagConfig):
                                       "whose features the verifier keeps, so its first token comes after the "
                                       "forwards alone, and other requests' rounds run between them; the features "
                                       "then go to the drafter chunk by chunk; 0: every prompt in one call")
+    max_request_bytes: int = option(4 * 2**20, "largest HTTP request body accepted, in bytes; a larger one gets a "
+                                              "413 before any of it is parsed or tokenized")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
@@ -55,8 +57,10 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"budget must be in [1, max_budget={self.max_budget}], got {self.budget}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if min(self.max_running, self.health_interval, self.rpc_timeout, self.max_message_bytes) <= 0:
-            raise ValueError("max_running, health_interval, rpc_timeout and max_message_bytes must be > 0")
+        if min(self.max_running, self.health_interval, self.rpc_timeout, self.max_message_bytes,
+               self.max_request_bytes) <= 0:
+            raise ValueError("max_running, health_interval, rpc_timeout, max_message_bytes and max_request_bytes "
+                             "must be > 0")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.shutdown_grace < 0:

@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -27,6 +29,7 @@ from gateway.openai_api import APIError
 from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,9 @@ class GatewayService:
         self.metrics = Metrics()
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
+        # templating and tokenizing a long prompt take long enough to stall every stream if run on the event loop;
+        # one thread, because a fast tokenizer must not be used from two at once
+        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._loops: set[asyncio.Task] = set()  # round loops in flight, so shutdown can end their sessions
 
     async def start(self) -> None:
@@ -75,6 +81,11 @@ class GatewayService:
         for loop in self._loops:
             loop.cancel()
         await asyncio.gather(self.monitor.stop(), *self._loops, return_exceptions=True)
+        self._text_thread.shutdown(wait=False)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the tokenizer's thread: chat templates and tokenization (chat_prompt, text_prompt)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_thread, fn, *args)
 
     @property
     def model(self) -> ModelInfo | None:

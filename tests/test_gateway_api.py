@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator
@@ -429,3 +430,24 @@ def test_config_flags_default_from_env(monkeypatch, target) -> None:
     assert (config.budget, config.spec_mode, config.drafter_address) == (12, "off", None)  # flags beat env
     with pytest.raises(ValueError, match="budget"):
         GatewayConfig(target=str(target), budget=0)
+
+
+async def test_a_body_past_the_limit_gets_413_before_any_parsing(target, backends, tokenizer) -> None:
+    """Declared or chunked, a body past --max-request-bytes is refused in OpenAI's shape; one at the limit is served."""
+    good = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0}
+    raw = json.dumps(good).encode()
+    async with gateway(target, backends, max_request_bytes=len(raw)) as client:
+        assert (await client.post("/v1/chat/completions", content=raw,
+                                  headers={"content-type": "application/json"})).status_code == 200
+        big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * 2 * len(raw)}]}).encode()
+
+        async def chunked():  # no content-length: the limit is counted as the body arrives
+            for i in range(0, len(big), 64):
+                yield big[i:i + 64]
+
+        for body in (big, chunked()):
+            r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text
+            assert r.json()["error"]["code"] == "request_too_large"
+        r = await client.post("/v1/chat/completions", json=good)  # the gateway serves on
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
