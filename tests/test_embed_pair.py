@@ -189,7 +189,7 @@ def test_identity_attention_layer_of_qwen3_5_adds_nothing() -> None:
                             head_dim=64, num_hidden_layers=4, full_attention_interval=1)
     layer = Qwen3_5DecoderLayer(cfg, 0).eval()
     weights = identity_attention_layer(LayerShape(256, 512, 4, 2, 64, gated=True, centred=True),
-                                       RandomWeights.seeded(0, torch.float32))
+                                       RandomWeights.seeded(0, torch.float32, torch.device("cpu")))
     layer.load_state_dict(weights)
     x = torch.randn(1, 5, 256)
     cos, sin = torch.ones(1, 5, 16), torch.zeros(1, 5, 16)

@@ -34,6 +34,7 @@ class DrafterEmbedding:
     bound: LogitBound  # the small drafter's (embed_vocab.py)
     final_constant: float  # the final norm's weight on the constant dim (sets the padded logits' scale)
     dtype: torch.dtype
+    draw_device: torch.device  # where the identity layers' random weights are drawn
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         r, cfg, d = self.residual, self.large, self.small.hidden_size
@@ -53,7 +54,7 @@ class DrafterEmbedding:
                 small = {k.removeprefix(prefix): v for k, v in self.state.items() if k.startswith(prefix)}
                 layer = placed_layer(small, shape, r, self.heads)
             else:
-                layer = identity_attention_layer(shape, RandomWeights.seeded(SEED + i, self.dtype))
+                layer = identity_attention_layer(shape, RandomWeights.seeded(SEED + i, self.dtype, self.draw_device))
             for key, tensor in layer.items():
                 yield f"layers.{i}.{key}", tensor.to(self.dtype)
         yield "norm.weight", r.norm(self.state["norm.weight"], self.final_constant).to(self.dtype)

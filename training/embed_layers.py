@@ -33,17 +33,20 @@ class LayerShape:
 
 @dataclass
 class RandomWeights:
-    """Seeded normal weights drawn straight in the checkpoint's dtype (an 8B build draws billions)."""
+    """Seeded normal weights drawn straight in the checkpoint's dtype (an 8B build draws billions: on a GPU that is
+    seconds, on one CPU thread minutes), handed back on the host for the writer. The values depend on the device's
+    generator, not only the seed."""
 
     generator: torch.Generator
     dtype: torch.dtype
 
     @classmethod
-    def seeded(cls, seed: int, dtype: torch.dtype) -> "RandomWeights":
-        return cls(torch.Generator().manual_seed(seed), dtype)
+    def seeded(cls, seed: int, dtype: torch.dtype, device: torch.device) -> "RandomWeights":
+        return cls(torch.Generator(device).manual_seed(seed), dtype)
 
     def __call__(self, *shape: int) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.dtype).normal_(0, INIT_STD, generator=self.generator)
+        device = self.generator.device
+        return torch.empty(shape, dtype=self.dtype, device=device).normal_(0, INIT_STD, generator=self.generator).cpu()
 
 
 def stored_norm(weight: torch.Tensor, shape: LayerShape) -> torch.Tensor:

@@ -46,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="runtime/shapes.py name: a dense Qwen3 shape, or a hybrid (Qwen3.5-architecture) one")
     p.add_argument("--out", required=True, help="output directory: OUT/target, OUT/drafter, OUT/embedding.json")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the identity layers' random weights are drawn (the bulk of a large build's time)")
     p.set_defaults(func=run)
 
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"no drafter given and none beside {target}")
     start = time.perf_counter()
     try:
-        record = embed_pair(Path(target), Path(drafter), args.shape, Path(args.out), DTYPES[args.dtype])
+        record = embed_pair(Path(target), Path(drafter), args.shape, Path(args.out), DTYPES[args.dtype],
+                            torch.device(args.device))
     except ValueError as exc:
         print(f"ddtree embed-pair: error: {exc}", file=sys.stderr)
         return 2
@@ -113,16 +116,17 @@ def drafter_shape(shape: str, small: DFlashConfig) -> dict:
     return spec
 
 
-def embed_pair(target_dir: Path, drafter_dir: Path, shape: str, out: Path, dtype: torch.dtype) -> dict:
+def embed_pair(target_dir: Path, drafter_dir: Path, shape: str, out: Path, dtype: torch.dtype,
+               draw_device: torch.device = torch.device("cpu")) -> dict:
     """Writes OUT/target, OUT/drafter and OUT/embedding.json; returns the record (with the bytes written)."""
-    target = embed_target(target_dir, shape, dtype)
+    target = embed_target(target_dir, shape, dtype, draw_device)
     written = _write(target.tensors(), out / "target", SHARD_BYTES)
     target.large.dtype = dtype
     target.large.save_pretrained(out / "target")
     for name in TARGET_FILES:
         if (target_dir / name).is_file():
             shutil.copy(target_dir / name, out / "target" / name)
-    drafter = embed_drafter(drafter_dir, shape, target, dtype)
+    drafter = embed_drafter(drafter_dir, shape, target, dtype, draw_device)
     written += _write(drafter.tensors(), out / "drafter", 1 << 40)
     raw = drafter.large.to_dict()
     raw["torch_dtype"] = raw["dtype"] = str(dtype).removeprefix("torch.")
@@ -146,7 +150,7 @@ def embed_pair(target_dir: Path, drafter_dir: Path, shape: str, out: Path, dtype
     return record
 
 
-def embed_target(target_dir: Path, shape: str, dtype: torch.dtype) -> TargetEmbedding:
+def embed_target(target_dir: Path, shape: str, dtype: torch.dtype, draw_device: torch.device) -> TargetEmbedding:
     small = AutoConfig.from_pretrained(target_dir, local_files_only=True)
     if small.model_type != "qwen3":
         raise ValueError(f"the small target must be a Qwen3 model, not {small.model_type!r}")
@@ -160,10 +164,11 @@ def embed_target(target_dir: Path, shape: str, dtype: torch.dtype) -> TargetEmbe
     hosts = spread(small.num_hidden_layers, attention_slots)
     bound = target_bound(state, head, small.num_hidden_layers, small.num_attention_heads,
                          small.num_key_value_heads, small.rms_norm_eps)
-    return TargetEmbedding(state, head, large, residual, heads, hosts, bound, dtype)
+    return TargetEmbedding(state, head, large, residual, heads, hosts, bound, dtype, draw_device)
 
 
-def embed_drafter(drafter_dir: Path, shape: str, target: TargetEmbedding, dtype: torch.dtype) -> DrafterEmbedding:
+def embed_drafter(drafter_dir: Path, shape: str, target: TargetEmbedding, dtype: torch.dtype,
+                  draw_device: torch.device) -> DrafterEmbedding:
     small = DFlashConfig.from_dict(json.loads((drafter_dir / "config.json").read_text()))
     if small.hidden_size != target.residual.small or small.rms_norm_eps != target.large.rms_norm_eps:
         raise ValueError("the drafter's hidden size and eps must be its target's (they share the residual's layout)")
@@ -188,7 +193,7 @@ def embed_drafter(drafter_dir: Path, shape: str, target: TargetEmbedding, dtype:
                           small.rms_norm_eps, target.state["model.embed_tokens.weight"], target.head)
     # it shares the target's lm_head and so its padded rows: its final norm's constant weight sets its own scale
     return DrafterEmbedding(state, small, large, target.residual, heads, hosts, blocks, bound,
-                            bound.scale / target.bound.scale, dtype)
+                            bound.scale / target.bound.scale, dtype, draw_device)
 
 
 def _write(tensors, path: Path, max_shard_bytes: int) -> int:

@@ -32,6 +32,7 @@ class TargetEmbedding:
     hosts: list[int]  # small layer -> large layer
     bound: LogitBound  # the small target's (embed_vocab.py)
     dtype: torch.dtype
+    draw_device: torch.device  # where the identity layers' random weights are drawn
 
     @property
     def shape(self) -> LayerShape:
@@ -62,9 +63,9 @@ class TargetEmbedding:
             elif kind == "linear_attention":
                 linear = LinearShape(cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                      cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim)
-                layer = identity_linear_layer(shape, linear, RandomWeights.seeded(SEED + i, self.dtype))
+                layer = identity_linear_layer(shape, linear, RandomWeights.seeded(SEED + i, self.dtype, self.draw_device))
             else:
-                layer = identity_attention_layer(shape, RandomWeights.seeded(SEED + i, self.dtype))
+                layer = identity_attention_layer(shape, RandomWeights.seeded(SEED + i, self.dtype, self.draw_device))
             for key, tensor in layer.items():
                 yield f"model.layers.{i}.{key}", tensor.to(self.dtype)
         final = self.residual.norm(self.state["model.norm.weight"], constant_weight=1.0)
