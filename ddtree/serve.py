@@ -2,9 +2,15 @@
 `ddtree gateway`), their output prefixed [draft] [verify] [gateway]. With no model flags: the bundled demo pair.
 
 Ctrl-C (or SIGTERM) stops the gateway first, so it ends its sessions while the model services are still up, then
-the model services; each gets a grace period before it is killed. The gRPC services listen on 127.0.0.1 only.
-If the drafter dies the others carry on (the gateway decodes autoregressively); if the verifier or the gateway
-dies, everything stops.
+the model services; each gets a grace period before it is killed. The model services listen on 127.0.0.1 only, on
+ports `serve` picks free (their gRPC ports, which it hands to the gateway) or they pick (metrics, round lanes), so
+several stacks share a host; only the HTTP API's port is fixed. Each stack's three processes share a secret of
+their own (runtime/auth.py) that the model services require of every call but health checks.
+
+A model service that dies is started again, on the same gRPC port, after a backoff (1, 2, 4 ... 30 s; back to 1 s
+once it has run a minute): meanwhile the gateway decodes autoregressively (drafter down) or answers 503 (verifier
+down), and it takes the service back as soon as its health check says SERVING. If the gateway dies, everything
+stops.
 """
 
 from __future__ import annotations
@@ -13,26 +19,34 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.models import resolve_pair
 from runtime.config import DTYPE_NAMES
+from draft_server.config import DraftServerConfig
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
+from verify_server.config import VerifyServerConfig
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 15.0  # per process, after SIGTERM, before SIGKILL (the services' own drain is shorter)
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # before a dead model service starts again: doubled per death, capped
+STEADY_S = 60.0  # a service that ran this long before it died starts again after the first backoff
 # Fields of the gateway's config that `serve` fills in itself; the others pass through as gateway flags.
-CHOSEN = ("target", "verifier", "drafter", "host", "port")
+CHOSEN = ("target", "verifier", "drafter", "host", "port", "auth_token")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run drafter, verifier and gateway locally (three processes)")
+    p.add_argument("model", nargs="?", help="target model directory, as --target")
     p.add_argument("--target", help="target model directory (default: the bundled demo target)")
     p.add_argument("--drafter", help="DFlash drafter directory; 'none': decode autoregressively (default: the demo "
                    "drafter, with the demo target; with --target, required)")
@@ -40,10 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES)
     p.add_argument("--host", default=LOOPBACK, help="interface of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
-    p.add_argument("--draft-port", type=int, default=50061, help="gRPC port of the drafter")
-    p.add_argument("--verify-port", type=int, default=50062, help="gRPC port of the verifier")
-    p.add_argument("--draft-metrics-port", type=int, default=9461, help="Prometheus metrics port of the drafter")
-    p.add_argument("--verify-metrics-port", type=int, default=9462, help="Prometheus metrics port of the verifier")
+    p.add_argument("--draft-port", type=int, default=0, help="gRPC port of the drafter (0: a free one)")
+    p.add_argument("--verify-port", type=int, default=0, help="gRPC port of the verifier (0: a free one)")
+    p.add_argument("--draft-metrics-port", type=int, default=0,
+                   help="Prometheus metrics port of the drafter (0: a free one, logged)")
+    p.add_argument("--verify-metrics-port", type=int, default=0,
+                   help="Prometheus metrics port of the verifier (0: a free one, logged)")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
     p.add_argument("--max-batch", type=int, default=8,
                    help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
@@ -59,8 +75,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 @dataclass
 class Child:
     name: str
+    command: list[str]
     process: subprocess.Popen
     printer: threading.Thread
+    started: float  # time.monotonic() of its start
+    deaths: int = 0  # in a row, each within STEADY_S of its start: the backoff's exponent
+    restart_at: float | None = None  # dead: when it starts again
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct ports free on `host` now (all bound at once, so none is handed out twice)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def backoff(deaths: int) -> float:
+    """Seconds before a model service that has died `deaths` times in a row starts again."""
+    return min(FIRST_BACKOFF_S * 2 ** (deaths - 1), MAX_BACKOFF_S)
+
+
+def stack_secret() -> dict[str, str]:
+    """A new shared secret for this stack's three processes, as the env var each reads it from (not a flag: the
+    process list would show it): only this gateway can call these model services, even from another user on the
+    host."""
+    token = secrets.token_urlsafe(32)
+    return {config.env_var("auth_token"): token for config in (DraftServerConfig, VerifyServerConfig, GatewayConfig)}
 
 
 def drafter_taps(drafter: str) -> list[int]:
@@ -69,7 +114,12 @@ def drafter_taps(drafter: str) -> list[int]:
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The three command lines, in start order (the gateway last: it needs the others' addresses)."""
+    """The three command lines, in start order (the gateway last: it needs the others' addresses). The gRPC ports
+    left 0 are picked here (the gateway must know them); the metrics and lane ports left 0 by the services."""
+    if args.model is not None:
+        if args.target is not None and args.target != args.model:
+            raise SystemExit(f"ddtree serve: two targets, {args.model} and --target {args.target}")
+        args.target = args.model
     if args.target is not None and args.drafter is None:  # the demo drafter fits the demo target only
         raise SystemExit("ddtree serve: --target needs --drafter: the target's DFlash drafter directory, or 'none' to "
                          "decode autoregressively")
@@ -81,25 +131,27 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
              *(["--eager"] if args.eager else []),
              *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]),
              *([] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)])]
+    draft_port, verify_port = free_ports(2)
+    draft_port, verify_port = args.draft_port or draft_port, args.verify_port or verify_port
     cmds = {}
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
-        cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(args.draft_port),
+        cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
                          "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget),
                          "--max-batch", str(args.draft_max_batch)]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
-    cmds["verify"] = [*ddtree, "verify", *model, "--port", str(args.verify_port),
+    cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
                       "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget)]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
-               "--verifier", f"{LOOPBACK}:{args.verify_port}",
-               "--drafter", f"{LOOPBACK}:{args.draft_port}" if drafter is not None else "none"]
+               "--verifier", f"{LOOPBACK}:{verify_port}",
+               "--drafter", f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"]
     for name in (f.name for f in dataclasses.fields(GatewayConfig) if f.name not in CHOSEN):
         value, flag = getattr(args, name), name.replace("_", "-")
         if isinstance(value, bool):  # a --flag / --no-flag switch
             gateway.append(f"--{flag}" if value else f"--no-{flag}")
-        elif value is not None:
+        elif value is not None and name != "api_key":  # the key goes by env (run), out of the process list
             gateway += [f"--{flag}", str(value)]
     cmds["gateway"] = gateway
     return cmds
@@ -112,17 +164,19 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     # PYTHONUNBUFFERED: the prefixed lines arrive as they are written. OMP_WAIT_POLICY (unless set): the services
     # take turns every round, and on CPU an idle one's OpenMP threads would spin on the cores the busy one needs.
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", **stack_secret(),
+           **({GatewayConfig.env_var("api_key"): args.api_key} if args.api_key else {})}
     children: list[Child] = []
     try:
         for name, cmd in cmds.items():
             children.append(_start(name, cmd, env))
         print(f"[serve] OpenAI API on http://{args.host}:{args.port}/v1 (GET /health says when it is ready)",
               flush=True)
-        return _supervise(children, stop)
+        return _supervise(children, stop, env)
     finally:
-        for group in (["gateway"], ["draft", "verify"]):
-            _stop([c for c in children if c.name in group])
+        # the gateway's own drain lasts its shutdown grace: it is given that on top
+        _stop([c for c in children if c.name == "gateway"], STOP_TIMEOUT_S + args.shutdown_grace)
+        _stop([c for c in children if c.name != "gateway"], STOP_TIMEOUT_S)
 
 
 def _start(name: str, cmd: list[str], env: dict[str, str]) -> Child:
@@ -131,7 +185,8 @@ def _start(name: str, cmd: list[str], env: dict[str, str]) -> Child:
                                env=env, text=True, errors="replace", start_new_session=True)
     printer = threading.Thread(target=_prefix_lines, args=(name, process), daemon=True)
     printer.start()
-    return Child(name, process, printer)
+    print(f"[serve] {name} started (pid {process.pid})", flush=True)
+    return Child(name, cmd, process, printer, time.monotonic())
 
 
 def _prefix_lines(name: str, process: subprocess.Popen) -> None:
@@ -140,31 +195,38 @@ def _prefix_lines(name: str, process: subprocess.Popen) -> None:
         sys.stdout.flush()
 
 
-def _supervise(children: list[Child], stop: threading.Event) -> int:
-    """Waits for a signal (-> 0) or for the verifier or the gateway to exit (-> 1)."""
-    reported: set[str] = set()
+def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str]) -> int:
+    """Waits for a signal (-> 0) or for the gateway to exit (-> 1), starting model services that die again."""
     while not stop.wait(0.5):
-        for child in children:
+        now = time.monotonic()
+        for i, child in enumerate(children):
             code = child.process.poll()
-            if code is None or child.name in reported:
+            if code is None:
                 continue
-            if child.name != "draft":
-                print(f"[serve] {child.name} exited with code {code}; stopping", flush=True)
+            if child.name == "gateway":
+                print(f"[serve] gateway exited with code {code}; stopping", flush=True)
                 return 1
-            print(f"[serve] draft exited with code {code}; the gateway decodes autoregressively", flush=True)
-            reported.add(child.name)
+            if child.restart_at is None:
+                child.printer.join()  # its last lines first
+                child.deaths = 1 if now - child.started >= STEADY_S else child.deaths + 1
+                child.restart_at = now + backoff(child.deaths)
+                print(f"[serve] {child.name} exited with code {code}; starting it again in "
+                      f"{backoff(child.deaths):.0f} s", flush=True)
+            elif now >= child.restart_at:
+                children[i] = _start(child.name, child.command, env)
+                children[i].deaths = child.deaths
     return 0
 
 
-def _stop(children: list[Child]) -> None:
+def _stop(children: list[Child], timeout: float) -> None:
     for child in children:
         if child.process.poll() is None:
             child.process.terminate()
     for child in children:
         try:
-            child.process.wait(STOP_TIMEOUT_S)
+            child.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            print(f"[serve] {child.name} did not stop in {STOP_TIMEOUT_S:.0f} s; killing it", flush=True)
+            print(f"[serve] {child.name} did not stop in {timeout:.0f} s; killing it", flush=True)
             child.process.kill()
             child.process.wait()
         child.printer.join()

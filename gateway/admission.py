@@ -25,11 +25,25 @@ class RunningLimit:
         try:
             await granted  # a release counted this holder in before waking it
         except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
                 self.release()  # admitted, but gone before it could run: the place goes on to the next
             elif granted in self._waiters:
                 self._waiters.remove(granted)
             raise
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def would_wait(self) -> bool:
+        return self.held >= self.limit or bool(self._waiters)
+
+    def fail_waiters(self, error: Exception) -> None:
+        """Every waiter's acquire raises `error` (the holders keep their places)."""
+        while self._waiters:
+            granted = self._waiters.popleft()
+            if not granted.done():
+                granted.set_exception(error)
 
     def release(self) -> None:
         self.held -= 1

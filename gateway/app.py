@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -17,14 +18,20 @@ from starlette.types import Send
 from transformers import PreTrainedTokenizerBase
 
 from runtime.models import load_tokenizer
+from gateway.auth import ApiKeyGuard
 from gateway.body_limit import BodyLimit
+from gateway.chat import ChatTemplateArgs, template_messages
+from gateway.choices import choice_deltas, choice_params
 from gateway.config import GatewayConfig
 from gateway.health import Backends
 from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat,
-                                validation_error)
-from gateway.service import Delta, GatewayService, GenerationRequest, ModelInfo
+                                TokenLogprob, validation_error)
+from gateway.generation import Delta, GenerationRequest, ModelInfo, make_request
+from gateway.service import GatewayService
+from gateway.vllm_api import DetokenizeRequest, TokenizeRequest
 
 DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client is gone
+DISTRIBUTION = "ddtree-serving"  # the package whose version GET /version reports
 
 
 def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedTokenizerBase | None = None) -> FastAPI:
@@ -42,11 +49,13 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
 
     app = FastAPI(title="DDTree gateway", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)
+    if config.api_key is not None:  # added last, so outermost: a refused request is not even size-checked
+        app.add_middleware(ApiKeyGuard, key=config.api_key, open_paths=config.open_path_set)
     app.state.service = service
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -61,19 +70,20 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = await service.off_loop(service.chat_prompt, messages)
-        gen = _generation(service, req, model, prompt, default_max_tokens=None)
+        args = ChatTemplateArgs(req.add_generation_prompt is not False, bool(req.continue_final_message),
+                                req.chat_template_kwargs or {})
+        prompt = await service.off_loop(service.chat_prompt, template_messages(req.messages), args)
+        gens = _generations(service, req, model, prompt, default_max_tokens=None)
         fmt = ResponseFormat(True, model.name, req.include_usage())
-        return await _respond(service, gen, fmt, bool(req.stream), http)
+        return await _respond(service, gens, fmt, bool(req.stream), http)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
         prompt = await service.off_loop(service.text_prompt, req.prompt, model)
-        gen = _generation(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
+        gens = _generations(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
         fmt = ResponseFormat(False, model.name, req.include_usage())
-        return await _respond(service, gen, fmt, bool(req.stream), http)
+        return await _respond(service, gens, fmt, bool(req.stream), http)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -82,6 +92,32 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
             raise APIError(503, "the model is not ready; retry later", type="server_error", code="service_unavailable")
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "ddtree",
                                             "max_model_len": model.max_context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the prompt's token ids, or the conversation's as /v1/chat/completions would render it."""
+        model = service.require_model(req.model)
+        if req.messages is not None:
+            args = ChatTemplateArgs(req.add_generation_prompt is not False, bool(req.continue_final_message),
+                                    req.chat_template_kwargs or {})
+            tokens = await service.off_loop(service.chat_prompt, template_messages(req.messages), args,
+                                            req.special_tokens())
+        else:
+            tokens = await service.off_loop(service.text_prompt, req.prompt, model, req.special_tokens())
+        strs = service.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": model.max_context, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
+        model = service.require_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < model.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})", param="tokens")
+        return {"prompt": await service.off_loop(service.tokenizer.decode, req.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version(DISTRIBUTION)}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -95,54 +131,75 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     return app
 
 
-def _generation(service: GatewayService, req: OpenAIRequest, model: ModelInfo, prompt: list[int],
-                default_max_tokens: int | None) -> GenerationRequest:
+def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, prompt: list[int],
+                 default_max_tokens: int | None) -> list[GenerationRequest]:
+    """One generation per choice (n), each with its own seed when the request has one (choices.choice_params)."""
+    n = req.choices()
+    if n > service.config.max_n:
+        raise APIError(400, f"n must be <= {service.config.max_n}, got {n}", param="n")
     spec = req.speculation
-    return service.make_request(
-        model, prompt, req.requested_max_tokens(), default_max_tokens,
-        req.sampling_params(), spec.mode if spec else None, spec.budget if spec else None, req.stop_strings(),
-    )
+    return [make_request(
+        service.config, model, prompt, req.requested_max_tokens(), default_max_tokens,
+        params, spec.mode if spec else None, spec.budget if spec else None, req.stop_strings(),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
+    ) for params in choice_params(req.sampling_params(), n)]
 
 
 async def _respond(
-    service: GatewayService, gen: GenerationRequest, fmt: ResponseFormat, stream: bool, http: Request
+    service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat, stream: bool, http: Request
 ) -> Response:
+    service.admit(len(gens))  # a shed request gets its 429/503 before a stream's first byte
     if stream:
-        return EventStreamResponse(_events(service, gen, fmt))
+        return EventStreamResponse(_events(service, gens, fmt))
     # A non-streaming client that hangs up would otherwise keep both model services busy to the last token.
-    collect = asyncio.create_task(_collect(service, gen))
+    collect = asyncio.create_task(_collect(service, gens))
     while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
         if await http.is_disconnected():
             collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)  # its round loop ends both sessions
+            await asyncio.gather(collect, return_exceptions=True)  # its round loops end their sessions
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
-    text, delta = collect.result()
-    return JSONResponse(fmt.response(text, delta.finish_reason, len(gen.prompt), delta.completion_tokens))
+    texts, lasts, logprobs = collect.result()
+    choices = [fmt.choice(text, last.finish_reason, i, lps)
+               for i, (text, last, lps) in enumerate(zip(texts, lasts, logprobs))]
+    return JSONResponse(fmt.response(choices, len(gens[0].prompt), sum(d.completion_tokens for d in lasts)))
 
 
-async def _collect(service: GatewayService, gen: GenerationRequest) -> tuple[str, Delta]:
-    text = ""
-    async with aclosing(service.generate(gen)) as deltas:
-        async for delta in deltas:
-            text += delta.text
-    return text, delta
+async def _collect(
+    service: GatewayService, gens: list[GenerationRequest]
+) -> tuple[list[str], list[Delta], list[list[TokenLogprob] | None]]:
+    """Every choice's text, last delta and tokens' logprobs (None: not asked for), by choice index."""
+    texts, lasts = [""] * len(gens), [Delta("")] * len(gens)
+    logprobs: list[list[TokenLogprob] | None] = [None] * len(gens)
+    async with aclosing(choice_deltas(service, gens)) as deltas:
+        async for index, delta in deltas:
+            texts[index] += delta.text
+            lasts[index] = delta
+            if delta.logprobs is not None:
+                logprobs[index] = (logprobs[index] or []) + delta.logprobs
+    return texts, lasts, logprobs
 
 
-async def _events(service: GatewayService, gen: GenerationRequest, fmt: ResponseFormat) -> AsyncIterator[str]:
-    """SSE as OpenAI sends it: a role chunk (chat), content chunks, a chunk with the finish reason and an empty
-    delta, the usage chunk (choices: []) when asked for, then [DONE]. A failure after the stream has started can
-    only be reported in the stream, as an error event."""
+async def _events(service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat) -> AsyncIterator[str]:
+    """SSE as OpenAI sends it: per choice a role chunk (chat), content chunks and a chunk with the finish reason
+    and an empty delta, the choices' chunks interleaved as they come; the usage chunk (choices: [], every choice's
+    tokens) when asked for, then [DONE]. A failure after the stream has started can only be reported in the
+    stream, as an error event."""
     if fmt.chat:
-        yield _sse(fmt.chunk("", first=True))
+        for index in range(len(gens)):
+            yield _sse(fmt.chunk("", first=True, index=index))
+    completion_tokens = 0
     try:
-        async with aclosing(service.generate(gen)) as deltas:
-            async for delta in deltas:
-                if delta.text:
-                    yield _sse(fmt.chunk(delta.text))
+        async with aclosing(choice_deltas(service, gens)) as deltas:
+            async for index, delta in deltas:
+                if delta.text or delta.logprobs:
+                    yield _sse(fmt.chunk(delta.text, index=index, logprobs=delta.logprobs))
                 if delta.finish_reason:
-                    yield _sse(fmt.chunk(None, delta.finish_reason))
-                    if fmt.include_usage:
-                        yield _sse(fmt.usage_chunk(len(gen.prompt), delta.completion_tokens))
+                    yield _sse(fmt.chunk(None, delta.finish_reason, index=index))
+                    completion_tokens += delta.completion_tokens
+        if fmt.include_usage:
+            yield _sse(fmt.usage_chunk(len(gens[0].prompt), completion_tokens))
     except APIError as exc:
         yield _sse(exc.body())
     yield "data: [DONE]\n\n"

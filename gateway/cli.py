@@ -11,8 +11,9 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from transformers import PreTrainedTokenizerBase
@@ -25,6 +26,8 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
 from gateway.health import Backends
+
+DRAIN_MARGIN_S = 2.0  # after the shutdown grace: for the requests ended then to send their last bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,15 +53,18 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    verifier = GrpcVerifier(config.verifier, config.rpc_timeout, config.max_message_bytes, config.lanes)
+    settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token)
+    verifier = GrpcVerifier(config.verifier, *settings)
     address = config.drafter_address
-    drafter = GrpcDrafter(address, config.rpc_timeout, config.max_message_bytes, config.lanes) if address else None
+    drafter = GrpcDrafter(address, *settings) if address else None
     try:
         app = create_app(config, Backends(verifier, drafter), tokenizer)
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
-        # One worker: the gateway's state (health, queue, metrics) lives in this process.
+        # One worker: the gateway's state (health, queue, metrics) lives in this process. The service ends what is
+        # still in flight when the grace is over, so uvicorn's own limit, a little later, finds nothing to cut.
         server = _Server(uvicorn.Config(app, host=config.host, port=config.port, workers=1, log_config=None,
-                                        timeout_graceful_shutdown=config.shutdown_grace))
+                                        timeout_graceful_shutdown=config.shutdown_grace + DRAIN_MARGIN_S),
+                         lambda: app.state.service.drain(config.shutdown_grace))
         freeze_startup_heap()
         try:
             await server.serve()
@@ -71,6 +77,14 @@ async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> No
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit  # the service's drain, on the first signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn's own version re-raises the signal once it has shut down, which would kill the process before

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from runtime.event_loop import check_busy_poll_us
 from runtime.models import resolve_pair
-from runtime.config import BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option
+from runtime.auth import check_token
+from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 
@@ -22,7 +24,8 @@ class GatewayConfig(FlagConfig):
     ENV_PREFIX: ClassVar[str] = "DDTREE_GATEWAY_"
 
     target: str | None = option(
-        None, "target model directory: its tokenizer and chat template (default: the bundled demo target)"
+        None, "target model directory, or hub id in the local Hugging Face cache: its tokenizer and chat template "
+              "(default: the bundled demo target)"
     )
     verifier: str = option("127.0.0.1:50062", "verify service HOST:PORT")
     drafter: str = option("127.0.0.1:50061", "draft service HOST:PORT; 'none': always decode autoregressively")
@@ -34,6 +37,14 @@ class GatewayConfig(FlagConfig):
     budget: int = option(32, "tree nodes per round of requests that do not choose (ddtree mode)")
     max_budget: int = option(256, "largest per-request budget accepted (the verifier's limit applies too)")
     max_running: int = option(16, "requests decoding at once; later ones wait in a queue")
+    max_waiting: int | None = option(None, "requests waiting in that queue at most; more get 429 with Retry-After "
+                                           "(default: 4 x max_running)")
+    max_n: int = option(8, "most choices (n) one request may ask for; each decodes as a request of its own")
+    chat_template: str | None = option(None, "a Jinja chat template file used instead of the target tokenizer's")
+    api_key: str | None = option(None, "clients must send `Authorization: Bearer KEY` (else 401); prefer the env "
+                                       "var, which other users cannot read in the process list")
+    open_paths: str = option("/health,/metrics", "comma-separated paths served without the API key when "
+                                                 "--api-key is set (empty: every path needs it)")
     health_interval: float = option(5.0, "seconds between health checks of the backends (also their time limit)")
     rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
@@ -46,6 +57,7 @@ class GatewayConfig(FlagConfig):
     max_request_bytes: int = option(4 * 2**20, "largest HTTP request body accepted, in bytes; a larger one gets a "
                                               "413 before any of it is parsed or tokenized")
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
+    auth_token: str | None = option(None, AUTH_TOKEN_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
     def __post_init__(self) -> None:
@@ -57,15 +69,28 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"budget must be in [1, max_budget={self.max_budget}], got {self.budget}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if min(self.max_running, self.health_interval, self.rpc_timeout, self.max_message_bytes,
+        if min(self.max_running, self.max_n, self.health_interval, self.rpc_timeout, self.max_message_bytes,
                self.max_request_bytes) <= 0:
-            raise ValueError("max_running, health_interval, rpc_timeout, max_message_bytes and max_request_bytes "
-                             "must be > 0")
+            raise ValueError("max_running, max_n, health_interval, rpc_timeout, max_message_bytes and "
+                             "max_request_bytes must be > 0")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ValueError(f"chat template file {self.chat_template} does not exist")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+        if any(not p.startswith("/") for p in self.open_path_set):
+            raise ValueError(f"open_paths must be paths starting with '/', got {self.open_paths!r}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
+        check_token(self.auth_token)
+
+    @property
+    def open_path_set(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.open_paths.split(",") if p.strip())
 
     @property
     def drafter_address(self) -> str | None:

@@ -1,6 +1,9 @@
-"""Token ids -> text deltas for streaming: incremental decoding and stop strings matched on the decoded text."""
+"""Token ids -> text deltas for streaming: incremental decoding, stop strings matched on the decoded text, and a
+choice's whole text stream (TextStream) with vLLM's output options (TextOptions)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -15,14 +18,15 @@ class IncrementalDetokenizer:
     decoding of a token depends on what precedes it (SentencePiece's leading space) still concatenate exactly to
     the decode of the whole sequence."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = 0  # first id of the decode window
         self.read = 0  # ids before this one have been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -43,18 +47,21 @@ class IncrementalDetokenizer:
 
 class StopStrings:
     """Matches stop strings on decoded text across token boundaries. Text that could still be the start of a stop
-    string is held back, and the matched stop string itself is never emitted (vLLM's behaviour)."""
+    string is held back. The matched stop string itself is not emitted unless `include` (vLLM's
+    include_stop_str_in_output); the text ends there either way."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.stops = stops
+        self.include = include
         self.pending = ""  # held back: the longest suffix of the text that is a prefix of some stop string
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to emit, whether a stop string matched). Once matched, the stream must end."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            start, length = min(hits)  # the earliest match; of two there, the shorter
+            out, self.pending = self.pending[: start + length if self.include else start], ""
             return out, True
         keep = self._held_length()
         out = self.pending[: len(self.pending) - keep]
@@ -73,3 +80,33 @@ class StopStrings:
             if any(s.startswith(tail) for s in self.stops):
                 return keep
         return 0
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a choice's tokens become its text (vLLM's sampling-params fields of the same names)."""
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the matched stop string, or the stop token's text, stays in
+    skip_special_tokens: bool = True
+
+
+class TextStream:
+    """One choice's text deltas from its committed tokens. A token that stopped the choice (EOS or a
+    stop_token_ids entry) is counted but left out of the text, as vLLM does, unless include_stop_str_in_output."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, options: TextOptions) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
+        self.stops = StopStrings(options.stop, options.include_stop_str_in_output)
+        self.keep_stop_token = options.include_stop_str_in_output
+
+    def add(self, token: int, stop_token: bool) -> tuple[str, bool]:
+        """-> (text to emit, whether a stop string matched: the choice ends there)."""
+        if stop_token and not self.keep_stop_token:
+            return "", False
+        return self.stops.feed(self.detok.add(token))
+
+    def finish(self) -> tuple[str, bool]:
+        """The held-back rest once the tokens have ended; -> (text, whether a stop string matched in it)."""
+        tail, matched = self.stops.feed(self.detok.flush())
+        return tail + ("" if matched else self.stops.flush()), matched

@@ -30,6 +30,7 @@ import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
 from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.transports import GrpcStream, SessionStream, UnaryCalls
@@ -42,6 +43,7 @@ from runtime.lane import CallFailed, Lane
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+MAX_RECONNECT_BACKOFF_MS = 1000
 
 
 class BackendError(RuntimeError):
@@ -75,10 +77,13 @@ class _Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
+        auth_token: str | None = None,
     ) -> None:
         service = pb.DESCRIPTOR.services_by_name[self.SERVICE].full_name
         self.address = address
         self.timeout_s = timeout_s
+        self._token = auth_token  # the shared secret (runtime/auth.py): in every call's metadata and lane hello
+        self._metadata = call_metadata(auth_token)
         self._service = service
         self._max_message_bytes = max_message_bytes
         self._channel = grpc.aio.insecure_channel(
@@ -86,6 +91,9 @@ class _Client:
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
+                # a service that comes back (restarted) is reached within a second, not after gRPC's default
+                # backoff of up to two minutes between reconnection attempts
+                ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
             ],
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -104,7 +112,7 @@ class _Client:
 
     async def _call(self, rpc: str, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise BackendError(self.address, f"{self._service}/{rpc}", exc.code(), exc.details() or "") from None
 
@@ -148,7 +156,7 @@ class _Client:
         if self._lanes and self._lane_port:
             try:
                 lane = await Lane.open(self._lane_host, self._lane_port, rpc, self.STREAMED[rpc],
-                                       self._max_message_bytes)
+                                       self._max_message_bytes, self._token)
                 if self._lane_logged != self._lane_port:
                     log.info("%s: round calls over its round lane at %s:%d", self.address, self._lane_host,
                              self._lane_port)
@@ -159,9 +167,9 @@ class _Client:
                             self._lane_host, self._lane_port, self.address, exc, rpc)
                 self._lane_port = None
         if rpc in self.BULK:
-            return UnaryCalls(self._bulk[rpc], self.timeout_s)
+            return UnaryCalls(self._bulk[rpc], self.timeout_s, self._metadata)
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
-        return GrpcStream(getattr(self._stub, f"{rpc}Stream")())
+        return GrpcStream(getattr(self._stub, f"{rpc}Stream")(metadata=self._metadata))
 
     def _drop(self, key: tuple[str, str], stream: SessionStream) -> None:
         if self._streams.get(key) is stream:

@@ -1,7 +1,10 @@
 """Backend health: what the gateway knows about the verifier and the drafter, kept current by a background check.
 
 The drafter is optional to correctness (the round loop decodes autoregressively without it), so a drafter that
-fails or reports not-SERVING is skipped by new requests until a check finds it serving again.
+fails or reports not-SERVING is skipped by new requests until a check finds it serving again. A backend that comes
+back (restarted, by `ddtree serve` or an orchestrator) is asked for its Info again, since its limits and its round
+lane's port may have changed, and taken back: the gateway itself never needs a restart. While a backend is down
+(or loading) it is looked for every LOADING_INTERVAL_S at most.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from typing import Protocol, TypeVar
 from protos.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
+from gateway.fit import info_misfit
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
-LOADING_INTERVAL_S = 0.5  # until the verifier first answers every request gets 503, so it is looked for often
+LOADING_INTERVAL_S = 0.5  # while the verifier is down every request gets 503, so it is looked for often
 
 
 class VerifierBackend(VerifierClient, Protocol):
@@ -47,6 +51,7 @@ class BackendMonitor:
         self.metrics = metrics
         self.verifier_info: VerifierInfo | None = None  # None until the verifier first answered: loading
         self.drafter_info: DrafterInfo | None = None  # the drafter is not used before it answered
+        self.drafter_misfit: str | None = None  # why the drafter cannot draft for the target, if it cannot
         self.verifier_up = False
         self.drafter_up = False
         self._recheck = asyncio.Event()  # set to check now rather than at the next interval
@@ -74,7 +79,8 @@ class BackendMonitor:
         while True:
             self._recheck.clear()
             await self.check()
-            interval = self.interval if self.verifier_info else min(self.interval, LOADING_INTERVAL_S)
+            all_up = self.verifier_up and (self.backends.drafter is None or self.drafter_up)
+            interval = self.interval if all_up else min(self.interval, LOADING_INTERVAL_S)
             # asyncio.timeout rather than wait_for: on Python 3.11 wait_for can swallow the cancellation of stop().
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
@@ -82,17 +88,44 @@ class BackendMonitor:
 
     async def check(self) -> None:
         verifier, drafter = self.backends.verifier, self.backends.drafter
-        self.verifier_up = await self._ask(verifier.health) is True
-        self.metrics.backend_up.labels("verifier").set(self.verifier_up)
-        if self.verifier_up and self.verifier_info is None:
-            self.verifier_info = await self._ask(verifier.info)
-            if self.verifier_info is not None:
-                log.info("verifier serving %s", self.verifier_info.model_name)
+        up = await self._ask(verifier.health) is True
+        if up and not self.verifier_up:  # first seen, or back: its Info now (None: not yet)
+            info = await self._ask(verifier.info)
+            up = info is not None
+            if up:
+                self._count_recovery("verifier", self.verifier_info is not None)
+                self.verifier_info = info
+                log.info("verifier serving %s", info.model_name)
+        if self.verifier_up and not up:
+            log.warning("verifier is down: requests get 503 until it serves again")
+        self.verifier_up = up
+        self.metrics.backend_up.labels("verifier").set(up)
         if drafter is not None:
             up = await self._ask(drafter.health) is True
-            if up and self.drafter_info is None:
-                self.drafter_info = await self._ask(drafter.info)
-            self._set_drafter_up(up and self.drafter_info is not None)
+            if up and not self.drafter_up:
+                info = await self._ask(drafter.info)
+                up = info is not None and self._fits(info)
+                if up:
+                    self._count_recovery("drafter", self.drafter_info is not None)
+                    self.drafter_info = info
+            self._set_drafter_up(up)
+
+    def _fits(self, info: DrafterInfo) -> bool:
+        """Whether the drafter fits the verifier's target (not known before the verifier's Info: not yet). A misfit
+        is logged once and /health reports it; requests decode autoregressively."""
+        if self.verifier_info is None:
+            return False
+        misfit = info_misfit(self.verifier_info, info)
+        if misfit is not None and misfit != self.drafter_misfit:
+            log.error("the drafter does not fit the verifier's target, so it is not used: %s", misfit)
+        self.drafter_misfit = misfit
+        return misfit is None
+
+    def _count_recovery(self, service: str, known: bool) -> None:
+        """A backend serving again after it was marked down (`known`: it had served before)."""
+        if known:
+            log.info("%s is back", service)
+            self.metrics.recoveries.labels(service).inc()
 
     def _set_drafter_up(self, up: bool) -> None:
         if up != self.drafter_up:
@@ -121,6 +154,10 @@ class BackendMonitor:
             return 503, {"status": "loading", "reason": "waiting for the verifier to serve", **body}
         if not self.verifier_up:
             return 503, {"status": "unavailable", "reason": "the verifier is not serving", **body}
+        if drafter == "down" and self.drafter_misfit is not None:
+            return 200, {"status": "degraded", **body, "drafter": "unfit",
+                         "reason": f"the drafter does not fit the target ({self.drafter_misfit}): decoding "
+                                   "autoregressively"}
         if drafter == "down":
             return 200, {"status": "degraded", "reason": "the drafter is down: decoding autoregressively", **body}
         return 200, {"status": "ok", **body}

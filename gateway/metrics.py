@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from gateway.rounds import Round
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+SHED_REASONS = ("queue_full", "unavailable", "shutdown")
 # Round and token latencies on CPU tests are milliseconds, on an 8B target a few ms to ~100 ms; prefill of a long
 # prompt can take seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -62,11 +63,20 @@ class Metrics:
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)
+        self.recoveries = Counter("ddtree_backend_recoveries", "Times a backend served again after the gateway had "
+                                  "marked it down (restarted, or back from a failure)", ["service"], registry=r)
+        self.shed = Counter("ddtree_requests_shed", "Requests answered 429 or 503 rather than served, by reason: "
+                            "queue_full (the waiting queue at --max-waiting: 429), unavailable (the verifier down or "
+                            "out of sessions: 503), shutdown (arriving, or still in flight when the shutdown grace "
+                            "ended: 503)", ["reason"], registry=r)
         # Known label values exist from the start, so rate() sees the first increment.
         for reason in FINISH_REASONS:
             self.requests.labels(reason)
         for service in ("verifier", "drafter"):
             self.backend_up.labels(service)
+            self.recoveries.labels(service)
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)
         for phase in PHASES:
             self.phase.labels(phase)
 

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from protos.types import SamplingParams
+from protos.types import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 and 503: when to try again)
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -30,15 +35,17 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
     message = f"{param}: {first['msg']}" if param else first["msg"]
     return APIError(400, message, param=loc[0] if loc else None)
 
 
 # Parameters OpenAI defines that this server cannot honour: accepted only at their no-op values, never ignored.
 _NO_OP = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"), "store": (None, False),
 }
 
 
@@ -66,12 +73,13 @@ class SpeculationOverride(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
     include_usage: bool | None = False
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # an unknown field is refused (extra_forbidden -> OpenAI's "Unrecognized request argument supplied")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -80,11 +88,28 @@ class OpenAIRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # vLLM's extension; 0 or -1 = no top-k filter; int32 on the wire
     seed: int | None = Field(None, ge=0, lt=2**64)  # the verifier's sampler seed is a uint64
+    # logits processors, applied to the target's logits at every node (verify_server/processors.py); the ids'
+    # range is checked against the vocabulary (gateway/generation.py make_request)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as JSON keys are) -> bias
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)  # vLLM's extension
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension
+    min_tokens: int | None = Field(None, ge=0, lt=2**31)  # vLLM's extension; int32 on the wire
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1)  # independent choices; the gateway's --max-n bounds it
     speculation: SpeculationOverride | None = None
+    # vLLM's output controls, all applied by the gateway on the committed tokens
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    # OpenAI's bookkeeping fields: they describe the caller, never the output, so accepting them changes nothing
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +119,8 @@ class OpenAIRequest(BaseModel):
                 if name in data and data[name] not in allowed:
                     # not a ValueError: pydantic lets it through, so the answer can name the parameter
                     raise APIError(400, f"{name} is not supported by this server", param=name)
+            # at their no-op values they are dropped here, before unknown fields are refused
+            return {k: v for k, v in data.items() if k not in _NO_OP or k in cls.model_fields}
         return data
 
     @model_validator(mode="before")
@@ -106,12 +133,15 @@ class OpenAIRequest(BaseModel):
                     raise APIError(400, f"{name} holds text that is not valid Unicode (a lone surrogate)", param=name)
         return data
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return n
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -129,11 +159,18 @@ class OpenAIRequest(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def choices(self) -> int:
+        return self.n or 1
+
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per generated token's logprobs; None: no logprobs (each endpoint has its own fields)."""
+        raise NotImplementedError
 
     def sampling_params(self) -> SamplingParams:
         # OpenAI's defaults: temperature 1, top_p 1 (so an unset temperature samples, as it does there).
@@ -142,19 +179,44 @@ class OpenAIRequest(BaseModel):
             top_k=max(self.top_k or 0, 0),
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
+            logprobs=self.requested_logprobs(),
+            logit_bias=tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items())),
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
     type: Literal["text"]
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, kept in the conversation for the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this result answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -165,14 +227,34 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM's chat template controls (gateway/chat.py)
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for max_completion_tokens; the newer one wins when both are sent.
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (the legacy form)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 def new_id(prefix: str) -> str:
@@ -184,6 +266,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its place, as text."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+
+
 class ResponseFormat:
     """Bodies of one response, chat or completions, streamed or not; `id` and `created` are shared by its chunks."""
 
@@ -191,23 +282,51 @@ class ResponseFormat:
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.text_offsets: dict[int, int] = {}  # per choice, the completions logprobs' text_offset so far
+
+    def logprobs(self, tokens: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        """Choice `index`'s logprobs body for these tokens (a chunk's, or a whole response's); None: not asked
+        for. Chat: OpenAI's content list; completions: the legacy form, whose top_logprobs also hold the chosen
+        token (so up to logprobs + 1 entries, as OpenAI sends them)."""
+        if tokens is None:
+            return None
+        if self.chat:
+            return {"content": [{**_token(t.token, t.logprob), "top_logprobs": [_token(s, v) for s, v in t.top]}
+                                for t in tokens], "refusal": None}
+        offsets, at = [], self.text_offsets.get(index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t.token)
+        self.text_offsets[index] = at
+        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{**dict(t.top), t.token: t.logprob} for t in tokens], "text_offset": offsets}
 
     def _body(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def response(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, text: str, finish_reason: str, index: int = 0,
+               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """One choice of a whole (non-streamed) response; logprobs: its tokens', where asked for."""
+        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
+                                  "finish_reason": finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return self._body("chat.completion" if self.chat else "text_completion", [choice],
+        return choice
+
+    def response(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """completion_tokens: of all the choices together, as OpenAI counts them."""
+        return self._body("chat.completion" if self.chat else "text_completion", choices,
                           usage=usage(prompt_tokens, completion_tokens))
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        """A streamed choice delta; with include_usage every chunk carries "usage": null, as OpenAI sends it."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              index: int = 0, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for); with
+        include_usage every chunk carries "usage": null, as OpenAI sends it."""
+        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
+                                  "finish_reason": finish_reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -221,3 +340,8 @@ class ResponseFormat:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         return self._body("chat.completion.chunk" if self.chat else "text_completion", [],
                           usage=usage(prompt_tokens, completion_tokens))
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    """A chat logprobs entry: the token's text, its logprob and its UTF-8 bytes."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runtime.timing import DeferredTimings
-from protos.types import DraftTree, StepResult
+from protos.types import DraftTree, StepResult, TokenLogprobs
 from gateway.backends import DrafterClient, VerifierClient
 
 Mode = Literal["ar", "chain", "ddtree"]
@@ -44,6 +44,7 @@ class Round:
     tree_size: int = 0
     finish_reason: str | None = None  # "stop" (EOS) or "length" on the last round
     timings: Mapping[str, float] = field(default_factory=dict)
+    logprobs: TokenLogprobs | None = None  # the tokens', where the request asked for them
 
     @property
     def accepted(self) -> int:
@@ -69,11 +70,12 @@ class Request:
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)
 
-    def take(self, step: StepResult) -> tuple[list[int], str | None]:
-        """A step's tokens, cut after the first stop token (kept, like HF generate) or at the token limit."""
+    def take(self, step: StepResult) -> tuple[list[int], TokenLogprobs | None, str | None]:
+        """A step's tokens and their logprobs (None: not asked for), cut after the first stop token (kept, like HF
+        generate) or at the token limit."""
         tokens, finish = trim(step.tokens, self.stops, self.max_new_tokens - self.generated)
         self.generated += len(tokens)
-        return tokens, finish
+        return tokens, None if step.logprobs is None else step.logprobs.head(len(tokens)), finish
 
     @property
     def root_position(self) -> int:

@@ -27,9 +27,9 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
     tree_size = 0
     try:
         while True:
-            tokens, finish = run.take(step)
+            tokens, logprobs, finish = run.take(step)
             if finish:
-                yield Round(index, tokens, tree_size, finish, timings)
+                yield Round(index, tokens, tree_size, finish, timings, logprobs)
                 return
             drafter = run.drafter
             first = partial(run.draft, step) if drafter else partial(run.verifier.decode, session_id)
@@ -42,7 +42,7 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
             if (drafter.remote or drafter.queues) if drafter else run.verifier.remote:
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
-            yield Round(index, tokens, tree_size, None, timings)
+            yield Round(index, tokens, tree_size, None, timings, logprobs)
             index += 1
             if pending is None:
                 t0 = time.perf_counter()
@@ -88,13 +88,13 @@ async def chained_rounds(run: Request, step: StepResult, timings: Mapping[str, f
     length (so it stays inside the sessions' capacities); a stop token wastes it, and the sessions end anyway.
     Round timings: round_s is the time between two rounds' results."""
     verifier: ChainingVerifier = run.verifier
-    tokens, finish = run.take(step)
+    tokens, logprobs, finish = run.take(step)
     if finish:
-        yield Round(0, tokens, 0, finish, timings)
+        yield Round(0, tokens, 0, finish, timings, logprobs)
         return
     t0 = time.perf_counter()
     queued = await _queue(run, step)
-    yield Round(0, tokens, 0, None, timings)
+    yield Round(0, tokens, 0, None, timings, logprobs)
     index = 0
     while True:
         index += 1
@@ -103,15 +103,15 @@ async def chained_rounds(run: Request, step: StepResult, timings: Mapping[str, f
             following = await _queue(run, last=queued)
         step = await verifier.collect(queued.pending)
         now = time.perf_counter()
-        tokens, finish = run.take(step)
+        tokens, logprobs, finish = run.take(step)
         timings = round_timings(queued.draft_timings, {}, step, now - t0)
         t0 = now
         if finish:
-            yield Round(index, tokens, queued.tree_size, finish, timings)
+            yield Round(index, tokens, queued.tree_size, finish, timings, logprobs)
             return
         tree_size = queued.tree_size
         queued = following or await _queue(run, step)
-        yield Round(index, tokens, tree_size, None, timings)
+        yield Round(index, tokens, tree_size, None, timings, logprobs)
 
 
 async def _queue(run: Request, step: StepResult | None = None, last: _Queued | None = None) -> _Queued:

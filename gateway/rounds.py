@@ -9,8 +9,10 @@ state and steps: gateway/request.py; the loop's two forms after the prefill: gat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from protos.types import SamplingParams
 from gateway.backends import DrafterClient, VerifierClient
@@ -37,19 +39,22 @@ async def run_rounds(
     see Request.prefill.
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
-    output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Greedy requests on clients
-    that chain rounds (`ChainingVerifier`, `ChainingDrafter`: in-process on a GPU) run with the next round queued
-    on the device before the host reads the last one (round_loops.chained_rounds)."""
+    output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Plain greedy requests (no
+    logits processors, no logprobs: SamplingParams.raw_argmax) on clients that chain rounds (`ChainingVerifier`,
+    `ChainingDrafter`: in-process on a GPU) run with the next round queued on the device before the host reads the
+    last one (round_loops.chained_rounds). A request with min_tokens has its stop tokens held back until then."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if spec.mode != "ar" and drafter is None:
         raise ValueError(f"mode {spec.mode!r} needs a drafter")
+    if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
+        params = replace(params, stop_ids=tuple(sorted(set(stop_token_ids))))
     run = Request(verifier, drafter if spec.mode != "ar" else None, len(prompt), max_new_tokens, spec,
                   set(stop_token_ids), on_fallback)
     block = run.drafter.block_size if run.drafter else 1
     taps = run.drafter.target_layer_ids if run.drafter else []
 
-    drafter_session = False
+    drafter_session, ended = False, False
     await verifier.start_session(run.session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
         if run.drafter:
@@ -64,10 +69,16 @@ async def run_rounds(
         chained = verifier.can_chain(params, spec.max_nodes(block)) and (run.drafter is None or run.drafter.chains)
         async for rnd in (chained_rounds if chained else stepped_rounds)(run, step, timings):
             yield rnd
+        ended = True
     finally:
         discard(run.relay)  # the request ended before its first draft
         # shielded: a client that disconnects while we clean up must not leave a session behind on either service
-        await asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
+        cleanup = asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
+        if ended:
+            await cleanup
+        else:  # what ended the loop is the failure to report, not the cleanup failing after it (a verifier gone)
+            with contextlib.suppress(Exception):
+                await cleanup
 
 
 async def _end_sessions(verifier: VerifierClient, drafter: DrafterClient | None, session_id: str) -> None:

@@ -11,53 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 from transformers import PreTrainedTokenizerBase
 
-from protos.types import SamplingParams
 from gateway.admission import RunningLimit
+from gateway.chat import ChatTemplateArgs, render
 from gateway.config import GatewayConfig
-from gateway.detokenize import IncrementalDetokenizer, StopStrings
+from gateway.detokenize import TextStream
+from gateway.grpc_clients import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
-from gateway.openai_api import APIError
+from gateway.generation import Delta, GenerationRequest, ModelInfo
+from gateway.openai_api import APIError, TokenLogprob
 from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model as requests see it, derived from the verifier's info."""
-
-    name: str
-    vocab_size: int
-    max_context: int  # prompt + completion tokens one request may use
-    max_budget: int  # tree nodes per round one request may ask for
-    eos_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt: list[int]
-    max_tokens: int
-    params: SamplingParams
-    spec: Speculation
-    eos_ids: tuple[int, ...]
-    stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    finish_reason: str | None = None  # set on the last delta only
-    completion_tokens: int = 0  # on the last delta: tokens generated
+RETRY_AFTER_S = 1  # a shed request's Retry-After: places free up as fast as requests finish
+# the verifier's answers when it is gone or holds no free session: the request is answered 503, not 500
+UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class GatewayService:
@@ -65,9 +44,14 @@ class GatewayService:
         self.config = config
         self.backends = backends
         self.tokenizer = tokenizer
+        # --chat-template's text, which replaces the tokenizer's template
+        self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
         self.metrics = Metrics()
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
+        self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
+        self._drain: asyncio.Task | None = None
+        self._decoding: set[asyncio.Queue] = set()  # the running requests' round queues, for the end of a drain
         # templating and tokenizing a long prompt take long enough to stall every stream if run on the event loop;
         # one thread, because a fast tokenizer must not be used from two at once
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -76,8 +60,31 @@ class GatewayService:
     async def start(self) -> None:
         await self.monitor.start()
 
+    def drain(self, grace: float) -> None:
+        """Shutdown has begun: new requests get 503, and those still waiting or running after `grace` seconds end
+        with a 503 (a stream: an error event, then [DONE]), never a cut connection. Idempotent."""
+        if self._closing is not None:
+            return
+        self._closing = APIError(503, "the server is shutting down; retry the request", type="server_error",
+                                 code="service_unavailable", retry_after=RETRY_AFTER_S)
+        self._drain = asyncio.create_task(self._end_in_flight(grace))
+
+    async def _end_in_flight(self, grace: float) -> None:
+        await asyncio.sleep(grace)
+        ended = self._slots.waiting + len(self._decoding)
+        if ended:
+            log.warning("shutdown grace of %.1f s over: ending %d requests with 503", grace, ended)
+            self.metrics.shed.labels("shutdown").inc(ended)
+        self._slots.fail_waiters(self._closing)
+        for queue in self._decoding:
+            queue.put_nowait(self._closing)
+        for loop in self._loops:
+            loop.cancel()  # their sessions end as a gone client's do
+
     async def stop(self) -> None:
         """Stops the health checks, cancels every round loop and waits for the loops to end their sessions."""
+        if self._drain is not None:
+            self._drain.cancel()
         for loop in self._loops:
             loop.cancel()
         await asyncio.gather(self.monitor.stop(), *self._loops, return_exceptions=True)
@@ -100,29 +107,26 @@ class GatewayService:
         return ModelInfo(self.config.served_model_name or info.model_name, info.vocab_size, max_context,
                          min(self.config.max_budget, info.max_tree_size), tuple(sorted(eos)))
 
-    def require_model(self, name: str) -> ModelInfo:
+    def require_model(self, name: str | None) -> ModelInfo:
+        """The served model, once ready; `name`, where a request names one, must be its name."""
         model = self.model
         if model is None or not self.monitor.verifier_up:
-            raise APIError(503, "the model is not ready; retry later", type="server_error", code="service_unavailable")
-        if name != model.name:
+            self.metrics.shed.labels("unavailable").inc()
+            raise APIError(503, "the model is not ready; retry later", type="server_error", code="service_unavailable",
+                           retry_after=self.retry_after_unavailable)
+        if name is not None and name != model.name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return model
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # noqa: BLE001 - templates raise on conversations they do not support
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-        # The template already wrote any BOS/special tokens, so none are added again.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def chat_prompt(self, messages: list[dict[str, Any]], args: ChatTemplateArgs,
+                    add_special_tokens: bool = False) -> list[int]:
+        return render(self.tokenizer, self.chat_template, messages, args, add_special_tokens)
 
-    def text_prompt(self, prompt: str | list[int], model: ModelInfo) -> list[int]:
+    def text_prompt(self, prompt: str | list[int], model: ModelInfo, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
-            prompt = self.tokenizer(prompt)["input_ids"]
+            prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
             if not prompt:
                 raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         bad = [t for t in prompt if not 0 <= t < model.vocab_size]
@@ -131,25 +135,41 @@ class GatewayService:
                            param="prompt")
         return list(prompt)
 
-    def make_request(self, model: ModelInfo, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None,
-                     params: SamplingParams, mode: str | None, budget: int | None,
-                     stop: tuple[str, ...]) -> GenerationRequest:
-        """Applies the limits. max_tokens None: `default_max_tokens`, or all the context left (clamped to fit)."""
-        room = model.max_context - len(prompt)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            wanted = max_tokens or 1
-            raise APIError(400, f"This model's maximum context length is {model.max_context} tokens. However, you "
-                           f"requested {len(prompt) + wanted} tokens ({len(prompt)} in the prompt, {wanted} in the "
-                           "completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                           code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens or room, room)
-        budget = budget or min(self.config.budget, model.max_budget)
-        if budget > model.max_budget:
-            raise APIError(400, f"speculation.budget must be <= {model.max_budget}", param="speculation")
-        mode = mode or self.config.spec_mode
-        spec = Speculation("ar" if mode == "off" else mode, budget)  # type: ignore[arg-type]
-        return GenerationRequest(prompt, max_tokens, params, spec, model.eos_ids, stop)
+    @property
+    def retry_after_unavailable(self) -> int:
+        """Retry-After of a 503 while the verifier is down: about when the gateway next looks for it."""
+        return max(1, math.ceil(self.config.health_interval))
+
+    @property
+    def max_waiting(self) -> int:
+        return self.config.max_waiting if self.config.max_waiting is not None else 4 * self.config.max_running
+
+    def admit(self, count: int = 1) -> None:
+        """Sheds `count` new requests (one's choices) up front, before any response starts: 503 once shutdown has
+        begun, 429 when those that would have to wait would take the waiting queue past max_waiting."""
+        if self._closing is not None:
+            self.metrics.shed.labels("shutdown").inc()
+            raise self._closing
+        self._slots.set_limit(self._running_limit())
+        free = 0 if self._slots.would_wait() else self._slots.limit - self._slots.held
+        if self._slots.waiting + max(0, count - free) > self.max_waiting:
+            self.metrics.shed.labels("queue_full").inc()
+            raise APIError(429, f"the server is at capacity ({self._slots.held} requests running, "
+                           f"{self._slots.waiting} waiting); retry later", type="requests",
+                           code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+    def _failure(self, exc: Exception) -> APIError:
+        """A round loop's failure as the request's answer: 503 (with Retry-After) when the verifier is gone or out
+        of sessions, else 500. Either names the call that failed."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, BackendError) and exc.code in UNAVAILABLE_CODES:
+            log.warning("request failed: %s", exc)
+            self.metrics.shed.labels("unavailable").inc()
+            return APIError(503, f"the model is unavailable, retry later: {exc}", type="server_error",
+                            code="service_unavailable", retry_after=self.retry_after_unavailable)
+        log.error("round loop failed", exc_info=exc)
+        return APIError(500, f"generation failed: {exc}", type="server_error")
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Text deltas; the last one has the finish reason. Waits for a slot (at most max_running decode at once)."""
@@ -202,43 +222,59 @@ class GatewayService:
     ) -> AsyncIterator[Delta]:
         """The request's deltas from its round loop, a task of its own, which is appended to `started`."""
         queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
+        self._decoding.add(queue)
         loop = asyncio.create_task(self._run_loop(req, queue))
         started.append(loop)
         self._loops.add(loop)
         loop.add_done_callback(self._loops.discard)
-        detok, stops = IncrementalDetokenizer(self.tokenizer), StopStrings(req.stop)
+        text_stream = TextStream(self.tokenizer, req.text)
         generated, last, loop_done = 0, arrival, False
         self.metrics.prompt_tokens.inc(len(req.prompt))
         try:
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    loop_done = True
-                    log.error("round loop failed", exc_info=item)
-                    raise APIError(500, f"generation failed: {item}", type="server_error") from item
+                    loop_done = True  # failed, or cancelled by the drain that sent this: nothing to cancel
+                    raise self._failure(item) from item
                 now = time.perf_counter()
                 self._observe_latency(item, now - last)
                 last = now
                 loop_done = item.finish_reason is not None
                 text = ""
-                for token in item.tokens:
+                logprobs = self._token_logprobs(item)
+                for i, token in enumerate(item.tokens):
                     generated += 1
                     self.metrics.generation_tokens.inc()
-                    piece, matched = stops.feed(detok.add(token))
+                    # a round cut at a stop token ends with it
+                    stop_token = item.finish_reason == "stop" and i == len(item.tokens) - 1
+                    piece, matched = text_stream.add(token, stop_token)
                     text += piece
                     if matched:
-                        yield Delta(text, "stop", generated)
+                        yield Delta(text, "stop", generated, None if logprobs is None else logprobs[: i + 1])
                         return
                 if loop_done:
-                    tail, matched = stops.feed(detok.flush())
-                    yield Delta(text + tail + ("" if matched else stops.flush()),
-                                "stop" if matched else item.finish_reason, generated)
+                    tail, matched = text_stream.finish()
+                    yield Delta(text + tail, "stop" if matched else item.finish_reason, generated, logprobs)
                     return
-                if text:
-                    yield Delta(text)
+                if text or logprobs:
+                    yield Delta(text, logprobs=logprobs)
         finally:
+            self._decoding.discard(queue)
             if not loop_done:  # a finished loop is ending its sessions now: cancelling would cut that short
                 loop.cancel()
+
+    def _token_logprobs(self, rnd: Round) -> list[TokenLogprob] | None:
+        """The round's tokens' logprobs as text; None where the request did not ask for them. A logprob too small
+        for a float is sent as -9999.0, as vLLM sends it (JSON has no -inf)."""
+        if rnd.logprobs is None:
+            return None
+
+        def text(token: int) -> str:
+            return self.tokenizer.decode([token])
+
+        lp = rnd.logprobs
+        return [TokenLogprob(text(t), max(v, -9999.0), tuple((text(a), max(b, -9999.0)) for a, b in zip(ids, values)))
+                for t, v, ids, values in zip(rnd.tokens, lp.logprobs, lp.top_ids, lp.top_logprobs)]
 
     def _observe_latency(self, rnd: Round, interval: float) -> None:
         if rnd.index == 0:
@@ -262,7 +298,7 @@ class GatewayService:
         spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
         try:
             async for rnd in run_rounds(self.backends.verifier, drafter, req.prompt, req.params, spec, req.max_tokens,
-                                        list(req.eos_ids), self.monitor.drafter_failed, self.config.prefill_chunk):
+                                        list(req.stop_ids), self.monitor.drafter_failed, self.config.prefill_chunk):
                 queue.put_nowait(rnd)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()

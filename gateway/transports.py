@@ -43,13 +43,15 @@ class GrpcStream:
 class UnaryCalls:
     """A session's calls of one RPC as unary calls, each with its deadline."""
 
-    def __init__(self, method: Any, timeout_s: float) -> None:  # a grpc.aio.UnaryUnaryMultiCallable
+    def __init__(self, method: Any, timeout_s: float,  # a grpc.aio.UnaryUnaryMultiCallable
+                 metadata: tuple[tuple[str, str], ...] | None = None) -> None:
         self._method = method
         self._timeout_s = timeout_s
+        self._metadata = metadata  # the shared secret's, if any (runtime/auth.py)
 
     async def exchange(self, request: Any) -> Any:
         try:
-            return await self._method(request, timeout=self._timeout_s)
+            return await self._method(request, timeout=self._timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise CallFailed(exc.code(), exc.details() or "") from None
 

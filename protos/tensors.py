@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, TokenLogprobs, VerifierInfo
 from protos.ddtree.v1 import ddtree_pb2 as pb
 
 # Wire dtype names are torch's without the prefix; bytes are little-endian (every supported host is).
@@ -203,7 +203,12 @@ def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed)
+    return pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+        logprobs=params.logprobs, logit_bias=dict(params.logit_bias), min_p=params.min_p,
+        min_tokens=params.min_tokens, stop_ids=params.stop_ids, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+    )
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -212,6 +217,14 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        min_p=msg.min_p,
+        min_tokens=msg.min_tokens,
+        stop_ids=tuple(msg.stop_ids),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -265,6 +278,12 @@ def step_to_pb(result: StepResult) -> pb.StepResponse:
     timings_to_pb(result.forward_s, result.timings, out=msg.timings)
     if result.features is not None:
         tensor_to_pb(result.features, out=msg.features)
+    if result.logprobs is not None:
+        lp = result.logprobs
+        msg.logprobs.SetInParent()  # present even for no tokens
+        msg.logprobs.logprobs.extend(lp.logprobs)
+        msg.logprobs.top_ids.extend(t for row in lp.top_ids for t in row)
+        msg.logprobs.top_logprobs.extend(v for row in lp.top_logprobs for v in row)
     return msg
 
 
@@ -274,7 +293,17 @@ def step_from_pb(msg: pb.StepResponse, wire: bool = False) -> StepResult:
     if msg.HasField("features"):
         features = WireTensor(msg.features) if wire else tensor_from_pb(msg.features)
     timings = {**msg.timings.detail, "verify_server_s": msg.timings.total_s}
-    return StepResult(list(msg.tokens), features, forward_s=msg.timings.forward_s, timings=timings)
+    logprobs = _logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else None
+    return StepResult(list(msg.tokens), features, forward_s=msg.timings.forward_s, timings=timings, logprobs=logprobs)
+
+
+def _logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
+    """The [n, k] rows back out of their flat, row-major fields."""
+    chosen = list(msg.logprobs)
+    ids, values = list(msg.top_ids), list(msg.top_logprobs)
+    k = len(ids) // len(chosen) if chosen else 0
+    return TokenLogprobs(chosen, [ids[i * k : (i + 1) * k] for i in range(len(chosen))],
+                         [values[i * k : (i + 1) * k] for i in range(len(chosen))])
 
 
 def verifier_info_to_pb(info: VerifierInfo) -> pb.VerifierInfoResponse:

@@ -2,23 +2,56 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 
+MAX_LOGPROBS = 20  # most likely alternatives a committed token's log-probabilities may list (vLLM's default cap)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the target picks a token at each node. temperature == 0 means greedy (argmax)."""
+    """How the target picks a token at each node. temperature == 0 means greedy (argmax).
+
+    The target's logits go through the processors in vLLM's order: min_tokens' mask of `stop_ids`, logit_bias,
+    then the repetition, frequency and presence penalties; then greedy takes the argmax, or sampling applies
+    temperature, min_p, top_k and top_p (verify_server/processors.py, sampling.py)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    # the committed tokens' log-probabilities, each with this many most likely alternatives; None: none
+    logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids ascending
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
+    min_tokens: int = 0  # `stop_ids` are masked while fewer tokens than this have been generated
+    stop_ids: tuple[int, ...] = ()  # the tokens that end the generation (EOS and stop tokens): what min_tokens masks
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token has been generated
+    repetition_penalty: float = 1.0  # HF/vLLM's: divides (multiplies, if negative) the logits of prompt and generated tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies: the choice at a node then depends on the tokens of its path."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether a processor that can change the argmax applies (min_p cannot: it only drops unlikely tokens)."""
+        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_ids)) or self.penalized
+
+    @property
+    def raw_argmax(self) -> bool:
+        """The target's choice is the argmax of its raw logits and nothing else is read from them: the only rounds
+        the captured paths (argmax inside a CUDA graph, chained rounds) serve."""
+        return self.greedy and not self.processed and self.logprobs is None
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -27,6 +60,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        bad_bias = next((b for _, b in self.logit_bias if not -100.0 <= b <= 100.0), None)  # False for NaN too
+        if bad_bias is not None:
+            raise ValueError(f"a logit_bias must be in [-100, 100], got {bad_bias}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        ids = [t for t, _ in self.logit_bias] + list(self.stop_ids)
+        if any(t < 0 for t in ids):
+            raise ValueError(f"token ids must be >= 0, got {min(ids)}")
 
 
 @dataclass
@@ -58,6 +108,25 @@ class DraftTree:
 
 
 @dataclass
+class TokenLogprobs:
+    """The target's log-probabilities where each committed token was chosen: the log-softmax of its raw logits
+    there, before any processor or temperature (vLLM's default logprobs_mode, raw_logprobs).
+
+    logprobs:     [n] each committed token's
+    top_ids:      [n][k] the k most likely tokens at each, most likely first (k: SamplingParams.logprobs)
+    top_logprobs: [n][k] theirs
+    """
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def head(self, n: int) -> TokenLogprobs:
+        """The first n tokens' (a step's tokens cut at a stop or the limit)."""
+        return TokenLogprobs(self.logprobs[:n], self.top_ids[:n], self.top_logprobs[:n])
+
+
+@dataclass
 class StepResult:
     """What one verifier step (prefill, verify or AR decode) commits.
 
@@ -65,12 +134,14 @@ class StepResult:
     features: [len(tokens), taps * hidden] target hidden states at the tapped layers for the positions whose
               K/V this step kept (prompt positions for prefill; root + accepted nodes for verify/decode),
               or None when the session taps no layers
+    logprobs: the tokens' log-probabilities, where the session asked for them (SamplingParams.logprobs)
     """
 
     tokens: list[int]
     features: torch.Tensor | None
     forward_s: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

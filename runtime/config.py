@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from runtime.auth import check_token
 from runtime.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -27,6 +28,11 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 MAX_MESSAGE_BYTES = 2**31 - 1
 _MESSAGE_BYTES_RANGE = (2**20, MAX_MESSAGE_BYTES)
 MAX_MESSAGE_HELP = "largest gRPC or lane message sent or received, in bytes (a prompt's features come in one)"
+AUTH_TOKEN_HELP = (
+    "shared secret between the gateway and the model services: a service with one answers gRPC calls and round "
+    "lane connections without it UNAUTHENTICATED (health checks stay open); give it to the gateway, the drafter "
+    "and the verifier alike, through the env var (the process list shows flags)"
+)
 BUSY_POLL_HELP = (
     "microseconds the event loop keeps polling its sockets after its last I/O before it sleeps: a round's "
     "message then lands sooner at each hop (no wake-up from sleep), at the cost of a busy core while sessions run "
@@ -106,8 +112,10 @@ class ServiceConfig(FlagConfig):
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
+    auth_token: str | None = option(None, AUTH_TOKEN_HELP)
 
     def __post_init__(self) -> None:
+        check_token(self.auth_token)
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")

@@ -13,11 +13,14 @@ its buffer grows, several times the buffered read's cost for a 400 kB message (a
 shapes).
 
 Wire format: frames of  u32 length | u8 tag | payload  (integers little-endian).
-    client, first:  tag 0, payload b"DDTREE-LANE/1 <Rpc>"   one connection carries one RPC of one session
+    client, first:  tag 0, payload b"DDTREE-LANE/1 <Rpc>[ <token>]"   one connection carries one RPC of one
+                    session; the token is the shared secret (runtime/auth.py) a server with one requires
     request:        tag 0, payload the request message      (length <= the server's max_message_bytes)
     answer:         tag = gRPC status code, payload the response message (OK) or UTF-8 details (any other code)
 Answers come in request order. A failure answer ends the connection, as a failure ends a gRPC stream; the
-session is left as the unary call would leave it.
+session is left as the unary call would leave it. A request whose declared length exceeds max_message_bytes ends
+its connection (RESOURCE_EXHAUSTED, logged) before anything is allocated for it, and a body's buffer grows only as
+its bytes arrive.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any, NoReturn, Protocol
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from runtime.auth import matches
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"DDTREE-LANE/1 "
@@ -39,6 +44,9 @@ HEADER = struct.Struct("<IB")  # payload length, tag
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _FIRST_BUFFER_BYTES = 1 << 16
 _KEPT_BUFFER_BYTES = 1 << 22  # larger buffers go back to the first size once drained
+# A frame's buffer grows to at most this many times the bytes received: a few copies of a large frame's head (a
+# third of it in all), where growing to the declared length at once would let any peer's header cost the whole length.
+_GROWTH = 4
 
 class RequestParser(Protocol):
     """What reads a lane's requests: a message class, or any class with its FromString (runtime/relay.py
@@ -78,8 +86,15 @@ class _Frames(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._have == len(self._buffer):
-            self._grow(2 * len(self._buffer))
+            self._grow(self._next_size(len(self._buffer)))
         return memoryview(self._buffer)[self._have:]
+
+    def _next_size(self, held: int) -> int:
+        """The buffer's next size once `held` bytes have come: the unfinished frame's, but at most _GROWTH times
+        what has come (never below the present size), so a header claiming a large body costs memory only as the
+        body's bytes arrive; a frame over max_bytes is refused before this."""
+        needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
+        return max(len(self._buffer), min(needed, _GROWTH * held) if needed else _GROWTH * held)
 
     def buffer_updated(self, nbytes: int) -> None:
         self._have += nbytes
@@ -105,7 +120,8 @@ class _Frames(asyncio.BufferedProtocol):
             self._have -= start
         needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
         if needed > len(self._buffer):
-            self._grow(needed)
+            if (size := self._next_size(self._have)) > len(self._buffer):  # room for what is arriving, no more
+                self._grow(size)
         elif len(self._buffer) > _KEPT_BUFFER_BYTES and max(needed, self._have) <= _FIRST_BUFFER_BYTES:
             self._grow(_FIRST_BUFFER_BYTES)  # a rare large message does not keep its buffer for the connection's life
 
@@ -170,9 +186,14 @@ class _ServerConnection(_Frames):
             if not hello.startswith(MAGIC):
                 self.transport.close()  # not a lane client: nothing it could read
                 return
-            rpc = hello[len(MAGIC):].decode(errors="replace")
+            rpc, _, token = hello[len(MAGIC):].decode(errors="replace").partition(" ")
             self._route = self._server.routes.get(rpc)
-            if self._route is None:
+            if self._server.token is not None and not matches(token, self._server.token):
+                log.warning("round lane: refused a connection from %s: %s",
+                            self.transport.get_extra_info("peername"), "wrong token" if token else "no token")
+                self._fail(CallFailed(grpc.StatusCode.UNAUTHENTICATED,
+                                      "this service needs the shared auth token (--auth-token)"))
+            elif self._route is None:
                 self._fail(CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"no lane for {rpc!r}"))
             self.max_bytes = self._server.max_bytes
             return
@@ -188,6 +209,8 @@ class _ServerConnection(_Frames):
             self.transport.close()
             return
         details = f"request of {size} bytes exceeds this server's max_message_bytes {self.max_bytes}"
+        log.warning("round lane: closing the connection from %s: %s", self.transport.get_extra_info("peername"),
+                    details)
         self._fail(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
 
     def _fail(self, failure: CallFailed) -> None:
@@ -218,9 +241,10 @@ class _ServerConnection(_Frames):
 class LaneServer:
     """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection."""
 
-    def __init__(self, routes: dict[str, Route], max_message_bytes: int) -> None:
+    def __init__(self, routes: dict[str, Route], max_message_bytes: int, token: str | None = None) -> None:
         self.routes = routes
         self.max_bytes = max_message_bytes
+        self.token = token  # the shared secret a client's hello must carry (None: none asked)
         self.connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
 
@@ -252,10 +276,11 @@ class Lane(_Frames):
         self._lost: CallFailed | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message] | None, max_bytes: int) -> Lane:
-        """Connects (OSError when the port does not answer) and names the RPC."""
+    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message] | None, max_bytes: int,
+                   token: str | None = None) -> Lane:
+        """Connects (OSError when the port does not answer) and names the RPC (and the shared secret, if any)."""
         _, lane = await asyncio.get_running_loop().create_connection(lambda: cls(response_cls, max_bytes), host, port)
-        lane.send(0, MAGIC + rpc.encode())
+        lane.send(0, MAGIC + rpc.encode() + (b"" if token is None else b" " + token.encode()))
         return lane
 
     async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:

@@ -25,6 +25,7 @@ from runtime.event_loop import busy_poll_seconds
 from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from runtime.service import E, EngineHost
 from runtime.config import ServiceConfig
+from runtime.auth import TokenInterceptor
 from runtime.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ async def serve(
     use_device(device)  # this thread runs the round calls' jobs, the engine thread the rest
     await host.run(use_device, device)
 
-    server = grpc.aio.server(options=message_size_options(config.max_message_bytes))
+    interceptors = [] if config.auth_token is None else [TokenInterceptor(config.auth_token)]
+    server = grpc.aio.server(options=message_size_options(config.max_message_bytes), interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     for name in ("", service_name):
@@ -82,14 +84,14 @@ async def serve(
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    lane = LaneServer(lane_routes, config.max_message_bytes)
+    lane = LaneServer(lane_routes, config.max_message_bytes, config.auth_token)
     if config.lane_port >= 0:
         host.lane_port = await lane.start(config.host, config.lane_port)
         log.info("%s: round lane (%s) on %s:%d", service_name, ", ".join(lane_routes), config.host, host.lane_port)
     httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
     unwatch = watch_collector(host.metrics.registry, host.metrics.prefix)
-    log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics", service_name, config.host, port, config.host,
-             httpd.server_port)
+    log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics%s", service_name, config.host, port, config.host,
+             httpd.server_port, "" if config.auth_token is None else "; calls need the auth token")
 
     tasks: list[asyncio.Task] = []
     try:

@@ -162,8 +162,50 @@ def test_openai_client(services, expected) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=STORY)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=MODEL, messages=STORY, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be <= 8"):
+        client.chat.completions.create(model=MODEL, messages=STORY, n=9)
+
+
+def test_logprobs_and_logit_bias_through_the_openai_client(services, expected, tokenizer) -> None:
+    """The verifier service's logprobs reach the client in OpenAI's shapes: chat's tokens are the greedy output's,
+    each its place's most likely; streamed chunks carry their own tokens' logprobs; completions' legacy form has
+    consistent offsets and top entries. A logit_bias of 100 forces its token; bad values are 400s."""
+    text, tokens, _ = expected(STORY, 30)
+    client = openai.OpenAI(base_url=f"{services.url}/v1", api_key="unused", max_retries=0)
+    request = dict(model=MODEL, messages=STORY, max_tokens=30, temperature=0, logprobs=True, top_logprobs=3,
+                   extra_body={"speculation": {"mode": "ddtree", "budget": 16}})
+    whole = client.chat.completions.create(**request)
+    content = whole.choices[0].logprobs.content
+    assert whole.choices[0].message.content == text
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in tokens]
+    for c in content:
+        assert c.bytes == list(c.token.encode()) and c.logprob <= 0 and len(c.top_logprobs) == 3
+        assert (c.top_logprobs[0].token, c.top_logprobs[0].logprob) == (c.token, c.logprob)  # greedy: the argmax
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    streamed = [entry for chunk in client.chat.completions.create(**request, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+
+    completion = client.completions.create(model=MODEL, prompt="once upon", max_tokens=12, temperature=0, logprobs=2)
+    legacy = completion.choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == completion.usage.completion_tokens == 12
+    assert legacy.text_offset == [sum(len(t) for t in legacy.tokens[:i]) for i in range(12)]
+    for token, logprob, top in zip(legacy.tokens, legacy.token_logprobs, legacy.top_logprobs):
+        assert top[token] == logprob and len(top) <= 3  # the two most likely, and the chosen token
+    chunks = list(client.completions.create(model=MODEL, prompt="once upon", max_tokens=12, temperature=0,
+                                            logprobs=2, stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for lp in parts for t in lp.tokens] == legacy.tokens
+    assert [o for lp in parts for o in lp.text_offset] == legacy.text_offset
+
+    a = tokenizer.convert_tokens_to_ids("a")
+    forced = client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=8, temperature=0,
+                                            logit_bias={str(a): 100})
+    assert forced.choices[0].message.content == "a" * 8
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": 2}, {"logit_bias": {"4800": 1}},
+                {"logit_bias": {"x": 1}}, {"presence_penalty": 3}, {"min_tokens": 9, "max_tokens": 8}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=STORY, extra_body=bad)
 
 
 def test_concurrent_chats_share_the_verifiers_forwards(services, expected) -> None:

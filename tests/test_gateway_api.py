@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from protos.types import SamplingParams
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.generation import make_request
 from gateway.detokenize import IncrementalDetokenizer, StopStrings
 from gateway.health import Backends
 from gateway.metrics import PHASES, Metrics
@@ -217,8 +218,26 @@ BAD_REQUESTS = [
     ("top_p zero", "/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, "top_p"),
     ("stop as number", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": 5}, "stop"),
     ("empty stop", "/v1/completions", {"model": "tiny", "prompt": "a", "stop": [""]}, "stop"),
-    ("n=2", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "n": 2}, "n"),
-    ("logprobs", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "logprobs": True}, "logprobs"),
+    ("n past --max-n", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "n": 9}, "n"),
+    ("n zero", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "n": 0}, "n"),
+    ("unknown field", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "frobnicate": 1}, "frobnicate"),
+    ("top_logprobs past 20", "/v1/chat/completions",
+     {"model": "tiny", "messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": "tiny", "messages": HELLO, "top_logprobs": 2}, None),
+    ("completions logprobs past 20", "/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 21}, "logprobs"),
+    ("logit_bias id outside vocab", "/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"48": 1}},
+     "logit_bias"),
+    ("logit_bias key not an id", "/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"a": 1}},
+     "logit_bias"),
+    ("logit_bias past 100", "/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"5": 101}},
+     "logit_bias"),
+    ("presence_penalty past 2", "/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 2.5},
+     "presence_penalty"),
+    ("repetition_penalty zero", "/v1/completions", {"model": "tiny", "prompt": "a", "repetition_penalty": 0},
+     "repetition_penalty"),
+    ("min_tokens past max_tokens", "/v1/completions",
+     {"model": "tiny", "prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("negative seed", "/v1/completions", {"model": "tiny", "prompt": "a", "seed": -1}, "seed"),
     ("image content", "/v1/chat/completions", {"model": "tiny", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
@@ -395,8 +414,8 @@ def test_round_phases_split_each_round_without_remainder() -> None:
 async def test_closing_a_stream_ends_both_sessions(target, backends, tokenizer) -> None:
     async with gateway(target, backends) as client:
         service = client.service
-        req = service.make_request(service.model, chat_ids(tokenizer, HELLO), 200, None, SamplingParams(), None,
-                                   None, ())
+        req = make_request(service.config, service.model, chat_ids(tokenizer, HELLO), 200, None, SamplingParams(),
+                           None, None, ())
         deltas = service.generate(req)
         await anext(deltas)
         assert backends.verifier.engine.sessions and backends.drafter.engine.sessions

@@ -7,7 +7,7 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, TokenLogprobs, VerifierInfo
 from draft_server.tree import build_tree
 from protos import generate, tensors
 from runtime import relay
@@ -89,7 +89,10 @@ def test_tree_round_trip():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**64 - 1), SamplingParams(1.3, 0, 0.25, 0)],
+    [SamplingParams(), SamplingParams(0.7, 20, 0.9, 2**64 - 1), SamplingParams(1.3, 0, 0.25, 0),
+     SamplingParams(0.5, logprobs=0), SamplingParams(logprobs=20, logit_bias=((3, -100.0), (17, 0.25)), min_p=0.05,
+                                                     min_tokens=7, stop_ids=(2, 9), presence_penalty=-1.5,
+                                                     frequency_penalty=0.3, repetition_penalty=1.1)],
 )
 def test_sampling_params_round_trip(params):
     assert tensors.sampling_from_pb(_wire(tensors.sampling_to_pb(params))) == params
@@ -97,6 +100,15 @@ def test_sampling_params_round_trip(params):
 
 def test_unset_top_p_means_no_filter():
     assert tensors.sampling_from_pb(pb.SamplingParams(temperature=0.5)) == SamplingParams(0.5, 0, 1.0, None)
+
+
+def test_step_round_trip_with_logprobs():
+    lp = TokenLogprobs([-0.5, -2.25], [[4, 1, 0], [9, 4, 2]], [[-0.5, -1.0, -3.0], [-0.25, -2.25, -4.0]])
+    back = tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([4, 9], None, logprobs=lp))))
+    assert back.tokens == [4, 9] and back.logprobs == lp
+    chosen_only = TokenLogprobs([-1.5], [[]], [[]])
+    assert tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([3], None, logprobs=chosen_only)))).logprobs == chosen_only
+    assert tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([3], None)))).logprobs is None
 
 
 def test_step_round_trip_with_and_without_features():

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from protos.types import SamplingParams
 from ddtree.local import load_local
-from gateway.rounds import Speculation, run_rounds
+from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompts
 from verify_server.tensor_parallel import TensorParallelGroup, shard_model
@@ -36,6 +36,20 @@ def test_sharded_greedy_equals_unsharded(qwen3_target: Path, drafter_dir: Path) 
                     return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, 16, [])]
 
                 assert [t for r in asyncio.run(collect()) for t in r.tokens] == reference, spec
+        # logits processors and logprobs: every rank runs them on the same logits, and the sharded engine's
+        # output is the unsharded one's (the params cross the ranks' channel in the wire's encoding)
+        params = SamplingParams(temperature=0.8, seed=7, logprobs=2, logit_bias=((5, 1.0),), min_tokens=6,
+                                repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, min_p=0.05)
+        unsharded, local_drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+        outputs = []
+        for v, d in ((verifier, drafter), (unsharded, local_drafter)):
+            async def sampled() -> list[Round]:
+                return [r async for r in run_rounds(v, d, prompts(2)[1], params, Speculation("ddtree", 16), 16, [3])]
+
+            outputs.append(asyncio.run(sampled()))
+        assert [t for r in outputs[0] for t in r.tokens] == [t for r in outputs[1] for t in r.tokens]
+        assert torch.allclose(torch.tensor([v for r in outputs[0] for v in r.logprobs.logprobs]),
+                              torch.tensor([v for r in outputs[1] for v in r.logprobs.logprobs]), atol=1e-4)
     finally:
         verifier.close()
 

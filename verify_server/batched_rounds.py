@@ -52,9 +52,10 @@ class BatchedRounds:
     ) -> list[StepResult | Exception]:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. Calls of sessions on the fused path, prefilled, with no round
-        queued, whose tree fits, with the same tapped layers, run in one forward (greedy rounds and sampled ones
-        apart; on an engine with static buffers, captured in one graph); the others (and a session's second call in
-        one batch, which comes after its first) run alone, in order, after it."""
+        queued, whose tree fits, with the same tapped layers, run in one forward (plain greedy rounds apart from
+        those that sample, process their logits or return logprobs; on an engine with static buffers, the plain
+        greedy ones captured in one graph); the others (and a session's second call in one batch, which comes
+        after its first) run alone, in order, after it."""
         if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
             return [verify_alone(self.verify, *calls[0], host_features)]
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
@@ -62,9 +63,9 @@ class BatchedRounds:
         batched: dict[str, VerifySession] = {}
         for i, (session_id, tree) in enumerate(calls):
             sess = self._batchable(session_id, tree, batched)
-            if sess is not None:  # greedy and sampled rounds apart: a captured greedy batch walks in its graph
+            if sess is not None:  # plain greedy rounds apart: a captured greedy batch takes the argmax in its graph
                 batched[session_id] = sess
-                groups.setdefault((tuple(sess.taps), sess.params.greedy), []).append(i)
+                groups.setdefault((tuple(sess.taps), sess.params.raw_argmax), []).append(i)
         for members in groups.values():
             if len(members) > 1:
                 group = [calls[i] for i in members]
@@ -121,7 +122,7 @@ class BatchedRounds:
                 trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
                                       None if features is None else features[rows], items[b].tree.max_depth))
             return walk_and_commit(sessions, trees, timer, host_features)
-        if sessions[0].params.greedy:  # forward, walks and compactions in one replay
+        if sessions[0].params.raw_argmax:  # forward, walks and compactions in one replay
             captured = self.fused.batch_round(items, taps)
             return None if captured is None else _commit_captured(sessions, items, captured, timer, host_features)
         scored = self.fused.batch_scores(items, taps)  # the forward in one replay; the rest per tree, as alone

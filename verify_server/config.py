@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from runtime.models import resolve_pair
+from runtime.models import is_hub_id, resolve_pair
 from runtime.config import ServiceConfig, option
 
 
@@ -16,7 +16,8 @@ class VerifyServerConfig(ServiceConfig):
     ENV_PREFIX: ClassVar[str] = "DDTREE_VERIFY_"
 
     target: str | None = option(None, "target model directory, HF layout (default: the bundled demo target)")
-    model_name: str | None = option(None, "model name reported by Info (default: the target directory's name)")
+    model_name: str | None = option(None, "model name reported by Info (default: the target's hub id where it "
+                                          "is named by one, else its directory's name)")
     port: int = option(50062, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
     max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
@@ -72,4 +73,6 @@ class VerifyServerConfig(ServiceConfig):
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> VerifyServerConfig:
         values = cls.values_from_args(args)
-        return cls(**{**values, "target": resolve_pair(values["target"], None)[0]})
+        # a target named by its hub id is served under that id, as vLLM does, not its snapshot's hash
+        name = values["model_name"] or (values["target"] if is_hub_id(values["target"]) else None)
+        return cls(**{**values, "target": resolve_pair(values["target"], None)[0], "model_name": name})

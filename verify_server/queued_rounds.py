@@ -29,21 +29,22 @@ class QueuedRounds:
 
     def can_queue(self, params: SamplingParams, max_nodes: int) -> bool:
         """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes."""
-        return self.fused.static and params.greedy and bucket(max_nodes + 1) is not None
+        return self.fused.static and params.raw_argmax and bucket(max_nodes + 1) is not None
 
     def launch(
         self, session_id: str, sess: VerifySession, tree: DraftTree, host_features: bool = False,
         keep_cursor: bool = False,
     ) -> PendingRound | None:
         """Queues a captured greedy round of the prefilled session `sess` -> its PendingRound, which collect()
-        reads; None where the round is not captured (a sampled session, a tree beyond the largest bucket, eager
-        mode): the caller runs it uncaptured. With a round of the session still in flight, this one takes its start
+        reads; None where the round is not captured (a sampled session, or one with logits processors or
+        logprobs, which the graph's argmax would skip; a tree beyond the largest bucket, eager mode): the caller
+        runs it uncaptured. With a round of the session still in flight, this one takes its start
         and root from that round's outcome on the device (its tree must be on the device too). SessionError with
         MAX_IN_FLIGHT rounds queued. Its outcome, its path's features and (keep_cursor) its cursor leave the
         graph's outputs in one launch: another session's round of the same shape rewrites those (a graph serves
         every slot) before this session's next round, or its drafter, reads the cursor. host_features: the path's
         features go to the session's host rows (VerifySession.kept_rows)."""
-        if not sess.params.greedy:
+        if not sess.params.raw_argmax:
             return None
         if len(sess.inflight) >= MAX_IN_FLIGHT:
             raise SessionError(f"{MAX_IN_FLIGHT} rounds of session {session_id!r} are queued: collect one first")

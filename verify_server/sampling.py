@@ -1,16 +1,21 @@
-"""The target's choice at a node: argmax, or a sample from the processed distribution (temperature, top-k,
-top-p). The same function serves AR decoding and tree verification, which is what makes the tree lossless."""
+"""The target's choice at a node: argmax, or a sample from the processed distribution (temperature, min-p, top-k,
+top-p, in vLLM's order). The same function serves AR decoding and tree verification, which is what makes the tree
+lossless. The logits it takes are those of verify_server/processors.py (penalties, logit_bias, min_tokens)."""
 
 from __future__ import annotations
 
 import torch
 
 from protos.types import SamplingParams
+from verify_server.processors import PathLogprobs, TokenHistory, path_logprobs, process_logits
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] -> probabilities [n, V] after temperature, top-k and top-p (fp32)."""
+    """logits [n, V] -> probabilities [n, V] after temperature, min-p, top-k and top-p (fp32)."""
     scaled = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if 0 < params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -31,3 +36,19 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     if params.greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(processed_probs(logits, params), 1, generator=generator).squeeze(-1)
+
+
+def first_token(
+    logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None, generator: torch.Generator | None,
+    last: int,
+) -> tuple[torch.Tensor, PathLogprobs | None]:
+    """A prompt's last row's logits [1, V] -> the target's first token [1] (the choice at a tree holding only its
+    root, the prompt's `last` token) and, where params ask for them, its logprobs on the device."""
+    device = logits.device
+    root = torch.zeros(1, dtype=torch.long, device=device)  # the row's node index and its depth alike
+    ids = torch.full((1,), last, dtype=torch.long, device=device)
+    anc = torch.ones(1, 1, dtype=torch.bool, device=device)
+    first = choose_tokens(process_logits(logits, params, history, ids, anc, root), params, generator)
+    if params.logprobs is None:
+        return first, None
+    return first, path_logprobs(logits, root, first, params.logprobs)

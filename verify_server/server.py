@@ -125,7 +125,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         check_session_id(request.session_id)
         check_capacity(request.capacity, self.max_session_tokens(engine))
         params = tensors.sampling_from_pb(request.sampling)
-        check_sampling(params)
+        check_sampling(params, engine.vocab_size)
         engine.start_session(request.session_id, request.capacity, params, list(request.tap_layers))
         return pb.VerifierStartSessionResponse()
 

@@ -17,6 +17,7 @@ from kernels.readback import PinnedReadback
 from protos.types import SamplingParams
 from runtime.timing import StepTimer
 from verify_server.kv_cache import KVCache
+from verify_server.processors import TokenHistory
 from verify_server.state_cache import StateCache
 
 # Rounds of one session queued and not yet collected, at most: the one the host waits for and the next. Also the
@@ -71,6 +72,8 @@ class VerifySession:
     root: int | None = None  # None until the prompt is complete (its last Prefill call, the one without `more`)
     last_used: float = field(default_factory=time.monotonic)
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
+    # the committed tokens as penalties and min_tokens read them; None where params.processed is false
+    history: TokenHistory | None = None
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
     readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
     queued: int = 0  # rounds queued so far (picks the readback buffer)

@@ -12,12 +12,14 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from protos import tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import verify_alone
 from verify_server.session import SessionError
@@ -112,8 +114,10 @@ class TensorParallelEngine:
     def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         if params.seed is None and not params.greedy:
             # every rank must draw the same samples: fix the seed here instead of letting each rank pick one
-            params = SamplingParams(params.temperature, params.top_k, params.top_p, int(torch.randint(2**62, ()).item()))
-        self.channel.send("start_session", {"id": session_id, "capacity": capacity, "params": asdict(params), "taps": taps})
+            params = replace(params, seed=int(torch.randint(2**62, ()).item()))
+        # the params in the wire's own encoding; every rank runs the same logits processors on the same logits
+        wire = tensors.sampling_to_pb(params).SerializeToString().hex()
+        self.channel.send("start_session", {"id": session_id, "capacity": capacity, "params": wire, "taps": taps})
         self.engine.start_session(session_id, capacity, params, taps)
 
     def end_session(self, session_id: str) -> bool:
@@ -159,7 +163,8 @@ def follow(engine: VerifyEngine) -> None:
             return
         try:
             if op == "start_session":
-                engine.start_session(header["id"], header["capacity"], SamplingParams(**header["params"]), header["taps"])
+                params = tensors.sampling_from_pb(pb.SamplingParams.FromString(bytes.fromhex(header["params"])))
+                engine.start_session(header["id"], header["capacity"], params, header["taps"])
             elif op == "end_session":
                 engine.end_session(header["id"])
             elif op == "prefill":

@@ -69,7 +69,7 @@ def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
         raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_sampling(params: SamplingParams) -> None:
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
     # NaN passes every comparison in SamplingParams.validate and would surface as a sampling crash mid-forward.
     if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
         raise RequestError(f"temperature and top_p must be finite, got {params.temperature}, {params.top_p}")
@@ -77,3 +77,7 @@ def check_sampling(params: SamplingParams) -> None:
         params.validate()
     except ValueError as exc:
         raise RequestError(str(exc)) from None
+    # an id past the vocabulary would index the logits out of bounds on the device
+    bad = next((t for t in [t for t, _ in params.logit_bias] + list(params.stop_ids) if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} in logit_bias or stop_ids is outside the vocabulary [0, {vocab_size})")

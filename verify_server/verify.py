@@ -12,17 +12,19 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from protos.types import DraftTree, SamplingParams, StepResult
+from runtime.models import read_eos_ids
 from runtime.timing import TimerEvents
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
 from verify_server.hf_forward import HFForward
 from verify_server.kv_cache import KVCache
+from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
-from verify_server.sampling import choose_tokens
+from verify_server.sampling import first_token
 from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_inputs import ROOT_ONLY
@@ -136,8 +138,7 @@ class VerifyEngine:
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
-        eos = AutoConfig.from_pretrained(path, local_files_only=True).eos_token_id
-        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return read_eos_ids(path)
 
     # ---- sessions -------------------------------------------------------------------------------------------
 
@@ -160,7 +161,9 @@ class VerifyEngine:
         else:
             cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
-        self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states)
+        history = TokenHistory(self.vocab_size, self.device) if params.processed else None
+        self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states,
+                                                  history=history)
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)
@@ -207,16 +210,22 @@ class VerifyEngine:
             logits, features = self._forward(sess, ids, torch.arange(start, start + n, device=self.device), None, True)
         timer.mark()
         sess.cache.length = start + n
+        if sess.history is not None:
+            sess.history.add_prompt(prompt)
+        logprobs = None
         if more:
             timer.end()
         else:  # read before the kept features' copy is queued: the first token does not wait for it
-            first = choose_tokens(logits, sess.params, sess.generator)
+            first, scored = first_token(logits, sess.params, sess.history, sess.generator, prompt[-1])
             sess.root = timer.sync(lambda: int(first.item()))
+            if sess.history is not None:
+                sess.history.add_output([sess.root])
+            logprobs = None if scored is None else scored.read(1)
         if keep_features and features is not None:
             sess.kept_features.append(_kept(features))
             features = None
         forward_s, _ = timer.split()  # a chunk's kernels, not the copy after them
-        return StepResult([] if more else [sess.root], features, forward_s=forward_s)
+        return StepResult([] if more else [sess.root], features, forward_s=forward_s, logprobs=logprobs)
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""
@@ -275,7 +284,8 @@ class VerifyEngine:
     # ---- queued and batched rounds ----------------------------------------------------------------------------
 
     def can_launch(self, params: SamplingParams, max_nodes: int) -> bool:
-        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes."""
+        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes:
+        plain greedy ones only (SamplingParams.raw_argmax), whose choice the graph's argmax makes."""
         return self.queued is not None and self.queued.can_queue(params, max_nodes)
 
     @torch.inference_mode()
@@ -283,14 +293,16 @@ class VerifyEngine:
         """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
         session still in flight, this one takes its start and root from that round's outcome on the device, so
         the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
-        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, the
-        uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds queued): verify() runs those."""
+        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, logits
+        processors or logprobs, the uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds
+        queued): verify() runs those."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
         pending = None if self.queued is None else self.queued.launch(session_id, sess, tree, keep_cursor=True)
         if pending is None:
-            raise SessionError("only greedy rounds on the captured path can be queued; use verify")
+            raise SessionError("only plain greedy rounds (no logits processors, no logprobs) on the captured path can "
+                               "be queued; use verify")
         return pending
 
     def collect(self, pending: PendingRound) -> StepResult:

@@ -1,6 +1,7 @@
 """The acceptance walk: which root-to-node path of a scored tree the target agrees with, on the device
 (accept_path, which captured rounds run inside their graph), and the end of an uncaptured round around it: each
-tree's choices, walk and compaction, and the session's commit (walk_and_commit)."""
+tree's choices (after its session's logits processors), walk and compaction, the committed tokens'
+log-probabilities where asked, and the session's commit (walk_and_commit)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from kernels.device_copies import copy_together
 from protos.types import StepResult
 from runtime.timing import StepTimer
+from verify_server.processors import PathLogprobs, path_logprobs, process_logits
 from verify_server.sampling import choose_tokens
 from verify_server.session import VerifySession
 from verify_server.state_cache import TreeScratch
@@ -70,11 +72,18 @@ def walk_and_commit(
     a captured round's are (read after it, they would cost the caller a second sync)."""
     timer.mark()
     packed, paths, kept, copies = [], [], [], []
+    scored: list[PathLogprobs | None] = []
     for sess, tree in zip(sessions, trees):
-        choice = choose_tokens(tree.logits, sess.params, sess.generator)  # [q] the target's token after each
+        logits = process_logits(tree.logits, sess.params, sess.history, tree.ids, tree.anc, tree.depths)  # [q, V]
+        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each
         walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
         packed.append(walked)
         paths.append(path)
+        scored.append(None)
+        if sess.params.logprobs is not None:  # at the path's nodes, each committed token's (raw) log-probability
+            q = tree.ids.shape[0]
+            rows = path[: min(tree.max_depth + 1, q)].clamp(max=q - 1)
+            scored[-1] = path_logprobs(tree.logits, rows, choice.index_select(0, rows), sess.params.logprobs)
         if host_features and tree.features is not None:
             q = tree.ids.shape[0]
             # rows past the accepted depth point at the spare row q: clamped, they copy a row never read
@@ -95,8 +104,12 @@ def walk_and_commit(
         if sess.states is not None:
             sess.states.commit(scratch, keep)
         sess.root = bonus
+        tokens = answer[3 : 3 + k] + [bonus]
+        if sess.history is not None:
+            sess.history.add_output(tokens)
         features = kept[i][: k + 1] if kept else None if tree.features is None else tree.features[keep]
-        results.append(StepResult(answer[3 : 3 + k] + [bonus], features))
+        logprobs = None if scored[i] is None else scored[i].read(k + 1)
+        results.append(StepResult(tokens, features, logprobs=logprobs))
     return timed(results, timer)
 
 

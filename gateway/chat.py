@@ -1,0 +1,79 @@
+"""Chat conversations -> prompt token ids through the chat template (the tokenizer's, or --chat-template's), with
+vLLM's template controls: add_generation_prompt, continue_final_message and chat_template_kwargs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from gateway.openai_api import APIError, ChatMessage
+
+# apply_chat_template's own arguments and the template's standard variables: set by the gateway, never by a
+# request's chat_template_kwargs
+RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    """How a conversation is rendered. continue_final_message: the prompt ends inside the last (assistant) message,
+    which the model continues, instead of opening a new turn."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the template (enable_thinking...)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:  # vLLM's refusal, in its words
+            raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                           param="continue_final_message")
+        reserved = sorted(RESERVED_KWARGS & self.kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: it is the request's own field "
+                           "or the gateway's", param="chat_template_kwargs")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it. A tool call's arguments go in as an object (vLLM does the
+    same: templates such as Qwen3's and Llama's write them out as JSON themselves)."""
+    out = []
+    for i, m in enumerate(messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i)}} for c in m.tool_calls]
+        out.append(message)
+    return out
+
+
+def _arguments(text: str, index: int) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"messages.{index}: a tool call's arguments are not valid JSON: {exc}",
+                       param="messages") from exc
+
+
+def render(tokenizer: PreTrainedTokenizerBase, template: str | None, messages: list[dict[str, Any]],
+           args: ChatTemplateArgs, add_special_tokens: bool = False) -> list[int]:
+    """Prompt token ids of a conversation. template: a template that replaces the tokenizer's (None: its own).
+    add_special_tokens: the tokenizer's own (BOS...) too, which the template usually wrote already."""
+    if not (template or tokenizer.chat_template):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=args.add_generation_prompt,
+            continue_final_message=args.continue_final_message, tokenize=False, **args.kwargs)
+    except Exception as exc:  # noqa: BLE001 - templates raise on conversations they do not support
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

@@ -1,0 +1,188 @@
+"""`ddtree serve` as an operator runs it, on the tiny chat pair: two stacks side by side on one host (their
+internal ports picked free, their model services closed to strangers by a secret of each stack's own), a model
+service that dies started again and taken back by the gateway without a restart of its own, the streams a dead
+verifier breaks ended with an error event naming the failed call, and SIGTERM ending the streams still running
+with an error event and [DONE]."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ddtree.cli import build_parser
+from ddtree.serve import backoff, commands
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from tests.conftest import make_drafter
+from tests.gateway_support import events, make_chat_target, metric
+from tests.services import START_DEADLINE_S, free_ports, interrupt, wait_gateway_ready
+
+MODEL = "tiny"
+STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def pid(self, name: str) -> int:
+        """The process id of the child `name` now running (the latest `[serve] NAME started (pid N)`)."""
+        return int(re.findall(rf"\[serve\] {name} started \(pid (\d+)\)", self.log())[-1])
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(httpx.get(f"{self.url}/metrics", timeout=10).text, name, **labels)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(api_key="unused", base_url=f"{self.url}/v1", max_retries=0, timeout=120)
+
+
+def _start(target: Path, drafter: Path, logs: Path, name: str, *flags: str) -> Stack:
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", str(target), "--drafter", str(drafter), "--device", "cpu",
+           "--dtype", "float32", "--port", str(port), "--health-interval", "0.5", "--served-model-name", MODEL,
+           *flags]
+    log_path = logs / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    return Stack(process, f"http://127.0.0.1:{port}", log_path)
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
+    """Two stacks on the same pair; the second drains with no grace (the last test stops it)."""
+    target = make_chat_target(tmp_path_factory.mktemp("stack_target"))
+    drafter = make_drafter(tmp_path_factory.mktemp("stack_drafter"))
+    logs = tmp_path_factory.mktemp("stack_logs")
+    pair = (_start(target, drafter, logs, "a"), _start(target, drafter, logs, "b", "--shutdown-grace", "0"))
+    try:
+        for stack in pair:
+            wait_gateway_ready(stack.url, stack.process, stack.log)
+        yield pair
+    finally:
+        codes = [interrupt(stack.process) for stack in pair]
+    assert codes == [0, 0], "\n".join(stack.log()[-5000:] for stack in pair)
+
+
+def _wait_until(stack: Stack, condition, what: str) -> None:
+    deadline = time.monotonic() + START_DEADLINE_S  # a deadline for a slow machine, not a measurement
+    while not condition():
+        assert stack.process.poll() is None and time.monotonic() < deadline, f"never {what}\n{stack.log()[-5000:]}"
+        time.sleep(0.2)
+
+
+def _status(stack: Stack) -> str:
+    try:
+        return httpx.get(f"{stack.url}/health", timeout=10).json()["status"]
+    except (httpx.HTTPError, ValueError):
+        return "unreachable"
+
+
+def _story(stack: Stack, max_tokens: int = 20) -> str:
+    reply = stack.client().chat.completions.create(model=MODEL, messages=STORY, max_tokens=max_tokens, temperature=0)
+    return reply.choices[0].message.content
+
+
+def _stream_events(stack: Stack, interrupt_after_chunks: int, interrupt) -> list:
+    """A long greedy stream: after a few chunks `interrupt()` runs; returns every event of the stream."""
+    request = {"model": MODEL, "messages": STORY, "max_tokens": 600, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=request, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        head = [next(lines) for _ in range(2 * interrupt_after_chunks)]  # each event and its blank line
+        interrupt()
+        return events("\n".join([*head, *lines]) + "\n")
+
+
+def test_two_stacks_side_by_side_both_serve_the_same_text(stacks) -> None:
+    a, b = stacks
+    assert _story(a) == _story(b)
+    ports = [re.search(r"Verifier: gRPC on 127\.0\.0\.1:(\d+)", stack.log())[1] for stack in stacks]
+    assert ports[0] != ports[1]
+    # each stack's model services need its own secret: a stranger's call is refused, the health check is open
+    with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.VerifierStub(channel).Info(pb.VerifierInfoRequest(), timeout=10)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_dead_drafter_is_started_again_and_speculation_resumes(stacks) -> None:
+    a, _ = stacks
+    want = _story(a, 40)
+    os.kill(a.pid("draft"), signal.SIGKILL)
+    _wait_until(a, lambda: a.metric("ddtree_backend_recoveries_total", service="drafter") >= 1, "drafter back")
+    _wait_until(a, lambda: _status(a) == "ok", "ok again")
+    drafts = a.metric("ddtree_spec_drafts_total")
+    assert _story(a, 40) == want
+    assert a.metric("ddtree_spec_drafts_total") > drafts  # speculating again
+    assert "[serve] draft exited with code -9; starting it again in 1 s" in a.log()
+
+
+def test_a_dead_verifier_ends_its_streams_cleanly_and_is_taken_back(stacks) -> None:
+    a, _ = stacks
+    want = _story(a)
+    chunks = _stream_events(a, 4, lambda: os.kill(a.pid("verify"), signal.SIGKILL))
+    assert chunks[-1] == "[DONE]"
+    error = chunks[-2]["error"]
+    assert re.search(r"Verifier/(Verify|Decode)", error["message"]) and "EndSession" not in error["message"]
+    assert error["code"] == "service_unavailable"
+    assert all("error" not in c for c in chunks[:-2])  # one error event
+    # the verifier is still down (it starts again after a backoff): new requests get 503 with Retry-After
+    with pytest.raises(openai.APIStatusError) as refused:
+        _story(a)
+    assert refused.value.status_code == 503 and int(refused.value.response.headers["Retry-After"]) >= 1
+    assert refused.value.response.json()["error"]["code"] == "service_unavailable"
+    _wait_until(a, lambda: _status(a) == "ok", "ok again")
+    assert _story(a) == want  # the same gateway, without a restart
+    assert a.metric("ddtree_backend_recoveries_total", service="verifier") >= 1
+
+
+def test_sigterm_ends_running_streams_with_an_error_event_and_done(stacks) -> None:
+    """The last test on the second stack: it stops it."""
+    _, b = stacks
+    chunks = _stream_events(b, 4, lambda: b.process.send_signal(signal.SIGTERM))
+    assert chunks[-1] == "[DONE]"
+    assert chunks[-2]["error"]["code"] == "service_unavailable" and "shutting down" in chunks[-2]["error"]["message"]
+    assert b.process.wait(60) == 0
+
+
+def test_serve_picks_free_internal_ports_and_takes_the_model_positionally() -> None:
+    def parsed(*flags: str) -> argparse.Namespace:
+        return build_parser().parse_args(["serve", *flags])
+
+    cmds = commands(parsed())
+    gateway = build_parser().parse_args(cmds["gateway"][cmds["gateway"].index("gateway"):])
+    for name, address in (("draft", gateway.drafter), ("verify", gateway.verifier)):
+        service = build_parser().parse_args(cmds[name][cmds[name].index(name):])
+        assert (service.host, service.metrics_port, service.lane_port) == ("127.0.0.1", 0, 0)  # theirs to pick
+        assert address == f"127.0.0.1:{service.port}" and service.port != 0
+    assert gateway.drafter != gateway.verifier and gateway.port == 8000  # the API's port stays as given
+    given = commands(parsed("--draft-port", "7001", "--verify-port", "7002"))
+    assert "127.0.0.1:7001" in given["gateway"] and "127.0.0.1:7002" in given["gateway"]
+    demo_target = cmds["verify"][cmds["verify"].index("--target") + 1]
+    positional = commands(parsed(demo_target, "--drafter", "none"))
+    assert positional["verify"][positional["verify"].index("--target") + 1] == demo_target
+    with pytest.raises(SystemExit, match="two targets"):
+        commands(parsed(demo_target, "--target", "elsewhere", "--drafter", "none"))
+    assert [backoff(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
