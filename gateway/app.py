@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Send
 from transformers import PreTrainedTokenizerBase
 
+from runtime.grammar import parse_grammar, tool_calls_grammar
 from runtime.models import load_tokenizer
 from gateway.auth import ApiKeyGuard
 from gateway.body_limit import BodyLimit
@@ -28,6 +29,7 @@ from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionReque
                                 TokenLogprob, validation_error)
 from gateway.generation import Delta, GenerationRequest, ModelInfo, make_request
 from gateway.service import GatewayService
+from gateway.tool_calls import ToolCallParser, finish_reason, parse_reply
 from gateway.vllm_api import DetokenizeRequest, TokenizeRequest
 
 DISCONNECT_POLL_S = 0.5  # how soon a non-streaming request notices its client is gone
@@ -71,16 +73,20 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     async def chat_completions(req: ChatCompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
         args = ChatTemplateArgs(req.add_generation_prompt is not False, bool(req.continue_final_message),
-                                req.chat_template_kwargs or {})
+                                req.chat_template_kwargs or {}, req.template_tools())
         prompt = await service.off_loop(service.chat_prompt, template_messages(req.messages), args)
+        await _check_grammar(service, req)
+        await _check_tools(service, req)
         gens = _generations(service, req, model, prompt, default_max_tokens=None)
         fmt = ResponseFormat(True, model.name, req.include_usage())
-        return await _respond(service, gens, fmt, bool(req.stream), http)
+        tool_calls = req.max_tool_calls() if req.tool_parsing() else 0
+        return await _respond(service, gens, fmt, bool(req.stream), http, tool_calls)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, http: Request) -> Response:
         model = service.require_model(req.model)
         prompt = await service.off_loop(service.text_prompt, req.prompt, model)
+        await _check_grammar(service, req)
         gens = _generations(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
         fmt = ResponseFormat(False, model.name, req.include_usage())
         return await _respond(service, gens, fmt, bool(req.stream), http)
@@ -131,6 +137,28 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
     return app
 
 
+async def _check_grammar(service: GatewayService, req: OpenAIRequest) -> None:
+    """A response_format the grammar engine refuses (a bad schema) is a 400 naming the problem, before any
+    session starts; parsed on the tokenizer's thread, as a large schema takes a while."""
+    if req.response_format is None or req.response_format.type == "text":
+        return
+    try:
+        await service.off_loop(parse_grammar, req.response_format.grammar())
+    except ValueError as exc:
+        raise APIError(400, f"response_format: {exc}", param="response_format") from None
+
+
+async def _check_tools(service: GatewayService, req: ChatCompletionRequest) -> None:
+    """A tool whose parameters schema the grammar engine refuses is a 400 naming it, whatever tool_choice says."""
+    for i, tool in enumerate(req.tools or ()):
+        function = tool.function
+        try:
+            await service.off_loop(parse_grammar, tool_calls_grammar([(function.name, function.parameters_schema())],
+                                                                     parallel=False))
+        except ValueError as exc:
+            raise APIError(400, f"tools.{i}.function.parameters: {exc}", param="tools") from None
+
+
 def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, prompt: list[int],
                  default_max_tokens: int | None) -> list[GenerationRequest]:
     """One generation per choice (n), each with its own seed when the request has one (choices.choice_params)."""
@@ -148,11 +176,13 @@ def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, 
 
 
 async def _respond(
-    service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat, stream: bool, http: Request
+    service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat, stream: bool, http: Request,
+    tool_calls: int | None = 0,
 ) -> Response:
+    """tool_calls: how many tool calls each choice's text is parsed for (None: any number; 0: not parsed)."""
     service.admit(len(gens))  # a shed request gets its 429/503 before a stream's first byte
     if stream:
-        return EventStreamResponse(_events(service, gens, fmt))
+        return EventStreamResponse(_events(service, gens, fmt, tool_calls))
     # A non-streaming client that hangs up would otherwise keep both model services busy to the last token.
     collect = asyncio.create_task(_collect(service, gens))
     while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
@@ -161,8 +191,11 @@ async def _respond(
             await asyncio.gather(collect, return_exceptions=True)  # its round loops end their sessions
             return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
     texts, lasts, logprobs = collect.result()
-    choices = [fmt.choice(text, last.finish_reason, i, lps)
-               for i, (text, last, lps) in enumerate(zip(texts, lasts, logprobs))]
+    choices = []
+    for i, (text, last, lps) in enumerate(zip(texts, lasts, logprobs)):
+        content, calls = parse_reply(text, tool_calls) if tool_calls != 0 else (text, [])
+        choices.append(fmt.choice(content, finish_reason(last.finish_reason, bool(calls)), i, lps,
+                                  [c.message() for c in calls]))
     return JSONResponse(fmt.response(choices, len(gens[0].prompt), sum(d.completion_tokens for d in lasts)))
 
 
@@ -181,22 +214,31 @@ async def _collect(
     return texts, lasts, logprobs
 
 
-async def _events(service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat) -> AsyncIterator[str]:
-    """SSE as OpenAI sends it: per choice a role chunk (chat), content chunks and a chunk with the finish reason
-    and an empty delta, the choices' chunks interleaved as they come; the usage chunk (choices: [], every choice's
-    tokens) when asked for, then [DONE]. A failure after the stream has started can only be reported in the
-    stream, as an error event."""
+async def _events(service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat,
+                  tool_calls: int | None = 0) -> AsyncIterator[str]:
+    """SSE as OpenAI sends it: per choice a role chunk (chat), content chunks (and, where tool calls are parsed,
+    a chunk per completed call) and a chunk with the finish reason and an empty delta, the choices' chunks
+    interleaved as they come; the usage chunk (choices: [], every choice's tokens) when asked for, then [DONE]. A
+    failure after the stream has started can only be reported in the stream, as an error event."""
     if fmt.chat:
         for index in range(len(gens)):
             yield _sse(fmt.chunk("", first=True, index=index))
+    parsers = [ToolCallParser(tool_calls) for _ in gens] if tool_calls != 0 else []
     completion_tokens = 0
     try:
         async with aclosing(choice_deltas(service, gens)) as deltas:
             async for index, delta in deltas:
-                if delta.text or delta.logprobs:
-                    yield _sse(fmt.chunk(delta.text, index=index, logprobs=delta.logprobs))
+                text, calls = delta.text, []
+                if parsers:
+                    parsed = parsers[index].read(delta.text, last=delta.finish_reason is not None)
+                    text, calls = parsed.text, parsed.calls
+                if text or delta.logprobs:
+                    yield _sse(fmt.chunk(text, index=index, logprobs=delta.logprobs))
+                if calls:
+                    yield _sse(fmt.chunk(None, index=index, tool_calls=[c.delta() for c in calls]))
                 if delta.finish_reason:
-                    yield _sse(fmt.chunk(None, delta.finish_reason, index=index))
+                    called = bool(parsers and parsers[index].calls)
+                    yield _sse(fmt.chunk(None, finish_reason(delta.finish_reason, called), index=index))
                     completion_tokens += delta.completion_tokens
         if fmt.include_usage:
             yield _sse(fmt.usage_chunk(len(gens[0].prompt), completion_tokens))

@@ -28,6 +28,7 @@ class ChatTemplateArgs:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the template (enable_thinking...)
+    tools: list[dict[str, Any]] | None = None  # the request's tools, in OpenAI's shape, for the template to list
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:  # vLLM's refusal, in its words
@@ -41,12 +42,18 @@ class ChatTemplateArgs:
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation as chat templates take it. A tool call's arguments go in as an object (vLLM does the
-    same: templates such as Qwen3's and Llama's write them out as JSON themselves)."""
+    same: templates such as Qwen3's and Llama's write them out as JSON themselves). An earlier reply's thinking goes
+    in under both names templates read (Qwen3's `reasoning_content`, newer ones' `reasoning`), as vLLM does."""
     out = []
     for i, m in enumerate(messages):
         message: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             message["name"] = m.name
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if m.refusal is not None:
+            message["refusal"] = m.refusal
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls is not None:
@@ -73,7 +80,7 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str | None, messages: l
     try:
         text = tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=args.add_generation_prompt,
-            continue_final_message=args.continue_final_message, tokenize=False, **args.kwargs)
+            continue_final_message=args.continue_final_message, tools=args.tools, tokenize=False, **args.kwargs)
     except Exception as exc:  # noqa: BLE001 - templates raise on conversations they do not support
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]

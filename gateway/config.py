@@ -47,6 +47,8 @@ class GatewayConfig(FlagConfig):
                                                  "--api-key is set (empty: every path needs it)")
     health_interval: float = option(5.0, "seconds between health checks of the backends (also their time limit)")
     rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
+    request_timeout: float = option(0.0, "seconds a request may wait and decode in all; past them it ends with a "
+                                         "504 in OpenAI's shape (a stream: an error event, then [DONE]); 0: no limit")
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
@@ -83,6 +85,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.request_timeout < 0:
+            raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

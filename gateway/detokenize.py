@@ -5,43 +5,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerFast
 
-REPLACEMENT = "\ufffd"
+# tokenizers' DecodeStream raises this when a new token changes text already decoded (invalid UTF-8 bytes that a
+# later byte completes differently): its state is then unusable
+INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class IncrementalDetokenizer:
-    """Decodes a growing list of ids piece by piece. Text is emitted only once it no longer ends in an incomplete
-    multi-byte character (decoded as U+FFFD), so a streamed character is never split across chunks.
+    """Decodes a growing list of ids piece by piece with tokenizers' DecodeStream: each token costs one decode of a
+    short window (the ids since the last emitted text plus the few before them, as context), never of the whole
+    text. Text is emitted only once it no longer ends in an incomplete multi-byte character, so a streamed
+    character is never split across chunks, and tokenizers whose decoding of a token depends on what precedes it
+    (SentencePiece's leading space) still concatenate exactly to the decode of the whole sequence. That decode is
+    the tokenizer's own: transformers' clean_up_tokenization_spaces, which it applies to non-BPE tokenizers only,
+    is not applied."""
 
-    Each delta is the difference of two decodes that start at the same token (`prefix`), so tokenizers whose
-    decoding of a token depends on what precedes it (SentencePiece's leading space) still concatenate exactly to
-    the decode of the whole sequence."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer.backend_tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.prefix = 0  # first id of the decode window
-        self.read = 0  # ids before this one have been emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # DecodeStream's window, mirrored because it is not exposed and flush() must decode what it holds back:
+        # window[:context] is already emitted and decodes only as context for the rest
+        self.window: list[int] = []
+        self.context = 0
 
     def add(self, token: int) -> str:
-        self.ids.append(token)
-        return self._emit(final=False)
+        self.window.append(token)
+        try:
+            text = self.stream.step(self.tokenizer, token)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            if not str(exc).startswith(INVALID_PREFIX):
+                raise
+            return self._restart()
+        if text is None:
+            return ""
+        self.window, self.context = self.window[self.context :], len(self.window) - self.context
+        return text
+
+    def _restart(self) -> str:
+        """A fresh stream fed the ids not yet emitted, without the context that no longer decodes as it did (only
+        invalid UTF-8 gets here, so no word's leading space is at stake)."""
+        held = self.window[self.context :]
+        self.stream, self.window, self.context = DecodeStream(skip_special_tokens=self.skip_special_tokens), [], 0
+        return "".join(self.add(token) for token in held)
 
     def flush(self) -> str:
         """Whatever is held back, incomplete characters included (the stream ends here)."""
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        done = self._decode(self.ids[self.prefix : self.read])
-        text = self._decode(self.ids[self.prefix :])
-        if len(text) <= len(done) or (text.endswith(REPLACEMENT) and not final):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
+        done = self.tokenizer.decode(self.window[: self.context], skip_special_tokens=self.skip_special_tokens)
+        text = self.tokenizer.decode(self.window, skip_special_tokens=self.skip_special_tokens)
+        self.stream, self.window, self.context = DecodeStream(skip_special_tokens=self.skip_special_tokens), [], 0
         return text[len(done) :]
 
 
@@ -95,7 +109,7 @@ class TextStream:
     """One choice's text deltas from its committed tokens. A token that stopped the choice (EOS or a
     stop_token_ids entry) is counted but left out of the text, as vLLM does, unless include_stop_str_in_output."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, options: TextOptions) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, options: TextOptions) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, options.skip_special_tokens)
         self.stops = StopStrings(options.stop, options.include_stop_str_in_output)
         self.keep_stop_token = options.include_stop_str_in_output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protos.types import MAX_LOGPROBS, SamplingParams
+from runtime.grammar import json_object_grammar, json_schema_grammar, tool_calls_grammar
 
 
 class APIError(Exception):
@@ -44,7 +46,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 # Parameters OpenAI defines that this server cannot honour: accepted only at their no-op values, never ignored.
 _NO_OP = {
     "echo": (None, False), "best_of": (None, 1),
-    "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none"), "store": (None, False),
 }
 
@@ -70,6 +72,37 @@ class SpeculationOverride(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     mode: Literal["ddtree", "chain", "off"] | None = None
     budget: int | None = Field(None, ge=1)
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's json_schema response format. The schema is always enforced in full, whatever `strict` says."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # not `schema`: that name is pydantic's own
+    strict: bool | None = None
+
+
+class StructuredOutput(BaseModel):
+    """response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema" (a JSON Schema),
+    kept to by masking the target's logits at every node (verify_server/grammar.py), so the output stays lossless."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "StructuredOutput":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema", and only with it')
+        return self
+
+    def grammar(self) -> str:
+        """The wire's grammar (SamplingParams.grammar); "" for text."""
+        if self.type == "json_object":
+            return json_object_grammar()
+        return "" if self.json_schema is None else json_schema_grammar(self.json_schema.json_schema)
 
 
 class StreamOptions(BaseModel):
@@ -101,6 +134,7 @@ class OpenAIRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(1, ge=1)  # independent choices; the gateway's --max-n bounds it
     speculation: SpeculationOverride | None = None
+    response_format: StructuredOutput | None = None
     # vLLM's output controls, all applied by the gateway on the committed tokens
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
@@ -116,7 +150,7 @@ class OpenAIRequest(BaseModel):
     def _no_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, allowed in _NO_OP.items():
-                if name in data and data[name] not in allowed:
+                if name in data and name not in cls.model_fields and data[name] not in allowed:
                     # not a ValueError: pydantic lets it through, so the answer can name the parameter
                     raise APIError(400, f"{name} is not supported by this server", param=name)
             # at their no-op values they are dropped here, before unknown fields are refused
@@ -186,6 +220,7 @@ class OpenAIRequest(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            grammar="" if self.response_format is None else self.response_format.grammar(),
         )
 
 
@@ -211,12 +246,29 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A turn of the conversation, with the fields vLLM accepts: what clients echo back of an earlier reply too."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # any turn: who speaks, for templates that write it out
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this result answers
+    # assistant turns: the thinking of an earlier reply (vLLM's `reasoning`, or the older `reasoning_content`),
+    # which templates such as Qwen3's write back into the conversation
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None  # OpenAI's refusal text of an earlier reply, given to the template as data
+    # the rest of an OpenAI reply's message, echoed back: they carry nothing for a text model, so only null passes
+    annotations: None = None
+    audio: None = None
+    function_call: None = None
+
+    @model_validator(mode="after")
+    def _one_reasoning(self) -> "ChatMessage":
+        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content differ: send one of them")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -224,8 +276,45 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    """A function tool. Its parameters schema constrains the arguments where tool_choice forces a call."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; the grammar writes it out unescaped
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: a function without parameters
+    strict: bool | None = None  # the schema is enforced in full where a call is forced, whatever this says
+
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the function the reply must call."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    # tool calling in Qwen3's <tool_call> format (gateway/tool_calls.py): "auto" parses the reply; "required" and
+    # a named function constrain it to calls of the tools' schemas, as response_format constrains JSON
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     max_completion_tokens: int | None = Field(None, ge=1)
     # vLLM's chat template controls (gateway/chat.py)
     add_generation_prompt: bool | None = True
@@ -240,6 +329,52 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError(400, f"tools: {next(n for n in names if names.count(n) > 1)!r} is defined twice",
+                           param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice")
+        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, "response_format cannot constrain a reply that tool_choice constrains to tool calls",
+                           param="response_format")
+        return self
+
+    def tool_parsing(self) -> bool:
+        """Whether the reply is parsed for tool calls: there are tools and tool_choice is not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def max_tool_calls(self) -> int | None:
+        """How many calls a reply may make (None: any number); a named function is called once."""
+        return 1 if self.parallel_tool_calls is False or isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def forced_tools(self) -> list[FunctionDefinition]:
+        """The functions the reply must call one of ("required": any tool; a named one: that one); [] where the
+        reply is free."""
+        if self.tool_choice == "required":
+            return [t.function for t in self.tools or ()]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t.function for t in self.tools or () if t.function.name == self.tool_choice.function.name]
+        return []
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def sampling_params(self) -> SamplingParams:
+        params = super().sampling_params()
+        forced = self.forced_tools()
+        if not forced:
+            return params
+        grammar = tool_calls_grammar([(f.name, f.parameters_schema()) for f in forced], self.max_tool_calls() is None)
+        return dataclasses.replace(params, grammar=grammar)
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI deprecated max_tokens for max_completion_tokens; the newer one wins when both are sent.
@@ -305,13 +440,17 @@ class ResponseFormat:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def choice(self, text: str, finish_reason: str, index: int = 0,
-               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """One choice of a whole (non-streamed) response; logprobs: its tokens', where asked for."""
+    def choice(self, text: str | None, finish_reason: str, index: int = 0,
+               logprobs: list[TokenLogprob] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One choice of a whole (non-streamed) response; logprobs: its tokens', where asked for; tool_calls: the
+        calls parsed from its text (chat), where any were."""
         choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
                                   "finish_reason": finish_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"]["tool_calls"] = tool_calls
         else:
             choice["text"] = text
         return choice
@@ -322,15 +461,19 @@ class ResponseFormat:
                           usage=usage(prompt_tokens, completion_tokens))
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              index: int = 0, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for); with
-        include_usage every chunk carries "usage": null, as OpenAI sends it."""
+              index: int = 0, logprobs: list[TokenLogprob] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for) and the
+        tool calls completed in it (chat); with include_usage every chunk carries "usage": null, as OpenAI sends
+        it."""
         choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
                                   "finish_reason": finish_reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

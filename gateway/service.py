@@ -51,7 +51,8 @@ class GatewayService:
         self._slots = RunningLimit(config.max_running)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
-        self._decoding: set[asyncio.Queue] = set()  # the running requests' round queues, for the end of a drain
+        # the running requests' round queues and their round loops, for the end of a drain
+        self._decoding: dict[asyncio.Queue, asyncio.Task] = {}
         # templating and tokenizing a long prompt take long enough to stall every stream if run on the event loop;
         # one thread, because a fast tokenizer must not be used from two at once
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -76,8 +77,8 @@ class GatewayService:
             log.warning("shutdown grace of %.1f s over: ending %d requests with 503", grace, ended)
             self.metrics.shed.labels("shutdown").inc(ended)
         self._slots.fail_waiters(self._closing)
-        for queue in self._decoding:
-            queue.put_nowait(self._closing)
+        for queue, loop in list(self._decoding.items()):
+            _end_request(queue, loop, self._closing)
         for loop in self._loops:
             loop.cancel()  # their sessions end as a gone client's do
 
@@ -158,6 +159,12 @@ class GatewayService:
                            f"{self._slots.waiting} waiting); retry later", type="requests",
                            code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
 
+    def _timed_out(self) -> APIError:
+        """A request past --request-timeout: 504, as a gateway answers when the servers behind it are not done in
+        time. Not 503 with Retry-After: the same request would run past the same limit again."""
+        return APIError(504, f"the request took longer than the server's limit of {self.config.request_timeout:g} s "
+                             "(--request-timeout)", type="server_error", code="timeout")
+
     def _failure(self, exc: Exception) -> APIError:
         """A round loop's failure as the request's answer: 503 (with Retry-After) when the verifier is gone or out
         of sessions, else 500. Either names the call that failed."""
@@ -174,10 +181,15 @@ class GatewayService:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Text deltas; the last one has the finish reason. Waits for a slot (at most max_running decode at once)."""
         arrival = time.perf_counter()
+        timeout = self.config.request_timeout
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None  # on the event loop's clock
         self._slots.set_limit(self._running_limit())
         self.metrics.waiting.inc()
         try:
-            await self._slots.acquire()
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise self._timed_out() from None
         finally:
             self.metrics.waiting.dec()
         self.metrics.running.inc()
@@ -185,7 +197,7 @@ class GatewayService:
         slot: list[asyncio.Task] = []  # the round loop, once started: it frees the slot when done
         try:
             # Closed explicitly, so a request that is given up ends its round loop now, not when collected.
-            async with contextlib.aclosing(self._decode(req, arrival, slot)) as deltas:
+            async with contextlib.aclosing(self._decode(req, arrival, deadline, slot)) as deltas:
                 async for delta in deltas:
                     finish = delta.finish_reason or finish
                     yield delta
@@ -218,15 +230,18 @@ class GatewayService:
         return limit
 
     async def _decode(
-        self, req: GenerationRequest, arrival: float, started: list[asyncio.Task]
+        self, req: GenerationRequest, arrival: float, deadline: float | None, started: list[asyncio.Task]
     ) -> AsyncIterator[Delta]:
-        """The request's deltas from its round loop, a task of its own, which is appended to `started`."""
+        """The request's deltas from its round loop, a task of its own, which is appended to `started`. Past the
+        `deadline` (event-loop time) the request ends as a drain ends it."""
         queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
-        self._decoding.add(queue)
         loop = asyncio.create_task(self._run_loop(req, queue))
+        self._decoding[queue] = loop
         started.append(loop)
         self._loops.add(loop)
         loop.add_done_callback(self._loops.discard)
+        expiry = None if deadline is None else asyncio.get_running_loop().call_at(
+            deadline, lambda: _end_request(queue, loop, self._timed_out()))
         text_stream = TextStream(self.tokenizer, req.text)
         generated, last, loop_done = 0, arrival, False
         self.metrics.prompt_tokens.inc(len(req.prompt))
@@ -234,7 +249,7 @@ class GatewayService:
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
-                    loop_done = True  # failed, or cancelled by the drain that sent this: nothing to cancel
+                    loop_done = True  # failed, or cancelled by the drain or deadline that sent this: nothing to cancel
                     raise self._failure(item) from item
                 now = time.perf_counter()
                 self._observe_latency(item, now - last)
@@ -259,7 +274,9 @@ class GatewayService:
                 if text or logprobs:
                     yield Delta(text, logprobs=logprobs)
         finally:
-            self._decoding.discard(queue)
+            if expiry is not None:
+                expiry.cancel()
+            self._decoding.pop(queue, None)
             if not loop_done:  # a finished loop is ending its sessions now: cancelling would cut that short
                 loop.cancel()
 
@@ -303,3 +320,10 @@ class GatewayService:
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()
             queue.put_nowait(exc)
+
+
+def _end_request(queue: asyncio.Queue, loop: asyncio.Task, error: APIError) -> None:
+    """Ends a running request with `error` as its answer, and its round loop, whose sessions then end as a gone
+    client's do (run_rounds' cleanup is shielded from the cancellation)."""
+    queue.put_nowait(error)
+    loop.cancel()

@@ -208,6 +208,7 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
         logprobs=params.logprobs, logit_bias=dict(params.logit_bias), min_p=params.min_p,
         min_tokens=params.min_tokens, stop_ids=params.stop_ids, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        grammar=params.grammar,
     )
 
 
@@ -225,6 +226,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        grammar=msg.grammar,
     )
 
 

@@ -17,7 +17,8 @@ class SamplingParams:
 
     The target's logits go through the processors in vLLM's order: min_tokens' mask of `stop_ids`, logit_bias,
     then the repetition, frequency and presence penalties; then greedy takes the argmax, or sampling applies
-    temperature, min_p, top_k and top_p (verify_server/processors.py, sampling.py)."""
+    temperature, min_p, top_k and top_p (verify_server/processors.py, sampling.py). A `grammar` masks the tokens it
+    forbids before all of them (verify_server/grammar.py)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
@@ -32,6 +33,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token has been generated
     repetition_penalty: float = 1.0  # HF/vLLM's: divides (multiplies, if negative) the logits of prompt and generated tokens
+    # structured output: a grammar every choice keeps to, as canonical JSON (runtime/grammar.py); "" = none
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +54,7 @@ class SamplingParams:
     def raw_argmax(self) -> bool:
         """The target's choice is the argmax of its raw logits and nothing else is read from them: the only rounds
         the captured paths (argmax inside a CUDA graph, chained rounds) serve."""
-        return self.greedy and not self.processed and self.logprobs is None
+        return self.greedy and not self.processed and self.logprobs is None and not self.grammar
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -109,6 +109,13 @@ class ServiceConfig(FlagConfig):
         0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
         "through Info; 0: any free port; -1: no lane, rounds over gRPC only)"
     )
+    max_lane_connections: int = option(
+        1024, "round-lane connections held at once (a session holds a few); one more is refused RESOURCE_EXHAUSTED"
+    )
+    lane_peer_timeout: float = option(
+        30.0, "seconds a round-lane peer may take to send its hello, or stay silent in the middle of a frame, before "
+        "its connection is closed (a connection idle between whole requests stays open)"
+    )
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
@@ -121,6 +128,10 @@ class ServiceConfig(FlagConfig):
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if not -1 <= self.lane_port <= 65535:
             raise ValueError(f"lane_port must be in [-1, 65535], got {self.lane_port}")
+        if self.max_lane_connections < 1:
+            raise ValueError(f"max_lane_connections must be >= 1, got {self.max_lane_connections}")
+        if self.lane_peer_timeout <= 0:
+            raise ValueError(f"lane_peer_timeout must be > 0, got {self.lane_peer_timeout}")
         if self.session_ttl <= 0:
             raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
         if self.max_sessions < 1:

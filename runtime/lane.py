@@ -18,7 +18,10 @@ Wire format: frames of  u32 length | u8 tag | payload  (integers little-endian).
     request:        tag 0, payload the request message      (length <= the server's max_message_bytes)
     answer:         tag = gRPC status code, payload the response message (OK) or UTF-8 details (any other code)
 Answers come in request order. A failure answer ends the connection, as a failure ends a gRPC stream; the
-session is left as the unary call would leave it. A request whose declared length exceeds max_message_bytes ends
+session is left as the unary call would leave it. A server holds at most max_connections connections (one more is
+answered RESOURCE_EXHAUSTED and closed), and closes a peer that sends no hello, or stops in the middle of a frame,
+for peer_timeout seconds (DEADLINE_EXCEEDED once it has said hello); a connection idle between requests stays open,
+as a session may wait long between rounds. A request whose declared length exceeds max_message_bytes ends
 its connection (RESOURCE_EXHAUSTED, logged) before anything is allocated for it, and a body's buffer grows only as
 its bytes arrive.
 """
@@ -168,15 +171,48 @@ class _ServerConnection(_Frames):
         self._requests: asyncio.Queue[Message | CallFailed | None] = asyncio.Queue()  # None: the client is gone
         self._context = _Context()
         self._task: asyncio.Task | None = None
+        self._stall: asyncio.TimerHandle | None = None  # closes the connection when the peer falls silent mid-frame
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if len(self._server.connections) >= self._server.max_connections:
+            log.warning("round lane: refused a connection from %s: %d connections held already",
+                        transport.get_extra_info("peername"), len(self._server.connections))
+            self._fail(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"this server holds its most lane connections ({self._server.max_connections})"))
+            return
         self._server.connections.add(self)
         self._task = asyncio.get_running_loop().create_task(self._answer_all())
+        self._watch_stall()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)
+        if self._stall is not None:
+            self._stall.cancel()
         self._requests.put_nowait(None)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        super().buffer_updated(nbytes)
+        self._watch_stall()
+
+    def _watch_stall(self) -> None:
+        """(Re)starts the peer's clock while a hello or a frame is still owed, each time bytes arrive; stops it
+        between whole requests."""
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if not self.transport.is_closing() and (self._route is None or self._have):
+            self._stall = asyncio.get_running_loop().call_later(self._server.peer_timeout, self._stalled)
+
+    def _stalled(self) -> None:
+        peer = self.transport.get_extra_info("peername")
+        if self._route is None:
+            log.warning("round lane: closing the connection from %s: no hello in %gs", peer, self._server.peer_timeout)
+            self.transport.close()
+            return
+        details = f"no byte of an unfinished request frame for {self._server.peer_timeout:g}s"
+        log.warning("round lane: closing the connection from %s: %s", peer, details)
+        self._fail(CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, details))
 
     def frame(self, tag: int, payload: memoryview) -> None:
         if self.transport.is_closing():
@@ -241,10 +277,13 @@ class _ServerConnection(_Frames):
 class LaneServer:
     """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection."""
 
-    def __init__(self, routes: dict[str, Route], max_message_bytes: int, token: str | None = None) -> None:
+    def __init__(self, routes: dict[str, Route], max_message_bytes: int, token: str | None = None,
+                 max_connections: int = 1024, peer_timeout: float = 30.0) -> None:
         self.routes = routes
         self.max_bytes = max_message_bytes
         self.token = token  # the shared secret a client's hello must carry (None: none asked)
+        self.max_connections = max_connections
+        self.peer_timeout = peer_timeout  # seconds of a peer's silence owing a hello or the rest of a frame
         self.connections: set[_ServerConnection] = set()
         self._server: asyncio.Server | None = None
 
@@ -295,9 +334,12 @@ class Lane(_Frames):
             self._waiter = None
 
     def frame(self, tag: int, payload: memoryview) -> None:
+        status = _CODES.get(tag, grpc.StatusCode.UNKNOWN)
+        if self._waiter is None and status != grpc.StatusCode.OK:  # the server refused the connection before a call
+            self._lost = self._lost or CallFailed(status, bytes(payload).decode(errors="replace"))
+            return
         if self._waiter is None or self._waiter.done():
             return  # an answer nobody waits for any more (the caller gave up; the lane is being closed)
-        status = _CODES.get(tag, grpc.StatusCode.UNKNOWN)
         if status != grpc.StatusCode.OK:
             self._waiter.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
             return

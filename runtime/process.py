@@ -26,6 +26,7 @@ from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_coll
 from runtime.service import E, EngineHost
 from runtime.config import ServiceConfig
 from runtime.auth import TokenInterceptor
+from runtime.malformed import MalformedRequestInterceptor
 from runtime.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ async def serve(
     await host.run(use_device, device)
 
     interceptors = [] if config.auth_token is None else [TokenInterceptor(config.auth_token)]
+    interceptors.append(MalformedRequestInterceptor())  # after the token check: a stranger's bytes are not parsed
     server = grpc.aio.server(options=message_size_options(config.max_message_bytes), interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
@@ -84,7 +86,8 @@ async def serve(
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    lane = LaneServer(lane_routes, config.max_message_bytes, config.auth_token)
+    lane = LaneServer(lane_routes, config.max_message_bytes, config.auth_token, config.max_lane_connections,
+                      config.lane_peer_timeout)
     if config.lane_port >= 0:
         host.lane_port = await lane.start(config.host, config.lane_port)
         log.info("%s: round lane (%s) on %s:%d", service_name, ", ".join(lane_routes), config.host, host.lane_port)

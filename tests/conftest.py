@@ -124,6 +124,7 @@ SERVICE_MODULES = {
     "test_e2e", "test_gateway_api", "test_grpc_services", "test_deploy", "test_chunked_prefill", "test_tensor_parallel",
     "test_cli_generate", "test_heap", "test_lane", "test_round_overhead", "test_triton_interpreted", "test_floors",
     "test_internal_services", "test_serve_stacks", "test_openai_fields", "test_models_resolve",
+    "test_fuzz_api", "test_fuzz_wire", "test_lane_guards", "test_grammar_api", "test_tool_calls_api",
 }
 
 

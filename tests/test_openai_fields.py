@@ -40,7 +40,9 @@ MAX_N = 4
 LONG = 40  # max_tokens of the requests that run to the limit
 TEMPLATE = (
     "{%- for m in messages %}"
-    "{{- m.role }}{% if m.tool_call_id %}{{ ' for ' + m.tool_call_id }}{% endif %}{{ ' - ' + m.content + '\\n' }}"
+    "{{- m.role }}{% if m.name %}{{ ' named ' + m.name }}{% endif %}"
+    "{%- if m.tool_call_id %}{{ ' for ' + m.tool_call_id }}{% endif %}"
+    "{%- if m.reasoning_content %}{{ ' thinking ' + m.reasoning_content }}{% endif %}{{ ' - ' + m.content + '\\n' }}"
     "{%- for c in m.tool_calls or [] %}{{ 'call ' + c.function.name + ' ' + c.function.arguments.city + '\\n' }}"
     "{%- endfor %}"
     "{%- endfor %}"
@@ -156,8 +158,8 @@ def test_unknown_fields_get_400_naming_them(setup) -> None:
                          "type": "invalid_request_error", "param": param, "code": None}
     with pytest.raises(openai.BadRequestError, match="messages.0.colour"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a", "colour": "red"}])
-    for refused in ({"tools": [{"type": "function", "function": {"name": "f"}}]},
-                    {"response_format": {"type": "json_object"}}, {"tool_choice": "auto"}, {"store": True}):
+    for refused in ({"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]},
+                    {"response_format": {"type": "json_schema"}}, {"tool_choice": "required"}, {"store": True}):
         with pytest.raises(openai.BadRequestError) as info:
             chat(setup, max_tokens=4, extra_body=refused)
         assert info.value.response.json()["error"]["param"] == next(iter(refused))
@@ -311,6 +313,31 @@ def test_tool_messages_reach_the_template(setup) -> None:
                                                                "function": {"name": "w", "arguments": "{oops"}}]}]
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):
         setup.client().chat.completions.create(model=MODEL, messages=bad, max_tokens=3)
+
+
+def test_a_reply_echoed_back_reaches_the_template(setup) -> None:
+    # clients send a reply's message back as the SDK holds it (refusal, audio... all null), with vLLM's reasoning
+    # fields and names; the template gets name and reasoning_content as data
+    client = setup.client()
+    reply = client.chat.completions.create(model=MODEL, messages=setup.messages, max_tokens=3, temperature=0)
+    said = reply.choices[0].message.content
+    echoed = {**reply.choices[0].message.model_dump(), "reasoning_content": "hm"}
+    conversation = [{**setup.messages[0], "name": "ann"}, echoed, {"role": "user", "content": "and?"}]
+    text = setup.tokenizer.decode(setup.http("/tokenize", {"messages": conversation}).json()["tokens"])
+    assert f"user named ann - {setup.messages[0]['content']}\nassistant thinking hm - " in text
+    follow = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=3, temperature=0)
+    assert follow.usage.prompt_tokens == len(prompt_ids(setup.tokenizer, [
+        conversation[0], {"role": "assistant", "content": said, "reasoning_content": "hm"}, conversation[2]]))
+    newer = [conversation[0], {"role": "assistant", "content": said, "reasoning": "hm", "refusal": None},
+             conversation[2]]
+    assert setup.http("/tokenize", {"messages": newer}).json()["tokens"] == prompt_ids(
+        setup.tokenizer, [conversation[0], {"role": "assistant", "content": said, "reasoning_content": "hm"},
+                          conversation[2]])
+    for bad, param in [({"mood": "odd"}, "messages.1.mood"), ({"audio": {"id": "a"}}, "messages.1.audio"),
+                       ({"reasoning": "hm", "reasoning_content": "ho"}, "messages.1")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=[conversation[0], {**echoed, **bad}], max_tokens=3)
+        assert param in info.value.response.json()["error"]["message"]
 
 
 def test_streamed_events_carry_choice_indexes(setup) -> None:

@@ -48,6 +48,10 @@ class RandomWeights:
         device = self.generator.device
         return torch.empty(shape, dtype=self.dtype, device=device).normal_(0, INIT_STD, generator=self.generator).cpu()
 
+    def uniform(self, n: int, low: float, high: float) -> torch.Tensor:
+        """n fp32 values uniform in [low, high) from the same generator."""
+        return torch.empty(n, device=self.generator.device).uniform_(low, high, generator=self.generator).cpu()
+
 
 def stored_norm(weight: torch.Tensor, shape: LayerShape) -> torch.Tensor:
     """A norm's effective weight as the checkpoint stores it."""
@@ -127,7 +131,7 @@ def identity_linear_layer(shape: LayerShape, linear: LinearShape, rand: RandomWe
     keys = linear.key_heads * linear.key_dim
     values = linear.value_heads * linear.value_dim
     conv = 2 * keys + values
-    decay = torch.empty(linear.value_heads).uniform_(0.01, 16, generator=rand.generator)  # HF's init of A
+    decay = rand.uniform(linear.value_heads, 0.01, 16)  # HF's init of A
     return _identity_mlp(shape, rand) | {
         "linear_attn.in_proj_qkv.weight": rand(conv, shape.hidden),
         "linear_attn.in_proj_z.weight": rand(values, shape.hidden),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from protos.types import SamplingParams
+from verify_server.grammar import GrammarState
 from verify_server.processors import PathLogprobs, TokenHistory, path_logprobs, process_logits
 
 
@@ -40,15 +41,17 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 def first_token(
     logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None, generator: torch.Generator | None,
-    last: int,
+    last: int, grammar: GrammarState | None = None,
 ) -> tuple[torch.Tensor, PathLogprobs | None]:
     """A prompt's last row's logits [1, V] -> the target's first token [1] (the choice at a tree holding only its
-    root, the prompt's `last` token) and, where params ask for them, its logprobs on the device."""
+    root, the prompt's `last` token, within the session's grammar if any) and, where params ask for them, its
+    logprobs on the device."""
     device = logits.device
     root = torch.zeros(1, dtype=torch.long, device=device)  # the row's node index and its depth alike
     ids = torch.full((1,), last, dtype=torch.long, device=device)
     anc = torch.ones(1, 1, dtype=torch.bool, device=device)
-    first = choose_tokens(process_logits(logits, params, history, ids, anc, root), params, generator)
+    allowed = logits if grammar is None else grammar.constrain(logits, [last], [-1])  # [1, V]
+    first = choose_tokens(process_logits(allowed, params, history, ids, anc, root), params, generator)
     if params.logprobs is None:
         return first, None
     return first, path_logprobs(logits, root, first, params.logprobs)

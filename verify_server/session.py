@@ -17,6 +17,7 @@ from kernels.readback import PinnedReadback
 from protos.types import SamplingParams
 from runtime.timing import StepTimer
 from verify_server.kv_cache import KVCache
+from verify_server.grammar import GrammarState
 from verify_server.processors import TokenHistory
 from verify_server.state_cache import StateCache
 
@@ -74,6 +75,7 @@ class VerifySession:
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
     # the committed tokens as penalties and min_tokens read them; None where params.processed is false
     history: TokenHistory | None = None
+    grammar: GrammarState | None = None  # the grammar at the committed tokens, where params carry one
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
     readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
     queued: int = 0  # rounds queued so far (picks the readback buffer)

@@ -20,6 +20,7 @@ from runtime.timing import TimerEvents
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
+from verify_server.grammar import Grammars, GrammarState
 from verify_server.hf_forward import HFForward
 from verify_server.kv_cache import KVCache
 from verify_server.processors import TokenHistory
@@ -73,6 +74,7 @@ class VerifyEngine:
         fused_rows: int | None = None,
         attention: str | None = None,
         max_batch: int = 8,
+        target_path: str | Path | None = None,
     ) -> None:
         """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
         fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
@@ -82,7 +84,8 @@ class VerifyEngine:
         the fused path's steps of up to this many rows run the Triton projections of kernels/gemv.py where they can
         (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
         (step_attention.ATTENTION_CHOICES); None: FusedRunner's default. max_batch: the most sessions' rounds
-        verify_batch runs in one forward (bounds what the fused path compiles at start-up)."""
+        verify_batch runs in one forward (bounds what the fused path compiles at start-up). target_path: the
+        target's directory, whose tokenizer compiles sessions' grammars (None: sessions with one are refused)."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()
@@ -94,6 +97,8 @@ class VerifyEngine:
         self.device = self.lm_head.weight.device
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
+        self.target_path = target_path
+        self.grammars: Grammars | None = None  # built from target_path by the first session with a grammar
         self.timers = TimerEvents(self.device)
         self.fused: FusedRunner | None = None
         self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
@@ -134,7 +139,8 @@ class VerifyEngine:
     ) -> "VerifyEngine":
         """eager: the generic HF path, no static buffers or graphs (the fused path is the default)."""
         model = load_target(path, device, dtype)
-        return cls(model, max_tree_size, max_sessions, not eager, not eager, compile, fused_rows, attention, max_batch)
+        return cls(model, max_tree_size, max_sessions, not eager, not eager, compile, fused_rows, attention, max_batch,
+                   path)
 
     @staticmethod
     def read_eos_ids(path: str | Path) -> list[int]:
@@ -149,6 +155,7 @@ class VerifyEngine:
         bad = [t for t in taps if not 0 <= t < self.num_layers]
         if bad:
             raise SessionError(f"tap layer {bad[0]} outside the target's {self.num_layers} layers")
+        grammar = self._grammar(params.grammar) if params.grammar else None
         generator = None
         if not params.greedy:
             generator = torch.Generator(self.device)
@@ -163,7 +170,18 @@ class VerifyEngine:
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
         history = TokenHistory(self.vocab_size, self.device) if params.processed else None
         self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states,
-                                                  history=history)
+                                                  history=history, grammar=grammar)
+
+    def _grammar(self, description: str) -> GrammarState:
+        """A new session's grammar state; SessionError where it cannot have one."""
+        if self.target_path is None:
+            raise SessionError("this verifier has no tokenizer to compile grammars with")
+        if self.grammars is None:
+            self.grammars = Grammars.from_target(self.target_path, self.vocab_size, read_eos_ids(self.target_path))
+        try:
+            return self.grammars.start(description)
+        except ValueError as exc:
+            raise SessionError(str(exc)) from None
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)
@@ -216,10 +234,12 @@ class VerifyEngine:
         if more:
             timer.end()
         else:  # read before the kept features' copy is queued: the first token does not wait for it
-            first, scored = first_token(logits, sess.params, sess.history, sess.generator, prompt[-1])
+            first, scored = first_token(logits, sess.params, sess.history, sess.generator, prompt[-1], sess.grammar)
             sess.root = timer.sync(lambda: int(first.item()))
             if sess.history is not None:
                 sess.history.add_output([sess.root])
+            if sess.grammar is not None:
+                sess.grammar.commit([sess.root])
             logprobs = None if scored is None else scored.read(1)
         if keep_features and features is not None:
             sess.kept_features.append(_kept(features))

@@ -1,6 +1,6 @@
 """The acceptance walk: which root-to-node path of a scored tree the target agrees with, on the device
 (accept_path, which captured rounds run inside their graph), and the end of an uncaptured round around it: each
-tree's choices (after its session's logits processors), walk and compaction, the committed tokens'
+tree's choices (within its session's grammar, after its logits processors), walk and compaction, the committed tokens'
 log-probabilities where asked, and the session's commit (walk_and_commit)."""
 
 from __future__ import annotations
@@ -74,7 +74,10 @@ def walk_and_commit(
     packed, paths, kept, copies = [], [], [], []
     scored: list[PathLogprobs | None] = []
     for sess, tree in zip(sessions, trees):
-        logits = process_logits(tree.logits, sess.params, sess.history, tree.ids, tree.anc, tree.depths)  # [q, V]
+        logits = tree.logits
+        if sess.grammar is not None:  # the tree on the host: the grammar walks it there
+            logits = sess.grammar.constrain(logits, tree.ids.tolist(), tree.parents.tolist())
+        logits = process_logits(logits, sess.params, sess.history, tree.ids, tree.anc, tree.depths)  # [q, V]
         choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each
         walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
         packed.append(walked)
@@ -107,6 +110,8 @@ def walk_and_commit(
         tokens = answer[3 : 3 + k] + [bonus]
         if sess.history is not None:
             sess.history.add_output(tokens)
+        if sess.grammar is not None:
+            sess.grammar.commit(tokens)
         features = kept[i][: k + 1] if kept else None if tree.features is None else tree.features[keep]
         logprobs = None if scored[i] is None else scored[i].read(k + 1)
         results.append(StepResult(tokens, features, logprobs=logprobs))

@@ -1,0 +1,134 @@
+"""Structured output (verify_server/grammar.py): on the demo pair, greedy output under a JSON grammar through ddtree,
+chain and AR rounds equals a constrained AR greedy decode made here from HF's logits and xgrammar's own matcher,
+token for token, and parses; each tree node's mask is the grammar's after its own path; such sessions never take
+the captured argmax paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ddtree.local import load_local
+from gateway.rounds import Round, Speculation, run_rounds
+from protos.types import SamplingParams
+from runtime.grammar import json_object_grammar, json_schema_grammar, parse_grammar
+from runtime.models import read_eos_ids, resolve_pair
+from verify_server.grammar import Grammars
+
+# a schema whose every output is short: the demo target finishes it well within MAX_NEW
+SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
+          "required": ["sky", "clear"]}
+QUESTION = [{"role": "user", "content": "Answer in JSON: what colour is the sky, and is it clear?"}]
+MAX_NEW = 40
+SPECS = (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 48))
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target, drafter = resolve_pair(None, None)
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
+    verifier, local_drafter = load_local(str(target), str(drafter), "cpu", torch.float32)
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return target, tokenizer, model, verifier, local_drafter, prompt["input_ids"]
+
+
+def reference(demo, grammar: str) -> list[int]:
+    """Constrained AR greedy decoding: HF's logits, masked by a matcher built here from the target's tokenizer."""
+    target, tokenizer, model, *_, prompt = demo
+    stops = read_eos_ids(target)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(parse_grammar(grammar)))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        while len(out) < MAX_NEW:
+            logits = model(torch.tensor([ids])).logits[:, -1].float()  # [1, V]
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token in stops:
+                return out
+            assert matcher.accept_token(token)
+    return out
+
+
+def generate(demo, grammar: str, spec: Speculation) -> list[Round]:
+    target, _, _, verifier, drafter, prompt = demo
+
+    async def collect() -> list[Round]:
+        return [r async for r in run_rounds(verifier, drafter if spec.mode != "ar" else None, prompt,
+                                            SamplingParams(grammar=grammar), spec, MAX_NEW, read_eos_ids(target))]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.mode)
+def test_json_schema_greedy_equals_constrained_decoding(demo, spec: Speculation) -> None:
+    """The schema's output ends (EOS once the object closes), parses and keeps to the schema; several tokens
+    committed in one round show the tree's masks at work below the root."""
+    grammar = json_schema_grammar(SCHEMA)
+    expected = reference(demo, grammar)
+    rounds = generate(demo, grammar, spec)
+    tokens = [t for r in rounds for t in r.tokens]
+    assert tokens == expected
+    assert rounds[-1].finish_reason == "stop"
+    answer = json.loads(demo[1].decode(tokens, skip_special_tokens=True))
+    assert set(answer) == {"sky", "clear"} and answer["sky"] in SCHEMA["properties"]["sky"]["enum"]
+    assert isinstance(answer["clear"], bool)
+    if spec.mode != "ar":
+        assert max(len(r.tokens) for r in rounds) > 1
+
+
+@pytest.mark.parametrize("spec", SPECS[1:], ids=lambda s: s.mode)
+def test_json_object_greedy_equals_constrained_decoding(demo, spec: Speculation) -> None:
+    grammar = json_object_grammar()
+    expected = reference(demo, grammar)
+    rounds = generate(demo, grammar, spec)
+    tokens = [t for r in rounds for t in r.tokens]
+    assert tokens == expected
+    text = demo[1].decode(tokens, skip_special_tokens=True)
+    assert text.lstrip().startswith("{")
+    if rounds[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_tree_masks_follow_each_path(demo) -> None:
+    """Every node's row equals a fresh matcher's mask after that node's path; a node the grammar refuses (and its
+    subtree) keeps an all-allowed row; past a completed object only EOS is allowed."""
+    target, tokenizer, model = demo[:3]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    grammars = Grammars.from_target(target, vocab, read_eos_ids(target))
+    grammar = json_schema_grammar(SCHEMA)
+    a = tokenizer.encode('{"sky": "blue", "clear": true}', add_special_tokens=False)
+    b = tokenizer.encode('{"sky": "grey"', add_special_tokens=False)
+    eos = read_eos_ids(target)[-1]
+    # root (any token: committed already), a's path then EOS, b's path branching off a's first token, a refused "x"
+    tokens = [7] + a + [eos] + b[1:] + tokenizer.encode("x", add_special_tokens=False)[:1]
+    parents = [-1] + list(range(len(a) + 1)) + [1] + list(range(len(a) + 2, len(a) + len(b))) + [0]
+    masks = grammars.start(grammar).masks(tokens, parents)
+    for node in range(len(tokens) - 1):
+        path, at = [], node
+        while at > 0:
+            path.append(tokens[at])
+            at = parents[at]
+        matcher = grammars.start(grammar).matcher
+        assert all(matcher.accept_token(t) for t in reversed(path))
+        expected = xgr.allocate_token_bitmask(1, vocab)  # [1, words]
+        if matcher.is_terminated():
+            expected.zero_()
+            for t in read_eos_ids(target):
+                expected[0, t // 32] |= 1 << (t % 32)
+        else:
+            matcher.fill_next_token_bitmask(expected)
+        assert torch.equal(masks[node], expected[0]), node
+    assert (masks[-1] == -1).all()  # the refused "x" under the root
+    assert not SamplingParams(grammar=grammar).raw_argmax
