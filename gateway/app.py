@@ -25,8 +25,8 @@ from gateway.chat import ChatTemplateArgs, template_messages
 from gateway.choices import choice_deltas, choice_params
 from gateway.config import GatewayConfig
 from gateway.health import Backends
-from gateway.openai_api import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat,
-                                TokenLogprob, validation_error)
+from gateway.openai_api import APIError, ChatCompletionRequest, CompletionRequest, OpenAIRequest, validation_error
+from gateway.openai_responses import ResponseFormat, TokenLogprob
 from gateway.generation import Delta, GenerationRequest, ModelInfo, make_request
 from gateway.service import GatewayService
 from gateway.tool_calls import ToolCallParser, finish_reason, parse_reply

@@ -9,7 +9,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from gateway.openai_api import APIError, ChatMessage
+from gateway.chat_messages import ChatMessage
+from gateway.openai_api import APIError
 
 # apply_chat_template's own arguments and the template's standard variables: set by the gateway, never by a
 # request's chat_template_kwargs

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from protos.types import SamplingParams
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextOptions
-from gateway.openai_api import APIError, TokenLogprob
+from gateway.openai_api import APIError
+from gateway.openai_responses import TokenLogprob
 from gateway.rounds import Speculation
 
 

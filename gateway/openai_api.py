@@ -1,17 +1,16 @@
-"""OpenAI wire format: request models (validated strictly, as OpenAI does), error bodies, response and chunk bodies."""
+"""OpenAI wire format of requests: the request models (validated strictly, as OpenAI does) and error bodies; the
+messages and tools they carry are in chat_messages.py, the answers' bodies in openai_responses.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protos.types import MAX_LOGPROBS, SamplingParams
 from runtime.grammar import json_object_grammar, json_schema_grammar, tool_calls_grammar
+from gateway.chat_messages import ChatMessage, FunctionDefinition, FunctionTool, NamedToolChoice
 
 
 class APIError(Exception):
@@ -224,90 +223,6 @@ class OpenAIRequest(BaseModel):
         )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ToolCallFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    """A tool call of an earlier assistant turn, kept in the conversation for the chat template."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    id: str
-    type: Literal["function"] = "function"
-    function: ToolCallFunction
-
-
-class ChatMessage(BaseModel):
-    """A turn of the conversation, with the fields vLLM accepts: what clients echo back of an earlier reply too."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None  # any turn: who speaks, for templates that write it out
-    tool_calls: list[ToolCall] | None = None  # assistant turns
-    tool_call_id: str | None = None  # tool turns: the call this result answers
-    # assistant turns: the thinking of an earlier reply (vLLM's `reasoning`, or the older `reasoning_content`),
-    # which templates such as Qwen3's write back into the conversation
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-    refusal: str | None = None  # OpenAI's refusal text of an earlier reply, given to the template as data
-    # the rest of an OpenAI reply's message, echoed back: they carry nothing for a text model, so only null passes
-    annotations: None = None
-    audio: None = None
-    function_call: None = None
-
-    @model_validator(mode="after")
-    def _one_reasoning(self) -> "ChatMessage":
-        if None not in (self.reasoning, self.reasoning_content) and self.reasoning != self.reasoning_content:
-            raise ValueError("reasoning and reasoning_content differ: send one of them")
-        return self
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-
-class FunctionDefinition(BaseModel):
-    """A function tool. Its parameters schema constrains the arguments where tool_choice forces a call."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule; the grammar writes it out unescaped
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema; none: a function without parameters
-    strict: bool | None = None  # the schema is enforced in full where a call is forced, whatever this says
-
-    def parameters_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-
-
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    """tool_choice naming the function the reply must call."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["function"]
-    function: FunctionName
-
-
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     # tool calling in Qwen3's <tool_call> format (gateway/tool_calls.py): "auto" parses the reply; "required" and
@@ -390,101 +305,3 @@ class CompletionRequest(OpenAIRequest):
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability and the most likely tokens at its place, as text."""
-
-    token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...]
-
-
-class ResponseFormat:
-    """Bodies of one response, chat or completions, streamed or not; `id` and `created` are shared by its chunks."""
-
-    def __init__(self, chat: bool, model: str, include_usage: bool = False) -> None:
-        self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-        self.text_offsets: dict[int, int] = {}  # per choice, the completions logprobs' text_offset so far
-
-    def logprobs(self, tokens: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
-        """Choice `index`'s logprobs body for these tokens (a chunk's, or a whole response's); None: not asked
-        for. Chat: OpenAI's content list; completions: the legacy form, whose top_logprobs also hold the chosen
-        token (so up to logprobs + 1 entries, as OpenAI sends them)."""
-        if tokens is None:
-            return None
-        if self.chat:
-            return {"content": [{**_token(t.token, t.logprob), "top_logprobs": [_token(s, v) for s, v in t.top]}
-                                for t in tokens], "refusal": None}
-        offsets, at = [], self.text_offsets.get(index, 0)
-        for t in tokens:
-            offsets.append(at)
-            at += len(t.token)
-        self.text_offsets[index] = at
-        return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{**dict(t.top), t.token: t.logprob} for t in tokens], "text_offset": offsets}
-
-    def _body(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
-                **extra}
-
-    def choice(self, text: str | None, finish_reason: str, index: int = 0,
-               logprobs: list[TokenLogprob] | None = None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """One choice of a whole (non-streamed) response; logprobs: its tokens', where asked for; tool_calls: the
-        calls parsed from its text (chat), where any were."""
-        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
-                                  "finish_reason": finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            if tool_calls:
-                choice["message"]["tool_calls"] = tool_calls
-        else:
-            choice["text"] = text
-        return choice
-
-    def response(self, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """completion_tokens: of all the choices together, as OpenAI counts them."""
-        return self._body("chat.completion" if self.chat else "text_completion", choices,
-                          usage=usage(prompt_tokens, completion_tokens))
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              index: int = 0, logprobs: list[TokenLogprob] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for) and the
-        tool calls completed in it (chat); with include_usage every chunk carries "usage": null, as OpenAI sends
-        it."""
-        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
-                                  "finish_reason": finish_reason}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        extra = {"usage": None} if self.include_usage else {}
-        return self._body("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return self._body("chat.completion.chunk" if self.chat else "text_completion", [],
-                          usage=usage(prompt_tokens, completion_tokens))
-
-
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    """A chat logprobs entry: the token's text, its logprob and its UTF-8 bytes."""
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

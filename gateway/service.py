@@ -29,7 +29,8 @@ from gateway.grpc_clients import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
 from gateway.generation import Delta, GenerationRequest, ModelInfo
-from gateway.openai_api import APIError, TokenLogprob
+from gateway.openai_api import APIError
+from gateway.openai_responses import TokenLogprob
 from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.openai_api import ChatMessage
+from gateway.chat_messages import ChatMessage
 
 
 class TokenizeRequest(BaseModel):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from gateway.openai_api import _NO_OP, APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, validation_error
+from gateway.chat_messages import ChatMessage
+from gateway.openai_api import _NO_OP, APIError, ChatCompletionRequest, CompletionRequest, validation_error
 
 API_DOC = Path(__file__).resolve().parent.parent / "docs" / "API.md"
 STATUSES = {"supported", "no-op", "refused"}
