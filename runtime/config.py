@@ -86,7 +86,8 @@ class FlagConfig:
 @dataclass(frozen=True, kw_only=True)
 class ServiceConfig(FlagConfig):
 
-    host: str = option("0.0.0.0", "interface to listen on, for gRPC and for metrics")
+    host: str = option("127.0.0.1", "interface to listen on, for gRPC, the round lane and metrics (loopback unless "
+                                    "told otherwise: a reachable service should also take --auth-token)")
     port: int = option(0, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(0, "Prometheus metrics port (0: any free port, logged)")
     device: str = option("auto", "torch device: cpu, cuda, cuda:N, or auto (cuda when available)")

@@ -30,6 +30,7 @@ from runtime.malformed import MalformedRequestInterceptor
 from runtime.lane import LaneServer, Route
 
 log = logging.getLogger(__name__)
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 async def _watch(host: EngineHost[E], alive: Callable[[E], bool], stop: asyncio.Event, service_name: str) -> None:
@@ -74,6 +75,9 @@ async def serve(
     await host.run(use_device, device)
 
     interceptors = [] if config.auth_token is None else [TokenInterceptor(config.auth_token)]
+    if config.auth_token is None and config.host not in LOOPBACK_HOSTS:
+        log.warning("%s: listening on %s without --auth-token: anyone who can reach it can start sessions",
+                    service_name, config.host)
     interceptors.append(MalformedRequestInterceptor())  # after the token check: a stranger's bytes are not parsed
     server = grpc.aio.server(options=message_size_options(config.max_message_bytes), interceptors=interceptors)
     add_servicer(server)
