@@ -15,7 +15,7 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
+from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
 from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
 from runtime.process import run_service, serve
 from protos.types import DrafterInfo
@@ -72,6 +72,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     DraftStream = streamed(Draft)  # a session's rounds over one stream
 
+    async def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.aio.ServicerContext) -> pb.DraftBatchResponse:
+        """One step's Draft calls of many sessions (the gateway's step scheduler), each answered as alone."""
+        outcomes = await each_call(context, request.drafts, self.Draft, pb.DraftOutcome, "draft")
+        return pb.DraftBatchResponse(outcomes=outcomes)
+
     async def Append(
         self, request: pb.AppendRequest | relay.AppendCall, context: grpc.aio.ServicerContext
     ) -> pb.AppendResponse:
@@ -81,7 +86,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
-        return {"Draft": (pb.DraftRequest, self.Draft), "Append": (relay.AppendCall, self.Append)}
+        return {"Draft": (pb.DraftRequest, self.Draft), "DraftBatch": (pb.DraftBatchRequest, self.DraftBatch),
+                "Append": (relay.AppendCall, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
         info = tensors.drafter_info_to_pb(

@@ -11,6 +11,10 @@ XStream; the features' calls, BULK, have none and go unary). Features and trees 
 (protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
 are never decoded to torch tensors here.
 
+With a `Steps` (gateway/steps.py), the round calls (Draft; Verify and Decode) of all running sessions go out in
+steps, as one DraftBatch or VerifyBatch call each, over one connection per client; the other calls tell the Steps
+while they are in progress, so that a step does not wait for a session that is waiting on them.
+
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
     ...
@@ -33,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
 from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
+from gateway.steps import StepKind, Steps
 from gateway.transports import GrpcStream, SessionStream, UnaryCalls
 from protos import tensors
 from runtime import relay
@@ -44,6 +49,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 MAX_RECONNECT_BACKOFF_MS = 1000
+STEP_KEY = ""  # the key of a client's batch calls among its sessions' streams (no session id is empty)
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BackendError(RuntimeError):
@@ -78,8 +85,11 @@ class _Client:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
         auth_token: str | None = None,
+        steps: Steps | None = None,
     ) -> None:
+        """steps: the gateway's step gather (shared by its two clients); None: each round call goes alone."""
         service = pb.DESCRIPTOR.services_by_name[self.SERVICE].full_name
+        self._steps = steps
         self.address = address
         self.timeout_s = timeout_s
         self._token = auth_token  # the shared secret (runtime/auth.py): in every call's metadata and lane hello
@@ -133,7 +143,8 @@ class _Client:
         async with stream.lock:
             try:
                 async with asyncio.timeout(self.timeout_s):
-                    if stream.transport is None:
+                    # a lost connection is opened again: the step calls' one outlives a service that restarts
+                    if stream.transport is None or stream.transport.broken:
                         stream.transport = await self._open(rpc)
                     return await stream.transport.exchange(request)
             except TimeoutError:
@@ -171,6 +182,24 @@ class _Client:
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
         return GrpcStream(getattr(self._stub, f"{rpc}Stream")(metadata=self._metadata))
 
+    def _tracked(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Around a call that is not a round call: the step knows the session is waiting on it."""
+        return self._steps.calling(session_id) if self._steps is not None else contextlib.nullcontext()
+
+    async def _batch(self, rpc: str, batch: Message, outcomes: Callable[[Message], Any], answer: Callable[[Any], Any],
+                     expected: int) -> list[Any]:
+        """A step's batch call (`rpc`, one of STREAMED) -> each call's answer (`answer(outcome)`), or the
+        BackendError it failed with, in order."""
+        got = outcomes(await self._session_call(rpc, STEP_KEY, batch))
+        if len(got) != expected:
+            raise BackendError(self.address, f"{self._service}/{rpc}", grpc.StatusCode.INTERNAL,
+                               f"{len(got)} outcomes for {expected} calls")
+        call = rpc.removesuffix("Batch")
+        return [answer(outcome) if not outcome.status.code else
+                BackendError(self.address, f"{self._service}/{call}",
+                             _STATUS_CODES.get(outcome.status.code, grpc.StatusCode.UNKNOWN), outcome.status.details)
+                for outcome in got]
+
     def _drop(self, key: tuple[str, str], stream: SessionStream) -> None:
         if self._streams.get(key) is stream:
             del self._streams[key]
@@ -194,6 +223,9 @@ class _Client:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        for stream in self._streams.values():  # the step calls' connection, and any session's left open
+            if stream.transport is not None:
+                stream.transport.close()
         await self._channel.close()
 
     async def __aenter__(self):
@@ -210,11 +242,20 @@ def _serialized(request: Message | tuple[bytes | memoryview, ...]) -> bytes:
 class GrpcDrafter(_Client):
     queues = False  # (remote: the round loop starts its drafts early anyway)
     chains = False
-    STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse}
-    BULK = frozenset({"Append"})
+    STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
+    BULK = frozenset({"Append", "DraftBatch"})
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
     _known: DrafterInfo | None = None  # info(), once asked
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._drafts: StepKind | None = (None if self._steps is None
+                                         else self._steps.kind("DraftBatch", self._send_drafts))
+
+    async def _send_drafts(self, requests: list[pb.DraftRequest]) -> list[Any]:
+        return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
+                                 lambda outcome: outcome.draft, len(requests))
 
     @property
     def block_size(self) -> int:
@@ -235,9 +276,9 @@ class GrpcDrafter(_Client):
         return self._known
 
     async def start_session(self, session_id: str, capacity: int) -> None:
-        await self._call(
-            "StartSession", self._stub.StartSession, pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity)
-        )
+        async with self._tracked(session_id):
+            await self._call("StartSession", self._stub.StartSession,
+                             pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity))
 
     async def draft(
         self,
@@ -253,6 +294,8 @@ class GrpcDrafter(_Client):
         )
         if features is not None:
             tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
+        if self._drafts is not None:
+            return tensors.draft_from_pb(await self._steps.submit(self._drafts, session_id, request), wire=True)
         return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
 
     async def append(
@@ -263,18 +306,36 @@ class GrpcDrafter(_Client):
         else:
             request = pb.AppendRequest(session_id=session_id)
             tensors.tensor_to_pb(features, out=request.features)
-        await self._session_call("Append", session_id, request)
+        async with self._tracked(session_id):
+            await self._session_call("Append", session_id, request)
 
     async def end_session(self, session_id: str) -> None:
-        await self._end_streams(session_id)
-        await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
+        async with self._tracked(session_id):
+            await self._end_streams(session_id)
+            await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
 
 
 class GrpcVerifier(_Client):
-    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None}
-    BULK = frozenset({"TakeFeatures"})
+    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None,
+                "VerifyBatch": pb.VerifyBatchResponse}
+    BULK = frozenset({"TakeFeatures", "VerifyBatch"})
     INFO_REQUEST = pb.VerifierInfoRequest
     SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rounds: StepKind | None = (None if self._steps is None
+                                         else self._steps.kind("VerifyBatch", self._send_rounds))
+
+    async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
+        return await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
+                                 lambda outcome: outcome.step, len(calls))
+
+    async def _round(self, rpc: str, session_id: str, request: pb.VerifyRequest | pb.DecodeRequest) -> StepResult:
+        if self._rounds is None:
+            return tensors.step_from_pb(await self._session_call(rpc, session_id, request), wire=True)
+        call = pb.RoundCall(verify=request) if rpc == "Verify" else pb.RoundCall(decode=request)
+        return tensors.step_from_pb(await self._steps.submit(self._rounds, session_id, call), wire=True)
 
     async def info(self) -> VerifierInfo:
         return tensors.verifier_info_from_pb(await self._info())
@@ -286,27 +347,42 @@ class GrpcVerifier(_Client):
         request = pb.VerifierStartSessionRequest(
             session_id=session_id, capacity=capacity, sampling=tensors.sampling_to_pb(params), tap_layers=taps
         )
-        await self._call("StartSession", self._stub.StartSession, request)
+        if self._steps is not None:
+            self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
+        try:
+            async with self._tracked(session_id):
+                await self._call("StartSession", self._stub.StartSession, request)
+        except BaseException:
+            if self._steps is not None:
+                self._steps.leave(session_id)  # no session: the round loop ends here, without an end_session
+            raise
 
     async def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
     ) -> StepResult:
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
-        return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
+        async with self._tracked(session_id):
+            return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 
     async def take_features(self, session_id: str) -> relay.WireFeatures:
         request = pb.TakeFeaturesRequest(session_id=session_id)
-        return relay.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
+        async with self._tracked(session_id):
+            return relay.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         request = pb.VerifyRequest(session_id=session_id)
         request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
-        return tensors.step_from_pb(await self._session_call("Verify", session_id, request), wire=True)
+        return await self._round("Verify", session_id, request)
 
     async def decode(self, session_id: str) -> StepResult:
-        request = pb.DecodeRequest(session_id=session_id)
-        return tensors.step_from_pb(await self._session_call("Decode", session_id, request), wire=True)
+        return await self._round("Decode", session_id, pb.DecodeRequest(session_id=session_id))
 
     async def end_session(self, session_id: str) -> None:
-        await self._end_streams(session_id)
-        await self._call("EndSession", self._stub.EndSession, pb.VerifierEndSessionRequest(session_id=session_id))
+        try:
+            async with self._tracked(session_id):
+                await self._end_streams(session_id)
+                await self._call("EndSession", self._stub.EndSession,
+                                 pb.VerifierEndSessionRequest(session_id=session_id))
+        finally:
+            if self._steps is not None:
+                self._steps.leave(session_id)

@@ -20,6 +20,7 @@ from protos.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.fit import info_misfit
+from gateway.steps import Steps
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
@@ -42,6 +43,7 @@ class DrafterBackend(DrafterClient, Protocol):
 class Backends:
     verifier: VerifierBackend
     drafter: DrafterBackend | None  # None: autoregressive only
+    steps: Steps | None = None  # the step gather both gRPC clients share (gateway/steps.py), whose sizes are metrics
 
 
 class BackendMonitor:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from gateway.rounds import Round
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-SHED_REASONS = ("queue_full", "unavailable", "shutdown")
+SHED_REASONS = ("queue_full", "client_limit", "unavailable", "shutdown")
 # Round and token latencies on CPU tests are milliseconds, on an 8B target a few ms to ~100 ms; prefill of a long
 # prompt can take seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
@@ -22,6 +22,7 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.
                  0.5, 1.0)
 TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
+STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # requests' calls in one batch call
 PHASES = ("draft", "tree", "verify", "walk", "server", "transport", "relay")
 
 
@@ -60,14 +61,18 @@ class Metrics:
                                "lane or gRPC, and the gateway's orchestration); relay a request's first draft "
                                "waiting for its prompt's features on their way to the drafter (0 in every other round)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.step_calls = Histogram("ddtree_step_batch_size", "Requests' round calls sent in one batch call of a step "
+                                    "(rpc DraftBatch or VerifyBatch; the step scheduler)", ["rpc"],
+                                    buckets=STEP_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)
         self.recoveries = Counter("ddtree_backend_recoveries", "Times a backend served again after the gateway had "
                                   "marked it down (restarted, or back from a failure)", ["service"], registry=r)
         self.shed = Counter("ddtree_requests_shed", "Requests answered 429 or 503 rather than served, by reason: "
-                            "queue_full (the waiting queue at --max-waiting: 429), unavailable (the verifier down or "
-                            "out of sessions: 503), shutdown (arriving, or still in flight when the shutdown grace "
+                            "queue_full (the waiting queue at --max-waiting: 429), client_limit (a client at "
+                            "--max-client-requests: 429), unavailable (the verifier down or out of sessions: 503), "
+                            "shutdown (arriving, or still in flight when the shutdown grace "
                             "ended: 503)", ["reason"], registry=r)
         # Known label values exist from the start, so rate() sees the first increment.
         for reason in FINISH_REASONS:

@@ -21,6 +21,8 @@ class GrpcStream:
     def __init__(self, call: Any) -> None:  # a grpc.aio.StreamStreamCall
         self._call = call
 
+    broken = False  # a stream that ends fails its next exchange, which drops it
+
     async def exchange(self, request: Message) -> Message:
         try:
             await self._call.write(request)
@@ -48,6 +50,8 @@ class UnaryCalls:
         self._method = method
         self._timeout_s = timeout_s
         self._metadata = metadata  # the shared secret's, if any (runtime/auth.py)
+
+    broken = False  # each call is a call of its own
 
     async def exchange(self, request: Any) -> Any:
         try:

@@ -1,20 +1,47 @@
 """Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
 rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
 (draft_server/engine.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
-service's requests, each parsed and answered on its own. The engine host they run on: runtime/service.py.
+service's requests, each parsed and answered on its own; `each_call` answers a batch message (the .proto's XBatch)
+by making its calls all at once, so that they meet in the Batch. The engine host they run on: runtime/service.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic
 
 import grpc
-
+from google.protobuf.message import Message
 from prometheus_client import Histogram
 
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from runtime.lane import AbortContext, CallFailed
 from runtime.service import E, EngineHost
+
+MAX_BATCH_CALLS = 1024  # calls one batch message may carry: far beyond any server's sessions
+
+
+async def each_call(
+    context: Any, requests: Sequence[Any], method: Callable[[Any, Any], Awaitable[Message]],
+    outcome: Callable[..., Message], field: str,
+) -> list[Message]:
+    """A batch message's calls (the .proto's XBatch), each through its unary servicer method exactly as if it came
+    alone (its checks, status and metrics), all started in one turn of the loop so that they join one Batch run ->
+    each call's outcome message, in order: `outcome(**{field: answer})`, or `outcome(status=...)` with the status
+    the call ended with. context: the batch call's own (a batch beyond MAX_BATCH_CALLS is refused whole)."""
+    if len(requests) > MAX_BATCH_CALLS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a batch carries at most {MAX_BATCH_CALLS} calls, got {len(requests)}")
+    own = AbortContext()  # each call's: its abort is its own outcome
+
+    async def one(request: Any) -> Message:
+        try:
+            return outcome(**{field: await method(request, own)})
+        except CallFailed as failure:
+            return outcome(status=pb.CallStatus(code=failure.code.value[0], details=failure.details))
+
+    return list(await asyncio.gather(*(one(request) for request in requests)))
 
 
 def run_checked(

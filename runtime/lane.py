@@ -154,8 +154,9 @@ class _Frames(asyncio.BufferedProtocol):
         raise NotImplementedError
 
 
-class _Context:
-    """The part of grpc.aio.ServicerContext a servicer method uses: `abort`, which ends the call with a status."""
+class AbortContext:
+    """The part of grpc.aio.ServicerContext a servicer method uses: `abort`, which ends the call with a status (here:
+    raises it as CallFailed). A lane call's context, and each call's inside a batch message (runtime/call_batch.py)."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise CallFailed(code, details)
@@ -169,7 +170,7 @@ class _ServerConnection(_Frames):
         self._server = server
         self._route: Route | None = None
         self._requests: asyncio.Queue[Message | CallFailed | None] = asyncio.Queue()  # None: the client is gone
-        self._context = _Context()
+        self._context = AbortContext()
         self._task: asyncio.Task | None = None
         self._stall: asyncio.TimerHandle | None = None  # closes the connection when the peer falls silent mid-frame
 
@@ -321,6 +322,12 @@ class Lane(_Frames):
         _, lane = await asyncio.get_running_loop().create_connection(lambda: cls(response_cls, max_bytes), host, port)
         lane.send(0, MAGIC + rpc.encode() + (b"" if token is None else b" " + token.encode()))
         return lane
+
+    @property
+    def broken(self) -> bool:
+        """The connection is lost (the server went away, or refused it): a caller that keeps one open between
+        calls opens another."""
+        return self._lost is not None
 
     async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:
         """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""

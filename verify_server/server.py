@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, run_checked
+from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
 from runtime.service import (
     EngineHost, LimitError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
 )
@@ -96,9 +96,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     VerifyStream = streamed(Verify)  # a session's rounds over one stream
     DecodeStream = streamed(Decode)
 
+    async def VerifyBatch(
+        self, request: pb.VerifyBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerifyBatchResponse:
+        """One step's round calls of many sessions (the gateway's step scheduler), each answered as alone."""
+        outcomes = await each_call(context, request.calls, self._round_call, pb.StepOutcome, "step")
+        return pb.VerifyBatchResponse(outcomes=outcomes)
+
+    async def _round_call(self, call: pb.RoundCall, context: Any) -> pb.StepResponse:
+        kind = call.WhichOneof("call")
+        if kind == "verify":
+            return await self.Verify(call.verify, context)
+        if kind == "decode":
+            return await self.Decode(call.decode, context)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
+
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
         return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode),
+                "VerifyBatch": (pb.VerifyBatchRequest, self.VerifyBatch),
                 "TakeFeatures": (pb.TakeFeaturesRequest, self._lane_take_features)}
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:

@@ -289,3 +289,59 @@ class TokenLogprobs(_message.Message):
     top_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class DraftBatchRequest(_message.Message):
+    __slots__ = ("drafts",)
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    drafts: _containers.RepeatedCompositeFieldContainer[DraftRequest]
+    def __init__(self, drafts: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftBatchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[DraftOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[DraftOutcome, _Mapping]]] = ...) -> None: ...
+
+class DraftOutcome(_message.Message):
+    __slots__ = ("draft", "status")
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    draft: DraftResponse
+    status: CallStatus
+    def __init__(self, draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[RoundCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[RoundCall, _Mapping]]] = ...) -> None: ...
+
+class RoundCall(_message.Message):
+    __slots__ = ("verify", "decode")
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyRequest
+    decode: DecodeRequest
+    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[StepOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[StepOutcome, _Mapping]]] = ...) -> None: ...
+
+class StepOutcome(_message.Message):
+    __slots__ = ("step", "status")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    step: StepResponse
+    status: CallStatus
+    def __init__(self, step: _Optional[_Union[StepResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...

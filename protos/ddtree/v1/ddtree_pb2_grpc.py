@@ -66,6 +66,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.DraftBatch = channel.unary_unary(
+                '/ddtree.v1.Drafter/DraftBatch',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -116,6 +121,13 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftBatch(self, request, context):
+        """Draft for many sessions at once: see "Batches" above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +160,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.DraftStream,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
+            ),
+            'DraftBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -324,6 +341,33 @@ class Drafter:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DraftBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Drafter/DraftBatch',
+            ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierStub:
     """The target model: prefill, tree verification in one forward with lossless acceptance, AR decoding. Holds,
@@ -380,6 +424,11 @@ class VerifierStub:
                 '/ddtree.v1.Verifier/DecodeStream',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/ddtree.v1.Verifier/VerifyBatch',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.FromString,
                 _registered_method=True)
 
 
@@ -451,6 +500,13 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatch(self, request, context):
+        """Verify and Decode for many sessions at once: see "Batches" above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -498,6 +554,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -745,6 +806,33 @@ class Verifier:
             '/ddtree.v1.Verifier/DecodeStream',
             ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Verifier/VerifyBatch',
+            ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

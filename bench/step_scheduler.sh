@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The step scheduler against per-request rounds, side by side on one GPU: `ddtree serve` stacks on the embedded pair
+# of SHAPE (`ddtree embed-pair`), each with its own settings, loaded in turns by bench/concurrent_load.py
+# (autoregressive and ddtree requests, CLIENTS concurrent clients), writing OUT/SHAPE_steps_MODE.json.
+#   steps       --batch-steps (the default): one DraftBatch and one VerifyBatch per step; drafts batched too
+#   steps-d1    the same with the drafter drafting one block at a time
+#   alone       --no-batch-steps --draft-max-batch 1: each request's calls go alone and meet by chance
+# usage: bench/step_scheduler.sh SHAPE OUT ; env PAIR (default /tmp/pair-SHAPE), CLIENTS (default 1,4,16),
+# MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), DEVICE (default cuda)
+set -euo pipefail
+shape=$1 out=$2
+pair=${PAIR:-/tmp/pair-$shape}
+ddtree=(python3 -m ddtree.cli)
+mkdir -p "$out"
+stamp() { echo "[step-scheduler $(date +%T)] $*"; }
+
+if [[ ! -f $pair/embedding.json ]]; then
+  stamp "embedding the demo pair in $shape -> $pair"
+  "${ddtree[@]}" embed-pair --shape "$shape" --out "$pair" --dtype bfloat16
+fi
+
+names=(steps steps-d1 alone)
+flags=("--draft-max-batch 16" "--draft-max-batch 1" "--no-batch-steps --draft-max-batch 1")
+pids=() gateways=() verifiers=() drafters=()
+trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null; done; wait' EXIT
+for i in "${!names[@]}"; do
+  port=$((8100 + 10 * i))
+  # shellcheck disable=SC2086 # the stack's flags are a list
+  "${ddtree[@]}" serve --target "$pair/target" --drafter "$pair/drafter" --device "${DEVICE:-cuda}" --dtype bfloat16 \
+    --port "$port" --max-batch 16 --verify-metrics-port $((port + 1)) --draft-metrics-port $((port + 2)) \
+    ${flags[$i]} > "$out/${shape}_steps_${names[$i]}_serve.log" 2>&1 &
+  pids+=($!)
+  gateways+=("http://127.0.0.1:$port") verifiers+=("http://127.0.0.1:$((port + 1))")
+  drafters+=("http://127.0.0.1:$((port + 2))")
+done
+join() { local IFS=,; echo "$*"; }
+for url in "${gateways[@]}"; do
+  python3 -c "from ddtree.bench_gateway import served_model; served_model('$url')"  # waits until it serves
+done
+stamp "stacks ${names[*]} serving at $(join "${gateways[@]}")"
+for mode in ${MODES:-off ddtree}; do
+  stamp "load, mode $mode"
+  python3 bench/concurrent_load.py --gateways "$(join "${gateways[@]}")" --verifier-metrics "$(join "${verifiers[@]}")" \
+    --drafter-metrics "$(join "${drafters[@]}")" --clients "${CLIENTS:-1,4,16}" --mode "$mode" \
+    --requests-per-client "${REQUESTS:-3}" --max-tokens "${MAX_TOKENS:-64}" --out "$out/${shape}_steps_$mode.json"
+done
+stamp done
