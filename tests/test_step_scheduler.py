@@ -1,0 +1,117 @@
+"""Many users through `ddtree serve` on the bundled demo pair (CPU, fp32), with the step scheduler on (the default):
+64 concurrent streaming requests all complete, each with the text the same request gets alone, and 16 streams at
+once are verified in batches of (almost) all of them, one VerifyBatch per step."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_support import metric
+from tests.services import free_ports, interrupt, wait_gateway_ready
+
+PROMPTS = [f"Write a short note about {topic}." for topic in (
+    "rivers", "stones", "light", "paper", "gardens", "windows", "silver", "music", "numbers", "mornings", "engines",
+    "circles", "markets", "winter", "bridges", "letters")]
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen
+    url: str
+    verifier_metrics: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metric(self, url: str, name: str, **labels: str) -> float:
+        return metric(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    port, verify_metrics = free_ports(2)
+    log_path = tmp_path_factory.mktemp("steps") / "serve.log"
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
+           "--verify-metrics-port", str(verify_metrics), "--max-batch", "16", "--draft-max-batch", "16",
+           "--max-running", "16", "--health-interval", "0.5"]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    running = Stack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}", log_path)
+    try:
+        wait_gateway_ready(running.url, process, running.log)
+        yield running
+    finally:
+        assert interrupt(process) == 0, running.log()[-5000:]
+
+
+def _client(stack: Stack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
+
+
+async def _streamed(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, **extra: object) -> str:
+    stream = await client.chat.completions.create(
+        model=(await client.models.list()).data[0].id, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, **extra)
+    return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+
+
+def test_64_concurrent_streams_complete_each_as_alone(stack: Stack) -> None:
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = _client(stack)
+        alone = [await _streamed(client, prompt, 24) for prompt in PROMPTS]
+        together = await asyncio.gather(*(_streamed(client, PROMPTS[i % len(PROMPTS)], 24) for i in range(64)))
+        return alone, together
+
+    alone, together = asyncio.run(scenario())
+    assert all(alone), "every request produced text"
+    assert together == [alone[i % len(PROMPTS)] for i in range(64)]
+
+
+def test_a_steady_load_is_verified_in_steps_of_every_client(stack: Stack) -> None:
+    """16 streams at once (fixed lengths: ignore_eos): from the moment all 16 stream until the first ends, the
+    verifier's mean batch, from its own histogram, counts (nearly) every one of them."""
+
+    async def read(http: httpx.AsyncClient) -> tuple[float, float, float]:
+        verifier = (await http.get(f"{stack.verifier_metrics}/metrics")).text
+        gateway = (await http.get(f"{stack.url}/metrics")).text
+        return (metric(verifier, "ddtree_verify_batch_size_count"), metric(verifier, "ddtree_verify_batch_size_sum"),
+                metric(gateway, "ddtree_step_batch_size_count", rpc="VerifyBatch"))
+
+    async def stream(client: openai.AsyncOpenAI, prompt: str, started: asyncio.Event) -> str:
+        chunks = await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id, messages=[{"role": "user", "content": prompt}],
+            max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text = ""
+        async for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                started.set()
+                text += chunk.choices[0].delta.content
+        return text
+
+    async def scenario() -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        client = _client(stack)
+        started = [asyncio.Event() for _ in range(16)]
+        streams = [asyncio.ensure_future(stream(client, PROMPTS[i], started[i])) for i in range(16)]
+        async with httpx.AsyncClient(timeout=10) as http:
+            await asyncio.gather(*(event.wait() for event in started))
+            before = await read(http)
+            await asyncio.wait(streams, return_when=asyncio.FIRST_COMPLETED)
+            after = await read(http)
+        assert all(await asyncio.gather(*streams))
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    forwards, rounds, steps = (b - a for a, b in zip(before, after))
+    assert forwards >= 5 and steps >= 5, f"a window of {forwards:.0f} forwards and {steps:.0f} steps"
+    assert rounds / forwards >= 12, f"mean verify batch {rounds / forwards:.2f} over {forwards:.0f} forwards"
