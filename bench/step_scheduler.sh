@@ -6,7 +6,8 @@
 #   steps-d1    the same with the drafter drafting one block at a time
 #   alone       --no-batch-steps --draft-max-batch 1: each request's calls go alone and meet by chance
 # usage: bench/step_scheduler.sh SHAPE OUT ; env PAIR (default /tmp/pair-SHAPE), CLIENTS (default 1,4,16),
-# MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), DEVICE (default cuda)
+# MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), STACKS (the stacks to run,
+# default "steps steps-d1 alone"), DEVICE (default cuda)
 set -euo pipefail
 shape=$1 out=$2
 pair=${PAIR:-/tmp/pair-$shape}
@@ -19,8 +20,9 @@ if [[ ! -f $pair/embedding.json ]]; then
   "${ddtree[@]}" embed-pair --shape "$shape" --out "$pair" --dtype bfloat16
 fi
 
-names=(steps steps-d1 alone)
-flags=("--draft-max-batch 16" "--draft-max-batch 1" "--no-batch-steps --draft-max-batch 1")
+declare -A flags=([steps]="--draft-max-batch 16" [steps-d1]="--draft-max-batch 1"
+                  [alone]="--no-batch-steps --draft-max-batch 1")
+read -ra names <<< "${STACKS:-steps steps-d1 alone}"
 pids=() gateways=() verifiers=() drafters=()
 trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null; done; wait' EXIT
 for i in "${!names[@]}"; do
@@ -28,7 +30,7 @@ for i in "${!names[@]}"; do
   # shellcheck disable=SC2086 # the stack's flags are a list
   "${ddtree[@]}" serve --target "$pair/target" --drafter "$pair/drafter" --device "${DEVICE:-cuda}" --dtype bfloat16 \
     --port "$port" --max-batch 16 --verify-metrics-port $((port + 1)) --draft-metrics-port $((port + 2)) \
-    ${flags[$i]} > "$out/${shape}_steps_${names[$i]}_serve.log" 2>&1 &
+    ${flags[${names[$i]}]} > "$out/${shape}_steps_${names[$i]}_serve.log" 2>&1 &
   pids+=($!)
   gateways+=("http://127.0.0.1:$port") verifiers+=("http://127.0.0.1:$((port + 1))")
   drafters+=("http://127.0.0.1:$((port + 2))")

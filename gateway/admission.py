@@ -1,49 +1,59 @@
-"""How many requests decode at once: the gateway's admission limit, which its backends can lower."""
+"""How many requests decode at once: the gateway's admission limit, which its backends can lower, shared fairly
+between clients."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
 
+RETRY_AFTER_S = 1  # a shed request's Retry-After: places free up as fast as requests finish
+
 
 class RunningLimit:
-    """A semaphore whose limit may change while it is held: at most `limit` holders at once, the others waiting
-    in arrival order. A lower limit lets the holders finish and admits no one until they are under it; a higher
-    one admits waiters at once."""
+    """A semaphore whose limit may change while it is held: at most `limit` holders at once, the others waiting.
+    The waiters take turns by client: each client's wait in arrival order, and a freed place goes to the next client
+    in rotation that has one waiting, so a client that sends many requests at once delays another's by at most one
+    turn. A lower limit lets the holders finish and admits no one until they are under it; a higher one admits
+    waiters at once."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self._waiters: deque[asyncio.Future] = deque()
+        # each waiting client's waiters, in arrival order; the dict's order is the rotation (next turn first)
+        self._queues: dict[str, deque[asyncio.Future]] = {}
+        self._waiting = 0
 
-    async def acquire(self) -> None:
-        if self.held < self.limit and not self._waiters:
+    async def acquire(self, client: str = "") -> None:
+        """client: who asks (every caller that names none is one client, whose waiters keep arrival order)."""
+        if self.held < self.limit and not self._queues:
             self.held += 1
             return
         granted = asyncio.get_running_loop().create_future()
-        self._waiters.append(granted)
+        self._queues.setdefault(client, deque()).append(granted)
+        self._waiting += 1
         try:
             await granted  # a release counted this holder in before waking it
         except asyncio.CancelledError:
             if granted.done() and not granted.cancelled() and granted.exception() is None:
                 self.release()  # admitted, but gone before it could run: the place goes on to the next
-            elif granted in self._waiters:
-                self._waiters.remove(granted)
+            else:
+                self._forget(client, granted)
             raise
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._waiting
 
     def would_wait(self) -> bool:
-        return self.held >= self.limit or bool(self._waiters)
+        return self.held >= self.limit or bool(self._queues)
 
     def fail_waiters(self, error: Exception) -> None:
         """Every waiter's acquire raises `error` (the holders keep their places)."""
-        while self._waiters:
-            granted = self._waiters.popleft()
-            if not granted.done():
-                granted.set_exception(error)
+        queues, self._queues, self._waiting = self._queues, {}, 0
+        for queue in queues.values():
+            for granted in queue:
+                if not granted.done():
+                    granted.set_exception(error)
 
     def release(self) -> None:
         self.held -= 1
@@ -54,8 +64,23 @@ class RunningLimit:
         self._admit()
 
     def _admit(self) -> None:
-        while self._waiters and self.held < self.limit:
-            granted = self._waiters.popleft()
+        while self._queues and self.held < self.limit:
+            client = next(iter(self._queues))
+            queue = self._queues.pop(client)
+            granted = queue.popleft()
+            self._waiting -= 1
+            if queue:  # its next waiter waits for the client's next turn, after every other client's
+                self._queues[client] = queue
             if not granted.done():
                 self.held += 1
                 granted.set_result(None)
+
+    def _forget(self, client: str, granted: asyncio.Future) -> None:
+        """A waiter gone before its turn (cancelled, or failed by fail_waiters, which has dropped it already)."""
+        queue = self._queues.get(client)
+        if queue is None or granted not in queue:
+            return
+        queue.remove(granted)
+        self._waiting -= 1
+        if not queue:
+            del self._queues[client]

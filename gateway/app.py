@@ -22,6 +22,7 @@ from runtime.models import load_tokenizer
 from gateway.auth import ApiKeyGuard
 from gateway.body_limit import BodyLimit
 from gateway.chat import ChatTemplateArgs, template_messages
+from gateway.client_limit import ClientLimit, client_of
 from gateway.choices import choice_deltas, choice_params
 from gateway.config import GatewayConfig
 from gateway.health import Backends
@@ -51,6 +52,9 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
 
     app = FastAPI(title="DDTree gateway", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=config.max_request_bytes)
+    if config.max_client_requests:  # outside the body limit: a client past its limit is refused before its upload
+        app.add_middleware(ClientLimit, limit=config.max_client_requests,
+                           shed=service.metrics.shed.labels("client_limit").inc)
     if config.api_key is not None:  # added last, so outermost: a refused request is not even size-checked
         app.add_middleware(ApiKeyGuard, key=config.api_key, open_paths=config.open_path_set)
     app.state.service = service
@@ -77,7 +81,7 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
         prompt = await service.off_loop(service.chat_prompt, template_messages(req.messages), args)
         await _check_grammar(service, req)
         await _check_tools(service, req)
-        gens = _generations(service, req, model, prompt, default_max_tokens=None)
+        gens = _generations(service, req, model, prompt, client_of(http.scope), default_max_tokens=None)
         fmt = ResponseFormat(True, model.name, req.include_usage())
         tool_calls = req.max_tool_calls() if req.tool_parsing() else 0
         return await _respond(service, gens, fmt, bool(req.stream), http, tool_calls)
@@ -87,7 +91,8 @@ def create_app(config: GatewayConfig, backends: Backends, tokenizer: PreTrainedT
         model = service.require_model(req.model)
         prompt = await service.off_loop(service.text_prompt, req.prompt, model)
         await _check_grammar(service, req)
-        gens = _generations(service, req, model, prompt, default_max_tokens=16)  # OpenAI's default for completions
+        gens = _generations(service, req, model, prompt, client_of(http.scope),
+                            default_max_tokens=16)  # OpenAI's default for completions
         fmt = ResponseFormat(False, model.name, req.include_usage())
         return await _respond(service, gens, fmt, bool(req.stream), http)
 
@@ -159,7 +164,7 @@ async def _check_tools(service: GatewayService, req: ChatCompletionRequest) -> N
             raise APIError(400, f"tools.{i}.function.parameters: {exc}", param="tools") from None
 
 
-def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, prompt: list[int],
+def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, prompt: list[int], client: str,
                  default_max_tokens: int | None) -> list[GenerationRequest]:
     """One generation per choice (n), each with its own seed when the request has one (choices.choice_params)."""
     n = req.choices()
@@ -171,7 +176,7 @@ def _generations(service: GatewayService, req: OpenAIRequest, model: ModelInfo, 
         params, spec.mode if spec else None, spec.budget if spec else None, req.stop_strings(),
         stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        skip_special_tokens=req.skip_special_tokens is not False,
+        skip_special_tokens=req.skip_special_tokens is not False, client=client,
     ) for params in choice_params(req.sampling_params(), n)]
 
 

@@ -39,6 +39,10 @@ class GatewayConfig(FlagConfig):
     max_running: int = option(16, "requests decoding at once; later ones wait in a queue")
     max_waiting: int | None = option(None, "requests waiting in that queue at most; more get 429 with Retry-After "
                                            "(default: 4 x max_running)")
+    max_client_requests: int = option(0, "POST requests one client (one peer address) may have in flight at once, "
+                                         "waiting, running or being read; more get 429 with Retry-After while other "
+                                         "clients are served (waiting requests are admitted in turns by client "
+                                         "either way); 0: no limit")
     max_n: int = option(8, "most choices (n) one request may ask for; each decodes as a request of its own")
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the target tokenizer's")
     api_key: str | None = option(None, "clients must send `Authorization: Bearer KEY` (else 401); prefer the env "
@@ -51,6 +55,11 @@ class GatewayConfig(FlagConfig):
                                          "504 in OpenAI's shape (a stream: an error event, then [DONE]); 0: no limit")
     lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
                                "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
+    batch_steps: bool = option(True, "send the round calls of every running request to each service as one batch "
+                                     "call per step (the step scheduler), which the service runs in one forward; "
+                                     "false: each request's calls go alone and meet in the services by chance")
+    step_wait_ms: float = option(2.0, "how long a step waits for a running request that is not yet waiting on a "
+                                      "call before it leaves without it, in milliseconds")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks "
                                       "whose features the verifier keeps, so its first token comes after the "
@@ -83,10 +92,14 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"open_paths must be paths starting with '/', got {self.open_paths!r}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_client_requests < 0:
+            raise ValueError(f"max_client_requests must be >= 0, got {self.max_client_requests}")
         if self.prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
+        if self.step_wait_ms < 0:
+            raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

@@ -32,6 +32,7 @@ class GenerationRequest:
     spec: Speculation
     stop_ids: tuple[int, ...]  # token ids that end the choice: EOS (unless ignore_eos) and stop_token_ids
     text: TextOptions = TextOptions()
+    client: str = ""  # who sent it (gateway/client_limit.py): waiting requests are admitted in turns by client
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Delta:
 def make_request(config: GatewayConfig, model: ModelInfo, prompt: list[int], max_tokens: int | None,
                  default_max_tokens: int | None, params: SamplingParams, mode: str | None, budget: int | None, stop: tuple[str, ...], *,
                  stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> GenerationRequest:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 client: str = "") -> GenerationRequest:
     """Applies the limits. max_tokens None: `default_max_tokens`, or all the context left (clamped to fit).
     ignore_eos: only stop_token_ids end the choice (the model's EOS ids do not, vLLM's meaning)."""
     bad = [t for t in stop_token_ids if not 0 <= t < model.vocab_size]
@@ -75,4 +77,4 @@ def make_request(config: GatewayConfig, model: ModelInfo, prompt: list[int], max
     spec = Speculation("ar" if mode == "off" else mode, budget)  # type: ignore[arg-type]
     stop_ids = set(stop_token_ids) | (set() if ignore_eos else set(model.eos_ids))
     return GenerationRequest(prompt, max_tokens, params, spec, tuple(sorted(stop_ids)),
-                             TextOptions(stop, include_stop_str_in_output, skip_special_tokens))
+                             TextOptions(stop, include_stop_str_in_output, skip_special_tokens), client)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from gateway.admission import RunningLimit
+from gateway.admission import RETRY_AFTER_S, RunningLimit
 from gateway.chat import ChatTemplateArgs, render
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
@@ -35,7 +35,6 @@ from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
-RETRY_AFTER_S = 1  # a shed request's Retry-After: places free up as fast as requests finish
 # the verifier's answers when it is gone or holds no free session: the request is answered 503, not 500
 UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -48,6 +47,8 @@ class GatewayService:
         # --chat-template's text, which replaces the tokenizer's template
         self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
         self.metrics = Metrics()
+        if backends.steps is not None:
+            backends.steps.sizes = self.metrics.step_calls
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
@@ -188,7 +189,7 @@ class GatewayService:
         self.metrics.waiting.inc()
         try:
             async with asyncio.timeout_at(deadline):
-                await self._slots.acquire()
+                await self._slots.acquire(req.client)  # in turns with other clients' requests
         except TimeoutError:
             raise self._timed_out() from None
         finally:

@@ -97,3 +97,9 @@ def test_max_waiting_defaults_to_four_times_max_running_and_is_checked(target, b
     assert app.state.service.max_waiting == 12
     with pytest.raises(ValueError, match="max_waiting"):
         GatewayConfig(target=str(target), max_waiting=-1)
+
+
+def test_max_client_requests_is_off_by_default_and_checked(target) -> None:
+    assert GatewayConfig(target=str(target)).max_client_requests == 0
+    with pytest.raises(ValueError, match="max_client_requests"):
+        GatewayConfig(target=str(target), max_client_requests=-1)
