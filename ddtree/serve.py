@@ -61,9 +61,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-metrics-port", type=int, default=0,
                    help="Prometheus metrics port of the verifier (0: a free one, logged)")
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
-    p.add_argument("--max-batch", type=int, default=8,
+    p.add_argument("--max-batch", type=int, default=16,
                    help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
-    p.add_argument("--draft-max-batch", type=int, default=1,
+    p.add_argument("--draft-max-batch", type=int, default=16,
                    help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

@@ -22,8 +22,8 @@ class DraftServerConfig(ServiceConfig):
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
     max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
     max_batch: int = option(
-        1, "draft the blocks of up to N sessions' Draft calls that wait for the engine at once in one forward "
-        "(each call gets the tree it would alone); 1: each call drafts alone"
+        16, "draft the blocks of up to N sessions' Draft calls that wait for the engine at once (a gateway's step "
+        "sends them together) in one forward (each call gets the tree it would alone); 1: each call drafts alone"
     )
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "

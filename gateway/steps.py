@@ -141,9 +141,11 @@ class Steps:
                 self.sizes.labels(kind.rpc).observe(len(calls))
             try:
                 outcomes = await kind.send([call.request for call in calls])
+                if len(outcomes) != len(calls):
+                    raise RuntimeError(f"{kind.rpc}: {len(outcomes)} outcomes for {len(calls)} calls")
             except Exception as exc:  # noqa: BLE001 - the batch call failed as a whole: each call fails with it
                 outcomes = [exc] * len(calls)
-            for call, outcome in zip(calls, outcomes, strict=True):
+            for call, outcome in zip(calls, outcomes):
                 # The calls end here, not when their requests' tasks resume: the next step must wait for all of them.
                 self._end(call.session_id)
                 if call.answer.done():

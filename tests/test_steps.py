@@ -219,19 +219,19 @@ def test_a_cancelled_waiting_call_is_not_in_the_next_batch():
         gone.cancel()
         with pytest.raises(asyncio.CancelledError):
             await gone
-        # a is idle again: the step now waits for its next call as well as c's
-        tasks = [b_call, call(steps, kind, "a", "a-2")]
+        # a makes no call now: the step waits for it although every other session waits on one
+        tasks = [b_call, call(steps, kind, "c", "c-1")]
         await turns()
         held = list(send.batches)
-        tasks.append(call(steps, kind, "c", "c-1"))
+        tasks.append(call(steps, kind, "a", "a-2"))
         await turns()
         batches = list(send.batches)
         return held, await asyncio.gather(*tasks), batches
 
     held, answers, batches = run(scenario)
     assert held == []
-    assert batches == [["b-1", "a-2", "c-1"]]
-    assert answers == [("answer", "b-1"), ("answer", "a-2"), ("answer", "c-1")]
+    assert batches == [["b-1", "c-1", "a-2"]]
+    assert answers == [("answer", "b-1"), ("answer", "c-1"), ("answer", "a-2")]
 
 
 def test_a_call_cancelled_in_flight_drops_its_answer_and_the_step_goes_on():

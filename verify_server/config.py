@@ -27,7 +27,7 @@ class VerifyServerConfig(ServiceConfig):
         "0: none; -1: by the target's size (one-row steps always, a tree's rows on small targets)"
     )
     max_batch: int = option(
-        8, "at most N sessions' rounds (Verify and Decode calls waiting for the engine at once) verified in one "
+        16, "at most N sessions' rounds (Verify and Decode calls waiting for the engine at once) verified in one "
         "forward; 1: one at a time"
     )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
