@@ -60,6 +60,9 @@ class GatewayConfig(FlagConfig):
                                      "false: each request's calls go alone and meet in the services by chance")
     step_wait_ms: float = option(2.0, "how long a step waits for a running request that is not yet waiting on a "
                                       "call before it leaves without it, in milliseconds")
+    step_cohorts: int = option(1, "running requests step in this many cohorts, each on its own, so that one "
+                                  "cohort's drafts run while another's verifies do (2: the drafter and the "
+                                  "verifier on two GPUs)")
     max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
     prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks "
                                       "whose features the verifier keeps, so its first token comes after the "
@@ -100,6 +103,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.step_wait_ms < 0:
             raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
+        if self.step_cohorts < 1:
+            raise ValueError(f"step_cohorts must be >= 1, got {self.step_cohorts}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

@@ -11,6 +11,10 @@ for it, and a request that arrives mid-step joins the next step of its kind inst
 Without the gather, rounds met in the servers' queues only by chance (a mean batch of ~5 of 16 sessions) and each
 paid its own RPC. A request that is not waiting on a call (its round handed to a client that reads slowly) holds a
 step back for at most `max_wait_s`; the step then leaves without it and the request joins the next one.
+
+With `cohorts` above 1 the running requests are dealt into that many cohorts (each joins the smallest), and each
+cohort steps on its own: one cohort's drafts can run while another's verifies do (on two GPUs, both busy; on one,
+a cohort's host work overlaps another's forward).
 """
 
 from __future__ import annotations
@@ -34,46 +38,58 @@ class _Call:
 
 @dataclass
 class StepKind:
-    """One batched RPC: its calls waiting for the next step. send(requests) -> one outcome per request, in order: an
-    answer, or the exception that request fails with (a failure of the whole batch call raises)."""
+    """One batched RPC. send(requests) -> one outcome per request, in order: an answer, or the exception that
+    request fails with (a failure of the whole batch call raises)."""
 
     rpc: str
     send: Callable[[list[Any]], Awaitable[list[Any]]]
-    waiting: list[_Call] = field(default_factory=list)
+
+
+@dataclass
+class _Cohort:
+    """Requests that step together: who runs, how many of them wait on no call, the calls waiting by kind."""
+
+    running: set[str] = field(default_factory=set)
+    idle: int = 0  # running sessions with no call in progress: the step waits for them
+    waiting: dict[str, list[_Call]] = field(default_factory=dict)  # rpc -> its calls waiting for the next step
+    in_flight: bool = False
+    timer: asyncio.TimerHandle | None = None
 
 
 class Steps:
     """The requests in a round loop (join .. leave, by session id), which of them wait on a call, and the batched
-    calls that go out when all of them do."""
+    calls that go out when all of them (all of a cohort) do."""
 
-    def __init__(self, max_wait_s: float) -> None:
+    def __init__(self, max_wait_s: float, cohorts: int = 1) -> None:
+        if cohorts < 1:
+            raise ValueError(f"cohorts must be >= 1, got {cohorts}")
         self.max_wait_s = max_wait_s
         self.sizes: Histogram | None = None  # calls per batch call, by rpc (the gateway's metrics)
-        self._kinds: list[StepKind] = []
-        self._running: set[str] = set()
+        self._kinds: dict[str, StepKind] = {}
+        self._cohorts = [_Cohort() for _ in range(cohorts)]
+        self._cohort_of: dict[str, _Cohort] = {}  # the running sessions'
         self._calls: Counter[str] = Counter()  # session id -> its calls in progress (a relay overlaps a prefill)
-        self._idle = 0  # running sessions with no call in progress: the step waits for them
-        self._in_flight = False
-        self._timer: asyncio.TimerHandle | None = None
 
     def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]]) -> StepKind:
         """A batched RPC whose calls go out in steps (each client declares its own)."""
-        kind = StepKind(rpc, send)
-        self._kinds.append(kind)
+        kind = self._kinds[rpc] = StepKind(rpc, send)
         return kind
 
     def join(self, session_id: str) -> None:
-        """A request's round loop starts (its verifier session is being created)."""
-        if session_id not in self._running:
-            self._running.add(session_id)
-            self._idle += not self._calls[session_id]
+        """A request's round loop starts (its verifier session is being created): it joins the smallest cohort."""
+        if session_id not in self._cohort_of:
+            cohort = min(self._cohorts, key=lambda c: len(c.running))
+            cohort.running.add(session_id)
+            cohort.idle += not self._calls[session_id]
+            self._cohort_of[session_id] = cohort
 
     def leave(self, session_id: str) -> None:
         """Its round loop is over: the step no longer waits for it."""
-        if session_id in self._running:
-            self._running.discard(session_id)
-            self._idle -= not self._calls[session_id]
-            self._check()
+        cohort = self._cohort_of.pop(session_id, None)
+        if cohort is not None:
+            cohort.running.discard(session_id)
+            cohort.idle -= not self._calls[session_id]
+            self._check(cohort)
 
     @contextlib.asynccontextmanager
     async def calling(self, session_id: str) -> AsyncIterator[None]:
@@ -86,56 +102,61 @@ class Steps:
             self._end(session_id)
 
     async def submit(self, kind: StepKind, session_id: str, request: Any) -> Any:
-        """The call's answer once its step has gone out and come back; raises what the call fails with."""
+        """The call's answer once its step has gone out and come back; raises what the call fails with. A session
+        that has not joined steps with the first cohort, without holding its steps back."""
+        cohort = self._cohort_of.get(session_id, self._cohorts[0])
         call = _Call(session_id, request, asyncio.get_running_loop().create_future())
-        kind.waiting.append(call)
+        cohort.waiting.setdefault(kind.rpc, []).append(call)
         self._begin(session_id)
         try:
             return await call.answer
         except asyncio.CancelledError:
-            if call in kind.waiting:  # not sent yet: it leaves the step (once sent, its answer ends the call)
-                kind.waiting.remove(call)
+            waiting = cohort.waiting.get(kind.rpc, [])
+            if call in waiting:  # not sent yet: it leaves the step (once sent, its answer ends the call)
+                waiting.remove(call)
                 self._end(session_id)
             raise
 
     def _begin(self, session_id: str) -> None:
         self._calls[session_id] += 1
-        if self._calls[session_id] == 1 and session_id in self._running:
-            self._idle -= 1
-        self._check()
+        cohort = self._cohort_of.get(session_id)
+        if self._calls[session_id] == 1 and cohort is not None:
+            cohort.idle -= 1
+        self._check(cohort or self._cohorts[0])
 
     def _end(self, session_id: str) -> None:
         self._calls[session_id] -= 1
         if not self._calls[session_id]:
             del self._calls[session_id]
-            if session_id in self._running:
-                self._idle += 1
+            cohort = self._cohort_of.get(session_id)
+            if cohort is not None:
+                cohort.idle += 1
                 # (no check: a session that ends a call is about to make its next one, which checks)
 
-    def _check(self) -> None:
-        """Sends the next step where it is whole; else makes sure it leaves within max_wait_s."""
-        if self._in_flight or not any(kind.waiting for kind in self._kinds):
+    def _check(self, cohort: _Cohort) -> None:
+        """Sends the cohort's next step where it is whole; else makes sure it leaves within max_wait_s."""
+        if cohort.in_flight or not any(cohort.waiting.values()):
             return
-        if self._idle <= 0:
-            self._send_next()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._overdue)
+        if cohort.idle <= 0:
+            self._send_next(cohort)
+        elif cohort.timer is None:
+            cohort.timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._overdue, cohort)
 
-    def _overdue(self) -> None:
-        self._timer = None
-        if not self._in_flight and any(kind.waiting for kind in self._kinds):
-            self._send_next()
+    def _overdue(self, cohort: _Cohort) -> None:
+        cohort.timer = None
+        if not cohort.in_flight and any(cohort.waiting.values()):
+            self._send_next(cohort)
 
-    def _send_next(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        kind = max(self._kinds, key=lambda k: len(k.waiting))  # the kind most requests wait on goes first
-        calls, kind.waiting = kind.waiting, []
-        self._in_flight = True
-        asyncio.get_running_loop().create_task(self._send(kind, calls))
+    def _send_next(self, cohort: _Cohort) -> None:
+        if cohort.timer is not None:
+            cohort.timer.cancel()
+            cohort.timer = None
+        rpc = max(cohort.waiting, key=lambda r: len(cohort.waiting[r]))  # the kind most requests wait on goes first
+        calls = cohort.waiting.pop(rpc)
+        cohort.in_flight = True
+        asyncio.get_running_loop().create_task(self._send(cohort, self._kinds[rpc], calls))
 
-    async def _send(self, kind: StepKind, calls: list[_Call]) -> None:
+    async def _send(self, cohort: _Cohort, kind: StepKind, calls: list[_Call]) -> None:
         try:
             if self.sizes is not None:
                 self.sizes.labels(kind.rpc).observe(len(calls))
@@ -155,5 +176,5 @@ class Steps:
                 else:
                     call.answer.set_result(outcome)
         finally:
-            self._in_flight = False
-            self._check()
+            cohort.in_flight = False
+            self._check(cohort)

@@ -279,3 +279,26 @@ def test_the_sizes_histogram_observes_each_batch_by_rpc():
     assert (sample("count", "DraftBatch"), sample("sum", "DraftBatch")) == (3, 3 + 2 + 1)
     assert (sample("count", "VerifyBatch"), sample("sum", "VerifyBatch")) == (1, 3)
     assert [sample("bucket", "DraftBatch", le=le) for le in ("1.0", "2.0", "4.0")] == [1, 2, 3]
+
+
+def test_cohorts_step_on_their_own_so_one_drafts_while_another_verifies():
+    async def scenario():
+        steps = Steps(NEVER_S, cohorts=2)
+        for session in "abcd":
+            steps.join(session)  # dealt a, c to one cohort and b, d to the other
+        gate = asyncio.Event()
+        drafts, verifies = Recorder(gate=gate), Recorder()
+        draft, verify = steps.kind("DraftBatch", drafts), steps.kind("VerifyBatch", verifies)
+        held = [call(steps, draft, s, f"draft-{s}") for s in "ac"]  # a whole cohort: its drafts go, and wait there
+        await turns()
+        done = await asyncio.gather(*(call(steps, verify, s, f"verify-{s}") for s in "bd"))  # the other cohort
+        gate.set()
+        return drafts.batches, verifies.batches, done, await asyncio.gather(*held)
+
+    draft_batches, verify_batches, done, held = run(scenario)
+    assert draft_batches == [["draft-a", "draft-c"]]
+    assert verify_batches == [["verify-b", "verify-d"]]  # while the first cohort's drafts were still out
+    assert done == [("answer", "verify-b"), ("answer", "verify-d")]
+    assert held == [("answer", "draft-a"), ("answer", "draft-c")]
+    with pytest.raises(ValueError, match="cohorts"):
+        Steps(NEVER_S, cohorts=0)
