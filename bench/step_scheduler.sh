@@ -5,6 +5,7 @@
 #   steps       --batch-steps (the default): one DraftBatch and one VerifyBatch per step; drafts batched too
 #   steps-d1    the same with the drafter drafting one block at a time
 #   cohorts     --step-cohorts 2: two cohorts stepping on their own, one's drafts beside the other's verifies
+#   rows        --step-rows 256: each step's trees fitted to 256 verify rows (load-adaptive budgets)
 #   alone       --no-batch-steps --draft-max-batch 1: each request's calls go alone and meet by chance
 # usage: bench/step_scheduler.sh SHAPE OUT ; env PAIR (default /tmp/pair-SHAPE), CLIENTS (default 1,4,16),
 # MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), STACKS (the stacks to run,
@@ -22,7 +23,8 @@ if [[ ! -f $pair/embedding.json ]]; then
 fi
 
 declare -A flags=([steps]="--draft-max-batch 16" [steps-d1]="--draft-max-batch 1"
-                  [cohorts]="--draft-max-batch 16 --step-cohorts 2" [alone]="--no-batch-steps --draft-max-batch 1")
+                  [cohorts]="--draft-max-batch 16 --step-cohorts 2" [rows]="--draft-max-batch 16 --step-rows 256"
+                  [alone]="--no-batch-steps --draft-max-batch 1")
 read -ra names <<< "${STACKS:-steps steps-d1 alone}"
 pids=() gateways=() verifiers=() drafters=()
 trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null; done; wait' EXIT

@@ -34,6 +34,7 @@ from runtime.config import DTYPE_NAMES
 from draft_server.config import DraftServerConfig
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
+from gateway.steps import budget_ladder
 from verify_server.config import VerifyServerConfig
 
 LOOPBACK = "127.0.0.1"
@@ -136,8 +137,11 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     cmds = {}
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
+        # and with --step-rows, the smaller trees a busy step fits it down to
+        budgets = [args.budget, *(budget_ladder(args.budget) if args.step_rows else [])]
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
-                         "--metrics-port", str(args.draft_metrics_port), "--warm-up-budgets", str(args.budget),
+                         "--metrics-port", str(args.draft_metrics_port),
+                         "--warm-up-budgets", ",".join(str(b) for b in budgets),
                          "--max-batch", str(args.draft_max_batch)]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""

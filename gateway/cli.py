@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    steps = Steps(config.step_wait_ms / 1000, config.step_cohorts) if config.batch_steps else None
+    steps = (Steps(config.step_wait_ms / 1000, config.step_cohorts, config.step_rows) if config.batch_steps
+             else None)
     settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token, steps)
     verifier = GrpcVerifier(config.verifier, *settings)
     address = config.drafter_address

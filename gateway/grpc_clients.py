@@ -251,7 +251,7 @@ class GrpcDrafter(_Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._drafts: StepKind | None = (None if self._steps is None
-                                         else self._steps.kind("DraftBatch", self._send_drafts))
+                                         else self._steps.kind("DraftBatch", self._send_drafts, _fit_budgets))
 
     async def _send_drafts(self, requests: list[pb.DraftRequest]) -> list[Any]:
         return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
@@ -313,6 +313,12 @@ class GrpcDrafter(_Client):
         async with self._tracked(session_id):
             await self._end_streams(session_id)
             await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
+
+
+def _fit_budgets(requests: list[pb.DraftRequest], nodes: int) -> None:
+    """A step's drafts fitted to its verify (gateway/steps.py): each tree at most `nodes` nodes."""
+    for request in requests:
+        request.budget = min(request.budget, nodes)
 
 
 class GrpcVerifier(_Client):
