@@ -284,12 +284,14 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                      target(quantile(0.99, "ddtree_draft_request_duration_seconds", "rpc"), "draft {{rpc}}")],
                     "s"), 8, 8),
         (timeseries("Batch sizes", "Sessions' rounds (Verify and Decode calls) the verifier ran in one forward, and "
-                    "sessions' blocks (Draft calls) the drafter ran in one: calls that wait for an engine at once "
-                    "share it (each service's --max-batch). Near 1 with several requests running means the calls "
-                    "rarely meet (e.g. the other service is the bottleneck).",
+                    "sessions' blocks (Draft calls) the drafter ran in one, beside the requests' calls the gateway "
+                    "sent in one batch call of a step (its step scheduler). A step's batch near the running requests "
+                    "means every running request rides each step; a forward's batch below a step's means the "
+                    "service's --max-batch splits it.",
                     [target(mean("ddtree_verify_batch_size"), "verifier mean"),
                      target(quantile(0.9, "ddtree_verify_batch_size"), "verifier p90"),
-                     target(mean("ddtree_draft_batch_size"), "drafter mean")], "short"), 8, 8),
+                     target(mean("ddtree_draft_batch_size"), "drafter mean"),
+                     target(mean("ddtree_step_batch_size", "rpc"), "gateway step {{rpc}} mean")], "short"), 8, 8),
         (timeseries("Collector pauses p99", "Python garbage-collector pauses of each process, any generation: "
                     "every request in flight on that process waits them out. The processes freeze their start-up "
                     "heap after warm-up, so pauses stay in the milliseconds; long ones mean a growing heap.",
