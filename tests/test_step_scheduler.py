@@ -33,9 +33,6 @@ class Stack:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def metric(self, url: str, name: str, **labels: str) -> float:
-        return metric(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
