@@ -222,9 +222,10 @@ async def _collect(
 async def _events(service: GatewayService, gens: list[GenerationRequest], fmt: ResponseFormat,
                   tool_calls: int | None = 0) -> AsyncIterator[str]:
     """SSE as OpenAI sends it: per choice a role chunk (chat), content chunks (and, where tool calls are parsed,
-    a chunk per completed call) and a chunk with the finish reason and an empty delta, the choices' chunks
-    interleaved as they come; the usage chunk (choices: [], every choice's tokens) when asked for, then [DONE]. A
-    failure after the stream has started can only be reported in the stream, as an error event."""
+    a chunk per call delta: a call's first, then pieces of its arguments) and a chunk with the finish reason and
+    an empty delta, the choices' chunks interleaved as they come; the usage chunk (choices: [], every choice's
+    tokens) when asked for, then [DONE]. A failure after the stream has started can only be reported in the
+    stream, as an error event."""
     if fmt.chat:
         for index in range(len(gens)):
             yield _sse(fmt.chunk("", first=True, index=index))
@@ -239,8 +240,8 @@ async def _events(service: GatewayService, gens: list[GenerationRequest], fmt: R
                     text, calls = parsed.text, parsed.calls
                 if text or delta.logprobs:
                     yield _sse(fmt.chunk(text, index=index, logprobs=delta.logprobs))
-                if calls:
-                    yield _sse(fmt.chunk(None, index=index, tool_calls=[c.delta() for c in calls]))
+                for call in calls:  # a chunk per call delta, as OpenAI streams them
+                    yield _sse(fmt.chunk(None, index=index, tool_calls=[call.delta()]))
                 if delta.finish_reason:
                     called = bool(parsers and parsers[index].calls)
                     yield _sse(fmt.chunk(None, finish_reason(delta.finish_reason, called), index=index))

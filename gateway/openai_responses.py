@@ -80,8 +80,8 @@ class ResponseFormat:
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               index: int = 0, logprobs: list[TokenLogprob] | None = None,
               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for) and the
-        tool calls completed in it (chat); with include_usage every chunk carries "usage": null, as OpenAI sends
+        """A streamed delta of choice `index`, with the logprobs of the tokens it brings (where asked for) and its
+        tool-call deltas (chat: a call's first, with id and name, or a piece of its arguments); with include_usage every chunk carries "usage": null, as OpenAI sends
         it."""
         choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs, index),
                                   "finish_reason": finish_reason}

@@ -2,20 +2,36 @@
 `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, which becomes an entry of OpenAI's
 `message.tool_calls`; the text outside the blocks stays the reply's content.
 
-One parser serves whole replies and streams alike, fed the text as it comes: text streams out at once, except what
-may still turn out to open a block (a tail that begins `<tool_call>`) and blanks that may turn out to frame one;
-a block is held back until it is complete. So a stream's pieces add up to the whole reply's parse, wherever the
-text was split. A block whose JSON is not a call (malformed, or without a name or an arguments object) and a block
-never closed stay in the content, as the model wrote them."""
+One parser serves whole replies and streams alike, fed the text as it comes, and a whole reply is parsed by
+feeding it at once, so a stream's pieces add up to the whole reply's parse wherever the text was split:
+- content streams out at once, except a tail that may still begin a block and blanks that may frame one;
+- a block becomes a call once its header, `<tool_call>` `{` `"name"` `:` <a JSON string> `,` `"arguments"` `:`
+  `{` (JSON blanks allowed between them), is complete and the name is a function name by OpenAI's rule. The
+  call's first delta goes out then (its id, name and arguments ""), and its arguments' text, from that `{` on,
+  streams as it comes, holding back only what may still be the block's closing: blanks, `}`, blanks,
+  `</tool_call>`. The first such closing ends the block; the arguments are the model's text verbatim;
+- a block whose text rules out such a header (other JSON, another key order, a name no function may have) stays
+  content, as the model wrote it.
+Once a call's first delta is out it cannot be taken back, so a call stays a call whatever follows its header, as
+in OpenAI's API: arguments that are not valid JSON are given as written, and a block the reply ends inside (at
+max_tokens or a stop) is a call whose arguments are what the model wrote of them, less a tail that may have been
+its closing cut short. A header the reply ends inside stays content."""
 
 from __future__ import annotations
 
-import json
+import re
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+BLANKS = " \t\n\r"  # JSON's whitespace
+# the blanks, `}`, blanks and `</tool_call>` that end a call's block; the arguments end where it begins
+CLOSING = re.compile(r"[ \t\n\r]*\}[ \t\n\r]*</tool_call>")
+# a function name by OpenAI's rule, as FunctionDefinition.name checks it: up to MAX_NAME of NAME_CHARS
+NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-")
+MAX_NAME = 64
 
 
 @dataclass(frozen=True)
@@ -31,17 +47,37 @@ class ParsedCall:
         """As a reply's message.tool_calls entry."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A streamed piece of call `index`: its first (id and name set, arguments "") or the next piece of its
+    arguments' text."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
     def delta(self) -> dict[str, Any]:
-        """As a streamed delta.tool_calls entry: the whole call in one delta, with its index."""
-        return {"index": self.index, **self.message()}
+        """As a streamed delta.tool_calls entry, in OpenAI's shape."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True)
 class Parsed:
-    """What a piece of the reply brings out: content text (possibly empty) and complete calls."""
+    """What a piece of the reply brings out: content text (possibly empty) and call deltas, in order."""
 
     text: str
-    calls: list[ParsedCall]
+    calls: list[CallDelta]
+
+
+@dataclass(frozen=True)
+class _Header:
+    name: str
+    length: int  # of the header's text after OPEN, up to the arguments' `{`
 
 
 class ToolCallParser:
@@ -51,51 +87,65 @@ class ToolCallParser:
     def __init__(self, max_calls: int | None) -> None:
         self.max_calls = max_calls
         self.pending = ""  # text fed but not yet given out
+        self.in_call = False  # pending is the open call's arguments text
         self.after_call = False  # blanks that follow a call frame it: dropped until other text comes
-        self.calls: list[ParsedCall] = []
+        self.calls = 0  # calls begun so far
 
     def read(self, text: str, last: bool = False) -> Parsed:
-        """The next piece of the reply; last: it ends the reply, so held text goes out and an unclosed block stays
-        content."""
+        """The next piece of the reply; last: it ends the reply, so held text goes out (see the module's doc)."""
         self.pending += text
-        return self._drain(final=last)
-
-    def _drain(self, final: bool) -> Parsed:
         out: list[str] = []
-        calls: list[ParsedCall] = []
-        while self.pending:
-            if self.max_calls is not None and len(self.calls) >= self.max_calls:
+        deltas: list[CallDelta] = []
+        while self.pending and self._step(out, deltas, last):
+            pass
+        return Parsed("".join(out), _merged(deltas))
+
+    def _step(self, out: list[str], deltas: list[CallDelta], final: bool) -> bool:
+        """Gives out what it can of pending; whether to go on (pending left at a block's edge)."""
+        if self.in_call:
+            closing = CLOSING.search(self.pending)
+            if closing is not None:
+                deltas.append(CallDelta(self.calls - 1, self.pending[:closing.start()]))
+                self.pending = self.pending[closing.end():]
+                self.in_call, self.after_call = False, True
+                return True
+            given = len(self.pending) - _closing_prefix(self.pending)
+            deltas.append(CallDelta(self.calls - 1, self.pending[:given]))
+            self.pending = "" if final else self.pending[given:]  # at the end, the held tail is dropped
+            return False
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            out.append(self._text(self.pending))
+            self.pending = ""
+            return False
+        start = self.pending.find(OPEN)
+        if start < 0:
+            # hold a tail that may begin a block, and the blanks before it
+            safe = len(self.pending) - _open_prefix(self.pending)
+            given = len(self.pending) if final else len(self.pending[:safe].rstrip())
+            out.append(self._text(self.pending[:given]))
+            self.pending = self.pending[given:]
+            return False
+        before = len(self.pending[:start].rstrip())  # blanks before a block frame it
+        body = start + len(OPEN)
+        header = _header(self.pending[body:])
+        if header is False:  # not a call's block: content, and the search goes on after its OPEN
+            out.append(self._text(self.pending[:body]))
+            self.pending = self.pending[body:]
+            return True
+        if header is True:  # the header is not complete yet
+            if final:
                 out.append(self._text(self.pending))
                 self.pending = ""
-                break
-            start = self.pending.find(OPEN)
-            if start < 0:
-                # hold a tail that may begin a block, and the blanks before it
-                safe = len(self.pending) if final else len(self.pending) - _open_prefix(self.pending)
-                keep = safe if final else len(self.pending[:safe].rstrip())
-                out.append(self._text(self.pending[:keep]))
-                self.pending = self.pending[keep:]
-                break
-            before = len(self.pending[:start].rstrip())  # blanks before a block frame it
-            end = self.pending.find(CLOSE, start + len(OPEN))
-            if end < 0:
-                if final:  # never closed: content
-                    out.append(self._text(self.pending))
-                    self.pending = ""
-                else:
-                    out.append(self._text(self.pending[:before]))
-                    self.pending = self.pending[before:]
-                break
-            call = self._call(self.pending[start + len(OPEN):end])
-            if call is None:  # not a call: the block stays content
-                out.append(self._text(self.pending[:end + len(CLOSE)]))
             else:
                 out.append(self._text(self.pending[:before]))
-                calls.append(call)
-                self.calls.append(call)
-                self.after_call = True
-            self.pending = self.pending[end + len(CLOSE):]
-        return Parsed("".join(out), calls)
+                self.pending = self.pending[before:]
+            return False
+        out.append(self._text(self.pending[:before]))
+        deltas.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", header.name))
+        self.calls += 1
+        self.in_call = True
+        self.pending = self.pending[body + header.length:]
+        return True
 
     def _text(self, text: str) -> str:
         """Content text, less the blanks that follow a call."""
@@ -104,16 +154,43 @@ class ToolCallParser:
             self.after_call = not text
         return text
 
-    def _call(self, block: str) -> ParsedCall | None:
-        try:
-            value = json.loads(block)
-        except json.JSONDecodeError:
-            return None
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)
-                and isinstance(value.get("arguments"), dict)):
-            return None
-        return ParsedCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", value["name"],
-                          json.dumps(value["arguments"], ensure_ascii=False))
+
+def _header(text: str) -> _Header | bool:
+    """A block's text after OPEN -> its header where complete; True while the text may still begin one; False
+    where it cannot."""
+    at, name = 0, ""
+    for part in ("{", '"name"', ":", "", ",", '"arguments"', ":", "{"):
+        while at < len(text) and text[at] in BLANKS:
+            at += 1
+        if at == len(text):
+            return True
+        if part:
+            if not text.startswith(part, at):
+                return part.startswith(text[at:])
+            at += len(part)
+            continue
+        # the name: a JSON string of a function name's characters, which need no escapes
+        if text[at] != '"':
+            return False
+        end = at + 1
+        while end < len(text) and text[end] in NAME_CHARS:
+            end += 1
+        if end - at - 1 > MAX_NAME:
+            return False
+        if end == len(text):
+            return True
+        if text[end] != '"' or end == at + 1:
+            return False
+        name, at = text[at + 1:end], end + 1
+    return _Header(name, at - 1)
+
+
+def _closing_prefix(text: str) -> int:
+    """The length of text's longest tail that may still begin a call's closing (0: none)."""
+    brace = text.rfind("}")
+    if brace >= 0 and CLOSE.startswith(text[brace + 1:].lstrip(BLANKS)):
+        return len(text) - len(text[:brace].rstrip(BLANKS))
+    return len(text) - len(text.rstrip(BLANKS))
 
 
 def _open_prefix(text: str) -> int:
@@ -124,10 +201,31 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
+def _merged(deltas: list[CallDelta]) -> list[CallDelta]:
+    """Deltas less empty arguments pieces, a call's consecutive arguments pieces joined into one."""
+    out: list[CallDelta] = []
+    for d in deltas:
+        if d.id is None and not d.arguments:
+            continue
+        if d.id is None and out and out[-1].index == d.index and out[-1].id is None:
+            out[-1] = CallDelta(d.index, out[-1].arguments + d.arguments)
+        else:
+            out.append(d)
+    return out
+
+
 def parse_reply(text: str, max_calls: int | None) -> tuple[str | None, list[ParsedCall]]:
-    """A whole reply -> its content (None when calls leave nothing outside them) and its calls."""
+    """A whole reply -> its content (None when calls leave nothing outside them) and its calls: the reply fed at
+    once, each call's deltas joined."""
     parsed = ToolCallParser(max_calls).read(text, last=True)
-    return (parsed.text or None) if parsed.calls else parsed.text, parsed.calls
+    calls: list[ParsedCall] = []
+    for d in parsed.calls:
+        if d.id is not None:
+            calls.append(ParsedCall(d.index, d.id, d.name or "", d.arguments))
+        else:
+            calls[d.index] = ParsedCall(d.index, calls[d.index].id, calls[d.index].name,
+                                        calls[d.index].arguments + d.arguments)
+    return (parsed.text or None) if calls else parsed.text, calls
 
 
 def finish_reason(reason: str, called: bool) -> str:

@@ -1,5 +1,5 @@
-"""The target sharded over 2 CPU ranks (gloo): greedy output identical to the unsharded verifier in every mode,
-and a dead rank surfaces as an error instead of a hang."""
+"""The target sharded over 2 CPU ranks (gloo): greedy output identical to the unsharded verifier in every mode and
+under grammars, and a dead rank surfaces as an error instead of a hang."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protos.types import SamplingParams
 from ddtree.local import load_local
+from runtime.grammar import json_schema_grammar, tool_calls_grammar
+from runtime.models import read_eos_ids, resolve_pair
 from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompts
@@ -160,3 +162,34 @@ def test_hybrid_target_sharded_equals_hf(tmp_path: Path) -> None:
                 assert [t for r in asyncio.run(collect()) for t in r.tokens] == reference, spec
     finally:
         verifier.close()
+
+
+def test_sharded_grammars_equal_unsharded() -> None:
+    """A json_schema and a tool_calls grammar over 2 ranks: every rank compiles the session's grammar from the
+    target's tokenizer and masks its own full-vocabulary logits alike, so the output is the unsharded verifier's,
+    token for token."""
+    target, drafter_path = resolve_pair(None, None)
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "The weather in Oslo, as JSON?"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+    grammars = (json_schema_grammar(schema), tool_calls_grammar([("weather", city)], parallel=False))
+    eos = read_eos_ids(target)
+    outputs = []
+    for tp in (1, 2):
+        verifier, drafter = load_local(str(target), str(drafter_path), "cpu", torch.float32, tp=tp)
+        try:
+            async def collect(grammar: str) -> list[int]:
+                return [t async for r in run_rounds(verifier, drafter, prompt, SamplingParams(grammar=grammar),
+                                                    Speculation("ddtree", 16), 64, eos) for t in r.tokens]
+
+            outputs.append([asyncio.run(collect(g)) for g in grammars])
+        finally:
+            verifier.close()
+    assert outputs[0] == outputs[1]
+    json_text, call_text = (tokenizer.decode(tokens, skip_special_tokens=True) for tokens in outputs[0])
+    assert json.loads(json_text)["city"] in ("Paris", "Oslo")  # the grammars held: whole JSON, a whole call
+    assert call_text.startswith('<tool_call>\n{"name": "weather", "arguments": ') and \
+        call_text.endswith("}\n</tool_call>")

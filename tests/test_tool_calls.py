@@ -1,6 +1,7 @@
 """Tool calls read from a reply's text (gateway/tool_calls.py): complete blocks become calls and the rest stays
-content; several calls, a cap on them, malformed and unclosed blocks; a stream split at every character gives the
-whole reply's parse. The tool_calls grammar accepts exactly the calls it describes."""
+content; several calls, a cap on them, blocks that are not calls, calls with malformed or unfinished arguments;
+arguments streamed as they come, and a stream split anywhere assembles, as OpenAI's clients do, into the whole
+reply's parse. The tool_calls grammar accepts exactly the calls it describes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from gateway.tool_calls import ParsedCall, ToolCallParser, finish_reason, parse_reply
+from gateway.tool_calls import CallDelta, Parsed, ParsedCall, ToolCallParser, finish_reason, parse_reply
 from runtime.grammar import parse_grammar, tool_calls_grammar
 
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -44,9 +45,10 @@ def test_a_cap_leaves_later_blocks_as_content() -> None:
 
 
 @pytest.mark.parametrize("block", [
-    "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": }\n</tool_call>",  # malformed JSON
     "<tool_call>\n{\"arguments\": {}}\n</tool_call>",  # no name
+    "<tool_call>\n{\"arguments\": {}, \"name\": \"weather\"}\n</tool_call>",  # not the header's order
     "<tool_call>\n{\"name\": \"weather\", \"arguments\": \"city\"}\n</tool_call>",  # arguments not an object
+    "<tool_call>\n{\"name\": \"the weather\", \"arguments\": {}}\n</tool_call>",  # not a function name
     "<tool_call>\n[1, 2]\n</tool_call>",
 ])
 def test_blocks_that_are_not_calls_stay_content(block: str) -> None:
@@ -55,37 +57,97 @@ def test_blocks_that_are_not_calls_stay_content(block: str) -> None:
     assert content == block and calls(parsed) == [(0, "time", {"zone": "CET"})]
 
 
-def test_an_unclosed_block_stays_content() -> None:
-    text = f'{TIME} Then <tool_call>\n{{"name": "weather", "arguments": {{'
+def test_a_call_keeps_arguments_that_are_not_json_as_written() -> None:
+    content, parsed = parse_reply('<tool_call>\n{"name": "weather", "arguments": {"city": }\n</tool_call> ok', None)
+    assert content == "ok" and [(c.name, c.arguments) for c in parsed] == [("weather", '{"city":')]
+
+
+def test_an_unclosed_call_keeps_what_was_written_of_its_arguments() -> None:
+    text = f'{TIME} Then <tool_call>\n{{"name": "weather", "arguments": {{"city": "Pa'
+    content, parsed = parse_reply(text, None)
+    assert content == "Then" and [(c.name, c.arguments) for c in parsed] == \
+           [("time", '{"zone": "CET"}'), ("weather", '{"city": "Pa')]
+    # a closing cut short is dropped: the arguments are whole
+    for cut in ("}", "}\n", "}\n</tool_"):
+        (call,) = parse_reply(f'<tool_call>\n{{"name": "time", "arguments": {{"zone": "CET"}}{cut}', None)[1]
+        assert call.arguments == '{"zone": "CET"}'
+
+
+def test_an_unfinished_header_stays_content() -> None:
+    text = f'{TIME} Then <tool_call>\n{{"name": "weath'
     content, parsed = parse_reply(text, None)
     assert content == text[len(TIME) + 1:] and calls(parsed) == [(0, "time", {"zone": "CET"})]
+
+
+def streamed(pieces: list[str], max_calls: int | None) -> tuple[str, list[tuple[int, str, str]], list[int]]:
+    """A stream's content, its calls assembled from their deltas as OpenAI's clients do, and how many arguments
+    deltas each call had; each delta's shape checked on the way."""
+    parser = ToolCallParser(max_calls)
+    content, assembled, pieces_per_call = "", [], []
+    for i, piece in enumerate(pieces):
+        parsed = parser.read(piece, last=i == len(pieces) - 1)
+        content += parsed.text
+        for d in parsed.calls:
+            delta = d.delta()
+            if "id" in delta:  # a call's first delta: its id, name and empty arguments
+                assert delta["index"] == len(assembled) and delta["type"] == "function"
+                assert delta["id"].startswith("call_") and delta["function"]["arguments"] == ""
+                assembled.append([delta["index"], delta["function"]["name"], ""])
+                pieces_per_call.append(0)
+            else:  # the next piece of the last call's arguments, never empty
+                assert delta.keys() == {"index", "function"} and delta["index"] == len(assembled) - 1
+                assert delta["function"].keys() == {"arguments"} and delta["function"]["arguments"]
+                assembled[-1][2] += delta["function"]["arguments"]
+                pieces_per_call[-1] += 1
+    return content, [tuple(c) for c in assembled], pieces_per_call
+
+
+PRETTY = '<tool_call>\n{ "name" :"weather",\n "arguments":\n  {\n  "city": {"in": "Paris"} \n }\n}\n\n</tool_call>'
 
 
 @pytest.mark.parametrize("text", [
     f"Let me look.\n\n{WEATHER}\n{TIME}\n",
     f"{WEATHER} and then {TIME} done",
     f"a <tool_ b\n{WEATHER}<tool_call>\n{{oops}}\n</tool_call>  {TIME}<tool_call> left open",
+    f"{PRETTY}{TIME}",
+    '<tool_call>{"name":"f","arguments":{"a":"}"}}</tool_call><tool_call>\n{"name": "g", "arguments": {}}} </tool',
+    '<tool_call>\n{"name": "weather", "arguments": {"city": }\n</tool_call>\n<tool_call>\n{"name": "x y"',
+    f'{TIME}\n<tool_call>\n{{"name": "weather", "arguments": {{"city": "Pa',
 ])
 @pytest.mark.parametrize("max_calls", [None, 1])
 def test_streams_split_anywhere_parse_as_the_whole_reply(text: str, max_calls: int | None) -> None:
     whole, whole_calls = parse_reply(text, max_calls)
     for cut in range(len(text) + 1):
         for pieces in ([text[:cut], text[cut:]], list(text[:cut]) + [text[cut:]]):
-            parser = ToolCallParser(max_calls)
-            parsed = [parser.read(p, last=i == len(pieces) - 1) for i, p in enumerate(pieces)]
-            content = "".join(p.text for p in parsed)
-            streamed = [c for p in parsed for c in p.calls]
-            assert (content or None if streamed else content) == whole, (cut, pieces)
-            assert [(c.index, c.name, c.arguments) for c in streamed] == \
-                   [(c.index, c.name, c.arguments) for c in whole_calls]
+            content, assembled, _ = streamed(pieces, max_calls)
+            assert (content or None if assembled else content) == whole, (cut, pieces)
+            assert assembled == [(c.index, c.name, c.arguments) for c in whole_calls], (cut, pieces)
 
 
-def test_text_before_a_block_streams_at_once() -> None:
+def test_arguments_stream_as_they_come() -> None:
     parser = ToolCallParser(None)
     assert parser.read("Let me look. <tool").text == "Let me look."
-    assert parser.read('_call>\n{"name": "time", "arguments": {}}').text == ""
-    parsed = parser.read("\n</tool_call>")
-    assert parsed.text == "" and calls(parsed.calls) == [(0, "time", {})]
+    parsed = parser.read('_call>\n{"name": "weather", "argu')
+    assert parsed.text == "" and parsed.calls == []
+    assert parser.read('ments": ').calls == []  # the header ends with the arguments' `{`
+    first, piece = parser.read("{").calls
+    assert (first.index, first.name, first.arguments) == (0, "weather", "") and first.id.startswith("call_")
+    assert piece == CallDelta(0, "{")
+    assert [d.delta() for d in parser.read('"city"').calls] == [{"index": 0, "function": {"arguments": '"city"'}}]
+    assert parser.read(': "Paris"}').calls == [CallDelta(0, ': "Paris"')]  # the `}` may close the block
+    assert parser.read("}").calls == [CallDelta(0, "}")]  # the first `}` was the arguments': this one may close
+    assert parser.read("\n</tool_call").calls == []
+    parsed = parser.read(">\n\nDone.", last=True)
+    assert parsed == Parsed("Done.", []) and parser.calls == 1
+    _, (call,) = parse_reply('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>', None)
+    assert call.arguments == '{"city": "Paris"}'
+
+
+def test_each_piece_of_the_arguments_gets_a_delta() -> None:
+    arguments = '{"city":"Paris","days":2}'  # no blanks: a blank is held until what follows it shows
+    _, assembled, per_call = streamed(['<tool_call>\n{"name": "weather", "arguments": ', *arguments,
+                                       "}\n</tool_call>"], None)
+    assert assembled == [(0, "weather", arguments)] and per_call == [len(arguments)]
 
 
 def test_finish_reason_names_tool_calls_only_for_a_finished_reply() -> None:

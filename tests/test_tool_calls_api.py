@@ -1,7 +1,8 @@
 """Tool calling through `ddtree serve` on the demo pair, with the official `openai` client and Qwen3's tool format
 (tests/qwen3_tools.jinja as --chat-template: the demo target's own template has no tools). A named function's call
-parses and its arguments keep to the function's schema, whole and streamed; the call and its result sent back in
-the conversation get a reply; bad tools and tool choices are 400s naming the problem."""
+parses and its arguments keep to the function's schema, whole and streamed (the arguments in pieces that join into
+the whole reply's); the call and its result sent back in the conversation get a reply; bad tools and tool choices
+are 400s naming the problem."""
 
 from __future__ import annotations
 
@@ -60,13 +61,18 @@ def test_a_named_function_is_called_and_its_result_answered(client: openai.OpenA
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER)
 
-    # the same call streamed: one delta with the whole call, then the finish reason
+    # the same call streamed: its first delta with the id and name, then its arguments piece by piece as the
+    # rounds commit them, which the client joins into the whole reply's arguments
     with client.chat.completions.stream(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=NAMED,
                                         temperature=0, max_tokens=MAX_CALL_TOKENS) as stream:
+        pieces = [e.arguments_delta for e in stream  # the first delta's arguments "" is a piece too: left out
+                  if e.type == "tool_calls.function.arguments.delta" and e.arguments_delta]
         streamed = stream.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls" and not streamed.message.content
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls] == \
-           [("weather", arguments)]
+    (streamed_call,) = streamed.message.tool_calls
+    assert streamed_call.id.startswith("call_") and streamed_call.type == "function"
+    assert (streamed_call.function.name, streamed_call.function.arguments) == ("weather", call.function.arguments)
+    assert len(pieces) > 1 and "".join(pieces) == call.function.arguments, pieces
 
     history = QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

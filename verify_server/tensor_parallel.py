@@ -49,16 +49,22 @@ def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout
 def load_sharded(
     target: str, rank: int, world: int, device: torch.device, dtype: torch.dtype, max_tree_size: int = 1024
 ) -> VerifyEngine:
-    """`target` is a model directory, or `random:<shape>` (verify_server.random_target) for benchmarks at real shapes."""
+    """`target` is a model directory, or `random:<shape>` (verify_server.random_target) for benchmarks at real shapes.
+    Every rank compiles sessions' grammars from the directory's tokenizer: the full-vocabulary logits are on every
+    rank (lm_head is replicated), so each masks its own alike and the ranks' walks stay in lockstep. A random
+    target has no tokenizer: every rank refuses a grammar alike."""
     from verify_server.random_target import RANDOM_PREFIX, random_target
     from verify_server.verify import load_target
 
+    path = None
     if target.startswith(RANDOM_PREFIX):
         model = random_target(target.removeprefix(RANDOM_PREFIX), device, dtype)
     else:
         model = load_target(target, "cpu", dtype)  # shard on the host, so each GPU only ever holds its slice
+        path = target
     shard_model(model, rank, world)
-    return VerifyEngine(model.to(device), max_tree_size, fused=False)  # the fused path has no sharded form yet
+    # the fused path has no sharded form yet
+    return VerifyEngine(model.to(device), max_tree_size, fused=False, target_path=path)
 
 
 class _Channel:
