@@ -1,19 +1,26 @@
-"""Concurrent chat clients through running gateways, side by side: aggregate tokens/s and request latency as the
-number of clients grows (e.g. two `ddtree serve` stacks on one GPU, one with `--max-batch 1`).
+"""Concurrent streaming chat clients through running gateways, side by side: at each client count, speculation mode
+and temperature, aggregate tokens/s, time to first token, inter-token latency and the services' batches.
 
     python bench/concurrent_load.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8021 \
-        --verifier-metrics http://127.0.0.1:9472,http://127.0.0.1:9482 --clients 1,2,4,8 \
-        --requests-per-client 3 --max-tokens 64 --out concurrent_load.json
+        --verifier-metrics http://127.0.0.1:9472,http://127.0.0.1:9482 --clients 1,4,16,64 \
+        --modes off,chain,ddtree --temperatures 0,0.7 --requests 3 --max-tokens 64 --check-alone --out load.json
 
-At each client count the gateways take turns (the order alternating), so both see the same machine state. Each
-client sends its requests one after another (greedy unless --temperature, the given speculation mode, a fresh
-short prompt each); every client starts at once. Reported per gateway and client count: completion tokens / wall
-time, the median and worst request latency (every latency, in the order the requests ended, in the JSON), and,
-with --verifier-metrics, the mean number of sessions' rounds the verifier ran in one forward
-(ddtree_verify_batch_size) and its forwards per second; with --drafter-metrics, the drafter's mean blocks a forward
-(ddtree_draft_batch_size). The JSON also holds each level's mean time a round spent in each phase, from the gateway's
-own metrics (ddtree_round_phase_seconds: draft, tree, verify, walk, server, transport, relay), which shows which side a
-setting moves (e.g. with `--draft-max-batch`: whether the draft phase grows).
+Each client sends --requests streamed requests one after another (the mode as the request's `speculation`), every
+client starting at once, each request a prompt of its own (a level's prompts are new to the server, so no cached
+prefix of an earlier level shortens them; the gateways side by side get the same ones). At each level the gateways
+take turns (the order alternating), so each sees the same machine state; one warm-up round first (as many clients
+as the most of the run, every mode and temperature), so no graph capture or compile is timed. --check-alone sends
+every greedy request again, one at a time, after the levels, and reports per level the share of greedy streams
+whose text equals the same request's alone.
+
+Reported per gateway, mode, temperature and client count: completion tokens (the streams' usage) / wall time, every
+request's TTFT and their p50 / p99, the per-token ITL p50 / p99 and the chunk gaps' (bench/load_client.py says how
+ITL is read), end-to-end p50 / p99, failed requests and a few of their messages; from the gateway's metrics τ,
+the mean requests' calls in a step's VerifyBatch (ddtree_step_batch_size), the tree sizes drafted
+(ddtree_spec_tree_size: mean and rounds by bucket) and those a step's verify cut them to (ddtree_step_tree_nodes,
+load-adaptive trees), and the mean time a round spent in each phase (ddtree_round_phase_seconds); with --verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size)
+and its forwards per second, with --drafter-metrics the drafter's (ddtree_draft_batch_size). One JSON (--out) and
+its figure, a PNG of the same name (ddtree/plots.py load_figure).
 """
 
 from __future__ import annotations
@@ -21,73 +28,111 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
+import os
+import platform
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree.bench_gateway import read_counters, served_model
+from ddtree.bench_gateway import served_model
+from ddtree.plots import load_figure, save_figure
 from gateway.metrics import PHASES
+# bench/'s own module (a script's folder is on its sys.path)
+from load_client import (Stream, TokenCounter, difference, histogram_counts, histogram_mean, percentiles, prompt,
+                         scrape, stream_chat)
 
-WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
-         "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
-def batch_counters(url: str | None, histogram: str) -> tuple[float, float]:
-    """A service's batch-size histogram (ddtree_verify_batch_size, ddtree_draft_batch_size): (calls, forwards) so
-    far; (0, 0) without a URL."""
-    if url is None:
-        return 0.0, 0.0
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-              if s.name in (f"{histogram}_sum", f"{histogram}_count")}
-    return values.get(f"{histogram}_sum", 0.0), values.get(f"{histogram}_count", 0.0)
+ERROR_SAMPLES = 5  # distinct failure messages kept per level
 
 
-async def client(http: httpx.AsyncClient, url: str, model: str, prompts: list[str], args: argparse.Namespace,
-                 latencies: list[float]) -> int:
-    tokens = 0
-    for text in prompts:
-        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": args.max_tokens,
-                "temperature": args.temperature, "speculation": {"mode": args.mode}}
+def seed(mode: str, temperature: float, clients: int, client: int, request: int) -> str:
+    """The prompt of a level's request (load_client.prompt)."""
+    return f"{mode}/{temperature:g}/{clients}/{client}/{request}"
+
+
+def body(model: str, key: str, mode: str, temperature: float, args: argparse.Namespace) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt(key, args.prompt_words)}],
+            "max_tokens": args.max_tokens, "temperature": temperature, "speculation": {"mode": mode},
+            **({"ignore_eos": True} if args.ignore_eos else {})}
+
+
+async def level(url: str, metrics: tuple[str | None, str | None], model: str, mode: str, temperature: float,
+                clients: int, args: argparse.Namespace, counter: TokenCounter) -> dict:
+    """One measurement: `clients` clients at once, each sending its requests back to back."""
+
+    async def client(http: httpx.AsyncClient, c: int) -> list[Stream]:
+        return [await stream_chat(http, url, body(model, seed(mode, temperature, clients, c, r), mode, temperature,
+                                                  args)) for r in range(args.requests)]
+
+    before = [scrape(u) for u in (url, *metrics)]
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=clients + 1)) as http:
         start = time.perf_counter()
-        reply = await http.post(f"{url}/v1/chat/completions", json=body, timeout=600)
-        latencies.append(time.perf_counter() - start)
-        if reply.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
-        tokens += reply.json()["usage"]["completion_tokens"]
-    return tokens
-
-
-async def load(url: str, metrics: tuple[str | None, str | None], model: str, clients: int,
-               args: argparse.Namespace, rng: random.Random) -> dict:
-    """metrics: the gateway's verifier's and drafter's metrics URLs (None: not read)."""
-    prompts = [[" ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) for _ in range(args.requests_per_client)]
-               for _ in range(clients)]
-    latencies: list[float] = []
-    histograms = ("ddtree_verify_batch_size", "ddtree_draft_batch_size")
-    before = [batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)]
-    counters_before = read_counters(url)
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 1)) as http:
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(client(http, url, model, p, args, latencies) for p in prompts))
+        streams = await asyncio.gather(*(client(http, c) for c in range(clients)))
         wall = time.perf_counter() - start
-    counters = read_counters(url)
-    level = {name: value - counters_before.get(name, 0.0) for name, value in counters.items()}  # this level's only
-    (calls, forwards), (drafts, blocks) = (
-        (after[0] - was[0], after[1] - was[1])
-        for after, was in zip((batch_counters(url, histogram) for url, histogram in zip(metrics, histograms)), before)
-    )
-    return {"clients": clients, "tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall,
-            "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies),
-            "mean_batch": calls / forwards if forwards else None, "forwards_per_s": forwards / wall,
-            "mean_draft_batch": drafts / blocks if blocks else None,
-            "round_phase_ms": {phase: round(level[f"phase[{phase}]"] / level[f"rounds[{phase}]"] * 1000, 3)
-                               for phase in PHASES if level.get(f"rounds[{phase}]")},
-            "latencies_s": latencies}
+        gateway, verifier, drafter = (difference(scrape(u), b) for u, b in zip((url, *metrics), before))
+        done = [s for per_client in streams for s in per_client if s.error is None]
+        await counter.count(http, (chunk for s in done for chunk in s.chunks))
+    failed = [s.error for per_client in streams for s in per_client if s.error is not None]
+    tokens = sum(s.completion_tokens for s in done)
+    ttft = [s.ttft_s for s in done if s.ttft_s is not None]
+    drafts = gateway.get("ddtree_spec_drafts_total", 0.0)
+    forwards = verifier.get("ddtree_verify_batch_size_count", 0.0)
+    r = {"gateway": url, "mode": mode, "temperature": temperature, "clients": clients,
+         "requests": clients * args.requests, "errors": len(failed),
+         "error_samples": list(dict.fromkeys(failed))[:ERROR_SAMPLES], "tokens": tokens, "wall_s": wall,
+         "tokens_per_s": tokens / wall, "ttft_s": ttft}
+    for name, values in (("ttft", ttft), ("itl", [x for s in done for x in s.itl_s(counter.counts)]),
+                         ("chunk_gap", [x for s in done for x in s.gaps_s]), ("e2e", [s.e2e_s for s in done])):
+        r[f"{name}_p50_s"], r[f"{name}_p99_s"] = percentiles(values)
+    r |= {"tau": 1 + gateway.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts if drafts else None,
+          "mean_step_batch": histogram_mean(gateway, "ddtree_step_batch_size", rpc="VerifyBatch"),
+          "mean_tree_size": histogram_mean(gateway, "ddtree_spec_tree_size"),
+          "tree_sizes": histogram_counts(gateway, "ddtree_spec_tree_size"),
+          "mean_fitted_tree_size": histogram_mean(gateway, "ddtree_step_tree_nodes"),
+          "fitted_tree_sizes": histogram_counts(gateway, "ddtree_step_tree_nodes"),
+          "mean_verify_batch": histogram_mean(verifier, "ddtree_verify_batch_size"),
+          "forwards_per_s": forwards / wall if metrics[0] else None,
+          "mean_draft_batch": histogram_mean(drafter, "ddtree_draft_batch_size"),
+          "round_phase_ms": {p: 1000 * ms for p in PHASES
+                             if (ms := histogram_mean(gateway, "ddtree_round_phase_seconds", phase=p)) is not None}}
+    if temperature == 0:  # greedy: [client][request], None where the request failed
+        r["texts"] = [[None if s.error else s.text for s in per_client] for per_client in streams]
+    return r
+
+
+async def equal_alone(model: str, run: dict, args: argparse.Namespace) -> float:
+    """The share of a greedy level's streams whose text equals its request's sent again alone (one at a time)."""
+    equal = 0
+    async with httpx.AsyncClient(timeout=args.timeout) as http:
+        for c, texts in enumerate(run["texts"]):
+            for r, text in enumerate(texts):
+                stream = await stream_chat(http, run["gateway"], body(
+                    model, seed(run["mode"], 0.0, run["clients"], c, r), run["mode"], 0.0, args))
+                equal += text is not None and stream.error is None and stream.text == text
+    return equal / run["requests"]
+
+
+async def warm_up(url: str, model: str, modes: list[str], temperatures: list[float], clients: int,
+                  args: argparse.Namespace) -> list[str]:
+    """One request per client, the modes and temperatures in turn; the failures' messages."""
+    async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=clients + 1)) as http:
+        streams = await asyncio.gather(*(
+            stream_chat(http, url, body(model, f"warm-up/{c}", modes[c % len(modes)],
+                                        temperatures[c % len(temperatures)], args)) for c in range(clients)))
+    return [s.error for s in streams if s.error is not None]
+
+
+def report_line(r: dict) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{1000 * value:.1f}"
+
+    extra = "".join(f", {label} {r[key]:.2f}" for key, label in (
+        ("tau", "tau"), ("mean_step_batch", "step batch"), ("mean_verify_batch", "verify batch"),
+        ("mean_draft_batch", "draft batch"), ("mean_tree_size", "tree"), ("mean_fitted_tree_size", "verified tree"))
+        if r[key] is not None)
+    return (f"{r['gateway']} {r['mode']} T={r['temperature']:g} {r['clients']} clients: {r['tokens_per_s']:.1f} "
+            f"tokens/s, TTFT p50/p99 {ms(r['ttft_p50_s'])}/{ms(r['ttft_p99_s'])} ms, ITL p50/p99 "
+            f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}")
 
 
 def main() -> None:
@@ -96,38 +141,61 @@ def main() -> None:
     p.add_argument("--verifier-metrics", help="comma-separated metrics URLs of the gateways' verifiers, in order")
     p.add_argument("--drafter-metrics", help="comma-separated metrics URLs of the gateways' drafters, in order")
     p.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
-    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--modes", "--mode", default="ddtree",
+                   help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, ddtree")
+    p.add_argument("--temperatures", "--temperature", default="0",
+                   help="comma-separated temperatures; 0: greedy, above: sampled rounds")
+    p.add_argument("--requests", "--requests-per-client", type=int, default=3, help="requests each client sends")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens (vLLM's ignore_eos)")
     p.add_argument("--prompt-words", type=int, default=40)
-    p.add_argument("--mode", default="ddtree", choices=("ddtree", "chain", "off"))
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled rounds")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--check-alone", action="store_true",
+                   help="send every greedy request again alone and report the share of equal texts")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--out", type=Path, required=True, help="the JSON; its figure goes beside it as .png")
     args = p.parse_args()
     urls = [u.rstrip("/") for u in args.gateways.split(",")]
+
     def per_gateway(value: str | None) -> list[str | None]:
         return [u.rstrip("/") for u in value.split(",")] if value else [None] * len(urls)
 
     metrics = list(zip(per_gateway(args.verifier_metrics), per_gateway(args.drafter_metrics)))
-    model = {served_model(url) for url in urls}.pop()  # every stack speculating before any is timed
-    rng = random.Random(0)
     counts = [int(c) for c in args.clients.split(",")]
-    for url in urls:  # warm-up, as many clients as the most of the run: their sessions' first rounds capture graphs
-        asyncio.run(load(url, (None, None), model, max(counts),
-                         argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng))
-    results: dict[str, list[dict]] = {u: [] for u in urls}
-    for i, clients in enumerate(counts):
-        for url, metric in (list(zip(urls, metrics)) if i % 2 == 0 else list(zip(urls, metrics))[::-1]):
-            r = asyncio.run(load(url, metric, model, clients, args, rng))
-            results[url].append(r)
-            batch = "" if r["mean_batch"] is None else f", mean batch {r['mean_batch']:.2f}"
-            batch += "" if r["mean_draft_batch"] is None else f", mean draft batch {r['mean_draft_batch']:.2f}"
-            phases = ", ".join(f"{phase} {ms:.2f}" for phase, ms in r["round_phase_ms"].items())
-            print(f"{url} {clients} clients: {r['tokens_per_s']:.1f} tokens/s, latency median "
-                  f"{r['latency_median_s'] * 1000:.0f} ms, max {r['latency_max_s'] * 1000:.0f} ms{batch}; round ms: "
-                  f"{phases}", flush=True)
-    if args.out:
-        settings = {k: v for k, v in vars(args).items() if k != "out"}
-        args.out.write_text(json.dumps({"settings": settings, "gateways": results}, indent=1) + "\n")
+    modes = args.modes.split(",")
+    if unknown := set(modes) - {"off", "chain", "ddtree"}:
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from off, chain, ddtree")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    if args.check_alone and 0.0 not in temperatures:
+        p.error("--check-alone compares greedy answers: --temperatures needs 0")
+    model = {served_model(url) for url in urls}.pop()  # every stack speculating before any is timed
+    counters = {url: TokenCounter(url, model) for url in urls}
+    for url in urls:
+        if failed := asyncio.run(warm_up(url, model, modes, temperatures, max(counts), args)):
+            print(f"{url} warm-up: {len(failed)} requests failed, e.g. {failed[0]}", flush=True)
+    runs = []
+    for mode in modes:
+        for temperature in temperatures:
+            for i, clients in enumerate(counts):
+                for url, metric in list(zip(urls, metrics))[:: 1 if i % 2 == 0 else -1]:
+                    runs.append(asyncio.run(level(url, metric, model, mode, temperature, clients, args, counters[url])))
+                    print(report_line(runs[-1]), flush=True)
+    if args.check_alone:
+        for r in runs:
+            if r["temperature"] == 0:
+                r["equal_alone"] = asyncio.run(equal_alone(model, r, args))
+                print(f"{r['gateway']} {r['mode']} {r['clients']} clients: greedy answers equal to alone "
+                      f"{r['equal_alone']:.2f}", flush=True)
+    result = {
+        "hardware": {"gateways": urls, "python": platform.python_version(),
+                     "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "model_pair": {"served_model": model},
+        "settings": {**{k: v for k, v in vars(args).items() if k != "out"}, "clients": counts, "modes": modes,
+                     "temperatures": temperatures},
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    save_figure(load_figure, result, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

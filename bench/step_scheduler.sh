@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The step scheduler against per-request rounds, side by side on one GPU: `ddtree serve` stacks on the embedded pair
 # of SHAPE (`ddtree embed-pair`), each with its own settings, loaded in turns by bench/concurrent_load.py
-# (autoregressive and ddtree requests, CLIENTS concurrent clients), writing OUT/SHAPE_steps_MODE.json.
-#   steps       --batch-steps (the default): one DraftBatch and one VerifyBatch per step; drafts batched too
+# (CLIENTS concurrent streaming clients, every mode of MODES at every temperature of TEMPERATURES), writing one
+# OUT/SHAPE_steps.json and its figure OUT/SHAPE_steps.png; with CAPACITY=NxL, then bench/capacity.py on each stack
+# (N requests of L tokens held at once), writing OUT/SHAPE_capacity_STACK.json.
+#   steps       --batch-steps (the default): one DraftBatch and one VerifyBatch per step; drafts batched too; each
+#               step's trees cut to the size its load verifies best (--fit-trees, the default)
 #   steps-d1    the same with the drafter drafting one block at a time
 #   cohorts     --step-cohorts 2: two cohorts stepping on their own, one's drafts beside the other's verifies
-#   rows        --step-rows 256: each step's trees fitted to 256 verify rows (load-adaptive budgets)
+#   drafted     --no-fit-trees: each step verifies its trees as drafted, at the budget's size whatever the load
 #   alone       --no-batch-steps --draft-max-batch 1: each request's calls go alone and meet by chance
 # usage: bench/step_scheduler.sh SHAPE OUT ; env PAIR (default /tmp/pair-SHAPE), CLIENTS (default 1,4,16),
-# MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), STACKS (the stacks to run,
-# default "steps steps-d1 alone"), DEVICE (default cuda)
+# MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), TEMPERATURES (default 0),
+# CHECK_ALONE (1: each greedy answer against the same request alone), MAX_SESSIONS (each stack's --max-sessions and
+# --max-running; default: theirs, 16), MAX_BATCH (the verifier's, default 16), CAPACITY (NxL, e.g. 128x2048;
+# default: none), STACKS (the stacks to run, default "steps steps-d1 alone"), DEVICE (default cuda)
 set -euo pipefail
 shape=$1 out=$2
 pair=${PAIR:-/tmp/pair-$shape}
@@ -23,7 +28,7 @@ if [[ ! -f $pair/embedding.json ]]; then
 fi
 
 declare -A flags=([steps]="--draft-max-batch 16" [steps-d1]="--draft-max-batch 1"
-                  [cohorts]="--draft-max-batch 16 --step-cohorts 2" [rows]="--draft-max-batch 16 --step-rows 256"
+                  [cohorts]="--draft-max-batch 16 --step-cohorts 2" [drafted]="--draft-max-batch 16 --no-fit-trees"
                   [alone]="--no-batch-steps --draft-max-batch 1")
 read -ra names <<< "${STACKS:-steps steps-d1 alone}"
 pids=() gateways=() verifiers=() drafters=()
@@ -32,7 +37,8 @@ for i in "${!names[@]}"; do
   port=$((8100 + 10 * i))
   # shellcheck disable=SC2086 # the stack's flags are a list
   "${ddtree[@]}" serve --target "$pair/target" --drafter "$pair/drafter" --device "${DEVICE:-cuda}" --dtype bfloat16 \
-    --port "$port" --max-batch 16 --verify-metrics-port $((port + 1)) --draft-metrics-port $((port + 2)) \
+    --port "$port" --max-batch "${MAX_BATCH:-16}" --verify-metrics-port $((port + 1)) \
+    --draft-metrics-port $((port + 2)) ${MAX_SESSIONS:+--max-sessions "$MAX_SESSIONS" --max-running "$MAX_SESSIONS"} \
     ${flags[${names[$i]}]} > "$out/${shape}_steps_${names[$i]}_serve.log" 2>&1 &
   pids+=($!)
   gateways+=("http://127.0.0.1:$port") verifiers+=("http://127.0.0.1:$((port + 1))")
@@ -43,10 +49,18 @@ for url in "${gateways[@]}"; do
   python3 -c "from ddtree.bench_gateway import served_model; served_model('$url')"  # waits until it serves
 done
 stamp "stacks ${names[*]} serving at $(join "${gateways[@]}")"
-for mode in ${MODES:-off ddtree}; do
-  stamp "load, mode $mode"
-  python3 bench/concurrent_load.py --gateways "$(join "${gateways[@]}")" --verifier-metrics "$(join "${verifiers[@]}")" \
-    --drafter-metrics "$(join "${drafters[@]}")" --clients "${CLIENTS:-1,4,16}" --mode "$mode" \
-    --requests-per-client "${REQUESTS:-3}" --max-tokens "${MAX_TOKENS:-64}" --out "$out/${shape}_steps_$mode.json"
-done
+modes=${MODES:-off ddtree}
+stamp "load, modes $modes"
+python3 bench/concurrent_load.py --gateways "$(join "${gateways[@]}")" --verifier-metrics "$(join "${verifiers[@]}")" \
+  --drafter-metrics "$(join "${drafters[@]}")" --clients "${CLIENTS:-1,4,16}" --modes "${modes// /,}" \
+  --temperatures "${TEMPERATURES:-0}" --requests "${REQUESTS:-3}" --max-tokens "${MAX_TOKENS:-64}" \
+  ${CHECK_ALONE:+--check-alone} --out "$out/${shape}_steps.json"
+if [[ -n ${CAPACITY:-} ]]; then
+  for i in "${!names[@]}"; do
+    stamp "capacity $CAPACITY, stack ${names[$i]}"
+    python3 bench/capacity.py --gateway "${gateways[$i]}" --verifier-metrics "${verifiers[$i]}" \
+      --drafter-metrics "${drafters[$i]}" --sessions "${CAPACITY%x*}" --context "${CAPACITY#*x}" \
+      --modes "${modes// /,}" --out "$out/${shape}_capacity_${names[$i]}.json"
+  done
+fi
 stamp done

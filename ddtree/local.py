@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,14 +33,14 @@ class LocalDrafter:
         # ... and can draft after a verify round still in flight (DraftEngine.draft_after)
         self.chains = engine.static is not None
 
-    async def start_session(self, session_id: str, capacity: int) -> None:
-        self.engine.start_session(session_id, capacity)
+    async def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
+        self.engine.start_session(session_id, capacity, grammar)
 
     async def draft(
         self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
-        top_k: int | None,
+        top_k: int | None, committed: Sequence[int] = (),
     ) -> tuple[DraftTree, Mapping[str, float]]:
-        return _handed(self.engine.draft(session_id, features, root_token, root_position, budget, top_k))
+        return _handed(self.engine.draft(session_id, features, root_token, root_position, budget, top_k, committed))
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:
         self.engine.append(session_id, features)
@@ -134,6 +134,7 @@ def load_local(
         return verifier, None
     engine = verifier.engine
     draft_engine = DraftEngine(
-        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager, compile=compile
+        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager, compile=compile,
+        target_path=target,
     )
     return verifier, LocalDrafter(draft_engine)

@@ -1,5 +1,5 @@
 """The benchmarks' figures, written as PNG beside their JSON: the modes side by side (`ddtree bench`, in-process or
-through a gateway) and the cost curve (`ddtree bench --cost-curve`).
+through a gateway), the cost curve (`ddtree bench --cost-curve`) and concurrent clients (`bench/concurrent_load.py`).
 
 matplotlib comes with the `bench` extra (and the `test` one): the service images do not carry it, so it is imported
 here, when a figure is drawn, and a missing one costs the figure only, never the JSON.
@@ -109,6 +109,41 @@ def cost_curve_figure(result: dict) -> Figure:
     tp = f", TP {result['tp']}" if result.get("tp", 1) > 1 else ""
     fig.suptitle(f"cost curve: {result['shape']} ({result['dtype']}{tp}, {result['context']}-token context) on "
                  f"{result['hardware'].get('gpu') or result['hardware']['device']}")
+    fig.tight_layout()
+    return fig
+
+
+def load_figure(result: dict) -> Figure:
+    """Three panels against the client count (log scale), a line per gateway, mode and temperature: tokens/s, the
+    per-token inter-token latency and the time to first token, each p50 (solid) and p99 (dashed) in ms."""
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[str, str, float], list[dict]] = {}
+    for run in result["runs"]:
+        series.setdefault((run["gateway"], run["mode"], run["temperature"]), []).append(run)
+    gateways = len({gateway for gateway, _, _ in series})
+    fig, (speed, itl, ttft) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for i, ((gateway, mode, temperature), runs) in enumerate(series.items()):
+        runs = sorted(runs, key=lambda r: r["clients"])
+        clients = [r["clients"] for r in runs]
+        label = f"{'ar' if mode == 'off' else mode} T={temperature:g}" + (f" {gateway}" if gateways > 1 else "")
+        color = f"C{i % 10}"
+        speed.plot(clients, [r["tokens_per_s"] for r in runs], marker="o", color=color, label=label)
+        for ax, name in ((itl, "itl"), (ttft, "ttft")):
+            for quantile, style in (("p50", "-"), ("p99", "--")):
+                values = [None if r[f"{name}_{quantile}_s"] is None else 1000 * r[f"{name}_{quantile}_s"] for r in runs]
+                ax.plot(clients, values, marker="o", linestyle=style, color=color)
+    counts = sorted({r["clients"] for r in result["runs"]})
+    for ax, title, unit in ((speed, "throughput (all clients)", "tokens/s"),
+                            (itl, "inter-token latency, per token (dashed: p99)", "ms"),
+                            (ttft, "time to first token (dashed: p99)", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+    speed.legend(fontsize=8)  # the colours are the same in every panel
+    fig.suptitle(f"concurrent clients: {_pair(result)} through {', '.join(result['hardware']['gateways'])}")
     fig.tight_layout()
     return fig
 

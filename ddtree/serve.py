@@ -34,7 +34,6 @@ from runtime.config import DTYPE_NAMES
 from draft_server.config import DraftServerConfig
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
-from gateway.steps import budget_ladder
 from verify_server.config import VerifyServerConfig
 
 LOOPBACK = "127.0.0.1"
@@ -66,6 +65,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
     p.add_argument("--draft-max-batch", type=int, default=16,
                    help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
+    p.add_argument("--max-sessions", type=int,
+                   help="sessions the verifier and the drafter each hold at once, their cache slots (default: theirs, "
+                   "16); the gateway runs no more requests at once than this, so raise --max-running with it")
+    p.add_argument("--max-session-tokens", type=int,
+                   help="the longest session (prompt and answer) the verifier and the drafter each take (default: "
+                   "the models' context); the drafter sizes each of its --max-sessions cache slots to it, so many "
+                   "sessions of a long-context drafter need it lowered")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -124,6 +130,10 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.target is not None and args.drafter is None:  # the demo drafter fits the demo target only
         raise SystemExit("ddtree serve: --target needs --drafter: the target's DFlash drafter directory, or 'none' to "
                          "decode autoregressively")
+    if args.max_sessions is not None and args.max_sessions < 1:
+        raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
+    if args.max_session_tokens is not None and args.max_session_tokens < 2:
+        raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
     target, drafter = resolve_pair(args.target, args.drafter)
     if (args.drafter or "").lower() == "none":
         drafter = None
@@ -131,17 +141,17 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
              *(["--eager"] if args.eager else []),
              *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]),
-             *([] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)])]
+             *([] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]),
+             *([] if args.max_sessions is None else ["--max-sessions", str(args.max_sessions)]),
+             *([] if args.max_session_tokens is None else ["--max-session-tokens", str(args.max_session_tokens)])]
     draft_port, verify_port = free_ports(2)
     draft_port, verify_port = args.draft_port or draft_port, args.verify_port or verify_port
     cmds = {}
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
-        # and with --step-rows, the smaller trees a busy step fits it down to
-        budgets = [args.budget, *(budget_ladder(args.budget) if args.step_rows else [])]
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
                          "--metrics-port", str(args.draft_metrics_port),
-                         "--warm-up-budgets", ",".join(str(b) for b in budgets),
+                         "--warm-up-budgets", str(args.budget),
                          "--max-batch", str(args.draft_max_batch)]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""

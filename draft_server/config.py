@@ -25,6 +25,11 @@ class DraftServerConfig(ServiceConfig):
         16, "draft the blocks of up to N sessions' Draft calls that wait for the engine at once (a gateway's step "
         "sends them together) in one forward (each call gets the tree it would alone); 1: each call drafts alone"
     )
+    constrained_trees: bool = option(
+        True, "a session with a grammar (structured output) drafts only tokens its grammar allows after the output "
+        "and each node's path, its tree built on the host (--no-constrained-trees: its trees are built as any other "
+        "session's, and the verifier alone applies the grammar)"
+    )
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
         "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"

@@ -4,11 +4,15 @@ step per round, and the drafts of several sessions together.
 Two paths share the session bookkeeping and the checks: the static one (default; static_drafter.py: cache slots
 from a fixed pool, static buffers, CUDA graphs on a GPU, one host sync per round) and the eager one (`eager=True`:
 a cache allocated per session, shapes that follow the context, nothing captured; the reference for the other).
+A session with a grammar drafts its block on either path, and its tree within the grammar on the host
+(grammar_tree.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -16,6 +20,7 @@ from runtime.timing import TimerEvents
 from draft_server.block_batch import BlockCall
 from draft_server.dflash import DFlashDrafter
 from draft_server.eager_drafter import EagerDrafter
+from draft_server.grammar_tree import DraftGrammars, grammar_tree
 from draft_server.session import (
     CapacityError, DraftCall, DraftResult, DraftSession, SessionError, UnknownSessionError,
 )
@@ -37,13 +42,16 @@ class DraftEngine:
         max_context: int | None = None,
         compile: bool = False,
         max_batch: int = 1,
+        target_path: str | Path | None = None,
+        constrained: bool = True,
     ) -> None:
         """eager: the dynamic path (a cache per session, nothing captured). Otherwise the static path holds at most
         `max_sessions` sessions of at most `max_context` positions each (default: the drafter's
         max_position_embeddings); a slot's memory is allocated when first needed, and CUDA graphs run on a GPU.
         compile: torch.compile the static path's context append, block layers and tree build (fewer, fused
         kernels; a few compiles in warm-up, then one per new budget). max_batch: the most sessions' drafts
-        draft_batch runs in one forward (the service's --max-batch)."""
+        draft_batch runs in one forward (the service's --max-batch). target_path, constrained: the sessions'
+        grammars (DraftGrammars)."""
         cfg = drafter.config
         if head.embed.shape[1] != cfg.hidden_size:
             raise ValueError(f"target hidden size {head.embed.shape[1]} != drafter hidden size {cfg.hidden_size}")
@@ -63,6 +71,7 @@ class DraftEngine:
         self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile,
                                                        max_batch=max_batch)
         self.eager_drafter = EagerDrafter(drafter, head) if eager else None
+        self.grammars = DraftGrammars(target_path, head.vocab_size, constrained)
 
     @property
     def block_size(self) -> int:
@@ -76,14 +85,17 @@ class DraftEngine:
     def eager(self) -> bool:
         return self.static is None
 
-    def start_session(self, session_id: str, capacity: int) -> None:
+    def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
+        """grammar: the output's (SamplingParams.grammar's wire form; "" none), which the session's trees follow
+        where grammars are `constrained`; SessionError for one that does not parse or compile."""
         if session_id in self.sessions:
             raise SessionError(f"session {session_id!r} already exists")
         if capacity < 1:
             raise SessionError(f"capacity must be >= 1, got {capacity}")
+        state = self.grammars.start(grammar) if grammar else None
         if self.static is None:
             ctx_k, ctx_v = self.eager_drafter.caches(capacity)
-            self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic())
+            self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic(), grammar=state)
             return
         if capacity > self.static.max_context:
             raise CapacityError(f"capacity {capacity} exceeds the drafter's max_context {self.static.max_context}")
@@ -94,7 +106,8 @@ class DraftEngine:
                 "(end a session, or raise --max-sessions)"
             )
         ctx_k, ctx_v = self.static.slots[slot]
-        self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic())
+        self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic(),
+                                                 grammar=state)
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)
@@ -117,6 +130,7 @@ class DraftEngine:
         root_position: int,
         budget: int,
         top_k: int | None = None,
+        committed: Sequence[int] = (),
         host_tree: bool = False,
         tree_buffer: int = 0,
     ) -> DraftResult:
@@ -126,28 +140,38 @@ class DraftEngine:
         Nothing here waits for the device: the tree stays on it, so a co-located verifier takes it from there and
         the round's one host sync is the verifier's. host_tree: the static path on a GPU also queues the tree's
         copy to the host as the wire carries it (DraftResult.nodes), for a caller that sends it on (the service);
-        tree_buffer: which pinned buffer that copy lands in (a batch's drafts each need their own until read)."""
-        sess, features = self._begin(session_id, features, root_token, root_position, budget)
+        tree_buffer: which pinned buffer that copy lands in (a batch's drafts each need their own until read).
+        committed: a session with a grammar's output tokens since its previous draft, ending with the root
+        (DraftGrammar.advance); its tree is built within the grammar on the host (one read of the candidates)."""
+        sess, features = self._begin(session_id, features, root_token, root_position, budget, committed)
         timer = self.timers.timer()
         if self.static is not None:
             self.static.draft(sess.slot, sess.length, features, root_token, root_position)
             sess.length = sess.length_max = root_position
             timer.mark()
-            tree, nodes = self.static.tree(budget, top_k, host_tree, tree_buffer)
+            if sess.grammar is not None:
+                tree, nodes = grammar_tree(self.static.logprobs, root_token, budget, top_k, sess.grammar), None
+            else:
+                tree, nodes = self.static.tree(budget, top_k, host_tree, tree_buffer)
             timer.end()
             return DraftResult(tree, timer, nodes)
         self.eager_drafter.append(sess, features)
         logprobs = self.eager_drafter.block_logprobs(sess, root_token, root_position)
         timer.mark()
-        tree = self.eager_drafter.tree(logprobs, root_token, budget, top_k)
+        if sess.grammar is not None:
+            tree = grammar_tree(logprobs, root_token, budget, top_k, sess.grammar)
+        else:
+            tree = self.eager_drafter.tree(logprobs, root_token, budget, top_k)
         timer.end()
         return DraftResult(tree, timer)
 
     def _begin(
-        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int
+        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
+        committed: Sequence[int],
     ) -> tuple[DraftSession, torch.Tensor]:
         """A draft's checks (SessionError, the session untouched), then its session's context settled where the
-        features begin -> (the session, the features, [0, taps*hidden] for none)."""
+        features begin and its grammar (if any) moved past the committed tokens -> (the session, the features,
+        [0, taps*hidden] for none)."""
         sess = self.session(session_id)
         if features is None:
             features = torch.empty(0, self.feature_dim, dtype=self.dtype)
@@ -163,6 +187,8 @@ class DraftEngine:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         self._check_budget(budget)
         sess.settle(root_position - m)
+        if sess.grammar is not None:
+            sess.grammar.advance(committed, root_token, root_position)
         sess.last_used = time.monotonic()
         return sess, features
 
@@ -184,7 +210,7 @@ class DraftEngine:
                 continue
             try:
                 sess, features = self._begin(call.session_id, call.features, call.root_token, call.root_position,
-                                             call.budget)
+                                             call.budget, call.committed)
             except Exception as exc:  # noqa: BLE001 - this call's own error
                 outcomes[i] = exc
                 continue
@@ -202,15 +228,22 @@ class DraftEngine:
         outcomes: list[DraftResult | Exception | None], host_tree: bool,
     ) -> None:
         """The checked calls' blocks in one forward, then each one's tree; every result shares the batch's timer
-        (forward: the appends and the blocks; rest: the trees)."""
+        (forward: the appends and the blocks; rest: the trees). A session with a grammar takes its tree from its
+        block's log-probs on the host; the batch's tree graph still builds one for it (dropped), so that the graph
+        stays the one of the batch's shapes."""
         timer = self.timers.timer()
         batch = self.static.draft_batch([block for _, block in together])
+        sessions = []
         for i, block in together:
             sess = self.session(calls[i].session_id)
             sess.length = sess.length_max = block.position
+            sessions.append(sess)
         timer.mark()
         trees = self.static.batch_trees(batch, [(calls[i].budget, calls[i].top_k) for i, _ in together], host_tree)
-        for (i, _), (tree, nodes) in zip(together, trees):
+        for b, ((i, block), sess, (tree, nodes)) in enumerate(zip(together, sessions, trees)):
+            if sess.grammar is not None:
+                tree = grammar_tree(batch.logprobs[b], block.root, calls[i].budget, calls[i].top_k, sess.grammar)
+                nodes = None
             outcomes[i] = DraftResult(tree, timer, nodes)
         timer.end()
 
@@ -266,6 +299,8 @@ class DraftEngine:
         sess = self.session(session_id)
         if self.static is None:
             raise SessionError("only the static path drafts after a round in flight")
+        if sess.grammar is not None:  # its tree follows the committed output, which the host has not read
+            raise SessionError("a session with a grammar drafts from the host's outcome, not after a round in flight")
         n = features.shape[0]
         self._check_features(features)
         if not 0 < n <= self.block_size or features.device != self.device:

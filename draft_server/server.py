@@ -107,7 +107,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _start_session(self, engine: DraftEngine, request: pb.DrafterStartSessionRequest) -> pb.DrafterStartSessionResponse:
         check_session_id(request.session_id)
         check_capacity(request.capacity, self.max_session_tokens(engine))
-        engine.start_session(request.session_id, request.capacity)
+        engine.start_session(request.session_id, request.capacity, request.grammar)
         return pb.DrafterStartSessionResponse()
 
     def _drafts(self, engine: DraftEngine, requests: list[pb.DraftRequest]) -> list[pb.DraftResponse | Exception]:
@@ -122,7 +122,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             raise RequestError(f"top_k must be >= 0, got {request.top_k}")
         features = _features(request) if request.HasField("features") else None
         return DraftCall(request.session_id, features, request.root_token, request.root_position, request.budget,
-                         request.top_k or None)
+                         request.top_k or None, list(request.committed))
 
     def _append(self, engine: DraftEngine, request: pb.AppendRequest | relay.AppendCall) -> pb.AppendResponse:
         call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
@@ -160,7 +160,8 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     engine = DraftEngine(
         drafter, TargetHead.load(config.target, device, dtype),
         eager=config.eager, max_sessions=config.max_sessions, max_context=config.max_session_tokens,
-        compile=config.compiles, max_batch=config.max_batch,
+        compile=config.compiles, max_batch=config.max_batch, target_path=config.target,
+        constrained=config.constrained_trees,
     )
     cfg = engine.config
     log.info(

@@ -1,13 +1,16 @@
-"""A drafter session's state (its context K/V and how far it reaches), a draft's call and result, and the errors a
-call fails with (the services answer them INVALID_ARGUMENT, NOT_FOUND or RESOURCE_EXHAUSTED)."""
+"""A drafter session's state (its context K/V and how far it reaches, and its grammar where it has one), a draft's
+call and result, and the errors a call fails with (the services answer them INVALID_ARGUMENT, NOT_FOUND or
+RESOURCE_EXHAUSTED)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from runtime.grammar import GrammarState
 from runtime.timing import StepTimer
 from protos.types import DraftTree
 
@@ -25,6 +28,34 @@ class CapacityError(SessionError):
 
 
 @dataclass
+class DraftGrammar:
+    """A drafter session's grammar: its state at the committed output, and the position of the output's last token
+    (the previous draft's root; None before the first draft)."""
+
+    state: GrammarState
+    position: int | None = None
+
+    def advance(self, committed: Sequence[int], root_token: int, root_position: int) -> None:
+        """Moves past a draft's committed tokens (DraftRequest.committed: those since the previous draft, ending
+        with its root) -> SessionError, nothing moved, where they do not continue the output or the grammar."""
+        if not committed or committed[-1] != root_token:
+            raise SessionError(f"committed tokens must end with the root token {root_token}, got {list(committed)}")
+        outside = [t for t in committed if not 0 <= t < self.state.vocab_size]
+        if outside:
+            raise SessionError(f"committed token {outside[0]} outside vocabulary [0, {self.state.vocab_size})")
+        if self.position is not None and root_position - len(committed) != self.position:
+            raise SessionError(
+                f"the previous draft's root was at position {self.position}: a root at {root_position} comes "
+                f"{root_position - self.position} committed tokens later, not {len(committed)}"
+            )
+        try:
+            self.state.commit(committed)
+        except ValueError as exc:
+            raise SessionError(str(exc)) from None
+        self.position = root_position
+
+
+@dataclass
 class DraftSession:
     """Context K/V for every position whose target features the drafter has been sent; the block's own K/V is
     never stored, so `length` is always the next absolute position the context will cover."""
@@ -38,6 +69,7 @@ class DraftSession:
     # [length, length_max]; the next draft names it (its features' first position)
     length_max: int = 0
     last_used: float = 0.0
+    grammar: DraftGrammar | None = None  # where its trees follow a grammar (constrained trees)
 
     def settle(self, start: int) -> None:
         """The context ends at `start`: where the next draft's features begin."""
@@ -56,6 +88,7 @@ class DraftCall(NamedTuple):
     root_position: int
     budget: int
     top_k: int | None = None
+    committed: Sequence[int] = ()  # the output tokens since the session's previous draft (DraftRequest.committed)
 
 
 @dataclass

@@ -107,6 +107,12 @@ class StaticDrafter:
         self._after_copies = CopiesMemo(limit=16)
 
     @property
+    def logprobs(self) -> torch.Tensor:
+        """[B-1, vocab] fp32: the last single draft's block log-probs (the tree graphs' input), rewritten by the
+        next draft."""
+        return self._logprobs
+
+    @property
     def by_address(self) -> bool:
         """Whether a single draft's graphs find its slot by address (its block through the batch kernel, as a batch
         of one; its append through write_slot_rows), so that one graph per shape serves every slot: where graphs

@@ -4,7 +4,7 @@ over gRPC, ddtree/local.py in-process."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -21,13 +21,16 @@ class DrafterClient(Protocol):
     queues: bool
     chains: bool  # a ChainingDrafter: drafts after a round still in flight (draft_after)
 
-    async def start_session(self, session_id: str, capacity: int) -> None: ...
+    async def start_session(self, session_id: str, capacity: int, grammar: str) -> None:
+        """grammar: the request's (SamplingParams.grammar; "" none), which the session's trees then follow."""
+        ...
 
     async def draft(
         self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
-        top_k: int | None,
+        top_k: int | None, committed: Sequence[int],
     ) -> tuple[DraftTree, Mapping[str, float]]:
-        """features: the target's for the positions since the last call (None: none)."""
+        """features: the target's for the positions since the last call (None: none); committed: a session with
+        a grammar's output tokens since its last draft, ending with the root (DraftRequest.committed; () none)."""
         ...
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
 from gateway.health import Backends
 from gateway.steps import Steps
+from gateway.tree_fit import TreeFit
 
 DRAIN_MARGIN_S = 2.0  # after the shutdown grace: for the requests ended then to send their last bytes
 
@@ -54,14 +55,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    steps = (Steps(config.step_wait_ms / 1000, config.step_cohorts, config.step_rows) if config.batch_steps
-             else None)
+    steps = Steps(config.step_wait_ms / 1000, config.step_cohorts) if config.batch_steps else None
+    tree_fit = TreeFit() if steps is not None and config.fit_trees else None
     settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token, steps)
-    verifier = GrpcVerifier(config.verifier, *settings)
+    verifier = GrpcVerifier(config.verifier, *settings, tree_fit=tree_fit)
     address = config.drafter_address
     drafter = GrpcDrafter(address, *settings) if address else None
     try:
-        app = create_app(config, Backends(verifier, drafter, steps), tokenizer)
+        app = create_app(config, Backends(verifier, drafter, steps, tree_fit), tokenizer)
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process. The service ends what is
         # still in flight when the grace is over, so uvicorn's own limit, a little later, finds nothing to cut.

@@ -60,10 +60,10 @@ class GatewayConfig(FlagConfig):
                                      "false: each request's calls go alone and meet in the services by chance")
     step_wait_ms: float = option(2.0, "how long a step waits for a running request that is not yet waiting on a "
                                       "call before it leaves without it, in milliseconds")
-    step_rows: int = option(0, "the verify rows (tree nodes and roots) one step's trees may make in all: each "
-                               "request's tree this step gets at most step_rows / requests - 1 nodes (its own "
-                               "budget stays its ceiling), large trees for few requests, small ones for many; 0: "
-                               "each request's own budget")
+    fit_trees: bool = option(True, "with batch steps, cut each step's trees to the size that commits the most "
+                                   "tokens per second at the step's load, from the live acceptance by node rank and "
+                                   "the verify cost by rows (a request's budget stays its ceiling); false: trees "
+                                   "go as drafted")
     step_cohorts: int = option(1, "running requests step in this many cohorts, each on its own, so that one "
                                   "cohort's drafts run while another's verifies do (2: the drafter and the "
                                   "verifier on two GPUs)")
@@ -107,8 +107,6 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.step_wait_ms < 0:
             raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
-        if self.step_rows < 0:
-            raise ValueError(f"step_rows must be >= 0, got {self.step_rows}")
         if self.step_cohorts < 1:
             raise ValueError(f"step_cohorts must be >= 1, got {self.step_cohorts}")
         if self.shutdown_grace < 0:

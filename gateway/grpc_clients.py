@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -38,6 +39,7 @@ from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
 from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.steps import StepKind, Steps
+from gateway.tree_fit import TreeFit, tree_arrays
 from gateway.transports import GrpcStream, SessionStream, UnaryCalls
 from protos import tensors
 from runtime import relay
@@ -251,7 +253,7 @@ class GrpcDrafter(_Client):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._drafts: StepKind | None = (None if self._steps is None
-                                         else self._steps.kind("DraftBatch", self._send_drafts, _fit_budgets))
+                                         else self._steps.kind("DraftBatch", self._send_drafts))
 
     async def _send_drafts(self, requests: list[pb.DraftRequest]) -> list[Any]:
         return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
@@ -275,10 +277,10 @@ class GrpcDrafter(_Client):
         self._known = tensors.drafter_info_from_pb(await self._info())
         return self._known
 
-    async def start_session(self, session_id: str, capacity: int) -> None:
+    async def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
         async with self._tracked(session_id):
             await self._call("StartSession", self._stub.StartSession,
-                             pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity))
+                             pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity, grammar=grammar))
 
     async def draft(
         self,
@@ -288,9 +290,11 @@ class GrpcDrafter(_Client):
         root_position: int,
         budget: int,
         top_k: int | None,
+        committed: Sequence[int] = (),
     ) -> tuple[DraftTree, dict[str, float]]:
         request = pb.DraftRequest(
-            session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0
+            session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0,
+            committed=committed,
         )
         if features is not None:
             tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
@@ -315,12 +319,6 @@ class GrpcDrafter(_Client):
             await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
 
 
-def _fit_budgets(requests: list[pb.DraftRequest], nodes: int) -> None:
-    """A step's drafts fitted to its verify (gateway/steps.py): each tree at most `nodes` nodes."""
-    for request in requests:
-        request.budget = min(request.budget, nodes)
-
-
 class GrpcVerifier(_Client):
     STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None,
                 "VerifyBatch": pb.VerifyBatchResponse}
@@ -328,14 +326,34 @@ class GrpcVerifier(_Client):
     INFO_REQUEST = pb.VerifierInfoRequest
     SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tree_fit: TreeFit | None = None, **kwargs: Any) -> None:
+        """tree_fit: cuts each step's trees to the size its measurements favour (with steps only; None: trees go
+        as drafted)."""
         super().__init__(*args, **kwargs)
         self._rounds: StepKind | None = (None if self._steps is None
                                          else self._steps.kind("VerifyBatch", self._send_rounds))
+        self._tree_fit = tree_fit
+        self._as_drafted: set[str] = set()  # sessions whose trees go uncut (TreeFit.fit): seeded sampling
 
     async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
-        return await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
-                                 lambda outcome: outcome.step, len(calls))
+        fit = self._tree_fit
+        if fit is not None:
+            fit.fit(calls, self._as_drafted)
+        sent = time.perf_counter()
+        answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
+                                    lambda outcome: outcome.step, len(calls))
+        if fit is not None:
+            rows = 0
+            for call, answer in zip(calls, answers):
+                if not call.HasField("verify"):
+                    rows += 1
+                    continue
+                tree = tree_arrays(call.verify.tree)
+                rows += tree.shape[1]
+                if isinstance(answer, pb.StepResponse):
+                    fit.observe_round(tree, answer.tokens)
+            fit.observe_batch(rows, time.perf_counter() - sent, sent)
+        return answers
 
     async def _round(self, rpc: str, session_id: str, request: pb.VerifyRequest | pb.DecodeRequest) -> StepResult:
         if self._rounds is None:
@@ -355,10 +373,13 @@ class GrpcVerifier(_Client):
         )
         if self._steps is not None:
             self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
+        if params.seed is not None and not params.greedy:
+            self._as_drafted.add(session_id)
         try:
             async with self._tracked(session_id):
                 await self._call("StartSession", self._stub.StartSession, request)
         except BaseException:
+            self._as_drafted.discard(session_id)
             if self._steps is not None:
                 self._steps.leave(session_id)  # no session: the round loop ends here, without an end_session
             raise
@@ -390,5 +411,6 @@ class GrpcVerifier(_Client):
                 await self._call("EndSession", self._stub.EndSession,
                                  pb.VerifierEndSessionRequest(session_id=session_id))
         finally:
+            self._as_drafted.discard(session_id)
             if self._steps is not None:
                 self._steps.leave(session_id)

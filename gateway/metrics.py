@@ -64,6 +64,8 @@ class Metrics:
         self.step_calls = Histogram("ddtree_step_batch_size", "Requests' round calls sent in one batch call of a step "
                                     "(rpc DraftBatch or VerifyBatch; the step scheduler)", ["rpc"],
                                     buckets=STEP_BUCKETS, registry=r)
+        self.fit_nodes = Histogram("ddtree_step_tree_nodes", "The nodes each tree of a step's verify was cut to "
+                                   "(load-adaptive trees, --fit-trees)", buckets=TREE_SIZE_BUCKETS, registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -62,6 +62,7 @@ class Request:
     spec: Speculation
     stops: set[int]
     on_fallback: Callable[[BaseException], None] | None
+    grammar: str = ""  # the output's (SamplingParams.grammar), which the drafter's trees follow
     generated: int = 0
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # the prompt's kept features on their way to the drafter (prefill): the first draft waits for them
@@ -91,14 +92,17 @@ class Request:
 
     def draft(self, step: StepResult) -> Awaitable[tuple[DraftTree, Mapping[str, float]]]:
         """The draft of the round after `step` (the host's copy of the last outcome), with its features; the first
-        one after a prefill whose features were kept waits for their relay instead and brings none."""
-        args = (step.tokens[-1], self.root_position, *self.tree_shape())
+        one after a prefill whose features were kept waits for their relay instead and brings none. A request with
+        a grammar also sends the step's tokens: every draft follows the step before it (a drafter failure ends the
+        drafts), so they are all the output committed since the last draft, ending with the root."""
+        committed = step.tokens if self.grammar else ()
+        args = (step.tokens[-1], self.root_position, *self.tree_shape(), committed)
         if self.relay is None:
             return self.drafter.draft(self.session_id, step.features, *args)
         return self._after_relay(*args)
 
     async def _after_relay(
-        self, root: int, position: int, budget: int, top_k: int | None
+        self, root: int, position: int, budget: int, top_k: int | None, committed: Sequence[int]
     ) -> tuple[DraftTree, Mapping[str, float]]:
         """The drafter's context needs the prompt's features first (the relay's failure fails the draft, and the
         round loop falls back to AR). Its timings add relay_s, the wait for the relay."""
@@ -106,7 +110,7 @@ class Request:
         start = time.perf_counter()
         await relay
         waited = time.perf_counter() - start
-        tree, timings = await self.drafter.draft(self.session_id, None, root, position, budget, top_k)
+        tree, timings = await self.drafter.draft(self.session_id, None, root, position, budget, top_k, committed)
         return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
 
     async def prefill(self, prompt: list[int], chunk: int) -> StepResult:

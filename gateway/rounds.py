@@ -50,7 +50,7 @@ async def run_rounds(
     if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
         params = replace(params, stop_ids=tuple(sorted(set(stop_token_ids))))
     run = Request(verifier, drafter if spec.mode != "ar" else None, len(prompt), max_new_tokens, spec,
-                  set(stop_token_ids), on_fallback)
+                  set(stop_token_ids), on_fallback, params.grammar)
     block = run.drafter.block_size if run.drafter else 1
     taps = run.drafter.target_layer_ids if run.drafter else []
 
@@ -59,7 +59,7 @@ async def run_rounds(
     try:
         if run.drafter:
             try:
-                await run.drafter.start_session(run.session_id, len(prompt) + max_new_tokens)
+                await run.drafter.start_session(run.session_id, len(prompt) + max_new_tokens, params.grammar)
                 drafter_session = True
             except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
                 run.fall_back(exc)

@@ -49,6 +49,8 @@ class GatewayService:
         self.metrics = Metrics()
         if backends.steps is not None:
             backends.steps.sizes = self.metrics.step_calls
+        if backends.tree_fit is not None:
+            backends.tree_fit.chosen = self.metrics.fit_nodes
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered

@@ -12,10 +12,8 @@ Without the gather, rounds met in the servers' queues only by chance (a mean bat
 paid its own RPC. A request that is not waiting on a call (its round handed to a client that reads slowly) holds a
 step back for at most `max_wait_s`; the step then leaves without it and the request joins the next one.
 
-With `step_rows`, a step's drafts are fitted to the verify forward they make: each call's tree gets at most
-step_rows / calls - 1 nodes (a request's own budget stays its ceiling), so that a step of few requests drafts large
-trees and one of many small ones, and the verify's rows stay where its cost is nearly flat (the cost curve); the
-cap is a power of two, so a request's trees keep to a few shapes.
+What a step's verify carries is the verifier client's to decide (gateway/tree_fit.py cuts its trees to the size
+that pays at its load).
 
 With `cohorts` above 1 the running requests are dealt into that many cohorts (each joins the smallest), and each
 cohort steps on its own: one cohort's drafts can run while another's verifies do (on two GPUs, both busy; on one,
@@ -34,19 +32,6 @@ from typing import Any
 from prometheus_client import Histogram
 
 
-def tree_nodes(step_rows: int, calls: int) -> int:
-    """The nodes each of `calls` trees may have in a step of `step_rows` verify rows (a tree's rows: its nodes and
-    its root), rounded down to a power of two so that drafts keep to a few tree shapes, whose kernels and graphs the
-    drafter builds in warm-up (budget_ladder)."""
-    nodes = max(1, step_rows // calls - 1)
-    return 1 << (nodes.bit_length() - 1)
-
-
-def budget_ladder(budget: int) -> list[int]:
-    """The budgets a step may fit a request's `budget` down to: the powers of two below it."""
-    return [1 << i for i in range(budget.bit_length()) if 1 << i < budget]
-
-
 @dataclass
 class _Call:
     session_id: str
@@ -57,12 +42,10 @@ class _Call:
 @dataclass
 class StepKind:
     """One batched RPC. send(requests) -> one outcome per request, in order: an answer, or the exception that
-    request fails with (a failure of the whole batch call raises). fit(requests, nodes): caps each request's tree
-    at `nodes` nodes (the drafts'; None: a kind whose requests carry no tree)."""
+    request fails with (a failure of the whole batch call raises)."""
 
     rpc: str
     send: Callable[[list[Any]], Awaitable[list[Any]]]
-    fit: Callable[[list[Any], int], None] | None = None
 
 
 @dataclass
@@ -80,24 +63,19 @@ class Steps:
     """The requests in a round loop (join .. leave, by session id), which of them wait on a call, and the batched
     calls that go out when all of them (all of a cohort) do."""
 
-    def __init__(self, max_wait_s: float, cohorts: int = 1, step_rows: int = 0) -> None:
-        """step_rows: the verify rows a step's trees may make in all (0: each request's own budget)."""
+    def __init__(self, max_wait_s: float, cohorts: int = 1) -> None:
         if cohorts < 1:
             raise ValueError(f"cohorts must be >= 1, got {cohorts}")
-        if step_rows < 0:
-            raise ValueError(f"step_rows must be >= 0, got {step_rows}")
         self.max_wait_s = max_wait_s
-        self.step_rows = step_rows
         self.sizes: Histogram | None = None  # calls per batch call, by rpc (the gateway's metrics)
         self._kinds: dict[str, StepKind] = {}
         self._cohorts = [_Cohort() for _ in range(cohorts)]
         self._cohort_of: dict[str, _Cohort] = {}  # the running sessions'
         self._calls: Counter[str] = Counter()  # session id -> its calls in progress (a relay overlaps a prefill)
 
-    def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]],
-             fit: Callable[[list[Any], int], None] | None = None) -> StepKind:
+    def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]]) -> StepKind:
         """A batched RPC whose calls go out in steps (each client declares its own)."""
-        kind = self._kinds[rpc] = StepKind(rpc, send, fit)
+        kind = self._kinds[rpc] = StepKind(rpc, send)
         return kind
 
     def join(self, session_id: str) -> None:
@@ -185,11 +163,8 @@ class Steps:
         try:
             if self.sizes is not None:
                 self.sizes.labels(kind.rpc).observe(len(calls))
-            requests = [call.request for call in calls]
-            if self.step_rows and kind.fit is not None:  # each tree's rows: its nodes and its root
-                kind.fit(requests, tree_nodes(self.step_rows, len(calls)))
             try:
-                outcomes = await kind.send(requests)
+                outcomes = await kind.send([call.request for call in calls])
                 if len(outcomes) != len(calls):
                     raise RuntimeError(f"{kind.rpc}: {len(outcomes)} outcomes for {len(calls)} calls")
             except Exception as exc:  # noqa: BLE001 - the batch call failed as a whole: each call fails with it

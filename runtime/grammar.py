@@ -1,15 +1,25 @@
-"""Structured output's grammars as the wire carries them (SamplingParams.grammar): canonical JSON naming what the
-output must be, {"json_object": true}, {"json_schema": {...}} or {"tool_calls": {...}}, and the xgrammar grammar
-each one means. The
-gateway checks a request's grammar with it before starting; the verifier compiles it against the target's
-vocabulary (verify_server/grammar.py)."""
+"""Structured output's grammars as the wire carries them (SamplingParams.grammar, DrafterStartSessionRequest.grammar):
+canonical JSON naming what the output must be, {"json_object": true}, {"json_schema": {...}} or
+{"tool_calls": {...}}, and the xgrammar grammar each one means. The gateway checks a request's grammar with it
+before starting.
+
+Both model services follow a session's grammar from the same pieces: Grammars compiles it once per target
+vocabulary and grammar (cached by the wire's canonical JSON), and a session's GrammarState holds xgrammar's matcher
+at its committed tokens. The verifier masks a tree's logits with it (verify_server/grammar.py); the drafter drafts
+only tokens it allows (draft_server/grammar_tree.py)."""
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
+from transformers import AutoTokenizer
+
+CACHED_GRAMMARS = 64  # compiled grammars a service keeps (the least recently used goes first)
 
 
 def canonical(value: Any) -> str:
@@ -70,3 +80,68 @@ def parse_grammar(description: str) -> xgr.Grammar:
         return xgr.Grammar.from_json_schema(canonical(spec["json_schema"]), any_whitespace=False)
     except RuntimeError as exc:  # xgrammar's errors carry its source location first: keep the message
         raise ValueError(f"invalid JSON schema: {str(exc).split(': ', 1)[-1].strip()}") from None
+
+
+class Grammars:
+    """The target vocabulary's grammar compiler, and its compiled grammars by wire grammar."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)  # cached here, by canonical JSON
+        self.vocab_size = tokenizer_info.vocab_size
+        self.stop_ids = list(tokenizer_info.stop_token_ids)
+        self.compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+
+    @classmethod
+    def from_target(cls, path: str | Path, vocab_size: int, eos_ids: list[int]) -> Grammars:
+        """The target directory's tokenizer; vocab_size: the target's lm_head rows (masks pad the tokenizer's
+        vocabulary to it); eos_ids: what ends a generation, the only tokens allowed once the grammar is complete."""
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids))
+
+    def compile(self, description: str) -> xgr.CompiledGrammar:
+        """ValueError naming what is wrong with a grammar that does not compile."""
+        compiled = self.compiled.get(description)
+        if compiled is None:
+            compiled = self.compiler.compile_grammar(parse_grammar(description))
+            if len(self.compiled) >= CACHED_GRAMMARS:
+                self.compiled.popitem(last=False)
+        self.compiled[description] = compiled
+        self.compiled.move_to_end(description)
+        return compiled
+
+    def start(self, description: str) -> GrammarState:
+        return GrammarState(xgr.GrammarMatcher(self.compile(description)), self.vocab_size, self.stop_ids)
+
+
+class GrammarState:
+    """A session's grammar at its committed tokens: `matcher` has accepted them (up to the grammar's completion).
+    A caller that explores further (a tree's paths) accepts tokens and rolls them back before the next commit."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int, stop_ids: list[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.stop_ids = frozenset(stop_ids)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` where the matcher stands: a completed (terminated) grammar takes only
+        the stop tokens, and accepting one leaves the matcher where it was."""
+        if self.matcher.is_terminated():
+            return token in self.stop_ids
+        if not self.matcher.accept_token(token):
+            return False
+        self.matcher.rollback(1)
+        return True
+
+    def commit(self, tokens: Iterable[int]) -> None:
+        """Moves the committed state past a step's committed tokens (each one the grammar allowed where it was
+        chosen). Tokens after the grammar's completion (EOS again, where the generation goes on) are not fed. A
+        token the grammar refuses raises ValueError, the state as it was before the call."""
+        fed = 0
+        for t in tokens:
+            if self.matcher.is_terminated():
+                break
+            if not self.matcher.accept_token(t):
+                if fed:
+                    self.matcher.rollback(fed)
+                raise ValueError(f"token {t} was committed against the session's grammar")
+            fed += 1

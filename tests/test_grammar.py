@@ -1,7 +1,8 @@
-"""Structured output (verify_server/grammar.py): on the demo pair, greedy output under a JSON grammar through ddtree,
-chain and AR rounds equals a constrained AR greedy decode made here from HF's logits and xgrammar's own matcher,
-token for token, and parses; each tree node's mask is the grammar's after its own path; such sessions never take
-the captured argmax paths."""
+"""Structured output (verify_server/grammar.py, draft_server/grammar_tree.py): on the demo pair, greedy output under
+a JSON grammar through ddtree, chain and AR rounds equals a constrained AR greedy decode made here from HF's logits
+and xgrammar's own matcher, token for token, and parses; every node the drafter drafts is one the grammar allows
+after the output and the node's path, and its constrained trees accept no less than unconstrained ones; each tree
+node's mask is the grammar's after its own path; such sessions never take the captured argmax paths."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import torch
 import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.local import load_local
+from ddtree.local import LocalDrafter, load_local
 from gateway.rounds import Round, Speculation, run_rounds
-from protos.types import SamplingParams
-from runtime.grammar import json_object_grammar, json_schema_grammar, parse_grammar
+from protos.types import DraftTree, SamplingParams
+from runtime.grammar import Grammars, json_object_grammar, json_schema_grammar, parse_grammar
 from runtime.models import read_eos_ids, resolve_pair
-from verify_server.grammar import Grammars
+from verify_server.grammar import TreeGrammar
 
 # a schema whose every output is short: the demo target finishes it well within MAX_NEW
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
@@ -28,6 +29,17 @@ MAX_NEW = 40
 SPECS = (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 48))
 
 
+class DraftLog(LocalDrafter):
+    """Keeps every drafted tree with its root's position."""
+
+    drafts: list[tuple[int, DraftTree]]
+
+    async def draft(self, session_id, features, root_token, root_position, *args):
+        drafted = await super().draft(session_id, features, root_token, root_position, *args)
+        self.drafts.append((root_position, drafted[0].cpu()))
+        return drafted
+
+
 @pytest.fixture(scope="module")
 def demo():
     target, drafter = resolve_pair(None, None)
@@ -35,7 +47,15 @@ def demo():
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
     verifier, local_drafter = load_local(str(target), str(drafter), "cpu", torch.float32)
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return target, tokenizer, model, verifier, local_drafter, prompt["input_ids"]
+    return target, tokenizer, model, verifier, DraftLog(local_drafter.engine), prompt["input_ids"]
+
+
+def matcher(demo, grammar: str) -> xgr.GrammarMatcher:
+    """A matcher built here from the target's tokenizer, independent of the services' grammar code."""
+    target, tokenizer, model = demo[:3]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=read_eos_ids(target))
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(parse_grammar(grammar)))
 
 
 def reference(demo, grammar: str) -> list[int]:
@@ -43,32 +63,65 @@ def reference(demo, grammar: str) -> list[int]:
     target, tokenizer, model, *_, prompt = demo
     stops = read_eos_ids(target)
     vocab = model.get_output_embeddings().weight.shape[0]
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(parse_grammar(grammar)))
+    matcher_ = matcher(demo, grammar)
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     ids, out = list(prompt), []
     with torch.no_grad():
         while len(out) < MAX_NEW:
             logits = model(torch.tensor([ids])).logits[:, -1].float()  # [1, V]
-            matcher.fill_next_token_bitmask(bitmask)
+            matcher_.fill_next_token_bitmask(bitmask)
             xgr.apply_token_bitmask_inplace(logits, bitmask)
             token = int(logits.argmax())
             out.append(token)
             ids.append(token)
             if token in stops:
                 return out
-            assert matcher.accept_token(token)
+            assert matcher_.accept_token(token)
     return out
 
 
 def generate(demo, grammar: str, spec: Speculation) -> list[Round]:
+    """The rounds; every node of every tree drafted on the way is one the grammar allows."""
+    drafter = demo[4]
+    drafter.drafts = []
+    rounds = asyncio.run(_rounds(demo, grammar, spec))
+    assert len(drafter.drafts) == (0 if spec.mode == "ar" else len(rounds) - 1)
+    assert forbidden_nodes(demo, grammar, [t for r in rounds for t in r.tokens], drafter.drafts) == 0
+    return rounds
+
+
+async def _rounds(demo, grammar: str, spec: Speculation) -> list[Round]:
     target, _, _, verifier, drafter, prompt = demo
+    return [r async for r in run_rounds(verifier, drafter if spec.mode != "ar" else None, prompt,
+                                        SamplingParams(grammar=grammar), spec, MAX_NEW, read_eos_ids(target))]
 
-    async def collect() -> list[Round]:
-        return [r async for r in run_rounds(verifier, drafter if spec.mode != "ar" else None, prompt,
-                                            SamplingParams(grammar=grammar), spec, MAX_NEW, read_eos_ids(target))]
 
-    return asyncio.run(collect())
+def forbidden_nodes(demo, grammar: str, output: list[int], drafts: list[tuple[int, DraftTree]]) -> int:
+    """The drafted nodes the grammar forbids after the output up to their tree's root and their own path (past
+    the grammar's completion: all but the stop tokens), by a matcher built here."""
+    stops = read_eos_ids(demo[0])
+    fresh, forbidden = matcher(demo, grammar), 0
+    for root_position, tree in drafts:
+        committed = output[: root_position - len(demo[-1]) + 1]
+        assert committed[-1] == int(tree.tokens[0])
+        start = fresh.fork()
+        for t in committed:
+            if start.is_terminated():
+                break
+            assert start.accept_token(t)
+        allowed = [True] * (tree.num_nodes + 1)  # the root: committed
+        for node in range(1, tree.num_nodes + 1):
+            path, at = [], node
+            while at > 0:
+                path.append(int(tree.tokens[at]))
+                at = int(tree.parents[at])
+            if not allowed[int(tree.parents[node])]:
+                allowed[node] = False  # under a forbidden node
+            else:
+                m = start.fork()
+                allowed[node] = all(t in stops if m.is_terminated() else m.accept_token(t) for t in reversed(path))
+            forbidden += not allowed[node]
+    return forbidden
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.mode)
@@ -101,6 +154,26 @@ def test_json_object_greedy_equals_constrained_decoding(demo, spec: Speculation)
         assert isinstance(json.loads(text), dict)
 
 
+def test_constrained_trees_accept_no_less(demo) -> None:
+    """With the drafter's trees unconstrained (the verifier alone applies the grammar) the output is the same and
+    takes no fewer rounds: every path the target accepts in an unconstrained tree is one of allowed nodes, which
+    a constrained tree of the same budget holds too."""
+    drafter = demo[4]
+    grammar = json_schema_grammar(SCHEMA)
+    spec = Speculation("ddtree", 16)
+    constrained = generate(demo, grammar, spec)
+    drafter.engine.grammars.constrained = False
+    try:
+        drafter.drafts = []
+        free = asyncio.run(_rounds(demo, grammar, spec))
+    finally:
+        drafter.engine.grammars.constrained = True
+    output = [t for r in free for t in r.tokens]
+    assert [t for r in constrained for t in r.tokens] == output
+    assert forbidden_nodes(demo, grammar, output, drafter.drafts) > 0  # what the constrained trees spend elsewhere
+    assert len(constrained) <= len(free)
+
+
 def test_tree_masks_follow_each_path(demo) -> None:
     """Every node's row equals a fresh matcher's mask after that node's path; a node the grammar refuses (and its
     subtree) keeps an all-allowed row; past a completed object only EOS is allowed."""
@@ -114,7 +187,7 @@ def test_tree_masks_follow_each_path(demo) -> None:
     # root (any token: committed already), a's path then EOS, b's path branching off a's first token, a refused "x"
     tokens = [7] + a + [eos] + b[1:] + tokenizer.encode("x", add_special_tokens=False)[:1]
     parents = [-1] + list(range(len(a) + 1)) + [1] + list(range(len(a) + 2, len(a) + len(b))) + [0]
-    masks = grammars.start(grammar).masks(tokens, parents)
+    masks = TreeGrammar(grammars.start(grammar)).masks(tokens, parents)
     for node in range(len(tokens) - 1):
         path, at = [], node
         while at > 0:

@@ -252,7 +252,7 @@ class Remote:
             raise ConnectionError("drafter down")
         self.appended.append(features)
 
-    async def draft(self, session_id, features, root_token, root_position, budget, top_k):
+    async def draft(self, session_id, features, root_token, root_position, budget, top_k, committed):
         self.drafted.append(features)
         if self.fail_draft:
             self.log.append("draft sent")

@@ -64,15 +64,24 @@ async def _streamed(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, **
 
 
 def test_64_concurrent_streams_complete_each_as_alone(stack: Stack) -> None:
-    async def scenario() -> tuple[list[str], list[str]]:
+    """Equal although busy steps verify their trees cut (load-adaptive trees): a cut tree is still a tree the
+    verifier walks exactly."""
+    async def scenario() -> tuple[list[str], list[str], str]:
         client = _client(stack)
         alone = [await _streamed(client, prompt, 24) for prompt in PROMPTS]
         together = await asyncio.gather(*(_streamed(client, PROMPTS[i % len(PROMPTS)], 24) for i in range(64)))
-        return alone, together
+        async with httpx.AsyncClient() as http:
+            gateway = (await http.get(f"{stack.url}/metrics")).text
+        return alone, together, gateway
 
-    alone, together = asyncio.run(scenario())
+    alone, together, gateway = asyncio.run(scenario())
     assert all(alone), "every request produced text"
     assert together == [alone[i % len(PROMPTS)] for i in range(64)]
+    steps = metric(gateway, "ddtree_step_tree_nodes_count")
+    cut = metric(gateway, "ddtree_step_tree_nodes_bucket", le="16.0")
+    print(f"steps {steps:.0f}, cut to <= 16 nodes {cut:.0f}, mean size "
+          f"{metric(gateway, 'ddtree_step_tree_nodes_sum') / steps:.1f}")
+    assert cut > 0, f"no step of {steps:.0f} cut its trees below the budget"
 
 
 def test_a_steady_load_is_verified_in_steps_of_every_client(stack: Stack) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.steps import StepKind, Steps, budget_ladder, tree_nodes
+from gateway.steps import StepKind, Steps
 
 NEVER_S = 60.0  # a max_wait no test reaches: a step that left was whole
 SHORT_S = 0.01
@@ -302,29 +302,3 @@ def test_cohorts_step_on_their_own_so_one_drafts_while_another_verifies():
     assert held == [("answer", "draft-a"), ("answer", "draft-c")]
     with pytest.raises(ValueError, match="cohorts"):
         Steps(NEVER_S, cohorts=0)
-
-
-def test_step_rows_fit_each_drafts_tree_to_the_steps_verify():
-    def fit(requests: list[dict], nodes: int) -> None:
-        for request in requests:
-            request["budget"] = min(request["budget"], nodes)
-
-    async def scenario():
-        steps = Steps(NEVER_S, step_rows=64)
-        for session in "abcd":
-            steps.join(session)
-        send = Recorder(outcome=lambda request: request["budget"])
-        kind = steps.kind("DraftBatch", send, fit)
-        four = await asyncio.gather(*(call(steps, kind, s, {"budget": 32}) for s in "abcd"))  # 64 / 4 - 1 = 15
-        steps.leave("c")
-        steps.leave("d")
-        two = await asyncio.gather(*(call(steps, kind, s, {"budget": b}) for s, b in (("a", 32), ("b", 8))))
-        return four, two
-
-    four, two = run(scenario)
-    assert four == [8, 8, 8, 8]  # 64 / 4 - 1 = 15 rows' worth, down to a power of two
-    assert two == [16, 8]  # 64 / 2 - 1 = 31 -> 16; a request's own budget stays its ceiling
-    assert [tree_nodes(256, n) for n in (1, 4, 8, 16, 64, 300)] == [128, 32, 16, 8, 2, 1]
-    assert budget_ladder(32) == [1, 2, 4, 8, 16] and budget_ladder(24) == [1, 2, 4, 8, 16]
-    with pytest.raises(ValueError, match="step_rows"):
-        Steps(NEVER_S, step_rows=-1)

@@ -11,6 +11,9 @@ from runtime.models import is_hub_id, resolve_pair
 from runtime.config import ServiceConfig, option
 
 
+DEFAULT_PREFIX_CACHE_GIB = {True: 4.0, False: 0.25}  # on a GPU, on a CPU
+
+
 @dataclass(frozen=True, kw_only=True)
 class VerifyServerConfig(ServiceConfig):
     ENV_PREFIX: ClassVar[str] = "DDTREE_VERIFY_"
@@ -38,6 +41,13 @@ class VerifyServerConfig(ServiceConfig):
     )
     warm_up_nodes: int = option(32, "the tree size requests ask for most (the gateway's --budget): its rounds' "
                                      "graphs are captured in warm-up (at most max_tree_size)")
+    prefix_cache_gib: float | None = option(
+        None, "device memory (GiB) for the prefix cache: committed tokens' K/V and drafter features kept after their "
+        "requests, so that a prompt starting as an earlier one (a chat's next turn, a shared system prompt) skips "
+        "that part of its prefill; least recently used blocks go first. Default 4 on a GPU (room for tens of "
+        "thousands of tokens of an 8B target beside its sessions), 0.25 on a CPU (small targets, small memory); "
+        "0: off. Hybrid targets and --tp > 1 do not cache prefixes"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +65,8 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"warm_up_taps must be comma-separated integers, got {self.warm_up_taps!r}") from None
         if any(t < 0 for t in taps):
             raise ValueError(f"warm_up_taps must be layer indices >= 0, got {taps}")
+        if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
+            raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:
             raise ValueError(f"warm_up_nodes must be >= 0, got {self.warm_up_nodes}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:
@@ -65,6 +77,14 @@ class VerifyServerConfig(ServiceConfig):
     @property
     def warm_up_tap_list(self) -> tuple[int, ...]:
         return tuple(int(t) for t in self.warm_up_taps.split(",") if t.strip())
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """prefix_cache_gib in bytes, or its default for the device."""
+        gib = self.prefix_cache_gib
+        if gib is None:
+            gib = DEFAULT_PREFIX_CACHE_GIB[self.torch_device().type == "cuda"]
+        return int(gib * 2**30)
 
     @property
     def served_name(self) -> str:

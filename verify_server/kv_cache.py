@@ -57,6 +57,11 @@ class KVCache:
         self.v[i, :, :, start:end] = v
         return self.k[i, :, :, :end], self.v[i, :, :, :end]
 
+    def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of slots [start, end) in every layer, to read or write in place (the prefix cache's copies):
+        k, v [layers, kv_heads, end-start, head_dim]."""
+        return self.k[:, 0, :, start:end], self.v[:, 0, :, start:end]
+
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Moves the K/V of slots start + keep (keep [n] increasing offsets, keep[0] == 0) to slots
         [start, start+n) in every layer at once, and commits them. Offsets only increase, but a gather into a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from protos.types import SamplingParams
-from verify_server.grammar import GrammarState
+from verify_server.grammar import TreeGrammar
 from verify_server.processors import PathLogprobs, TokenHistory, path_logprobs, process_logits
 
 
@@ -41,7 +41,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 
 def first_token(
     logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None, generator: torch.Generator | None,
-    last: int, grammar: GrammarState | None = None,
+    last: int, grammar: TreeGrammar | None = None,
 ) -> tuple[torch.Tensor, PathLogprobs | None]:
     """A prompt's last row's logits [1, V] -> the target's first token [1] (the choice at a tree holding only its
     root, the prompt's `last` token, within the session's grammar if any) and, where params ask for them, its

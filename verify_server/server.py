@@ -10,10 +10,13 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
 from runtime.service import (
@@ -28,6 +31,7 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from runtime.lane import Route
 from verify_server.config import VerifyServerConfig
+from verify_server.prefix_cache import PrefixStats
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import ROOT_ONLY, VerifyEngine
@@ -194,6 +198,42 @@ def kv_cache_bytes(session: VerifySession) -> int:
     return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
 
 
+class PrefixCacheMetrics(Collector):
+    """The engine's prefix cache, read at each scrape: lookups and hits in prompt tokens, blocks evicted, bytes
+    held (zeros before the engine is loaded, and where it caches no prefixes)."""
+
+    def __init__(self, host: EngineHost[VerifyEngine]) -> None:
+        self.host = host
+        self.prefix = host.metrics.prefix
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self.host.engine.prefix if self.host.engine is not None else None
+        stats = cache.stats if cache is not None else PrefixStats()
+        name = f"{self.prefix}_prefix_cache"
+        yield CounterMetricFamily(f"{name}_query_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.query_tokens)
+        yield CounterMetricFamily(f"{name}_hit_tokens", "Prompt tokens whose K/V (and features) the prefix cache "
+                                  "held: not computed", value=stats.hit_tokens)
+        yield CounterMetricFamily(f"{name}_evicted_blocks", "Prefix cache blocks evicted for room",
+                                  value=stats.evicted_blocks)
+        yield GaugeMetricFamily(f"{name}_bytes", "Device memory held by the prefix cache's blocks",
+                                value=cache.nbytes if cache is not None else 0)
+
+
+def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
+    """The warm-up, then the prefix cache: after it, so that the warm-up's prompts run every step shape whole and
+    leave nothing cached."""
+    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size))
+    budget = config.prefix_cache_bytes
+    if budget and config.tp > 1:
+        # every rank would have to restore its own shard of a prefix in lockstep with rank 0's lookups
+        log.info("prefix caching is off under tensor parallelism")
+    elif budget:
+        engine.enable_prefix_cache(budget)
+        if engine.prefix is not None:
+            log.info("prefix cache: up to %.2f GiB", budget / 2**30)
+
+
 def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     device, dtype = config.torch_device(), config.torch_dtype()
     start = time.perf_counter()
@@ -223,6 +263,7 @@ async def run_server(config: VerifyServerConfig) -> None:
         "ddtree_verify", "kv_cache_bytes", "Target KV cache held by live sessions", config.torch_device()
     )
     host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
+    host.metrics.registry.register(PrefixCacheMetrics(host))
     servicer = VerifierServicer(host, config)
     try:
         await serve(
@@ -231,7 +272,7 @@ async def run_server(config: VerifyServerConfig) -> None:
             SERVICE_NAME,
             lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
             lambda: load_engine(config),
-            lambda engine: warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size)),
+            lambda engine: prepare(engine, config),
             servicer.lane_routes(),
             alive=ranks_alive,
         )

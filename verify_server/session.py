@@ -17,7 +17,8 @@ from kernels.readback import PinnedReadback
 from protos.types import SamplingParams
 from runtime.timing import StepTimer
 from verify_server.kv_cache import KVCache
-from verify_server.grammar import GrammarState
+from verify_server.grammar import TreeGrammar
+from verify_server.prefix_cache import SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.state_cache import StateCache
 
@@ -75,7 +76,8 @@ class VerifySession:
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
     # the committed tokens as penalties and min_tokens read them; None where params.processed is false
     history: TokenHistory | None = None
-    grammar: GrammarState | None = None  # the grammar at the committed tokens, where params carry one
+    grammar: TreeGrammar | None = None  # the grammar at the committed tokens, where params carry one
+    blocks: SessionBlocks | None = None  # what the prefix cache reads of it, where the engine caches prefixes
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
     readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
     queued: int = 0  # rounds queued so far (picks the readback buffer)

@@ -8,6 +8,7 @@ walk and commit of an uncaptured round (walk.py); a session's state (session.py)
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -15,14 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from protos.types import DraftTree, SamplingParams, StepResult
+from runtime.grammar import Grammars
 from runtime.models import read_eos_ids
 from runtime.timing import TimerEvents
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
-from verify_server.grammar import Grammars, GrammarState
+from verify_server.grammar import TreeGrammar
 from verify_server.hf_forward import HFForward
 from verify_server.kv_cache import KVCache
+from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import first_token
@@ -31,6 +34,8 @@ from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
 from verify_server.walk import TreeRows, walk_and_commit
+
+log = logging.getLogger(__name__)
 
 
 def load_target(
@@ -106,7 +111,8 @@ class VerifyEngine:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
                                      max_batch)
             self.queued = QueuedRounds(self.fused, self.timers)
-        self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self.verify)
+        # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
+        self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
         self.hf: HFForward | None = None  # the generic path, for targets without a fused one
         # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
         self.linear: LinearLayout | None = None
@@ -115,6 +121,10 @@ class VerifyEngine:
             self.hf = HFForward(model, max_tree_size + 1)
             self.linear, self.scratch = self.hf.linear, self.hf.scratch
         self.kv_layers = [i for i in range(self.num_layers) if self.linear is None or i not in self.linear.layer_ids]
+        # Whether a prompt's prefix can be restored from cached K/V: not on hybrids, whose linear-attention state
+        # after a prefix is no slice of anything kept (verify_server/state_cache.py)
+        self.caches_prefixes = self.linear is None
+        self.prefix: PrefixCache | None = None  # enable_prefix_cache
 
     @property
     def path(self) -> str:
@@ -122,6 +132,15 @@ class VerifyEngine:
         if self.fused is None:
             return "hf"
         return "fused+graphs" if self.fused.graphs.enabled else "fused"
+
+    def enable_prefix_cache(self, budget_bytes: int) -> None:
+        """Keeps committed tokens' K/V and features past their sessions, up to budget_bytes of device memory
+        (verify_server/prefix_cache.py), where this engine caches prefixes (caches_prefixes); said once in the log
+        where it does not."""
+        if not self.caches_prefixes:
+            log.info("prefix caching is off: this target's linear-attention state cannot be restored at a prefix")
+            return
+        self.prefix = PrefixCache(budget_bytes, self.device)
 
     @classmethod
     def from_pretrained(
@@ -169,22 +188,25 @@ class VerifyEngine:
             cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
         history = TokenHistory(self.vocab_size, self.device) if params.processed else None
+        blocks = SessionBlocks(tuple(taps)) if self.prefix is not None else None
         self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states,
-                                                  history=history, grammar=grammar)
+                                                  history=history, grammar=grammar, blocks=blocks)
 
-    def _grammar(self, description: str) -> GrammarState:
+    def _grammar(self, description: str) -> TreeGrammar:
         """A new session's grammar state; SessionError where it cannot have one."""
         if self.target_path is None:
             raise SessionError("this verifier has no tokenizer to compile grammars with")
         if self.grammars is None:
             self.grammars = Grammars.from_target(self.target_path, self.vocab_size, read_eos_ids(self.target_path))
         try:
-            return self.grammars.start(description)
+            return TreeGrammar(self.grammars.start(description))
         except ValueError as exc:
             raise SessionError(str(exc)) from None
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)
+        if sess is not None and sess.blocks is not None:
+            self.prefix.release(sess.blocks)
         if sess is not None and self.fused is not None:
             self.fused.release(sess.cache)
         return sess is not None
@@ -219,13 +241,16 @@ class VerifyEngine:
         start, n = sess.cache.length, len(prompt)
         sess.check_room(start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
         timer = self.timers.timer()
-        # the captured prompt step attends from slot 0 only; a later chunk also sees the committed prefix
-        captured = None if self.fused is None or start else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
-        if captured is not None:
-            logits, features = captured
-        else:
-            ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-            logits, features = self._forward(sess, ids, torch.arange(start, start + n, device=self.device), None, True)
+        reused, cached = 0, None  # the chunk's first tokens whose K/V the prefix cache restored, their features
+        if sess.blocks is not None:
+            reused, cached = self.prefix.restore(sess.blocks, sess.cache, prompt, more)
+        try:
+            logits, features = self._prompt_forward(sess, prompt[reused:], start + reused)
+        except BaseException:
+            sess.cache.length = start  # the chunk is not committed: the restored slots are free again
+            raise
+        if cached is not None:
+            features = cached if features is None else torch.cat((cached, features))
         timer.mark()
         sess.cache.length = start + n
         if sess.history is not None:
@@ -241,11 +266,30 @@ class VerifyEngine:
             if sess.grammar is not None:
                 sess.grammar.commit([sess.root])
             logprobs = None if scored is None else scored.read(1)
+        if sess.blocks is not None:
+            self.prefix.commit(sess.blocks, sess.cache, prompt if more else [*prompt, sess.root], features)
         if keep_features and features is not None:
             sess.kept_features.append(_kept(features))
             features = None
         forward_s, _ = timer.split()  # a chunk's kernels, not the copy after them
         return StepResult([] if more else [sess.root], features, forward_s=forward_s, logprobs=logprobs)
+
+    def _prompt_forward(
+        self, sess: VerifySession, prompt: list[int], start: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A prompt chunk's tokens from slot `start` on (the committed slots and any the prefix cache restored
+        before them) -> logits of its last token [1, V] fp32, features [len(prompt), taps*hidden] (None without
+        taps); (None, None) for no tokens, a `more` chunk the prefix cache held whole."""
+        sess.cache.length = start
+        if not prompt:
+            return None, None
+        # the captured prompt step attends from slot 0 only; a later chunk also sees the committed prefix
+        captured = None if self.fused is None or start else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
+        if captured is not None:
+            return captured
+        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(prompt), device=self.device)
+        return self._forward(sess, ids, positions, None, True)
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""
@@ -264,6 +308,19 @@ class VerifyEngine:
 
     @torch.inference_mode()
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
+        """_verify, its committed tokens offered to the prefix cache."""
+        return self._cached(session_id, self._verify(session_id, tree, host_features))
+
+    @torch.inference_mode()
+    def _cached(self, session_id: str, step: StepResult) -> StepResult:
+        """A round's commit as the prefix cache sees it: the blocks it fills are offered (where prefixes are
+        cached)."""
+        sess = self.sessions[session_id]
+        if sess.blocks is not None:
+            self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features)
+        return step
+
+    def _verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
         appends the target's choice after it (the bonus), and compacts the cache to that path. The tree may be on
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
@@ -327,7 +384,7 @@ class VerifyEngine:
 
     def collect(self, pending: PendingRound) -> StepResult:
         """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
-        return QueuedRounds.collect(self.session(pending.session_id), pending)
+        return self._cached(pending.session_id, QueuedRounds.collect(self.session(pending.session_id), pending))
 
     @torch.inference_mode()
     def verify_batch(
@@ -335,7 +392,11 @@ class VerifyEngine:
     ) -> list[StepResult | Exception]:
         """Several sessions' Verify and Decode calls, their forward shared where it can be -> each call's
         StepResult, or the exception verify() would raise for it (BatchedRounds.verify_batch)."""
-        return self.batched.verify_batch(calls, host_features)
+        outcomes = self.batched.verify_batch(calls, host_features)
+        for (session_id, _), outcome in zip(calls, outcomes):  # in call order: a session's second call came after
+            if isinstance(outcome, StepResult):
+                self._cached(session_id, outcome)
+        return outcomes
 
     def _forward(
         self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None,

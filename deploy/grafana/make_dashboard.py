@@ -228,11 +228,14 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                   [target(f"sum by (depth) (increase({per_depth}[$__range])) / "
                           f"scalar(sum(increase(ddtree_spec_drafts_total[$__range])))", "depth {{depth}}",
                           instant=True)], "percentunit"), 8, 8),
-        (timeseries("Tree size", "Draft tree nodes per drafted round (root excluded): the budget actually used.",
+        (timeseries("Tree size", "Draft tree nodes per drafted round (root excluded): the budget actually used; "
+                    "and the nodes a step's trees were cut to before their verify (load-adaptive trees): below "
+                    "the drafted size when the step's load makes rows cost.",
                     [target(f"{rate('ddtree_spec_draft_tokens_total')} / {rate('ddtree_spec_drafts_total')}",
                             "mean"),
                      target(quantile(0.5, "ddtree_spec_tree_size"), "p50"),
-                     target(quantile(0.9, "ddtree_spec_tree_size"), "p90")], "none", decimals=1), 8, 8),
+                     target(quantile(0.9, "ddtree_spec_tree_size"), "p90"),
+                     target(mean("ddtree_step_tree_nodes"), "verified mean (cut)")], "none", decimals=1), 8, 8),
         (timeseries("Draft efficiency", "Accepted draft tokens per proposed tree node: how much of the tree the "
                     "target keeps. Larger trees raise τ but lower this.",
                     [target(f"{rate('ddtree_spec_accepted_tokens_total')} / "

@@ -105,12 +105,14 @@ class DrafterInfoResponse(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DrafterStartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity")
+    __slots__ = ("session_id", "capacity", "grammar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class DrafterStartSessionResponse(_message.Message):
     __slots__ = ("timings",)
@@ -133,20 +135,22 @@ class DrafterEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "features", "root_token", "root_position", "budget", "top_k")
+    __slots__ = ("session_id", "features", "root_token", "root_position", "budget", "top_k", "committed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_POSITION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     features: Tensor
     root_token: int
     root_position: int
     budget: int
     top_k: int
-    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
+    committed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., committed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session_id", "features")

@@ -1,0 +1,150 @@
+"""Load-adaptive trees: each step's trees cut to the size that commits the most tokens per second for the whole step,
+from two live measurements: how likely each node of a tree is to be accepted, by its rank, and what a verify
+forward of N rows costs (the cost curve).
+
+A drafter's tree lists its nodes best first (draft_server/tree.py: by path score, parents before children), so its
+first k nodes are the best tree of k nodes, and cutting a tree to k nodes is taking a prefix. A verified tree tells
+what every prefix of it would have accepted: the accepted path's nodes have increasing ranks, and a prefix of k
+nodes keeps exactly the path's nodes of rank <= k. So the acceptance rate by rank, a(i), is counted from every
+round, and a prefix of k nodes is expected to commit 1 + a(1) + ... + a(k) tokens (the 1: the target's own token
+after the path).
+
+A step of n trees cut to k nodes each then commits n * (1 + A(k)) tokens in F + V(rows(k)): V is the verify batch's
+time at that many rows (measured per row count, interpolated between the counts seen), F the rest of a step (the
+drafts, the hosts' work), measured as the time from one verify batch's answer to the next one's call. With few
+requests V is nearly flat and the full trees win; with many, the rows cost and smaller trees win. A request's own
+budget stays its ceiling: a tree is only ever cut.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container, Sequence
+
+import numpy as np
+from prometheus_client import Histogram
+
+from protos.ddtree.v1 import ddtree_pb2 as pb
+
+ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
+MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
+WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
+DECAY = 1 - 1 / 4096  # per counted round: the acceptance rates follow a workload that changes
+COST_WEIGHT = 0.2  # weight of a new measurement in a row count's (or the overhead's) running mean
+STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
+
+
+def tree_arrays(tree: pb.DraftTree) -> np.ndarray:
+    """A wire tree's nodes -> [3, N+1] int32 view (tokens, parents, depths; the root first)."""
+    nodes = np.frombuffer(tree.nodes, dtype=np.int32)
+    return nodes.reshape(3, -1)
+
+
+def cut(tree: pb.DraftTree, nodes: int) -> None:
+    """Keeps the tree's first `nodes` nodes (and its root), in place: the best tree of that size."""
+    arrays = tree_arrays(tree)
+    if arrays.shape[1] - 1 > nodes:
+        tree.nodes = np.ascontiguousarray(arrays[:, : nodes + 1]).tobytes()
+
+
+def path_ranks(tree: np.ndarray, accepted: Sequence[int]) -> list[int]:
+    """tree [3, N+1] (tree_arrays), accepted: the tokens a round committed after its root (the path's, then the
+    target's own) -> the ranks (node indices) of the path's nodes, root excluded."""
+    tokens, parents = tree[0], tree[1]
+    ranks, node = [], 0
+    for token in accepted[:-1]:  # the last one is the target's own choice after the path
+        found = np.flatnonzero((parents == node) & (tokens == token))
+        if not found.size:  # not in the tree: a path never leaves it, but the round may have ended at a stop
+            break
+        node = int(found[0])
+        ranks.append(node)
+    return ranks
+
+
+class TreeFit:
+    """The acceptance rate by rank and the verify cost curve, measured from the steps that go by, and the tree size
+    each step is cut to."""
+
+    def __init__(self, chosen: Histogram | None = None) -> None:
+        """chosen: where each step's chosen size is reported (the gateway's metrics)."""
+        self.chosen = chosen
+        self.hits = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose path held the node of that rank
+        self.trials = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose tree had that rank
+        self.rounds = 0
+        self.costs: dict[int, float] = {}  # rows (a multiple of ROW_QUANTUM) -> running mean of a verify batch's s
+        self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch
+        self._answered: float | None = None  # when the last verify batch's answer came
+
+    # ---- measurements ---------------------------------------------------------------------------------------
+
+    def observe_round(self, tree: np.ndarray, accepted: Sequence[int]) -> None:
+        """A verified tree [3, N+1] and the tokens its round committed."""
+        size = min(tree.shape[1] - 1, MAX_RANK)
+        self.hits *= DECAY
+        self.trials *= DECAY
+        self.trials[1 : size + 1] += 1
+        for rank in path_ranks(tree, accepted):
+            if rank <= MAX_RANK:
+                self.hits[rank] += 1
+        self.rounds += 1
+
+    def observe_batch(self, rows: int, seconds: float, sent: float) -> None:
+        """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer."""
+        key = int(_quantum(rows))
+        known = self.costs.get(key)
+        self.costs[key] = seconds if known is None else known + COST_WEIGHT * (seconds - known)
+        if self._answered is not None and 0 <= sent - self._answered < STALE_GAP_S:
+            gap = sent - self._answered
+            self.overhead_s = gap if self.overhead_s is None else self.overhead_s + COST_WEIGHT * (gap - self.overhead_s)
+        self._answered = time.perf_counter()
+
+    # ---- the choice -----------------------------------------------------------------------------------------
+
+    def rates(self) -> np.ndarray:
+        """[MAX_RANK + 1] the acceptance rate by rank (rank 0, the root, and ranks never tried: 0)."""
+        return np.divide(self.hits, self.trials, out=np.zeros_like(self.hits), where=self.trials > 0)
+
+    def cost(self, rows: np.ndarray) -> np.ndarray:
+        """[m] row counts -> [m] a verify batch's expected seconds at each: the measured mean at that count, else
+        linear between the nearest counts measured; below the least one its cost (a forward costs no less with
+        fewer rows than its weights' reading), above the largest one its cost per row."""
+        keys = _quantum(rows)
+        known = np.array(sorted(self.costs))
+        means = np.array([self.costs[k] for k in known])
+        return np.where(keys > known[-1], means[-1] * keys / known[-1], np.interp(keys, known, means))
+
+    def size(self, trees: Sequence[int], other_rows: int = 0) -> int:
+        """The nodes to cut each tree of a step to, given its trees' sizes and the rows of its other calls (AR
+        steps): the size that commits the most tokens per second (the largest such); the largest tree's size (no
+        cut) until enough is measured."""
+        largest = max(trees)
+        if self.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None:
+            return largest
+        gain = np.concatenate(([0.0], np.cumsum(self.rates()[1 : largest + 1])))  # [largest+1] A(k), A(0) = 0
+        kept = np.minimum(np.asarray(trees)[None, :], np.arange(1, largest + 1)[:, None])  # [largest, n] nodes
+        rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest]: each tree's nodes and its root
+        tokens = len(trees) + gain[kept].sum(axis=1)  # [largest] expected tokens the step commits
+        rate = tokens / (self.overhead_s + self.cost(rows))
+        return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
+
+    def fit(self, calls: Sequence[pb.RoundCall], as_drafted: Container[str] = ()) -> None:
+        """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions in
+        `as_drafted` (seeded sampling: a tree's size decides how many draws a round takes from the session's
+        generator, so a cut would make the text depend on the load)."""
+        trees = [call.verify.tree for call in calls
+                 if call.HasField("verify") and call.verify.session_id not in as_drafted]
+        if not trees:
+            return
+        sizes = [len(tree.nodes) // (3 * 4) - 1 for tree in trees]
+        other_rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
+        nodes = self.size(sizes, other_rows=other_rows - sum(sizes) - len(sizes))
+        if self.chosen is not None:
+            self.chosen.observe(nodes)
+        for tree, size in zip(trees, sizes):
+            if size > nodes:
+                cut(tree, nodes)
+
+
+def _quantum(rows: np.ndarray | int) -> np.ndarray | int:
+    """Row counts rounded up to the cost curve's resolution."""
+    return np.maximum(ROW_QUANTUM, -(-rows // ROW_QUANTUM) * ROW_QUANTUM)

@@ -1,0 +1,137 @@
+"""The many-clients benchmarks end to end against `ddtree serve` on the bundled demo pair (CPU, fp32, `--max-sessions
+4`): bench/concurrent_load.py at 1 and 2 clients, AR and ddtree, greedy and sampled, writes every field with the
+values of a healthy run (each greedy answer equal to the same request alone) and its figure; bench/capacity.py holds
+its sessions all at once and completes them; `ddtree serve --max-sessions` reaches both model services."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from ddtree.cli import build_parser
+from ddtree.plots import load_figure
+from ddtree.serve import commands
+from tests.conftest import png_size
+from tests.services import REPO_ROOT, free_ports, interrupt, wait_gateway_ready
+
+matplotlib.use("Agg")
+SESSIONS = 4
+MODES = ("off", "ddtree")  # chain runs the same client code as ddtree
+TEMPERATURES = (0.0, 0.7)
+CLIENTS = (1, 2)
+REQUESTS = 2
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen
+    url: str
+    verifier_metrics: str
+    drafter_metrics: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    port, verify_metrics, draft_metrics = free_ports(3)
+    log_path = tmp_path_factory.mktemp("load_bench") / "serve.log"
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
+           "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port", str(draft_metrics),
+           "--max-sessions", str(SESSIONS), "--max-running", str(SESSIONS), "--health-interval", "0.5",
+           "--shutdown-grace", "0"]  # nothing is in flight when it stops
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    running = Stack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
+                    f"http://127.0.0.1:{draft_metrics}", log_path)
+    try:
+        wait_gateway_ready(running.url, process, running.log)
+        yield running
+    finally:
+        assert interrupt(process) == 0, running.log()[-5000:]
+
+
+def _bench(script: str, *flags: str) -> None:
+    done = subprocess.run([sys.executable, f"bench/{script}", *flags], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_serve_passes_session_limits_to_both_model_services() -> None:
+    parser = build_parser()
+    cmds = commands(parser.parse_args(["serve", "--max-sessions", "128", "--max-session-tokens", "4096"]))
+    for name in ("draft", "verify"):
+        assert cmds[name][cmds[name].index("--max-sessions") + 1] == "128"
+        assert cmds[name][cmds[name].index("--max-session-tokens") + 1] == "4096"
+    defaults = commands(parser.parse_args(["serve"]))  # without the flags: the services' own defaults (or env)
+    assert all("--max-sessions" not in cmd and "--max-session-tokens" not in cmd for cmd in defaults.values())
+    with pytest.raises(SystemExit, match="--max-sessions must be >= 1"):
+        commands(parser.parse_args(["serve", "--max-sessions", "0"]))
+    with pytest.raises(SystemExit, match="--max-session-tokens must be >= 2"):
+        commands(parser.parse_args(["serve", "--max-session-tokens", "1"]))
+
+
+def test_load_bench_reports_every_level(stack: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    _bench("concurrent_load.py", "--gateways", stack.url, "--verifier-metrics", stack.verifier_metrics,
+           "--drafter-metrics", stack.drafter_metrics, "--clients", ",".join(map(str, CLIENTS)),
+           "--modes", ",".join(MODES), "--temperatures", ",".join(map(str, TEMPERATURES)),
+           "--requests", str(REQUESTS), "--max-tokens", "8", "--check-alone", "--out", str(out))
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [(r["mode"], r["temperature"], r["clients"]) for r in runs] == [
+        (m, t, c) for m in MODES for t in TEMPERATURES for c in CLIENTS]
+    for r in runs:
+        assert r["gateway"] == stack.url and r["requests"] == r["clients"] * REQUESTS
+        assert r["errors"] == 0 and r["error_samples"] == [], r["error_samples"]
+        assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["wall_s"] > 0
+        assert len(r["ttft_s"]) == r["requests"] and all(t > 0 for t in r["ttft_s"])
+        for name in ("ttft", "itl", "chunk_gap", "e2e"):
+            assert r[f"{name}_p99_s"] >= r[f"{name}_p50_s"] > 0, name
+        assert r["mean_step_batch"] >= 1 and r["mean_verify_batch"] >= 1 and r["forwards_per_s"] > 0
+        assert "verify" in r["round_phase_ms"]
+        if r["mode"] == "off":
+            assert r["tau"] is None and r["mean_tree_size"] is None and r["tree_sizes"] == {}
+            assert r["mean_fitted_tree_size"] is None and r["fitted_tree_sizes"] == {}
+            assert r["mean_draft_batch"] is None
+        else:
+            assert r["tau"] >= 1 and r["mean_draft_batch"] >= 1
+            # drafted at the gateway's default budget, 32 nodes; a step may verify fewer
+            assert r["mean_tree_size"] == 32 and list(r["tree_sizes"]) == ["32"]
+            assert r["mean_fitted_tree_size"] is None or 1 <= r["mean_fitted_tree_size"] <= 32
+        if r["temperature"] == 0:
+            assert r["equal_alone"] == 1.0
+            assert len(r["texts"]) == r["clients"] and all(t for texts in r["texts"] for t in texts)
+        else:
+            assert "equal_alone" not in r and "texts" not in r
+    assert result["settings"]["clients"] == list(CLIENTS) and result["settings"]["modes"] == list(MODES)
+    assert png_size(out.with_suffix(".png"))[0] > 0
+    speed = load_figure(result).axes[0]  # a line per mode and temperature, its points the levels' tokens/s
+    assert [list(line.get_ydata()) for line in speed.lines] == [
+        [r["tokens_per_s"] for r in runs if (r["mode"], r["temperature"]) == (m, t)]
+        for m in MODES for t in TEMPERATURES]
+
+
+def test_capacity_holds_every_session_at_once(stack: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "capacity.json"
+    _bench("capacity.py", "--gateway", stack.url, "--verifier-metrics", stack.verifier_metrics, "--drafter-metrics",
+           stack.drafter_metrics, "--sessions", str(SESSIONS), "--context", "64", "--modes", "ddtree",
+           "--out", str(out))
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["errors"] == 0, r["error_samples"]
+    assert r["completed"] == r["held_at_once"] == SESSIONS
+    assert all(16 < count < 64 for count in r["prompt_tokens"])
+    peaks = r["peaks"]
+    assert 1 <= peaks["ddtree_requests_running"] <= SESSIONS and peaks["ddtree_requests_waiting"] == 0
+    assert 1 <= peaks["ddtree_verify_active_sessions"] <= SESSIONS and peaks["ddtree_verify_kv_cache_bytes"] > 0
+    assert 1 <= peaks["ddtree_draft_active_sessions"] <= SESSIONS and peaks["ddtree_draft_context_cache_bytes"] > 0
