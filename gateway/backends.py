@@ -1,6 +1,6 @@
 """The round loop's view of the drafter and the verifier (gateway/rounds.py): the calls it makes, whichever side of
-a process boundary they are on, and what each backend declares it can do. gateway/grpc_clients.py implements them
-over gRPC, ddtree/local.py in-process."""
+a process boundary they are on, and what each backend declares it can do. gateway/grpc_drafter.py and
+gateway/grpc_verifier.py implement them over gRPC, ddtree/local.py in-process."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ from runtime.event_loop import busy_poll_seconds
 from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+from gateway.grpc_drafter import GrpcDrafter
+from gateway.grpc_verifier import GrpcVerifier
 from gateway.health import Backends
 from gateway.steps import Steps
 from gateway.tree_fit import TreeFit

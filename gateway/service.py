@@ -25,7 +25,7 @@ from gateway.admission import RETRY_AFTER_S, RunningLimit
 from gateway.chat import ChatTemplateArgs, render
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
-from gateway.grpc_clients import BackendError
+from gateway.grpc_client import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
 from gateway.generation import Delta, GenerationRequest, ModelInfo

@@ -2,11 +2,12 @@
 (the .proto's DraftBatch and VerifyBatch) instead of one call per request and round.
 
 Each request keeps its own round loop (gateway/round_loops.py), which awaits its draft and its verify as before; the
-gRPC clients (gateway/grpc_clients.py) hand those calls here. A call waits until the step is whole, that is until
-every running request is waiting on some call of either service, and then the waiting calls of one kind leave
-together in one message; the server runs them in one forward (up to its --max-batch at once). At most one batch (of
-a cohort, below) is in flight at a time, so the drafts of a step and its verifies alternate: on one GPU the two services never compete
-for it, and a request that arrives mid-step joins the next step of its kind instead of running a cohort of its own.
+gRPC clients (gateway/grpc_drafter.py, gateway/grpc_verifier.py) hand those calls here. A call waits until the step
+is whole, that is until every running request is waiting on some call of either service, and then the waiting calls
+of one kind leave together in one message; the server runs them in one forward (up to its --max-batch at once). At
+most one batch (of a cohort, below) is in flight at a time, so the drafts of a step and its verifies alternate: on
+one GPU the two services never compete for it, and a request that arrives mid-step joins the next step of its kind
+instead of running a cohort of its own.
 
 Without the gather, rounds met in the servers' queues only by chance (a mean batch of ~5 of 16 sessions) and each
 paid its own RPC. A request that is not waiting on a call (its round handed to a client that reads slowly) holds a

@@ -1,7 +1,7 @@
 """The transports of a session's round calls on the gateway's side: a connection to the service's round lane
 (runtime/lane.py Lane) and, where the service has none, a gRPC stream of the call's XStream form (GrpcStream), or
 unary calls for the calls that have no stream form, those carrying a prompt's features (UnaryCalls). Each exchanges
-one request for one answer, in order; gateway/grpc_clients.py picks one per session and call."""
+one request for one answer, in order; gateway/grpc_client.py picks one per session and call."""
 
 from __future__ import annotations
 

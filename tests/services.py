@@ -59,6 +59,20 @@ class Service:
         return self.process.returncode
 
 
+@dataclass
+class ServeStack:
+    """A `ddtree serve` process on loopback: its gateway's URL and its model services' metrics URLs."""
+
+    process: subprocess.Popen
+    url: str
+    verifier_metrics: str
+    drafter_metrics: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
 def free_ports(count: int) -> list[int]:
     """Ports free right now; all taken at once so that no two of them are the same."""
     sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]

@@ -16,7 +16,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+from gateway.grpc_drafter import GrpcDrafter
+from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Round, Speculation, run_rounds
 from gateway.steps import Steps
 from protos import tensors

@@ -17,7 +17,9 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.local import load_local
-from gateway.grpc_clients import BackendError, GrpcDrafter, GrpcVerifier
+from gateway.grpc_client import BackendError
+from gateway.grpc_drafter import GrpcDrafter
+from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
 from gateway.steps import Steps
 from protos.types import SamplingParams

@@ -25,7 +25,9 @@ from protos.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
 from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
-from gateway.grpc_clients import BackendError, GrpcDrafter, GrpcVerifier
+from gateway.grpc_client import BackendError
+from gateway.grpc_drafter import GrpcDrafter
+from gateway.grpc_verifier import GrpcVerifier
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
 from protos import tensors

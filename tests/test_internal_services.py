@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.grpc_clients import GrpcVerifier
+from gateway.grpc_verifier import GrpcVerifier
 from gateway.health import Backends
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import SamplingParams

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -19,7 +18,7 @@ from ddtree.cli import build_parser
 from ddtree.plots import load_figure
 from ddtree.serve import commands
 from tests.conftest import png_size
-from tests.services import REPO_ROOT, free_ports, interrupt, wait_gateway_ready
+from tests.services import REPO_ROOT, ServeStack, free_ports, interrupt, wait_gateway_ready
 
 matplotlib.use("Agg")
 SESSIONS = 4
@@ -29,20 +28,8 @@ CLIENTS = (1, 2)
 REQUESTS = 2
 
 
-@dataclass
-class Stack:
-    process: subprocess.Popen
-    url: str
-    verifier_metrics: str
-    drafter_metrics: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
+def stack(tmp_path_factory) -> Iterator[ServeStack]:
     port, verify_metrics, draft_metrics = free_ports(3)
     log_path = tmp_path_factory.mktemp("load_bench") / "serve.log"
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
@@ -52,8 +39,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
-    running = Stack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
-                    f"http://127.0.0.1:{draft_metrics}", log_path)
+    running = ServeStack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
+                         f"http://127.0.0.1:{draft_metrics}", log_path)
     try:
         wait_gateway_ready(running.url, process, running.log)
         yield running
@@ -81,7 +68,7 @@ def test_serve_passes_session_limits_to_both_model_services() -> None:
         commands(parser.parse_args(["serve", "--max-session-tokens", "1"]))
 
 
-def test_load_bench_reports_every_level(stack: Stack, tmp_path: Path) -> None:
+def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     _bench("concurrent_load.py", "--gateways", stack.url, "--verifier-metrics", stack.verifier_metrics,
            "--drafter-metrics", stack.drafter_metrics, "--clients", ",".join(map(str, CLIENTS)),
@@ -122,7 +109,7 @@ def test_load_bench_reports_every_level(stack: Stack, tmp_path: Path) -> None:
         for m in MODES for t in TEMPERATURES]
 
 
-def test_capacity_holds_every_session_at_once(stack: Stack, tmp_path: Path) -> None:
+def test_capacity_holds_every_session_at_once(stack: ServeStack, tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
     _bench("capacity.py", "--gateway", stack.url, "--verifier-metrics", stack.verifier_metrics, "--drafter-metrics",
            stack.drafter_metrics, "--sessions", str(SESSIONS), "--context", "64", "--modes", "ddtree",

@@ -19,7 +19,8 @@ import torch
 from runtime.service import EngineHost, RequestError, ServiceMetrics, streamed
 from runtime.process import use_device
 from protos.types import DraftTree, SamplingParams, StepResult
-from gateway.grpc_clients import BackendError, GrpcDrafter
+from gateway.grpc_client import BackendError
+from gateway.grpc_drafter import GrpcDrafter
 from gateway.rounds import Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb

@@ -8,43 +8,31 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from tests.gateway_support import metric
-from tests.services import free_ports, interrupt, wait_gateway_ready
+from tests.services import ServeStack, free_ports, interrupt, wait_gateway_ready
 
 PROMPTS = [f"Write a short note about {topic}." for topic in (
     "rivers", "stones", "light", "paper", "gardens", "windows", "silver", "music", "numbers", "mornings", "engines",
     "circles", "markets", "winter", "bridges", "letters")]
 
 
-@dataclass
-class Stack:
-    process: subprocess.Popen
-    url: str
-    verifier_metrics: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
-    port, verify_metrics = free_ports(2)
+def stack(tmp_path_factory) -> Iterator[ServeStack]:
+    port, verify_metrics, draft_metrics = free_ports(3)
     log_path = tmp_path_factory.mktemp("steps") / "serve.log"
     cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
-           "--verify-metrics-port", str(verify_metrics), "--max-batch", "16", "--draft-max-batch", "16",
-           "--max-running", "16", "--health-interval", "0.5"]
+           "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port", str(draft_metrics),
+           "--max-batch", "16", "--draft-max-batch", "16", "--max-running", "16", "--health-interval", "0.5"]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
-    running = Stack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}", log_path)
+    running = ServeStack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
+                         f"http://127.0.0.1:{draft_metrics}", log_path)
     try:
         wait_gateway_ready(running.url, process, running.log)
         yield running
@@ -52,7 +40,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
         assert interrupt(process) == 0, running.log()[-5000:]
 
 
-def _client(stack: Stack) -> openai.AsyncOpenAI:
+def _client(stack: ServeStack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
 
 
@@ -63,7 +51,7 @@ async def _streamed(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, **
     return "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
 
 
-def test_64_concurrent_streams_complete_each_as_alone(stack: Stack) -> None:
+def test_64_concurrent_streams_complete_each_as_alone(stack: ServeStack) -> None:
     """Equal although busy steps verify their trees cut (load-adaptive trees): a cut tree is still a tree the
     verifier walks exactly."""
     async def scenario() -> tuple[list[str], list[str], str]:
@@ -84,15 +72,22 @@ def test_64_concurrent_streams_complete_each_as_alone(stack: Stack) -> None:
     assert cut > 0, f"no step of {steps:.0f} cut its trees below the budget"
 
 
-def test_a_steady_load_is_verified_in_steps_of_every_client(stack: Stack) -> None:
+def test_a_steady_load_is_verified_in_steps_of_every_client(stack: ServeStack) -> None:
     """16 streams at once (fixed lengths: ignore_eos): from the moment all 16 stream until the first ends, the
     verifier's mean batch, from its own histogram, counts (nearly) every one of them."""
 
     async def read(http: httpx.AsyncClient) -> tuple[float, float, float]:
         verifier = (await http.get(f"{stack.verifier_metrics}/metrics")).text
         gateway = (await http.get(f"{stack.url}/metrics")).text
-        return (metric(verifier, "ddtree_verify_batch_size_count"), metric(verifier, "ddtree_verify_batch_size_sum"),
-                metric(gateway, "ddtree_step_batch_size_count", rpc="VerifyBatch"))
+        # a histogram's samples appear with its first observation: none yet counts as 0
+        def count(text: str, name: str, **labels: str) -> float:
+            try:
+                return metric(text, name, **labels)
+            except KeyError:
+                return 0.0
+
+        return (count(verifier, "ddtree_verify_batch_size_count"), count(verifier, "ddtree_verify_batch_size_sum"),
+                count(gateway, "ddtree_step_batch_size_count", rpc="VerifyBatch"))
 
     async def stream(client: openai.AsyncOpenAI, prompt: str, started: asyncio.Event) -> str:
         chunks = await client.chat.completions.create(

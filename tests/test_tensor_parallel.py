@@ -107,7 +107,8 @@ def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_targ
     import os
     import signal
 
-    from gateway.grpc_clients import GrpcDrafter, GrpcVerifier
+    from gateway.grpc_drafter import GrpcDrafter
+    from gateway.grpc_verifier import GrpcVerifier
     from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, free_ports, launch, wait_serving
 
     ports = free_ports(4)

@@ -2,8 +2,9 @@
 
 Its parts: the fused path's runner (verify_server/fused_runner.py) where the target has one, else the HF modules
 with our attention (tree_attention.py, linear_attention.py); captured greedy rounds queued on the device
-(queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); the
-walk and commit of an uncaptured round (walk.py); a session's state (session.py).
+(queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); a
+prompt's prefill, whole or in chunks (prefill.py, PromptPrefill); the walk and commit of an uncaptured round
+(walk.py); a session's state (session.py).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.grammar import TreeGrammar
 from verify_server.hf_forward import HFForward
 from verify_server.kv_cache import KVCache
+from verify_server.prefill import PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
-from verify_server.sampling import first_token
 from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_inputs import ROOT_ONLY
@@ -49,19 +50,6 @@ def load_target(
         path, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
     )
     return model.to(device).eval()
-
-
-def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A prefill's features as a take hands them out: on the host, so that a take only sends them. From a GPU, a
-    copy to pinned memory queued behind the forward, and the event a take waits on: the prefill call itself does
-    not wait for it (a long chunk's features at a large target's width are tens of MB)."""
-    if features.device.type == "cpu":
-        return features, None
-    kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
-    kept.copy_(features, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return kept, copied
 
 
 class VerifyEngine:
@@ -113,6 +101,8 @@ class VerifyEngine:
             self.queued = QueuedRounds(self.fused, self.timers)
         # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
+        # a prompt chunk that no captured prompt step runs goes through _forward
+        self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
         self.hf: HFForward | None = None  # the generic path, for targets without a fused one
         # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
         self.linear: LinearLayout | None = None
@@ -231,75 +221,11 @@ class VerifyEngine:
         the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
         and a sampled session's generator draws nothing, so a chunked prompt samples what it would have in one
         call. A completed prompt takes no more chunks."""
-        sess = self.session(session_id)
-        if sess.root is not None:
-            raise SessionError(
-                f"session {session_id!r} is already prefilled: its prompt ended with a call without `more`"
-            )
-        if not prompt:
-            raise SessionError("the prompt chunk is empty")
-        start, n = sess.cache.length, len(prompt)
-        sess.check_room(start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
-        timer = self.timers.timer()
-        reused, cached = 0, None  # the chunk's first tokens whose K/V the prefix cache restored, their features
-        if sess.blocks is not None:
-            reused, cached = self.prefix.restore(sess.blocks, sess.cache, prompt, more)
-        try:
-            logits, features = self._prompt_forward(sess, prompt[reused:], start + reused)
-        except BaseException:
-            sess.cache.length = start  # the chunk is not committed: the restored slots are free again
-            raise
-        if cached is not None:
-            features = cached if features is None else torch.cat((cached, features))
-        timer.mark()
-        sess.cache.length = start + n
-        if sess.history is not None:
-            sess.history.add_prompt(prompt)
-        logprobs = None
-        if more:
-            timer.end()
-        else:  # read before the kept features' copy is queued: the first token does not wait for it
-            first, scored = first_token(logits, sess.params, sess.history, sess.generator, prompt[-1], sess.grammar)
-            sess.root = timer.sync(lambda: int(first.item()))
-            if sess.history is not None:
-                sess.history.add_output([sess.root])
-            if sess.grammar is not None:
-                sess.grammar.commit([sess.root])
-            logprobs = None if scored is None else scored.read(1)
-        if sess.blocks is not None:
-            self.prefix.commit(sess.blocks, sess.cache, prompt if more else [*prompt, sess.root], features)
-        if keep_features and features is not None:
-            sess.kept_features.append(_kept(features))
-            features = None
-        forward_s, _ = timer.split()  # a chunk's kernels, not the copy after them
-        return StepResult([] if more else [sess.root], features, forward_s=forward_s, logprobs=logprobs)
-
-    def _prompt_forward(
-        self, sess: VerifySession, prompt: list[int], start: int
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A prompt chunk's tokens from slot `start` on (the committed slots and any the prefix cache restored
-        before them) -> logits of its last token [1, V] fp32, features [len(prompt), taps*hidden] (None without
-        taps); (None, None) for no tokens, a `more` chunk the prefix cache held whole."""
-        sess.cache.length = start
-        if not prompt:
-            return None, None
-        # the captured prompt step attends from slot 0 only; a later chunk also sees the committed prefix
-        captured = None if self.fused is None or start else self.fused.prefill(sess.cache, tuple(sess.taps), prompt)
-        if captured is not None:
-            return captured
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(prompt), device=self.device)
-        return self._forward(sess, ids, positions, None, True)
+        return self.prompts.prefill(session_id, self.session(session_id), prompt, more, keep_features, self.prefix)
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""
-        sess = self.session(session_id)
-        if not sess.kept_features:
-            raise SessionError(f"session {session_id!r} has no kept prompt features left to take")
-        features, copied = sess.kept_features.popleft()
-        if copied is not None:
-            copied.synchronize()
-        return StepResult([], features)
+        return self.prompts.take_features(session_id, self.session(session_id))
 
     @torch.inference_mode()
     def decode(self, session_id: str, host_features: bool = False) -> StepResult:

@@ -1,5 +1,6 @@
-"""The round loop's DrafterClient / VerifierClient over gRPC (grpc.aio), with the same signatures as the
-in-process backends of ddtree/local.py, so `run_rounds` cannot tell them apart.
+"""The base of the round loop's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
+Its subclasses, GrpcDrafter (gateway/grpc_drafter.py) and GrpcVerifier (gateway/grpc_verifier.py), have the same
+signatures as the in-process backends of ddtree/local.py, so `run_rounds` cannot tell them apart.
 
 Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
 back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
@@ -11,14 +12,9 @@ XStream; the features' calls, BULK, have none and go unary). Features and trees 
 (protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
 are never decoded to torch tensors here.
 
-With a `Steps` (gateway/steps.py), the round calls (Draft; Verify and Decode) of all running sessions go out in
-steps, as one DraftBatch or VerifyBatch call each, over one connection per client; the other calls tell the Steps
-while they are in progress, so that a step does not wait for a session that is waiting on them.
-
-    drafter = GrpcDrafter("drafter:50061")
-    await drafter.info()        # block_size and target_layer_ids come from the server
-    ...
-    await drafter.close()
+With a `Steps` (gateway/steps.py), the round calls of all running sessions go out in steps, as one batch call each
+(`_batch`), over one connection per client; the other calls tell the Steps while they are in progress, so that a
+step does not wait for a session that is waiting on them.
 """
 
 from __future__ import annotations
@@ -26,25 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-import torch
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
-from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
-from gateway.steps import StepKind, Steps
-from gateway.tree_fit import TreeFit, tree_arrays
+from gateway.steps import Steps
 from gateway.transports import GrpcStream, SessionStream, UnaryCalls
-from protos import tensors
-from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from runtime.lane import CallFailed, Lane
 
 log = logging.getLogger(__name__)
@@ -67,7 +56,7 @@ class BackendError(RuntimeError):
         self.details = details
 
 
-class _Client:
+class GrpcClient:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
     remote = True  # the round loop starts a round's first call before handing the previous round over
@@ -239,178 +228,3 @@ class _Client:
 
 def _serialized(request: Message | tuple[bytes | memoryview, ...]) -> bytes:
     return request.SerializeToString() if isinstance(request, Message) else b"".join(request)
-
-
-class GrpcDrafter(_Client):
-    queues = False  # (remote: the round loop starts its drafts early anyway)
-    chains = False
-    STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
-    BULK = frozenset({"Append", "DraftBatch"})
-    INFO_REQUEST = pb.DrafterInfoRequest
-    SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
-    _known: DrafterInfo | None = None  # info(), once asked
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._drafts: StepKind | None = (None if self._steps is None
-                                         else self._steps.kind("DraftBatch", self._send_drafts))
-
-    async def _send_drafts(self, requests: list[pb.DraftRequest]) -> list[Any]:
-        return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
-                                 lambda outcome: outcome.draft, len(requests))
-
-    @property
-    def block_size(self) -> int:
-        return self._known_info().block_size
-
-    @property
-    def target_layer_ids(self) -> list[int]:
-        return list(self._known_info().target_layer_ids)
-
-    def _known_info(self) -> DrafterInfo:
-        if self._known is None:
-            raise RuntimeError(f"call `await info()` on the drafter at {self.address} before using it")
-        return self._known
-
-    async def info(self) -> DrafterInfo:
-        """Asks the server (and remembers the answer for block_size and target_layer_ids)."""
-        self._known = tensors.drafter_info_from_pb(await self._info())
-        return self._known
-
-    async def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
-        async with self._tracked(session_id):
-            await self._call("StartSession", self._stub.StartSession,
-                             pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity, grammar=grammar))
-
-    async def draft(
-        self,
-        session_id: str,
-        features: torch.Tensor | tensors.WireTensor | None,
-        root_token: int,
-        root_position: int,
-        budget: int,
-        top_k: int | None,
-        committed: Sequence[int] = (),
-    ) -> tuple[DraftTree, dict[str, float]]:
-        request = pb.DraftRequest(
-            session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0,
-            committed=committed,
-        )
-        if features is not None:
-            tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
-        if self._drafts is not None:
-            return tensors.draft_from_pb(await self._steps.submit(self._drafts, session_id, request), wire=True)
-        return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
-
-    async def append(
-        self, session_id: str, features: torch.Tensor | tensors.WireTensor | relay.WireFeatures
-    ) -> None:
-        if isinstance(features, relay.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
-            request = features.append_request(session_id)
-        else:
-            request = pb.AppendRequest(session_id=session_id)
-            tensors.tensor_to_pb(features, out=request.features)
-        async with self._tracked(session_id):
-            await self._session_call("Append", session_id, request)
-
-    async def end_session(self, session_id: str) -> None:
-        async with self._tracked(session_id):
-            await self._end_streams(session_id)
-            await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
-
-
-class GrpcVerifier(_Client):
-    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None,
-                "VerifyBatch": pb.VerifyBatchResponse}
-    BULK = frozenset({"TakeFeatures", "VerifyBatch"})
-    INFO_REQUEST = pb.VerifierInfoRequest
-    SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
-
-    def __init__(self, *args: Any, tree_fit: TreeFit | None = None, **kwargs: Any) -> None:
-        """tree_fit: cuts each step's trees to the size its measurements favour (with steps only; None: trees go
-        as drafted)."""
-        super().__init__(*args, **kwargs)
-        self._rounds: StepKind | None = (None if self._steps is None
-                                         else self._steps.kind("VerifyBatch", self._send_rounds))
-        self._tree_fit = tree_fit
-        self._as_drafted: set[str] = set()  # sessions whose trees go uncut (TreeFit.fit): seeded sampling
-
-    async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
-        fit = self._tree_fit
-        if fit is not None:
-            fit.fit(calls, self._as_drafted)
-        sent = time.perf_counter()
-        answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
-                                    lambda outcome: outcome.step, len(calls))
-        if fit is not None:
-            rows = 0
-            for call, answer in zip(calls, answers):
-                if not call.HasField("verify"):
-                    rows += 1
-                    continue
-                tree = tree_arrays(call.verify.tree)
-                rows += tree.shape[1]
-                if isinstance(answer, pb.StepResponse):
-                    fit.observe_round(tree, answer.tokens)
-            fit.observe_batch(rows, time.perf_counter() - sent, sent)
-        return answers
-
-    async def _round(self, rpc: str, session_id: str, request: pb.VerifyRequest | pb.DecodeRequest) -> StepResult:
-        if self._rounds is None:
-            return tensors.step_from_pb(await self._session_call(rpc, session_id, request), wire=True)
-        call = pb.RoundCall(verify=request) if rpc == "Verify" else pb.RoundCall(decode=request)
-        return tensors.step_from_pb(await self._steps.submit(self._rounds, session_id, call), wire=True)
-
-    async def info(self) -> VerifierInfo:
-        return tensors.verifier_info_from_pb(await self._info())
-
-    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
-        return False  # a round queued on the device ahead of the host needs the verifier in the loop's process
-
-    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
-        request = pb.VerifierStartSessionRequest(
-            session_id=session_id, capacity=capacity, sampling=tensors.sampling_to_pb(params), tap_layers=taps
-        )
-        if self._steps is not None:
-            self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
-        if params.seed is not None and not params.greedy:
-            self._as_drafted.add(session_id)
-        try:
-            async with self._tracked(session_id):
-                await self._call("StartSession", self._stub.StartSession, request)
-        except BaseException:
-            self._as_drafted.discard(session_id)
-            if self._steps is not None:
-                self._steps.leave(session_id)  # no session: the round loop ends here, without an end_session
-            raise
-
-    async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
-    ) -> StepResult:
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
-        async with self._tracked(session_id):
-            return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
-
-    async def take_features(self, session_id: str) -> relay.WireFeatures:
-        request = pb.TakeFeaturesRequest(session_id=session_id)
-        async with self._tracked(session_id):
-            return relay.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
-
-    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
-        request = pb.VerifyRequest(session_id=session_id)
-        request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
-        return await self._round("Verify", session_id, request)
-
-    async def decode(self, session_id: str) -> StepResult:
-        return await self._round("Decode", session_id, pb.DecodeRequest(session_id=session_id))
-
-    async def end_session(self, session_id: str) -> None:
-        try:
-            async with self._tracked(session_id):
-                await self._end_streams(session_id)
-                await self._call("EndSession", self._stub.EndSession,
-                                 pb.VerifierEndSessionRequest(session_id=session_id))
-        finally:
-            self._as_drafted.discard(session_id)
-            if self._steps is not None:
-                self._steps.leave(session_id)

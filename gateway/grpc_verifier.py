@@ -1,0 +1,114 @@
+"""The round loop's VerifierClient over gRPC (gateway/grpc_client.py): with a `Steps` (gateway/steps.py), the
+Verify and Decode calls of all running sessions go out in steps, as one VerifyBatch call each, their trees cut by a
+`TreeFit` (gateway/tree_fit.py), where it has one, to the size its measurements favour."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from protos.types import DraftTree, SamplingParams, StepResult, VerifierInfo
+from gateway.grpc_client import GrpcClient
+from gateway.steps import StepKind
+from gateway.tree_fit import TreeFit, tree_arrays
+from protos import tensors
+from runtime import relay
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+
+
+class GrpcVerifier(GrpcClient):
+    STREAMED = {"Verify": pb.StepResponse, "Decode": pb.StepResponse, "TakeFeatures": None,
+                "VerifyBatch": pb.VerifyBatchResponse}
+    BULK = frozenset({"TakeFeatures", "VerifyBatch"})
+    INFO_REQUEST = pb.VerifierInfoRequest
+    SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
+
+    def __init__(self, *args: Any, tree_fit: TreeFit | None = None, **kwargs: Any) -> None:
+        """tree_fit: cuts each step's trees to the size its measurements favour (with steps only; None: trees go
+        as drafted)."""
+        super().__init__(*args, **kwargs)
+        self._rounds: StepKind | None = (None if self._steps is None
+                                         else self._steps.kind("VerifyBatch", self._send_rounds))
+        self._tree_fit = tree_fit
+        self._as_drafted: set[str] = set()  # sessions whose trees go uncut (TreeFit.fit): seeded sampling
+
+    async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
+        fit = self._tree_fit
+        if fit is not None:
+            fit.fit(calls, self._as_drafted)
+        sent = time.perf_counter()
+        answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
+                                    lambda outcome: outcome.step, len(calls))
+        if fit is not None:
+            rows = 0
+            for call, answer in zip(calls, answers):
+                if not call.HasField("verify"):
+                    rows += 1
+                    continue
+                tree = tree_arrays(call.verify.tree)
+                rows += tree.shape[1]
+                if isinstance(answer, pb.StepResponse):
+                    fit.observe_round(tree, answer.tokens)
+            fit.observe_batch(rows, time.perf_counter() - sent, sent)
+        return answers
+
+    async def _round(self, rpc: str, session_id: str, request: pb.VerifyRequest | pb.DecodeRequest) -> StepResult:
+        if self._rounds is None:
+            return tensors.step_from_pb(await self._session_call(rpc, session_id, request), wire=True)
+        call = pb.RoundCall(verify=request) if rpc == "Verify" else pb.RoundCall(decode=request)
+        return tensors.step_from_pb(await self._steps.submit(self._rounds, session_id, call), wire=True)
+
+    async def info(self) -> VerifierInfo:
+        return tensors.verifier_info_from_pb(await self._info())
+
+    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
+        return False  # a round queued on the device ahead of the host needs the verifier in the loop's process
+
+    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
+        request = pb.VerifierStartSessionRequest(
+            session_id=session_id, capacity=capacity, sampling=tensors.sampling_to_pb(params), tap_layers=taps
+        )
+        if self._steps is not None:
+            self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
+        if params.seed is not None and not params.greedy:
+            self._as_drafted.add(session_id)
+        try:
+            async with self._tracked(session_id):
+                await self._call("StartSession", self._stub.StartSession, request)
+        except BaseException:
+            self._as_drafted.discard(session_id)
+            if self._steps is not None:
+                self._steps.leave(session_id)  # no session: the round loop ends here, without an end_session
+            raise
+
+    async def prefill(
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+    ) -> StepResult:
+        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
+        async with self._tracked(session_id):
+            return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
+
+    async def take_features(self, session_id: str) -> relay.WireFeatures:
+        request = pb.TakeFeaturesRequest(session_id=session_id)
+        async with self._tracked(session_id):
+            return relay.WireFeatures(await self._session_call("TakeFeatures", session_id, request))
+
+    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+        request = pb.VerifyRequest(session_id=session_id)
+        request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
+        return await self._round("Verify", session_id, request)
+
+    async def decode(self, session_id: str) -> StepResult:
+        return await self._round("Decode", session_id, pb.DecodeRequest(session_id=session_id))
+
+    async def end_session(self, session_id: str) -> None:
+        try:
+            async with self._tracked(session_id):
+                await self._end_streams(session_id)
+                await self._call("EndSession", self._stub.EndSession,
+                                 pb.VerifierEndSessionRequest(session_id=session_id))
+        finally:
+            self._as_drafted.discard(session_id)
+            if self._steps is not None:
+                self._steps.leave(session_id)
