@@ -118,8 +118,8 @@ class TreeFit:
         steps): the size that commits the most tokens per second (the largest such); the largest tree's size (no
         cut) until enough is measured."""
         largest = max(trees)
-        if self.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None:
-            return largest
+        if self.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None or largest > MAX_RANK:
+            return largest  # (ranks past MAX_RANK, a drafter's --max-budget raised past it, are not counted)
         gain = np.concatenate(([0.0], np.cumsum(self.rates()[1 : largest + 1])))  # [largest+1] A(k), A(0) = 0
         kept = np.minimum(np.asarray(trees)[None, :], np.arange(1, largest + 1)[:, None])  # [largest, n] nodes
         rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest]: each tree's nodes and its root

@@ -138,3 +138,9 @@ def test_seeded_sessions_trees_go_as_drafted():
     fit.fit(calls, as_drafted={"b"})
     sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
     assert sizes[1] == 32 and sizes[0] == sizes[2] < 32
+
+
+def test_trees_larger_than_the_counted_ranks_go_uncut():
+    fit = TreeFit()
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    assert fit.size([tree_fit.MAX_RANK + 8, 32]) == tree_fit.MAX_RANK + 8
