@@ -109,8 +109,9 @@ class SlotPool(Generic[T]):
         self._free: set[int] = set()
 
     def acquire(self, size: int = 0) -> int | None:
-        """The lowest free slot of this size, else a new one; None when max_sessions slots are held."""
-        free = [slot for slot in self._free if self._sizes[slot] == size]
+        """The lowest free slot of this size, else a new one; None when max_sessions slots are held. A failed
+        allocation (out of memory) raises and holds no slot."""
+        free = [slot for slot in self._free if self._sizes[slot] == size and self._items[slot] is not None]
         if free:
             self._free.remove(min(free))
             return min(free)
@@ -122,10 +123,16 @@ class SlotPool(Generic[T]):
             return len(self._items) - 1
         slot = max(self._free, key=lambda s: (self._sizes[s], s))  # free, of another size: the most memory back
         self._free.remove(slot)
-        if self._evict is not None:
-            self._evict(slot, self._items[slot])
-        self._items[slot] = None  # gone before its successor is allocated
-        self._items[slot], self._sizes[slot] = self._allocate(size), size
+        if self._items[slot] is not None:  # (None: emptied by a replacement that ran out of memory)
+            if self._evict is not None:
+                self._evict(slot, self._items[slot])
+            self._items[slot] = None  # gone before its successor is allocated
+        try:
+            self._items[slot] = self._allocate(size)
+        except BaseException:
+            self._free.add(slot)  # empty and free: the next acquire allocates into it
+            raise
+        self._sizes[slot] = size
         return slot
 
     @property
