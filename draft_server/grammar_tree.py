@@ -29,7 +29,7 @@ from draft_server.tree import tree_top_k
 
 class DraftGrammars:
     """Where the drafter's sessions get their grammars: compiled from the target's tokenizer (its directory,
-    target_path, read by the first session with one). constrained: sessions started from now on with a grammar
+    target_path, read by the first session with one). constrained: sessions started while it is set, with a grammar,
     draft only tokens it allows; off, a session's grammar is only checked, and its trees are built as any other's
     (the verifier alone applies it)."""
 

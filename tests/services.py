@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,26 @@ class ServeStack:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def serve_stack(log_dir: Path, *flags: str) -> Iterator[ServeStack]:
+    """`ddtree serve` on the bundled demo pair (CPU, fp32) on free loopback ports with its metrics ports, and
+    `flags`; yields once its gateway serves, and stops it (cleanly: exit status 0) after."""
+    port, verify_metrics, draft_metrics = free_ports(3)
+    log_path = log_dir / "serve.log"
+    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
+           "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port", str(draft_metrics), *flags]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+    running = ServeStack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
+                         f"http://127.0.0.1:{draft_metrics}", log_path)
+    try:
+        wait_gateway_ready(running.url, process, running.log)
+        yield running
+    finally:
+        assert interrupt(process) == 0, running.log()[-5000:]
 
 
 def free_ports(count: int) -> list[int]:

@@ -18,7 +18,7 @@ from ddtree.cli import build_parser
 from ddtree.plots import load_figure
 from ddtree.serve import commands
 from tests.conftest import png_size
-from tests.services import REPO_ROOT, ServeStack, free_ports, interrupt, wait_gateway_ready
+from tests.services import REPO_ROOT, ServeStack, serve_stack
 
 matplotlib.use("Agg")
 SESSIONS = 4
@@ -30,22 +30,10 @@ REQUESTS = 2
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
-    port, verify_metrics, draft_metrics = free_ports(3)
-    log_path = tmp_path_factory.mktemp("load_bench") / "serve.log"
-    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
-           "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port", str(draft_metrics),
-           "--max-sessions", str(SESSIONS), "--max-running", str(SESSIONS), "--health-interval", "0.5",
-           "--shutdown-grace", "0"]  # nothing is in flight when it stops
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-    running = ServeStack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
-                         f"http://127.0.0.1:{draft_metrics}", log_path)
-    try:
-        wait_gateway_ready(running.url, process, running.log)
+    # --shutdown-grace 0: nothing is in flight when it stops
+    with serve_stack(tmp_path_factory.mktemp("load_bench"), "--max-sessions", str(SESSIONS), "--max-running",
+                     str(SESSIONS), "--health-interval", "0.5", "--shutdown-grace", "0") as running:
         yield running
-    finally:
-        assert interrupt(process) == 0, running.log()[-5000:]
 
 
 def _bench(script: str, *flags: str) -> None:

@@ -5,8 +5,6 @@ once are verified in batches of (almost) all of them, one VerifyBatch per step."
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -14,7 +12,7 @@ import openai
 import pytest
 
 from tests.gateway_support import metric
-from tests.services import ServeStack, free_ports, interrupt, wait_gateway_ready
+from tests.services import ServeStack, serve_stack
 
 PROMPTS = [f"Write a short note about {topic}." for topic in (
     "rivers", "stones", "light", "paper", "gardens", "windows", "silver", "music", "numbers", "mornings", "engines",
@@ -23,21 +21,9 @@ PROMPTS = [f"Write a short note about {topic}." for topic in (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
-    port, verify_metrics, draft_metrics = free_ports(3)
-    log_path = tmp_path_factory.mktemp("steps") / "serve.log"
-    cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--device", "cpu", "--dtype", "float32", "--port", str(port),
-           "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port", str(draft_metrics),
-           "--max-batch", "16", "--draft-max-batch", "16", "--max-running", "16", "--health-interval", "0.5"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
-    running = ServeStack(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{verify_metrics}",
-                         f"http://127.0.0.1:{draft_metrics}", log_path)
-    try:
-        wait_gateway_ready(running.url, process, running.log)
+    with serve_stack(tmp_path_factory.mktemp("steps"), "--max-batch", "16", "--draft-max-batch", "16",
+                     "--max-running", "16", "--health-interval", "0.5") as running:
         yield running
-    finally:
-        assert interrupt(process) == 0, running.log()[-5000:]
 
 
 def _client(stack: ServeStack) -> openai.AsyncOpenAI:
