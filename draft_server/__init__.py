@@ -10,6 +10,7 @@
       draft_inputs.py        what a draft brings from the host, in one buffer
       block_forward.py       the block's forward, one session's or a batch of sessions'
       block_batch.py         a batch of sessions' blocks: their calls and static buffers
+      step_appends.py        a step's context appends of several sessions, in one forward
       static_trees.py        the tree builds over a block's log-probs, and the trees handed out
     tree.py                budgeted best-first DDTree construction (build_tree)
     dflash.py              the DFlash drafter model (its config: dflash_config.py)

@@ -164,7 +164,10 @@ class BlockForward:
                     outs.append(grouped_attention(q[:, :, rows], k_cache[:, :, :keys], v_cache[:, :, :keys], bias))
                 out = torch.cat(outs, dim=2).transpose(1, 2)  # [1, rows, heads, d]
             x = block_out(x, out, layer, fused)
-        logits = self.head.logits(drafter.norm(x).view(count, size, -1)[:, 1:]).float()  # [blocks, B-1, vocab]
+        # the blocks' rows as one [blocks * (B-1), hidden] matrix: one GEMM reads the lm_head once (a 3-D slice would
+        # go as a batched GEMM that reads it once per block)
+        hidden = drafter.norm(x).view(count, size, -1)[:, 1:].reshape(count * (size - 1), -1)
+        logits = self.head.logits(hidden).float().view(count, size - 1, -1)  # [blocks, B-1, vocab]
         if torch.compiler.is_compiling():  # Dynamo takes no out=
             batch.logprobs.copy_(torch.log_softmax(logits, dim=-1))
         else:

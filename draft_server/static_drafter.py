@@ -16,7 +16,7 @@ tokens the verifier accepted), so it cannot be captured as it stands. Here:
   top_k), shared by all slots) reads; the tree stays on the device (a co-located verifier reads it there; for the
   service its copy to pinned host memory is queued within the draft), so a draft waits for nothing;
 - what a draft brings from the host (the scalars and the new features) goes up in one copy (draft_inputs.py);
-- several sessions' blocks can go in one forward (block_batch.py), each session's append still alone before it.
+- several sessions' blocks can go in one forward (block_batch.py), their appends in one forward before it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from draft_server.context_slots import SCRATCH, ContextSlots
 from draft_server.dflash import DFlashDrafter
 from draft_server.draft_inputs import DraftInputs
 from draft_server.static_trees import StaticTrees
+from draft_server.step_appends import StepAppends
 from draft_server.target_head import TargetHead
 
 # Rows one captured append takes: a round's m <= B, a prompt's features come in chunks of this many (uncaptured, a
@@ -87,6 +88,7 @@ class StaticDrafter:
         # the append, compiled: the norms, RoPE and cache writes fuse; one compile serves every slot
         self._append_step = torch.compile(self._append_body, fullgraph=True) if compile else self._append_body
         self._stacked_kv_step = torch.compile(self._stacked_kv, fullgraph=True) if compile else self._stacked_kv
+        self._kv_at_step = torch.compile(self._kv_at, fullgraph=True) if compile else self._kv_at
         if self.blocks.flash and self.graphs.enabled:  # Triton compiles each of its configurations now, not in a round
             heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
             compile_plans(*heads, (cfg.block_size,), key_buckets(self.rows), self.dtype, self.device)
@@ -103,6 +105,9 @@ class StaticDrafter:
         self._addressed: set[int] = set()
         self._lone = BlockBatch.lone(self._inputs.block, self._logprobs[None], cfg.num_hidden_layers)
         self._block_batches: dict[int, BlockBatch] = {}  # blocks -> a batch's static inputs
+        self.appends = StepAppends(self.slots, self.graphs, self._kv_at_step,
+                                   self._addresses if self.by_address else None, self._address,
+                                   cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype, self.device)
         # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's features)
         self._after_copies = CopiesMemo(limit=16)
 
@@ -182,17 +187,20 @@ class StaticDrafter:
         uploaded.record()
 
     def _point_at(self, slot: int) -> int | None:
-        """The header is to hold `slot` -> the slot to write into it, None where it holds it already. By address,
-        the slot's row of the address table is written the first time the slot drafts (slots outlive sessions; its
-        pinned source is never rewritten, so the copy is queued)."""
-        if self.by_address and slot not in self._addressed:
-            self._addresses_host[slot] = torch.from_numpy(self.slots.column(slot))
-            self._addresses[slot].copy_(self._addresses_host[slot], non_blocking=True)
-            self._addressed.add(slot)
+        """The header is to hold `slot` -> the slot to write into it, None where it holds it already."""
+        self._address(slot)
         if slot == self._header_slot:
             return None
         self._header_slot = slot
         return slot
+
+    def _address(self, slot: int) -> None:
+        """By address, the slot's row of the address table is written the first time the slot drafts (slots outlive
+        sessions; its pinned source is never rewritten, so the copy is queued)."""
+        if self.by_address and slot not in self._addressed:
+            self._addresses_host[slot] = torch.from_numpy(self.slots.column(slot))
+            self._addresses[slot].copy_(self._addresses_host[slot], non_blocking=True)
+            self._addressed.add(slot)
 
     def _append_body(self, features: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         rows, new_kv = self._new_kv(features)
@@ -207,7 +215,11 @@ class StaticDrafter:
 
     def _stacked_kv(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """_new_kv's K and V, each [layers, kv_heads, n, head_dim] (compiled, the stack costs no copy of its own)."""
-        _, new_kv = self._new_kv(features)
+        return self._kv_at(features, self._start + self._arange[: features.shape[0]])
+
+    def _kv_at(self, features: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [n, taps*hidden] at positions [n] -> their K and V, each [layers, kv_heads, n, head_dim]."""
+        new_kv = self.drafter.context_kv(features[None], positions[None], self._rope)
         return torch.stack([k[0] for k, _ in new_kv]), torch.stack([v[0] for _, v in new_kv])
 
     def _append_by_address(self, features: torch.Tensor) -> None:
@@ -258,12 +270,22 @@ class StaticDrafter:
         return self._logprobs.clone()
 
     def draft_batch(self, calls: list[BlockCall]) -> BlockBatch:
-        """Each session's context append (its own graphs), then all the blocks in one forward -> the batch, whose
-        logprobs[b] are call b's block's (batch_trees reads them); rewritten by the next draft_batch of as many
-        blocks. Blocks are padded to a power of two where graphs run, with blocks over the scratch slot."""
+        """The sessions' context appends (in steps of up to max_append rows, a longer one alone),
+        then all the blocks in one forward -> the batch, whose logprobs[b] are call b's block's (batch_trees reads
+        them); rewritten by the next draft_batch of as many blocks. Blocks are padded to a power of two where graphs
+        run, with blocks over the scratch slot."""
         cfg = self.config
+        together: list[tuple[int, int, torch.Tensor]] = []
         for b, call in enumerate(calls):
-            self.append(call.slot, call.start, call.features, b)
+            m = call.features.shape[0]
+            if m > self.max_append:
+                self.append(call.slot, call.start, call.features, b)
+                continue
+            if sum(f.shape[0] for _, _, f in together) + m > self.max_append:
+                self.appends.run(together)
+                together = []
+            together.append((call.slot, call.start, call.features))
+        self.appends.run(together)
         blocks = [(call.slot, call.position, call.root) for call in calls]
         count = 1 << (len(calls) - 1).bit_length() if self.graphs.enabled else len(calls)
         blocks += [(SCRATCH, 0, 0)] * (count - len(calls))  # fillers: a block at position 0

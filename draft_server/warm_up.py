@@ -106,8 +106,8 @@ def warm_up_batches(
     sessions (a batch of 4, filled up) at the contexts above, which compile the batch step for row counts of its own
     (blocks x B) and make them dynamic; then, where graphs run, a batch of each size requests can form (2, 4, ...
     blocks: a batch is filled up to a power of two) in every key bucket up to `most_keys` rows, and the trees of
-    every number of sessions' blocks (the chain's, and those of `budgets`), so that no request waits for a
-    capture. -> the batch graphs captured."""
+    every number of sessions' blocks (the chain's, and those of `budgets`), and a step's appends of every row
+    bucket, so that no request waits for a capture. -> the batch graphs captured."""
     static = engine.static
     most = 0 if static is None else min(engine.max_batch, static.slots.max_sessions)  # blocks a batch can hold
     if most < 2 or not static.batches:
@@ -143,4 +143,9 @@ def warm_up_batches(
             for count in range(smaller + 1, size + 1):
                 for shape in shapes:
                     static.batch_trees(batch, [shape] * count)
+        # a step's appends of every row bucket (rows of scratch positions of a session that reads none of them)
+        size = 1
+        while size <= static.max_append:
+            static.appends.run([(slots[0], 0, torch.zeros(size, engine.feature_dim))])
+            size *= 2
     return len(static.graphs) - graphs

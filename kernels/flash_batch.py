@@ -7,7 +7,8 @@ kernels therefore take each slot's K and V base addresses, and its head stride, 
 attends every tree's rows over its own keys, with the same flash-decoding body as kernels/flash_tree.py. The trees'
 rows lie back to back ([rows, heads, d], tree b from offsets[b]); tree b's new rows start at its slot row starts[b]
 and it sees nothing past them. write_slot_rows writes rows into a slot found the same way, for graphs that serve
-every slot (the drafter's context appends, the verifier's prompts). A CUDA-only fast path, as flash_tree's: CPU runs
+every slot (the drafter's context appends, the verifier's prompts); write_rows, rows each into a slot of its own (a
+step's appends of several sessions). A CUDA-only fast path, as flash_tree's: CPU runs
 take verify_server/tree_batch.py's per-tree loop, which the GPU tests and the interpreted checks compare with.
 """
 
@@ -106,6 +107,27 @@ if triton is not None:
         tl.store(K_slot + dst, k, mask=ok)
         tl.store(V_slot + dst, v, mask=ok)
 
+    @triton.jit(do_not_specialize_on_alignment=["Table", "Count", "Slots", "Positions"])
+    def _write_each_row_kernel(
+        K, V, Table, Count, Slots, Positions, width, kv_heads, stride_kl, stride_kh, stride_kr, stride_vl, stride_vh,
+        stride_vr, D: tl.constexpr,
+    ):
+        """Row r of one (layer, K/V head): K / V [layers, kv_heads, rows, D] row r into the slot whose addresses are
+        row Slots[r] of Table, at slot row Positions[r]; rows at or past Count write nothing."""
+        pid, r = tl.program_id(0), tl.program_id(1)
+        if r >= tl.load(Count):
+            return
+        layer, kvh = pid // kv_heads, pid % kv_heads
+        addresses = Table + tl.load(Slots + r) * width
+        slot_layers = (width - 1) // 2
+        K_slot = tl.multiple_of(tl.load(addresses + layer).to(tl.pointer_type(K.dtype.element_ty)), 16)
+        V_slot = tl.multiple_of(tl.load(addresses + slot_layers + layer).to(tl.pointer_type(V.dtype.element_ty)), 16)
+        stride_h = tl.multiple_of(tl.load(addresses + 2 * slot_layers), 16)
+        dims = tl.arange(0, D)
+        dst = kvh * stride_h + tl.load(Positions + r) * D + dims
+        tl.store(K_slot + dst, tl.load(K + layer * stride_kl + kvh * stride_kh + r * stride_kr + dims))
+        tl.store(V_slot + dst, tl.load(V + layer * stride_vl + kvh * stride_vh + r * stride_vr + dims))
+
 
 def batch_plan(max_q: int, heads: int, kv_heads: int, max_keys: int, head_dim: int, trees: int) -> Plan:
     """flash_tree.plan for a batch: the trees share the GPU's thread blocks, so each is split into fewer key chunks
@@ -201,4 +223,21 @@ def write_slot_rows(
     _write_rows_kernel[(layers * kv_heads, triton.cdiv(rows, block))](
         k, v, table, slot, start, rows, table.shape[1], first_layer, kv_heads, k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), D=d, BLOCK_N=block,
+    )
+
+
+def write_rows(
+    k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, count: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """k, v [layers, kv_heads, rows, d] (unit stride in d): row r into the slot whose addresses are row slots[r] of
+    table (as write_slot_rows's), at slot row positions[r], for the first count[0] rows; all on the device. Rows of
+    several slots in one launch (a step's appends), where write_slot_rows takes one slot's run of rows; the rows
+    past count[0] (a graph's padding) write nothing. Not an op, for write_slot_rows's reason."""
+    layers, kv_heads, rows, d = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("write_rows takes rows of unit stride")
+    _write_each_row_kernel[(layers * kv_heads, rows)](
+        k, v, table, count, slots, positions, table.shape[1], kv_heads, k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), D=d,
     )

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("check", ["tree", "flash", "gemv", "drafter", "compaction", "batch", "draft_batch",
-                                   "verify", "warm_up", "draft_warm_up"])
+                                   "verify", "warm_up", "draft_warm_up", "invariant"])
 def test_kernel_in_the_interpreter(check: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_interpreted", check], cwd=ROOT, capture_output=True, text=True,

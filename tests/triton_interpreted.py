@@ -1,8 +1,8 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it: `python -m tests.triton_interpreted CHECK`, CHECK one of tree, flash, gemv,
-drafter, compaction, batch, draft_batch, verify, warm_up, draft_warm_up. The same kernels run compiled on a GPU in
-test_flash_tree.py, test_drafter_static.py, test_batch.py and test_draft_batch.py."""
+drafter, compaction, batch, draft_batch, verify, warm_up, draft_warm_up, invariant. The same kernels run compiled on a
+GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and test_draft_batch.py."""
 
 from __future__ import annotations
 
@@ -198,8 +198,9 @@ def check_flash() -> None:
 
 def check_slot_rows() -> None:
     """write_slot_rows: rows of some layers into a slot found through its row of an address table (slots of
-    different capacities, first layers past 0, row counts across tiles) land exactly there, nothing else moves."""
-    from kernels.flash_batch import write_slot_rows
+    different capacities, first layers past 0, row counts across tiles) land exactly there, nothing else moves; and
+    write_rows's rows, each into its own slot and position."""
+    from kernels.flash_batch import write_rows, write_slot_rows
 
     gen = torch.Generator().manual_seed(4)
     layers, kv_heads, d = 3, 2, 16
@@ -214,6 +215,16 @@ def check_slot_rows() -> None:
         other = slots[1 - slot].clone()
         write_slot_rows(k, v, table, torch.tensor([slot], device=DEVICE), torch.tensor([start], device=DEVICE), first)
         assert torch.equal(slots[slot], want) and torch.equal(slots[1 - slot], other)
+    # write_rows: each row into a slot and position of its own; the rows past the count (padding) write nothing
+    row_slots, positions, count = [1, 0, 1, 0, 0, 1, 0], [3, 9, 4, 39, 10, 0, 11], 5
+    k, v = (torch.randn(layers, kv_heads, len(row_slots), d, generator=gen).to(DEVICE) for _ in range(2))
+    want = [s.clone() for s in slots]
+    for r, (slot, position) in enumerate(zip(row_slots[:count], positions[:count])):
+        want[slot][0, :, :, position] = k[:, :, r]
+        want[slot][1, :, :, position] = v[:, :, r]
+    write_rows(k, v, table, torch.tensor([count], device=DEVICE), torch.tensor(row_slots, device=DEVICE),
+               torch.tensor(positions, device=DEVICE))
+    assert all(torch.equal(s, w) for s, w in zip(slots, want))
     print("slot rows ok")
 
 
@@ -274,6 +285,108 @@ def check_batch() -> None:
     # every batch configuration for a few tree counts, step sizes and key counts launches
     assert compile_batch_plans(6, 2, 16, (2, 4), (1, 16), (64, 96, 4608), torch.float32, DEVICE) > 3
     print("batch ok", len(shapes), "trees")
+
+
+def _tree_parents(size: int, chain: bool, gen: torch.Generator) -> torch.Tensor:
+    """parents [size] of a chain, or of a random tree (each parent before its child), -1 at the root."""
+    return torch.tensor([-1] + [i - 1 if chain else int(torch.randint(0, i, (1,), generator=gen))
+                                for i in range(1, size)])
+
+
+def _invariant_steps(
+    steps: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]], q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """invariant_attention over several trees in one call: steps holds each tree's (slot keys, slot values [kv_heads,
+    capacity, d], committed rows, parents [q]); its rows of q, k, v [rows, heads | kv_heads, d] are back to back."""
+    from kernels.invariant import invariant_attention
+
+    q_lens = [parents.shape[0] for *_, parents in steps]
+    max_q = max(q_lens)
+    tree = torch.zeros(len(steps), max_q, max_q, dtype=torch.bool)  # [B, max_q, max_q]
+    for b, (*_, parents) in enumerate(steps):
+        tree[b, : q_lens[b], : q_lens[b]] = ancestor_matrix(parents)
+    tables = torch.tensor([[keys.data_ptr() for keys, *_ in steps], [values.data_ptr() for _, values, *_ in steps],
+                           [keys.stride(0) for keys, *_ in steps], [start for _, _, start, _ in steps], q_lens,
+                           [sum(q_lens[:b]) for b in range(len(steps))]], device=DEVICE)  # [6, B]
+    return invariant_attention(q, k, v, *tables[:3], tree.to(DEVICE), *tables[3:], q.shape[-1] ** -0.5)
+
+
+def check_invariant() -> None:
+    """The row-invariant kernels (kernels/invariant.py): a row's projection and norm alone are bitwise its result
+    among 2 to 64 rows at any index; a tree node's attention, its tree alone or among other sessions' trees, is
+    bitwise the decode step's at its position (committed keys plus its ancestors, then itself), alone or among
+    other decode steps; each kernel is close to torch's ops, and the attention writes each tree's rows into its
+    slot."""
+    from kernels.invariant import KEY_CHUNK, invariant_linear, invariant_rms_norm
+
+    gen = torch.Generator().manual_seed(6)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for n, k in ((48, 64), (96, 200)):
+            x = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
+            w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
+            res = torch.randn(64, n, generator=gen).to(dtype).to(DEVICE)
+            norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+            full_linear, full_res = invariant_linear(x, w, None), invariant_linear(x, w, res)
+            full_norm = invariant_rms_norm(x, norm, 1e-6)
+            torch.testing.assert_close(full_linear, F.linear(x, w), atol=tol, rtol=tol)
+            torch.testing.assert_close(full_res, res + F.linear(x, w), atol=tol, rtol=tol)
+            torch.testing.assert_close(full_norm, rms_norm(x, norm, 1e-6), atol=tol, rtol=tol)
+            for m in (1, 2, 3, 7, 16, 33, 64):
+                for first in sorted({0, (64 - m) // 2, 64 - m}):  # the rows at the start, middle and end of a call
+                    rows = slice(first, first + m)
+                    assert torch.equal(invariant_linear(x[rows], w, None), full_linear[rows]), (dtype, m, first)
+                    assert torch.equal(invariant_linear(x[rows], w, res[rows]), full_res[rows]), (dtype, m, first)
+                    assert torch.equal(invariant_rms_norm(x[rows], norm, 1e-6), full_norm[rows]), (dtype, m, first)
+            print("invariant ok linear and norm", dtype, n, k)
+    heads, kv_heads = 4, 2
+    for dtype, d in ((torch.float32, 16), (torch.bfloat16, 32)):
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        # (committed rows, tree size, chain): trees within one key chunk, across a chunk's end, from row 0
+        shapes = [(KEY_CHUNK - 3, 7, True), (KEY_CHUNK + 5, 9, False), (0, 5, False), (2 * KEY_CHUNK - 1, 1, True),
+                  (20, 16, False)]
+        trees = []  # per tree: (slot keys, slot values, committed rows, parents), q, k, v of its rows
+        for start, size, chain in shapes:
+            keys, values = (torch.randn(kv_heads, start + size + 8, d, generator=gen).to(dtype) for _ in range(2))
+            keys[:, start:], values[:, start:] = float("nan"), float("nan")  # rows past the committed: never read
+            q, k, v = (torch.randn(size, n, d, generator=gen).to(dtype) for n in (heads, kv_heads, kv_heads))
+            trees.append(((keys.to(DEVICE), values.to(DEVICE), start, _tree_parents(size, chain, gen)),
+                          q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)))
+        together = _invariant_steps([t[0] for t in trees], *(torch.cat([t[i] for t in trees]) for i in (1, 2, 3)))
+        offset = 0
+        decodes = []  # each node's decode step: (slot keys, values, committed rows, parents), q, k, v
+        for (keys, values, start, parents), q, k, v in trees:
+            size = parents.shape[0]
+            got = together[offset : offset + size]
+            offset += size
+            assert torch.equal(keys[:, start : start + size], k.transpose(0, 1)), "the rows written into the slot"
+            assert torch.equal(values[:, start : start + size], v.transpose(0, 1))
+            mask = step_mask(torch.tensor(start, device=DEVICE), ancestor_matrix(parents).to(DEVICE), start + size)
+            want = matmul_attention(q.transpose(0, 1)[None], keys[None, :, : start + size],
+                                    values[None, :, : start + size], mask, d**-0.5)[0].transpose(0, 1)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            alone = _invariant_steps([(keys.clone(), values.clone(), start, parents)], q, k, v)
+            assert torch.equal(alone, got), (dtype, start, size)
+            anc = ancestor_matrix(parents)
+            for node in range(size):
+                path = anc[node].nonzero()[:, 0]  # root .. node, in depth order
+                ar_keys, ar_values = (torch.full((kv_heads, start + len(path) + 4, d), float("nan"), dtype=dtype,
+                                                 device=DEVICE) for _ in range(2))
+                ar_keys[:, : start + len(path) - 1] = keys[:, list(range(start)) + (start + path[:-1]).tolist()]
+                ar_values[:, : start + len(path) - 1] = values[:, list(range(start)) + (start + path[:-1]).tolist()]
+                decodes.append(((ar_keys, ar_values, start + len(path) - 1, torch.tensor([-1])),
+                                q[node : node + 1], k[node : node + 1], v[node : node + 1], got[node]))
+        # every node's decode step, all in one call, and some alone
+        steps = _invariant_steps([ar[0] for ar in decodes],
+                                 *(torch.cat([ar[i] for ar in decodes]) for i in (1, 2, 3)))
+        for i, (step, q, k, v, want) in enumerate(decodes):
+            assert torch.equal(steps[i], want), (dtype, i, step[2])
+            if i % 5 == 0:
+                keys, values, start, parents = step
+                assert torch.equal(_invariant_steps([(keys.clone(), values.clone(), start, parents)], q, k, v)[0],
+                                   want), (dtype, i)
+        print("invariant ok attention", dtype, len(shapes), "trees", len(decodes), "decode steps")
+    print("invariant ok")
 
 
 def check_verify() -> None:
@@ -515,4 +628,5 @@ if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
      "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
-     "verify": check_verify, "warm_up": check_warm_up, "draft_warm_up": check_draft_warm_up}[sys.argv[1]]()
+     "verify": check_verify, "warm_up": check_warm_up, "draft_warm_up": check_draft_warm_up,
+     "invariant": check_invariant}[sys.argv[1]]()

@@ -1,0 +1,256 @@
+"""Row-invariant kernels: projections, RMSNorm and the verifier's attention whose result for one row is bitwise the
+same however many other rows share the call and wherever the row sits among them.
+
+Why: a verify step's tree (or several sessions' trees) and the target's own one-row decode step run the same
+model, but the usual kernels pick their reduction order by shape: cuBLAS chooses tiles and split-K by the row
+count, kernels/gemv.py runs a GEMV at one row and its rows kernel beyond, and the flash kernels
+(kernels/flash_tree.py, kernels/flash_batch.py) split the keys into chunks sized by the step's rows and keys. Each
+order rounds differently, so in bf16 a token's logits in a tree differ in their last bits from its decode step's,
+and a near-tie can flip a greedy token. Here every reduction runs in an order fixed by the data's own positions:
+- invariant_linear: fixed BLOCK_M x BLOCK_N x BLOCK_K tiles whatever M (one row is a masked tile of the same
+  shape), no split-K, fp32 accumulation over K in tile order; an optional residual add, elementwise;
+- invariant_rms_norm: one program per row, HF's numerics (statistics in fp32, the normed row rounded to the dtype,
+  times the weight, rounded);
+- invariant_attention: one program per (row, K/V head); a row at position p attends over the logical sequence
+  0..p (its session's committed keys, then its ancestors among the step's rows in depth order, then itself) in
+  KEY_CHUNK chunks of logical positions, each one online-softmax update. A tree node and the decode step at the
+  same position, whose committed keys are the node's committed keys plus its ancestors, see the same key tiles
+  bit for bit and do the same arithmetic.
+Triton specialises integer arguments equal to 1 (one row, one node): the row counts are exempt, so one compiled
+kernel serves every call. A CUDA path; the CPU runs them through Triton's interpreter only (the checks in
+tests/triton_interpreted.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: never called there (invariant_supported() is False)
+    triton = None
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64  # the projections' tile: rows, output columns, inputs per step over K
+NORM_BLOCK = 1024  # widest chunk of a row the norm sums at once
+KEY_CHUNK = 64  # logical key positions per online-softmax update
+MIN_TREE = 16  # the narrowest ancestor row the attention loads (a power of two for tl.arange)
+
+
+def invariant_supported(device: torch.device, head_dim: int) -> bool:
+    """Triton is installed, the tensors are on a GPU, and head_dim is a power of two of at least 16 (tl.dot)."""
+    return triton is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _interpreted(x: torch.Tensor) -> bool:
+    """Triton runs on CPU tensors only through its interpreter, whose tl.dot is numpy's matmul: BLAS rounds a row
+    differently by its place in the tile (and multiplies bf16 and fp16 as raw integers). There the kernels take
+    their dot products as fp32 products summed in order over the shared axis, the same for every row."""
+    return x.device.type == "cpu"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+        """acc + a @ b in fp32: fp32 operands keep fp32 products (tf32 would round them)."""
+        if INTERPRETED:
+            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _linear_kernel(
+        X, W, Res, Out, M, N, K, stride_x, stride_w,
+        RESIDUAL: tl.constexpr, INTERPRETED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """A BLOCK_M x BLOCK_N tile of Out = X @ W.T (+ Res), summed over K one BLOCK_K step after another."""
+        dtype = Out.dtype.element_ty
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        row_ok = rows < M
+        outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        out_ok = outs < N
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            col_ok = k0 + cols < K
+            x = tl.load(X + rows[:, None] * stride_x + (k0 + cols)[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(W + outs[:, None] * stride_w + (k0 + cols)[None, :], mask=out_ok[:, None] & col_ok[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK_K]
+            acc = _dot(x, tl.trans(w), acc, INTERPRETED)
+        y = acc.to(dtype)
+        tile = rows[:, None] * N + outs[None, :]
+        tile_ok = row_ok[:, None] & out_ok[None, :]
+        if RESIDUAL:  # as torch's residual + y: the sum in fp32, rounded once
+            y = (tl.load(Res + tile, mask=tile_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(Out + tile, y, mask=tile_ok)
+
+    @triton.jit
+    def _rms_norm_kernel(X, Weight, Out, H, stride_x, eps, BLOCK: tl.constexpr):
+        """Row program_id(0) of Out = HF's RMSNorm of X with Weight [H]."""
+        row = tl.program_id(0)
+        dtype = Out.dtype.element_ty
+        cols = tl.arange(0, BLOCK)
+        squares = tl.zeros([BLOCK], tl.float32)
+        for h0 in range(0, H, BLOCK):
+            x = tl.load(X + row * stride_x + h0 + cols, mask=h0 + cols < H, other=0.0).to(tl.float32)
+            squares += x * x
+        rstd = tl.rsqrt(tl.sum(squares, 0) / H + eps)
+        for h0 in range(0, H, BLOCK):
+            ok = h0 + cols < H
+            normed = (tl.load(X + row * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32) * rstd).to(dtype)
+            w = tl.load(Weight + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(Out + row * H + h0 + cols, (w * normed.to(tl.float32)).to(dtype), mask=ok)
+
+    # the tables hold one entry per tree (small int64 tensors, any alignment): no alignment may select a compiled
+    # variant of its own; each tree's rows and start are read from them, so no row count does either
+    @triton.jit(do_not_specialize_on_alignment=["KBase", "VBase", "HeadStride", "Starts", "QLens", "Offsets"])
+    def _attention_kernel(
+        Q, Knew, Vnew, KBase, VBase, HeadStride, Tree, Starts, QLens, Offsets, Out,
+        stride_qq, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_tb, stride_t, stride_oq, stride_oh,
+        scale,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
+        INTERPRETED: tl.constexpr,
+    ):
+        """Row `token` of tree b, its GROUP query heads of K/V head kvh: writes its new K/V row into the slot, then
+        attends over logical positions 0..start + depth in BLOCK_N chunks. Logical position r < start is slot row r;
+        start + t is the row's ancestor at depth t (itself at its own depth), a row of Knew / Vnew: parents precede
+        their children, so the t-th ancestor in row order is the one at depth t."""
+        b, token, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_len, offset, start = tl.load(QLens + b), tl.load(Offsets + b), tl.load(Starts + b)
+        if token >= q_len:  # a row past a smaller tree's
+            return
+        # slots are whole allocations, their planes multiples of D rows: told so, the compiler vectorises the key
+        # loads as for a pointer argument (kernels/flash_batch.py)
+        K = tl.multiple_of(tl.load(KBase + b).to(tl.pointer_type(Q.dtype.element_ty)), 16)
+        V = tl.multiple_of(tl.load(VBase + b).to(tl.pointer_type(Q.dtype.element_ty)), 16)
+        head_stride = tl.multiple_of(tl.load(HeadStride + b), 16)
+        dims = tl.arange(0, D)
+        row = offset + token
+        # the new row into the slot: no program reads a slot at or past its tree's start
+        slot_row = kvh * head_stride + (start + token) * D + dims  # [D]
+        tl.store(K + slot_row, tl.load(Knew + row * stride_kr + kvh * stride_kh + dims))
+        tl.store(V + slot_row, tl.load(Vnew + row * stride_vr + kvh * stride_vh + dims))
+        heads = tl.arange(0, BLOCK_H)
+        head_ok = heads < GROUP
+        q = tl.load(Q + row * stride_qq + (kvh * GROUP + heads)[:, None] * stride_qh + dims[None, :],
+                    mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
+        nodes = tl.arange(0, QB)
+        seen = tl.load(Tree + b * stride_tb + token * stride_t + nodes, mask=nodes < q_len, other=0).to(tl.int32)
+        rank = tl.cumsum(seen, 0) - 1  # [QB] an ancestor's depth
+        last = start + tl.sum(seen, 0) - 1  # the row's own logical position
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        for n0 in range(0, last + 1, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)  # [N] logical key positions
+            visible = pos <= last
+            committed = pos < start
+            if n0 + BLOCK_N > start:  # the chunk reaches the step's rows: each position's ancestor
+                depth = pos - start  # [N]
+                hit = (seen[None, :] != 0) & (rank[None, :] == depth[:, None])  # [N, QB]
+                node = tl.sum(tl.where(hit, nodes[None, :], 0), 1)  # [N]
+            else:
+                node = tl.zeros([BLOCK_N], tl.int32)
+            own = visible & ~committed
+            slot = kvh * head_stride + pos[:, None] * D + dims[None, :]  # [N, D]
+            new_k = (offset + node)[:, None] * stride_kr + kvh * stride_kh + dims[None, :]
+            new_v = (offset + node)[:, None] * stride_vr + kvh * stride_vh + dims[None, :]
+            k = tl.where(committed[:, None], tl.load(K + slot, mask=committed[:, None], other=0.0),
+                         tl.load(Knew + new_k, mask=own[:, None], other=0.0))  # [N, D]
+            v = tl.where(committed[:, None], tl.load(V + slot, mask=committed[:, None], other=0.0),
+                         tl.load(Vnew + new_v, mask=own[:, None], other=0.0))
+            s = _dot(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), INTERPRETED) * scale  # [H, N]
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds a visible key
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], INTERPRETED)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(Out + row * stride_oq + (kvh * GROUP + heads)[:, None] * stride_oh + dims[None, :],
+                 out.to(Out.dtype.element_ty), mask=head_ok[:, None])
+
+
+@torch.library.custom_op("ddtree::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (unit stride on K), weight [N, K] (unit stride on K), residual [M, N] or None -> [M, N] in x's
+    dtype: residual + x @ weight.T, each row's bits independent of M and of the row's index."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("invariant_linear takes rows of unit stride")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res = residual.contiguous() if residual is not None else out
+    _linear_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))](
+        x, weight, res, out, m, n, k, x.stride(0), weight.stride(0),
+        RESIDUAL=residual is not None, INTERPRETED=_interpreted(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@invariant_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("ddtree::invariant_rms_norm", mutates_args=())
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [M, H] (unit stride on H), weight [H] -> [M, H] in x's dtype: HF's RMSNorm of each row, one program a row."""
+    m, h = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("invariant_rms_norm takes rows of unit stride")
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(m,)](x, weight.contiguous(), out, h, x.stride(0), eps,
+                           BLOCK=min(NORM_BLOCK, triton.next_power_of_2(h)), num_warps=4)
+    return out
+
+
+@invariant_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("ddtree::invariant_attention", mutates_args=())
+def invariant_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """kernels.flash_batch.batch_tree_attention's contract (less max_keys) in a key order fixed by position: writes
+    each tree's new rows k, v [rows, kv_heads, d] into its slot at starts[b] + i, and attends q [rows, heads, d]
+    (heads group-major over K/V heads) over each tree's committed keys and its row's ancestors and itself ->
+    [rows, heads, d] in q's dtype. Per tree b (int64 [B] each): k_base / v_base, the address of its slot's keys /
+    values [kv_heads, capacity, d] (unit strides on rows and d); head_stride, capacity * d; starts, its committed
+    rows; q_lens, its rows; offsets, its first row in q. tree [B, max_q, max_q] bool: tree b's ancestor-or-self
+    matrix, parents before their children. A one-row tree at start L is the decode step at position L."""
+    rows, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if k.stride(2) != 1 or v.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("invariant_attention takes heads of unit stride")
+    batch, max_q = tree.shape[0], tree.shape[1]
+    group = heads // kv_heads
+    tree = tree.contiguous().view(torch.uint8)
+    out = torch.empty((rows, heads, d), dtype=q.dtype, device=q.device)
+    _attention_kernel[(batch, max_q, kv_heads)](
+        q, k, v, k_base, v_base, head_stride, tree, starts, q_lens, offsets, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tree.stride(0), tree.stride(1),
+        out.stride(0), out.stride(1), scale,
+        GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=KEY_CHUNK,
+        QB=max(MIN_TREE, triton.next_power_of_2(max_q)), INTERPRETED=_interpreted(q), num_warps=4, num_stages=2,
+    )
+    return out
+
+
+@invariant_attention.register_fake
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
