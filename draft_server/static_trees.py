@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.tree_build import kernel_supported, kernel_tree
+from kernels.tree_build import best_first_fits, best_first_tree, kernel_supported, kernel_tree, top_k_any
 from protos.types import DraftTree
 from draft_server.block_batch import BlockBatch
 from draft_server.tree import TreeLayout, TreeLayouts, build_tree
@@ -58,8 +58,17 @@ class StaticTrees:
         return torch.stack((tree.tokens, tree.parents, tree.depths))  # [3, N+1]
 
     def build_batch(self, batch: BlockBatch, plans: list[Plan]) -> tuple[torch.Tensor, list[torch.Size]]:
-        """Each block's tree from its log-probs and root, through the single tree's buffers and code (build) ->
-        (their [3, N_b + 1] arrays flattened one after another, their shapes)."""
+        """Each block's tree from its log-probs and root -> (their [3, N_b + 1] arrays flattened one after another,
+        their shapes). With the tree kernels and one top_k for all, the top-k of every block's rows in one pass, then
+        each block's best-first search; else through the single tree's buffers and code (build)."""
+        if self.tree_kernel and len({k for _, k, _ in plans}) == 1 and all(
+                best_first_fits(layout.nodes, self.max_depth) for _, _, layout in plans):
+            depths = self.max_depth
+            vals, ids = top_k_any(batch.logprobs[: len(plans)].flatten(0, 1), plans[0][1])  # [blocks * (B-1), k] each
+            packed = [best_first_tree(vals[b * depths : (b + 1) * depths], ids[b * depths : (b + 1) * depths],
+                                      batch.inputs[1, b : b + 1], layout.nodes)
+                      for b, (_, _, layout) in enumerate(plans)]
+            return torch.cat([p.flatten() for p in packed]), [p.shape for p in packed]
         packed = []
         for b, (budget, k, layout) in enumerate(plans):
             self._logprobs.copy_(batch.logprobs[b])

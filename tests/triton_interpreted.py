@@ -538,7 +538,8 @@ def check_draft_batch() -> None:
 
     torch.manual_seed(0)
     eager, static = engines(_flash_drafter(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
-    static.static.blocks.flash = True  # the GPU's kernel path (already so on a GPU)
+    static.static.blocks.flash = True  # the GPU's kernel paths (already so on a GPU): the batch op, the tree kernels
+    static.static.trees.tree_kernel = True
     rng = random.Random(0)
     lengths = [0, 0, 0]
     for engine in (eager, static):
