@@ -14,17 +14,23 @@ time at that many rows (measured per row count, interpolated between the counts 
 drafts, the hosts' work), measured as the time from one verify batch's answer to the next one's call. With few
 requests V is nearly flat and the full trees win; with many, the rows cost and smaller trees win. A request's own
 budget stays its ceiling: a tree is only ever cut.
+
+Acceptance depends on how a request samples (a greedy round accepts more of a tree than one at T = 1), so the rates
+are counted per sampling class (sampling_class: greedy, or the temperature to a tenth) as well as over all rounds,
+and a step's expected tokens add up each tree's own class's rates (the pooled ones until its class has its own
+WARM_ROUNDS). The step still cuts every tree to one size.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import numpy as np
 from prometheus_client import Histogram
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.types import SamplingParams
 
 ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
 MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
@@ -45,6 +51,35 @@ def cut(tree: pb.DraftTree, nodes: int) -> None:
     arrays = tree_arrays(tree)
     if arrays.shape[1] - 1 > nodes:
         tree.nodes = np.ascontiguousarray(arrays[:, : nodes + 1]).tobytes()
+
+
+def sampling_class(params: SamplingParams) -> float:
+    """The class whose acceptance rates a request's rounds count in: 0 for greedy, else its temperature to a
+    tenth."""
+    return 0.0 if params.greedy else round(params.temperature, 1)
+
+
+class AcceptanceRates:
+    """Decayed counts of how often each rank of a tree was on the accepted path, over some rounds."""
+
+    def __init__(self) -> None:
+        self.hits = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose path held the node of that rank
+        self.trials = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose tree had that rank
+        self.rounds = 0
+
+    def observe(self, size: int, ranks: Sequence[int]) -> None:
+        """A round whose tree had `size` nodes and whose path held the nodes of `ranks`."""
+        self.hits *= DECAY
+        self.trials *= DECAY
+        self.trials[1 : min(size, MAX_RANK) + 1] += 1
+        for rank in ranks:
+            if rank <= MAX_RANK:
+                self.hits[rank] += 1
+        self.rounds += 1
+
+    def rates(self) -> np.ndarray:
+        """[MAX_RANK + 1] the acceptance rate by rank (rank 0, the root, and ranks never tried: 0)."""
+        return np.divide(self.hits, self.trials, out=np.zeros_like(self.hits), where=self.trials > 0)
 
 
 def path_ranks(tree: np.ndarray, accepted: Sequence[int]) -> list[int]:
@@ -68,25 +103,19 @@ class TreeFit:
     def __init__(self, chosen: Histogram | None = None) -> None:
         """chosen: where each step's chosen size is reported (the gateway's metrics)."""
         self.chosen = chosen
-        self.hits = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose path held the node of that rank
-        self.trials = np.zeros(MAX_RANK + 1)  # [rank] decayed count of rounds whose tree had that rank
-        self.rounds = 0
+        self.pooled = AcceptanceRates()  # every round's
+        self.classes: dict[float, AcceptanceRates] = {}  # sampling_class -> its rounds'
         self.costs: dict[int, float] = {}  # rows (a multiple of ROW_QUANTUM) -> running mean of a verify batch's s
         self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch
         self._answered: float | None = None  # when the last verify batch's answer came
 
     # ---- measurements ---------------------------------------------------------------------------------------
 
-    def observe_round(self, tree: np.ndarray, accepted: Sequence[int]) -> None:
-        """A verified tree [3, N+1] and the tokens its round committed."""
-        size = min(tree.shape[1] - 1, MAX_RANK)
-        self.hits *= DECAY
-        self.trials *= DECAY
-        self.trials[1 : size + 1] += 1
-        for rank in path_ranks(tree, accepted):
-            if rank <= MAX_RANK:
-                self.hits[rank] += 1
-        self.rounds += 1
+    def observe_round(self, tree: np.ndarray, accepted: Sequence[int], kind: float = 0.0) -> None:
+        """A verified tree [3, N+1] and the tokens its round committed, of a request of sampling class `kind`."""
+        size, ranks = tree.shape[1] - 1, path_ranks(tree, accepted)
+        self.pooled.observe(size, ranks)
+        self.classes.setdefault(kind, AcceptanceRates()).observe(size, ranks)
 
     def observe_batch(self, rows: int, seconds: float, sent: float) -> None:
         """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer."""
@@ -100,9 +129,11 @@ class TreeFit:
 
     # ---- the choice -----------------------------------------------------------------------------------------
 
-    def rates(self) -> np.ndarray:
-        """[MAX_RANK + 1] the acceptance rate by rank (rank 0, the root, and ranks never tried: 0)."""
-        return np.divide(self.hits, self.trials, out=np.zeros_like(self.hits), where=self.trials > 0)
+    def rates(self, kind: float = 0.0) -> np.ndarray:
+        """[MAX_RANK + 1] the acceptance rate by rank of class `kind`'s rounds, or of all rounds until it has
+        WARM_ROUNDS of its own."""
+        own = self.classes.get(kind)
+        return (own if own is not None and own.rounds >= WARM_ROUNDS else self.pooled).rates()
 
     def cost(self, rows: np.ndarray) -> np.ndarray:
         """[m] row counts -> [m] a verify batch's expected seconds at each: the measured mean at that count, else
@@ -113,31 +144,39 @@ class TreeFit:
         means = np.array([self.costs[k] for k in known])
         return np.where(keys > known[-1], means[-1] * keys / known[-1], np.interp(keys, known, means))
 
-    def size(self, trees: Sequence[int], other_rows: int = 0) -> int:
-        """The nodes to cut each tree of a step to, given its trees' sizes and the rows of its other calls (AR
-        steps): the size that commits the most tokens per second (the largest such); the largest tree's size (no
-        cut) until enough is measured."""
+    def size(self, trees: Sequence[int], other_rows: int = 0, kinds: Sequence[float] | None = None) -> int:
+        """The nodes to cut each tree of a step to, given its trees' sizes (and their requests' sampling classes,
+        default greedy) and the rows of its other calls (AR steps): the size that commits the most tokens per
+        second (the largest such); the largest tree's size (no cut) until enough is measured."""
         largest = max(trees)
-        if self.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None or largest > MAX_RANK:
+        if self.pooled.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None or largest > MAX_RANK:
             return largest  # (ranks past MAX_RANK, a drafter's --max-budget raised past it, are not counted)
-        gain = np.concatenate(([0.0], np.cumsum(self.rates()[1 : largest + 1])))  # [largest+1] A(k), A(0) = 0
+        kinds = [0.0] * len(trees) if kinds is None else list(kinds)
+        order = sorted(set(kinds))
+        # [classes, largest+1] A(k) of each class, A(0) = 0; each tree's class is a row of it
+        gains = np.stack([np.concatenate(([0.0], np.cumsum(self.rates(kind)[1 : largest + 1]))) for kind in order])
+        row_of = np.array([order.index(kind) for kind in kinds])  # [n]
         kept = np.minimum(np.asarray(trees)[None, :], np.arange(1, largest + 1)[:, None])  # [largest, n] nodes
         rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest]: each tree's nodes and its root
-        tokens = len(trees) + gain[kept].sum(axis=1)  # [largest] expected tokens the step commits
+        tokens = len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest] expected tokens the step commits
         rate = tokens / (self.overhead_s + self.cost(rows))
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def fit(self, calls: Sequence[pb.RoundCall], as_drafted: Container[str] = ()) -> None:
+    def fit(self, calls: Sequence[pb.RoundCall], as_drafted: Container[str] = (),
+            kinds: Mapping[str, float] | None = None) -> None:
         """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions in
         `as_drafted` (seeded sampling: a tree's size decides how many draws a round takes from the session's
-        generator, so a cut would make the text depend on the load)."""
-        trees = [call.verify.tree for call in calls
-                 if call.HasField("verify") and call.verify.session_id not in as_drafted]
-        if not trees:
+        generator, so a cut would make the text depend on the load). kinds: sessions' sampling classes (absent:
+        greedy)."""
+        cut_calls = [call.verify for call in calls
+                     if call.HasField("verify") and call.verify.session_id not in as_drafted]
+        if not cut_calls:
             return
+        trees = [call.tree for call in cut_calls]
         sizes = [len(tree.nodes) // (3 * 4) - 1 for tree in trees]
         other_rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
-        nodes = self.size(sizes, other_rows=other_rows - sum(sizes) - len(sizes))
+        classes = [(kinds or {}).get(call.session_id, 0.0) for call in cut_calls]
+        nodes = self.size(sizes, other_rows=other_rows - sum(sizes) - len(sizes), kinds=classes)
         if self.chosen is not None:
             self.chosen.observe(nodes)
         for tree, size in zip(trees, sizes):

@@ -13,6 +13,7 @@ from gateway import tree_fit
 from gateway.tree_fit import TreeFit, cut, path_ranks, tree_arrays
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.types import SamplingParams
 
 
 def drafted(budget: int, seed: int = 0, depths: int = 7, vocab: int = 50) -> pb.DraftTree:
@@ -63,9 +64,9 @@ def test_path_ranks_follow_the_accepted_tokens_through_the_tree():
 
 def measured(fit: TreeFit, rates: list[float], cost_of: dict[int, float], overhead_s: float) -> None:
     """Puts known acceptance rates by rank and a known cost curve into `fit`."""
-    fit.hits[1 : len(rates) + 1] = rates
-    fit.trials[1 : len(rates) + 1] = 1.0
-    fit.rounds = tree_fit.WARM_ROUNDS
+    fit.pooled.hits[1 : len(rates) + 1] = rates
+    fit.pooled.trials[1 : len(rates) + 1] = 1.0
+    fit.pooled.rounds = tree_fit.WARM_ROUNDS
     fit.costs = dict(cost_of)
     fit.overhead_s = overhead_s
 
@@ -144,3 +145,22 @@ def test_trees_larger_than_the_counted_ranks_go_uncut():
     fit = TreeFit()
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     assert fit.size([tree_fit.MAX_RANK + 8, 32]) == tree_fit.MAX_RANK + 8
+
+
+def test_each_sampling_class_counts_its_own_rates():
+    """Greedy rounds that accept deep paths and sampled rounds that accept nothing: each class's rates are its own
+    once it has WARM_ROUNDS rounds (the pooled ones until then), and a step of sampled trees is cut shorter than a
+    step of greedy ones under the same cost curve."""
+    fit = TreeFit()
+    tree = np.stack([100 + np.arange(17), np.arange(-1, 16), np.arange(17)]).astype(np.int32)  # a chain of 16
+    tokens, deep = tree[0], list(range(1, 17))  # every node of it accepted
+    greedy, sampled = tree_fit.sampling_class(SamplingParams()), tree_fit.sampling_class(SamplingParams(temperature=0.74))
+    assert (greedy, sampled) == (0.0, 0.7)
+    for _ in range(tree_fit.WARM_ROUNDS):
+        fit.observe_round(tree, [int(tokens[n]) for n in deep] + [5], greedy)
+    assert np.array_equal(fit.rates(sampled), fit.rates(greedy))  # no rounds of its own yet: the pooled rates
+    for _ in range(tree_fit.WARM_ROUNDS):
+        fit.observe_round(tree, [99999], sampled)
+    assert fit.rates(sampled).sum() == 0 and fit.rates(greedy)[deep].min() > 0.99
+    fit.costs, fit.overhead_s = {16: 1e-3, 512: 1.5e-3}, 1e-3  # rows nearly free: only acceptance decides
+    assert fit.size([16] * 16, kinds=[sampled] * 16) < fit.size([16] * 16, kinds=[greedy] * 16)
