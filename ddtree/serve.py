@@ -75,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the verifier's row-invariant mode: each tree node's logits are bitwise the target's own "
+                   "decode step's, so greedy output in bf16 equals AR decoding's (a CUDA GPU; uncompiled, slower)")
     GatewayConfig.add_arguments(p, exclude=CHOSEN)
     p.set_defaults(func=run)
 
@@ -134,6 +137,10 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
     if args.max_session_tokens is not None and args.max_session_tokens < 2:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
+    if args.deterministic and (args.tp > 1 or args.eager or args.compile):
+        # the verifier would refuse them at each start, and be restarted forever
+        raise SystemExit("ddtree serve: --deterministic runs the verifier on one GPU, uncompiled: not with --tp > 1, "
+                         "--eager or --compile")
     target, drafter = resolve_pair(args.target, args.drafter)
     if (args.drafter or "").lower() == "none":
         drafter = None
@@ -157,7 +164,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
-                      "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget)]
+                      "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
+                      *(["--deterministic"] if args.deterministic else [])]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
                "--verifier", f"{LOOPBACK}:{verify_port}",
                "--drafter", f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"]

@@ -11,6 +11,8 @@ and a near-tie can flip a greedy token. Here every reduction runs in an order fi
   shape), no split-K, fp32 accumulation over K in tile order; an optional residual add, elementwise;
 - invariant_rms_norm: one program per row, HF's numerics (statistics in fp32, the normed row rounded to the dtype,
   times the weight, rounded);
+- invariant_swiglu: silu(gate) * up elementwise, each rounded as torch's ops are, in blocks at fixed columns (the CPU's
+  eager F.silu rounds a vector body and a scalar tail differently, so there a row's bits follow the call's shape);
 - invariant_attention: one program per (row, K/V head); a row at position p attends over the logical sequence
   0..p (its session's committed keys, then its ancestors among the step's rows in depth order, then itself) in
   KEY_CHUNK chunks of logical positions, each one online-softmax update. A tree node and the decode step at the
@@ -18,7 +20,8 @@ and a near-tie can flip a greedy token. Here every reduction runs in an order fi
   bit for bit and do the same arithmetic.
 Triton specialises integer arguments equal to 1 (one row, one node): the row counts are exempt, so one compiled
 kernel serves every call. A CUDA path; the CPU runs them through Triton's interpreter only (the checks in
-tests/triton_interpreted.py).
+tests/triton_interpreted.py). The verifier's deterministic mode runs its tree steps through them
+(verify_server/invariant_layer.py).
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ except ImportError:  # CPU-only installs: never called there (invariant_supporte
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64  # the projections' tile: rows, output columns, inputs per step over K
 NORM_BLOCK = 1024  # widest chunk of a row the norm sums at once
+SWIGLU_BLOCK = 1024  # columns of the gate per program
 KEY_CHUNK = 64  # logical key positions per online-softmax update
 MIN_TREE = 16  # the narrowest ancestor row the attention loads (a power of two for tl.arange)
 
 
 def invariant_supported(device: torch.device, head_dim: int) -> bool:
-    """Triton is installed, the tensors are on a GPU, and head_dim is a power of two of at least 16 (tl.dot)."""
-    return triton is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    """Triton is installed, the tensors are on a GPU (or on the CPU under Triton's interpreter, TRITON_INTERPRET=1),
+    and head_dim is a power of two of at least 16 (tl.dot)."""
+    if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and triton.knobs.runtime.interpret)
 
 
 def _interpreted(x: torch.Tensor) -> bool:
@@ -104,6 +111,19 @@ if triton is not None:
             normed = (tl.load(X + row * stride_x + h0 + cols, mask=ok, other=0.0).to(tl.float32) * rstd).to(dtype)
             w = tl.load(Weight + h0 + cols, mask=ok, other=0.0).to(tl.float32)
             tl.store(Out + row * H + h0 + cols, (w * normed.to(tl.float32)).to(dtype), mask=ok)
+
+    @triton.jit
+    def _swiglu_kernel(X, Out, N, stride_x, BLOCK: tl.constexpr):
+        """Columns program_id(1) * BLOCK.. of row program_id(0) of Out = silu(gate) * up, X's row [gate | up] (N
+        columns each): silu rounded to the dtype, then the product, as torch's F.silu(gate) * up."""
+        row = tl.program_id(0)
+        dtype = Out.dtype.element_ty
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        gate = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + N + cols, mask=ok, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        tl.store(Out + row * N + cols, (silu.to(tl.float32) * up).to(dtype), mask=ok)
 
     # the tables hold one entry per tree (small int64 tensors, any alignment): no alignment may select a compiled
     # variant of its own; each tree's rows and start are read from them, so no row count does either
@@ -214,6 +234,23 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 @invariant_rms_norm.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("ddtree::invariant_swiglu", mutates_args=())
+def invariant_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2N] = [gate | up] (unit stride on its columns) -> [M, N] in x's dtype: silu(gate) * up, each element's
+    bits independent of M and of its row's index."""
+    m, n = x.shape[0], x.shape[1] // 2
+    if x.stride(1) != 1:
+        raise ValueError("invariant_swiglu takes rows of unit stride")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _swiglu_kernel[(m, triton.cdiv(n, SWIGLU_BLOCK))](x, out, n, x.stride(0), BLOCK=SWIGLU_BLOCK, num_warps=4)
+    return out
+
+
+@invariant_swiglu.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
 @torch.library.custom_op("ddtree::invariant_attention", mutates_args=())

@@ -1,8 +1,8 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
 triton is imported, so tests/test_triton_interpreted.py runs this module in a process of its own), or compiled
 on a GPU when run there without it: `python -m tests.triton_interpreted CHECK`, CHECK one of tree, flash, gemv,
-drafter, compaction, batch, draft_batch, verify, warm_up, draft_warm_up, invariant. The same kernels run compiled on a
-GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and test_draft_batch.py."""
+drafter, compaction, batch, draft_batch, verify, warm_up, draft_warm_up, invariant, deterministic. The same kernels
+run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and test_draft_batch.py."""
 
 from __future__ import annotations
 
@@ -313,12 +313,12 @@ def _invariant_steps(
 
 
 def check_invariant() -> None:
-    """The row-invariant kernels (kernels/invariant.py): a row's projection and norm alone are bitwise its result
-    among 2 to 64 rows at any index; a tree node's attention, its tree alone or among other sessions' trees, is
+    """The row-invariant kernels (kernels/invariant.py): a row's projection, norm and SiLU gate alone are bitwise its
+    result among 2 to 64 rows at any index; a tree node's attention, its tree alone or among other sessions' trees, is
     bitwise the decode step's at its position (committed keys plus its ancestors, then itself), alone or among
     other decode steps; each kernel is close to torch's ops, and the attention writes each tree's rows into its
     slot."""
-    from kernels.invariant import KEY_CHUNK, invariant_linear, invariant_rms_norm
+    from kernels.invariant import KEY_CHUNK, invariant_linear, invariant_rms_norm, invariant_swiglu
 
     gen = torch.Generator().manual_seed(6)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
@@ -329,16 +329,20 @@ def check_invariant() -> None:
             norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
             full_linear, full_res = invariant_linear(x, w, None), invariant_linear(x, w, res)
             full_norm = invariant_rms_norm(x, norm, 1e-6)
+            full_gate = invariant_swiglu(x)  # [gate | up] of k // 2 columns each
             torch.testing.assert_close(full_linear, F.linear(x, w), atol=tol, rtol=tol)
             torch.testing.assert_close(full_res, res + F.linear(x, w), atol=tol, rtol=tol)
             torch.testing.assert_close(full_norm, rms_norm(x, norm, 1e-6), atol=tol, rtol=tol)
+            gate, up = x.chunk(2, dim=-1)
+            torch.testing.assert_close(full_gate, F.silu(gate) * up, atol=tol, rtol=tol)
             for m in (1, 2, 3, 7, 16, 33, 64):
                 for first in sorted({0, (64 - m) // 2, 64 - m}):  # the rows at the start, middle and end of a call
                     rows = slice(first, first + m)
                     assert torch.equal(invariant_linear(x[rows], w, None), full_linear[rows]), (dtype, m, first)
                     assert torch.equal(invariant_linear(x[rows], w, res[rows]), full_res[rows]), (dtype, m, first)
                     assert torch.equal(invariant_rms_norm(x[rows], norm, 1e-6), full_norm[rows]), (dtype, m, first)
-            print("invariant ok linear and norm", dtype, n, k)
+                    assert torch.equal(invariant_swiglu(x[rows]), full_gate[rows]), (dtype, m, first)
+            print("invariant ok linear, norm and gate", dtype, n, k)
     heads, kv_heads = 4, 2
     for dtype, d in ((torch.float32, 16), (torch.bfloat16, 32)):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -441,6 +445,105 @@ def check_verify() -> None:
             got[session] += step.tokens
     assert sum(len(tokens) for tokens in got.values()) > 40  # deep acceptance
     print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens")
+
+
+def check_deterministic() -> None:
+    """The verifier's deterministic mode (attention INVARIANT) in bf16: two sessions with the same prompt, one
+    decoding step by step, one verifying branching trees, commit the same tokens, and every node on an accepted path
+    gets bitwise the logits of the decode step at its position; several sessions' trees (a decode step among them)
+    in one step get bitwise each one's logits alone, and a batch's rounds commit what those logits choose. Steps run
+    through the captured code (plain calls in the interpreter, graphs on a GPU: trees padded to their bucket, a
+    batch filled up with a filler tree) and, every other one, uncaptured too (FusedRunner.forward,
+    TreeSteps.forward)."""
+    import itertools
+    import random
+    import tempfile
+    from pathlib import Path
+
+    from protos.types import DraftTree, SamplingParams
+    from tests.conftest import make_target
+    from tests.test_verify import oracle_tree
+    from verify_server.step_attention import INVARIANT
+    from verify_server.step_inputs import ROOT_ONLY
+    from verify_server.tree_batch import BatchTree
+    from verify_server.verify import VerifyEngine
+
+    with tempfile.TemporaryDirectory() as tmp:  # two layers: the interpreter's time goes by programs
+        engine = VerifyEngine.from_pretrained(make_target("qwen3", Path(tmp), layers=2), DEVICE, torch.bfloat16,
+                                              attention=INVARIANT)
+    fused = engine.fused
+    fused.static = True  # the GPU's captured steps (on the CPU, run as plain calls)
+    taps = (0, 1)
+    calls = itertools.count()
+
+    def scores(name: str, tree: DraftTree) -> torch.Tensor:
+        """The session's tree's logits [q, V], captured, and every other call uncaptured alike; nothing committed."""
+        sess = engine.session(name)
+        captured = fused.tree_forward(sess.cache, taps, tree, sess.root)[0]
+        if next(calls) % 2 == 0:
+            ids = tree.tokens.clone()
+            ids[0] = sess.root
+            uncaptured = fused.forward(sess.cache, taps, ids.to(DEVICE), (sess.cache.length + tree.depths).to(DEVICE),
+                                       ancestor_matrix(tree.parents).to(DEVICE), last_only=False)[0]
+            assert torch.equal(captured, uncaptured), name
+        return captured
+
+    def greedy_path(tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The walk the logits [q, V] choose: its nodes from the root, and the tokens it commits (the bonus last)."""
+        nodes, tokens = [0], []
+        while True:
+            tokens.append(int(logits[nodes[-1]].argmax()))
+            child = [i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))
+                     if p == nodes[-1] and t == tokens[-1]]
+            if not child:
+                return nodes, tokens
+            nodes.append(child[0])
+
+    prompts = {"ar": [3, 1, 4, 1, 5, 9, 2, 6], "tree": [3, 1, 4, 1, 5, 9, 2, 6], "b1": [7] * 5,
+               "b2": [2, 7, 1, 8, 2, 8] * 10, "b3": [1, 6, 1, 8] * 17}  # b2's trees cross a key chunk's end
+    for name, prompt in prompts.items():
+        engine.start_session(name, 160, SamplingParams(), list(taps))
+        engine.prefill(name, prompt)
+    assert engine.session("ar").root == engine.session("tree").root
+    # AR: one-node steps along the greedy path, each committed by decode(); step j's logits pick token j
+    ar_logits, ar_tokens = [], []
+    while len(ar_tokens) < 16:
+        logits = scores("ar", ROOT_ONLY)[0]
+        ar_tokens += engine.decode("ar").tokens
+        assert ar_tokens[-1] == int(logits.argmax())
+        ar_logits.append(logits)
+    # the same prompt's trees: the true path to a random depth, a wrong token after it, decoys everywhere
+    rng = random.Random(3)
+    done = 0  # tokens the tree session has committed
+    while True:
+        depth = rng.randint(1, 3)
+        if done + depth + 1 >= len(ar_tokens):
+            break
+        tree = oracle_tree(rng, engine.session("tree").root, ar_tokens[done:], depth, depth + 1)
+        logits = scores("tree", tree)
+        nodes, tokens = greedy_path(tree, logits)
+        step = engine.verify("tree", tree).tokens  # captured: forward, walk and compaction
+        assert step == tokens == ar_tokens[done : done + len(step)], (done, step, tokens)
+        for i, node in enumerate(nodes):
+            assert torch.equal(logits[node], ar_logits[done + i]), (done, i)
+        done += len(step)
+    assert done >= 10
+    # several sessions' trees in one step, the AR session's decode step among them, against each alone
+    names = ["b1", "b2", "b3", "ar"]
+    trees = [oracle_tree(rng, 0, [rng.randrange(48) for _ in range(3)], 2, 3) for _ in names[:3]] + [ROOT_ONLY]
+    alone = [scores(name, tree) for name, tree in zip(names, trees)]
+    items = [BatchTree(engine.session(n).cache, t, engine.session(n).root) for n, t in zip(names, trees)]
+    together, _, batch, _ = fused.batch_forward(items, taps)
+    captured, _, _, qb = fused.batch_scores(items, taps)
+    for b, tree in enumerate(trees):
+        q = tree.tokens.shape[0]
+        assert torch.equal(together[batch.tree_rows(b)], alone[b]), names[b]
+        assert torch.equal(captured[b * qb : b * qb + q], alone[b]), names[b]
+    # three sessions' greedy rounds in one captured step (filled up to four trees), as their logits alone choose
+    for b, step in enumerate(engine.verify_batch(list(zip(names[:3], trees[:3])))):
+        assert step.tokens == greedy_path(trees[b], alone[b])[1], names[b]
+    print("deterministic ok", len(ar_tokens), "decode steps,", done, "tokens in trees, batches of", len(names),
+          "and 3 trees")
 
 
 def check_warm_up() -> None:
@@ -630,4 +733,4 @@ if __name__ == "__main__":
     {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
      "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
      "verify": check_verify, "warm_up": check_warm_up, "draft_warm_up": check_draft_warm_up,
-     "invariant": check_invariant}[sys.argv[1]]()
+     "invariant": check_invariant, "deterministic": check_deterministic}[sys.argv[1]]()

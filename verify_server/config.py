@@ -48,6 +48,12 @@ class VerifyServerConfig(ServiceConfig):
         "thousands of tokens of an 8B target beside its sessions), 0.25 on a CPU (small targets, small memory); "
         "0: off. Hybrid targets and --tp > 1 do not cache prefixes"
     )
+    deterministic: bool = option(
+        False, "row-invariant verification: every tree node's logits, its tree alone or batched with other sessions', "
+        "are bitwise those of the target's own one-row decode step at its position, so that greedy output in bf16 "
+        "equals AR decoding's (kernels/invariant.py's projections, norms and attention, uncompiled: slower). Needs a "
+        "CUDA GPU with Triton and a Qwen3 / Llama / Qwen2 target; not with --tp > 1, --eager or --compile"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,6 +75,9 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:
             raise ValueError(f"warm_up_nodes must be >= 0, got {self.warm_up_nodes}")
+        if self.deterministic and (self.tp > 1 or self.eager or self.compile):
+            given = "--tp > 1" if self.tp > 1 else "--eager" if self.eager else "--compile"
+            raise ValueError(f"--deterministic runs the fused path on one GPU, uncompiled: not with {given}")
         if self.max_tree_size < 1 or self.max_tree_depth < 1:
             raise ValueError(
                 f"max_tree_size and max_tree_depth must be >= 1, got {self.max_tree_size}, {self.max_tree_depth}"
@@ -77,6 +86,12 @@ class VerifyServerConfig(ServiceConfig):
     @property
     def warm_up_tap_list(self) -> tuple[int, ...]:
         return tuple(int(t) for t in self.warm_up_taps.split(",") if t.strip())
+
+    @property
+    def compiles(self) -> bool:
+        """ServiceConfig's choice, off in the deterministic mode (compiled kernels reduce in orders chosen by the row
+        count)."""
+        return not self.deterministic and super().compiles
 
     @property
     def prefix_cache_bytes(self) -> int:

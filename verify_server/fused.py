@@ -21,12 +21,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from kernels.flash_batch import write_slot_rows
 from kernels.flash_tree import flash_supported
 from kernels.gemv import gemv_supported
+from kernels.invariant import invariant_supported
 from verify_server.fused_layer import (
     FusedLayer, LayerShape, chunk_layer, decoder_layer, head_norms, layer_out, layer_qkv, normed_linear, prompt_layer,
 )
+from verify_server.invariant_layer import invariant_head_logits, invariant_out, invariant_qkv
 from verify_server.kv_cache import KVCache
 from verify_server.rope import RopeTable, gather_rope, rope_type, tabled
-from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH
+from verify_server.step_attention import ATTENTION_CHOICES, CHUNK, FLASH, INVARIANT
 
 if TYPE_CHECKING:
     from verify_server.tree_batch import TreeBatch
@@ -196,11 +198,19 @@ class FusedDecoder:
     def set_compiled(self, enabled: bool, attention: str = "sdpa", fused_rows: int = 0) -> None:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
         configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for steps
-        of up to fused_rows rows, the fused projections (kernels.gemv; a GPU too)."""
+        of up to fused_rows rows, the fused projections (kernels.gemv; a GPU too). INVARIANT: the deterministic
+        mode, uncompiled, its tree steps' layers and logits through verify_server/invariant_layer.py (prompts keep
+        the configured prompt layers: their K/V are committed, the same for every later step)."""
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):
             raise ValueError("flash attention needs Triton, a CUDA device and a power-of-two head_dim >= 16")
+        if attention == INVARIANT and enabled:
+            raise ValueError("the deterministic mode runs uncompiled: compiled kernels reduce in orders chosen by the "
+                             "row count (drop --compile)")
+        if attention == INVARIANT and not invariant_supported(self.embed.device, self.shape.head_dim):
+            raise ValueError(f"the deterministic mode needs a CUDA GPU with Triton and a power-of-two head_dim >= 16 "
+                             f"(here {self.embed.device}, head_dim {self.shape.head_dim})")
         if fused_rows < 0:
             raise ValueError(f"fused_rows must be >= 0, got {fused_rows}")
         if fused_rows and not gemv_supported(self.embed.device):
@@ -208,6 +218,8 @@ class FusedDecoder:
         self.attention, self.fused_rows = attention, fused_rows
         self._compiled_prompt, self._compiled_chunk, self._head = prompt_layer, chunk_layer, head_logits
         self._qkv, self._out = layer_qkv, layer_out  # a batch's layer around its per-tree attention
+        if attention == INVARIANT:
+            self._qkv, self._out, self._head = invariant_qkv, invariant_out, invariant_head_logits
         if enabled:  # automatic dynamic: q turns symbolic on first change
             self._compiled_prompt = torch.compile(prompt_layer, fullgraph=True)
             self._compiled_chunk = torch.compile(chunk_layer, fullgraph=True)

@@ -28,11 +28,11 @@ from kernels.gemv import default_fused_rows, gemv_supported
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache, slot_addresses
-from verify_server.step_attention import FLASH, chunk_mask, step_mask
+from verify_server.step_attention import FLASH, INVARIANT, chunk_mask, step_mask
 from verify_server.step_inputs import (
     MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step, size_class,
 )
-from verify_server.tree_batch import BatchTree, TreeBatch
+from verify_server.tree_batch import BatchTree, TreeBatch, lone_batch
 from verify_server.tree_steps import GreedyOutputs, TreeSteps
 
 
@@ -77,8 +77,10 @@ class FusedRunner:
         (kernels/flash_batch.py: each tree's keys read from its slot by address, the K/V write in the same launch;
         fewer kernels a layer than the matmul form, and no [q, kv] scores tensor that grows with the context). Else
         the matmul form (under which a lone round's graph is captured per slot, and batches run uncaptured:
-        TreeSteps._prepare). fused_rows: steps of up to this many rows run their projections as kernels/gemv.py's
-        fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None: default_fused_rows."""
+        TreeSteps._prepare); INVARIANT: the deterministic mode (FusedDecoder.set_compiled), uncompiled only, on a
+        GPU (or in Triton's interpreter). fused_rows: steps of up to this many rows run their projections as
+        kernels/gemv.py's fused Triton kernels (0: cuBLAS everywhere; forced to 0 where they cannot run); None:
+        default_fused_rows."""
         hidden = self.decoder.embed.shape[1]
         if attention is None:
             attention = FLASH if flash_supported(self.device, self.decoder.shape.head_dim) else "matmul"
@@ -150,7 +152,8 @@ class FusedRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The uncaptured forward (prefill chunks, trees beyond the largest bucket, eager mode): ids, positions [q];
         tree [q, q] bool (None: causal, a prompt chunk, after every committed slot) -> logits [q or 1, V] fp32,
-        features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q)."""
+        features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q). A tree in the
+        deterministic mode runs as a batch of one, through the kernels the captured steps run."""
         q, start = ids.shape[0], cache.length
         slots = torch.arange(start, start + q, device=self.device)
         if tree is None and q > 1:
@@ -159,6 +162,10 @@ class FusedRunner:
             # [q, hidden] that the compiler fuses
             hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
             hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, start + q, taps, start > 0)
+            return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
+        if tree is not None and self.decoder.attention == INVARIANT:
+            hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
+            hidden, features = self.decoder.batch_forward(hidden, cos, sin, lone_batch(cache, tree), taps)
             return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         if tree is not None:
             mask = step_mask(torch.tensor(start, device=self.device), tree, start + q)
@@ -239,11 +246,11 @@ class FusedRunner:
         token [1, V] fp32, features [qb, taps*hidden] or None). SDPA's own causal mask is top-left aligned: the rows
         past the prompt (its padding, up to the key bucket) stay unseen, and its causal kernel is faster than a
         dense mask's.
-        cache None: into any slot where the flash kernels run (FusedDecoder.prompt_by_address): the layers attend
-        in a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose addresses came
-        up with the prompt. The scratch has the rows of the smallest slot, so that the compiled layer meets the
-        sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows would compile
-        the layer once more for that bucket)."""
+        cache None: into any slot where steps find their slots by address (FusedDecoder.prompt_by_address): the
+        layers attend in a one-layer scratch cache (allocated on first need) and copy their K/V into the slot whose
+        addresses came up with the prompt. The scratch has the rows of the smallest slot, so that the compiled layer
+        meets the sizes it meets in slots (rows past any prompt: a scratch of exactly the largest bucket's rows would
+        compile the layer once more for that bucket)."""
         num, hidden, cos, sin = self._unpack_prompt(buf.inputs, buf.nodes, self.decoder.embed, self.decoder.rope.table)
         if cache is not None:
             kv_len = key_bucket(buf.qb, cache.capacity)

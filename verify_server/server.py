@@ -33,6 +33,7 @@ from runtime.lane import Route
 from verify_server.config import VerifyServerConfig
 from verify_server.prefix_cache import PrefixStats
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
+from verify_server.step_attention import INVARIANT
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 from verify_server.warm_up import warm_up
@@ -249,11 +250,13 @@ def load_engine(config: VerifyServerConfig) -> VerifyEngine:
     else:
         engine = VerifyEngine.from_pretrained(
             config.target, device, dtype, config.max_tree_size, config.max_sessions, config.eager, config.compiles,
-            None if config.fused_rows == -1 else config.fused_rows, max_batch=config.max_batch,
+            None if config.fused_rows == -1 else config.fused_rows, INVARIANT if config.deterministic else None,
+            max_batch=config.max_batch,
         )
     log.info(
-        "target loaded in %.1f s: %d layers, hidden %d, vocab %d, %s forward",
+        "target loaded in %.1f s: %d layers, hidden %d, vocab %d, %s forward%s",
         time.perf_counter() - start, engine.num_layers, engine.hidden_size, engine.vocab_size, engine.path,
+        " (deterministic)" if config.deterministic else "",
     )
     return engine
 

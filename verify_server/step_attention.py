@@ -1,7 +1,7 @@
 """Attention for the fused decoder's steps: what a step's new tokens see (a tree's [q, q] ancestor matrix after its
 start row, expanded into a dense mask over the cache) and the kernels that take it, one contract each
 (ATTENTION_CHOICES, for benchmarks to compare; FLASH, the default on a GPU, reads the start row and the tree instead
-of a mask: verify_server/tree_batch.py)."""
+of a mask: verify_server/tree_batch.py; INVARIANT, the deterministic mode, reads them too)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,12 @@ ATTENTION_KERNELS = {
     "flex": flex_tree_attention,
 }
 FLASH = "flash"  # kernels.flash_batch: reads each tree's start and ancestor matrix instead of a materialised mask
+# kernels.invariant: the tables FLASH reads, keys in an order fixed by their positions; it selects the deterministic
+# mode, whose tree steps' norms and projections are row-invariant too (verify_server/invariant_layer.py): an
+# attention in a fixed order would buy nothing while the projections' order follows the row count
+INVARIANT = "invariant"
 CHUNK = "chunk"  # a prompt chunk after committed rows (chunk_attention); not a choice for trees
-ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH)
+ATTENTION_CHOICES = (*ATTENTION_KERNELS, FLASH, INVARIANT)
 
 
 def attend(
@@ -102,8 +106,8 @@ def attend(
 ) -> torch.Tensor:
     """q [q, heads, d] over the first kv_len rows of keys/values [kv_heads, rows, d] (a slot's, the step's new K/V
     written already) under `mask` (a dense mask, or None: causal over the new tokens; CHUNK ignores it: every
-    earlier key and the chunk causally) through `kernel` (not FLASH, which takes a batch's tables) -> [q, heads,
-    d]."""
+    earlier key and the chunk causally) through `kernel` (not FLASH or INVARIANT, which take a batch's tables) ->
+    [q, heads, d]."""
     if kernel == CHUNK:
         return chunk_attention(q, keys, values, kv_len, scale, gqa)
     keys, values = keys[:, :kv_len], values[:, :kv_len]

@@ -6,9 +6,9 @@ and MLP run over all of them at once, and only the K/V writes, the attention and
 over its own session's cache slot. On a GPU with the flash kernel each is one launch for the whole batch
 (kernels/flash_batch.py, kernels/kv_compaction.py), finding each slot by its address in a table on the device
 (kv_cache.slot_table); so a batch of greedy rounds is captured in a CUDA graph like a single round, whatever slots
-it meets (verify_server/step_inputs.py's BatchBuffers holds its inputs). Elsewhere the same steps loop over the
-trees, each under its dense mask (the uncaptured single-tree step's form, which the CPU tests compare with
-verifying each tree alone).
+it meets (verify_server/step_inputs.py's BatchBuffers holds its inputs). The deterministic mode's attention
+(kernels/invariant.py) reads the same tables. Elsewhere the same steps loop over the trees, each under its dense mask
+(the uncaptured single-tree step's form, which the CPU tests compare with verifying each tree alone).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.flash_batch import batch_tree_attention
+from kernels.invariant import invariant_attention
 from kernels.kv_compaction import launch_batch as compact_batch
 from protos.types import DraftTree
 from verify_server.kv_cache import KVCache, compact_path, slot_table
-from verify_server.step_attention import FLASH, attend, step_mask
+from verify_server.step_attention import FLASH, INVARIANT, attend, step_mask
 from verify_server.tree_attention import ancestor_matrix
 
 
@@ -44,7 +45,8 @@ class TreeBatch:
     starts     [B] int64 on the device: each tree's first slot
     anc        [B, max_q, max_q] bool on the device: tree b's ancestor-or-self matrix in its top-left corner
     tables     [2, B] int64 on the device: each tree's rows and first row
-    slots      [2 * layers + 1, B] int64 on the device (slot_table), for the flash kernels; None elsewhere
+    slots      [2 * layers + 1, B] int64 on the device (slot_table), for the flash and invariant kernels; None
+               elsewhere
     kv_lens    per tree, the key rows the loop form attends over (its start plus its rows, or their key bucket)
     max_keys   at least every tree's start plus its rows: sizes the flash kernel's key chunks
     """
@@ -69,13 +71,14 @@ class TreeBatch:
     ) -> torch.Tensor:
         """Decoder layer `layer`: writes each tree's k, v [rows, kv_heads, d] into its slot, then attends its
         q [rows, heads, d] over its slot's committed keys and its own tree -> [rows, heads, d]."""
-        if kernel == FLASH:
+        if kernel in (FLASH, INVARIANT):
             layers = (self.slots.shape[0] - 1) // 2
             q_lens, offsets = self.tables
-            return batch_tree_attention(
-                q, k, v, self.slots[layer], self.slots[layers + layer], self.slots[-1], self.anc, self.starts,
-                q_lens, offsets, self.max_q, self.max_keys, scale,
-            )
+            tables = (self.slots[layer], self.slots[layers + layer], self.slots[-1], self.anc, self.starts, q_lens,
+                      offsets)
+            if kernel == INVARIANT:
+                return invariant_attention(q, k, v, *tables, scale)
+            return batch_tree_attention(q, k, v, *tables, self.max_q, self.max_keys, scale)
         outs = []
         for b, cache in enumerate(self.caches):
             rows, n, kv_len = self.tree_rows(b), self.q_lens[b], self.kv_lens[b]
@@ -98,7 +101,17 @@ class TreeBatch:
             compact_path(cache, self.starts[b], order[b], depth[b : b + 1])
 
 
-def build_batch(items: list[BatchTree], device: torch.device, flash: bool) -> tuple[TreeBatch, torch.Tensor]:
+def lone_batch(cache: KVCache, tree: torch.Tensor) -> TreeBatch:
+    """One tree as a batch for the kernels that find its slot by address: tree [q, q] bool on the device, its
+    ancestor-or-self matrix; its new K/V go to slots [length, length + q) of `cache`."""
+    q, start = tree.shape[0], cache.length
+    meta = torch.tensor([start, q, 0], device=tree.device)  # its start, rows and first row, in one upload
+    slots = torch.from_numpy(slot_table([cache])).to(tree.device)
+    return TreeBatch([cache], [0], [q], [start + q], None, tree[None], meta[:1], meta[1:].view(2, 1), slots, q,
+                     start + q)
+
+
+def build_batch(items: list[BatchTree], device: torch.device, by_address: bool) -> tuple[TreeBatch, torch.Tensor]:
     """An uncaptured batch, its trees unpadded, assembled on the host and uploaded in a few copies -> the batch and
     its rows' [4, rows] ids, positions, parents (local: the root's is -1) and depths on the device."""
     caches = [item.cache for item in items]
@@ -119,7 +132,7 @@ def build_batch(items: list[BatchTree], device: torch.device, flash: bool) -> tu
     tables[:3] = torch.tensor([starts, q_lens, offsets])
     rows = offsets[-1] + q_lens[-1]
     packed = torch.cat((*columns, tables), dim=1).to(device)  # [5, rows + B]
-    slots = torch.from_numpy(slot_table(caches)).to(device) if flash else None
+    slots = torch.from_numpy(slot_table(caches)).to(device) if by_address else None
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
     batch = TreeBatch(caches, offsets, q_lens, kv_lens, packed[4, :rows], anc.to(device), packed[0, rows:],
                       packed[1:3, rows:], slots, max_q, max(kv_lens))

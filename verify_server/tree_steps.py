@@ -15,7 +15,7 @@ from kernels.cuda_graphs import GraphPool, key_bucket
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
-from verify_server.step_attention import FLASH
+from verify_server.step_attention import FLASH, INVARIANT
 from verify_server.step_inputs import (
     MIN_SLOT_TOKENS, ROOT_ONLY, BatchBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
 )
@@ -54,10 +54,10 @@ class TreeSteps:
 
     @property
     def by_address(self) -> bool:
-        """Whether captured steps find their sessions' cache slots by address (the flash kernels' tables, and
-        write_slot_rows for prompts), so that one graph serves every slot; elsewhere a graph is bound to the slot
-        it was captured with."""
-        return self.decoder.attention == FLASH
+        """Whether captured steps find their sessions' cache slots by address (the flash and invariant kernels'
+        tables, and write_slot_rows for prompts), so that one graph serves every slot; elsewhere a graph is bound to
+        the slot it was captured with."""
+        return self.decoder.attention in (FLASH, INVARIANT)
 
     def forward(
         self, items: list[BatchTree], taps: tuple[int, ...]

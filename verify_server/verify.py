@@ -32,6 +32,7 @@ from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
+from verify_server.step_attention import INVARIANT
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
 from verify_server.walk import TreeRows, walk_and_commit
@@ -76,7 +77,8 @@ class VerifyEngine:
         (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
         the fused path's steps of up to this many rows run the Triton projections of kernels/gemv.py where they can
         (a GPU with Triton); None: FusedRunner's default. attention: the fused path's attention kernel
-        (step_attention.ATTENTION_CHOICES); None: FusedRunner's default. max_batch: the most sessions' rounds
+        (step_attention.ATTENTION_CHOICES; INVARIANT, the deterministic mode, needs the fused path: a ValueError
+        where it has none); None: FusedRunner's default. max_batch: the most sessions' rounds
         verify_batch runs in one forward (bounds what the fused path compiles at start-up). target_path: the
         target's directory, whose tokenizer compiles sessions' grammars (None: sessions with one are refused)."""
         cfg = model.config
@@ -95,7 +97,10 @@ class VerifyEngine:
         self.timers = TimerEvents(self.device)
         self.fused: FusedRunner | None = None
         self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
-        if fused and fused_unsupported(cfg) is None:
+        no_fused = "the generic HF path was asked for" if not fused else fused_unsupported(cfg)
+        if attention == INVARIANT and no_fused is not None:
+            raise ValueError(f"the deterministic mode needs the fused path (Qwen3 / Llama / Qwen2 targets): {no_fused}")
+        if no_fused is None:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
                                      max_batch)
             self.queued = QueuedRounds(self.fused, self.timers)
