@@ -1,7 +1,11 @@
 """Where a verifier step spends its time (torch.profiler, kernels sorted by device time), to explain the gap
 between a step and the weight-streaming bound.
 
+With --batch N, a step of N sessions' rounds in one VerifyBatch forward instead (VerifyEngine.verify_batch, as the
+verifier serves a step of the step scheduler): N decode steps (0 nodes) or N trees.
+
 Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64] [--compile] [--attention grouped] [--eager]
+       [--batch 16]
 TARGET: a model directory, or random:<shape> (runtime/shapes.py SHAPES, e.g. random:qwen3-8b).
 """
 
@@ -14,9 +18,10 @@ import torch
 from ddtree.cost_curve import copy_bandwidth
 from verify_server.random_target import RANDOM_PREFIX, random_target
 from runtime.timing import profiled_calls
-from protos.types import SamplingParams
+from protos.types import DraftTree, SamplingParams
 from draft_server.tree import build_tree
 from verify_server.step_attention import ATTENTION_CHOICES
+from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine, load_target
 
 
@@ -34,6 +39,7 @@ def main() -> None:
                    help="steps of up to N rows through the fused Triton projections (0: cuBLAS; default: by size)")
     p.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (a session each call)")
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--batch", type=int, default=1, help="sessions verified in one step (1: a lone round)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.target.startswith(RANDOM_PREFIX):
@@ -44,7 +50,8 @@ def main() -> None:
     streamed = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     bound_ms = streamed / copy_bandwidth(torch.device(args.device), min(4 * 2**30, streamed)) * 1000
     print(f"weight-streaming bound {bound_ms:.3f} ms ({streamed / 1e9:.2f} GB streamed per step)")
-    engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager)
+    engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager, max_sessions=max(16, args.batch),
+                          max_batch=args.batch)
     if engine.fused is not None:
         engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention,
                                 fused_rows=args.fused_rows)
@@ -52,23 +59,33 @@ def main() -> None:
     print(f"verifier path {engine.path}, compile={args.compile}, attention={args.attention}, fused_rows={rows}")
     prompt = torch.randint(0, engine.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     logprobs = torch.log_softmax(torch.randn(15, engine.vocab_size, generator=torch.Generator().manual_seed(1)), -1)
+    names = [f"p{i}" for i in range(args.batch)]
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
     for nodes in (int(n) for n in args.nodes.split(",") if n):
-        engine.start_session("p", args.context + 70 * (nodes + 1), SamplingParams(), [])
-        engine.prefill("p", prompt)
+        for name in names:
+            engine.start_session(name, args.context + 70 * (nodes + 1), SamplingParams(), [])
+            engine.prefill(name, prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
-        step = (lambda tree=tree: engine.verify("p", tree)) if tree is not None else (lambda: engine.decode("p"))
-        wall_ms, kernel_ms, table = profiled_calls(step, torch.cuda.synchronize, args.rows)
-        print(f"\n=== {nodes} nodes: step {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x the bound), "
-              f"{kernel_ms:.3f} ms of device kernels per step ===")
+        if args.batch > 1:
+            def step(tree: DraftTree = tree or ROOT_ONLY) -> None:
+                for outcome in engine.verify_batch([(name, tree) for name in names]):
+                    if isinstance(outcome, Exception):
+                        raise outcome
+        else:
+            step = (lambda tree=tree: engine.verify("p0", tree)) if tree is not None else (lambda: engine.decode("p0"))
+        wall_ms, kernel_ms, table = profiled_calls(step, sync, args.rows)
+        print(f"\n=== {nodes} nodes, {args.batch} session(s): step {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x "
+              f"the bound), {kernel_ms:.3f} ms of device kernels per step ===")
         print(table)
-        engine.end_session("p")
+        for name in names:
+            engine.end_session(name)
     for length in (int(n) for n in args.prefill.split(",") if n):
         def prefill(length: int = length) -> None:
             engine.start_session("p", length + 1, SamplingParams(), [])
             engine.prefill("p", prompt[:length])
             engine.end_session("p")
 
-        wall_ms, kernel_ms, table = profiled_calls(prefill, torch.cuda.synchronize, args.rows)
+        wall_ms, kernel_ms, table = profiled_calls(prefill, sync, args.rows)
         print(f"\n=== prefill of {length} tokens (session start and end included): {wall_ms:.3f} ms wall, "
               f"{kernel_ms:.3f} ms of device kernels per call ===")
         print(table)
