@@ -58,6 +58,29 @@ def test_64_concurrent_streams_complete_each_as_alone(stack: ServeStack) -> None
     assert cut > 0, f"no step of {steps:.0f} cut its trees below the budget"
 
 
+def test_seeded_sampling_gives_the_same_text_under_load(stack: ServeStack) -> None:
+    """A sampled request with a seed gets the text it gets alone while 8 greedy streams share its steps (its trees
+    go as drafted, and in fp32 a batched forward is the lone one's)."""
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = _client(stack)
+        model = (await client.models.list()).data[0].id
+
+        async def sampled(i: int) -> str:
+            reply = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": PROMPTS[i]}], max_tokens=24, temperature=0.9,
+                seed=1000 + i, stream=True)
+            return "".join([chunk.choices[0].delta.content or "" async for chunk in reply if chunk.choices])
+
+        alone = [await sampled(i) for i in range(8)]
+        mixed = await asyncio.gather(*(sampled(i) for i in range(8)),
+                                     *(_streamed(client, PROMPTS[8 + i], 24) for i in range(8)))
+        return alone, list(mixed[:8])
+
+    alone, together = asyncio.run(scenario())
+    assert all(alone) and len(set(alone)) > 1, "sampled texts, not all the same"
+    assert together == alone
+
+
 def test_a_steady_load_is_verified_in_steps_of_every_client(stack: ServeStack) -> None:
     """16 streams at once (fixed lengths: ignore_eos): from the moment all 16 stream until the first ends, the
     verifier's mean batch, from its own histogram, counts (nearly) every one of them."""
