@@ -72,10 +72,13 @@ def _sessions(backends: Backends) -> tuple[int, int]:
 
 
 async def _until(condition) -> None:
-    for _ in range(10_000):  # a bound on event-loop turns, not a time
+    # Polled every millisecond, not every turn of the loop: a request's way in includes work on the gateway's text
+    # thread (the chat template, the tokenizer), which a loop spinning on sleep(0) starves of the GIL on a busy
+    # machine. The bound only ends a test that would otherwise hang.
+    for _ in range(30_000):
         if condition():
             return
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     raise AssertionError("never happened")
 
 
