@@ -7,9 +7,8 @@ read ([D, K] values and ids, as build_tree's top-k), and a best-first search pop
 descending, then depth, then the parent's pop order, then the token's rank at its depth; scores summed in fp32 as
 build_tree sums them), except that a candidate the grammar forbids after its parent's path is skipped: the next
 allowed rank takes its place, as the sibling or the first child pushed. Each push tests candidates with the
-session's matcher moved onto the parent's path (accept a token, roll it back: a microsecond or two each, where a
-bitmask per node would take a pass over the whole vocabulary). Where the grammar has terminated on a path, only
-stop tokens may follow. Nodes come in pop order, so every parent precedes its children, as build_tree's do."""
+session's matcher moved onto the parent's path (accept a token, roll it back, where a bitmask per node would take a
+pass over the whole vocabulary). Where the grammar has terminated on a path, only stop tokens may follow. Nodes come in pop order, so every parent precedes its children, as build_tree's do."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ class StaticDrafter:
         self._lone = BlockBatch.lone(self._inputs.block, self._logprobs[None], cfg.num_hidden_layers)
         self._block_batches: dict[int, BlockBatch] = {}  # blocks -> a batch's static inputs
         self.appends = StepAppends(self.slots, self.graphs, self._kv_at_step,
-                                   self._addresses if self.by_address else None, self._address,
+                                   self._addresses if self.by_address else None, self._address, self._arange,
                                    cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype, self.device)
         # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's features)
         self._after_copies = CopiesMemo(limit=16)
@@ -276,15 +276,17 @@ class StaticDrafter:
         run, with blocks over the scratch slot."""
         cfg = self.config
         together: list[tuple[int, int, torch.Tensor]] = []
+        rows = 0  # in `together`
         for b, call in enumerate(calls):
             m = call.features.shape[0]
             if m > self.max_append:
                 self.append(call.slot, call.start, call.features, b)
                 continue
-            if sum(f.shape[0] for _, _, f in together) + m > self.max_append:
+            if rows + m > self.max_append:
                 self.appends.run(together)
-                together = []
+                together, rows = [], 0
             together.append((call.slot, call.start, call.features))
+            rows += m
         self.appends.run(together)
         blocks = [(call.slot, call.position, call.root) for call in calls]
         count = 1 << (len(calls) - 1).bit_length() if self.graphs.enabled else len(calls)

@@ -65,12 +65,14 @@ class StepAppends:
 
     def __init__(
         self, slots: ContextSlots, graphs: GraphPool, kv_at: KV, table: torch.Tensor | None,
-        address: Callable[[int], None], width: int, max_append: int, dtype: torch.dtype, device: torch.device,
+        address: Callable[[int], None], arange: torch.Tensor, width: int, max_append: int, dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        """kv_at: features [n, taps*hidden] at positions [n] -> K and V [layers, kv_heads, n, head_dim] each."""
+        """kv_at: features [n, taps*hidden] at positions [n] -> K and V [layers, kv_heads, n, head_dim] each.
+        arange: [rows of a slot] the row indices (== absolute positions)."""
         self.slots, self.graphs, self.kv_at, self.table, self.address = slots, graphs, kv_at, table, address
         self.max_append, self.dtype, self.device = max_append, dtype, device
-        self._arange = torch.arange(slots.shape[2], device=device)  # [rows of a slot]
+        self._arange = arange
         self._rows = RowInputs(width, max_append, dtype, device) if table is not None else None
         self._staging: tuple[RowInputs, torch.cuda.Event] | None = None  # made on first use
 

@@ -1,7 +1,7 @@
 """The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode.
 
 Its parts: the fused path's runner (verify_server/fused_runner.py) where the target has one, else the HF modules
-with our attention (tree_attention.py, linear_attention.py); captured greedy rounds queued on the device
+with the tree attention of tree_attention.py and linear_attention.py; captured greedy rounds queued on the device
 (queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); a
 prompt's prefill, whole or in chunks (prefill.py, PromptPrefill); the walk and commit of an uncaptured round
 (walk.py); a session's state (session.py).
