@@ -11,7 +11,7 @@ prefix of an earlier level shortens them; the gateways side by side get the same
 take turns (the order alternating), so each sees the same machine state; one warm-up round first (as many clients
 as the most of the run, every mode and temperature), so no graph capture or compile is timed. --check-alone sends
 every greedy request again, one at a time, after the levels, and reports per level the share of greedy streams
-whose text equals the same request's alone.
+whose text equals the same request's alone (in --alone-mode off: the target's own AR answer).
 
 Reported per gateway, mode, temperature and client count: completion tokens (the streams' usage) / wall time, every
 request's TTFT and their p50 / p99, the per-token ITL p50 / p99 and the chunk gaps' (bench/load_client.py says how
@@ -101,13 +101,14 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
 
 
 async def equal_alone(model: str, run: dict, args: argparse.Namespace) -> float:
-    """The share of a greedy level's streams whose text equals its request's sent again alone (one at a time)."""
+    """The share of a greedy level's streams whose text equals its request's sent again alone (one at a time), in
+    the level's mode or in --alone-mode."""
     equal = 0
     async with httpx.AsyncClient(timeout=args.timeout) as http:
         for c, texts in enumerate(run["texts"]):
             for r, text in enumerate(texts):
                 stream = await stream_chat(http, run["gateway"], body(
-                    model, seed(run["mode"], 0.0, run["clients"], c, r), run["mode"], 0.0, args))
+                    model, seed(run["mode"], 0.0, run["clients"], c, r), args.alone_mode or run["mode"], 0.0, args))
                 equal += text is not None and stream.error is None and stream.text == text
     return equal / run["requests"]
 
@@ -151,6 +152,9 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=40)
     p.add_argument("--check-alone", action="store_true",
                    help="send every greedy request again alone and report the share of equal texts")
+    p.add_argument("--alone-mode", choices=("off", "chain", "ddtree"),
+                   help="--check-alone sends the requests again in this mode (off: the target's own AR answer, so a "
+                        "speculative level's share counts its streams equal to plain decoding; default: the level's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--out", type=Path, required=True, help="the JSON; its figure goes beside it as .png")
     args = p.parse_args()
@@ -167,6 +171,8 @@ def main() -> None:
     temperatures = [float(t) for t in args.temperatures.split(",")]
     if args.check_alone and 0.0 not in temperatures:
         p.error("--check-alone compares greedy answers: --temperatures needs 0")
+    if args.alone_mode and not args.check_alone:
+        p.error("--alone-mode is the mode of --check-alone's requests: add --check-alone")
     model = {served_model(url) for url in urls}.pop()  # every stack speculating before any is timed
     counters = {url: TokenCounter(url, model) for url in urls}
     for url in urls:
@@ -183,7 +189,8 @@ def main() -> None:
         for r in runs:
             if r["temperature"] == 0:
                 r["equal_alone"] = asyncio.run(equal_alone(model, r, args))
-                print(f"{r['gateway']} {r['mode']} {r['clients']} clients: greedy answers equal to alone "
+                print(f"{r['gateway']} {r['mode']} {r['clients']} clients: greedy answers equal to alone"
+                      f"{' in mode ' + args.alone_mode if args.alone_mode else ''} "
                       f"{r['equal_alone']:.2f}", flush=True)
     result = {
         "hardware": {"gateways": urls, "python": platform.python_version(),

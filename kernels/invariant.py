@@ -7,8 +7,10 @@ count, kernels/gemv.py runs a GEMV at one row and its rows kernel beyond, and th
 (kernels/flash_tree.py, kernels/flash_batch.py) split the keys into chunks sized by the step's rows and keys. Each
 order rounds differently, so in bf16 a token's logits in a tree differ in their last bits from its decode step's,
 and a near-tie can flip a greedy token. Here every reduction runs in an order fixed by the data's own positions:
-- invariant_linear: fixed BLOCK_M x BLOCK_N x BLOCK_K tiles whatever M (one row is a masked tile of the same
-  shape), no split-K, fp32 accumulation over K in tile order; an optional residual add, elementwise;
+- invariant_linear: one fixed tile (TILE) whatever M (one row is a masked tile of the same shape), fp32 accumulation over K in tile order. The reduction axis splits into k_splits(N, K) spans, a count
+  fixed by the weight's shape alone (a decode step's row and a tree's rows see the same spans), whose fp32 sums
+  add up in span order; an optional residual add, elementwise. The splits give a one-row call enough programs to
+  stream the weight at the memory's pace;
 - invariant_rms_norm: one program per row, HF's numerics (statistics in fp32, the normed row rounded to the dtype,
   times the weight, rounded);
 - invariant_swiglu: silu(gate) * up elementwise, each rounded as torch's ops are, in blocks at fixed columns (the CPU's
@@ -26,6 +28,8 @@ tests/triton_interpreted.py). The verifier's deterministic mode runs its tree st
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -34,7 +38,22 @@ try:
 except ImportError:  # CPU-only installs: never called there (invariant_supported() is False)
     triton = None
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 64  # the projections' tile: rows, output columns, inputs per step over K
+
+
+class Tile(NamedTuple):
+    """The projections' launch: rows, output columns and inputs per step over K of a program's tile, its warps and
+    pipeline stages. One tile serves every row count: that is what makes a row's bits independent of M."""
+
+    m: int
+    n: int
+    k: int
+    warps: int
+    stages: int
+
+
+TILE = Tile(16, 64, 128, warps=4, stages=4)
+SPLIT_PROGRAMS = 512  # programs a one-row projection aims at (a few per multiprocessor) through its K splits
+MIN_SPAN = 512  # the narrowest span of K one split sums
 NORM_BLOCK = 1024  # widest chunk of a row the norm sums at once
 SWIGLU_BLOCK = 1024  # columns of the gate per program
 KEY_CHUNK = 64  # logical key positions per online-softmax update
@@ -69,31 +88,53 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _linear_kernel(
-        X, W, Res, Out, M, N, K, stride_x, stride_w,
-        RESIDUAL: tl.constexpr, INTERPRETED: tl.constexpr,
+        X, W, Res, Out, Part, M, N, K, span, stride_x, stride_w,
+        SPLITS: tl.constexpr, RESIDUAL: tl.constexpr, INTERPRETED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """A BLOCK_M x BLOCK_N tile of Out = X @ W.T (+ Res), summed over K one BLOCK_K step after another."""
+        """A BLOCK_M x BLOCK_N tile of X @ W.T over span program_id(2) of K (span inputs from program_id(2) * span),
+        summed one BLOCK_K step after another: with one split, Out (+ Res); else the fp32 sum into Part[split]. The
+        row tiles of one weight tile are neighbouring programs, so a many-row call reads each weight tile from L2."""
         dtype = Out.dtype.element_ty
-        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
         row_ok = rows < M
-        outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        outs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         out_ok = outs < N
+        split = tl.program_id(2)
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(split * span, split * span + span, BLOCK_K):
             col_ok = k0 + cols < K
             x = tl.load(X + rows[:, None] * stride_x + (k0 + cols)[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_K]
             w = tl.load(W + outs[:, None] * stride_w + (k0 + cols)[None, :], mask=out_ok[:, None] & col_ok[None, :],
                         other=0.0)  # [BLOCK_N, BLOCK_K]
             acc = _dot(x, tl.trans(w), acc, INTERPRETED)
-        y = acc.to(dtype)
         tile = rows[:, None] * N + outs[None, :]
         tile_ok = row_ok[:, None] & out_ok[None, :]
-        if RESIDUAL:  # as torch's residual + y: the sum in fp32, rounded once
-            y = (tl.load(Res + tile, mask=tile_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dtype)
-        tl.store(Out + tile, y, mask=tile_ok)
+        if SPLITS > 1:
+            tl.store(Part + split * M * N + tile, acc, mask=tile_ok)
+        else:
+            y = acc.to(dtype)
+            if RESIDUAL:  # as torch's residual + y: the sum in fp32, rounded once
+                y = (tl.load(Res + tile, mask=tile_ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dtype)
+            tl.store(Out + tile, y, mask=tile_ok)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _span_sum_kernel(Part, Res, Out, M, N, SPLITS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """Columns program_id(1) * BLOCK.. of row program_id(0) of Out: Part's SPLITS fp32 span sums [SPLITS, M, N]
+        added in span order, rounded once, then (+ Res) as _linear_kernel's epilogue."""
+        row = tl.program_id(0)
+        dtype = Out.dtype.element_ty
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.load(Part + row * N + cols, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(Part + (s * M + row) * N + cols, mask=ok, other=0.0)
+        y = acc.to(dtype)
+        if RESIDUAL:
+            y = (tl.load(Res + row * N + cols, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dtype)
+        tl.store(Out + row * N + cols, y, mask=ok)
 
     @triton.jit
     def _rms_norm_kernel(X, Weight, Out, H, stride_x, eps, BLOCK: tl.constexpr):
@@ -196,22 +237,43 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=head_ok[:, None])
 
 
-@torch.library.custom_op("ddtree::invariant_linear", mutates_args=())
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (unit stride on K), weight [N, K] (unit stride on K), residual [M, N] or None -> [M, N] in x's
-    dtype: residual + x @ weight.T, each row's bits independent of M and of the row's index."""
+def k_splits(n: int, k: int, tile: Tile = TILE) -> int:
+    """The spans K splits into for a weight [n, k]: doubled while the column tiles times the splits stay under
+    SPLIT_PROGRAMS and each span stays whole BLOCK_K steps of at least MIN_SPAN inputs. A function of the weight's
+    shape alone, never of the rows."""
+    tiles, splits = -(-n // tile.n), 1
+    while tiles * splits < SPLIT_PROGRAMS and k % (2 * splits * tile.k) == 0 and k // (2 * splits) >= MIN_SPAN:
+        splits *= 2
+    return splits
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, tile: Tile) -> torch.Tensor:
+    """invariant_linear's kernels under a given tile (the op's is TILE; other tiles for timing only)."""
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("invariant_linear takes rows of unit stride")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = residual.contiguous() if residual is not None else out
-    _linear_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))](
-        x, weight, res, out, m, n, k, x.stride(0), weight.stride(0),
-        RESIDUAL=residual is not None, INTERPRETED=_interpreted(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        num_warps=4, num_stages=2,
+    splits = k_splits(n, k, tile)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
+    _linear_kernel[(triton.cdiv(m, tile.m), triton.cdiv(n, tile.n), splits)](
+        x, weight, res, out, part, m, n, k, k // splits, x.stride(0), weight.stride(0),
+        SPLITS=splits, RESIDUAL=residual is not None, INTERPRETED=_interpreted(x), BLOCK_M=tile.m, BLOCK_N=tile.n,
+        BLOCK_K=tile.k, num_warps=tile.warps, num_stages=tile.stages,
     )
+    if splits > 1:
+        _span_sum_kernel[(m, triton.cdiv(n, SWIGLU_BLOCK))](
+            part, res, out, m, n, SPLITS=splits, RESIDUAL=residual is not None, BLOCK=SWIGLU_BLOCK, num_warps=4,
+        )
     return out
+
+
+@torch.library.custom_op("ddtree::invariant_linear", mutates_args=())
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (unit stride on K), weight [N, K] (unit stride on K), residual [M, N] or None -> [M, N] in x's
+    dtype: residual + x @ weight.T, each row's bits independent of M and of the row's index."""
+    return launch_linear(x, weight, residual, TILE)
 
 
 @invariant_linear.register_fake

@@ -318,11 +318,12 @@ def check_invariant() -> None:
     bitwise the decode step's at its position (committed keys plus its ancestors, then itself), alone or among
     other decode steps; each kernel is close to torch's ops, and the attention writes each tree's rows into its
     slot."""
-    from kernels.invariant import KEY_CHUNK, invariant_linear, invariant_rms_norm, invariant_swiglu
+    from kernels.invariant import KEY_CHUNK, invariant_linear, invariant_rms_norm, invariant_swiglu, k_splits
 
     gen = torch.Generator().manual_seed(6)
+    assert k_splits(96, 2048) > 1 and k_splits(96, 200) == 1  # the last shape sums K in spans, the others whole
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for n, k in ((48, 64), (96, 200)):
+        for n, k in ((48, 64), (96, 200), (96, 2048)):
             x = torch.randn(64, k, generator=gen).to(dtype).to(DEVICE)
             w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
             res = torch.randn(64, n, generator=gen).to(dtype).to(DEVICE)

@@ -255,16 +255,16 @@ def prompt_step(
     return num, *embed_tokens(torch.where(nodes < num, inputs[: nodes.shape[0]], 0), nodes, embed, rope)
 
 
-def greedy_outcome(x: TreeInputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A greedy round's outcome from its logits [qb, V] -> (packed [2 + qb] as accept_path returns it for the
-    target's greedy choices; order [qb] the path's nodes root..deepest, then indices below qb: what the compaction
+def greedy_outcome(x: TreeInputs, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy round's outcome from the target's choice after each node [qb] (its logits' argmax, taken for the
+    whole batch at once: one reduction over the vocabulary for every tree, not one per tree) -> (packed [2 + qb] as
+    accept_path returns it; order [qb] the path's nodes root..deepest, then indices below qb: what the compaction
     moves and the path's features' rows; cursor [2] the session's next start and bonus token). One function, so
     that compiled it is a few kernels where its steps apart are a launch each."""
     if x.ids.shape[0] == 1:  # an AR step: the root alone is the path (a static shape under torch.compile)
-        bonus = logits.argmax(dim=-1)  # [1]
-        order = torch.zeros_like(bonus)  # [1] the root, also its accepted depth
-        packed = torch.cat((order, bonus, x.ids))
+        order = torch.zeros_like(choice)  # [1] the root, also its accepted depth
+        packed = torch.cat((order, choice, x.ids))
     else:
-        packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, logits.argmax(dim=-1), x.valid)
+        packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, choice, x.valid)
         order = path.clamp(max=path.shape[0] - 1)
     return packed, order, torch.stack((x.start + packed[0] + 1, packed[1]))

@@ -194,7 +194,8 @@ class TreeSteps:
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         qb = buf.qb
-        outcomes = [self._outcome(x, logits[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
+        choices = logits.argmax(dim=-1)  # [trees * qb]
+        outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
         packed, order, cursors = (_stack([o[i] for o in outcomes]) for i in range(3))  # [trees, 2 + qb | qb | 2]
         if qb == 1:  # AR steps: the root alone, in place, its features the path's
             return packed, None if features is None else features[:, None], cursors
