@@ -174,12 +174,13 @@ if triton is not None:
         stride_qq, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_tb, stride_t, stride_oq, stride_oh,
         scale,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QB: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        CAUSAL: tl.constexpr, INTERPRETED: tl.constexpr,
     ):
         """Row `token` of tree b, its GROUP query heads of K/V head kvh: writes its new K/V row into the slot, then
         attends over logical positions 0..start + depth in BLOCK_N chunks. Logical position r < start is slot row r;
         start + t is the row's ancestor at depth t (itself at its own depth), a row of Knew / Vnew: parents precede
-        their children, so the t-th ancestor in row order is the one at depth t."""
+        their children, so the t-th ancestor in row order is the one at depth t. CAUSAL: every tree is a chain (a
+        prompt chunk, Tree unread), row t's ancestors the rows 0..t."""
         b, token, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         q_len, offset, start = tl.load(QLens + b), tl.load(Offsets + b), tl.load(Starts + b)
         if token >= q_len:  # a row past a smaller tree's
@@ -199,10 +200,13 @@ if triton is not None:
         head_ok = heads < GROUP
         q = tl.load(Q + row * stride_qq + (kvh * GROUP + heads)[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D]
-        nodes = tl.arange(0, QB)
-        seen = tl.load(Tree + b * stride_tb + token * stride_t + nodes, mask=nodes < q_len, other=0).to(tl.int32)
-        rank = tl.cumsum(seen, 0) - 1  # [QB] an ancestor's depth
-        last = start + tl.sum(seen, 0) - 1  # the row's own logical position
+        if CAUSAL:
+            last = start + token  # the row's own logical position
+        else:
+            nodes = tl.arange(0, QB)
+            seen = tl.load(Tree + b * stride_tb + token * stride_t + nodes, mask=nodes < q_len, other=0).to(tl.int32)
+            rank = tl.cumsum(seen, 0) - 1  # [QB] an ancestor's depth
+            last = start + tl.sum(seen, 0) - 1
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -212,8 +216,11 @@ if triton is not None:
             committed = pos < start
             if n0 + BLOCK_N > start:  # the chunk reaches the step's rows: each position's ancestor
                 depth = pos - start  # [N]
-                hit = (seen[None, :] != 0) & (rank[None, :] == depth[:, None])  # [N, QB]
-                node = tl.sum(tl.where(hit, nodes[None, :], 0), 1)  # [N]
+                if CAUSAL:
+                    node = tl.maximum(depth, 0).to(tl.int32)
+                else:
+                    hit = (seen[None, :] != 0) & (rank[None, :] == depth[:, None])  # [N, QB]
+                    node = tl.sum(tl.where(hit, nodes[None, :], 0), 1)  # [N]
             else:
                 node = tl.zeros([BLOCK_N], tl.int32)
             own = visible & ~committed
@@ -318,8 +325,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("ddtree::invariant_attention", mutates_args=())
 def invariant_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
-    scale: float,
+    head_stride: torch.Tensor, tree: torch.Tensor | None, starts: torch.Tensor, q_lens: torch.Tensor,
+    offsets: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """kernels.flash_batch.batch_tree_attention's contract (less max_keys) in a key order fixed by position: writes
     each tree's new rows k, v [rows, kv_heads, d] into its slot at starts[b] + i, and attends q [rows, heads, d]
@@ -327,21 +334,26 @@ def invariant_attention(
     [rows, heads, d] in q's dtype. Per tree b (int64 [B] each): k_base / v_base, the address of its slot's keys /
     values [kv_heads, capacity, d] (unit strides on rows and d); head_stride, capacity * d; starts, its committed
     rows; q_lens, its rows; offsets, its first row in q. tree [B, max_q, max_q] bool: tree b's ancestor-or-self
-    matrix, parents before their children. A one-row tree at start L is the decode step at position L."""
+    matrix, parents before their children; None: every tree a chain, its row t after rows 0..t (prompt chunks,
+    whose K/V bits then do not depend on how the prompt was cut into chunks). A one-row tree at start L is the
+    decode step at position L."""
     rows, heads, d = q.shape
     kv_heads = k.shape[1]
     if k.stride(2) != 1 or v.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("invariant_attention takes heads of unit stride")
-    batch, max_q = tree.shape[0], tree.shape[1]
     group = heads // kv_heads
-    tree = tree.contiguous().view(torch.uint8)
+    if tree is None:  # chains: each program's row count from q_lens, a row past its tree's returns
+        batch, max_q, table = starts.shape[0], rows, starts
+    else:
+        batch, max_q, table = tree.shape[0], tree.shape[1], tree.contiguous().view(torch.uint8)
     out = torch.empty((rows, heads, d), dtype=q.dtype, device=q.device)
     _attention_kernel[(batch, max_q, kv_heads)](
-        q, k, v, k_base, v_base, head_stride, tree, starts, q_lens, offsets, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), tree.stride(0), tree.stride(1),
-        out.stride(0), out.stride(1), scale,
-        GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=KEY_CHUNK,
-        QB=max(MIN_TREE, triton.next_power_of_2(max_q)), INTERPRETED=_interpreted(q), num_warps=4, num_stages=2,
+        q, k, v, k_base, v_base, head_stride, table, starts, q_lens, offsets, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        0 if tree is None else table.stride(0), 0 if tree is None else table.stride(1), out.stride(0), out.stride(1),
+        scale, GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=KEY_CHUNK,
+        QB=MIN_TREE if tree is None else max(MIN_TREE, triton.next_power_of_2(max_q)), CAUSAL=tree is None,
+        INTERPRETED=_interpreted(q), num_warps=4, num_stages=2,
     )
     return out
 
@@ -349,7 +361,7 @@ def invariant_attention(
 @invariant_attention.register_fake
 def _(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
-    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
-    scale: float,
+    head_stride: torch.Tensor, tree: torch.Tensor | None, starts: torch.Tensor, q_lens: torch.Tensor,
+    offsets: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)

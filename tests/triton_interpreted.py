@@ -452,7 +452,8 @@ def check_deterministic() -> None:
     """The verifier's deterministic mode (attention INVARIANT) in bf16: two sessions with the same prompt, one
     decoding step by step, one verifying branching trees, commit the same tokens, and every node on an accepted path
     gets bitwise the logits of the decode step at its position; several sessions' trees (a decode step among them)
-    in one step get bitwise each one's logits alone, and a batch's rounds commit what those logits choose. Steps run
+    in one step get bitwise each one's logits alone, and a batch's rounds commit what those logits choose; a prompt
+    prefilled in chunks leaves bitwise the K/V and next logits it leaves prefilled whole. Steps run
     through the captured code (plain calls in the interpreter, graphs on a GPU: trees padded to their bucket, a
     batch filled up with a filler tree) and, every other one, uncaptured too (FusedRunner.forward,
     TreeSteps.forward)."""
@@ -543,8 +544,22 @@ def check_deterministic() -> None:
     # three sessions' greedy rounds in one captured step (filled up to four trees), as their logits alone choose
     for b, step in enumerate(engine.verify_batch(list(zip(names[:3], trees[:3])))):
         assert step.tokens == greedy_path(trees[b], alone[b])[1], names[b]
+    # a prompt's K/V and its next step's logits, the prompt prefilled whole or in chunks (one of them a single
+    # token): the same bits, whatever the cut (a prefix cache's restored blocks are such a cut)
+    prompt = prompts["b3"]
+    for name, cuts in (("whole", [len(prompt)]), ("chunks", [5, 1, 30, len(prompt) - 36])):
+        engine.start_session(name, 160, SamplingParams(), list(taps))
+        at = 0
+        for i, n in enumerate(cuts):
+            engine.prefill(name, prompt[at : at + n], more=i + 1 < len(cuts))
+            at += n
+    whole, chunks = engine.session("whole"), engine.session("chunks")
+    assert whole.root == chunks.root
+    assert torch.equal(whole.cache.k[..., : len(prompt), :], chunks.cache.k[..., : len(prompt), :])
+    assert torch.equal(whole.cache.v[..., : len(prompt), :], chunks.cache.v[..., : len(prompt), :])
+    assert torch.equal(scores("whole", ROOT_ONLY), scores("chunks", ROOT_ONLY))
     print("deterministic ok", len(ar_tokens), "decode steps,", done, "tokens in trees, batches of", len(names),
-          "and 3 trees")
+          "and 3 trees, a prompt whole and in", len(cuts), "chunks")
 
 
 def check_warm_up() -> None:

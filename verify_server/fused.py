@@ -199,8 +199,8 @@ class FusedDecoder:
         """Compile the layer step (fuses norms, RoPE and the SiLU gate into few kernels) and pick the kernels of
         configured steps: attention (ATTENTION_CHOICES; 'flash' needs a GPU, see flash_supported) and, for steps
         of up to fused_rows rows, the fused projections (kernels.gemv; a GPU too). INVARIANT: the deterministic
-        mode, uncompiled, its tree steps' layers and logits through verify_server/invariant_layer.py (prompts keep
-        the configured prompt layers: their K/V are committed, the same for every later step)."""
+        mode, uncompiled, its tree steps' and prompt chunks' layers and logits through
+        verify_server/invariant_layer.py (FusedRunner.forward runs a prompt chunk as a causal batch of one)."""
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {sorted(ATTENTION_CHOICES)}, got {attention!r}")
         if attention == FLASH and not flash_supported(self.embed.device, self.shape.head_dim):

@@ -152,9 +152,17 @@ class FusedRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The uncaptured forward (prefill chunks, trees beyond the largest bucket, eager mode): ids, positions [q];
         tree [q, q] bool (None: causal, a prompt chunk, after every committed slot) -> logits [q or 1, V] fp32,
-        features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q). A tree in the
-        deterministic mode runs as a batch of one, through the kernels the captured steps run."""
+        features [q, taps*hidden] (None without taps). New K/V go to slots [length, length+q). In the
+        deterministic mode a tree or a prompt chunk runs as a batch of one, through the kernels the captured steps
+        run."""
         q, start = ids.shape[0], cache.length
+        if self.decoder.attention == INVARIANT:
+            # prompt chunks too, as causal chains: a prompt's K/V and first logits then depend on its tokens alone,
+            # not on how it was cut into chunks or which blocks the prefix cache restored
+            hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
+            hidden, features = self.decoder.batch_forward(hidden, cos, sin, lone_batch(cache, q, tree, self.device),
+                                                          taps)
+            return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         slots = torch.arange(start, start + q, device=self.device)
         if tree is None and q > 1:
             # a prompt beyond the captured buckets, or a chunk of one after its committed slots: the configured
@@ -162,10 +170,6 @@ class FusedRunner:
             # [q, hidden] that the compiler fuses
             hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
             hidden, features = self.decoder.prompt_forward(hidden, cos, sin, cache, slots, start + q, taps, start > 0)
-            return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
-        if tree is not None and self.decoder.attention == INVARIANT:
-            hidden, cos, sin = embed_tokens(ids, positions, self.decoder.embed, self.decoder.rope.table)
-            hidden, features = self.decoder.batch_forward(hidden, cos, sin, lone_batch(cache, tree), taps)
             return self.decoder.logits(hidden[-1:] if last_only else hidden, compiled=True), features
         if tree is not None:
             mask = step_mask(torch.tensor(start, device=self.device), tree, start + q)
@@ -179,8 +183,9 @@ class FusedRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The prompt's forward from slot 0, captured -> (logits of its last token [1, V] fp32, features
         [len(prompt), taps*hidden] or None); None when it is not captured (eager mode, a one-token prompt, a prompt
-        beyond the largest bucket): run it the general way. The caller sets cache.length afterwards."""
-        qb = bucket(len(prompt)) if self.static and len(prompt) > 1 else None
+        beyond the largest bucket, the deterministic mode): run it the general way. The caller sets cache.length
+        afterwards."""
+        qb = bucket(len(prompt)) if self.static and len(prompt) > 1 and self.decoder.attention != INVARIANT else None
         if qb is None:
             return None
         buf = self._buffer(qb)

@@ -43,7 +43,8 @@ class TreeBatch:
     row_slot   [rows] int64 on the device: each row's slot row in its tree's cache, for the loop form's K/V writes
                (None with the flash kernels, which take each tree's rows from its start)
     starts     [B] int64 on the device: each tree's first slot
-    anc        [B, max_q, max_q] bool on the device: tree b's ancestor-or-self matrix in its top-left corner
+    anc        [B, max_q, max_q] bool on the device: tree b's ancestor-or-self matrix in its top-left corner; None:
+               every tree a causal chunk (lone_batch, the invariant kernels only)
     tables     [2, B] int64 on the device: each tree's rows and first row
     slots      [2 * layers + 1, B] int64 on the device (slot_table), for the flash and invariant kernels; None
                elsewhere
@@ -56,7 +57,7 @@ class TreeBatch:
     q_lens: list[int]
     kv_lens: list[int]
     row_slot: torch.Tensor | None
-    anc: torch.Tensor
+    anc: torch.Tensor | None
     starts: torch.Tensor
     tables: torch.Tensor
     slots: torch.Tensor | None
@@ -101,14 +102,15 @@ class TreeBatch:
             compact_path(cache, self.starts[b], order[b], depth[b : b + 1])
 
 
-def lone_batch(cache: KVCache, tree: torch.Tensor) -> TreeBatch:
-    """One tree as a batch for the kernels that find its slot by address: tree [q, q] bool on the device, its
-    ancestor-or-self matrix; its new K/V go to slots [length, length + q) of `cache`."""
-    q, start = tree.shape[0], cache.length
-    meta = torch.tensor([start, q, 0], device=tree.device)  # its start, rows and first row, in one upload
-    slots = torch.from_numpy(slot_table([cache])).to(tree.device)
-    return TreeBatch([cache], [0], [q], [start + q], None, tree[None], meta[:1], meta[1:].view(2, 1), slots, q,
-                     start + q)
+def lone_batch(cache: KVCache, q: int, tree: torch.Tensor | None, device: torch.device) -> TreeBatch:
+    """One tree of q rows as a batch for the kernels that find its slot by address: tree [q, q] bool on the device,
+    its ancestor-or-self matrix, or None for a causal chunk (a prompt's, for the invariant kernels only); its new K/V
+    go to slots [length, length + q) of `cache`."""
+    start = cache.length
+    meta = torch.tensor([start, q, 0], device=device)  # its start, rows and first row, in one upload
+    slots = torch.from_numpy(slot_table([cache])).to(device)
+    return TreeBatch([cache], [0], [q], [start + q], None, None if tree is None else tree[None], meta[:1],
+                     meta[1:].view(2, 1), slots, q, start + q)
 
 
 def build_batch(items: list[BatchTree], device: torch.device, by_address: bool) -> tuple[TreeBatch, torch.Tensor]:
