@@ -10,7 +10,7 @@ from typing import Any
 from protos.types import DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.grpc_client import GrpcClient
 from gateway.steps import StepKind
-from gateway.tree_fit import TreeFit, sampling_class, tree_arrays
+from gateway.tree_fit import GREEDY, SessionFit, TreeFit, tree_arrays
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -31,13 +31,12 @@ class GrpcVerifier(GrpcClient):
         self._rounds: StepKind | None = (None if self._steps is None
                                          else self._steps.kind("VerifyBatch", self._send_rounds))
         self._tree_fit = tree_fit
-        self._as_drafted: set[str] = set()  # sessions whose trees go uncut (TreeFit.fit): seeded sampling
-        self._kinds: dict[str, float] = {}  # session -> its sampling class, where not greedy (TreeFit)
+        self._fits: dict[str, SessionFit] = {}  # session -> what the tree fit knows of it, where not greedy
 
     async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
         fit = self._tree_fit
         if fit is not None:
-            fit.fit(calls, self._as_drafted, self._kinds)
+            fit.fit(calls, self._fits)
         sent = time.perf_counter()
         answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
                                     lambda outcome: outcome.step, len(calls))
@@ -50,7 +49,7 @@ class GrpcVerifier(GrpcClient):
                 tree = tree_arrays(call.verify.tree)
                 rows += tree.shape[1]
                 if isinstance(answer, pb.StepResponse):
-                    fit.observe_round(tree, answer.tokens, self._kinds.get(call.verify.session_id, 0.0))
+                    fit.observe_round(tree, answer.tokens, self._fits.get(call.verify.session_id, GREEDY).kind)
             fit.observe_batch(rows, time.perf_counter() - sent, sent)
         return answers
 
@@ -72,16 +71,13 @@ class GrpcVerifier(GrpcClient):
         )
         if self._steps is not None:
             self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
-        if params.seed is not None and not params.greedy:
-            self._as_drafted.add(session_id)
         if not params.greedy:
-            self._kinds[session_id] = sampling_class(params)
+            self._fits[session_id] = SessionFit.of(params)
         try:
             async with self._tracked(session_id):
                 await self._call("StartSession", self._stub.StartSession, request)
         except BaseException:
-            self._as_drafted.discard(session_id)
-            self._kinds.pop(session_id, None)
+            self._fits.pop(session_id, None)
             if self._steps is not None:
                 self._steps.leave(session_id)  # no session: the round loop ends here, without an end_session
             raise
@@ -113,7 +109,6 @@ class GrpcVerifier(GrpcClient):
                 await self._call("EndSession", self._stub.EndSession,
                                  pb.VerifierEndSessionRequest(session_id=session_id))
         finally:
-            self._as_drafted.discard(session_id)
-            self._kinds.pop(session_id, None)
+            self._fits.pop(session_id, None)
             if self._steps is not None:
                 self._steps.leave(session_id)

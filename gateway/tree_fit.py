@@ -24,7 +24,8 @@ WARM_ROUNDS). The step still cuts every tree to one size.
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from prometheus_client import Histogram
@@ -57,6 +58,22 @@ def sampling_class(params: SamplingParams) -> float:
     """The class whose acceptance rates a request's rounds count in: 0 for greedy, else its temperature to a
     tenth."""
     return 0.0 if params.greedy else round(params.temperature, 1)
+
+
+class SessionFit(NamedTuple):
+    """What the fit knows of a session: its sampling class (sampling_class), and whether its trees go uncut (seeded
+    sampling: a tree's size decides how many draws a round takes from the session's generator, so a cut would make
+    the text depend on the load)."""
+
+    kind: float
+    as_drafted: bool
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SessionFit:
+        return cls(sampling_class(params), params.seed is not None and not params.greedy)
+
+
+GREEDY = SessionFit(0.0, False)  # a session the fit has no record of
 
 
 class AcceptanceRates:
@@ -162,20 +179,18 @@ class TreeFit:
         rate = tokens / (self.overhead_s + self.cost(rows))
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def fit(self, calls: Sequence[pb.RoundCall], as_drafted: Container[str] = (),
-            kinds: Mapping[str, float] | None = None) -> None:
-        """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions in
-        `as_drafted` (seeded sampling: a tree's size decides how many draws a round takes from the session's
-        generator, so a cut would make the text depend on the load). kinds: sessions' sampling classes (absent:
-        greedy)."""
+    def fit(self, calls: Sequence[pb.RoundCall], sessions: Mapping[str, SessionFit] | None = None) -> None:
+        """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions whose
+        SessionFit says as drafted. sessions: what the fit knows of each (absent: greedy)."""
+        known = sessions or {}
         cut_calls = [call.verify for call in calls
-                     if call.HasField("verify") and call.verify.session_id not in as_drafted]
+                     if call.HasField("verify") and not known.get(call.verify.session_id, GREEDY).as_drafted]
         if not cut_calls:
             return
         trees = [call.tree for call in cut_calls]
         sizes = [len(tree.nodes) // (3 * 4) - 1 for tree in trees]
         other_rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
-        classes = [(kinds or {}).get(call.session_id, 0.0) for call in cut_calls]
+        classes = [known.get(call.session_id, GREEDY).kind for call in cut_calls]
         nodes = self.size(sizes, other_rows=other_rows - sum(sizes) - len(sizes), kinds=classes)
         if self.chosen is not None:
             self.chosen.observe(nodes)

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from draft_server.tree import build_tree
 from gateway import tree_fit
-from gateway.tree_fit import TreeFit, cut, path_ranks, tree_arrays
+from gateway.tree_fit import SessionFit, TreeFit, cut, path_ranks, tree_arrays
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import SamplingParams
@@ -136,7 +136,7 @@ def test_seeded_sessions_trees_go_as_drafted():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=drafted(32, seed=i)))
              for i, s in enumerate("abc")]
-    fit.fit(calls, as_drafted={"b"})
+    fit.fit(calls, {"b": SessionFit.of(SamplingParams(temperature=0.8, seed=1))})
     sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
     assert sizes[1] == 32 and sizes[0] == sizes[2] < 32
 
