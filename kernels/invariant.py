@@ -22,7 +22,7 @@ and a near-tie can flip a greedy token. Here every reduction runs in an order fi
   bit for bit and do the same arithmetic.
 Triton specialises integer arguments equal to 1 (one row, one node): the row counts are exempt, so one compiled
 kernel serves every call. A CUDA path; the CPU runs them through Triton's interpreter only (the checks in
-tests/triton_interpreted.py). The verifier's deterministic mode runs its tree steps through them
+tests/interpreted_kernels.py). The verifier's deterministic mode runs its tree steps through them
 (verify_server/invariant_layer.py).
 """
 

@@ -77,7 +77,7 @@ def launch(k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, order: torch.T
     """On contiguous k, v [layers, 1, kv_heads, capacity, head_dim], device values only (a captured graph's): start
     [] long, the step's first slot; order [qb] long, the path's node indices root..deepest, then any index below
     qb; depth [1] long, the accepted depth k. Moves slots start + order[i] to start + i for i in 0..k; rows past k
-    are left as they are. (tests/triton_interpreted.py calls it on CPU tensors through Triton's interpreter.)"""
+    are left as they are. (tests/interpreted_kernels.py calls it on CPU tensors through Triton's interpreter.)"""
     layers, _, kv_heads, capacity, head_dim = k.shape
     _compact_kernel[(layers * kv_heads,)](k, v, start, order, depth, capacity, D=head_dim, ROWS=ROWS, num_warps=4)
 

@@ -1,5 +1,5 @@
 """The verifier's deterministic mode (--deterministic) is refused where it cannot hold, and `ddtree serve` hands it to
-the verifier. Its bitwise equalities are checked through Triton's interpreter (triton_interpreted.py
+the verifier. Its bitwise equalities are checked through Triton's interpreter (interpreted_engines.py
 check_deterministic)."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_engine_refuses_targets_and_devices_without_the_kernels(qwen3_target: Pa
     with pytest.raises(ValueError, match="needs the fused path .*model_type 'qwen3_5_text'"):
         VerifyEngine(hybrid, attention=INVARIANT)
     if invariant_supported(torch.device("cpu"), 16):
-        pytest.skip("Triton's interpreter is on: the CPU runs the mode (triton_interpreted.py)")
+        pytest.skip("Triton's interpreter is on: the CPU runs the mode (interpreted_engines.py)")
     with pytest.raises(ValueError, match="needs a CUDA GPU with Triton"):
         VerifyEngine.from_pretrained(qwen3_target, attention=INVARIANT)
 

@@ -194,7 +194,7 @@ def test_ancestor_matrix_of_any_depth_equals_walking_up(n: int) -> None:
         assert torch.equal(ancestor_matrix(torch.tensor(parents)), want)
         if n <= MAX_GRAPH_NODES:
             assert torch.equal(ancestor_matrix(torch.tensor(parents), ANCESTOR_STEPS), want)
-        if torch.cuda.is_available():  # the GPU's kernel (tests/triton_interpreted.py checks it on the CPU)
+        if torch.cuda.is_available():  # the GPU's kernel (tests/interpreted_kernels.py checks it on the CPU)
             assert torch.equal(ancestor_matrix(torch.tensor(parents, device="cuda")).cpu(), want)
 
 
