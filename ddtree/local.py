@@ -33,8 +33,8 @@ class LocalDrafter:
         # ... and can draft after a verify round still in flight (DraftEngine.draft_after)
         self.chains = engine.static is not None
 
-    async def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
-        self.engine.start_session(session_id, capacity, grammar)
+    async def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt: Sequence[int] = ()) -> int:
+        return self.engine.start_session(session_id, capacity, grammar, prompt)
 
     async def draft(
         self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
@@ -88,9 +88,10 @@ class LocalVerifier:
         self.engine.start_session(session_id, capacity, params, taps)
 
     async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        skip_features: int = 0,
     ) -> StepResult:
-        return self.engine.prefill(session_id, prompt, more, keep_features)
+        return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)
 
     async def take_features(self, session_id: str) -> torch.Tensor:
         return self.engine.take_features(session_id).features

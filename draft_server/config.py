@@ -9,6 +9,8 @@ from typing import ClassVar
 from runtime.models import resolve_pair
 from runtime.config import ServiceConfig, option
 
+DEFAULT_PREFIX_CACHE_GIB = {True: 1.0, False: 0.25}  # on a GPU (tens of thousands of tokens of an 8B drafter), a CPU
+
 
 @dataclass(frozen=True, kw_only=True)
 class DraftServerConfig(ServiceConfig):
@@ -30,6 +32,12 @@ class DraftServerConfig(ServiceConfig):
         "and each node's path, its tree built on the host (--no-constrained-trees: its trees are built as any other "
         "session's, and the verifier alone applies the grammar)"
     )
+    prefix_cache_gib: float | None = option(
+        None, "device memory (GiB) for the prefix cache: prompt blocks' context K/V kept after their requests, so that "
+        "a prompt starting as an earlier one (a chat's next turn, a shared system prompt) starts with that context "
+        "restored and the verifier leaves its features out; least recently used blocks go first. Default 1 on a GPU, "
+        "0.25 on a CPU; 0: off"
+    )
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
         "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"
@@ -43,12 +51,22 @@ class DraftServerConfig(ServiceConfig):
             raise ValueError(f"max_budget must be >= 1, got {self.max_budget}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
+            raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         try:
             budgets = self.warm_up_budget_list
         except ValueError:
             raise ValueError(f"warm_up_budgets must be comma-separated integers, got {self.warm_up_budgets!r}") from None
         if any(not 1 <= b <= self.max_budget for b in budgets):
             raise ValueError(f"warm_up_budgets must each be in [1, max_budget={self.max_budget}], got {budgets}")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """prefix_cache_gib in bytes, or its default for the device."""
+        gib = self.prefix_cache_gib
+        if gib is None:
+            gib = DEFAULT_PREFIX_CACHE_GIB[self.torch_device().type == "cuda"]
+        return int(gib * 2**30)
 
     @property
     def warm_up_budget_list(self) -> tuple[int, ...]:

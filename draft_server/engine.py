@@ -21,6 +21,7 @@ from draft_server.block_batch import BlockCall
 from draft_server.dflash import DFlashDrafter
 from draft_server.eager_drafter import EagerDrafter
 from draft_server.grammar_tree import DraftGrammars, grammar_tree
+from draft_server.prefix_cache import DraftPrefixCache, PromptBlocks
 from draft_server.session import (
     CapacityError, DraftCall, DraftResult, DraftSession, SessionError, UnknownSessionError,
 )
@@ -72,6 +73,12 @@ class DraftEngine:
                                                        max_batch=max_batch)
         self.eager_drafter = EagerDrafter(drafter, head) if eager else None
         self.grammars = DraftGrammars(target_path, head.vocab_size, constrained)
+        self.prefix: DraftPrefixCache | None = None  # enable_prefix_cache
+
+    def enable_prefix_cache(self, budget_bytes: int) -> None:
+        """Keep prompt blocks' context past their sessions, within budget_bytes (draft_server/prefix_cache.py):
+        sessions started from then on look their prompts up and offer their blocks."""
+        self.prefix = DraftPrefixCache(budget_bytes) if budget_bytes > 0 else None
 
     @property
     def block_size(self) -> int:
@@ -85,18 +92,23 @@ class DraftEngine:
     def eager(self) -> bool:
         return self.static is None
 
-    def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
+    def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt: Sequence[int] = ()) -> int:
         """grammar: the output's (SamplingParams.grammar's wire form; "" none), which the session's trees follow
-        where grammars are `constrained`; SessionError for one that does not parse or compile."""
+        where grammars are `constrained`; SessionError for one that does not parse or compile. prompt: the
+        request's prompt tokens, for the prefix cache (none: nothing looked up or offered) -> the positions whose
+        context the prefix cache restored: the session's first features start there."""
         if session_id in self.sessions:
             raise SessionError(f"session {session_id!r} already exists")
         if capacity < 1:
             raise SessionError(f"capacity must be >= 1, got {capacity}")
+        if len(prompt) > capacity:
+            raise SessionError(f"a prompt of {len(prompt)} tokens does not fit a capacity of {capacity}")
         state = self.grammars.start(grammar) if grammar else None
         if self.static is None:
             ctx_k, ctx_v = self.eager_drafter.caches(capacity)
-            self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic(), grammar=state)
-            return
+            sess = self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic(),
+                                                            grammar=state)
+            return self._restore(sess, prompt)
         if capacity > self.static.max_context:
             raise CapacityError(f"capacity {capacity} exceeds the drafter's max_context {self.static.max_context}")
         slot = self.static.slots.acquire()
@@ -106,11 +118,28 @@ class DraftEngine:
                 "(end a session, or raise --max-sessions)"
             )
         ctx_k, ctx_v = self.static.slots[slot]
-        self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic(),
-                                                 grammar=state)
+        sess = self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic(),
+                                                        grammar=state)
+        return self._restore(sess, prompt)
+
+    def _restore(self, sess: DraftSession, prompt: Sequence[int]) -> int:
+        """A new session's prompt looked up in the prefix cache: its restored positions (0 without a cache)."""
+        if self.prefix is None or not prompt:
+            return 0
+        sess.blocks = PromptBlocks(list(prompt))
+        sess.length = sess.length_max = self.prefix.restore(sess.blocks, sess.ctx_k, sess.ctx_v)
+        return sess.length
+
+    def _offer(self, sess: DraftSession) -> None:
+        """The session's prompt blocks its context covers, to the prefix cache (where it has a prompt there)."""
+        if sess.blocks is not None and self.prefix is not None:
+            self.prefix.offer(sess.blocks, sess.ctx_k, sess.ctx_v, sess.length)
 
     def end_session(self, session_id: str) -> bool:
         sess = self.sessions.pop(session_id, None)
+        if sess is not None and sess.blocks is not None and self.prefix is not None:
+            self._offer(sess)
+            self.prefix.release(sess.blocks)
         if sess is not None and sess.slot is not None:
             self.static.slots.release(sess.slot)
         return sess is not None
@@ -187,6 +216,7 @@ class DraftEngine:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         self._check_budget(budget)
         sess.settle(root_position - m)
+        self._offer(sess)  # the rows it covers are final: the prompt's, once the first draft has appended them
         if sess.grammar is not None:
             sess.grammar.advance(committed, root_token, root_position)
         sess.last_used = time.monotonic()
@@ -269,6 +299,7 @@ class DraftEngine:
         if sess.length != sess.length_max:
             raise SessionError("a session with a draft after a round in flight cannot take an append")
         self._check_room(sess, session_id, sess.length + m)
+        self._offer(sess)
         sess.last_used = time.monotonic()
         timer = self.timers.timer()
         if self.static is not None:

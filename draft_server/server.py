@@ -25,6 +25,7 @@ from draft_server.engine import DraftEngine
 from draft_server.session import CapacityError, DraftCall, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from draft_server.warm_up import warm_up
+from runtime.prefix_blocks import PrefixCacheMetrics
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -107,8 +108,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _start_session(self, engine: DraftEngine, request: pb.DrafterStartSessionRequest) -> pb.DrafterStartSessionResponse:
         check_session_id(request.session_id)
         check_capacity(request.capacity, self.max_session_tokens(engine))
-        engine.start_session(request.session_id, request.capacity, request.grammar)
-        return pb.DrafterStartSessionResponse()
+        vocab = engine.head.vocab_size
+        outside = [t for t in request.prompt if not 0 <= t < vocab]
+        if outside:
+            raise RequestError(f"prompt token {outside[0]} outside vocabulary [0, {vocab})")
+        reused = engine.start_session(request.session_id, request.capacity, request.grammar, list(request.prompt))
+        return pb.DrafterStartSessionResponse(reused=reused)
 
     def _drafts(self, engine: DraftEngine, requests: list[pb.DraftRequest]) -> list[pb.DraftResponse | Exception]:
         """Several sessions' Draft calls, those that pass their checks with their blocks in one forward
@@ -180,11 +185,20 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     return engine
 
 
+def prepare(engine: DraftEngine, config: DraftServerConfig) -> None:
+    """The warm-up, then the prefix cache: after it, so that the warm-up's sessions leave nothing cached."""
+    warm_up(engine, config.warm_up_budget_list)
+    engine.enable_prefix_cache(config.prefix_cache_bytes)
+    if engine.prefix is not None:
+        log.info("prefix cache: up to %.2f GiB", config.prefix_cache_bytes / 2**30)
+
+
 async def run_server(config: DraftServerConfig) -> None:
     metrics = ServiceMetrics(
         "ddtree_draft", "context_cache_bytes", "Drafter context K/V cache held by live sessions", config.torch_device()
     )
     host: EngineHost[DraftEngine] = EngineHost(metrics, STATUSES, context_cache_bytes, config.session_ttl)
+    host.metrics.registry.register(PrefixCacheMetrics(host, "context K/V"))
     servicer = DrafterServicer(host, config)
     await serve(
         config,
@@ -192,7 +206,7 @@ async def run_server(config: DraftServerConfig) -> None:
         SERVICE_NAME,
         lambda server: pb_grpc.add_DrafterServicer_to_server(servicer, server),
         lambda: load_engine(config),
-        lambda engine: warm_up(engine, config.warm_up_budget_list),
+        lambda engine: prepare(engine, config),
         servicer.lane_routes(),
     )
 

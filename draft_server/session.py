@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from draft_server.prefix_cache import PromptBlocks
 from runtime.grammar import GrammarState
 from runtime.timing import StepTimer
 from protos.types import DraftTree
@@ -70,6 +71,7 @@ class DraftSession:
     length_max: int = 0
     last_used: float = 0.0
     grammar: DraftGrammar | None = None  # where its trees follow a grammar (constrained trees)
+    blocks: PromptBlocks | None = None  # its prompt, where the engine caches prefixes (draft_server/prefix_cache.py)
 
     def settle(self, start: int) -> None:
         """The context ends at `start`: where the next draft's features begin."""

@@ -21,8 +21,10 @@ class DrafterClient(Protocol):
     queues: bool
     chains: bool  # a ChainingDrafter: drafts after a round still in flight (draft_after)
 
-    async def start_session(self, session_id: str, capacity: int, grammar: str) -> None:
-        """grammar: the request's (SamplingParams.grammar; "" none), which the session's trees then follow."""
+    async def start_session(self, session_id: str, capacity: int, grammar: str, prompt: Sequence[int] = ()) -> int:
+        """grammar: the request's (SamplingParams.grammar; "" none), which the session's trees then follow; prompt:
+        the request's, for the drafter's prefix cache -> the prompt positions whose context it restored (their
+        features need not be sent: VerifierClient.prefill's skip_features)."""
         ...
 
     async def draft(
@@ -54,10 +56,12 @@ class VerifierClient(Protocol):
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
 
     async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        skip_features: int = 0,
     ) -> StepResult:
         """The prompt, or a chunk of it: `more` says another chunk follows (no token is chosen then);
-        `keep_features`: the verifier keeps the chunk's features for take_features (the step has none)."""
+        `keep_features`: the verifier keeps the chunk's features for take_features (the step has none);
+        skip_features: the prompt positions below it get no features (the drafter restored their context)."""
         ...
 
     async def take_features(self, session_id: str) -> torch.Tensor:

@@ -59,10 +59,11 @@ class GrpcDrafter(GrpcClient):
         self._known = tensors.drafter_info_from_pb(await self._info())
         return self._known
 
-    async def start_session(self, session_id: str, capacity: int, grammar: str = "") -> None:
+    async def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt: Sequence[int] = ()) -> int:
+        request = pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity, grammar=grammar,
+                                                prompt=prompt)
         async with self._tracked(session_id):
-            await self._call("StartSession", self._stub.StartSession,
-                             pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity, grammar=grammar))
+            return (await self._call("StartSession", self._stub.StartSession, request)).reused
 
     async def draft(
         self,

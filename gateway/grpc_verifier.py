@@ -83,9 +83,11 @@ class GrpcVerifier(GrpcClient):
             raise
 
     async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        skip_features: int = 0,
     ) -> StepResult:
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features)
+        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features,
+                                    skip_features=skip_features)
         async with self._tracked(session_id):
             return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 

@@ -113,27 +113,31 @@ class Request:
         tree, timings = await self.drafter.draft(self.session_id, None, root, position, budget, top_k, committed)
         return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
 
-    async def prefill(self, prompt: list[int], chunk: int) -> StepResult:
+    async def prefill(self, prompt: list[int], chunk: int, skip: int = 0) -> StepResult:
         """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill; 0: one call), so
         that the verifier serves other sessions' rounds between them. The verifier keeps the prompt's features
         (keep_features: several taps of the target's hidden size a token) where a drafter needs them and they
         would travel (a remote verifier, or chunks): then the calls carry only tokens, and the first token waits
         for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps them
-        (_relay), and the first draft waits for them (`relay`) and brings none. -> the last chunk's step, its
-        forward_s the whole prompt's."""
+        (_relay), and the first draft waits for them (`relay`) and brings none. skip: the prompt positions whose
+        context the drafter restored from its prefix cache: no features are made to travel for them, and a chunk
+        wholly below it keeps none. -> the last chunk's step, its forward_s the whole prompt's."""
         if not 0 < chunk < len(prompt):
             chunk = len(prompt)
         begins = range(0, len(prompt), chunk)
         keep = self.drafter is not None and (len(begins) > 1 or self.verifier.remote)
+        featured = sum(begin + chunk > skip for begin in begins)  # the chunks with features past `skip`
         kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
-        if keep:
-            self.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, self.session_id, len(begins), kept))
+        if keep and featured:
+            self.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, self.session_id, featured, kept))
         forward_s = 0.0
         for begin in begins:
             more = begin + chunk < len(prompt)
+            keeps = keep and begin + chunk > skip
             step = await self.verifier.prefill(self.session_id, prompt[begin : begin + chunk], more=more,
-                                               keep_features=keep)
-            kept.release()
+                                               keep_features=keeps, skip_features=skip)
+            if keeps:
+                kept.release()
             forward_s += step.forward_s
         step.forward_s = forward_s
         return step

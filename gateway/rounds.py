@@ -54,17 +54,19 @@ async def run_rounds(
     block = run.drafter.block_size if run.drafter else 1
     taps = run.drafter.target_layer_ids if run.drafter else []
 
-    drafter_session, ended = False, False
+    drafter_session, ended, reused = False, False, 0
     await verifier.start_session(run.session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
         if run.drafter:
             try:
-                await run.drafter.start_session(run.session_id, len(prompt) + max_new_tokens, params.grammar)
+                # the positions whose context the drafter's prefix cache restored: their features stay behind
+                reused = await run.drafter.start_session(run.session_id, len(prompt) + max_new_tokens, params.grammar,
+                                                         prompt)
                 drafter_session = True
             except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
                 run.fall_back(exc)
         t0 = time.perf_counter()
-        step = await run.prefill(prompt, prefill_chunk)
+        step = await run.prefill(prompt, prefill_chunk, reused)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
         chained = verifier.can_chain(params, spec.max_nodes(block)) and (run.drafter is None or run.drafter.chains)
         async for rnd in (chained_rounds if chained else stepped_rounds)(run, step, timings):

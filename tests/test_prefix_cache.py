@@ -4,7 +4,8 @@ and features, and its answer is the one without the cache: the same first token,
 after, equal to HF's greedy continuation, on every path (the fused slot path's included), whole and chunked,
 whatever the sampling. The budget evicts least recently used blocks; hybrid targets declare they cache nothing.
 Through the services: two chat requests sharing a long system prompt, the second's prefill hits (the verifier's
-metrics say how much), both answers as without the cache."""
+metrics say how much) and the drafter restores the same blocks' context (its metrics), both answers as without the
+cache."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import asyncio
 import random
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protos.types import SamplingParams, StepResult
@@ -224,16 +227,26 @@ def test_services_share_a_system_prompt(tmp_path: Path) -> None:
         wait_serving(drafter_service, verifier)
         wait_gateway_ready(url, gateway, lambda: (logs / "gateway.log").read_text())
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-        answers, hits = [], []
+        answers, hits, drafter_hits = [], [], []
         for messages in conversations:
             reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
             answers.append(reply.choices[0].message.content)
             hits.append(verifier.metric("ddtree_verify_prefix_cache_hit_tokens_total"))
+            drafter_hits.append(drafter_service.metric("ddtree_draft_prefix_cache_hit_tokens_total"))
         queried = verifier.metric("ddtree_verify_prefix_cache_query_tokens_total")
         held = verifier.metric("ddtree_verify_prefix_cache_bytes")
+        drafter_queried = drafter_service.metric("ddtree_draft_prefix_cache_query_tokens_total")
+        drafter_held = drafter_service.metric("ddtree_draft_prefix_cache_bytes")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            fallbacks = [s.value for f in text_string_to_metric_families(reply.read().decode()) for s in f.samples
+                         if s.name == "ddtree_fallbacks_total"]
     finally:
         codes = [interrupt(gateway), verifier.stop(), drafter_service.stop()]
     assert codes == [0, 0, 0]
     assert hits == [0, shared // BLOCK_TOKENS * BLOCK_TOKENS] and hits[1] >= 2 * BLOCK_TOKENS
     assert queried == sum(len(p) for p in prompts) and held > 0
+    # the drafter restored the same blocks' context, and the verifier sent no features for them: a misplaced
+    # feature row would fail the first draft, and the request would fall back to AR
+    assert drafter_hits == hits and drafter_queried == queried and drafter_held > 0
+    assert fallbacks in ([], [0.0])
     assert answers == [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in expected]

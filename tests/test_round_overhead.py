@@ -218,14 +218,14 @@ class Remote:
     def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
         return False
 
-    async def start_session(self, session_id: str, capacity: int, *args) -> None:
-        pass
+    async def start_session(self, session_id: str, capacity: int, *args) -> int:
+        return 0  # as a drafter: no prompt position restored
 
     async def end_session(self, session_id: str) -> None:
         self.log.append("end")
 
     async def prefill(self, session_id: str, prompt: list[int], more: bool = False,
-                      keep_features: bool = False) -> StepResult:
+                      keep_features: bool = False, skip_features: int = 0) -> StepResult:
         chunk = self.log.count("prefill sent")
         if chunk == self.fail_chunk:
             await self._answer("prefill", None)

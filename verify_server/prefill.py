@@ -52,10 +52,11 @@ class PromptPrefill:
 
     def prefill(
         self, session_id: str, sess: VerifySession, prompt: list[int], more: bool, keep_features: bool,
-        prefix: PrefixCache | None,
+        prefix: PrefixCache | None, skip_features: int = 0,
     ) -> StepResult:
         """VerifyEngine.prefill for the session `sess`; prefix: the engine's prefix cache (None where prefixes are
-        not cached, and then the session has no blocks)."""
+        not cached, and then the session has no blocks); skip_features: the features of positions below it are left
+        out of the answer and the kept features (the drafter holds their context)."""
         if sess.root is not None:
             raise SessionError(
                 f"session {session_id!r} is already prefilled: its prompt ended with a call without `more`"
@@ -92,6 +93,8 @@ class PromptPrefill:
             logprobs = None if scored is None else scored.read(1)
         if sess.blocks is not None:
             prefix.commit(sess.blocks, sess.cache, prompt if more else [*prompt, sess.root], features)
+        if features is not None and skip_features > start:  # [n - dropped, taps*hidden]; none left: None
+            features = features[skip_features - start :] if skip_features < start + n else None
         if keep_features and features is not None:
             sess.kept_features.append(_kept(features))
             features = None

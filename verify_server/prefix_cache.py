@@ -2,10 +2,7 @@
 drafter reads, so that a prompt that begins as an earlier sequence did (a chat's next turn, a shared system prompt)
 is prefilled from them and only its rest is computed.
 
-A session's committed tokens are cut into full blocks of BLOCK_TOKENS from slot 0. A block is named by a chain hash,
-sha256(parent block's hash, the block's tokens): the K/V of a token depend on every token before it, so a name
-stands for the whole prefix up to the block's end, and a hash that is not forgeable keeps one client's prompts from
-poisoning another's cache. A block is offered to the cache as soon as it is full and committed (a prompt's at its
+A session's committed tokens are cut into full blocks named by chain hashes (runtime/prefix_blocks.py). A block is offered to the cache as soon as it is full and committed (a prompt's at its
 prefill, a generated one after the round that fills it), so that requests running at once share a system prompt
 too, and ending a session costs nothing. The cache is an LRU over a byte budget; a session that ends touches its
 chain deepest block first, so that eviction takes chains from their ends and seldom leaves a block whose parent is
@@ -20,28 +17,19 @@ tokens' K/V and features are those of the same tokens at the same positions.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kernels.device_copies import copy_together
+from runtime.prefix_blocks import BLOCK_TOKENS, ROOT_HASH, PrefixStats, block_hash
 from verify_server.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-BLOCK_TOKENS = 16  # tokens a block: vLLM's default; finer hits against a little more bookkeeping per token
-ROOT_HASH = b""  # the parent of a sequence's first block
-
 Taps = tuple[int, ...]
-
-
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    """The chain hash of a block of `tokens` after the prefix named `parent`."""
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
 @dataclass
@@ -71,15 +59,6 @@ class SessionBlocks:
     @property
     def parent(self) -> bytes:
         return self.hashes[-1] if self.hashes else ROOT_HASH
-
-
-@dataclass
-class PrefixStats:
-    """Counters since start: prompt tokens looked up, those found cached, blocks evicted."""
-
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    evicted_blocks: int = 0
 
 
 class PrefixCache:

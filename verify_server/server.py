@@ -10,17 +10,14 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
 from runtime.service import (
-    EngineHost, LimitError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
+    EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
 )
 from runtime.config import MAX_MESSAGE_BYTES
 from runtime.process import run_service, serve
@@ -30,8 +27,8 @@ from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from runtime.lane import Route
+from runtime.prefix_blocks import PrefixCacheMetrics
 from verify_server.config import VerifyServerConfig
-from verify_server.prefix_cache import PrefixStats
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.step_attention import INVARIANT
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
@@ -157,7 +154,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         the session untouched."""
         check_prompt(request.prompt, engine.vocab_size)
         self._check_features_fit(engine, request)
-        step = engine.prefill(request.session_id, list(request.prompt), request.more, request.keep_features)
+        if request.skip_features < 0:
+            raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
+        step = engine.prefill(request.session_id, list(request.prompt), request.more, request.keep_features,
+                              request.skip_features)
         return tensors.step_to_pb(step)
 
     def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
@@ -197,28 +197,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 def kv_cache_bytes(session: VerifySession) -> int:
     """K/V plus, on hybrid targets, the linear-attention layers' recurrent state: all a session holds."""
     return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
-
-
-class PrefixCacheMetrics(Collector):
-    """The engine's prefix cache, read at each scrape: lookups and hits in prompt tokens, blocks evicted, bytes
-    held (zeros before the engine is loaded, and where it caches no prefixes)."""
-
-    def __init__(self, host: EngineHost[VerifyEngine]) -> None:
-        self.host = host
-        self.prefix = host.metrics.prefix
-
-    def collect(self) -> Iterator[Metric]:
-        cache = self.host.engine.prefix if self.host.engine is not None else None
-        stats = cache.stats if cache is not None else PrefixStats()
-        name = f"{self.prefix}_prefix_cache"
-        yield CounterMetricFamily(f"{name}_query_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=stats.query_tokens)
-        yield CounterMetricFamily(f"{name}_hit_tokens", "Prompt tokens whose K/V (and features) the prefix cache "
-                                  "held: not computed", value=stats.hit_tokens)
-        yield CounterMetricFamily(f"{name}_evicted_blocks", "Prefix cache blocks evicted for room",
-                                  value=stats.evicted_blocks)
-        yield GaugeMetricFamily(f"{name}_bytes", "Device memory held by the prefix cache's blocks",
-                                value=cache.nbytes if cache is not None else 0)
 
 
 def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
@@ -266,7 +244,7 @@ async def run_server(config: VerifyServerConfig) -> None:
         "ddtree_verify", "kv_cache_bytes", "Target KV cache held by live sessions", config.torch_device()
     )
     host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
-    host.metrics.registry.register(PrefixCacheMetrics(host))
+    host.metrics.registry.register(PrefixCacheMetrics(host, "K/V (and features)"))
     servicer = VerifierServicer(host, config)
     try:
         await serve(

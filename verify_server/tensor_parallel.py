@@ -131,10 +131,11 @@ class TensorParallelEngine:
         return self.engine.end_session(session_id)
 
     def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        skip_features: int = 0,
     ) -> StepResult:
         self.channel.send("prefill", {"id": session_id, "prompt": prompt, "more": more})
-        return self.engine.prefill(session_id, prompt, more, keep_features)
+        return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)  # rank 0's features only
 
     def take_features(self, session_id: str) -> StepResult:
         return self.engine.take_features(session_id)  # only rank 0's features leave the process

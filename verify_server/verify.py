@@ -218,15 +218,18 @@ class VerifyEngine:
 
     @torch.inference_mode()
     def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False
+        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        skip_features: int = 0,
     ) -> StepResult:
         """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
         taps*hidden] (None without taps, or kept on the host for take_features with `keep_features`) and, from
         the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
         and a sampled session's generator draws nothing, so a chunked prompt samples what it would have in one
-        call. A completed prompt takes no more chunks."""
-        return self.prompts.prefill(session_id, self.session(session_id), prompt, more, keep_features, self.prefix)
+        call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
+        it are left out (the drafter restored their context); a chunk wholly below it has none, kept or not."""
+        return self.prompts.prefill(session_id, self.session(session_id), prompt, more, keep_features, self.prefix,
+                                    skip_features)
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""

@@ -333,6 +333,21 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                      target("sum by (instance) (ddtree_draft_gpu_memory_reserved_bytes)",
                             "drafter reserved {{instance}}")], "bytes"), 12, 8),
     ]
+    prefixes = [
+        (timeseries("Prefix cache hits", "Share of prompt tokens each service's prefix cache held: the verifier's "
+                    "K/V and features (not computed), the drafter's context (its features not sent). A chat's next "
+                    "turn or a shared system prompt hits; fresh prompts do not.",
+                    [target(f"{rate('ddtree_verify_prefix_cache_hit_tokens_total')} / "
+                            f"{rate('ddtree_verify_prefix_cache_query_tokens_total')}", "verifier"),
+                     target(f"{rate('ddtree_draft_prefix_cache_hit_tokens_total')} / "
+                            f"{rate('ddtree_draft_prefix_cache_query_tokens_total')}", "drafter")], "percentunit"),
+         12, 8),
+        (timeseries("Prefix cache memory", "Device memory each service's prefix cache holds (within its "
+                    "--prefix-cache-gib).",
+                    [target("sum by (instance) (ddtree_verify_prefix_cache_bytes)", "verifier {{instance}}"),
+                     target("sum by (instance) (ddtree_draft_prefix_cache_bytes)", "drafter {{instance}}")],
+                    "bytes"), 12, 8),
+    ]
     return [
         ("Overview", overview),
         ("Requests", requests),
@@ -342,6 +357,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
         ("Backends (gRPC)", backends),
         ("Sessions", sessions),
         ("Memory", memory),
+        ("Prefix caches", prefixes),
     ]
 
 

@@ -105,20 +105,24 @@ class DrafterInfoResponse(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., feature_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DrafterStartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "capacity", "grammar")
+    __slots__ = ("session_id", "capacity", "grammar", "prompt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     capacity: int
     grammar: str
-    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., capacity: _Optional[int] = ..., grammar: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DrafterStartSessionResponse(_message.Message):
-    __slots__ = ("timings",)
+    __slots__ = ("reused", "timings")
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    reused: int
     timings: Timings
-    def __init__(self, timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    def __init__(self, reused: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DrafterEndSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -241,16 +245,18 @@ class VerifierEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "more", "keep_features")
+    __slots__ = ("session_id", "prompt", "more", "keep_features", "skip_features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     more: bool
     keep_features: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., keep_features: _Optional[bool] = ...) -> None: ...
+    skip_features: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., keep_features: _Optional[bool] = ..., skip_features: _Optional[int] = ...) -> None: ...
 
 class TakeFeaturesRequest(_message.Message):
     __slots__ = ("session_id",)
