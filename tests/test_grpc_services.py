@@ -392,10 +392,17 @@ def test_bad_draft_requests_leave_the_session_usable(services, local):
             }
             tree, _ = await drafter.draft(session, features, root, position, BUDGET, None)
             await drafter.end_session(session)
-            return codes, tree
+            starts = {  # a prompt for the prefix cache: tokens within the vocabulary, within the capacity
+                name: await _status(stub.StartSession(pb.DrafterStartSessionRequest(
+                    session_id=uuid.uuid4().hex, capacity=8, prompt=prompt), timeout=30))
+                for name, prompt in (("prompt token beyond vocab", [1, VOCAB]), ("negative prompt token", [-1]),
+                                     ("prompt beyond capacity", [1] * 9))
+            }
+            return {**codes, **starts}, tree
 
     codes, tree = asyncio.run(scenario())
-    assert codes == dict.fromkeys(bad, INVALID)
+    assert codes == dict.fromkeys([*bad, "prompt token beyond vocab", "negative prompt token",
+                                   "prompt beyond capacity"], INVALID)
     engine = local[1].engine  # the same weights in-process, on a session no bad request touched
     engine.start_session("reference", 32)
     try:
