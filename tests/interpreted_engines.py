@@ -87,7 +87,8 @@ def check_deterministic() -> None:
     decoding step by step, one verifying branching trees, commit the same tokens, and every node on an accepted path
     gets bitwise the logits of the decode step at its position; several sessions' trees (a decode step among them)
     in one step get bitwise each one's logits alone, and a batch's rounds commit what those logits choose; a prompt
-    prefilled in chunks leaves bitwise the K/V and next logits it leaves prefilled whole. Steps run
+    prefilled in chunks leaves bitwise the K/V and next logits it leaves prefilled whole; a seeded sampled session
+    samples the same tokens alone and batched with others. Steps run
     through the captured code (plain calls in the interpreter, graphs on a GPU: trees padded to their bucket, a
     batch filled up with a filler tree) and, every other one, uncaptured too (FusedRunner.forward,
     TreeSteps.forward)."""
@@ -192,8 +193,24 @@ def check_deterministic() -> None:
     assert torch.equal(whole.cache.k[..., : len(prompt), :], chunks.cache.k[..., : len(prompt), :])
     assert torch.equal(whole.cache.v[..., : len(prompt), :], chunks.cache.v[..., : len(prompt), :])
     assert torch.equal(scores("whole", ROOT_ONLY), scores("chunks", ROOT_ONLY))
+    # seeded sampling: a session verified alone and its twin verified among two other sampled sessions (one batch
+    # of three trees, which would run together anyway) take the same draws from the same logits: the same text
+    for name, seed in (("alone", 11), ("crowded", 11), ("s1", 1), ("s2", 2)):
+        engine.start_session(name, 160, SamplingParams(temperature=0.9, seed=seed), list(taps))
+        engine.prefill(name, prompts["b2"])
+    texts: dict[str, list[int]] = {"alone": [], "crowded": []}
+    for _ in range(4):
+        root = engine.session("alone").root
+        assert engine.session("crowded").root == root
+        tree = oracle_tree(rng, root, [rng.randrange(48) for _ in range(3)], 2, 3)
+        texts["alone"] += engine.verify("alone", tree).tokens
+        others = [(n, oracle_tree(rng, engine.session(n).root, [rng.randrange(48) for _ in range(2)], 1, 2))
+                  for n in ("s1", "s2")]
+        texts["crowded"] += engine.verify_batch([("crowded", tree), *others])[0].tokens
+    assert texts["alone"] == texts["crowded"] and len(texts["alone"]) >= 4
     print("deterministic ok", len(ar_tokens), "decode steps,", done, "tokens in trees, batches of", len(names),
-          "and 3 trees, a prompt whole and in", len(cuts), "chunks")
+          "and 3 trees, a prompt whole and in", len(cuts), "chunks, a seeded session's", len(texts["alone"]),
+          "sampled tokens alone and in a batch")
 
 
 def check_warm_up() -> None:
