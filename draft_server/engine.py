@@ -1,5 +1,5 @@
-"""DraftEngine: the drafter's sessions and calls (transport-agnostic): per-session context K/V caches, one draft
-step per round, and the drafts of several sessions together.
+"""DraftEngine: the drafter's calls (transport-agnostic) on its sessions (session_table.py: their context caches,
+grammars and prefix blocks): one draft step per round, and the drafts of several sessions together.
 
 Two paths share the session bookkeeping and the checks: the static one (default; static_drafter.py: cache slots
 from a fixed pool, static buffers, CUDA graphs on a GPU, one host sync per round) and the eager one (`eager=True`:
@@ -21,10 +21,9 @@ from draft_server.block_batch import BlockCall
 from draft_server.dflash import DFlashDrafter
 from draft_server.eager_drafter import EagerDrafter
 from draft_server.grammar_tree import DraftGrammars, grammar_tree
-from draft_server.prefix_cache import DraftPrefixCache, PromptBlocks
-from draft_server.session import (
-    CapacityError, DraftCall, DraftResult, DraftSession, SessionError, UnknownSessionError,
-)
+from draft_server.prefix_cache import DraftPrefixCache
+from draft_server.session import CapacityError, DraftCall, DraftResult, DraftSession, SessionError
+from draft_server.session_table import SessionTable
 from draft_server.static_drafter import StaticDrafter
 from draft_server.target_head import TargetHead
 
@@ -63,7 +62,6 @@ class DraftEngine:
         self.config = cfg
         self.device = head.embed.device
         self.dtype = head.embed.dtype
-        self.sessions: dict[str, DraftSession] = {}
         self.timers = TimerEvents(self.device)
         max_context = max_context or cfg.max_position_embeddings
         if max_sessions < 1 or max_context < 2:
@@ -72,13 +70,25 @@ class DraftEngine:
         self.static = None if eager else StaticDrafter(drafter, head, max_sessions, max_context, compile=compile,
                                                        max_batch=max_batch)
         self.eager_drafter = EagerDrafter(drafter, head) if eager else None
-        self.grammars = DraftGrammars(target_path, head.vocab_size, constrained)
-        self.prefix: DraftPrefixCache | None = None  # enable_prefix_cache
+        self.table = SessionTable(self.static, self.eager_drafter,
+                                  DraftGrammars(target_path, head.vocab_size, constrained))
 
     def enable_prefix_cache(self, budget_bytes: int) -> None:
         """Keep prompt blocks' context past their sessions, within budget_bytes (draft_server/prefix_cache.py):
         sessions started from then on look their prompts up and offer their blocks."""
-        self.prefix = DraftPrefixCache(budget_bytes) if budget_bytes > 0 else None
+        self.table.enable_prefix_cache(budget_bytes)
+
+    @property
+    def sessions(self) -> dict[str, DraftSession]:
+        return self.table.sessions
+
+    @property
+    def prefix(self) -> DraftPrefixCache | None:
+        return self.table.prefix
+
+    @property
+    def grammars(self) -> DraftGrammars:
+        return self.table.grammars
 
     @property
     def block_size(self) -> int:
@@ -97,58 +107,13 @@ class DraftEngine:
         where grammars are `constrained`; SessionError for one that does not parse or compile. prompt: the
         request's prompt tokens, for the prefix cache (none: nothing looked up or offered) -> the positions whose
         context the prefix cache restored: the session's first features start there."""
-        if session_id in self.sessions:
-            raise SessionError(f"session {session_id!r} already exists")
-        if capacity < 1:
-            raise SessionError(f"capacity must be >= 1, got {capacity}")
-        if len(prompt) > capacity:
-            raise SessionError(f"a prompt of {len(prompt)} tokens does not fit a capacity of {capacity}")
-        state = self.grammars.start(grammar) if grammar else None
-        if self.static is None:
-            ctx_k, ctx_v = self.eager_drafter.caches(capacity)
-            sess = self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic(),
-                                                            grammar=state)
-            return self._restore(sess, prompt)
-        if capacity > self.static.max_context:
-            raise CapacityError(f"capacity {capacity} exceeds the drafter's max_context {self.static.max_context}")
-        slot = self.static.slots.acquire()
-        if slot is None:
-            raise CapacityError(
-                f"all {self.static.slots.max_sessions} drafter session slots are in use "
-                "(end a session, or raise --max-sessions)"
-            )
-        ctx_k, ctx_v = self.static.slots[slot]
-        sess = self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, slot=slot, last_used=time.monotonic(),
-                                                        grammar=state)
-        return self._restore(sess, prompt)
-
-    def _restore(self, sess: DraftSession, prompt: Sequence[int]) -> int:
-        """A new session's prompt looked up in the prefix cache: its restored positions (0 without a cache)."""
-        if self.prefix is None or not prompt:
-            return 0
-        sess.blocks = PromptBlocks(list(prompt))
-        sess.length = sess.length_max = self.prefix.restore(sess.blocks, sess.ctx_k, sess.ctx_v)
-        return sess.length
-
-    def _offer(self, sess: DraftSession) -> None:
-        """The session's prompt blocks its context covers, to the prefix cache (where it has a prompt there)."""
-        if sess.blocks is not None and self.prefix is not None:
-            self.prefix.offer(sess.blocks, sess.ctx_k, sess.ctx_v, sess.length)
+        return self.table.start(session_id, capacity, grammar, prompt)
 
     def end_session(self, session_id: str) -> bool:
-        sess = self.sessions.pop(session_id, None)
-        if sess is not None and sess.blocks is not None and self.prefix is not None:
-            self._offer(sess)
-            self.prefix.release(sess.blocks)
-        if sess is not None and sess.slot is not None:
-            self.static.slots.release(sess.slot)
-        return sess is not None
+        return self.table.end(session_id)
 
     def session(self, session_id: str) -> DraftSession:
-        try:
-            return self.sessions[session_id]
-        except KeyError:
-            raise UnknownSessionError(f"unknown drafter session {session_id!r}") from None
+        return self.table.get(session_id)
 
     @torch.inference_mode()
     def draft(
@@ -216,7 +181,7 @@ class DraftEngine:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         self._check_budget(budget)
         sess.settle(root_position - m)
-        self._offer(sess)  # the rows it covers are final: the prompt's, once the first draft has appended them
+        self.table.offer(sess)  # the rows it covers are final: the prompt's, once the first draft has appended them
         if sess.grammar is not None:
             sess.grammar.advance(committed, root_token, root_position)
         sess.last_used = time.monotonic()
@@ -299,7 +264,7 @@ class DraftEngine:
         if sess.length != sess.length_max:
             raise SessionError("a session with a draft after a round in flight cannot take an append")
         self._check_room(sess, session_id, sess.length + m)
-        self._offer(sess)
+        self.table.offer(sess)
         sess.last_used = time.monotonic()
         timer = self.timers.timer()
         if self.static is not None:
