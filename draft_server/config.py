@@ -9,7 +9,7 @@ from typing import ClassVar
 from runtime.models import resolve_pair
 from runtime.config import ServiceConfig, option
 
-DEFAULT_PREFIX_CACHE_GIB = {True: 1.0, False: 0.25}  # on a GPU (tens of thousands of tokens of an 8B drafter), a CPU
+PREFIX_CACHE_GIB = (1.0, 0.25)  # the default on a GPU (tens of thousands of tokens of an 8B drafter), a CPU
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +63,7 @@ class DraftServerConfig(ServiceConfig):
     @property
     def prefix_cache_bytes(self) -> int:
         """prefix_cache_gib in bytes, or its default for the device."""
-        gib = self.prefix_cache_gib
-        if gib is None:
-            gib = DEFAULT_PREFIX_CACHE_GIB[self.torch_device().type == "cuda"]
-        return int(gib * 2**30)
+        return self.device_gib_bytes(self.prefix_cache_gib, *PREFIX_CACHE_GIB)
 
     @property
     def warm_up_budget_list(self) -> tuple[int, ...]:

@@ -157,6 +157,12 @@ class ServiceConfig(FlagConfig):
         """How often idle sessions are looked for: often enough that expiry lags the TTL by a quarter at most."""
         return min(max(self.session_ttl / 4, 0.05), 30.0)
 
+    def device_gib_bytes(self, gib: float | None, default_gpu: float, default_cpu: float) -> int:
+        """A memory budget flag in bytes: gib, or where unset its default for the device (a GPU's or a CPU's)."""
+        if gib is None:
+            gib = default_gpu if self.torch_device().type == "cuda" else default_cpu
+        return int(gib * 2**30)
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

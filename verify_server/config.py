@@ -11,7 +11,7 @@ from runtime.models import is_hub_id, resolve_pair
 from runtime.config import ServiceConfig, option
 
 
-DEFAULT_PREFIX_CACHE_GIB = {True: 4.0, False: 0.25}  # on a GPU, on a CPU
+PREFIX_CACHE_GIB = (4.0, 0.25)  # the default on a GPU, on a CPU
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,10 +96,7 @@ class VerifyServerConfig(ServiceConfig):
     @property
     def prefix_cache_bytes(self) -> int:
         """prefix_cache_gib in bytes, or its default for the device."""
-        gib = self.prefix_cache_gib
-        if gib is None:
-            gib = DEFAULT_PREFIX_CACHE_GIB[self.torch_device().type == "cuda"]
-        return int(gib * 2**30)
+        return self.device_gib_bytes(self.prefix_cache_gib, *PREFIX_CACHE_GIB)
 
     @property
     def served_name(self) -> str:
