@@ -19,6 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ddtree.bench_gateway import served_model
+from runtime.prefix_blocks import BLOCK_TOKENS
 from tests.conftest import BLOCK, make_drafter, png_size
 from tests.gateway_support import chat_ids, events, local_backends, make_chat_target, metric, reference
 from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports,
@@ -132,6 +133,7 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     prefills = [services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK") or 0.0]
     appends = [services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0]
     takes = [services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0]
+    hits = [services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0]
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
         assert stream_text(r.iter_lines()) == (text, finish)
@@ -139,11 +141,17 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     prefills.append(services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK"))
     appends.append(services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0)
     takes.append(services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0)
+    hits.append(services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0)
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
     chunks = -(-len(chat_ids(tokenizer, STORY)) // PREFILL_CHUNK)
     assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
-    assert takes[1] - takes[0] == (chunks if mode != "off" else 0)  # the verifier kept every chunk's features
-    assert appends[1] - appends[0] == (chunks if mode != "off" else 0)  # all of them before the first draft
+    # the drafter's prefix cache restored the context of the prompt's first `reused` positions (the same story sent
+    # by an earlier test or mode): only the chunks reaching past them keep and send features
+    reused = hits[1] - hits[0]
+    assert reused % BLOCK_TOKENS == 0 and (reused == 0 or mode != "off")
+    featured = sum(begin + PREFILL_CHUNK > reused for begin in range(0, chunks * PREFILL_CHUNK, PREFILL_CHUNK))
+    assert takes[1] - takes[0] == (featured if mode != "off" else 0)
+    assert appends[1] - appends[0] == (featured if mode != "off" else 0)  # all of them before the first draft
 
 
 def test_openai_client(services, expected) -> None:
