@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.bench import DEFAULT_PROMPTS, _hardware, load_prompts, measure
+from ddtree.bench import DEFAULT_PROMPTS, hardware, load_prompts, measure
 from ddtree.generate import DTYPES
 from ddtree.local import load_local
 from gateway.rounds import Speculation
@@ -83,7 +83,7 @@ def main() -> None:
     parted = [first_difference(a, b) for a, b in zip(engine, hf)]
     differing = [i for i in parted if i is not None]
     result = {
-        "hardware": _hardware(device),
+        "hardware": hardware(device),
         "model_pair": {"target": target},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "engine_attention": args.attention, "hf_attention": args.hf_attention},

@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         r["matches_ar"] = sum(o == ref for o, ref in zip(r.pop("outputs"), reference)) / len(reference)
     result = {
-        "hardware": _hardware(device),
+        "hardware": hardware(device),
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
@@ -202,7 +202,7 @@ def captured_graphs(verifier, drafter) -> int:
     return (len(fused.graphs) if fused is not None else 0) + (len(static.graphs) if static is not None else 0)
 
 
-def _hardware(device: torch.device) -> dict:
+def hardware(device: torch.device) -> dict:
     info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or platform.machine()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

@@ -87,10 +87,6 @@ class DraftEngine:
         return self.table.prefix
 
     @property
-    def grammars(self) -> DraftGrammars:
-        return self.table.grammars
-
-    @property
     def block_size(self) -> int:
         return self.config.block_size
 

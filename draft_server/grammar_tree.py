@@ -1,14 +1,15 @@
-"""Trees within a session's grammar (structured output): no node the grammar forbids after the committed output and
+"""Trees within a request's grammar (structured output): no node the grammar forbids after the committed output and
 the node's path is drafted, so the verifier's masks (verify_server/grammar.py) never meet a node no path can reach,
 and the budget goes to nodes the target can accept.
 
-A grammar session's tree is built on the host: its per-depth top-K candidates come back from the device in one
-read ([D, K] values and ids, as build_tree's top-k), and a best-first search pops them in build_tree's order (score
-descending, then depth, then the parent's pop order, then the token's rank at its depth; scores summed in fp32 as
-build_tree sums them), except that a candidate the grammar forbids after its parent's path is skipped: the next
-allowed rank takes its place, as the sibling or the first child pushed. Each push tests candidates with the
-session's matcher moved onto the parent's path (accept a token, roll it back, where a bitmask per node would take a
-pass over the whole vocabulary). Where the grammar has terminated on a path, only stop tokens may follow. Nodes come in pop order, so every parent precedes its children, as build_tree's do."""
+Such a tree is built on the host: the block's per-depth top-K candidates come back from the device in one read ([D, K]
+values and ids, as build_tree's top-k), and a best-first search pops them in build_tree's order (score descending,
+then depth, then the parent's pop order, then the token's rank at its depth; scores summed in fp32 as build_tree sums
+them), except that a candidate the grammar forbids after its parent's path is skipped: the next allowed rank takes its
+place, as the sibling or the first child pushed. Each push tests candidates with the grammar's matcher moved onto the
+parent's path (accept a token, roll it back, where a bitmask per node would take a pass over the whole vocabulary).
+Where the grammar has terminated on a path, only stop tokens may follow. Nodes come in pop order, so every parent
+precedes its children, as build_tree's do."""
 
 from __future__ import annotations
 

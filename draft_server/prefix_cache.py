@@ -15,12 +15,11 @@ takes chains from their ends.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from runtime.prefix_blocks import BLOCK_TOKENS, ROOT_HASH, PrefixStats, block_hash
+from runtime.prefix_blocks import BLOCK_TOKENS, ROOT_HASH, BlockLRU, block_hash
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +48,8 @@ class PromptBlocks:
         return self.hashes[-1] if self.hashes else ROOT_HASH
 
 
-class DraftPrefixCache:
+class DraftPrefixCache(BlockLRU[ContextBlock]):
     """Context blocks by chain hash in least-recently-used order (oldest first), within budget_bytes."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.blocks: OrderedDict[bytes, ContextBlock] = OrderedDict()
-        self.nbytes = 0
-        self.stats = PrefixStats()
 
     def restore(self, blocks: PromptBlocks, ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor]) -> int:
         """A new session's context, per layer [1, kv_heads, rows, head_dim]: the longest run of cached blocks its
@@ -72,8 +65,7 @@ class DraftPrefixCache:
             blocks.hashes.append(name)
         if not hit:
             return 0
-        for name in reversed(blocks.hashes):  # the chain's first block most recent: evicted last
-            self.blocks.move_to_end(name)
+        self.touch(blocks.hashes)
         n = len(hit) * BLOCK_TOKENS
         for rows, part in ((ctx_k, "k"), (ctx_v, "v")):
             restored = torch.cat([getattr(block, part) for block in hit], dim=2)  # [layers, kv_heads, n, head_dim]
@@ -97,27 +89,15 @@ class DraftPrefixCache:
             for i, name in zip(range(first, first + full), names):
                 if name not in self.blocks:
                     rows = slice(i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS)
-                    block = self.blocks[name] = ContextBlock(torch.stack([k[0, :, rows] for k in ctx_k]),
-                                                             torch.stack([v[0, :, rows] for v in ctx_v]))
-                    self.nbytes += block.nbytes
+                    self.add(name, ContextBlock(torch.stack([k[0, :, rows] for k in ctx_k]),
+                                                torch.stack([v[0, :, rows] for v in ctx_v])))
         except torch.OutOfMemoryError:  # the session goes on, its blocks uncached
             log.warning("out of device memory caching %d drafter prefix blocks: the prefix cache is emptied", full)
-            self.stats.evicted_blocks += len(self.blocks)
-            self.blocks.clear()
-            self.nbytes = 0
+            self.clear()
             return
-        for name in reversed(names):
-            self.blocks.move_to_end(name)
-        self._evict()
+        self.touch(names)
+        self.evict()
 
     def release(self, blocks: PromptBlocks) -> None:
         """A session ends: its chain touched deepest block first, so that eviction takes it from its end."""
-        for name in reversed(blocks.hashes):
-            if name in self.blocks:
-                self.blocks.move_to_end(name)
-
-    def _evict(self) -> None:
-        while self.nbytes > self.budget_bytes and self.blocks:
-            _, block = self.blocks.popitem(last=False)
-            self.nbytes -= block.nbytes
-            self.stats.evicted_blocks += 1
+        self.touch(blocks.hashes)

@@ -56,6 +56,7 @@ SPLIT_PROGRAMS = 512  # programs a one-row projection aims at (a few per multipr
 MIN_SPAN = 512  # the narrowest span of K one split sums
 NORM_BLOCK = 1024  # widest chunk of a row the norm sums at once
 SWIGLU_BLOCK = 1024  # columns of the gate per program
+SUM_BLOCK = 1024  # output columns per program of the span sums
 KEY_CHUNK = 64  # logical key positions per online-softmax update
 MIN_TREE = 16  # the narrowest ancestor row the attention loads (a power of two for tl.arange)
 
@@ -270,8 +271,8 @@ def launch_linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor 
         BLOCK_K=tile.k, num_warps=tile.warps, num_stages=tile.stages,
     )
     if splits > 1:
-        _span_sum_kernel[(m, triton.cdiv(n, SWIGLU_BLOCK))](
-            part, res, out, m, n, SPLITS=splits, RESIDUAL=residual is not None, BLOCK=SWIGLU_BLOCK, num_warps=4,
+        _span_sum_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
+            part, res, out, m, n, SPLITS=splits, RESIDUAL=residual is not None, BLOCK=SUM_BLOCK, num_warps=4,
         )
     return out
 

@@ -162,12 +162,12 @@ def test_constrained_trees_accept_no_less(demo) -> None:
     grammar = json_schema_grammar(SCHEMA)
     spec = Speculation("ddtree", 16)
     constrained = generate(demo, grammar, spec)
-    drafter.engine.grammars.constrained = False
+    drafter.engine.table.grammars.constrained = False
     try:
         drafter.drafts = []
         free = asyncio.run(_rounds(demo, grammar, spec))
     finally:
-        drafter.engine.grammars.constrained = True
+        drafter.engine.table.grammars.constrained = True
     output = [t for r in free for t in r.tokens]
     assert [t for r in constrained for t in r.tokens] == output
     assert forbidden_nodes(demo, grammar, output, drafter.drafts) > 0  # what the constrained trees spend elsewhere

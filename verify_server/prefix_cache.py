@@ -18,13 +18,12 @@ tokens' K/V and features are those of the same tokens at the same positions.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from kernels.device_copies import copy_together
-from runtime.prefix_blocks import BLOCK_TOKENS, ROOT_HASH, PrefixStats, block_hash
+from runtime.prefix_blocks import BLOCK_TOKENS, ROOT_HASH, BlockLRU, block_hash
 from verify_server.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -61,15 +60,12 @@ class SessionBlocks:
         return self.hashes[-1] if self.hashes else ROOT_HASH
 
 
-class PrefixCache:
+class PrefixCache(BlockLRU[CachedBlock]):
     """Blocks by chain hash in least-recently-used order (oldest first), within budget_bytes of device memory."""
 
     def __init__(self, budget_bytes: int, device: torch.device) -> None:
-        self.budget_bytes = budget_bytes
+        super().__init__(budget_bytes)
         self.device = device
-        self.blocks: OrderedDict[bytes, CachedBlock] = OrderedDict()
-        self.nbytes = 0  # held by the cached blocks
-        self.stats = PrefixStats()
 
     def restore(
         self, blocks: SessionBlocks, cache: KVCache, prompt: list[int], more: bool
@@ -95,8 +91,7 @@ class PrefixCache:
         reused = first * BLOCK_TOKENS + len(hit) * BLOCK_TOKENS - start
         if reused <= 0:
             return 0, None
-        for name, _ in reversed(hit):  # the chain's first block most recent: evicted last
-            self.blocks.move_to_end(name)
+        self.touch(name for name, _ in hit)
         skip = start - first * BLOCK_TOKENS  # rows of the first block committed already
         keys, values = cache.slots(start, start + reused)  # [layers, kv_heads, reused, head_dim] each
         keys.copy_(torch.cat([b.k for _, b in hit], dim=2)[:, :, skip:])
@@ -133,9 +128,7 @@ class PrefixCache:
             self._offer(names, cache, start, blocks.taps, rows)
         except torch.OutOfMemoryError:  # the step is committed: it stays so, its blocks uncached
             log.warning("out of device memory caching %d prefix blocks: the prefix cache is emptied", full)
-            self.stats.evicted_blocks += len(self.blocks)
-            self.blocks.clear()  # some may hold memory never written
-            self.nbytes = 0
+            self.clear()
 
     def _offer(
         self, names: list[bytes], cache: KVCache, start: int, taps: Taps, rows: torch.Tensor | None
@@ -167,19 +160,9 @@ class PrefixCache:
                 copies.append((block.features[taps], features))
             self.nbytes += block.nbytes
         copy_together(copies)
-        for name in reversed(names):
-            self.blocks.move_to_end(name)
-        self._evict()
-
-    def _evict(self) -> None:
-        """Least recently used blocks out until the rest fit the budget."""
-        while self.nbytes > self.budget_bytes and self.blocks:
-            _, block = self.blocks.popitem(last=False)
-            self.nbytes -= block.nbytes
-            self.stats.evicted_blocks += 1
+        self.touch(names)
+        self.evict()
 
     def release(self, blocks: SessionBlocks) -> None:
         """A session ends: its chain touched deepest block first, so that eviction takes it from its end."""
-        for name in reversed(blocks.hashes):
-            if name in self.blocks:
-                self.blocks.move_to_end(name)
+        self.touch(blocks.hashes)

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def load_target(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """Any HF causal LM from a local directory, wired to our tree attention. Never downloads."""
+    """Any HF causal LM from a local directory, wired to the tree attention of verify_server/tree_attention.py. Never downloads."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in target directory {path}")
@@ -71,7 +71,7 @@ class VerifyEngine:
         target_path: str | Path | None = None,
     ) -> None:
         """max_tree_size: largest tree (nodes without the root) verify accepts; sizes a hybrid target's scratch.
-        fused: run Qwen3 / Llama / Qwen2 targets through our fused forward (verify_server/fused.py) with static
+        fused: run Qwen3 / Llama / Qwen2 targets through the fused forward (verify_server/fused.py) with static
         buffers, CUDA graphs when `graphs` and on a GPU, and at most max_sessions cache slots; other targets, or
         fused=False, take the generic path through the HF modules. compile: torch.compile the fused layer step
         (fewer, fused kernels per layer; each new step shape compiles once, in warm-up or on first use). fused_rows:
