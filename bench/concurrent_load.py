@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -50,9 +51,15 @@ def seed(mode: str, temperature: float, clients: int, client: int, request: int)
     return f"{mode}/{temperature:g}/{clients}/{client}/{request}"
 
 
+def speculation(mode: str) -> dict:
+    """A --modes entry as the request's `speculation`: `ddtree:64` asks for tree budget 64."""
+    name, _, budget = mode.partition(":")
+    return {"mode": name, **({"budget": int(budget)} if budget else {})}
+
+
 def body(model: str, key: str, mode: str, temperature: float, args: argparse.Namespace) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": prompt(key, args.prompt_words)}],
-            "max_tokens": args.max_tokens, "temperature": temperature, "speculation": {"mode": mode},
+            "max_tokens": args.max_tokens, "temperature": temperature, "speculation": speculation(mode),
             **({"ignore_eos": True} if args.ignore_eos else {})}
 
 
@@ -143,7 +150,8 @@ def main() -> None:
     p.add_argument("--drafter-metrics", help="comma-separated metrics URLs of the gateways' drafters, in order")
     p.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
     p.add_argument("--modes", "--mode", default="ddtree",
-                   help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, ddtree")
+                   help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, ddtree; "
+                        "ddtree:N also sets the request's tree budget to N")
     p.add_argument("--temperatures", "--temperature", default="0",
                    help="comma-separated temperatures; 0: greedy, above: sampled rounds")
     p.add_argument("--requests", "--requests-per-client", type=int, default=3, help="requests each client sends")
@@ -166,8 +174,8 @@ def main() -> None:
     metrics = list(zip(per_gateway(args.verifier_metrics), per_gateway(args.drafter_metrics)))
     counts = [int(c) for c in args.clients.split(",")]
     modes = args.modes.split(",")
-    if unknown := set(modes) - {"off", "chain", "ddtree"}:
-        p.error(f"--modes: unknown {sorted(unknown)}; choose from off, chain, ddtree")
+    if unknown := {m for m in modes if not re.fullmatch(r"off|chain|ddtree(:[1-9][0-9]*)?", m)}:
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from off, chain, ddtree, ddtree:BUDGET")
     temperatures = [float(t) for t in args.temperatures.split(",")]
     if args.check_alone and 0.0 not in temperatures:
         p.error("--check-alone compares greedy answers: --temperatures needs 0")

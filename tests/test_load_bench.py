@@ -22,7 +22,7 @@ from tests.services import REPO_ROOT, ServeStack, serve_stack
 
 matplotlib.use("Agg")
 SESSIONS = 4
-MODES = ("off", "ddtree")  # chain runs the same client code as ddtree
+MODES = ("off", "ddtree:16")  # chain runs the same client code as ddtree; `:16` is the request's tree budget
 TEMPERATURES = (0.0, 0.7)
 CLIENTS = (1, 2)
 REQUESTS = 2
@@ -81,9 +81,9 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
             assert r["mean_draft_batch"] is None
         else:
             assert r["tau"] >= 1 and r["mean_draft_batch"] >= 1
-            # drafted at the gateway's default budget, 32 nodes; a step may verify fewer
-            assert r["mean_tree_size"] == 32 and list(r["tree_sizes"]) == ["32"]
-            assert r["mean_fitted_tree_size"] is None or 1 <= r["mean_fitted_tree_size"] <= 32
+            # drafted at the requests' budget, 16 nodes; a step may verify fewer
+            assert r["mean_tree_size"] == 16 and list(r["tree_sizes"]) == ["16"]
+            assert r["mean_fitted_tree_size"] is None or 1 <= r["mean_fitted_tree_size"] <= 16
         if r["temperature"] == 0:
             assert r["equal_alone"] == 1.0
             assert len(r["texts"]) == r["clients"] and all(t for texts in r["texts"] for t in texts)
