@@ -15,6 +15,7 @@ from typing import Literal
 from runtime.timing import DeferredTimings
 from protos.types import DraftTree, StepResult, TokenLogprobs
 from gateway.backends import DrafterClient, VerifierClient
+from gateway.steps import Steps
 
 Mode = Literal["ar", "chain", "ddtree"]
 MODES: tuple[str, ...] = ("ar", "chain", "ddtree")
@@ -67,6 +68,7 @@ class Request:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # the prompt's kept features on their way to the drafter (prefill): the first draft waits for them
     relay: asyncio.Future | None = None
+    steps: Steps | None = None  # the gateway's step gather: a round is handed over once the next call has left
 
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)

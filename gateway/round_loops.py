@@ -42,6 +42,8 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
             if (drafter.remote or drafter.queues) if drafter else run.verifier.remote:
                 pending = asyncio.ensure_future(first())
                 await asyncio.sleep(0)
+                if run.steps is not None:  # a call batched in steps: the hand-over waits until its step has left
+                    await run.steps.departed(session_id)
             yield Round(index, tokens, tree_size, None, timings, logprobs)
             index += 1
             if pending is None:

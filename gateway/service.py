@@ -319,7 +319,8 @@ class GatewayService:
         spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
         try:
             async for rnd in run_rounds(self.backends.verifier, drafter, req.prompt, req.params, spec, req.max_tokens,
-                                        list(req.stop_ids), self.monitor.drafter_failed, self.config.prefill_chunk):
+                                        list(req.stop_ids), self.monitor.drafter_failed, self.config.prefill_chunk,
+                                        self.backends.steps):
                 queue.put_nowait(rnd)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()

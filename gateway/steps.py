@@ -13,6 +13,11 @@ Without the gather, rounds met in the servers' queues only by chance (a mean bat
 paid its own RPC. A request that is not waiting on a call (its round handed to a client that reads slowly) holds a
 step back for at most `max_wait_s`; the step then leaves without it and the request joins the next one.
 
+A request hands its round over (detokenising, streaming it out) only once its next call has left
+(`departed`): the answers of a step wake every request at once, and the next step must leave before their
+hand-overs run, else it waits behind all of them and the device idles while the host streams (at 64 requests,
+longer than the forward).
+
 What a step's verify carries is the verifier client's to decide (gateway/tree_fit.py cuts its trees to the size
 that pays at its load).
 
@@ -73,6 +78,8 @@ class Steps:
         self._cohorts = [_Cohort() for _ in range(cohorts)]
         self._cohort_of: dict[str, _Cohort] = {}  # the running sessions'
         self._calls: Counter[str] = Counter()  # session id -> its calls in progress (a relay overlaps a prefill)
+        self._unsent: Counter[str] = Counter()  # session id -> its calls waiting for a step that has not left
+        self._departures: dict[str, list[asyncio.Future]] = {}  # session id -> who waits for its calls to leave
 
     def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]]) -> StepKind:
         """A batched RPC whose calls go out in steps (each client declares its own)."""
@@ -105,12 +112,25 @@ class Steps:
         finally:
             self._end(session_id)
 
+    def departed(self, session_id: str) -> Awaitable[None]:
+        """Done once the session's calls that wait for a step have left, their RPC started (at once where none
+        waits): a request awaits it before it hands over the round it holds, so its hand-over runs while the next
+        step is on the device, not before the step leaves."""
+        done = asyncio.get_running_loop().create_future()
+        if self._unsent[session_id]:
+            self._departures.setdefault(session_id, []).append(done)
+        else:
+            del self._unsent[session_id]
+            done.set_result(None)
+        return done
+
     async def submit(self, kind: StepKind, session_id: str, request: Any) -> Any:
         """The call's answer once its step has gone out and come back; raises what the call fails with. A session
         that has not joined steps with the first cohort, without holding its steps back."""
         cohort = self._cohort_of.get(session_id, self._cohorts[0])
         call = _Call(session_id, request, asyncio.get_running_loop().create_future())
         cohort.waiting.setdefault(kind.rpc, []).append(call)
+        self._unsent[session_id] += 1
         self._begin(session_id)
         try:
             return await call.answer
@@ -118,8 +138,20 @@ class Steps:
             waiting = cohort.waiting.get(kind.rpc, [])
             if call in waiting:  # not sent yet: it leaves the step (once sent, its answer ends the call)
                 waiting.remove(call)
+                self._depart([call])
                 self._end(session_id)
             raise
+
+    def _depart(self, calls: list[_Call]) -> None:
+        """These calls no longer wait for a step: wakes whoever waits for their sessions' departures."""
+        for call in calls:
+            sid = call.session_id
+            self._unsent[sid] -= 1
+            if not self._unsent[sid]:
+                del self._unsent[sid]
+                for done in self._departures.pop(sid, ()):
+                    if not done.done():
+                        done.set_result(None)
 
     def _begin(self, session_id: str) -> None:
         self._calls[session_id] += 1
@@ -164,8 +196,13 @@ class Steps:
         try:
             if self.sizes is not None:
                 self.sizes.labels(kind.rpc).observe(len(calls))
+            sending = asyncio.ensure_future(kind.send([call.request for call in calls]))
+            try:  # one turn runs the send up to its first wait, so its RPC is queued before the hand-overs it wakes
+                await asyncio.sleep(0)
+            finally:
+                self._depart(calls)
             try:
-                outcomes = await kind.send([call.request for call in calls])
+                outcomes = await sending
                 if len(outcomes) != len(calls):
                     raise RuntimeError(f"{kind.rpc}: {len(outcomes)} outcomes for {len(calls)} calls")
             except Exception as exc:  # noqa: BLE001 - the batch call failed as a whole: each call fails with it

@@ -172,10 +172,19 @@ def batch_tree_attention(
     rows; offsets, its first row in q. tree [B, max_q, max_q] bool: tree b's visibility among its own rows
     (tree[b, i, j]: row i sees row j). max_keys: at least every tree's start + q_len (sizes the key chunks).
     The write is to memory the op was handed by address: no other op of a step reads a slot."""
+    p = batch_plan(max_q, q.shape[1], k.shape[1], max_keys, q.shape[2], starts.shape[0])
+    return launch_batch(q, k, v, k_base, v_base, head_stride, tree, starts, q_lens, offsets, scale, p)
+
+
+def launch_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_base: torch.Tensor, v_base: torch.Tensor,
+    head_stride: torch.Tensor, tree: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, offsets: torch.Tensor,
+    scale: float, p: Plan,
+) -> torch.Tensor:
+    """batch_tree_attention's body under an explicit plan (bench/profile_batch_attention.py compares plans)."""
     rows, heads, d = q.shape
     kv_heads = k.shape[1]
     batch = starts.shape[0]
-    p = batch_plan(max_q, heads, kv_heads, max_keys, d, batch)
     tree = tree.contiguous().view(torch.uint8)
     part_dtype = q.dtype if p.splits == 1 else torch.float32
     part = torch.empty((p.splits, rows, heads, d), dtype=part_dtype, device=q.device)  # [S, rows, heads, d]

@@ -256,6 +256,50 @@ def test_a_call_cancelled_in_flight_drops_its_answer_and_the_step_goes_on():
     assert batches == [["a-1", "b-1"], ["b-2"]]
 
 
+def test_a_hand_over_waits_until_its_sessions_next_call_has_left():
+    """Steps.departed: a request hands over its round only once its next call is on its way, so the next step
+    leaves before the hand-overs of everyone it answered; a cancelled waiting call releases it too."""
+
+    async def scenario():
+        steps = joined(NEVER_S, "a", "b", "c", "d")
+        order: list[Any] = []
+
+        async def send(requests: list[Any]) -> list[Any]:
+            order.append(("sent", list(requests)))
+            await asyncio.sleep(0)  # the reply is on its way back
+            return [("answer", r) for r in requests]
+
+        kind = steps.kind("VerifyBatch", send)
+        at_once = steps.departed("a")  # no call of a waits
+        calls = [call(steps, kind, s, f"{s}-1") for s in ("a", "b")]
+        await turns()
+
+        async def hand_over(session: str) -> None:
+            await steps.departed(session)
+            order.append(f"{session} handed over")
+
+        handed = [asyncio.get_running_loop().create_task(hand_over(s)) for s in ("a", "b")]
+        await turns()
+        gone = call(steps, kind, "c", "c-gone")
+        await turns()
+        held = list(order)  # d has not called: the step is not whole, and nobody hands over
+        gate_c = steps.departed("c")
+        gone.cancel()  # c's call leaves the step unsent: its departure is over too
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await asyncio.wait_for(gate_c, DEADLINE_S)
+        steps.leave("c")
+        steps.leave("d")  # the step is whole without them
+        answers = await asyncio.gather(*calls, *handed)
+        return at_once.done(), held, order, answers[:2]
+
+    done_at_once, held, order, answers = run(scenario)
+    assert done_at_once
+    assert held == []
+    assert order == [("sent", ["a-1", "b-1"]), "a handed over", "b handed over"]
+    assert answers == [("answer", "a-1"), ("answer", "b-1")]
+
+
 def test_the_sizes_histogram_observes_each_batch_by_rpc():
     registry = CollectorRegistry()
     sizes = Histogram("step_batch_size", "calls per batch call", ["rpc"], buckets=(1, 2, 4, 8), registry=registry)
