@@ -2,7 +2,7 @@
 
 Builds a random bf16 Qwen3.5-architecture target at Qwen3.6-27B layer shapes (hidden 5120, 24 heads / 4 KV heads of
 256, Gated DeltaNet with 16 key / 48 value heads of 128, conv width 4, every fourth layer full attention, vocab
-248320) but only `--layers` decoder layers, so it fits and builds in seconds. Our VerifyEngine prefills a random
+248320) but only `--layers` decoder layers, so it fits and builds in seconds. VerifyEngine prefills a random
 context, then times verify(tree of 16 and 64 nodes) and decode (a root-only tree), each a median over `--repeat`
 calls with the device synchronised. Prints one JSON line; the ratios verify/AR are the figures to compare.
 

@@ -38,18 +38,24 @@ def case(batch: int, nodes: int, context: int, heads: int, kv_heads: int, d: int
     return slots, (q, k, v, table[0], table[1], table[2], tree, table[3], table[4], table[5])
 
 
-def timed(fn, reps: int) -> float:
-    """Device milliseconds a call, the median of reps events."""
+def timed(fn, reps: int, per_graph: int = 20) -> float:
+    """Device milliseconds a call: fn captured `per_graph` times in one CUDA graph (as a step's graph holds it, with
+    no host launch between calls), the median replay over reps, divided by per_graph."""
     for _ in range(3):
-        fn()
+        fn()  # compiles the variant outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / per_graph)
     return sorted(times)[len(times) // 2]
 
 

@@ -1,7 +1,7 @@
 """Cost curves at real model shapes with random weights (`ddtree bench --cost-curve`).
 
 Measures, in one run on one device: the copy bandwidth, hence the weight-streaming bound of a decode step
-(weight bytes / bandwidth); an AR step of our verifier; verify time against tree size; and a drafter step at the
+(weight bytes / bandwidth); an AR step of the verifier; verify time against tree size; and a drafter step at the
 matching DFlash shape. Everything is a ratio against numbers taken in the same process. Writes JSON and a PNG of
 it (ddtree/plots.py).
 """
@@ -171,7 +171,7 @@ def run_cost_curve(
     paths_wanted: tuple[str, ...] = PATHS,
 ) -> dict:
     """Every verifier forward this build has (or those in `paths_wanted`), side by side: the generic HF modules
-    (eager), our fused forward, and the fused forward replayed from CUDA graphs (on a GPU); with tp > 1 the
+    (eager), the fused forward, and the fused forward replayed from CUDA graphs (on a GPU); with tp > 1 the
     sharded HF path only."""
     unknown = set(paths_wanted) - set(PATHS)
     if unknown:

@@ -97,7 +97,7 @@ class DFlashConfig:
             raise ValueError(f"drafter config.json lacks required key {exc.args[0]!r}") from None
 
     def to_dict(self) -> dict:
-        """The published (4.57-era, z-lab) layout, so other DFlash tooling can read what we save."""
+        """The published (4.57-era, z-lab) layout, so other DFlash tooling can read what is saved here."""
         raw = asdict(self)
         dflash = {"mask_token_id": raw.pop("mask_token_id"), "target_layer_ids": raw.pop("target_layer_ids")}
         return {

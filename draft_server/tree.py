@@ -1,7 +1,7 @@
 """Budgeted best-first DDTree construction, vectorised so it runs on the drafter's device without host syncs.
 
 A prefix (t_1..t_d) scores sum_k logp_k(t_k), where logp_k is the drafter's distribution at depth k. The tree is
-the `budget` highest-scoring prefixes over the per-depth top-K tokens. Instead of a heap we run a beam per depth:
+the `budget` highest-scoring prefixes over the per-depth top-K tokens. Instead of a heap, a beam per depth:
 the best w_d = min(budget, K^d) prefixes at depth d all extend one of the best w_{d-1} at depth d-1 (a parent
 scores at least as much as any child and ranks no worse), so the beams contain the global top-`budget`, which one
 final sort picks out. Ties break deterministically: score descending, then depth ascending, then the order of

@@ -77,7 +77,7 @@ async def run_rounds(
         ended = True
     finally:
         discard(run.relay)  # the request ended before its first draft
-        # shielded: a client that disconnects while we clean up must not leave a session behind on either service
+        # shielded: a client that disconnects during the clean-up must not leave a session behind on either service
         cleanup = asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
         if ended:
             await cleanup

@@ -1,6 +1,6 @@
-"""Scaled dot-product attention with the backends we want.
+"""Scaled dot-product attention with a chosen set of backends.
 
-cuDNN's SDPA builds (and caches) an execution plan per shape; our key length grows by a few tokens every round,
+cuDNN's SDPA builds (and caches) an execution plan per shape; a verifier's key length grows by a few tokens every round,
 so every call is a new shape, and the planning alone outweighs the rest of a decode step (bench/profile_decode.py
 shows it inside `_cudnn_attention_forward`). Flash / memory-efficient / math kernels need no planning.
 """

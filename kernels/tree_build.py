@@ -141,7 +141,7 @@ if triton is not None:
     def _smallest(key, KP: tl.constexpr):
         """The KP smallest keys, ascending. tl.topk (a bitonic sort that halves the keys after each merge) keeps
         the largest, so it runs on the negated keys: exact, as no packed key is -2**63. Keeping 16 of 2048 keys
-        takes ~45 compare-and-swap stages this way (our count), on fewer keys each time; a whole sort takes 66."""
+        takes ~45 compare-and-swap stages this way, on fewer keys each time; a whole sort takes 66."""
         return -tl.topk(-key, KP)
 
     @triton.jit

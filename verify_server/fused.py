@@ -1,4 +1,4 @@
-"""The fast path for the Qwen3 / Llama / Qwen2 family: the same HF weights, fused and run by our own forward.
+"""The fast path for the Qwen3 / Llama / Qwen2 family: the same HF weights, fused and run by this module's forward.
 
 HF's modules cost one kernel per projection, norm and RoPE step, and their attention call goes through a mask
 built for the whole batch. Here q/k/v is one matmul, gate/up is one matmul, and a step's tree mask is built once on

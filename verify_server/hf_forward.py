@@ -1,4 +1,4 @@
-"""The generic path: any HF causal LM through its own modules, with our tree attention over the verifier's KV cache
+"""The generic path: any HF causal LM through its own modules, with the verifier's tree attention over its KV cache
 (verify_server/tree_attention.py) and, on hybrid targets, the gated-delta layers' tree forward
 (verify_server/linear_attention.py). Targets of the Qwen3 / Llama / Qwen2 family take the fused path instead
 (verify_server/fused_runner.py), unless asked not to.

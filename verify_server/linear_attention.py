@@ -1,7 +1,7 @@
 """Tree verification through Gated DeltaNet layers (the linear attention of Qwen3.5 / Qwen3-Next hybrids).
 
 A 4D mask means nothing to a recurrence: each tree node must continue ITS PARENT's state, never the previous node of
-the flattened tree. On load we replace the forward of every gated-delta module by `_tree_forward`, which takes the
+the flattened tree. On load the forward of every gated-delta module is replaced by `_tree_forward`, which takes the
 step (`LinearStep`, passed through the forward kwargs next to the attention step) and computes
 
 - the short causal convolution of each node over its own ancestor path: the last K inputs along root..node, taken
