@@ -40,7 +40,8 @@ class DraftServerConfig(ServiceConfig):
     )
     warm_up_budgets: str = option(
         "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
-        "budget clients ask for often): their first requests then build no tree kernels, graphs or compiles"
+        "budget clients ask for often): their first requests then capture no graphs (the tree kernels of every budget "
+        "up to --max-budget are compiled in warm-up anyway)"
     )
 
     def __post_init__(self) -> None:

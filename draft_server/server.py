@@ -187,7 +187,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
 
 def prepare(engine: DraftEngine, config: DraftServerConfig) -> None:
     """The warm-up, then the prefix cache: after it, so that the warm-up's sessions leave nothing cached."""
-    warm_up(engine, config.warm_up_budget_list)
+    warm_up(engine, config.warm_up_budget_list, config.max_budget)
     engine.enable_prefix_cache(config.prefix_cache_bytes)
     if engine.prefix is not None:
         log.info("prefix cache: up to %.2f GiB", config.prefix_cache_bytes / 2**30)

@@ -15,6 +15,7 @@ from itertools import accumulate
 import torch
 
 from kernels.cuda_graphs import key_bucket, key_buckets
+from kernels.tree_build import compile_tree_kernels
 from draft_server.block_batch import BlockCall
 from draft_server.engine import DraftEngine
 from draft_server.session import DraftCall
@@ -38,14 +39,15 @@ def _sessions(engine: DraftEngine, count: int, capacity: int) -> Iterator[list[s
             engine.end_session(session_id)
 
 
-def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
+def warm_up(engine: DraftEngine, budgets: Sequence[int] = (), max_budget: int = 0) -> None:
     """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
     the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
     request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
     each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's, unless cached on
     disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' positions
     keeps those that fit. Then, where graphs run, every single draft's graph (warm_up_slot), and with
-    batches of blocks on, those batches (warm_up_batches)."""
+    batches of blocks on, those batches (warm_up_batches); where the tree kernels run, their variants for every
+    budget up to max_budget (warm_up_tree_kernels)."""
     start = time.perf_counter()
     room = engine.static.max_context if engine.static is not None else None
     fits = [room is None or end + engine.block_size <= room for end in accumulate(WARM_UP_ROWS)]
@@ -59,9 +61,24 @@ def warm_up(engine: DraftEngine, budgets: Sequence[int] = ()) -> None:
             engine.draft(session_id, torch.zeros(0, engine.feature_dim), 0, length, budget=budget, top_k=top_k)
     captured = warm_up_slot(engine)
     batched = warm_up_batches(engine, rows, budgets)
-    log.info("warm-up drafts done in %.3f s%s%s", time.perf_counter() - start,
+    kernels = warm_up_tree_kernels(engine, max_budget)
+    log.info("warm-up drafts done in %.3f s%s%s%s", time.perf_counter() - start,
              f" ({captured} single draft graphs captured)" if captured else "",
-             f" ({batched} batch graphs captured)" if batched else "")
+             f" ({batched} batch graphs captured)" if batched else "",
+             f" (tree kernels launched for every budget up to {max_budget})" if kernels else "")
+
+
+def warm_up_tree_kernels(engine: DraftEngine, max_budget: int) -> int:
+    """Where the tree kernels build the trees (kernels/tree_build.py, on a GPU with Triton), their variants for
+    every budget up to max_budget, over a lone block's rows and a full batch's: a budget outside `budgets` then
+    costs its first step a graph capture, not a compile of seconds that every session in that step would wait for.
+    -> the launches (0 where the kernels do not run)."""
+    static = engine.static
+    if static is None or not static.trees.tree_kernel or max_budget < 1:
+        return 0
+    depths = engine.block_size - 1
+    most = max(1, min(engine.max_batch, static.slots.max_sessions))
+    return compile_tree_kernels(engine.head.vocab_size, depths, max_budget, (depths, depths * most), engine.device)
 
 
 def warm_up_slot(engine: DraftEngine, most_keys: int = WARM_UP_KEYS) -> int:

@@ -84,8 +84,9 @@ class Metrics:
             self.recoveries.labels(service)
         for reason in SHED_REASONS:
             self.shed.labels(reason)
-        for phase in PHASES:
-            self.phase.labels(phase)
+        # the children observed every round, looked up once (a labels() call per observation is most of its cost)
+        self._phases = {phase: self.phase.labels(phase) for phase in PHASES}
+        self._by_depth: list[Counter] = []  # accepted_by_depth's child for depth d at index d - 1, as depths are met
 
     def observe_round(self, rnd: Round) -> None:
         """Speculation and phase metrics of one decode round (round 0, the prefill, is covered by TTFT)."""
@@ -94,28 +95,31 @@ class Metrics:
         t = rnd.timings
         forward, walk, drafting, tree = (t.get(k, 0.0) for k in ("verify_s", "walk_s", "draft_s", "tree_s"))
         verify, draft = forward + walk, drafting + tree  # each service's device work, which its total bounds
-        self.phase.labels("verify").observe(forward)
-        self.phase.labels("walk").observe(walk)
+        phases = self._phases
+        phases["verify"].observe(forward)
+        phases["walk"].observe(walk)
         if rnd.tree_size:
-            self.phase.labels("draft").observe(drafting)
-            self.phase.labels("tree").observe(tree)
+            phases["draft"].observe(drafting)
+            phases["tree"].observe(tree)
             # On a request's last round the loop may have trimmed tokens at a stop token or max_tokens, so that
             # round counts only what was committed to the output.
             accepted = rnd.accepted - 1
             self.drafts.inc()
             self.draft_nodes.inc(rnd.tree_size)
             self.accepted.inc(accepted)
-            for depth in range(1, accepted + 1):
-                self.accepted_by_depth.labels(str(depth)).inc()
+            while len(self._by_depth) < accepted:
+                self._by_depth.append(self.accepted_by_depth.labels(str(len(self._by_depth) + 1)))
+            for child in self._by_depth[:accepted]:
+                child.inc()
             self.tree_size.observe(rnd.tree_size)
             self.acceptance_length.observe(rnd.accepted)
         # the services' own totals bound their compute; backends that report none (in-process) have no server part
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
-        self.phase.labels("server").observe(server)
+        phases["server"].observe(server)
         # every round, as verify, walk, server and transport: their means stack to a round's
         relay = t.get("relay_s", 0.0)
-        self.phase.labels("relay").observe(relay)
-        self.phase.labels("transport").observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
+        phases["relay"].observe(relay)
+        phases["transport"].observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,7 @@ beam slot does in build_tree, and an entry is pushed before any entry that ties 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -95,12 +96,14 @@ if triton is not None:
         ordered = (-(key >> 32)).to(tl.int32)
         return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
-    @triton.jit
-    def _best_first_kernel(Vals, Ids, Root, Out, num_nodes, K: tl.constexpr, DEPTHS: tl.constexpr, F: tl.constexpr,
-                           N1: tl.constexpr, BITS: tl.constexpr):
-        """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Out [3, N1] long: tokens,
-        parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry: slot 0
-        starts as the root's first child, slot n takes node n's first child (never the last node's: no step pops
+    # num_nodes and K are plain arguments, not specialised on: every budget of one power-of-two bracket (F) shares
+    # a compile, so a budget first met mid-service (a request's own) finds its kernel built by the warm-up's bracket
+    @triton.jit(do_not_specialize=["num_nodes", "K"])
+    def _best_first_kernel(Vals, Ids, Root, Out, num_nodes, K, DEPTHS: tl.constexpr, F: tl.constexpr,
+                           BITS: tl.constexpr):
+        """Vals/Ids [DEPTHS, K]: per-depth top-K log-probs (descending) and tokens; Out [3, num_nodes + 1] long:
+        tokens, parents, depths of the root + num_nodes nodes. The frontier lives in registers, one slot per entry:
+        slot 0 starts as the root's first child, slot n takes node n's first child (never the last node's: no step pops
         it, so F >= num_nodes slots do), and a popped entry's slot takes its next sibling, whose parent's score
         (`base`) is that slot's already. Each step only pops and pushes: the popped entries' index fields wait in
         registers (`picked`, slot n-1 for node n), and the nodes are written out together after the search, so no
@@ -131,11 +134,12 @@ if triton is not None:
         nodes = slot < num_nodes
         depths = picked >> (2 * BITS)
         tl.store(Out + 1 + slot, tl.load(Ids + (depths - 1) * K + (picked & field), mask=nodes, other=0), mask=nodes)
-        tl.store(Out + N1 + 1 + slot, ((picked >> BITS) & field).to(tl.int64), mask=nodes)
-        tl.store(Out + 2 * N1 + 1 + slot, depths.to(tl.int64), mask=nodes)
+        n1 = num_nodes + 1  # a field's row of Out
+        tl.store(Out + n1 + 1 + slot, ((picked >> BITS) & field).to(tl.int64), mask=nodes)
+        tl.store(Out + 2 * n1 + 1 + slot, depths.to(tl.int64), mask=nodes)
         tl.store(Out, tl.load(Root))
-        tl.store(Out + N1, -1)
-        tl.store(Out + 2 * N1, 0)
+        tl.store(Out + n1, -1)
+        tl.store(Out + 2 * n1, 0)
 
     @triton.jit
     def _smallest(key, KP: tl.constexpr):
@@ -156,7 +160,7 @@ if triton is not None:
         rank = tl.arange(0, KP)
         tl.store(Cand + (depth * tl.num_programs(1) + chunk) * KP + rank, key)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["candidates", "k"])  # one compile per bracket of k (KP), whatever k is in it
     def _merge_top_kernel(Cand, Out, Vals, Ids, candidates, k, CANDS: tl.constexpr, KP: tl.constexpr,
                           FINAL: tl.constexpr):
         """One (depth, group of CANDS candidates) of Cand [D, candidates]: their KP best keys, best first, into
@@ -227,8 +231,7 @@ def best_first_tree(top_vals: torch.Tensor, top_ids: torch.Tensor, root: torch.T
     out = torch.empty(3, num_nodes + 1, dtype=torch.long, device=top_vals.device)
     _best_first_kernel[(1,)](
         top_vals.contiguous(), top_ids.contiguous(), root, out, num_nodes,
-        K=k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes)), N1=num_nodes + 1, BITS=FIELD_BITS,
-        num_warps=1,
+        k, DEPTHS=depths, F=max(32, triton.next_power_of_2(num_nodes)), BITS=FIELD_BITS, num_warps=1,
     )
     return out
 
@@ -240,6 +243,25 @@ def kernel_tree(logprobs: torch.Tensor, root: torch.Tensor, k: int, num_nodes: i
     if not best_first_fits(num_nodes, logprobs.shape[0]):
         return None
     return best_first_tree(*top_k_any(logprobs, k), root, num_nodes)
+
+
+def compile_tree_kernels(vocab: int, depths: int, max_budget: int, rows: Iterable[int], device: torch.device) -> int:
+    """Launches the tree kernels once for every power-of-two bracket of budgets (and of top-k) up to max_budget, over
+    `rows` rows of log-probs (a lone block's, a full batch's), so that Triton compiles every variant a request can
+    bring at start-up, not in a step of other sessions that would wait seconds for it: the top-k compiles per bracket
+    of k and per chunk width (which follows the rows), the best-first search per bracket of nodes. -> launches."""
+    launches = 0
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    for bracket in (1 << i for i in range(1, max(1, max_budget - 1).bit_length() + 1)):
+        k = min(bracket, vocab)
+        for count in sorted(set(rows)):
+            vals, ids = top_k_any(torch.zeros(count, vocab, device=device), k)
+            launches += 1
+        nodes = min(bracket, max_budget)  # the bracket's search width: max(32, next power of two of nodes)
+        if best_first_fits(nodes, depths):  # k >= 2 tokens a depth: far more prefixes than nodes
+            best_first_tree(vals[:depths], ids[:depths], root, nodes)
+            launches += 1
+    return launches
 
 
 def top_k_any(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

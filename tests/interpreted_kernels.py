@@ -16,7 +16,10 @@ from kernels.gemv import launch as gemv
 from kernels.sdpa import matmul_attention
 from draft_server.tree import TreeLayout, build_tree, tree_top_k
 from kernels.tree_build import top_candidates
-from kernels.tree_build import best_first_tree, multiprocessors, top_k, top_plan
+from kernels.tree_build import (
+    _best_first_kernel, _chunk_top_kernel, _merge_top_kernel, best_first_tree, compile_tree_kernels, multiprocessors,
+    top_k, top_k_any, top_plan,
+)
 from kernels.kv_compaction import launch as compact
 from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
@@ -25,6 +28,11 @@ from verify_server.tree_attention import ancestor_matrix
 
 # the interpreter runs kernels on CPU tensors; without it (a GPU machine), the same checks run compiled
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
+
+def _variants(kernel) -> int:
+    """The variants Triton has compiled of a jitted kernel (its per-device caches' first member: the kernels)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
 
 
 def check_tree() -> None:
@@ -62,6 +70,24 @@ def check_tree() -> None:
             assert torch.equal(got, want), (depths, vocab, budget, k_wanted)
             assert got.shape[1] == min(budget, layout.depth_row.shape[0]) + 1 and want[2].max() > 1
             print("tree ok", depths, vocab, budget, k_wanted, "ties" if ties else "")
+    # the warm-up's launches for every bracket of budgets up to 48 (k 2 to 64, searches 32 and 64 wide) over a lone
+    # block's rows and a batch's; on a GPU, afterwards no budget up to 48 compiles another variant
+    vocab, depths = 300, 7
+    assert compile_tree_kernels(vocab, depths, 48, (depths, 4 * depths), DEVICE) == 6 * 2 + 6
+    kernels = (_best_first_kernel, _chunk_top_kernel, _merge_top_kernel)
+    compiled = [_variants(k) for k in kernels] if DEVICE.type == "cuda" else None
+    for budget in (3, 17, 33, 40, 48):
+        k = tree_top_k(budget, None, vocab)
+        logprobs = torch.log_softmax(torch.randn(4 * depths, vocab, generator=gen), -1).to(DEVICE)
+        layout = TreeLayout.build(depths, k, budget, DEVICE)
+        root = torch.tensor([7], device=DEVICE)
+        got = best_first_tree(*top_k_any(logprobs[:depths], k), root, layout.nodes)
+        want = build_tree(logprobs[:depths], root, budget, None, layout)
+        assert torch.equal(got, torch.stack((want.tokens, want.parents, want.depths))), budget
+        top_k_any(logprobs, k)  # a batch's rows
+    if compiled is not None:
+        assert [_variants(k) for k in kernels] == compiled
+    print("tree ok: the warm-up's brackets")
 
 
 def check_gemv() -> None:
