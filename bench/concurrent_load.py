@@ -150,8 +150,8 @@ def main() -> None:
     p.add_argument("--drafter-metrics", help="comma-separated metrics URLs of the gateways' drafters, in order")
     p.add_argument("--clients", default="1,2,4,8", help="comma-separated client counts")
     p.add_argument("--modes", "--mode", default="ddtree",
-                   help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, ddtree; "
-                        "ddtree:N also sets the request's tree budget to N")
+                   help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, "
+                        "ddtree; ddtree:N also sets the request's tree budget to N")
     p.add_argument("--temperatures", "--temperature", default="0",
                    help="comma-separated temperatures; 0: greedy, above: sampled rounds")
     p.add_argument("--requests", "--requests-per-client", type=int, default=3, help="requests each client sends")

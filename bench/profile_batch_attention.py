@@ -92,7 +92,8 @@ def main() -> None:
                 for each in sorted(plans, key=lambda x: (x.splits, x.warps, x.stages)):
                     ms = timed(lambda: launch_batch(*inputs, d ** -0.5, each), args.reps)
                     mark = "  <- batch_plan" if each == chosen else ""
-                    print(f"   splits {each.splits:3d} chunk {each.chunk:5d} block_m {each.block_m:3d} warps {each.warps} "
+                    print(f"   splits {each.splits:3d} chunk {each.chunk:5d} block_m {each.block_m:3d} "
+                          f"warps {each.warps} "
                           f"stages {each.stages}: {ms * 1000:7.1f} us, {kv_bytes / ms / 1e9:6.2f} TB/s{mark}")
                 del slots
 

@@ -29,9 +29,9 @@ from draft_server.tree import tree_top_k
 
 class DraftGrammars:
     """Where the drafter's sessions get their grammars: compiled from the target's tokenizer (its directory,
-    target_path, read by the first session with one). constrained: sessions started while it is set, with a grammar,
-    draft only tokens it allows; off, a session's grammar is only checked, and its trees are built as any other's
-    (the verifier alone applies it)."""
+    target_path, read when the first drafter session that brings a grammar starts). constrained: drafter sessions
+    started while it is set, with a grammar, draft only tokens it allows; off, a drafter session's grammar is only
+    checked, and its trees are built as any other's (the verifier alone applies it)."""
 
     def __init__(self, target_path: str | Path | None, vocab_size: int, constrained: bool = True) -> None:
         self.target_path, self.vocab_size, self.constrained = target_path, vocab_size, constrained

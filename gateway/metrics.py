@@ -84,7 +84,7 @@ class Metrics:
             self.recoveries.labels(service)
         for reason in SHED_REASONS:
             self.shed.labels(reason)
-        # the children observed every round, looked up once (a labels() call per observation is most of its cost)
+        # the children observed every round, looked up once rather than by labels() at every observation
         self._phases = {phase: self.phase.labels(phase) for phase in PHASES}
         self._by_depth: list[Counter] = []  # accepted_by_depth's child for depth d at index d - 1, as depths are met
 

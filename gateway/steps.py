@@ -112,17 +112,14 @@ class Steps:
         finally:
             self._end(session_id)
 
-    def departed(self, session_id: str) -> Awaitable[None]:
-        """Done once the session's calls that wait for a step have left, their RPC started (at once where none
-        waits): a request awaits it before it hands over the round it holds, so its hand-over runs while the next
-        step is on the device, not before the step leaves."""
-        done = asyncio.get_running_loop().create_future()
-        if self._unsent[session_id]:
+    async def departed(self, session_id: str) -> None:
+        """Returns once the session's calls that wait for a step have left, their RPC started (at once, without a
+        turn of the loop, where none waits): a request awaits it before it hands over the round it holds, so its
+        hand-over runs while the next step is on the device, not before the step leaves."""
+        if self._unsent[session_id]:  # a Counter's read of a missing session adds nothing
+            done = asyncio.get_running_loop().create_future()
             self._departures.setdefault(session_id, []).append(done)
-        else:
-            del self._unsent[session_id]
-            done.set_result(None)
-        return done
+            await done
 
     async def submit(self, kind: StepKind, session_id: str, request: Any) -> Any:
         """The call's answer once its step has gone out and come back; raises what the call fails with. A session

@@ -41,9 +41,9 @@ async def _watch(host: EngineHost[E], alive: Callable[[E], bool], stop: asyncio.
 
 
 def use_device(device: torch.device) -> None:
-    """Makes `device` the calling thread's current CUDA device. The project's Triton kernels launch on the current device
-    whatever their tensors' (Triton's launcher asks the driver), so a service on cuda:1 needs it in every thread
-    that runs its engine."""
+    """Makes `device` the calling thread's current CUDA device. The project's Triton kernels launch on the current
+    device whatever their tensors' (Triton's launcher asks the driver), so a service on cuda:1 needs it in every
+    thread that runs its engine."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 

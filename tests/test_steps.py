@@ -270,7 +270,8 @@ def test_a_hand_over_waits_until_its_sessions_next_call_has_left():
             return [("answer", r) for r in requests]
 
         kind = steps.kind("VerifyBatch", send)
-        at_once = steps.departed("a")  # no call of a waits
+        at_once = asyncio.get_running_loop().create_task(steps.departed("a"))  # no call of a waits
+        await asyncio.sleep(0)
         calls = [call(steps, kind, s, f"{s}-1") for s in ("a", "b")]
         await turns()
 
@@ -283,7 +284,8 @@ def test_a_hand_over_waits_until_its_sessions_next_call_has_left():
         gone = call(steps, kind, "c", "c-gone")
         await turns()
         held = list(order)  # d has not called: the step is not whole, and nobody hands over
-        gate_c = steps.departed("c")
+        gate_c = asyncio.get_running_loop().create_task(steps.departed("c"))
+        await asyncio.sleep(0)
         gone.cancel()  # c's call leaves the step unsent: its departure is over too
         with pytest.raises(asyncio.CancelledError):
             await gone

@@ -2,8 +2,8 @@
 
 HF model classes (Qwen3, Llama, ...) compute q/k/v, norms and RoPE as usual, then call the function registered
 under ATTENTION_NAME. The step (cache, slot offset, visibility) comes through the forward's kwargs; the function
-writes the new K/V into the cache at their slots and attends over the committed prefix plus the new tokens. Masks, batching
-and graph capture thereby stay the verifier's while every HF architecture keeps working.
+writes the new K/V into the cache at their slots and attends over the committed prefix plus the new tokens. Masks,
+batching and graph capture thereby stay the verifier's while every HF architecture keeps working.
 """
 
 from __future__ import annotations

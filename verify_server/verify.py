@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 def load_target(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> PreTrainedModel:
-    """Any HF causal LM from a local directory, wired to the tree attention of verify_server/tree_attention.py. Never downloads."""
+    """Any HF causal LM from a local directory, wired to the tree attention of verify_server/tree_attention.py.
+    Never downloads."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in target directory {path}")
@@ -80,7 +81,8 @@ class VerifyEngine:
         (step_attention.ATTENTION_CHOICES; INVARIANT, the deterministic mode, needs the fused path: a ValueError
         where it has none); None: FusedRunner's default. max_batch: the most sessions' rounds
         verify_batch runs in one forward (bounds what the fused path compiles at start-up). target_path: the
-        target's directory, whose tokenizer compiles sessions' grammars (None: sessions with one are refused)."""
+        target's directory, whose tokenizer compiles the verifier sessions' grammars (None: a session that brings
+        one is refused)."""
         cfg = model.config
         self.model = model
         self.lm_head = model.get_output_embeddings()
@@ -93,7 +95,7 @@ class VerifyEngine:
         self.dtype = self.lm_head.weight.dtype
         self.sessions: dict[str, VerifySession] = {}
         self.target_path = target_path
-        self.grammars: Grammars | None = None  # built from target_path by the first session with a grammar
+        self.grammars: Grammars | None = None  # built from target_path when a verifier session first brings a grammar
         self.timers = TimerEvents(self.device)
         self.fused: FusedRunner | None = None
         self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
