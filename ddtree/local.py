@@ -99,8 +99,8 @@ class LocalVerifier:
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return self.engine.verify(session_id, tree)
 
-    async def decode(self, session_id: str) -> StepResult:
-        return self.engine.decode(session_id)
+    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+        return self.engine.decode(session_id, steps=steps)
 
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)

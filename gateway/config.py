@@ -17,6 +17,7 @@ from runtime.auth import check_token
 from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
+MAX_DECODE_STEPS = 32  # the verifier's limit on a Decode's steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,11 @@ class GatewayConfig(FlagConfig):
                                    "tokens per second at the step's load, from the live acceptance by node rank and "
                                    "the verify cost by rows (a request's budget stays its ceiling); false: trees "
                                    "go as drafted")
+    decode_steps: int = option(1, "AR steps a request's Decode call asks for in a row (mode off): the verifier "
+                                  "runs them back to back, chained on the device, so the host work and transport "
+                                  "of a step are paid once per that many tokens; a new request joins the running "
+                                  "ones after at most that many steps (1: a call a token). Pays where many "
+                                  "sessions decode at once; costs time to first token where requests come and go")
     step_cohorts: int = option(1, "running requests step in this many cohorts, each on its own, so that one "
                                   "cohort's drafts run while another's verifies do (2: the drafter and the "
                                   "verifier on two GPUs)")
@@ -107,6 +113,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.step_wait_ms < 0:
             raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
+        if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.decode_steps}")
         if self.step_cohorts < 1:
             raise ValueError(f"step_cohorts must be >= 1, got {self.step_cohorts}")
         if self.shutdown_grace < 0:

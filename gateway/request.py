@@ -69,6 +69,7 @@ class Request:
     # the prompt's kept features on their way to the drafter (prefill): the first draft waits for them
     relay: asyncio.Future | None = None
     steps: Steps | None = None  # the gateway's step gather: a round is handed over once the next call has left
+    decode_steps: int = 1  # AR steps a Decode asks for in a row, at most (ar_steps)
 
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)
@@ -79,6 +80,11 @@ class Request:
         tokens, finish = trim(step.tokens, self.stops, self.max_new_tokens - self.generated)
         self.generated += len(tokens)
         return tokens, None if step.logprobs is None else step.logprobs.head(len(tokens)), finish
+
+    def ar_steps(self) -> int:
+        """The AR steps the next Decode asks for: decode_steps, or fewer where the request's token limit comes
+        first (a stop token still wastes the steps after it: the request ends there anyway)."""
+        return max(1, min(self.decode_steps, self.max_new_tokens - self.generated))
 
     @property
     def root_position(self) -> int:

@@ -34,12 +34,14 @@ async def run_rounds(
     on_fallback: Callable[[BaseException], None] | None = None,
     prefill_chunk: int = 0,
     steps: Steps | None = None,
+    decode_steps: int = 1,
 ) -> AsyncIterator[Round]:
     """Yields one Round per step; the sessions on both services end however the iteration ends.
 
     prefill_chunk: a prompt longer than this goes to the verifier in chunks of as many tokens (0: in one call),
     see Request.prefill. steps: the gather the clients' round calls go out in (gateway/steps.py), if any: a round
-    is handed over once the next one's first call has left with its step.
+    is handed over once the next one's first call has left with its step. decode_steps: the AR steps a Decode
+    call asks for in a row (Request.decode_steps).
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
     output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Plain greedy requests (no
@@ -53,7 +55,7 @@ async def run_rounds(
     if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
         params = replace(params, stop_ids=tuple(sorted(set(stop_token_ids))))
     run = Request(verifier, drafter if spec.mode != "ar" else None, len(prompt), max_new_tokens, spec,
-                  set(stop_token_ids), on_fallback, params.grammar, steps=steps)
+                  set(stop_token_ids), on_fallback, params.grammar, steps=steps, decode_steps=decode_steps)
     block = run.drafter.block_size if run.drafter else 1
     taps = run.drafter.target_layer_ids if run.drafter else []
 

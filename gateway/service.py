@@ -320,7 +320,7 @@ class GatewayService:
         try:
             async for rnd in run_rounds(self.backends.verifier, drafter, req.prompt, req.params, spec, req.max_tokens,
                                         list(req.stop_ids), self.monitor.drafter_failed, self.config.prefill_chunk,
-                                        self.backends.steps):
+                                        self.backends.steps, self.config.decode_steps):
                 queue.put_nowait(rnd)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()

@@ -52,9 +52,9 @@ class ServiceVerifier(LocalVerifier):
         await asyncio.sleep(0)
         return await super().verify(session_id, tree)
 
-    async def decode(self, session_id: str) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
         await asyncio.sleep(0)
-        return await super().decode(session_id)
+        return await super().decode(session_id, steps)
 
     async def info(self) -> VerifierInfo:
         e = self.engine

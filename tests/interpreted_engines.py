@@ -79,7 +79,16 @@ def check_verify() -> None:
             assert step.tokens == want, (round_, name, step.tokens, want, len(got[session]))
             got[session] += step.tokens
     assert sum(len(tokens) for tokens in got.values()) > 40  # deep acceptance
-    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens")
+    # AR steps in a row, chained on the device (sessions without taps): a batch asking 7 and 3, then a lone 5
+    from verify_server.step_inputs import ROOT_ONLY
+
+    for name in ("a", "b"):
+        engine.start_session(f"{name}-ar", 200, SamplingParams(), taps=[])
+        assert engine.prefill(f"{name}-ar", prompts[name]).tokens == truths[name][:1]
+    batch = engine.verify_batch([("a-ar", ROOT_ONLY), ("b-ar", ROOT_ONLY)], steps=[7, 3])
+    assert [step.tokens for step in batch] == [truths["a"][1:8], truths["b"][1:4]], batch
+    assert engine.decode("a-ar", steps=5).tokens == truths["a"][8:13]
+    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens; AR steps in a row ok")
 
 
 def check_deterministic() -> None:

@@ -32,9 +32,9 @@ class GatedVerifier(ServiceVerifier):
 
     gate: asyncio.Event
 
-    async def decode(self, session_id: str) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
         await self.gate.wait()
-        return await super().decode(session_id)
+        return await super().decode(session_id, steps)
 
 
 @pytest.fixture(scope="module")

@@ -230,6 +230,11 @@ class FusedRunner:
         """Greedy rounds of several sessions in one replay (TreeSteps.greedy); None where not captured."""
         return self.trees.greedy(items, taps, self.graphs if self.static else None)
 
+    def ar_steps(self, items: list[BatchTree], counts: list[int]) -> torch.Tensor | None:
+        """counts[b] greedy AR steps of each untapped session in a row, chained on the device (TreeSteps.ar_steps)
+        -> the tokens chosen [trees, max(counts)]; None where not captured."""
+        return self.trees.ar_steps(items, counts, (), self.graphs if self.static else None)
+
     def batch_scores(
         self, items: list[BatchTree], taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], int] | None:

@@ -31,7 +31,7 @@ from runtime.prefix_blocks import PrefixCacheMetrics
 from verify_server.config import VerifyServerConfig
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
 from verify_server.step_attention import INVARIANT
-from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
+from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree, decode_steps
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 from verify_server.warm_up import warm_up
 
@@ -178,8 +178,17 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     ) -> list[pb.StepResponse | Exception]:
         """Several sessions' Verify and Decode calls, those that pass their checks in one forward
         (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with."""
-        return run_checked(requests, lambda request: (request.session_id, self._tree(engine, request)),
-                           lambda calls: engine.verify_batch(calls, host_features=True), tensors.step_to_pb)
+        return run_checked(requests, lambda request: self._call(engine, request),
+                           lambda calls: engine.verify_batch([call[:2] for call in calls], True,
+                                                             [call[2] for call in calls]),
+                           tensors.step_to_pb)
+
+    def _call(
+        self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
+    ) -> tuple[str, DraftTree, int]:
+        """A round call checked -> (session id, its tree, its AR steps in a row)."""
+        steps = decode_steps(request.steps) if isinstance(request, pb.DecodeRequest) else 1
+        return request.session_id, self._tree(engine, request), steps
 
     def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
         """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""

@@ -101,6 +101,35 @@ class TreeSteps:
                                              lambda: self._hidden(buf, taps, kv_len))
         return self.decoder.logits(hidden, compiled=True), features, xs, buf.qb
 
+    def ar_steps(
+        self, items: list[BatchTree], counts: list[int], taps: tuple[int, ...], graphs: GraphPool | None
+    ) -> torch.Tensor | None:
+        """counts[b] greedy AR steps of session b in a row (items: root-only trees), chained on the device: each
+        replay of the batch's AR graph takes its starts and roots from the last replay's cursors, so the host
+        waits for nothing between steps. A session whose steps are done repeats its last one (the same slot
+        rewritten with the same K/V, its choice unread) while the others go on -> chosen [trees, max(counts)]
+        on the device, the token each step chose (the first counts[b] of row b are session b's); None where not
+        captured (see _prepare). The caller commits each session's counts[b] tokens."""
+        n = max(counts)
+        prepared = self._prepare(items, graphs, ahead=n - 1)
+        if prepared is None:
+            return None
+        buf, kv_len = prepared
+        if buf.qb != 1:
+            raise ValueError("chained AR steps take root-only trees")
+        trees, device = buf.inputs.shape[0], buf.inputs.device
+        key = self._key(buf, kv_len, taps, "batch")
+        chosen = torch.empty(trees, n, dtype=torch.long, device=device)  # [trees, n]
+        # [trees] each tree's steps (a filler's: one, so it stays where it is)
+        steps = torch.tensor(counts + [1] * (trees - len(counts)), device=device)
+        cursor_inputs = buf.inputs[:, 3:6:2]  # [trees, 2] each tree's start and root token (qb 1: columns 3 and 5)
+        for j in range(n):
+            _, _, cursors = graphs.run(key, lambda: self._greedy(buf, taps, kv_len))  # cursors [trees, 2]
+            chosen[:, j] = cursors[:, 1]
+            if j + 1 < n:
+                cursor_inputs.copy_(torch.where((steps > j + 1)[:, None], cursors, cursor_inputs))
+        return chosen
+
     def lone_greedy(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, start: int,
         after: torch.Tensor | None, graphs: GraphPool | None,
@@ -135,7 +164,8 @@ class TreeSteps:
         return logits[:q], None if features is None else features[:q], xs[0].head(q)
 
     def _prepare(
-        self, items: list[BatchTree], graphs: GraphPool | None, after: torch.Tensor | None = None, start: int = 0
+        self, items: list[BatchTree], graphs: GraphPool | None, after: torch.Tensor | None = None, start: int = 0,
+        ahead: int = 0,
     ) -> tuple[BatchBuffers, int] | None:
         """The batch's static inputs written, and its key bucket; None where it is not captured: no graphs (eager
         mode), trees beyond the largest bucket, or several trees on a GPU without the flash kernel (which finds the
@@ -143,7 +173,8 @@ class TreeSteps:
         is captured, per slot). Batches are of 1, 2, 4, 8, ... trees, filled up with one-node trees over a scratch
         slot (fewer graphs to capture): a graph is keyed by their count, the bucket and the key bucket only, and
         any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
-        round in flight (BatchBuffers.write_after), start the furthest that round can take it."""
+        round in flight (BatchBuffers.write_after), start the furthest that round can take it. ahead: the steps
+        chained after this one on the same inputs (ar_steps), whose keys reach that much further."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if graphs is not None else None
         if qb is None or (graphs.enabled and not self.by_address and len(items) > 1):
             return None
@@ -158,7 +189,9 @@ class TreeSteps:
                                                                      self.decoder.embed.device)
         if after is None:
             buf.write(items)
-            start = max(item.cache.length for item in items)
+            start = max(item.cache.length for item in items) + ahead
+            if ahead:  # the loop form's key rows (TreeBatch.kv_lens) cover the last chained step
+                buf.starts = [s + ahead for s in buf.starts]
         else:
             buf.write_after(items[0], after, start)
         return buf, key_bucket(start + qb, self.max_keys)

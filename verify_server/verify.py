@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -238,9 +239,15 @@ class VerifyEngine:
         return self.prompts.take_features(session_id, self.session(session_id))
 
     @torch.inference_mode()
-    def decode(self, session_id: str, host_features: bool = False) -> StepResult:
-        """One plain autoregressive step: a tree holding only the root."""
-        return self.verify(session_id, ROOT_ONLY, host_features)
+    def decode(self, session_id: str, host_features: bool = False, steps: int = 1) -> StepResult:
+        """`steps` plain autoregressive steps in a row, each a tree holding only the root (verify_batch's rules for
+        several: chained on the device where they can be, and a later step's failure returns the steps before)."""
+        if steps == 1:
+            return self.verify(session_id, ROOT_ONLY, host_features)
+        outcome = self.verify_batch([(session_id, ROOT_ONLY)], host_features, [steps])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     @torch.inference_mode()
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
@@ -324,11 +331,12 @@ class VerifyEngine:
 
     @torch.inference_mode()
     def verify_batch(
-        self, calls: list[tuple[str, DraftTree]], host_features: bool = False
+        self, calls: list[tuple[str, DraftTree]], host_features: bool = False, steps: Sequence[int] | None = None
     ) -> list[StepResult | Exception]:
-        """Several sessions' Verify and Decode calls, their forward shared where it can be -> each call's
-        StepResult, or the exception verify() would raise for it (BatchedRounds.verify_batch)."""
-        outcomes = self.batched.verify_batch(calls, host_features)
+        """Several sessions' Verify and Decode calls, their forward shared where it can be; steps: each call's AR
+        steps in a row (a Decode's; None: one each) -> each call's StepResult, or the exception verify() would
+        raise for it (BatchedRounds.verify_batch)."""
+        outcomes = self.batched.verify_batch(calls, host_features, steps)
         for (session_id, _), outcome in zip(calls, outcomes):  # in call order: a session's second call came after
             if isinstance(outcome, StepResult):
                 self._cached(session_id, outcome)

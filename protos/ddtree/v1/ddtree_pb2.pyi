@@ -273,10 +273,12 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    steps: int
+    def __init__(self, session_id: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("tokens", "features", "logprobs", "timings")
