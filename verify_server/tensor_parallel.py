@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -29,19 +28,18 @@ from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("ddtree.verify.tp")
 
+STORE_HOST = "127.0.0.1"  # the ranks are processes of one host
 OPS = ("start_session", "end_session", "prefill", "verify", "decode", "shutdown")
 
 
-def init_group(rank: int, world: int, device: str, addr: str, port: int, timeout_s: float) -> torch.device:
-    """Joins the group; returns this rank's device (cuda:<rank> on GPUs)."""
+def init_group(rank: int, world: int, device: str, store: dist.Store, timeout_s: float) -> torch.device:
+    """Joins the group through rank 0's store; returns this rank's device (cuda:<rank> on GPUs)."""
     on_gpu = device.startswith("cuda")
     local = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(local)
-    os.environ.setdefault("MASTER_ADDR", addr)
-    os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group(
-        "nccl" if on_gpu else "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+        "nccl" if on_gpu else "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
         device_id=local if on_gpu else None,
     )
     return local
@@ -194,19 +192,12 @@ def follow(engine: VerifyEngine) -> None:
             log.debug("rank %d: %s failed as on rank 0: %s", dist.get_rank(), op, exc)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _follower_main(
     rank: int, world: int, target: str, device: str, dtype: str, port: int, timeout_s: float, max_tree_size: int
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[verify rank {rank}] %(message)s")
-    local = init_group(rank, world, device, "127.0.0.1", port, timeout_s)
+    store = dist.TCPStore(STORE_HOST, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+    local = init_group(rank, world, device, store, timeout_s)
     engine = load_sharded(target, rank, world, local, getattr(torch, dtype), max_tree_size)
     try:
         follow(engine)
@@ -222,7 +213,12 @@ class TensorParallelGroup:
     ) -> None:
         import torch.multiprocessing as mp
 
-        port = _free_port()
+        # Rank 0 holds the group's store on a port the kernel picks, bound before any follower is told of it: no
+        # other process can take the port in between.
+        store = dist.TCPStore(
+            STORE_HOST, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        port = store.port
         ctx = mp.get_context("spawn")
         dtype_name = str(dtype).removeprefix("torch.")
         self.followers = [
@@ -235,7 +231,7 @@ class TensorParallelGroup:
         ]
         for p in self.followers:
             p.start()
-        local = init_group(0, world, device, "127.0.0.1", port, timeout_s)
+        local = init_group(0, world, device, store, timeout_s)
         engine = load_sharded(target, 0, world, local, dtype, max_tree_size)
         self.engine = TensorParallelEngine(engine, self.alive, self.close)
 
