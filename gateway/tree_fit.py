@@ -62,7 +62,7 @@ def sampling_class(params: SamplingParams) -> float:
 
 class SessionFit(NamedTuple):
     """What the fit knows of a session: its sampling class (sampling_class), and whether its trees go uncut (seeded
-    sampling: a tree's size decides how many draws a round takes from the session's generator, so a cut would make
+    sampling: a tree's size decides how many numbers a round draws from the session's seeded stream, so a cut would make
     the text depend on the load)."""
 
     kind: float

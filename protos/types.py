@@ -56,6 +56,13 @@ class SamplingParams:
         the captured paths (argmax inside a CUDA graph, chained rounds) serve."""
         return self.greedy and not self.processed and self.logprobs is None and not self.grammar
 
+    @property
+    def plain_sample(self) -> bool:
+        """The target's choice is a sample after temperature and min-p alone (no processor, top-k or top-p, no
+        logprobs, no grammar): the sampled rounds a captured batch draws inside its CUDA graph."""
+        return (not self.greedy and not self.processed and self.logprobs is None and not self.grammar
+                and self.top_k == 0 and self.top_p == 1.0)
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -21,9 +21,12 @@ from verify_server.verify import ROOT_ONLY, VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 
-PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2], [4, 4, 8, 1])
+PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2], [4, 4, 8, 1], [5, 3, 5],
+           [2, 7, 1, 8, 2, 8])
 GREEDY = 3  # the first three sessions are greedy; the others sample, each with its own seed
-SAMPLED = (SamplingParams(temperature=0.8, top_k=20, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12))
+# two filtered after their logits, two with temperature and min-p alone (drawn in a captured batch's graph)
+SAMPLED = (SamplingParams(temperature=0.8, top_k=20, seed=11), SamplingParams(temperature=1.0, top_p=0.9, seed=12),
+           SamplingParams(temperature=0.7, seed=13), SamplingParams(temperature=1.2, min_p=0.05, seed=14))
 
 
 def run_rounds(
@@ -64,9 +67,9 @@ def run_rounds(
 
 @pytest.mark.parametrize("path,host_features", [("fused", False), ("fused-static", False), ("fused-static", True)])
 def test_batched_rounds_equal_each_session_alone(path: str, host_features: bool, qwen3_target: Path) -> None:
-    """Five sessions a round (three greedy at different contexts, two sampling: a batch of each), trees of every
-    size and AR steps mixed: the batch's tokens and features are those of each call alone (the sampled ones drawn
-    from the same generators), the greedy ones the target's own continuation, with deep acceptance; the sessions'
+    """Seven sessions a round (three greedy at different contexts, two sampling with top-k or top-p, two with
+    temperature and min-p alone: a batch of each), trees of every size and AR steps mixed: the batch's tokens and
+    features are those of each call alone (the sampled ones drawn from the same seeds), the greedy ones the target's own continuation, with deep acceptance; the sessions'
     caches end as long as what they committed. host_features: the features in host memory, each session's own
     (a captured greedy batch writes them to its ring of buffers, which the round after next reuses)."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
@@ -130,7 +133,8 @@ def test_a_hybrid_target_verifies_a_batch_one_call_at_a_time(hybrid_targets: dic
 def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> None:
     """On a GPU a batch of greedy rounds is one graph replay (fp32 here, so that tokens can be compared exactly):
     its K/V writes, attention and compactions one launch each over every tree's slot, found by address
-    (kernels/flash_batch.py); a batch of sampled rounds is one up to the logits. Each round's tokens and features
+    (kernels/flash_batch.py), and so is a batch of rounds sampled with temperature and min-p alone; a batch of other
+    sampled rounds is one up to the logits. Each round's tokens and features
     are those of the same round alone, and the greedy tokens the target's own. The attention kernels the rounds
     launch were all compiled at start-up (compile_batch_plans): none waits for Triton's JIT."""
     from tests.test_flash_tree import _compiled_kernels
@@ -144,7 +148,7 @@ def test_batched_rounds_on_gpu_equal_each_session_alone(qwen3_target: Path) -> N
     assert _compiled_kernels() == compiled
     for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
-    assert {key[-1] for key in engines[0].fused.graphs.keys()} >= {"batch", "batch-scores"}
+    assert {key[-1] for key in engines[0].fused.graphs.keys()} >= {"batch", "batch-scores", "batch-sampled"}
 
 
 class Recorder:

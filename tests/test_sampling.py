@@ -7,6 +7,7 @@ import asyncio
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -109,3 +110,39 @@ def test_seed_reproduces(pair) -> None:
     assert all(len(set(r)) == 1 for r in runs.values())
     others = {sample(verifier, drafter, SamplingParams(temperature=1.0, seed=s), Speculation("ddtree", 16)) for s in range(20)}
     assert len(others) > 1  # different seeds do give different samples
+
+
+def test_inverse_transform_draws_follow_each_rows_distribution_and_never_a_dropped_token() -> None:
+    """sample_rows at many uniform numbers follows each row's (unnormalised) probabilities; the extreme numbers (0
+    and the largest below 1) still land on tokens of positive probability; and a batch of rows with per-row
+    temperature and min-p (a captured sampled batch's form) chooses what each row alone does with its params."""
+    from verify_server.sampling import Draws, choose_tokens, sample_rows, tempered_probs
+
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(4)) * 2
+    temperature = torch.tensor([[0.7], [1.0], [1.5]])
+    min_p = torch.tensor([[0.0], [0.2], [0.05]])
+    probs = tempered_probs(logits, temperature, min_p)  # [3, 12]
+    assert (probs == 0).any()  # min-p dropped some tokens
+    n = 4000
+    uniforms = torch.from_numpy(Draws(9).uniforms(3 * n)).view(n, 3)
+    counts = torch.zeros(3, 12)
+    for u in uniforms:
+        counts[torch.arange(3), sample_rows(probs, u)] += 1
+    for row in range(3):
+        shares = probs[row].double() / probs[row].double().sum()
+        kept = [i for i in range(12) if shares[i] > 0]
+        assert all(counts[row, i] == 0 for i in range(12) if shares[i] == 0)
+        observed = [counts[row, i].item() for i in kept]
+        expected = [shares[i].item() * n for i in kept]
+        scale = sum(observed) / sum(expected)  # float rounding only
+        assert chisquare(observed, [e * scale for e in expected]).pvalue > P_THRESHOLD
+    # the same statistic rejects row 0's draws against its distribution at another temperature
+    other = tempered_probs(logits[:1], torch.tensor([[1.0]]), min_p[:1])[0].double()
+    assert chisquare(counts[0].tolist(), (other / other.sum() * n).tolist()).pvalue < P_THRESHOLD
+    for u in (0.0, float(torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)))):
+        chosen = sample_rows(probs, torch.full((3,), u, dtype=torch.float64))
+        assert (probs.gather(1, chosen[:, None]) > 0).all()
+    alone = [choose_tokens(logits[row : row + 1], SamplingParams(temperature=t, min_p=m), Draws(row))
+             for row, (t, m) in enumerate(zip(temperature[:, 0].tolist(), min_p[:, 0].tolist()))]
+    together = sample_rows(probs, torch.from_numpy(np.concatenate([Draws(row).uniforms(1) for row in range(3)])))
+    assert together.tolist() == [int(a) for a in alone]

@@ -1,8 +1,10 @@
 """Rounds of several sessions verified in one forward (verify_server/tree_batch.py): VerifyEngine's verify_batch.
 
 A service that finds several sessions' Verify or Decode calls waiting hands them over together. Each call's
-outcome is what verify() would have given it alone: the same tokens (the walk, the sampling with the session's own
-generator and the compaction run per tree), or the same error. Only the forward is shared.
+outcome is what verify() would have given it alone: the same tokens (each tree's choices drawn with its session's
+own numbers, its own walk and compaction), or the same error. The forward is shared, and so are the choices, walks
+and compactions of the greedy rounds and of those sampled with temperature and min-p alone, which run in the
+batch's graph.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.device_copies import copy_together
 from protos.types import DraftTree, StepResult, TokenLogprobs
-from runtime.timing import StepTimer, TimerEvents
+from runtime.timing import TimerEvents
 from verify_server.fused_runner import FusedRunner
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, timed, walk_and_commit
+from verify_server.walk import TreeRows, commit_captured, session_draws, timed, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,9 @@ class BatchedRounds:
         timed(results, timer)
 
     def _step(self, calls: list[tuple[str, DraftTree]], host_features: bool) -> list[StepResult | Exception]:
-        """One step of each call: the calls that can share a forward (plain greedy rounds apart from those that
-        sample, process their logits or return logprobs; on an engine with static buffers, the plain greedy ones
-        captured in one graph) in one; the others (and a session's second call in one batch, which comes after its
+        """One step of each call: the calls that can share a forward (plain greedy rounds, rounds sampled with
+        temperature and min-p alone, and the others apart; on an engine with static buffers, each of the first two
+        kinds captured in one graph with its choices) in one; the others (and a session's second call in one batch, which comes after its
         first) alone, in order, after it."""
         if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
             return [verify_alone(self.verify, *calls[0], host_features)]
@@ -135,9 +136,10 @@ class BatchedRounds:
         batched: dict[str, VerifySession] = {}
         for i, (session_id, tree) in enumerate(calls):
             sess = self._batchable(session_id, tree, batched)
-            if sess is not None:  # plain greedy rounds apart: a captured greedy batch takes the argmax in its graph
+            if sess is not None:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
                 batched[session_id] = sess
-                groups.setdefault((tuple(sess.taps), sess.params.raw_argmax), []).append(i)
+                params = sess.params
+                groups.setdefault((tuple(sess.taps), params.raw_argmax, params.plain_sample), []).append(i)
         for members in groups.values():
             if len(members) > 1:
                 group = [calls[i] for i in members]
@@ -194,9 +196,11 @@ class BatchedRounds:
                 trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
                                       None if features is None else features[rows], items[b].tree.max_depth))
             return walk_and_commit(sessions, trees, timer, host_features)
-        if sessions[0].params.raw_argmax:  # forward, walks and compactions in one replay
-            captured = self.fused.batch_round(items, taps)
-            return None if captured is None else _commit_captured(sessions, items, captured, timer, host_features)
+        params = sessions[0].params
+        if params.raw_argmax or params.plain_sample:  # forward, choices, walks and compactions in one replay
+            captured = (self.fused.batch_round(items, taps) if params.raw_argmax
+                        else self.fused.sampled_round(items, taps, session_draws(sessions, items)))
+            return None if captured is None else commit_captured(sessions, items, captured, timer, host_features)
         scored = self.fused.batch_scores(items, taps)  # the forward in one replay; the rest per tree, as alone
         if scored is None:
             return None
@@ -233,30 +237,3 @@ def joined(before: StepResult | Exception | None, step: StepResult | Exception) 
     timings = {name: before.timings.get(name, 0.0) + step.timings.get(name, 0.0)
                for name in {*before.timings, *step.timings}}
     return StepResult(before.tokens + step.tokens, features, before.forward_s + step.forward_s, timings, logprobs)
-
-
-def _commit_captured(
-    sessions: list[VerifySession], items: list[BatchTree],
-    captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], timer: StepTimer, host_features: bool,
-) -> list[StepResult]:
-    """A captured greedy batch: its walks and compactions ran in the graph; each tree's path features are queued
-    to memory of their own as a lone round's are (as many rows as its path can have), then the host reads the
-    outcomes and commits them."""
-    packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
-    timer.mark()
-    kept, copies = [], []
-    if features is not None:
-        for b, (sess, item) in enumerate(zip(sessions, items)):
-            rows = features[b, : min(item.tree.max_depth + 1, features.shape[1])]  # [advance, taps*hidden]
-            stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
-            copies.append((stored, rows))
-            kept.append(rows_kept)
-    copy_together(copies)
-    host = timer.sync(packed.tolist)  # the batch's single host sync
-    results = []
-    for b, sess in enumerate(sessions):
-        k, bonus = host[b][0], host[b][1]
-        sess.cache.length += k + 1
-        sess.root = bonus
-        results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept else None))
-    return timed(results, timer)

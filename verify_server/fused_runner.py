@@ -18,6 +18,8 @@ forward eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedModel
 
@@ -28,9 +30,11 @@ from kernels.gemv import default_fused_rows, gemv_supported
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache, slot_addresses
+from verify_server.sampling import TreeDraws
 from verify_server.step_attention import FLASH, INVARIANT, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step, size_class,
+    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step,
+    size_class,
 )
 from verify_server.tree_batch import BatchTree, TreeBatch, lone_batch
 from verify_server.tree_steps import GreedyOutputs, TreeSteps
@@ -215,7 +219,8 @@ class FusedRunner:
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeInputs] | None:
-        """The forward of a sampled round, captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
+        """The forward of a round whose choices are made after its logits (sampled with top-k or top-p, processors,
+        logprobs, a grammar), captured: -> (logits [q, V] fp32, features [q, taps*hidden] or None,
         the tree as the graph read it: ids with the session's root, parents, depths, ancestor matrix [q, q]) for
         the caller's sampling and walk, all on the device; None as for greedy_round."""
         return self.trees.lone_scores(cache, taps, tree, root, self.graphs if self.static else None)
@@ -230,6 +235,13 @@ class FusedRunner:
         """Greedy rounds of several sessions in one replay (TreeSteps.greedy); None where not captured."""
         return self.trees.greedy(items, taps, self.graphs if self.static else None)
 
+    def sampled_round(
+        self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]]
+    ) -> GreedyOutputs | None:
+        """Rounds sampled with temperature and min-p alone, of one session or several, in one replay, their choices
+        drawn in the graph (TreeSteps.sampled); None where not captured."""
+        return self.trees.sampled(items, taps, self.graphs if self.static else None, draws)
+
     def ar_steps(self, items: list[BatchTree], counts: list[int]) -> torch.Tensor | None:
         """counts[b] greedy AR steps of each untapped session in a row, chained on the device (TreeSteps.ar_steps)
         -> the tokens chosen [trees, max(counts)]; None where not captured."""
@@ -238,8 +250,8 @@ class FusedRunner:
     def batch_scores(
         self, items: list[BatchTree], taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs], int] | None:
-        """The forward of several sessions' sampled rounds in one replay (TreeSteps.scores); None where not
-        captured."""
+        """The forward of several sessions' rounds whose choices are made after their logits, in one replay
+        (TreeSteps.scores); None where not captured."""
         return self.trees.scores(items, taps, self.graphs if self.static else None)
 
     def _buffer(self, qb: int) -> PromptBuffers:

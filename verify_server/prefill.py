@@ -84,7 +84,7 @@ class PromptPrefill:
         if more:
             timer.end()
         else:  # read before the kept features' copy is queued: the first token does not wait for it
-            first, scored = first_token(logits, sess.params, sess.history, sess.generator, prompt[-1], sess.grammar)
+            first, scored = first_token(logits, sess.params, sess.history, sess.draws, prompt[-1], sess.grammar)
             sess.root = timer.sync(lambda: int(first.item()))
             if sess.history is not None:
                 sess.history.add_output([sess.root])

@@ -20,6 +20,7 @@ from verify_server.kv_cache import KVCache
 from verify_server.grammar import TreeGrammar
 from verify_server.prefix_cache import SessionBlocks
 from verify_server.processors import TokenHistory
+from verify_server.sampling import Draws
 from verify_server.state_cache import StateCache
 
 # Rounds of one session queued and not yet collected, at most: the one the host waits for and the next. Also the
@@ -69,7 +70,7 @@ class VerifySession:
     cache: KVCache
     capacity: int  # committed slots the session asked for (the fused path's cache may be larger)
     params: SamplingParams
-    generator: torch.Generator | None
+    draws: Draws | None  # where the session samples: its seeded uniform numbers
     taps: list[int]
     root: int | None = None  # None until the prompt is complete (its last Prefill call, the one without `more`)
     last_used: float = field(default_factory=time.monotonic)

@@ -17,6 +17,7 @@ from kernels.device_copies import CopiesMemo, copy_together
 from protos.types import DraftTree
 from verify_server.fused import embed_tokens
 from verify_server.kv_cache import KVCache, slot_addresses
+from verify_server.sampling import TreeDraws
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.tree_batch import BatchTree
 from verify_server.walk import accept_path
@@ -103,10 +104,12 @@ class BatchBuffers:
     rewritten before each replay in one copy: per tree a row of its tokens, parents and depths (rows of qb; past
     the tree's real q they hold stale values the graph masks out), then start (the root's slot), num (real nodes)
     and the root token (rows padded to an even length, so that each starts 16-byte aligned), then the batch's slot
-    table (kv_cache.slot_table). The host side keeps the caches and starts of the batch last written, which only
+    table (kv_cache.slot_table), then, for a sampled batch, each tree's draws (TreeDraws: qb uniform numbers, the
+    temperature and min_p, as float64 bits). The host side keeps the caches and starts of the batch last written, which only
     the loop form (no graphs) reads.
 
-    inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise
+    inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise; draws [B, qb + 2]
+             float64, a view of its tail
     counts   [qb + 1] 0, 1, ..., qb on the device: a node count's value, for a chained round's copy (write_after)
     lone     write_after's destinations, views made once: tree 0's start, num and root [1] each, its slot column
              [2 * layers + 1] (contiguous where the batch is of one tree, the only one write_after writes), its
@@ -120,6 +123,7 @@ class BatchBuffers:
     staging: torch.Tensor
     inputs: torch.Tensor
     slots: torch.Tensor
+    draws: torch.Tensor
     nodes: torch.Tensor  # [qb] 0, 1, ...: the head of counts
     counts: torch.Tensor
     lone: tuple[torch.Tensor, ...]
@@ -134,28 +138,31 @@ class BatchBuffers:
     @classmethod
     def allocate(cls, trees: int, qb: int, layers: int, device: torch.device) -> BatchBuffers:
         width = 3 * qb + 4
-        size = trees * width + (2 * layers + 1) * trees
+        table = trees * width + (2 * layers + 1) * trees  # where the draws start
+        size = table + trees * (qb + 2)
         data = torch.zeros(size, dtype=torch.long, device=device)
         staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
         counts = torch.arange(qb + 1, device=device)
-        inputs, slots = data[: trees * width].view(trees, width), data[trees * width :].view(-1, trees)
+        inputs, slots = data[: trees * width].view(trees, width), data[trees * width : table].view(-1, trees)
+        draws = data[table:].view(torch.float64).view(trees, qb + 2)
         lone = (*inputs[0, 3 * qb : 3 * qb + 3].split(1), slots[:, 0], *inputs[0, : 3 * qb].view(3, qb))
-        return cls(data, staging, inputs, slots, counts[:qb], counts, lone, tables,
+        return cls(data, staging, inputs, slots, draws, counts[:qb], counts, lone, tables,
                    torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
     def qb(self) -> int:
         return self.nodes.shape[0]
 
-    def write(self, items: list[BatchTree]) -> None:
-        """Each tree from its session's committed length. Trees on the host go up with the scalars and the slot
-        table in one copy; a tree already on the device (a co-located drafter's) is copied there after it."""
+    def write(self, items: list[BatchTree], draws: list[TreeDraws] | None = None) -> None:
+        """Each tree from its session's committed length. Trees on the host go up with the scalars, the slot table
+        and a sampled batch's draws (one per item; a filler tree's and a padding node's are neutral) in one copy; a
+        tree already on the device (a co-located drafter's) is copied there after it."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
         trees, width, qb = len(items), self.inputs.shape[1], self.qb
         host = self.staging.numpy()  # numpy item writes: a fraction of a torch call's host time
-        table = host[trees * width :].reshape(-1, trees)  # [2 * layers + 1, B] a view
+        table = host[trees * width : trees * width + self.slots.numel()].reshape(-1, trees)  # [2 * layers + 1, B]
         on_device = []
         for b, item in enumerate(items):
             row, tree = host[b * width : (b + 1) * width], item.tree
@@ -167,6 +174,14 @@ class BatchBuffers:
                     row[i * qb : i * qb + q] = values.numpy()
             row[3 * qb : 3 * qb + 3] = (item.cache.length, q, item.root)
             table[:, b] = slot_addresses(item.cache)
+        if draws is not None:
+            drawn = host[host.shape[0] - self.draws.numel() :].view(np.float64).reshape(self.draws.shape)
+            drawn[:] = 0.5
+            drawn[:, qb] = 1.0  # a filler's temperature
+            drawn[:, qb + 1] = 0.0
+            for b, tree_draws in enumerate(draws):
+                drawn[b, : len(tree_draws.uniforms)] = tree_draws.uniforms
+                drawn[b, qb :] = (tree_draws.temperature, tree_draws.min_p)
         self.data.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()

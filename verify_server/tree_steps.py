@@ -1,8 +1,9 @@
 """The fused runner's tree steps: the trees of one or several sessions in one forward (verify_server/tree_batch.py),
 uncaptured, or captured per (trees, query bucket, key bucket) whatever slots the trees' sessions hold: a greedy
-batch with its walks and compactions in the graph (greedy), a sampled one up to its last hidden states, the logits
-after (scores). A lone round is a batch of one (lone_greedy, lone_scores), so its graphs too are shared by every
-slot. FusedRunner holds a TreeSteps and passes each captured step the pool it is captured in.
+batch with its walks and compactions in the graph (greedy), a batch sampled with temperature and min-p alone
+likewise, its choices drawn in the graph from the uniform numbers that come up with its inputs (sampled), any other
+sampled batch up to its last hidden states, the logits after (scores). A lone round is a batch of one (lone_greedy,
+lone_scores), so its graphs too are shared by every slot. FusedRunner holds a TreeSteps and passes each captured step the pool it is captured in.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kernels.cuda_graphs import GraphPool, key_bucket
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.kv_cache import KVCache
+from verify_server.sampling import TreeDraws, sample_rows, tempered_probs
 from verify_server.step_attention import FLASH, INVARIANT
 from verify_server.step_inputs import (
     MIN_SLOT_TOKENS, ROOT_ONLY, BatchBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
@@ -83,7 +85,21 @@ class TreeSteps:
         if prepared is None:
             return None
         buf, kv_len = prepared
-        return graphs.run(self._key(buf, kv_len, taps, "batch"), lambda: self._greedy(buf, taps, kv_len))
+        return graphs.run(self._key(buf, kv_len, taps, "batch"), lambda: self._round(buf, taps, kv_len))
+
+    def sampled(
+        self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
+        draws: Callable[[], list[TreeDraws]],
+    ) -> GreedyOutputs | None:
+        """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample), each
+        tree's choices drawn in the graph from `draws()`, called once the batch is known to be captured (a session's
+        numbers are drawn only for the round that uses them)."""
+        prepared = self._prepare(items, graphs, draws=draws)
+        if prepared is None:
+            return None
+        buf, kv_len = prepared
+        return graphs.run(self._key(buf, kv_len, taps, "batch-sampled"),
+                          lambda: self._round(buf, taps, kv_len, sampled=True))
 
     def scores(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None
@@ -124,7 +140,7 @@ class TreeSteps:
         steps = torch.tensor(counts + [1] * (trees - len(counts)), device=device)
         cursor_inputs = buf.inputs[:, 3:6:2]  # [trees, 2] each tree's start and root token (qb 1: columns 3 and 5)
         for j in range(n):
-            _, _, cursors = graphs.run(key, lambda: self._greedy(buf, taps, kv_len))  # cursors [trees, 2]
+            _, _, cursors = graphs.run(key, lambda: self._round(buf, taps, kv_len))  # cursors [trees, 2]
             chosen[:, j] = cursors[:, 1]
             if j + 1 < n:
                 cursor_inputs.copy_(torch.where((steps > j + 1)[:, None], cursors, cursor_inputs))
@@ -142,7 +158,7 @@ class TreeSteps:
             return None
         buf, kv_len = prepared
         key = self._key(buf, kv_len, taps, "batch")
-        packed, features, cursors = graphs.run(key, lambda: self._greedy(buf, taps, kv_len))
+        packed, features, cursors = graphs.run(key, lambda: self._round(buf, taps, kv_len))
         made = self._lone_outputs.get(key)
         if made is not None and made[0] is packed:  # the same graph's outputs (a dropped key is captured anew)
             return made[1]
@@ -165,7 +181,7 @@ class TreeSteps:
 
     def _prepare(
         self, items: list[BatchTree], graphs: GraphPool | None, after: torch.Tensor | None = None, start: int = 0,
-        ahead: int = 0,
+        ahead: int = 0, draws: Callable[[], list[TreeDraws]] | None = None,
     ) -> tuple[BatchBuffers, int] | None:
         """The batch's static inputs written, and its key bucket; None where it is not captured: no graphs (eager
         mode), trees beyond the largest bucket, or several trees on a GPU without the flash kernel (which finds the
@@ -174,7 +190,8 @@ class TreeSteps:
         slot (fewer graphs to capture): a graph is keyed by their count, the bucket and the key bucket only, and
         any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
         round in flight (BatchBuffers.write_after), start the furthest that round can take it. ahead: the steps
-        chained after this one on the same inputs (ar_steps), whose keys reach that much further."""
+        chained after this one on the same inputs (ar_steps), whose keys reach that much further. draws: a sampled
+        batch's (sampled), called here, once the batch is known to be captured."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if graphs is not None else None
         if qb is None or (graphs.enabled and not self.by_address and len(items) > 1):
             return None
@@ -188,7 +205,7 @@ class TreeSteps:
             buf = self._buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, len(self.decoder.layers),
                                                                      self.decoder.embed.device)
         if after is None:
-            buf.write(items)
+            buf.write(items, None if draws is None else draws())
             start = max(item.cache.length for item in items) + ahead
             if ahead:  # the loop form's key rows (TreeBatch.kv_lens) cover the last chained step
                 buf.starts = [s + ahead for s in buf.starts]
@@ -220,14 +237,20 @@ class TreeSteps:
         hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
         return hidden, features, xs, batch
 
-    def _greedy(self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int) -> GreedyOutputs:
+    def _round(self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int, sampled: bool = False) -> GreedyOutputs:
         """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its
         compaction reads them, and the compaction only reads slots in that range. Padding nodes never match (valid
-        is False), so they are never accepted."""
+        is False), so they are never accepted. sampled: the choices are drawn with the buffer's draws, else the
+        argmax."""
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
-        qb = buf.qb
-        choices = logits.argmax(dim=-1)  # [trees * qb]
+        trees, qb = len(xs), buf.qb
+        if sampled:  # each row's session's temperature and min_p [trees * qb, 1], its own number [trees * qb]
+            temperature, min_p = (buf.draws[:, qb + i : qb + i + 1].float().expand(trees, qb).reshape(-1, 1)
+                                  for i in (0, 1))
+            choices = sample_rows(tempered_probs(logits, temperature, min_p), buf.draws[:, :qb].reshape(-1))
+        else:
+            choices = logits.argmax(dim=-1)  # [trees * qb]
         outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
         packed, order, cursors = (_stack([o[i] for o in outcomes]) for i in range(3))  # [trees, 2 + qb | qb | 2]
         if qb == 1:  # AR steps: the root alone, in place, its features the path's

@@ -31,12 +31,14 @@ from verify_server.prefill import PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
+from verify_server.sampling import Draws
 from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_attention import INVARIANT
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
-from verify_server.walk import TreeRows, walk_and_commit
+from verify_server.tree_batch import BatchTree
+from verify_server.walk import TreeRows, commit_captured, session_draws, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -173,10 +175,9 @@ class VerifyEngine:
         if bad:
             raise SessionError(f"tap layer {bad[0]} outside the target's {self.num_layers} layers")
         grammar = self._grammar(params.grammar) if params.grammar else None
-        generator = None
+        draws = None
         if not params.greedy:
-            generator = torch.Generator(self.device)
-            generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+            draws = Draws(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
         if self.fused is not None:
             try:
                 cache = self.fused.acquire(capacity)
@@ -187,7 +188,7 @@ class VerifyEngine:
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
         history = TokenHistory(self.vocab_size, self.device) if params.processed else None
         blocks = SessionBlocks(tuple(taps)) if self.prefix is not None else None
-        self.sessions[session_id] = VerifySession(cache, capacity, params, generator, list(taps), states=states,
+        self.sessions[session_id] = VerifySession(cache, capacity, params, draws, list(taps), states=states,
                                                   history=history, grammar=grammar, blocks=blocks)
 
     def _grammar(self, description: str) -> TreeGrammar:
@@ -228,7 +229,7 @@ class VerifyEngine:
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
         taps*hidden] (None without taps, or kept on the host for take_features with `keep_features`) and, from
         the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
-        and a sampled session's generator draws nothing, so a chunked prompt samples what it would have in one
+        and a sampled session draws nothing, so a chunked prompt samples what it would have in one
         call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
         it are left out (the drafter restored their context); a chunk wholly below it has none, kept or not."""
         return self.prompts.prefill(session_id, self.session(session_id), prompt, more, keep_features, self.prefix,
@@ -287,6 +288,11 @@ class VerifyEngine:
         sess.check_room(sess.cache.length, q)
         timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
+        if sess.params.plain_sample and self.fused is not None:  # forward, choices, walk and compaction in one replay
+            items = [BatchTree(sess.cache, tree, sess.root)]
+            captured = self.fused.sampled_round(items, taps, session_draws([sess], items))
+            if captured is not None:
+                return commit_captured([sess], items, captured, timer, host_features)[0]
         scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
         if scored is not None:  # the tree as the graph read it: no second upload
             logits, features, x = scored

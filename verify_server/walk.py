@@ -5,6 +5,7 @@ log-probabilities where asked, and the session's commit (walk_and_commit)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -13,9 +14,10 @@ from kernels.device_copies import copy_together
 from protos.types import StepResult
 from runtime.timing import StepTimer
 from verify_server.processors import PathLogprobs, path_logprobs, process_logits
-from verify_server.sampling import choose_tokens
+from verify_server.sampling import TreeDraws, choose_tokens
 from verify_server.session import VerifySession
 from verify_server.state_cache import TreeScratch
+from verify_server.tree_batch import BatchTree
 
 
 def accept_path(
@@ -67,7 +69,7 @@ def walk_and_commit(
     scratch: TreeScratch | None = None,
 ) -> list[StepResult]:
     """An uncaptured round's end, one tree or several (verify_batch's): each tree's choices (sampled with its
-    session's generator), walk, compaction (and a hybrid target's recurrent state, from `scratch`), with one host
+    session's draws), walk, compaction (and a hybrid target's recurrent state, from `scratch`), with one host
     sync for all. host_features: each path's features are queued to the session's host rows before that sync, as
     a captured round's are (read after it, they would cost the caller a second sync)."""
     timer.mark()
@@ -78,7 +80,7 @@ def walk_and_commit(
         if sess.grammar is not None:  # the tree on the host: the grammar walks it there
             logits = sess.grammar.constrain(logits, tree.ids.tolist(), tree.parents.tolist())
         logits = process_logits(logits, sess.params, sess.history, tree.ids, tree.anc, tree.depths)  # [q, V]
-        choice = choose_tokens(logits, sess.params, sess.generator)  # [q] the target's token after each
+        choice = choose_tokens(logits, sess.params, sess.draws)  # [q] the target's token after each
         walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
         packed.append(walked)
         paths.append(path)
@@ -116,6 +118,40 @@ def walk_and_commit(
         logprobs = None if scored[i] is None else scored[i].read(k + 1)
         results.append(StepResult(tokens, features, logprobs=logprobs))
     return timed(results, timer)
+
+
+def commit_captured(
+    sessions: list[VerifySession], items: list[BatchTree],
+    captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], timer: StepTimer, host_features: bool,
+) -> list[StepResult]:
+    """A captured batch (greedy, or sampled in the graph): its walks and compactions ran in the graph; each tree's
+    path features are queued to memory of their own as a lone round's are (as many rows as its path can have), then
+    the host reads the outcomes and commits them."""
+    packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
+    timer.mark()
+    kept, copies = [], []
+    if features is not None:
+        for b, (sess, item) in enumerate(zip(sessions, items)):
+            rows = features[b, : min(item.tree.max_depth + 1, features.shape[1])]  # [advance, taps*hidden]
+            stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
+            copies.append((stored, rows))
+            kept.append(rows_kept)
+    copy_together(copies)
+    host = timer.sync(packed.tolist)  # the batch's single host sync
+    results = []
+    for b, sess in enumerate(sessions):
+        k, bonus = host[b][0], host[b][1]
+        sess.cache.length += k + 1
+        sess.root = bonus
+        results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept else None))
+    return timed(results, timer)
+
+
+def session_draws(sessions: list[VerifySession], items: list[BatchTree]) -> Callable[[], list[TreeDraws]]:
+    """What a captured sampled batch draws its trees' choices with: each session's next numbers, one per node of
+    its tree (as many as an uncaptured round of the tree draws), its temperature and min_p."""
+    return lambda: [TreeDraws(sess.draws.uniforms(item.tree.tokens.shape[0]), sess.params.temperature,
+                              sess.params.min_p) for sess, item in zip(sessions, items)]
 
 
 def timed(results: list[StepResult], timer: StepTimer) -> list[StepResult]:

@@ -10,10 +10,12 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
+from verify_server.sampling import TreeDraws
 from verify_server.step_inputs import MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, bucket
 from verify_server.tree_batch import BatchTree
 from verify_server.verify import VerifyEngine
@@ -113,7 +115,7 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
 
 
 def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
-    """The round graphs of sessions tapping `taps`, greedy and sampled, alone, two at once and in larger
+    """The round graphs of sessions tapping `taps`, greedy and of both sampled kinds, alone, two at once and in larger
     batches, for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
     context): a graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first
     requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow."""
@@ -124,7 +126,9 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
         for keys in key_buckets(min(most_keys, engine.model.config.max_position_embeddings)):
             if keys <= qb:
                 continue
-            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+            # greedy; sampled with temperature alone (choices drawn in the graph); sampled after top-p (after it)
+            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
+                           SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
                 # committed rows: keys - qb, so that a round's start plus its bucket is this key bucket
                 with _warm_up_session(engine, keys, taps, params) as alone:
                     root = engine.prefill(alone, [0] * (keys - qb)).tokens[-1]
@@ -175,7 +179,10 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
                     for trees in sizes:
                         items = [BatchTree(cache, _chain(0, node_count), 0)] * trees
                         fused.batch_round(items, tuple(taps))  # greedy: forward, walks and compactions
-                        fused.batch_scores(items, tuple(taps))  # sampled: the forward
+                        # sampled with temperature alone: the same, the choices drawn; any other sampled: the forward
+                        draws = [TreeDraws(np.full(node_count + 1, 0.5), 1.0, 0.0)] * trees
+                        fused.sampled_round(items, tuple(taps), lambda: draws)
+                        fused.batch_scores(items, tuple(taps))
     finally:
         cache.length = 0
         fused.release(cache)
