@@ -5,7 +5,7 @@ With --batch N, a step of N sessions' rounds in one VerifyBatch forward instead 
 verifier serves a step of the step scheduler): N decode steps (0 nodes) or N trees.
 
 Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64] [--compile] [--attention grouped] [--eager]
-       [--batch 16]
+       [--batch 16] [--temperature 0.7 [--top-p 0.9]]
 TARGET: a model directory, or random:<shape> (runtime/shapes.py SHAPES, e.g. random:qwen3-8b).
 """
 
@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (a session each call)")
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="sessions verified in one step (1: a lone round)")
+    p.add_argument("--temperature", type=float, default=0.0, help="the sessions sample (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampled sessions' top_p (below 1: choices after the logits)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.target.startswith(RANDOM_PREFIX):
@@ -62,8 +64,9 @@ def main() -> None:
     names = [f"p{i}" for i in range(args.batch)]
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
     for nodes in (int(n) for n in args.nodes.split(",") if n):
-        for name in names:
-            engine.start_session(name, args.context + 70 * (nodes + 1), SamplingParams(), [])
+        for i, name in enumerate(names):
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i)
+            engine.start_session(name, args.context + 70 * (nodes + 1), params, [])
             engine.prefill(name, prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
         if args.batch > 1:
@@ -74,7 +77,8 @@ def main() -> None:
         else:
             step = (lambda tree=tree: engine.verify("p0", tree)) if tree is not None else (lambda: engine.decode("p0"))
         wall_ms, kernel_ms, table = profiled_calls(step, sync, args.rows)
-        print(f"\n=== {nodes} nodes, {args.batch} session(s): step {wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x "
+        print(f"\n=== {nodes} nodes, {args.batch} session(s), T={args.temperature} top_p={args.top_p}: step "
+              f"{wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x "
               f"the bound), {kernel_ms:.3f} ms of device kernels per step ===")
         print(table)
         for name in names:
