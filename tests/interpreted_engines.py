@@ -224,8 +224,8 @@ def check_deterministic() -> None:
 
 def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
-    of its taps and tree size then meet, greedy and sampled, alone and up to five at once, at contexts within its
-    key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it captured
+    of its taps and tree size then meet, greedy and of both sampled kinds, alone and up to five at once, at contexts
+    within its key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it captured
     gives each round the tokens the same engine gives without graphs; capture_prompts captures every prompt
     bucket, whose graphs serve every slot."""
     import random
@@ -251,12 +251,15 @@ def check_warm_up() -> None:
         capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}
     warm_prompts = {key for key in recorder.seen if "prefill" in key}
-    # taps, params, 1, 2, 4 or 8 trees (max_batch 8), AR step or tree, key buckets
-    assert not engine.sessions and len(warm) == 2 * 2 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
+    # taps, params (greedy, sampled in the graph, sampled after it), 1, 2, 4 or 8 trees (max_batch 8), AR step or
+    # tree, key buckets
+    assert not engine.sessions and len(warm) == 2 * 3 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
     for tapped in ([], taps):
-        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+        # a top-p session's choices are made after the graph alike whatever its taps: met once, tapped
+        filtered = (SamplingParams(temperature=1.1, top_p=0.9, seed=4),) if tapped else ()
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3), *filtered):
             for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
                 sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
                 for name in sessions:
