@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="sessions verified in one step (1: a lone round)")
     p.add_argument("--temperature", type=float, default=0.0, help="the sessions sample (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampled sessions' top_p (below 1: choices after the logits)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sampled sessions' top_p (below 1: choices made after the logits)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     if args.target.startswith(RANDOM_PREFIX):

@@ -225,9 +225,9 @@ def check_deterministic() -> None:
 def check_warm_up() -> None:
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and of both sampled kinds, alone and up to five at once, at contexts
-    within its key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it captured
-    gives each round the tokens the same engine gives without graphs; capture_prompts captures every prompt
-    bucket, whose graphs serve every slot."""
+    within its key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it
+    captured gives each round the tokens the same engine gives without graphs; capture_prompts captures every
+    prompt bucket, whose graphs serve every slot."""
     import random
     import tempfile
     from pathlib import Path

@@ -69,9 +69,10 @@ def run_rounds(
 def test_batched_rounds_equal_each_session_alone(path: str, host_features: bool, qwen3_target: Path) -> None:
     """Seven sessions a round (three greedy at different contexts, two sampling with top-k or top-p, two with
     temperature and min-p alone: a batch of each), trees of every size and AR steps mixed: the batch's tokens and
-    features are those of each call alone (the sampled ones drawn from the same seeds), the greedy ones the target's own continuation, with deep acceptance; the sessions'
-    caches end as long as what they committed. host_features: the features in host memory, each session's own
-    (a captured greedy batch writes them to its ring of buffers, which the round after next reuses)."""
+    features are those of each call alone (the sampled ones drawn from the same seeds), the greedy ones the target's
+    own continuation, with deep acceptance; the sessions' caches end as long as what they committed. host_features:
+    the features in host memory, each session's own (a captured greedy batch writes them to its ring of buffers,
+    which the round after next reuses)."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]

@@ -139,7 +139,8 @@ def test_inverse_transform_draws_follow_each_rows_distribution_and_never_a_dropp
     # the same statistic rejects row 0's draws against its distribution at another temperature
     other = tempered_probs(logits[:1], torch.tensor([[1.0]]), min_p[:1])[0].double()
     assert chisquare(counts[0].tolist(), (other / other.sum() * n).tolist()).pvalue < P_THRESHOLD
-    for u in (0.0, float(torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)))):
+    below_one = float(np.nextafter(1.0, 0.0))
+    for u in (0.0, below_one):
         chosen = sample_rows(probs, torch.full((3,), u, dtype=torch.float64))
         assert (probs.gather(1, chosen[:, None]) > 0).all()
     alone = [choose_tokens(logits[row : row + 1], SamplingParams(temperature=t, min_p=m), Draws(row))

@@ -127,8 +127,8 @@ class BatchedRounds:
     def _step(self, calls: list[tuple[str, DraftTree]], host_features: bool) -> list[StepResult | Exception]:
         """One step of each call: the calls that can share a forward (plain greedy rounds, rounds sampled with
         temperature and min-p alone, and the others apart; on an engine with static buffers, each of the first two
-        kinds captured in one graph with its choices) in one; the others (and a session's second call in one batch, which comes after its
-        first) alone, in order, after it."""
+        kinds captured in one graph with its choices) in one; the others (and a session's second call in one batch,
+        which comes after its first) alone, in order, after it."""
         if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
             return [verify_alone(self.verify, *calls[0], host_features)]
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)

@@ -105,8 +105,8 @@ class BatchBuffers:
     the tree's real q they hold stale values the graph masks out), then start (the root's slot), num (real nodes)
     and the root token (rows padded to an even length, so that each starts 16-byte aligned), then the batch's slot
     table (kv_cache.slot_table), then, for a sampled batch, each tree's draws (TreeDraws: qb uniform numbers, the
-    temperature and min_p, as float64 bits). The host side keeps the caches and starts of the batch last written, which only
-    the loop form (no graphs) reads.
+    temperature and min_p, as float64 bits). The host side keeps the caches and starts of the batch last written,
+    which only the loop form (no graphs) reads.
 
     inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise; draws [B, qb + 2]
              float64, a view of its tail

@@ -3,7 +3,8 @@ uncaptured, or captured per (trees, query bucket, key bucket) whatever slots the
 batch with its walks and compactions in the graph (greedy), a batch sampled with temperature and min-p alone
 likewise, its choices drawn in the graph from the uniform numbers that come up with its inputs (sampled), any other
 sampled batch up to its last hidden states, the logits after (scores). A lone round is a batch of one (lone_greedy,
-lone_scores), so its graphs too are shared by every slot. FusedRunner holds a TreeSteps and passes each captured step the pool it is captured in.
+lone_scores), so its graphs too are shared by every slot. FusedRunner holds a TreeSteps and passes each captured
+step the pool it is captured in.
 """
 
 from __future__ import annotations
