@@ -81,10 +81,11 @@ class Request:
         self.generated += len(tokens)
         return tokens, None if step.logprobs is None else step.logprobs.head(len(tokens)), finish
 
-    def ar_steps(self) -> int:
+    def ar_steps(self, ahead: int = 0) -> int:
         """The AR steps the next Decode asks for: decode_steps, or fewer where the request's token limit comes
-        first (a stop token still wastes the steps after it: the request ends there anyway)."""
-        return max(1, min(self.decode_steps, self.max_new_tokens - self.generated))
+        first (a stop token still wastes the steps after it: the request ends there anyway); 0 where the limit
+        leaves no room. ahead: the steps of Decodes already submitted and not yet taken."""
+        return max(0, min(self.decode_steps, self.max_new_tokens - self.generated - ahead))
 
     @property
     def root_position(self) -> int:

@@ -1,6 +1,7 @@
-"""The two forms of a request's round loop after its prefill: rounds one at a time, each from the host's copy of the
-last outcome (stepped_rounds), and greedy rounds queued on the device ahead of the host (chained_rounds, for a
-ChainingVerifier and a ChainingDrafter: in-process on a GPU).
+"""The three forms of a request's round loop after its prefill: rounds one at a time, each from the host's copy of
+the last outcome (stepped_rounds); AR steps through the step scheduler with the next Decode submitted before the
+last one is back (pipelined_decodes, for a remote verifier); and greedy rounds queued on the device ahead of the host
+(chained_rounds, for a ChainingVerifier and a ChainingDrafter: in-process on a GPU).
 
 A drafter's failure (down, timed out, erroring) never fails the request: the round goes on as an AR step and the
 request with AR steps (Request.fall_back).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -71,6 +73,46 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
             timings = round_timings(timings, rpc, step, time.perf_counter() - t0)
     finally:
         discard(pending)  # the caller stopped at a round while the next one's first call was in flight
+
+
+DECODES_AHEAD = 2  # a pipelined request's Decodes submitted at once: one in its step, one waiting for the next
+
+
+async def pipelined_decodes(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+    """AR steps through the step scheduler (gateway/steps.py) with each session's next Decode submitted before its
+    last one is answered. A Decode's outcome is only the next step's root, which the verifier already holds, so the
+    call need not wait for the host to read the last one: when a step's answers arrive, every session's next call
+    is already waiting, and the next step leaves at once, before any request has read its answer. The device then
+    goes from step to step while the host reads, detokenises and streams the last one's tokens, which at tens of
+    sessions takes about as long as the step. Decodes are submitted only within the request's token limit; a stop
+    token wastes the one submitted after it (the session ends there anyway). Round timings: round_s is the time
+    between two answers."""
+    session_id = run.session_id
+    submitted: deque[tuple[asyncio.Future, int]] = deque()  # the Decodes in progress, oldest first, and their steps
+    ahead = 0  # their steps, all together
+    index, last = 0, time.perf_counter()
+    try:
+        while True:
+            tokens, logprobs, finish = run.take(step)
+            if finish:
+                yield Round(index, tokens, 0, finish, timings, logprobs)
+                return
+            while len(submitted) < DECODES_AHEAD and (steps := run.ar_steps(ahead)) > 0:
+                submitted.append((asyncio.ensure_future(run.verifier.decode(session_id, steps)), steps))
+                ahead += steps
+            await asyncio.sleep(0)  # the calls reach the step gather (grpc.aio starts them in tasks of their own)
+            if not run.ar_steps(ahead):  # the limit's last Decode is in: no step waits for this session after it
+                run.steps.last_call(session_id)
+            yield Round(index, tokens, 0, None, timings, logprobs)
+            index += 1
+            call, steps = submitted.popleft()
+            ahead -= steps
+            step = await call
+            now = time.perf_counter()
+            timings, last = round_timings({}, {}, step, now - last), now
+    finally:
+        for call, _ in submitted:
+            discard(call)  # the request ended (a stop token, a stop string, a client gone) with Decodes in progress
 
 
 @dataclass

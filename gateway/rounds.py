@@ -17,7 +17,7 @@ from dataclasses import replace
 from protos.types import SamplingParams
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.request import MODES, Mode, Request, Round, Speculation, discard
-from gateway.round_loops import chained_rounds, stepped_rounds
+from gateway.round_loops import chained_rounds, pipelined_decodes, stepped_rounds
 from gateway.steps import Steps
 
 __all__ = ["MODES", "Mode", "Round", "Speculation", "run_rounds"]
@@ -47,7 +47,9 @@ async def run_rounds(
     output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Plain greedy requests (no
     logits processors, no logprobs: SamplingParams.raw_argmax) on clients that chain rounds (`ChainingVerifier`,
     `ChainingDrafter`: in-process on a GPU) run with the next round queued on the device before the host reads the
-    last one (round_loops.chained_rounds). A request with min_tokens has its stop tokens held back until then."""
+    last one (round_loops.chained_rounds). AR requests against a remote verifier in steps submit each Decode a step
+    ahead of the host (round_loops.pipelined_decodes). A request with min_tokens has its stop tokens held back until
+    then."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     if spec.mode != "ar" and drafter is None:
@@ -74,11 +76,17 @@ async def run_rounds(
         step = await run.prefill(prompt, prefill_chunk, reused)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
         chained = verifier.can_chain(params, spec.max_nodes(block)) and (run.drafter is None or run.drafter.chains)
-        async for rnd in (chained_rounds if chained else stepped_rounds)(run, step, timings):
+        # AR steps of a remote verifier in steps, a step ahead (not with a grammar: its matcher ends at the output's
+        # end, where a Decode submitted ahead would fail)
+        pipelined = not chained and run.drafter is None and steps is not None and verifier.remote and not params.grammar
+        loop = chained_rounds if chained else pipelined_decodes if pipelined else stepped_rounds
+        async for rnd in loop(run, step, timings):
             yield rnd
         ended = True
     finally:
         discard(run.relay)  # the request ended before its first draft
+        if steps is not None:  # no step waits for this request's calls any more (nor for its sessions' end)
+            steps.leave(run.session_id)
         # shielded: a client that disconnects during the clean-up must not leave a session behind on either service
         cleanup = asyncio.shield(_end_sessions(verifier, drafter if drafter_session else None, run.session_id))
         if ended:

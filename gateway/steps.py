@@ -80,6 +80,7 @@ class Steps:
         self._calls: Counter[str] = Counter()  # session id -> its calls in progress (a relay overlaps a prefill)
         self._unsent: Counter[str] = Counter()  # session id -> its calls waiting for a step that has not left
         self._departures: dict[str, list[asyncio.Future]] = {}  # session id -> who waits for its calls to leave
+        self._last: set[str] = set()  # sessions whose calls in progress are their last (last_call)
 
     def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]]) -> StepKind:
         """A batched RPC whose calls go out in steps (each client declares its own)."""
@@ -96,11 +97,21 @@ class Steps:
 
     def leave(self, session_id: str) -> None:
         """Its round loop is over: the step no longer waits for it."""
+        self._last.discard(session_id)
         cohort = self._cohort_of.pop(session_id, None)
         if cohort is not None:
             cohort.running.discard(session_id)
             cohort.idle -= not self._calls[session_id]
             self._check(cohort)
+
+    def last_call(self, session_id: str) -> None:
+        """The session makes no call after those in progress (its token limit is reached once they are answered):
+        it leaves as soon as they end, so that the next step does not wait for it while it hands its last round
+        over and ends its sessions."""
+        if not self._calls[session_id]:
+            self.leave(session_id)
+        else:
+            self._last.add(session_id)
 
     @contextlib.asynccontextmanager
     async def calling(self, session_id: str) -> AsyncIterator[None]:
@@ -165,6 +176,8 @@ class Steps:
             if cohort is not None:
                 cohort.idle += 1
                 # (no check: a session that ends a call is about to make its next one, which checks)
+            if session_id in self._last:
+                self.leave(session_id)  # it makes no next call: checks whether the step waited only for it
 
     def _check(self, cohort: _Cohort) -> None:
         """Sends the cohort's next step where it is whole; else makes sure it leaves within max_wait_s."""
@@ -185,7 +198,14 @@ class Steps:
             cohort.timer.cancel()
             cohort.timer = None
         rpc = max(cohort.waiting, key=lambda r: len(cohort.waiting[r]))  # the kind most requests wait on goes first
-        calls = cohort.waiting.pop(rpc)
+        # A session's next call may wait behind its last (AR decodes submitted a step ahead: round_loops.py): one
+        # call a session per batch, the later ones wait for the next step.
+        calls, later, seen = [], [], set()
+        for call in cohort.waiting.pop(rpc):
+            (later if call.session_id in seen else calls).append(call)
+            seen.add(call.session_id)
+        if later:
+            cohort.waiting[rpc] = later
         cohort.in_flight = True
         asyncio.get_running_loop().create_task(self._send(cohort, self._kinds[rpc], calls))
 

@@ -81,6 +81,29 @@ def test_seeded_sampling_gives_the_same_text_under_load(stack: ServeStack) -> No
     assert together == alone
 
 
+def test_ar_streams_with_decodes_a_step_ahead_each_equal_alone(stack: ServeStack) -> None:
+    """Speculation off: each request's Decodes go a step ahead of its answers (round_loops.pipelined_decodes), and
+    greedy and seeded sampled streams, some stopped early by a stop string, are each the text they are alone."""
+    off = {"speculation": {"mode": "off"}}
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str:
+        extra = {"temperature": 0.9, "seed": 2000 + i} if i % 4 == 3 else {"temperature": 0}
+        stop = {"stop": [" the"]} if i % 5 == 4 else {}
+        reply = await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id, messages=[{"role": "user", "content": PROMPTS[i % 16]}],
+            max_tokens=20 + i % 7, stream=True, extra_body=off, **extra, **stop)
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in reply if chunk.choices])
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = _client(stack)
+        alone = [await one(client, i) for i in range(32)]
+        return alone, list(await asyncio.gather(*(one(client, i) for i in range(32))))
+
+    alone, together = asyncio.run(scenario())
+    assert all(alone), "every request produced text"
+    assert together == alone
+
+
 def test_a_steady_load_is_verified_in_steps_of_every_client(stack: ServeStack) -> None:
     """16 streams at once (fixed lengths: ignore_eos): from the moment all 16 stream until the first ends, the
     verifier's mean batch, from its own histogram, counts (nearly) every one of them."""

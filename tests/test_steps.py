@@ -173,6 +173,52 @@ def test_a_session_that_leaves_releases_the_waiting_step():
     assert held == [] and batches == [["a-1", "b-1"]]
 
 
+def test_a_session_whose_last_call_ends_leaves_and_the_next_step_goes_without_it():
+    """Steps.last_call: a request whose token limit its calls in progress reach is not waited for once they end
+    (while it hands its last round over and ends its sessions)."""
+
+    async def scenario():
+        steps = joined(NEVER_S, "a", "last")
+        send = Recorder()
+        kind = steps.kind("VerifyBatch", send)
+        first = [call(steps, kind, "a", "a-1"), call(steps, kind, "last", "last-1")]
+        await turns()
+        steps.last_call("last")  # its call is in progress: it leaves when that ends
+        await asyncio.gather(*first)
+        second = await asyncio.wait_for(steps.submit(kind, "a", "a-2"), DEADLINE_S)  # would wait a minute for "last"
+        steps.join("c")
+        steps.last_call("a")  # none in progress: it leaves now
+        # the count of sessions that wait on no call is still right: the step waits for c alone
+        third = call(steps, kind, "d", "d-1")
+        await turns()
+        held = len(send.batches)
+        await steps.submit(kind, "c", "c-1")
+        await third
+        return send.batches, held, second
+
+    batches, held, second = run(scenario)
+    assert batches[:2] == [["a-1", "last-1"], ["a-2"]] and second == ("answer", "a-2")
+    assert held == 2 and batches[2] == ["d-1", "c-1"]
+
+
+def test_two_calls_of_one_session_never_share_a_batch():
+    """A session's Decode submitted a step ahead (round_loops.pipelined_decodes) waits for the step after its last."""
+
+    async def scenario():
+        steps = joined(NEVER_S, "a", "b")
+        send = Recorder()
+        kind = steps.kind("VerifyBatch", send)
+        tasks = [call(steps, kind, "a", "a-1"), call(steps, kind, "a", "a-2"), call(steps, kind, "b", "b-1")]
+        await tasks[2]
+        tasks.append(call(steps, kind, "b", "b-2"))  # the next step waits for b's next call, not for a's
+        answers = await asyncio.gather(*tasks)
+        return send.batches, answers
+
+    batches, answers = run(scenario)
+    assert batches == [["a-1", "b-1"], ["a-2", "b-2"]]
+    assert answers == [("answer", r) for r in ("a-1", "a-2", "b-1", "b-2")]
+
+
 def test_a_calls_own_failure_fails_only_that_call():
     async def scenario():
         steps = joined(NEVER_S, "a", "b", "c")
