@@ -157,6 +157,7 @@ class EngineHost(Generic[E]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = threading.Lock()  # held by whichever thread is running the engine
         self._queued = 0  # engine-thread jobs submitted and not yet answered (counted on the event loop)
+        self._children: dict[tuple[str, str], Any] = {}  # _record's metrics children, by (rpc, status or series)
         # Computed when scraped, from a snapshot of the session table (a C-level copy, atomic under the GIL).
         metrics.active_sessions.set_function(lambda: len(self._sessions()))
         metrics.cache_bytes.set_function(lambda: sum(self._session_bytes(s) for s in self._sessions()))
@@ -223,10 +224,18 @@ class EngineHost(Generic[E]):
             asyncio.get_running_loop().call_soon(self._record, rpc, code, time.perf_counter() - start, forward_s)
 
     def _record(self, rpc: str, code: grpc.StatusCode, seconds: float, forward_s: float | None) -> None:
-        self.metrics.requests.labels(rpc, code.name).inc()
-        self.metrics.request_seconds.labels(rpc).observe(seconds)
+        # the children looked up once per (rpc, code): labels() is host time on every call of every step
+        m, children = self.metrics, self._children
+        requests = children.get((rpc, code.name))
+        if requests is None:
+            requests = children[rpc, code.name] = m.requests.labels(rpc, code.name)
+            children[rpc, "seconds"] = m.request_seconds.labels(rpc)
+        requests.inc()
+        children[rpc, "seconds"].observe(seconds)
         if forward_s is not None:
-            self.metrics.forward_seconds.labels(rpc).observe(forward_s)
+            if (forward := children.get((rpc, "forward"))) is None:
+                forward = children[rpc, "forward"] = m.forward_seconds.labels(rpc)
+            forward.observe(forward_s)
 
     def _status(self, exc: BaseException) -> grpc.StatusCode:
         for kind, code in self._statuses:

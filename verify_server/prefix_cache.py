@@ -138,20 +138,29 @@ class PrefixCache(BlockLRU[CachedBlock]):
         lacks them, are copied in (a gather of the new blocks' K/V, then one launch for all the copies:
         kernels/device_copies.py). Then all are the most recent, the first one most of all (evicted last)."""
         new = [i for i, name in enumerate(names) if name not in self.blocks]
-        fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # new block -> its K/V rows in the session's slots
+        fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # new block -> its K/V rows, gathered
         if new:
-            index = torch.tensor(new, device=cache.k.device)
-            # [new, layers, kv_heads, B, head_dim] each, contiguous: every new block's rows in one piece
-            keys, values = (t.unflatten(2, (len(names), BLOCK_TOKENS)).permute(2, 0, 1, 3, 4).index_select(0, index)
-                            for t in cache.slots(start, start + len(names) * BLOCK_TOKENS))
+            # [blocks, layers, kv_heads, B, head_dim] each: views of the session's slots
+            slots = [t.unflatten(2, (len(names), BLOCK_TOKENS)).permute(2, 0, 1, 3, 4)
+                     for t in cache.slots(start, start + len(names) * BLOCK_TOKENS)]
+            # [new, layers, kv_heads, B, head_dim] each, contiguous: every new block's rows in one piece. New blocks
+            # are a run (a chain's last ones) but where an evicted block left a gap: then an index on the device.
+            if new[-1] - new[0] + 1 == len(new):
+                keys, values = (t[new[0] : new[-1] + 1].clone(memory_format=torch.contiguous_format) for t in slots)
+            else:
+                index = torch.tensor(new, device=cache.k.device)
+                keys, values = (t.index_select(0, index) for t in slots)
             fresh = dict(zip(new, zip(keys.unbind(0), values.unbind(0))))
         copies = []
         for i, name in enumerate(names):
             block = self.blocks.get(name)
             if block is None:
                 keys, values = fresh[i]
-                block = self.blocks[name] = CachedBlock(torch.empty_like(keys), torch.empty_like(values))
-                copies += [(block.k, keys), (block.v, values)]
+                if len(new) == 1:  # the gather holds this block alone: the block keeps it (a decode's usual offer)
+                    block = self.blocks[name] = CachedBlock(keys, values)
+                else:  # a memory of its own, freed when it alone is evicted
+                    block = self.blocks[name] = CachedBlock(torch.empty_like(keys), torch.empty_like(values))
+                    copies += [(block.k, keys), (block.v, values)]
             else:
                 self.nbytes -= block.nbytes
             if taps and taps not in block.features:
