@@ -15,7 +15,7 @@ import grpc
 import torch
 from prometheus_client import Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
+from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
 from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
 from runtime.process import run_service, serve
 from protos.types import DrafterInfo
@@ -75,7 +75,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.aio.ServicerContext) -> pb.DraftBatchResponse:
         """One step's Draft calls of many sessions (the gateway's step scheduler), each answered as alone."""
-        outcomes = await each_call(context, request.drafts, self.Draft, pb.DraftOutcome, "draft")
+        calls = [("Draft", draft) for draft in request.drafts]
+        outcomes = await answer_all(context, self.host, self.drafts, calls, pb.DraftOutcome, "draft")
         return pb.DraftBatchResponse(outcomes=outcomes)
 
     async def Append(

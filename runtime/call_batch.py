@@ -1,14 +1,16 @@
 """Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
 rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
 (draft_server/engine.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
-service's requests, each parsed and answered on its own; `each_call` answers a batch message (the .proto's XBatch)
-by making its calls all at once, so that they meet in the Batch. The engine host they run on: runtime/service.py.
+service's requests, each parsed and answered on its own; `answer_all` answers a batch message (the .proto's XBatch)
+by submitting its calls to the Batch all at once, each answered as alone, without a coroutine of its own (at tens of
+calls a step, that machinery was a large part of a step's host time). The engine host: runtime/service.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 import grpc
@@ -16,32 +18,47 @@ from google.protobuf.message import Message
 from prometheus_client import Histogram
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from runtime.lane import AbortContext, CallFailed
+from runtime.lane import CallFailed
 from runtime.service import E, EngineHost
 
 MAX_BATCH_CALLS = 1024  # calls one batch message may carry: far beyond any server's sessions
 
 
-async def each_call(
-    context: Any, requests: Sequence[Any], method: Callable[[Any, Any], Awaitable[Message]],
+async def answer_all(
+    context: Any, host: EngineHost[E], batch: Batch[E], calls: Sequence[tuple[str, Any] | CallFailed],
     outcome: Callable[..., Message], field: str,
 ) -> list[Message]:
-    """A batch message's calls (the .proto's XBatch), each through its unary servicer method exactly as if it came
-    alone (its checks, status and metrics), all started in one turn of the loop so that they join one Batch run ->
-    each call's outcome message, in order: `outcome(**{field: answer})`, or `outcome(status=...)` with the status
-    the call ended with. context: the batch call's own (a batch beyond MAX_BATCH_CALLS is refused whole)."""
-    if len(requests) > MAX_BATCH_CALLS:
+    """A batch message's calls (the .proto's XBatch), each (its rpc, its request) or the CallFailed it already is:
+    all join `batch` at once, so that they share its runs, and each is answered as alone (its status, its timings
+    and metrics under its rpc) -> each call's outcome message, in order: `outcome(**{field: answer})`, or
+    `outcome(status=...)` with the status the call ended with. context: the batch call's own (a batch beyond
+    MAX_BATCH_CALLS is refused whole)."""
+    if len(calls) > MAX_BATCH_CALLS:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a batch carries at most {MAX_BATCH_CALLS} calls, got {len(requests)}")
-    own = AbortContext()  # each call's: its abort is its own outcome
-
-    async def one(request: Any) -> Message:
-        try:
-            return outcome(**{field: await method(request, own)})
-        except CallFailed as failure:
-            return outcome(status=pb.CallStatus(code=failure.code.value[0], details=failure.details))
-
-    return list(await asyncio.gather(*(one(request) for request in requests)))
+                            f"a batch carries at most {MAX_BATCH_CALLS} calls, got {len(calls)}")
+    start = time.perf_counter()
+    valid = [call for call in calls if not isinstance(call, CallFailed)]
+    try:
+        results = iter(await batch.submit_all(host, [request for _, request in valid]))
+    except asyncio.CancelledError:
+        for rpc, _ in valid:
+            host.record(rpc, grpc.StatusCode.CANCELLED, start)  # the jobs themselves run to completion
+        raise
+    outcomes = []
+    for call in calls:
+        if isinstance(call, CallFailed):
+            outcomes.append(outcome(status=pb.CallStatus(code=call.code.value[0], details=call.details)))
+            continue
+        rpc, result = call[0], next(results)
+        if isinstance(result, BaseException):
+            code, details = host.failure(rpc, result)
+            host.record(rpc, code, start)
+            outcomes.append(outcome(status=pb.CallStatus(code=code.value[0], details=details)))
+        else:
+            result.timings.total_s = time.perf_counter() - start
+            host.record(rpc, grpc.StatusCode.OK, start, result.timings.forward_s)
+            outcomes.append(outcome(**{field: result}))
+    return outcomes
 
 
 def run_checked(
@@ -94,6 +111,23 @@ class Batch(Generic[E]):
         """host.call() for a call that may share one engine step with others of its kind: the item joins this batch,
         whose run answers every item waiting together; the status, timings and metrics stay the call's own."""
         return await host.answer(rpc, context, forward, lambda: self.submit(host, item))
+
+    async def submit_all(self, host: EngineHost[E], items: list[Any]) -> list[Any]:
+        """Several calls at once (a batch message's): all join the batch together, a run takes them as it takes
+        calls that came one by one -> each one's outcome, a response or the exception it fails with."""
+        if not items:
+            return []
+        loop = asyncio.get_running_loop()
+        answers = [loop.create_future() for _ in items]
+        self._waiting += zip(items, answers)
+        try:
+            if self._runner is None and not self._leading:
+                await self._lead(host, answers[0])
+            return [await answer for answer in answers]  # already there where the calls ran inline
+        except asyncio.CancelledError:
+            for answer in answers:
+                answer.cancel()  # skipped by a run that has not taken it yet
+            raise
 
     async def submit(self, host: EngineHost[E], item: Any) -> Any:
         if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop

@@ -156,7 +156,7 @@ class _Frames(asyncio.BufferedProtocol):
 
 class AbortContext:
     """The part of grpc.aio.ServicerContext a servicer method uses: `abort`, which ends the call with a status (here:
-    raises it as CallFailed). A lane call's context, and each call's inside a batch message (runtime/call_batch.py)."""
+    raises it as CallFailed). A lane call's context."""
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise CallFailed(code, details)

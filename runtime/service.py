@@ -215,13 +215,23 @@ class EngineHost(Generic[E]):
             code = grpc.StatusCode.CANCELLED  # the client went away; the job itself always runs to completion
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a dead connection
-            code = self._status(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", rpc)
-            await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
+            code, details = self.failure(rpc, exc)
+            await context.abort(code, details)
         finally:
-            # Recorded on the loop's next turn: by then the answer is on its way, and the metrics are not its latency.
-            asyncio.get_running_loop().call_soon(self._record, rpc, code, time.perf_counter() - start, forward_s)
+            self.record(rpc, code, start, forward_s)
+
+    def failure(self, rpc: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status and details a call that raised `exc` ends with (an unexpected one, INTERNAL, is logged)."""
+        code = self._status(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed", rpc, exc_info=exc)
+            return code, f"{type(exc).__name__}: {exc}"
+        return code, str(exc)
+
+    def record(self, rpc: str, code: grpc.StatusCode, start: float, forward_s: float | None = None) -> None:
+        """A call's metrics (its status, its time since `start`, its forward), recorded on the loop's next turn: by
+        then its answer is on its way, and the metrics are not its latency."""
+        asyncio.get_running_loop().call_soon(self._record, rpc, code, time.perf_counter() - start, forward_s)
 
     def _record(self, rpc: str, code: grpc.StatusCode, seconds: float, forward_s: float | None) -> None:
         # the children looked up once per (rpc, code): labels() is host time on every call of every step

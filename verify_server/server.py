@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, each_call, run_checked
+from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
 from runtime.service import (
     EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
 )
@@ -26,7 +26,7 @@ from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from runtime.lane import Route
+from runtime.lane import CallFailed, Route
 from runtime.prefix_blocks import PrefixCacheMetrics
 from verify_server.config import VerifyServerConfig
 from verify_server.session import CapacityError, UnknownSessionError, VerifySession
@@ -102,16 +102,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self, request: pb.VerifyBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyBatchResponse:
         """One step's round calls of many sessions (the gateway's step scheduler), each answered as alone."""
-        outcomes = await each_call(context, request.calls, self._round_call, pb.StepOutcome, "step")
+        calls = [_round_call(call) for call in request.calls]
+        outcomes = await answer_all(context, self.host, self.rounds, calls, pb.StepOutcome, "step")
         return pb.VerifyBatchResponse(outcomes=outcomes)
-
-    async def _round_call(self, call: pb.RoundCall, context: Any) -> pb.StepResponse:
-        kind = call.WhichOneof("call")
-        if kind == "verify":
-            return await self.Verify(call.verify, context)
-        if kind == "decode":
-            return await self.Decode(call.decode, context)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
@@ -201,6 +194,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _tree_limits(self, engine: VerifyEngine) -> TreeLimits:
         return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
+
+
+def _round_call(call: pb.RoundCall) -> tuple[str, pb.VerifyRequest | pb.DecodeRequest] | CallFailed:
+    """A VerifyBatch's call -> (its rpc, its request), or the failure an empty one is."""
+    kind = call.WhichOneof("call")
+    if kind == "verify":
+        return "Verify", call.verify
+    if kind == "decode":
+        return "Decode", call.decode
+    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
 
 
 def kv_cache_bytes(session: VerifySession) -> int:

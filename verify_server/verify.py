@@ -255,10 +255,9 @@ class VerifyEngine:
         """_verify, its committed tokens offered to the prefix cache."""
         return self._cached(session_id, self._verify(session_id, tree, host_features))
 
-    @torch.inference_mode()
     def _cached(self, session_id: str, step: StepResult) -> StepResult:
         """A round's commit as the prefix cache sees it: the blocks it fills are offered (where prefixes are
-        cached)."""
+        cached). In inference mode, as its callers are (entering it here would cost each round of a batch)."""
         sess = self.sessions[session_id]
         if sess.blocks is not None:
             self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features)
@@ -331,6 +330,7 @@ class VerifyEngine:
                                "be queued; use verify")
         return pending
 
+    @torch.inference_mode()
     def collect(self, pending: PendingRound) -> StepResult:
         """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
         return self._cached(pending.session_id, QueuedRounds.collect(self.session(pending.session_id), pending))
