@@ -223,11 +223,28 @@ def check_deterministic() -> None:
 
 
 def check_warm_up() -> None:
+    """_warm_up for sessions without taps (plain AR and trees), then a verifier of fewer slots."""
+    from verify_server.warm_up import capture_rounds
+
+    engine, met = _warm_up([])
+    for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
+        engine.fused.slots.max_sessions = most
+        capture_rounds(engine, [], 7, 64)
+    print("warm_up ok", met, "round shapes met, all captured in warm-up")
+
+
+def check_warm_up_tapped() -> None:
+    """_warm_up for sessions with the drafter's taps."""
+    _, met = _warm_up([1, 3])
+    print("warm_up_tapped ok", met, "round shapes met, all captured in warm-up")
+
+
+def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed up, the round shapes met)
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and of both sampled kinds, alone and up to five at once, at contexts
     within its key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it
     captured gives each round the tokens the same engine gives without graphs; capture_prompts captures every
-    prompt bucket, whose graphs serve every slot."""
+    prompt bucket, whose graphs serve every slot. One set of taps a check: each half takes about as long."""
     import random
     import tempfile
     from pathlib import Path
@@ -245,40 +262,38 @@ def check_warm_up() -> None:
         e.fused.static = True
         e.fused.decoder.attention = FLASH
     engine.fused.graphs = recorder = ReplayRecorder()
-    nodes, taps, most_keys = 7, [1, 3], 128
-    for tapped in ([], taps):
-        capture_rounds(engine, tapped, nodes, most_keys)
-        capture_prompts(engine, tapped)
+    nodes, most_keys = 7, 128
+    capture_rounds(engine, tapped, nodes, most_keys)
+    capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}
     warm_prompts = {key for key in recorder.seen if "prefill" in key}
-    # taps, params (greedy, sampled in the graph, sampled after it), 1, 2, 4 or 8 trees (max_batch 8), AR step or
-    # tree, key buckets
-    assert not engine.sessions and len(warm) == 2 * 3 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
+    # params (greedy, sampled in the graph, sampled after it), 1, 2, 4 or 8 trees (max_batch 8), AR step or tree,
+    # key buckets
+    assert not engine.sessions and len(warm) == 3 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
-    for tapped in ([], taps):
-        # a top-p session's choices are made after the graph alike whatever its taps: met once, tapped
-        filtered = (SamplingParams(temperature=1.1, top_p=0.9, seed=4),) if tapped else ()
-        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3), *filtered):
-            for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
-                sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
-                for name in sessions:
-                    ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
-                    for e in (engine, plain):
-                        e.start_session(name, most_keys, params, tapped)
-                    sessions[name] = engine.prefill(name, ids).tokens[-1]
-                    assert plain.prefill(name, ids).tokens[-1] == sessions[name]
-                for _ in range(3):
-                    size = rng.choice([0, nodes])
-                    together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
-                    trees = [(name, _chain(sessions[name], size)) for name in together]
-                    steps = engine.verify_batch(trees)
-                    assert [step.tokens for step in steps] == [step.tokens for step in plain.verify_batch(trees)]
-                    for name, step in zip(together, steps):
-                        sessions[name] = step.tokens[-1]
-                for name in sessions:
-                    for e in (engine, plain):
-                        e.end_session(name)
+    # a top-p session's choices are made after the graph alike whatever its taps: met once, tapped
+    filtered = (SamplingParams(temperature=1.1, top_p=0.9, seed=4),) if tapped else ()
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3), *filtered):
+        for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
+            sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
+            for name in sessions:
+                ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
+                for e in (engine, plain):
+                    e.start_session(name, most_keys, params, tapped)
+                sessions[name] = engine.prefill(name, ids).tokens[-1]
+                assert plain.prefill(name, ids).tokens[-1] == sessions[name]
+            for _ in range(3):
+                size = rng.choice([0, nodes])
+                together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
+                trees = [(name, _chain(sessions[name], size)) for name in together]
+                steps = engine.verify_batch(trees)
+                assert [step.tokens for step in steps] == [step.tokens for step in plain.verify_batch(trees)]
+                for name, step in zip(together, steps):
+                    sessions[name] = step.tokens[-1]
+            for name in sessions:
+                for e in (engine, plain):
+                    e.end_session(name)
     met = {key for key in recorder.seen if "prefill" not in key}
     assert met and met <= warm, sorted(met - warm)
     # prompts too replay graphs the warm-up captured, which serve every slot (their K/V written by address), in
@@ -286,10 +301,7 @@ def check_warm_up() -> None:
     prompts = {key for key in recorder.seen if "prefill" in key}
     assert prompts and prompts <= warm_prompts, sorted(prompts - warm_prompts)
     assert not any(part[:1] == ("slot",) for key in prompts for part in key if isinstance(part, tuple))
-    for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
-        engine.fused.slots.max_sessions = most
-        capture_rounds(engine, taps, nodes, 64)
-    print("warm_up ok", len(met), "round shapes met, all captured in warm-up")
+    return engine, len(met)
 
 
 def _flash_drafter():  # noqa: ANN202 - a DFlashDrafter

@@ -111,6 +111,37 @@ def test_a_failing_call_fails_alone(qwen3_target: Path) -> None:
     assert len(engine.decode("small").tokens) == 1  # untouched by its refused call
 
 
+def test_a_sampled_batch_out_of_memory_falls_back_to_the_same_draws_alone(qwen3_target: Path) -> None:
+    """A batch sampled in its graph that runs out of device memory after drawing its numbers is verified a round
+    at a time, and those rounds draw the same numbers: each seeded session's tokens are the ones an engine where
+    nothing failed gives."""
+    params = (SamplingParams(temperature=0.7, seed=21), SamplingParams(temperature=1.1, min_p=0.05, seed=22))
+    engines = [make_engine(qwen3_target, "fused-static") for _ in range(2)]
+    for engine in engines:
+        for i, p in enumerate(params):
+            engine.start_session(f"s{i}", 200, p, taps=[])
+            engine.prefill(f"s{i}", PROMPTS[i])
+    runner = engines[0].fused
+    alone_round = runner.sampled_round
+    failed = []
+
+    def out_of_memory(items, taps, draws):  # noqa: ANN001, ANN202 - the runner's sampled_round, failing batches
+        if len(items) == 1:
+            return alone_round(items, taps, draws)
+        draws()  # the numbers are drawn before the device runs out
+        failed.append(len(items))
+        raise torch.OutOfMemoryError("out of memory (test)")
+
+    runner.sampled_round = out_of_memory
+    rng = random.Random(5)
+    for _ in range(6):
+        calls = [(f"s{i}", oracle_tree(rng, engines[1].session(f"s{i}").root, [rng.randrange(VOCAB) for _ in range(4)],
+                                       2, rng.randint(0, 4))) for i in range(len(params))]
+        together = engines[0].verify_batch(calls)
+        assert [step.tokens for step in together] == [engines[1].verify(*call).tokens for call in calls]
+    assert failed == [2] * 6
+
+
 def test_a_hybrid_target_verifies_a_batch_one_call_at_a_time(hybrid_targets: dict[str, Path]) -> None:
     """A target off the fused path (Gated DeltaNet layers keep per-session recurrent state) has no batched forward:
     verify_batch runs each call alone, and each gets what verify gives it."""
@@ -262,3 +293,32 @@ def test_batch_skips_callers_gone_and_fails_a_failed_run_for_all() -> None:
     assert isinstance(outcomes[0], RuntimeError) and isinstance(outcomes[2], RuntimeError)
     assert isinstance(outcomes[1], asyncio.CancelledError) and outcomes[3] == 60
     assert engine.runs == [[2, 13], [6]]  # the cancelled call never ran
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "engine-thread"])
+def test_a_batch_messages_calls_join_the_batch_at_once(inline: bool) -> None:
+    """Batch.submit_all (a batch message's calls, runtime/call_batch.py answer_all): they run with the calls that
+    came alone in the same turn, up to max_size a run, each with its own outcome in order; cancelled before a run
+    takes them, none of them runs."""
+    engine = Recorder()
+    host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0,
+                      inline_rpcs=ROUND_RPCS if inline else frozenset())
+    host.engine = engine
+    batch = Batch("Verify", lambda e, items: e.run(items), max_size=4)
+
+    async def scenario() -> tuple[list, list, list]:
+        lone = asyncio.ensure_future(batch.submit(host, 2))
+        message = asyncio.ensure_future(batch.submit_all(host, [4, 5, 6, 8, 10]))
+        outcomes = await message
+        gone = asyncio.ensure_future(batch.submit_all(host, [12, 14]))
+        busy = asyncio.ensure_future(batch.submit_all(host, [16]))
+        await asyncio.sleep(0)  # the message of 12 and 14 leads a run and waits its turn; 16 has joined it
+        gone.cancel()  # in its turn: the run goes on without its calls
+        return [await lone, *outcomes], await busy, await asyncio.gather(gone, return_exceptions=True)
+
+    outcomes, busy, gone = asyncio.run(scenario())
+    assert engine.runs[:2] == [[2, 4, 5, 6], [8, 10]]
+    assert outcomes[0] == 20 and outcomes[1] == 40 and isinstance(outcomes[2], ValueError)
+    assert outcomes[3:] == [60, 80, 100]
+    assert busy == [160] and isinstance(gone[0], asyncio.CancelledError)
+    assert engine.runs[2:] == [[16]]

@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("check", ["tree", "flash", "gemv", "drafter", "compaction", "batch", "draft_batch",
-                                   "verify", "warm_up", "draft_warm_up", "invariant", "deterministic"])
+                                   "verify", "warm_up", "warm_up_tapped", "draft_warm_up", "invariant",
+                                   "deterministic"])
 def test_kernel_in_the_interpreter(check: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tests.triton_interpreted", check], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=900 if check == "warm_up" else 600,  # warm_up: the longest
+        env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{check} ok" in done.stdout

@@ -29,6 +29,13 @@ class Draws:
         """The next n numbers [n] float64."""
         return self._rng.random(n)
 
+    def mark(self) -> dict:
+        """The stream's place now, to go back to (rewind) where the numbers drawn after it went unused."""
+        return self._rng.bit_generator.state
+
+    def rewind(self, mark: dict) -> None:
+        self._rng.bit_generator.state = mark
+
 
 class TreeDraws(NamedTuple):
     """What a captured sampled round draws a tree's choices with: a uniform number per real node, from its session's
