@@ -75,9 +75,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     async def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.aio.ServicerContext) -> pb.DraftBatchResponse:
         """One step's Draft calls of many sessions (the gateway's step scheduler), each answered as alone."""
-        calls = [("Draft", draft) for draft in request.drafts]
-        outcomes = await answer_all(context, self.host, self.drafts, calls, pb.DraftOutcome, "draft")
-        return pb.DraftBatchResponse(outcomes=outcomes)
+        response = pb.DraftBatchResponse()
+        await answer_all(context, self.host, self.drafts, [("Draft", draft) for draft in request.drafts],
+                         response.outcomes, "draft")
+        return response
 
     async def Append(
         self, request: pb.AppendRequest | relay.AppendCall, context: grpc.aio.ServicerContext

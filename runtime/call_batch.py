@@ -14,10 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 import grpc
-from google.protobuf.message import Message
 from prometheus_client import Histogram
 
-from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import CallFailed
 from runtime.service import E, EngineHost
 
@@ -26,12 +24,13 @@ MAX_BATCH_CALLS = 1024  # calls one batch message may carry: far beyond any serv
 
 async def answer_all(
     context: Any, host: EngineHost[E], batch: Batch[E], calls: Sequence[tuple[str, Any] | CallFailed],
-    outcome: Callable[..., Message], field: str,
-) -> list[Message]:
+    outcomes: Any, field: str,
+) -> None:
     """A batch message's calls (the .proto's XBatch), each (its rpc, its request) or the CallFailed it already is:
     all join `batch` at once, so that they share its runs, and each is answered as alone (its status, its timings
-    and metrics under its rpc) -> each call's outcome message, in order: `outcome(**{field: answer})`, or
-    `outcome(status=...)` with the status the call ended with. context: the batch call's own (a batch beyond
+    and metrics under its rpc) -> one outcome message each, in order, added to `outcomes` (the answer's repeated
+    field: filled in place, since a message given to a constructor is copied, features and all): its `field` the
+    call's answer, or its `status` the status the call ended with. context: the batch call's own (a batch beyond
     MAX_BATCH_CALLS is refused whole)."""
     if len(calls) > MAX_BATCH_CALLS:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -44,21 +43,21 @@ async def answer_all(
         for rpc, _ in valid:
             host.record(rpc, grpc.StatusCode.CANCELLED, start)  # the jobs themselves run to completion
         raise
-    outcomes = []
     for call in calls:
+        outcome = outcomes.add()
         if isinstance(call, CallFailed):
-            outcomes.append(outcome(status=pb.CallStatus(code=call.code.value[0], details=call.details)))
-            continue
-        rpc, result = call[0], next(results)
-        if isinstance(result, BaseException):
-            code, details = host.failure(rpc, result)
-            host.record(rpc, code, start)
-            outcomes.append(outcome(status=pb.CallStatus(code=code.value[0], details=details)))
+            code, details = call.code, call.details
         else:
-            result.timings.total_s = time.perf_counter() - start
-            host.record(rpc, grpc.StatusCode.OK, start, result.timings.forward_s)
-            outcomes.append(outcome(**{field: result}))
-    return outcomes
+            rpc, result = call[0], next(results)
+            if isinstance(result, BaseException):
+                code, details = host.failure(rpc, result)
+                host.record(rpc, code, start)
+            else:
+                result.timings.total_s = time.perf_counter() - start
+                host.record(rpc, grpc.StatusCode.OK, start, result.timings.forward_s)
+                getattr(outcome, field).CopyFrom(result)
+                continue
+        outcome.status.code, outcome.status.details = code.value[0], details
 
 
 def run_checked(

@@ -102,9 +102,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self, request: pb.VerifyBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyBatchResponse:
         """One step's round calls of many sessions (the gateway's step scheduler), each answered as alone."""
-        calls = [_round_call(call) for call in request.calls]
-        outcomes = await answer_all(context, self.host, self.rounds, calls, pb.StepOutcome, "step")
-        return pb.VerifyBatchResponse(outcomes=outcomes)
+        response = pb.VerifyBatchResponse()
+        await answer_all(context, self.host, self.rounds, [_round_call(call) for call in request.calls],
+                         response.outcomes, "step")
+        return response
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
