@@ -134,11 +134,7 @@ class Batch(Generic[E]):
             if self.sizes is not None:
                 self.sizes.observe(1)
         else:
-            answer = asyncio.get_running_loop().create_future()
-            self._waiting.append((item, answer))
-            if self._runner is None and not self._leading:
-                await self._lead(host, answer)
-            outcome = await answer  # already there where this call ran the calls itself
+            (outcome,) = await self.submit_all(host, [item])
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
