@@ -125,27 +125,32 @@ class GrpcClient:
 
     async def _session_call(self, rpc: str, session_id: str, request: Any) -> Any:
         """`rpc` (one of STREAMED) for one session: over the session's lane connection, stream of `<rpc>Stream` or,
-        for a BULK call without a lane, unary calls (opened on first use). Any failure ends that connection or
-        stream; the next call opens a new one."""
+        for a BULK call without a lane, unary calls (opened on first use). A lane's next request goes as soon as
+        this one is sent (the server answers in order); the other transports take one request at a time. Any
+        failure ends that connection or stream; the next call opens a new one."""
         key = (rpc, session_id)
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
             stream = self._streams[key] = SessionStream()
-        async with stream.lock:
-            try:
+        try:
+            async with stream.lock:
                 async with asyncio.timeout(self.timeout_s):
                     # a lost connection is opened again: the step calls' one outlives a service that restarts
                     if stream.transport is None or stream.transport.broken:
                         stream.transport = await self._open(rpc)
-                    return await stream.transport.exchange(request)
-            except TimeoutError:
-                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
-            except CallFailed as exc:
-                code, details = exc.code, exc.details
-            except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
-                self._drop(key, stream)
-                raise
+                    if not stream.transport.pipelines:
+                        return await stream.transport.exchange(request)
+                    answer = stream.transport.request(request)
+            async with asyncio.timeout(self.timeout_s):
+                return await answer
+        except TimeoutError:
+            code, details = grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.timeout_s} s"
+        except CallFailed as exc:
+            code, details = exc.code, exc.details
+        except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
             self._drop(key, stream)
+            raise
+        self._drop(key, stream)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
     async def _open(self, rpc: str) -> Lane | GrpcStream | UnaryCalls:

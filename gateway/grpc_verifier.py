@@ -32,14 +32,19 @@ class GrpcVerifier(GrpcClient):
                                          else self._steps.kind("VerifyBatch", self._send_rounds))
         self._tree_fit = tree_fit
         self._fits: dict[str, SessionFit] = {}  # session -> what the tree fit knows of it, where not greedy
+        self._rounds_out = 0  # VerifyBatch calls in flight (a step may follow the one in flight: gateway/steps.py)
 
     async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
         fit = self._tree_fit
         if fit is not None:
             fit.fit(calls, self._fits)
-        sent = time.perf_counter()
-        answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
-                                    lambda outcome: outcome.step, len(calls))
+        sent, behind = time.perf_counter(), self._rounds_out > 0
+        self._rounds_out += 1
+        try:
+            answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
+                                        lambda outcome: outcome.step, len(calls))
+        finally:
+            self._rounds_out -= 1
         if fit is not None:
             rows, chained = 0, False
             for call, answer in zip(calls, answers):
@@ -51,7 +56,8 @@ class GrpcVerifier(GrpcClient):
                 rows += tree.shape[1]
                 if isinstance(answer, pb.StepResponse):
                     fit.observe_round(tree, answer.tokens, self._fits.get(call.verify.session_id, GREEDY).kind)
-            if not chained:  # else the call's time holds several forwards: no measure of one forward's cost
+            # a batch behind another, or of chained steps, took several forwards: no measure of one forward's cost
+            if not (chained or behind):
                 fit.observe_batch(rows, time.perf_counter() - sent, sent)
         return answers
 

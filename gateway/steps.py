@@ -4,10 +4,17 @@
 Each request keeps its own round loop (gateway/round_loops.py), which awaits its draft and its verify as before; the
 gRPC clients (gateway/grpc_drafter.py, gateway/grpc_verifier.py) hand those calls here. A call waits until the step
 is whole, that is until every running request is waiting on some call of either service, and then the waiting calls
-of one kind leave together in one message; the server runs them in one forward (up to its --max-batch at once). At
-most one batch (of a cohort, below) is in flight at a time, so the drafts of a step and its verifies alternate: on
-one GPU the two services never compete for it, and a request that arrives mid-step joins the next step of its kind
-instead of running a cohort of its own.
+of one kind leave together in one message; the server runs them in one forward (up to its --max-batch at once). One
+batch (of a cohort, below) is in flight at a time, so the drafts of a step and its verifies alternate: on one GPU the
+two services never compete for it, and a request that arrives mid-step joins the next step of its kind instead of
+running a cohort of its own. Where the kinds compete, the one whose oldest call has waited longest goes first, so
+that requests submitting calls ahead (AR decodes) never starve the others.
+
+The one exception is a step behind the step in flight: where every request of the batch in flight already has its
+next call of the same kind waiting (AR decodes submitted ahead, whose root the verifier holds), and no call of
+another kind waits, those calls leave at once, a second batch on the same connection. The service reads it while it
+runs the first and starts it as soon as the first is answered, so it never waits for the answer's trip to the
+gateway and the next step's trip back (at 64 requests, as long as a third of the step).
 
 Without the gather, rounds met in the servers' queues only by chance (a mean batch of ~5 of 16 sessions) and each
 paid its own RPC. A request that is not waiting on a call (its round handed to a client that reads slowly) holds a
@@ -38,11 +45,15 @@ from typing import Any
 from prometheus_client import Histogram
 
 
+MAX_IN_FLIGHT = 2  # batches of a cohort out at once: the step on the device and the one behind it
+
+
 @dataclass
 class _Call:
     session_id: str
     request: Any  # the call's message inside the batch message
     answer: asyncio.Future
+    order: int  # when it was submitted, among all calls: the kind with the oldest waiting call goes first
 
 
 @dataclass
@@ -61,7 +72,7 @@ class _Cohort:
     running: set[str] = field(default_factory=set)
     idle: int = 0  # running sessions with no call in progress: the step waits for them
     waiting: dict[str, list[_Call]] = field(default_factory=dict)  # rpc -> its calls waiting for the next step
-    in_flight: bool = False
+    out: list[tuple[str, set[str]]] = field(default_factory=list)  # the batches in flight: their rpc and sessions
     timer: asyncio.TimerHandle | None = None
 
 
@@ -81,6 +92,7 @@ class Steps:
         self._unsent: Counter[str] = Counter()  # session id -> its calls waiting for a step that has not left
         self._departures: dict[str, list[asyncio.Future]] = {}  # session id -> who waits for its calls to leave
         self._last: set[str] = set()  # sessions whose calls in progress are their last (last_call)
+        self._submitted = 0  # calls submitted so far: each call's order
 
     def kind(self, rpc: str, send: Callable[[list[Any]], Awaitable[list[Any]]]) -> StepKind:
         """A batched RPC whose calls go out in steps (each client declares its own)."""
@@ -136,7 +148,8 @@ class Steps:
         """The call's answer once its step has gone out and come back; raises what the call fails with. A session
         that has not joined steps with the first cohort, without holding its steps back."""
         cohort = self._cohort_of.get(session_id, self._cohorts[0])
-        call = _Call(session_id, request, asyncio.get_running_loop().create_future())
+        call = _Call(session_id, request, asyncio.get_running_loop().create_future(), self._submitted)
+        self._submitted += 1
         cohort.waiting.setdefault(kind.rpc, []).append(call)
         self._unsent[session_id] += 1
         self._begin(session_id)
@@ -180,24 +193,41 @@ class Steps:
                 self.leave(session_id)  # it makes no next call: checks whether the step waited only for it
 
     def _check(self, cohort: _Cohort) -> None:
-        """Sends the cohort's next step where it is whole; else makes sure it leaves within max_wait_s."""
-        if cohort.in_flight or not any(cohort.waiting.values()):
+        """Sends the cohort's next step where it is whole, or the step behind the one in flight where it may go;
+        else makes sure the next step leaves within max_wait_s of the last one's return."""
+        if not any(cohort.waiting.values()):
             return
-        if cohort.idle <= 0:
+        if cohort.out:
+            if len(cohort.out) < MAX_IN_FLIGHT and self._behind(cohort):
+                self._send_next(cohort)
+        elif cohort.idle <= 0:
             self._send_next(cohort)
         elif cohort.timer is None:
             cohort.timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._overdue, cohort)
 
+    def _behind(self, cohort: _Cohort) -> bool:
+        """Whether the waiting calls may follow the batch in flight at once: they are all of its kind, and every
+        session in it that makes another call has that call among them."""
+        rpc, sessions = cohort.out[-1]
+        waiting = cohort.waiting.get(rpc)
+        if not waiting or any(calls for other, calls in cohort.waiting.items() if other != rpc):
+            return False
+        if len(waiting) + len(self._last) < len(sessions):
+            return False  # (a bound that spares the set below to the calls of a step that is far from whole)
+        ready = {call.session_id for call in waiting}
+        return all(session in ready or session in self._last or session not in cohort.running for session in sessions)
+
     def _overdue(self, cohort: _Cohort) -> None:
         cohort.timer = None
-        if not cohort.in_flight and any(cohort.waiting.values()):
+        if not cohort.out and any(cohort.waiting.values()):
             self._send_next(cohort)
 
     def _send_next(self, cohort: _Cohort) -> None:
         if cohort.timer is not None:
             cohort.timer.cancel()
             cohort.timer = None
-        rpc = max(cohort.waiting, key=lambda r: len(cohort.waiting[r]))  # the kind most requests wait on goes first
+        # the kind whose oldest call has waited longest goes first
+        rpc = min((r for r, calls in cohort.waiting.items() if calls), key=lambda r: cohort.waiting[r][0].order)
         # A session's next call may wait behind its last (AR decodes submitted a step ahead: round_loops.py): one
         # call a session per batch, the later ones wait for the next step.
         calls, later, seen = [], [], set()
@@ -206,10 +236,11 @@ class Steps:
             seen.add(call.session_id)
         if later:
             cohort.waiting[rpc] = later
-        cohort.in_flight = True
-        asyncio.get_running_loop().create_task(self._send(cohort, self._kinds[rpc], calls))
+        batch = (rpc, seen)
+        cohort.out.append(batch)
+        asyncio.get_running_loop().create_task(self._send(cohort, self._kinds[rpc], calls, batch))
 
-    async def _send(self, cohort: _Cohort, kind: StepKind, calls: list[_Call]) -> None:
+    async def _send(self, cohort: _Cohort, kind: StepKind, calls: list[_Call], batch: tuple[str, set[str]]) -> None:
         try:
             if self.sizes is not None:
                 self.sizes.labels(kind.rpc).observe(len(calls))
@@ -234,5 +265,5 @@ class Steps:
                 else:
                     call.answer.set_result(outcome)
         finally:
-            cohort.in_flight = False
+            cohort.out = [out for out in cohort.out if out is not batch]
             self._check(cohort)

@@ -22,6 +22,7 @@ class GrpcStream:
         self._call = call
 
     broken = False  # a stream that ends fails its next exchange, which drops it
+    pipelines = False  # one request at a time: its answer is read before the next is written
 
     async def exchange(self, request: Message) -> Message:
         try:
@@ -52,6 +53,7 @@ class UnaryCalls:
         self._metadata = metadata  # the shared secret's, if any (runtime/auth.py)
 
     broken = False  # each call is a call of its own
+    pipelines = False  # calls of their own, which the server may run in any order
 
     async def exchange(self, request: Any) -> Any:
         try:
@@ -71,4 +73,4 @@ class SessionStream:
     """A session's calls of one RPC, in order: over the service's round lane, a gRPC stream, or unary calls."""
 
     transport: Lane | GrpcStream | UnaryCalls | None = None  # opened by the first call
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request/answer at a time: answers come in order
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # requests sent one at a time: answers come in order

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, Protocol
 
@@ -305,14 +306,18 @@ class LaneServer:
 
 
 class Lane(_Frames):
-    """The client end of one lane connection: one RPC of one session, one call at a time. Requests are messages or
-    their bytes already serialised, in pieces; answers are parsed as `response_cls`, or (None) handed over as
-    their bytes (a large answer's without a copy: a view of the buffer it was received into)."""
+    """The client end of one lane connection: one RPC of one session. Requests are messages or their bytes already
+    serialised, in pieces; answers are parsed as `response_cls`, or (None) handed over as their bytes (a large
+    answer's without a copy: a view of the buffer it was received into). The server answers in request order, one
+    at a time, so a request may follow the last one before it is answered (`request`): the server reads it while
+    it runs the last one and starts it as soon as that one is answered."""
+
+    pipelines = True  # requests may follow one another unanswered
 
     def __init__(self, response_cls: type[Message] | None, max_bytes: int) -> None:
         super().__init__(max_bytes)
         self._response_cls = response_cls
-        self._waiter: asyncio.Future[Message] | None = None
+        self._waiters: deque[asyncio.Future] = deque()  # the requests sent and not yet answered, oldest first
         self._lost: CallFailed | None = None
 
     @classmethod
@@ -329,34 +334,39 @@ class Lane(_Frames):
         calls opens another."""
         return self._lost is not None
 
-    async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:
-        """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
+    def request(self, request: Message | tuple[bytes | memoryview, ...]) -> asyncio.Future:
+        """Sends `request` -> the future of its answer, which fails with CallFailed (the server's status, or
+        UNAVAILABLE when the connection is lost). Raises CallFailed at once on a lost connection."""
         if self._lost is not None:
             raise self._lost
-        self._waiter = asyncio.get_running_loop().create_future()
+        answer = asyncio.get_running_loop().create_future()
+        self._waiters.append(answer)
         self.send(0, *((request.SerializeToString(),) if isinstance(request, Message) else request))
-        try:
-            return await self._waiter
-        finally:
-            self._waiter = None
+        return answer
+
+    async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:
+        """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
+        return await self.request(request)
 
     def frame(self, tag: int, payload: memoryview) -> None:
         status = _CODES.get(tag, grpc.StatusCode.UNKNOWN)
-        if self._waiter is None and status != grpc.StatusCode.OK:  # the server refused the connection before a call
-            self._lost = self._lost or CallFailed(status, bytes(payload).decode(errors="replace"))
+        if not self._waiters:
+            if status != grpc.StatusCode.OK:  # the server refused the connection before a call
+                self._lost = self._lost or CallFailed(status, bytes(payload).decode(errors="replace"))
             return
-        if self._waiter is None or self._waiter.done():
+        answer = self._waiters.popleft()
+        if answer.done():
             return  # an answer nobody waits for any more (the caller gave up; the lane is being closed)
         if status != grpc.StatusCode.OK:
-            self._waiter.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
+            answer.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
             return
         if self._response_cls is None:
-            self._waiter.set_result(self.keep(payload))
+            answer.set_result(self.keep(payload))
             return
         try:
-            self._waiter.set_result(self._response_cls.FromString(payload))
+            answer.set_result(self._response_cls.FromString(payload))
         except DecodeError as exc:
-            self._waiter.set_exception(CallFailed(grpc.StatusCode.INTERNAL, f"malformed answer: {exc}"))
+            answer.set_exception(CallFailed(grpc.StatusCode.INTERNAL, f"malformed answer: {exc}"))
 
     def oversized(self, size: int) -> None:
         self._break(CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -368,13 +378,17 @@ class Lane(_Frames):
 
     def _break(self, failure: CallFailed) -> None:
         self._lost = self._lost or failure
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(failure)
+        while self._waiters:
+            if not (answer := self._waiters.popleft()).done():
+                answer.set_exception(failure)
 
     def close(self) -> None:
         """Ends the connection; an answer in flight belongs to nobody."""
         self.transport.close()
 
     async def end(self) -> None:
-        """Ends the session's calls (the server's task for the connection ends with it)."""
+        """Ends the session's calls once every answer awaited has come (the server's task for the connection ends
+        with it)."""
+        if self._waiters:
+            await asyncio.gather(*self._waiters, return_exceptions=True)
         self.close()

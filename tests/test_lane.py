@@ -88,6 +88,29 @@ def test_answers_in_order_over_one_connection_and_statuses_as_grpc():
                         (grpc.StatusCode.INTERNAL, "RuntimeError: a bug")]
 
 
+def test_requests_sent_before_their_answers_are_answered_in_order_and_a_failure_fails_those_behind_it():
+    """Lane.request: the next request follows before the last is answered (a step behind the step in flight); the
+    server answers them one at a time, in order. A failure answer ends the connection: the requests behind it fail
+    UNAVAILABLE rather than hang, and `end` waits for the answers still awaited."""
+
+    async def scenario(port: int):
+        lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)
+        answers = [lane.request(pb.DraftRequest(root_token=t)) for t in (5, 6, 7)]
+        ending = asyncio.ensure_future(lane.end())
+        roots = [(await answer).tree.max_depth for answer in answers]
+        await ending
+        lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)
+        answers = [lane.request(pb.DraftRequest(root_token=t)) for t in (8, 0, 9)]
+        outcomes = await asyncio.gather(*answers, return_exceptions=True)
+        return roots, outcomes
+
+    roots, (first, failed, behind) = asyncio.run(_with_lane(scenario))
+    assert roots == [5, 6, 7]
+    assert first.tree.max_depth == 8
+    assert (failed.code, failed.details) == (grpc.StatusCode.INVALID_ARGUMENT, "root token 0")
+    assert isinstance(behind, CallFailed) and behind.code == grpc.StatusCode.UNAVAILABLE
+
+
 def test_a_failure_answer_ends_the_connection():
     status, body, closed = asyncio.run(_with_lane(
         lambda port: _raw(port, HELLO, _frame(pb.DraftRequest(root_token=0).SerializeToString()))))

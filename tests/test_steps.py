@@ -219,6 +219,67 @@ def test_two_calls_of_one_session_never_share_a_batch():
     assert answers == [("answer", r) for r in ("a-1", "a-2", "b-1", "b-2")]
 
 
+def test_calls_submitted_ahead_follow_the_step_in_flight_at_once():
+    """Steps' step behind: once every session of the batch in flight has its next call of that kind waiting (AR
+    decodes submitted ahead), those calls leave without waiting for the answer; never more than two batches out, and
+    never while a call of another kind waits."""
+
+    async def scenario():
+        steps = joined(NEVER_S, "a", "b", "c")
+        gate = asyncio.Event()
+        send = Recorder(gate=gate)
+        decode, draft = steps.kind("VerifyBatch", send), steps.kind("DraftBatch", Recorder())
+        first = [call(steps, decode, s, f"{s}-1") for s in "abc"]
+        await turns()
+        second = [call(steps, decode, s, f"{s}-2") for s in "ab"]
+        await turns()
+        partial = len(send.batches)  # c has no next call waiting: the step behind cannot go yet
+        second.append(call(steps, decode, "c", "c-2"))
+        await turns()
+        behind = len(send.batches)
+        third = [call(steps, decode, s, f"{s}-3") for s in "abc"]
+        await turns()
+        most = len(send.batches)  # two out already: the third step waits
+        gate.set()
+        answers = await asyncio.gather(*first, *second, *third)
+        return partial, behind, most, send.batches, answers
+
+    partial, behind, most, batches, answers = run(scenario)
+    assert (partial, behind, most) == (1, 2, 2)
+    assert batches == [["a-1", "b-1", "c-1"], ["a-2", "b-2", "c-2"], ["a-3", "b-3", "c-3"]]
+    assert answers == [("answer", f"{s}-{k}") for k in (1, 2) for s in "abc"] + [
+        ("answer", f"{s}-3") for s in "abc"]
+
+
+def test_no_step_goes_behind_while_another_kind_waits_and_the_kind_waiting_longest_goes_first():
+    """A session of another kind (a draft: speculation beside AR decodes submitted ahead) is never starved: its call
+    waited longest, so it goes as soon as the batch in flight returns, before the decodes submitted after it."""
+
+    async def scenario():
+        steps = joined(NEVER_S, "a", "b", "s")
+        gate = asyncio.Event()
+        decodes, drafts = Recorder(gate=gate), Recorder()
+        decode, draft = steps.kind("VerifyBatch", decodes), steps.kind("DraftBatch", drafts)
+        out = [call(steps, decode, s, f"{s}-1") for s in "ab"] + [call(steps, decode, "s", "s-verify")]
+        await turns()
+        s_draft = call(steps, draft, "s", "s-draft")  # s's verify is answered: it drafts next
+        ahead = [call(steps, decode, s, f"{s}-2") for s in "ab"]
+        await turns()
+        held = (len(decodes.batches), len(drafts.batches))
+        gate.set()
+        await asyncio.gather(*out, s_draft)
+        before_draft = len(decodes.batches)  # the decode steps that left before s's draft was answered
+        steps.leave("s")  # (its verify would be next: the step would wait for it)
+        later = [call(steps, decode, s, f"{s}-3") for s in "ab"]
+        await asyncio.gather(*ahead, *later)
+        return held, before_draft, drafts.batches, decodes.batches
+
+    held, before_draft, drafts, decodes = run(scenario)
+    assert held == (1, 0)  # s waits on nothing of the batch's kind, and a draft waits: nothing goes behind
+    assert before_draft == 1 and drafts == [["s-draft"]]
+    assert decodes == [["a-1", "b-1", "s-verify"], ["a-2", "b-2"], ["a-3", "b-3"]]
+
+
 def test_a_calls_own_failure_fails_only_that_call():
     async def scenario():
         steps = joined(NEVER_S, "a", "b", "c")
