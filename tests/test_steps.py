@@ -228,7 +228,7 @@ def test_calls_submitted_ahead_follow_the_step_in_flight_at_once():
         steps = joined(NEVER_S, "a", "b", "c")
         gate = asyncio.Event()
         send = Recorder(gate=gate)
-        decode, draft = steps.kind("VerifyBatch", send), steps.kind("DraftBatch", Recorder())
+        decode = steps.kind("VerifyBatch", send)
         first = [call(steps, decode, s, f"{s}-1") for s in "abc"]
         await turns()
         second = [call(steps, decode, s, f"{s}-2") for s in "ab"]
