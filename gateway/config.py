@@ -18,6 +18,7 @@ from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, M
 
 SPEC_MODES = ("ddtree", "chain", "off")
 MAX_DECODE_STEPS = 32  # the verifier's limit on a Decode's steps
+SPECULATE_UP_TO = 8  # where speculation stops paying at Qwen3-8B shapes on one H200 (bench/README.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +66,13 @@ class GatewayConfig(FlagConfig):
                                    "tokens per second at the step's load, from the live acceptance by node rank and "
                                    "the verify cost by rows (a request's budget stays its ceiling); false: trees "
                                    "go as drafted")
+    speculate_up_to: int = option(SPECULATE_UP_TO, "requests speculate only while at most this many decode at "
+                                  "once, themselves included; a request that begins beyond that decodes "
+                                  "autoregressively (its output the same; a seeded sampled request keeps its "
+                                  "mode, and so its text; requests speculate again once at most half that many "
+                                  "decode), since at that load AR steps commit more "
+                                  "tokens per second for the whole batch: one weight read serves every session's "
+                                  "token, where trees' rows and drafts no longer ride on it; 0: always speculate")
     decode_steps: int = option(1, "AR steps a request's Decode call asks for in a row (mode off): the verifier "
                                   "runs them back to back, chained on the device, so the host work and transport "
                                   "of a step are paid once per that many tokens; a new request joins the running "
@@ -115,6 +123,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
         if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
             raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.decode_steps}")
+        if self.speculate_up_to < 0:
+            raise ValueError(f"speculate_up_to must be >= 0, got {self.speculate_up_to}")
         if self.step_cohorts < 1:
             raise ValueError(f"step_cohorts must be >= 1, got {self.step_cohorts}")
         if self.shutdown_grace < 0:

@@ -66,6 +66,8 @@ class Metrics:
                                     buckets=STEP_BUCKETS, registry=r)
         self.fit_nodes = Histogram("ddtree_step_tree_nodes", "The nodes each tree of a step's verify was cut to "
                                    "(load-adaptive trees, --fit-trees)", buckets=TREE_SIZE_BUCKETS, registry=r)
+        self.load_ar = Counter("ddtree_spec_skipped_by_load", "Requests that decoded autoregressively because more "
+                               "requests were decoding than --speculate-up-to when they began", registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)

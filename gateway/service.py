@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from gateway.admission import RETRY_AFTER_S, RunningLimit
+from gateway.admission import RETRY_AFTER_S, RunningLimit, SpeculationByLoad
 from gateway.chat import ChatTemplateArgs, render
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
@@ -53,6 +53,7 @@ class GatewayService:
             backends.tree_fit.chosen = self.metrics.fit_nodes
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
+        self._by_load = SpeculationByLoad(config.speculate_up_to)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
         # the running requests' round queues and their round loops, for the end of a drain
@@ -307,9 +308,16 @@ class GatewayService:
 
     def _drafter_for(self, req: GenerationRequest) -> DrafterBackend | None:
         """The drafter, unless the request decodes AR: by choice, because the drafter is known to be down (the
-        request would otherwise pay a failed call first), or because the request exceeds the drafter's limits."""
+        request would otherwise pay a failed call first), because the request exceeds the drafter's limits, or
+        because more requests hold a decoding slot than speculation pays for (--speculate-up-to: SpeculationByLoad;
+        the slots count a burst's requests before their loops begin). A seeded sampled request keeps its mode: its
+        seed's draws follow the rounds, so another mode would give another text."""
         info = self.monitor.drafter_info
         if req.spec.mode == "ar" or not self.monitor.drafter_up or info is None:
+            return None
+        seeded = req.params.seed is not None and not req.params.greedy
+        if not self._by_load.speculates(self._slots.held) and not seeded:
+            self.metrics.load_ar.inc()
             return None
         fits = len(req.prompt) + req.max_tokens <= info.max_session_tokens
         return self.backends.drafter if fits and req.spec.tree_shape(info.block_size)[0] <= info.max_budget else None

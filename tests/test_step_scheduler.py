@@ -21,8 +21,9 @@ PROMPTS = [f"Write a short note about {topic}." for topic in (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
+    # every request speculates, however many run (--speculate-up-to 0): the batched drafts and cut trees are tested
     with serve_stack(tmp_path_factory.mktemp("steps"), "--max-batch", "16", "--draft-max-batch", "16",
-                     "--max-running", "16", "--health-interval", "0.5") as running:
+                     "--max-running", "16", "--health-interval", "0.5", "--speculate-up-to", "0") as running:
         yield running
 
 
