@@ -16,6 +16,7 @@ stops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,6 +38,8 @@ from gateway.config import GatewayConfig
 from verify_server.config import VerifyServerConfig
 
 LOOPBACK = "127.0.0.1"
+FIRST_PICKED_PORT = 20000  # free_ports picks from here up to the ephemeral range
+PICK_ATTEMPTS = 64  # random ports tried, each taken or not, before the kernel picks one
 STOP_TIMEOUT_S = 15.0  # per process, after SIGTERM, before SIGKILL (the services' own drain is shorter)
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # before a dead model service starts again: doubled per death, capped
 STEADY_S = 60.0  # a service that ran this long before it died starts again after the first backoff
@@ -94,15 +97,35 @@ class Child:
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct ports free on `host` now (all bound at once, so none is handed out twice)."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """`count` distinct ports free on `host` now (all bound at once, so none is handed out twice), picked at random
+    below the kernel's ephemeral range: a port bound to 0 (a service's metrics or lane port) or an outgoing
+    connection's port comes from that range, so none of them can take a picked port before its service binds it,
+    and two stacks starting at once seldom pick the same one. Where the range leaves no room below it, the kernel
+    picks."""
+    low = ephemeral_start()
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:
-            sock.bind((host, 0))
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            for _attempt in range(PICK_ATTEMPTS if low > FIRST_PICKED_PORT else 0):
+                with contextlib.suppress(OSError):
+                    sock.bind((host, FIRST_PICKED_PORT + secrets.randbelow(low - FIRST_PICKED_PORT)))
+                    break
+            else:
+                sock.bind((host, 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's ip_local_port_range; IANA's 49152 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def backoff(deaths: int) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree.serve import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DRAFTER_SERVICE = "ddtree.v1.Drafter"
@@ -92,18 +93,6 @@ def serve_stack(log_dir: Path, *flags: str) -> Iterator[ServeStack]:
         yield running
     finally:
         assert interrupt(process) == 0, running.log()[-5000:]
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free right now; all taken at once so that no two of them are the same."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def launch(service_name: str, command: list[str], ports: tuple[int, int], log_dir: Path) -> Service:

@@ -10,6 +10,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,12 +25,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.cli import build_parser
-from ddtree.serve import backoff, commands
+from ddtree.serve import FIRST_PICKED_PORT, ephemeral_start, backoff, commands, free_ports
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import make_drafter
 from tests.gateway_support import events, make_chat_target, metric
-from tests.services import START_DEADLINE_S, free_ports, interrupt, wait_gateway_ready
+from tests.services import START_DEADLINE_S, interrupt, wait_gateway_ready
 
 MODEL = "tiny"
 STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
@@ -186,3 +187,16 @@ def test_serve_picks_free_internal_ports_and_takes_the_model_positionally() -> N
     with pytest.raises(SystemExit, match="two targets"):
         commands(parsed(demo_target, "--target", "elsewhere", "--drafter", "none"))
     assert [backoff(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_picked_ports_lie_below_the_ephemeral_range_distinct_and_free() -> None:
+    """free_ports picks where no port bound to 0 and no outgoing connection's port can come from (the kernel's
+    ephemeral range), so a service binding 0 cannot take a port picked for another before it binds it."""
+    low = ephemeral_start()
+    ports = free_ports(32)
+    assert len(set(ports)) == 32
+    if low > FIRST_PICKED_PORT:
+        assert all(FIRST_PICKED_PORT <= port < low for port in ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # free: bound again at once
