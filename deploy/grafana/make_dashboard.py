@@ -241,10 +241,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     [target(f"{rate('ddtree_spec_accepted_tokens_total')} / "
                             f"{rate('ddtree_spec_draft_tokens_total')}", "accepted / proposed")],
                     "percentunit"), 8, 8),
-        (timeseries("Rounds and AR fallbacks", "Drafted rounds per second, and requests that fell back to "
-                    "autoregressive decoding because the drafter failed (per interval).",
+        (timeseries("Rounds and AR fallbacks", "Drafted rounds per second, requests that fell back to "
+                    "autoregressive decoding because the drafter failed, and requests that decoded "
+                    "autoregressively because more requests were decoding than --speculate-up-to (per interval).",
                     [target(rate("ddtree_spec_drafts_total"), "drafted rounds / s"),
-                     target("sum(increase(ddtree_fallbacks_total" + RI + "))", "AR fallbacks")],
+                     target("sum(increase(ddtree_fallbacks_total" + RI + "))", "AR fallbacks"),
+                     target("sum(increase(ddtree_spec_skipped_by_load_total" + RI + "))", "AR by load")],
                     "short", overrides=[color("AR fallbacks", "red"),
                                         {"matcher": {"id": "byName", "options": "AR fallbacks"},
                                          "properties": [{"id": "custom.drawStyle", "value": "bars"},
