@@ -132,8 +132,9 @@ class GrpcClient:
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
             stream = self._streams[key] = SessionStream()
+        await stream.lock.acquire()  # a caller cancelled while it waits here has sent nothing: nothing to drop
         try:
-            async with stream.lock:
+            try:
                 async with asyncio.timeout(self.timeout_s):
                     # a lost connection is opened again: the step calls' one outlives a service that restarts
                     if stream.transport is None or stream.transport.broken:
@@ -141,6 +142,8 @@ class GrpcClient:
                     if not stream.transport.pipelines:
                         return await stream.transport.exchange(request)
                     answer = stream.transport.request(request)
+            finally:
+                stream.lock.release()
             async with asyncio.timeout(self.timeout_s):
                 return await answer
         except TimeoutError:
