@@ -1,5 +1,6 @@
 """The round lane's wire protocol (runtime/lane.py) on loopback: answers and statuses as gRPC's, every malformed
-input answered or refused without taking the server down, and a shutdown that does not wait for idle clients."""
+input answered or refused without taking the server down, and a shutdown that does not wait for idle clients; and
+the gateway's calls over a lane that takes requests before their answers (GrpcClient._session_call)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import random
 import grpc
 import pytest
 
+from gateway.grpc_client import STEP_KEY, BackendError
+from gateway.grpc_verifier import GrpcVerifier
+from gateway.transports import SessionStream
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, _Frames
 
@@ -262,3 +266,54 @@ def test_frames_come_out_whole_whatever_the_reads_cut(seed):
         frames.buffer_updated(n)
     assert frames.frames == sent
     assert len(frames._buffer) <= 1 << 22
+
+
+class _HeldLane:
+    """A pipelining transport whose answers the test gives; records whether it was closed."""
+
+    pipelines = True
+    broken = False
+
+    def __init__(self) -> None:
+        self.answers: list[asyncio.Future] = []
+        self.closed = False
+
+    def request(self, request) -> asyncio.Future:
+        self.answers.append(asyncio.get_running_loop().create_future())
+        return self.answers[-1]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_client_call_follows_the_last_one_unanswered_and_one_cancelled_before_its_turn_drops_nothing():
+    """GrpcClient._session_call over a pipelining transport: the second call is sent while the first is unanswered,
+    and each gets its own answer; a call cancelled while it waits for the connection's turn has sent nothing, so the
+    connection the others share stays open."""
+    async def scenario():
+        client = GrpcVerifier("127.0.0.1:1")
+        lane = _HeldLane()
+        stream = client._streams[("VerifyBatch", STEP_KEY)] = SessionStream(transport=lane)
+        first = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "one"))
+        second = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "two"))
+        await asyncio.sleep(0)
+        sent_unanswered = len(lane.answers)
+        await stream.lock.acquire()  # the connection's turn is taken: the next call waits for it
+        waiting = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "three"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        closed_by_cancel = lane.closed
+        stream.lock.release()
+        lane.answers[1].set_result("answer two")
+        lane.answers[0].set_exception(CallFailed(grpc.StatusCode.INTERNAL, "a bug"))
+        with pytest.raises(BackendError, match="a bug"):
+            await first
+        answer = await second
+        await client.close()
+        return sent_unanswered, answer, closed_by_cancel, lane.closed
+
+    sent_unanswered, second, closed_by_cancel, closed = asyncio.run(scenario())
+    assert sent_unanswered == 2 and second == "answer two"
+    assert not closed_by_cancel and closed  # a failure ends the connection; a call that never went does not
