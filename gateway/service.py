@@ -315,8 +315,7 @@ class GatewayService:
         info = self.monitor.drafter_info
         if req.spec.mode == "ar" or not self.monitor.drafter_up or info is None:
             return None
-        seeded = req.params.seed is not None and not req.params.greedy
-        if not self._by_load.speculates(self._slots.held) and not seeded:
+        if not self._by_load.speculates(self._slots.held) and not req.params.seeded:
             self.metrics.load_ar.inc()
             return None
         fits = len(req.prompt) + req.max_tokens <= info.max_session_tokens

@@ -70,7 +70,7 @@ class SessionFit(NamedTuple):
 
     @classmethod
     def of(cls, params: SamplingParams) -> SessionFit:
-        return cls(sampling_class(params), params.seed is not None and not params.greedy)
+        return cls(sampling_class(params), params.seeded)
 
 
 GREEDY = SessionFit(0.0, False)  # a session the fit has no record of
