@@ -93,10 +93,11 @@ class GraphPool:
 class SlotPool(Generic[T]):
     """Per-session buffers that captured graphs read and write (KV caches), so their addresses must never change
     while a buffer lives: each is allocated the first time a buffer of its size is needed and handed to the next
-    session of that size once released. At most `max_sessions` buffers exist, whatever their sizes: once that many
-    are allocated, a new size takes the place of the largest free buffer of another size (`evict` is told first,
-    to drop what refers to it, e.g. graphs keyed by its slot), so memory stays bounded by the sessions held at once
-    however their sizes vary. A buffer's slot number is fixed while it lives, so graphs are keyed by it."""
+    session of that size once released. At most `max_sessions` buffers are held, whatever their sizes (one more
+    while a session moves to a larger one: `acquire(size, over=1)`): once that many exist, a new size takes the
+    place of the largest free buffer of another size (`evict` is told first, to drop what refers to it, e.g. graphs
+    keyed by its slot). `trim` gives up every free buffer, for an owner whose allocation ran out of memory. A
+    buffer's slot number is fixed while it lives, so graphs are keyed by it."""
 
     def __init__(
         self, max_sessions: int, allocate: Callable[[int], T], evict: Callable[[int, T], None] | None = None
@@ -108,25 +109,28 @@ class SlotPool(Generic[T]):
         self._sizes: list[int] = []  # per slot
         self._free: set[int] = set()
 
-    def acquire(self, size: int = 0) -> int | None:
-        """The lowest free slot of this size, else a new one; None when max_sessions slots are held. A failed
+    def acquire(self, size: int = 0, over: int = 0) -> int | None:
+        """The lowest free slot of this size, else a new one; None when max_sessions + over slots are held (over:
+        a session that holds a slot and moves to one of another size may hold both for a moment). A failed
         allocation (out of memory) raises and holds no slot."""
         free = [slot for slot in self._free if self._sizes[slot] == size and self._items[slot] is not None]
         if free:
             self._free.remove(min(free))
             return min(free)
-        if len(self._items) - len(self._free) >= self.max_sessions:
+        if len(self._items) - len(self._free) >= self.max_sessions + over:
             return None
-        if len(self._items) < self.max_sessions:
-            self._items.append(self._allocate(size))
+        empty = [slot for slot in self._free if self._items[slot] is None]
+        if empty:  # a slot whose buffer was given up: no other free buffer need go
+            slot = min(empty)
+            self._free.remove(slot)
+        elif len(self._items) < self.max_sessions + over:
+            self._items.append(None)
             self._sizes.append(size)
-            return len(self._items) - 1
-        slot = max(self._free, key=lambda s: (self._sizes[s], s))  # free, of another size: the most memory back
-        self._free.remove(slot)
-        if self._items[slot] is not None:  # (None: emptied by a replacement that ran out of memory)
-            if self._evict is not None:
-                self._evict(slot, self._items[slot])
-            self._items[slot] = None  # gone before its successor is allocated
+            slot = len(self._items) - 1
+        else:
+            slot = max(self._free, key=lambda s: (self._sizes[s], s))  # free, of another size: the most memory back
+            self._free.remove(slot)
+            self._give_up(slot)  # gone before its successor is allocated
         try:
             self._items[slot] = self._allocate(size)
         except BaseException:
@@ -135,13 +139,38 @@ class SlotPool(Generic[T]):
         self._sizes[slot] = size
         return slot
 
+    def trim(self) -> int:
+        """Gives up every free buffer (their slots stay, empty, for the next acquires) -> how many."""
+        kept = [slot for slot in self._free if self._items[slot] is not None]
+        for slot in kept:
+            self._give_up(slot)
+        return len(kept)
+
+    def _give_up(self, slot: int) -> None:
+        if self._items[slot] is not None:  # (None: emptied already, by trim or a replacement that ran out of memory)
+            if self._evict is not None:
+                self._evict(slot, self._items[slot])
+            self._items[slot] = None
+
     @property
     def allocated(self) -> int:
         """Buffers that exist, held or free."""
-        return len(self._items)
+        return sum(item is not None for item in self._items)
+
+    def buffers(self) -> list[T]:
+        """The buffers that exist, held or free."""
+        return [item for item in self._items if item is not None]
+
+    def reusable(self, size: int) -> bool:
+        """Whether a free buffer of this size exists: acquiring one allocates nothing."""
+        return any(self._sizes[slot] == size and self._items[slot] is not None for slot in self._free)
 
     def release(self, slot: int) -> None:
-        self._free.add(slot)  # its contents stay: rows at or past a session's length are always masked out
+        """The slot free for the next session; its contents stay (rows at or past a session's length are always
+        masked out), unless the pool went over max_sessions buffers while a session moved: then they go."""
+        self._free.add(slot)
+        if self.allocated > self.max_sessions:
+            self._give_up(slot)
 
     def __getitem__(self, slot: int) -> T:
         return self._items[slot]

@@ -19,7 +19,7 @@ WIDTH = 8  # taps * hidden of the path features
 
 
 def session() -> VerifySession:
-    return VerifySession(cache=None, capacity=64, params=SamplingParams(), draws=None, taps=[1])
+    return VerifySession(cache=None, capacity=64, params=SamplingParams(), draws=None, taps=[1], slots=None)
 
 
 def test_a_chained_rounds_outcome_is_kept_in_its_ring_slot_and_each_round_copies_its_new_values() -> None:

@@ -16,7 +16,8 @@ from tests.test_verify import make_engine, oracle_tree
 from verify_server.config import VerifyServerConfig
 from verify_server.fused import fused_unsupported
 from verify_server.kv_cache import KVCache
-from verify_server.step_inputs import MAX_GRAPH_NODES, bucket, size_class
+from verify_server.cache_slots import size_class
+from verify_server.step_inputs import MAX_GRAPH_NODES, bucket
 from verify_server.session import CapacityError
 from verify_server.verify import VerifyEngine
 

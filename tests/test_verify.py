@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.types import DraftTree, SamplingParams
+from verify_server.cache_slots import size_class
 from verify_server.step_inputs import ANCESTOR_STEPS, MAX_GRAPH_NODES
 from verify_server.session import SessionError
 from verify_server.tree_attention import ancestor_matrix
@@ -273,30 +274,36 @@ def test_queued_rounds_chain_on_the_device_and_are_collected_in_order(qwen3_targ
 
 
 def test_slots_of_other_sizes_give_way_with_their_graphs(qwen3_target: Path) -> None:
-    """Once max_sessions cache slots exist, a session of a size none of them has takes the place of a free slot of
-    another size: the slots never outnumber max_sessions however the sessions' sizes vary, a slot in use is never
-    taken, the graphs captured for the slot given up go with it (shared ones stay), and the sessions' greedy
-    tokens are the target's own throughout."""
+    """A session's cache grows with its prompt and output, from slot to larger slot. Once max_sessions cache slots
+    exist, a session growing to a size none of them has takes the place of a free slot of another size: the slots
+    never outnumber max_sessions however the sessions' sizes vary, a slot in use is never taken, the graphs
+    captured for the slot given up go with it (shared ones stay), and the sessions' greedy tokens are the target's
+    own throughout."""
     engine = make_engine(qwen3_target, "fused-static")
     engine.fused.slots.max_sessions = 2
-    prompt = [3, 1, 4, 1, 5]
-    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 12)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     fused, graphs = engine.fused, engine.fused.graphs._graphs  # noqa: SLF001 - planted entries, see below
     shared = (1, 16, 64, (), "batch")  # a round graph every slot replays
     graphs[shared] = (None, None)
+    rng = random.Random(0)
     engine.start_session("held", 100, SamplingParams(), [])
-    held = engine.prefill("held", prompt).tokens
-    for capacity in (300, 700, 1500, 300, 100):  # size classes 512, 1024, 2048, 512, 256
-        engine.start_session("s", capacity, SamplingParams(), [])
-        slot = fused._slot_of[id(engine.session("s").cache)]  # noqa: SLF001
-        graphs[(16, (), "prefill", ("slot", slot))] = (None, None)  # as if its prompt had been captured
+    held_cache = engine.session("held").cache
+    held = engine.prefill("held", [3, 1, 4, 1, 5]).tokens
+    for length in (300, 700, 300, 900, 100):  # grown to size classes 512, 1024, 512, 1024, 256
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(length)]
+        truth = hf_greedy(model, prompt, 3)
+        engine.start_session("s", 4 * length, SamplingParams(), [])
+        slot = fused.slots.slot_of(engine.session("s").cache)
+        graphs[(16, (), "prefill", ("slot", slot))] = (None, None)  # as if a prompt had been captured in it
         got = engine.prefill("s", prompt).tokens
         got += engine.decode("s").tokens + engine.decode("s").tokens
         assert got == truth[: len(got)]
+        assert engine.session("s").cache.room == size_class(length + 1)
         engine.end_session("s")
         assert fused.slots.allocated <= 2
-    # every size after the first took the one free slot's place, its graph with it; the held session's stayed
-    assert [key for key in graphs if key != shared] == [(16, (), "prefill", ("slot", slot))]
-    assert shared in graphs
-    held += engine.decode("held").tokens
-    assert held == truth[: len(held)]
+    assert engine.session("held").cache is held_cache  # never taken, never moved
+    assert engine.decode("held").tokens == hf_greedy(model, [3, 1, 4, 1, 5], 2)[1:2]
+    assert held == hf_greedy(model, [3, 1, 4, 1, 5], 1)
+    # each session's first slot was given up once it moved on (the pool one over its bound), the graph planted for
+    # it with it; the shared one stayed
+    assert list(graphs) == [shared]

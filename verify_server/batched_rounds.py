@@ -94,7 +94,7 @@ class BatchedRounds:
             sess = self.sessions.get(session_id)
             if (tree.tokens.shape[0] != 1 or sess is None or sess.root is None or sess.inflight or sess.taps
                     or not sess.params.raw_argmax or session_id in seen
-                    or sess.cache.length + left[i] > sess.capacity):
+                    or not sess.has_room(sess.cache.length + left[i])):
                 continue
             members.append(i)
             sessions.append(sess)
@@ -161,7 +161,7 @@ class BatchedRounds:
         if self.fused is None or sess is None or sess.root is None or sess.inflight or session_id in batched:
             return None
         q = tree.tokens.shape[0]
-        if q > MAX_GRAPH_NODES or sess.cache.length + q > sess.capacity:
+        if q > MAX_GRAPH_NODES or not sess.has_room(sess.cache.length + q):
             return None
         sess.last_used = time.monotonic()
         return sess

@@ -48,6 +48,13 @@ class VerifyServerConfig(ServiceConfig):
         "thousands of tokens of an 8B target beside its sessions), 0.25 on a CPU (small targets, small memory); "
         "0: off. Hybrid targets and --tp > 1 do not cache prefixes"
     )
+    kv_cache_gib: float | None = option(
+        None, "device memory (GiB) the sessions' KV caches may hold together. A session's cache holds what it has "
+        "committed, not the capacity it asked for, and grows as it goes (doubling): a step that would take the caches "
+        "past this fails ABORTED with nothing changed, and the gateway resumes that request once memory frees. "
+        "Default: no limit but the device's (set one where a drafter shares the GPU, so that sessions cannot take its "
+        "memory). Not with --tp > 1"
+    )
     deterministic: bool = option(
         False, "row-invariant verification: every tree node's logits, its tree alone or batched with other sessions', "
         "are bitwise those of the target's own one-row decode step at its position, so that greedy output in bf16 "
@@ -71,6 +78,10 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"warm_up_taps must be comma-separated integers, got {self.warm_up_taps!r}") from None
         if any(t < 0 for t in taps):
             raise ValueError(f"warm_up_taps must be layer indices >= 0, got {taps}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None and self.tp > 1:
+            raise ValueError("--kv-cache-gib is not supported with --tp > 1 (each rank would have to refuse alike)")
         if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:

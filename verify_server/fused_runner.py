@@ -23,18 +23,18 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from kernels.cuda_graphs import GraphPool, SlotPool, key_bucket, key_buckets
+from kernels.cuda_graphs import GraphPool, key_bucket, key_buckets
 from kernels.flash_batch import compile_batch_plans
 from kernels.flash_tree import flash_supported
 from kernels.gemv import default_fused_rows, gemv_supported
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
+from verify_server.cache_slots import MIN_SLOT_TOKENS, PooledCaches, size_class
 from verify_server.kv_cache import KVCache, slot_addresses
 from verify_server.sampling import TreeDraws
 from verify_server.step_attention import FLASH, INVARIANT, chunk_mask, step_mask
 from verify_server.step_inputs import (
-    MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step,
-    size_class,
+    MAX_GRAPH_NODES, QUERY_BUCKETS, PromptBuffers, TreeInputs, bucket, prompt_step,
 )
 from verify_server.tree_batch import BatchTree, TreeBatch, lone_batch
 from verify_server.tree_steps import GreedyOutputs, TreeSteps
@@ -64,8 +64,9 @@ class FusedRunner:
         # the most key rows a step attends over: the largest slot a session within the model's context (plus a
         # tree) takes, with the largest captured step's spare rows
         self.max_keys = size_class(model.config.max_position_embeddings + MAX_GRAPH_NODES) + MAX_GRAPH_NODES
-        self.slots: SlotPool[KVCache] = SlotPool(max_sessions, self._new_cache, self._evict)
-        self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
+        shape = self.decoder.shape
+        row_bytes = 2 * num_kv_layers * shape.kv_heads * shape.head_dim * self.dtype.itemsize  # a slot's K/V
+        self.slots = PooledCaches(max_sessions, self._new_cache, row_bytes, MAX_GRAPH_NODES, self._drop_slot_graphs)
         self._buffers: dict[int, PromptBuffers] = {}  # prompt bucket -> static inputs
         self._prompt_scratch: KVCache | None = None  # where a prompt by address attends (_prompt)
         self._zero: torch.Tensor | None = None
@@ -108,19 +109,6 @@ class FusedRunner:
 
     # ---- cache slots ----------------------------------------------------------------------------------------
 
-    def acquire(self, capacity: int) -> KVCache:
-        """A cache holding at least `capacity` committed slots plus room for the largest padded step."""
-        slot = self.slots.acquire(size_class(capacity))
-        if slot is None:
-            raise MemoryError(f"all {self.slots.max_sessions} session slots are in use (raise --max-sessions)")
-        cache = self.slots[slot]
-        cache.length = 0
-        self._slot_of[id(cache)] = slot
-        return cache
-
-    def release(self, cache: KVCache) -> None:
-        self.slots.release(self._slot_of[id(cache)])
-
     @property
     def by_address(self) -> bool:
         """Whether captured steps find their sessions' cache slots by address (TreeSteps.by_address), so that one
@@ -129,19 +117,18 @@ class FusedRunner:
 
     def _slot_key(self, key: tuple, cache: KVCache) -> tuple:
         """The key of a graph captured for one slot's cache (its addresses baked in): ends with the slot's tag."""
-        return (*key, ("slot", self._slot_of[id(cache)]))
+        return (*key, ("slot", self.slots.slot_of(cache)))
 
-    def _evict(self, slot: int, cache: KVCache) -> None:
-        """A free slot given up for one of another size (SlotPool): the graphs that read or write it go with it."""
+    def _drop_slot_graphs(self, slot: int) -> None:
+        """A slot's buffer given up (PooledCaches): the graphs that read or write it go with it."""
         self.graphs.drop(lambda key: key[-1] == ("slot", slot))
-        del self._slot_of[id(cache)]
 
     def _new_cache(self, size: int) -> KVCache:
         # zeroed: padded steps read never-written slots through masked-out weights, and 0 * NaN would still poison
         shape = self.decoder.shape
         self.decoder.rope.cover(size + MAX_GRAPH_NODES)  # positions never pass the slot's capacity
         return KVCache(list(range(self.num_kv_layers)), shape.kv_heads, shape.head_dim, size + MAX_GRAPH_NODES,
-                       self.device, self.dtype, zero=True)
+                       self.device, self.dtype, zero=True, spare=MAX_GRAPH_NODES)
 
     # ---- forwards -------------------------------------------------------------------------------------------
 

@@ -26,8 +26,10 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         zero: bool = False,
+        spare: int = 0,
     ) -> None:
-        """zero: start from zeros rather than uninitialised memory (for readers of not-yet-written slots)."""
+        """zero: start from zeros rather than uninitialised memory (for readers of not-yet-written slots). spare:
+        slots past the last one a session may commit in (the room a padded step writes beyond it)."""
         self.index = {layer: i for i, layer in enumerate(layer_ids)}  # decoder layer id -> first axis of k, v
         shape = (len(layer_ids), 1, num_kv_heads, capacity, head_dim)
         alloc = torch.zeros if zero else torch.empty
@@ -38,12 +40,18 @@ class KVCache:
             self.k = alloc(shape, device=device, dtype=dtype)
             self.v = alloc(shape, device=device, dtype=dtype)
         self.length = 0  # slots [0, length) are committed
+        self.spare = spare
         self.addresses: np.ndarray | None = None  # slot_addresses, once worked out
         self.address_column: torch.Tensor | None = None  # the same on the device, for rounds queued without the host
 
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
+
+    @property
+    def room(self) -> int:
+        """The slots a session may commit in it."""
+        return self.capacity - self.spare
 
     @property
     def nbytes(self) -> int:

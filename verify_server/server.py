@@ -28,8 +28,9 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from runtime.lane import CallFailed, Route
 from runtime.prefix_blocks import PrefixCacheMetrics
+from verify_server.cache_slots import KVCacheMetrics
 from verify_server.config import VerifyServerConfig
-from verify_server.session import CapacityError, UnknownSessionError, VerifySession
+from verify_server.session import CapacityError, MemoryShortError, UnknownSessionError, VerifySession
 from verify_server.step_attention import INVARIANT
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree, decode_steps
 from verify_server.verify import ROOT_ONLY, VerifyEngine
@@ -40,6 +41,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, the tensor header, the timings
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
+    (MemoryShortError, grpc.StatusCode.ABORTED),  # nothing changed: the caller may try again once memory frees
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
@@ -216,6 +218,9 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     """The warm-up, then the prefix cache: after it, so that the warm-up's prompts run every step shape whole and
     leave nothing cached."""
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size))
+    if config.kv_cache_gib is not None:  # after the warm-up, whose sessions are not the operator's
+        engine.caches.limit_to(int(config.kv_cache_gib * 2**30))
+        log.info("sessions' KV caches: up to %.2f GiB", config.kv_cache_gib)
     budget = config.prefix_cache_bytes
     if budget and config.tp > 1:
         # every rank would have to restore its own shard of a prefix in lockstep with rank 0's lookups
@@ -258,6 +263,7 @@ async def run_server(config: VerifyServerConfig) -> None:
     )
     host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
     host.metrics.registry.register(PrefixCacheMetrics(host, "K/V (and features)"))
+    host.metrics.registry.register(KVCacheMetrics(host))
     servicer = VerifierServicer(host, config)
     try:
         await serve(

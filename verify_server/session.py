@@ -16,6 +16,7 @@ from kernels.device_copies import CopiesMemo
 from kernels.readback import PinnedReadback
 from protos.types import SamplingParams
 from runtime.timing import StepTimer
+from verify_server.cache_slots import CacheSlots, NoMemory
 from verify_server.kv_cache import KVCache
 from verify_server.grammar import TreeGrammar
 from verify_server.prefix_cache import SessionBlocks
@@ -38,7 +39,12 @@ class UnknownSessionError(SessionError):
 
 
 class CapacityError(SessionError):
-    """The session's preallocated KV cache cannot hold the step."""
+    """The step does not fit the session: past the capacity it asked for, or no more sessions can be held."""
+
+
+class MemoryShortError(CapacityError):
+    """No KV memory for the step now (the sessions' limit, or the device's, is held by other sessions): nothing
+    changed, and the same step can run once memory frees."""
 
 
 @dataclass
@@ -72,6 +78,7 @@ class VerifySession:
     params: SamplingParams
     draws: Draws | None  # where the session samples: its seeded uniform numbers
     taps: list[int]
+    slots: CacheSlots  # where the cache came from, and a larger one comes from as the session grows
     root: int | None = None  # None until the prompt is complete (its last Prefill call, the one without `more`)
     last_used: float = field(default_factory=time.monotonic)
     states: StateCache | None = None  # hybrid targets: the linear-attention layers' committed state
@@ -93,11 +100,27 @@ class VerifySession:
     kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
 
     def check_room(self, start: int, new_tokens: int) -> None:
-        """CapacityError unless a step writing new_tokens slots from slot `start` fits the session's capacity."""
-        if start + new_tokens > self.capacity:
-            raise CapacityError(
-                f"session needs {start + new_tokens} KV slots but was started with capacity {self.capacity}"
-            )
+        """CapacityError unless a step writing new_tokens slots from slot `start` fits the session's capacity. The
+        cache holds what the session has committed, not all it may: a step past its room first moves the session
+        into a larger one (MemoryShortError, the session untouched, where no memory is left for it)."""
+        end = start + new_tokens
+        if end > self.capacity:
+            raise CapacityError(f"session needs {end} KV slots but was started with capacity {self.capacity}")
+        if end > self.cache.room:
+            # the rounds in flight write up to their furthest outcome: those slots come along
+            kept = self.cache.length + sum(p.advance for p in self.inflight)
+            try:
+                self.cache = self.slots.grow(self.cache, end, kept)
+            except NoMemory as exc:
+                raise MemoryShortError(f"no memory to grow the session's KV cache to {end} slots: {exc}") from None
+
+    def has_room(self, end: int) -> bool:
+        """check_room for a step ending at slot `end`, as a yes or no."""
+        try:
+            self.check_room(end, 0)
+        except CapacityError:
+            return False
+        return True
 
     def next_ring(self) -> int:
         """The ring slot of the round being queued, for its readback, its features' host rows and a chained

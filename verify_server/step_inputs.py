@@ -22,7 +22,6 @@ from verify_server.tree_attention import ancestor_matrix
 from verify_server.tree_batch import BatchTree
 from verify_server.walk import accept_path
 
-MIN_SLOT_TOKENS = 256
 MAX_GRAPH_NODES = 512  # largest captured query count (tree nodes + root); bigger trees run eagerly
 ANCESTOR_STEPS = (MAX_GRAPH_NODES - 1).bit_length()  # a compiled step's ancestor matrix, whatever its bucket
 
@@ -45,10 +44,6 @@ def bucket(q: int) -> int | None:
 
 
 QUERY_BUCKETS = tuple(sorted({bucket(q) for q in range(1, MAX_GRAPH_NODES + 1)}))
-
-
-def size_class(capacity: int) -> int:
-    return max(MIN_SLOT_TOKENS, 1 << (capacity - 1).bit_length())
 
 
 @dataclass

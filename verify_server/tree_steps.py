@@ -16,11 +16,12 @@ import torch
 from kernels.cuda_graphs import GraphPool, key_bucket
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
+from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.kv_cache import KVCache
 from verify_server.sampling import TreeDraws, sample_rows, tempered_probs
 from verify_server.step_attention import FLASH, INVARIANT
 from verify_server.step_inputs import (
-    MIN_SLOT_TOKENS, ROOT_ONLY, BatchBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
+    ROOT_ONLY, BatchBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
 )
 from verify_server.tree_batch import BatchTree, TreeBatch, build_batch
 

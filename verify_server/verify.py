@@ -26,13 +26,16 @@ from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
 from verify_server.grammar import TreeGrammar
 from verify_server.hf_forward import HFForward
+from verify_server.cache_slots import MIN_SLOT_TOKENS, CacheSlots, NoMemory, OwnCaches
 from verify_server.kv_cache import KVCache
 from verify_server.prefill import PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import Draws
-from verify_server.session import CapacityError, PendingRound, SessionError, UnknownSessionError, VerifySession
+from verify_server.session import (
+    CapacityError, MemoryShortError, PendingRound, SessionError, UnknownSessionError, VerifySession,
+)
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_attention import INVARIANT
 from verify_server.step_inputs import ROOT_ONLY
@@ -121,6 +124,11 @@ class VerifyEngine:
             self.hf = HFForward(model, max_tree_size + 1)
             self.linear, self.scratch = self.hf.linear, self.hf.scratch
         self.kv_layers = [i for i in range(self.num_layers) if self.linear is None or i not in self.linear.layer_ids]
+        # where sessions' caches come from, and larger ones as they grow
+        row_bytes = 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        self.caches: CacheSlots = self.fused.slots if self.fused is not None else OwnCaches(
+            lambda rows: KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, rows, self.device, self.dtype),
+            row_bytes)
         # Whether a prompt's prefix can be restored from cached K/V: not on hybrids, whose linear-attention state
         # after a prefix is no slice of anything kept (verify_server/state_cache.py)
         self.caches_prefixes = self.linear is None
@@ -178,17 +186,16 @@ class VerifyEngine:
         draws = None
         if not params.greedy:
             draws = Draws(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
-        if self.fused is not None:
-            try:
-                cache = self.fused.acquire(capacity)
-            except MemoryError as exc:
-                raise CapacityError(str(exc)) from None
-        else:
-            cache = KVCache(self.kv_layers, self.num_kv_heads, self.head_dim, capacity, self.device, self.dtype)
+        try:  # small: it grows with what the session commits (VerifySession.check_room)
+            cache = self.caches.acquire(min(capacity, MIN_SLOT_TOKENS))
+        except NoMemory as exc:
+            raise MemoryShortError(str(exc)) from None
+        except MemoryError as exc:
+            raise CapacityError(str(exc)) from None
         states = StateCache(self.linear, self.device, self.dtype) if self.linear else None
         history = TokenHistory(self.vocab_size, self.device) if params.processed else None
         blocks = SessionBlocks(tuple(taps)) if self.prefix is not None else None
-        self.sessions[session_id] = VerifySession(cache, capacity, params, draws, list(taps), states=states,
+        self.sessions[session_id] = VerifySession(cache, capacity, params, draws, list(taps), self.caches, states=states,
                                                   history=history, grammar=grammar, blocks=blocks)
 
     def _grammar(self, description: str) -> TreeGrammar:
@@ -206,8 +213,8 @@ class VerifyEngine:
         sess = self.sessions.pop(session_id, None)
         if sess is not None and sess.blocks is not None:
             self.prefix.release(sess.blocks)
-        if sess is not None and self.fused is not None:
-            self.fused.release(sess.cache)
+        if sess is not None:
+            self.caches.release(sess.cache)
         return sess is not None
 
     def session(self, session_id: str) -> VerifySession:

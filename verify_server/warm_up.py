@@ -16,7 +16,8 @@ import torch
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
 from verify_server.sampling import TreeDraws
-from verify_server.step_inputs import MAX_GRAPH_NODES, MIN_SLOT_TOKENS, QUERY_BUCKETS, bucket
+from verify_server.cache_slots import MIN_SLOT_TOKENS
+from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
 from verify_server.tree_batch import BatchTree
 from verify_server.verify import VerifyEngine
 
@@ -169,7 +170,7 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
     if not sizes:
         return
     limit = min(most_keys, engine.model.config.max_position_embeddings)
-    cache = fused.acquire(limit)
+    cache = fused.slots.acquire(limit)
     try:
         with torch.inference_mode():  # the rounds write the slot, as a session's do
             for node_count in (0, nodes):
@@ -185,4 +186,4 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
                         fused.batch_scores(items, tuple(taps))
     finally:
         cache.length = 0
-        fused.release(cache)
+        fused.slots.release(cache)
