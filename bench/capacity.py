@@ -5,6 +5,10 @@ tokens, the answer run to the rest with ignore_eos), all sent at once, all to be
     python bench/capacity.py --gateway http://127.0.0.1:8000 --verifier-metrics http://127.0.0.1:9472 \
         --drafter-metrics http://127.0.0.1:9473 --sessions 128 --context 2048 --modes off,ddtree --out capacity.json
 
+With --open-ended the requests ask for no token limit, as chat clients often send them (the server then allows the
+rest of the context), and answer until the model ends them (or a --stop string does): what memory a server holds for
+sessions that may run long but mostly stop early. The prompts are still about L / 2 tokens, and L need not be the model's context.
+
 Reported per mode: the requests that completed (every one of its L tokens), the failures and a few of their
 messages, the most streams held at once (by the streams' own clocks: the most that were between their first chunk
 and their end at one instant; N where every session was held together), tokens/s, and the peaks of the services'
@@ -83,20 +87,23 @@ async def capacity(url: str, metrics: list[str | None], model: str, mode: str, a
             raise SystemExit(f"--context {args.context} leaves no answer after a prompt of {short[0]} tokens")
         sampler = asyncio.create_task(sample())
         start = time.perf_counter()
+        limit = ({"stop": args.stop} if args.stop else {}) if args.open_ended else {
+            "max_tokens": args.context - count, "ignore_eos": True}
         streams = await asyncio.gather(*(stream_chat(http, url, {
-            "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": args.context - count,
-            "temperature": args.temperature, "ignore_eos": True, "speculation": {"mode": mode}})
+            "model": model, "messages": [{"role": "user", "content": text}], **limit,
+            "temperature": args.temperature, "speculation": {"mode": mode}})
             for text, count in sessions))
         wall = time.perf_counter() - start
         running = False
         await sampler
     failed = [s.error for s in streams if s.error is not None]
     complete = [s for (_, count), s in zip(sessions, streams)
-                if s.error is None and s.completion_tokens == args.context - count]
+                if s.error is None and (args.open_ended or s.completion_tokens == args.context - count)]
     return {"gateway": url, "mode": mode, "temperature": args.temperature, "sessions": args.sessions,
             "context": args.context, "prompt_tokens": [count for _, count in sessions], "completed": len(complete),
             "errors": len(failed), "error_samples": list(dict.fromkeys(failed))[:ERROR_SAMPLES],
-            "held_at_once": held_at_once(streams), "wall_s": wall,
+            "held_at_once": held_at_once(streams), "wall_s": wall, "open_ended": args.open_ended,
+            "completion_tokens": [s.completion_tokens for s in streams],
             "tokens_per_s": sum(s.completion_tokens for s in streams if s.error is None) / wall, "peaks": peaks}
 
 
@@ -109,6 +116,10 @@ def main() -> None:
     p.add_argument("--context", type=int, required=True, help="tokens of each, prompt and answer together (L)")
     p.add_argument("--modes", default="ddtree", help="comma-separated speculation modes, one measurement each: off "
                    "(AR), chain, ddtree")
+    p.add_argument("--open-ended", action="store_true", help="requests ask for no token limit and answer until the "
+                   "model ends them (L sizes the prompts only)")
+    p.add_argument("--stop", action="append", help="with --open-ended: a stop string (repeatable), so that answers "
+                   "end early, as most chats do")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a request may take")
     p.add_argument("--out", type=Path, required=True)

@@ -75,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the longest session (prompt and answer) the verifier and the drafter each take (default: "
                    "the models' context); the drafter sizes each of its --max-sessions cache slots to it, so many "
                    "sessions of a long-context drafter need it lowered")
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="device memory (GiB) the verifier's sessions' KV caches may hold together (default: no limit "
+                   "but the device's); a request that runs short waits and resumes. Set it where the drafter shares "
+                   "the GPU")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -160,6 +164,9 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
     if args.max_session_tokens is not None and args.max_session_tokens < 2:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
+    if args.kv_cache_gib is not None and (args.kv_cache_gib <= 0 or args.tp > 1):
+        # the verifier would refuse it at each start, and be restarted forever
+        raise SystemExit(f"ddtree serve: --kv-cache-gib must be > 0 and not with --tp > 1, got {args.kv_cache_gib}")
     if args.deterministic and (args.tp > 1 or args.eager or args.compile):
         # the verifier would refuse them at each start, and be restarted forever
         raise SystemExit("ddtree serve: --deterministic runs the verifier on one GPU, uncompiled: not with --tp > 1, "
@@ -188,7 +195,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
                       "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
-                      *(["--deterministic"] if args.deterministic else [])]
+                      *(["--deterministic"] if args.deterministic else []),
+                      *([] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)])]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
                "--verifier", f"{LOOPBACK}:{verify_port}",
                "--drafter", f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"]

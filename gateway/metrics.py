@@ -68,6 +68,9 @@ class Metrics:
                                    "(load-adaptive trees, --fit-trees)", buckets=TREE_SIZE_BUCKETS, registry=r)
         self.load_ar = Counter("ddtree_spec_skipped_by_load", "Requests that decoded autoregressively because more "
                                "requests were decoding than --speculate-up-to when they began", registry=r)
+        self.resumed = Counter("ddtree_requests_resumed", "Times a request's verifier session ran short of KV memory "
+                               "and the request was resumed from its output so far once memory freed",
+                               registry=r)
         self.fallbacks = Counter("ddtree_fallbacks", "Requests that fell back to autoregressive decoding "
                                  "because the drafter failed", registry=r)
         self.backend_up = Gauge("ddtree_backend_up", "1 when the backend reports SERVING", ["service"], registry=r)

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
+from protos.types import SamplingParams
 from gateway.admission import RETRY_AFTER_S, RunningLimit, SpeculationByLoad
 from gateway.chat import ChatTemplateArgs, render
 from gateway.config import GatewayConfig
@@ -31,12 +32,14 @@ from gateway.metrics import Metrics
 from gateway.generation import Delta, GenerationRequest, ModelInfo
 from gateway.openai_api import APIError
 from gateway.openai_responses import TokenLogprob
+from gateway.resume import MemoryWaits, resumed_rounds
 from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
 # the verifier's answers when it is gone or holds no free session: the request is answered 503, not 500
-UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# the verifier down, out of sessions, or out of KV memory for a request that cannot resume (gateway/resume.py)
+UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 
 
 class GatewayService:
@@ -54,6 +57,7 @@ class GatewayService:
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
         self._by_load = SpeculationByLoad(config.speculate_up_to)
+        self._memory = MemoryWaits()  # requests waiting for the verifier's KV memory (gateway/resume.py)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
         # the running requests' round queues and their round loops, for the end of a drain
@@ -214,12 +218,17 @@ class GatewayService:
                 # Only once the loop has ended the request's sessions: the last answer reaches the client first,
                 # and the next request must not find the model services' session slots still held (with as many
                 # running requests as the verifier has slots, its StartSession would fail).
-                slot[0].add_done_callback(lambda _: self._slots.release())
+                slot[0].add_done_callback(lambda _: self._ended())
             else:
-                self._slots.release()
+                self._ended()
             self.metrics.running.dec()
             self.metrics.requests.labels(finish).inc()
             self.metrics.e2e.observe(time.perf_counter() - arrival)
+
+    def _ended(self) -> None:
+        """A request's slot is free, and the memory its sessions held, for the requests that wait for either."""
+        self._slots.release()
+        self._memory.freed()
 
     def _running_limit(self) -> int:
         """max_running, lowered to the sessions the model services hold at once (as their Info reports them):
@@ -324,10 +333,15 @@ class GatewayService:
     async def _run_loop(self, req: GenerationRequest, queue: asyncio.Queue) -> None:
         drafter = self._drafter_for(req)
         spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
+
+        def rounds(prompt: list[int], params: SamplingParams, max_tokens: int) -> AsyncIterator[Round]:
+            return run_rounds(self.backends.verifier, drafter, prompt, params, spec, max_tokens, list(req.stop_ids),
+                              self.monitor.drafter_failed, self.config.prefill_chunk, self.backends.steps,
+                              self.config.decode_steps)
+
         try:
-            async for rnd in run_rounds(self.backends.verifier, drafter, req.prompt, req.params, spec, req.max_tokens,
-                                        list(req.stop_ids), self.monitor.drafter_failed, self.config.prefill_chunk,
-                                        self.backends.steps, self.config.decode_steps):
+            async for rnd in resumed_rounds(rounds, req.prompt, req.params, req.max_tokens, self._memory,
+                                            lambda: self._slots.held - 1, self.metrics.resumed.inc):
                 queue.put_nowait(rnd)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()

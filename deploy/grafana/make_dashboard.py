@@ -242,11 +242,13 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                             f"{rate('ddtree_spec_draft_tokens_total')}", "accepted / proposed")],
                     "percentunit"), 8, 8),
         (timeseries("Rounds and AR fallbacks", "Drafted rounds per second, requests that fell back to "
-                    "autoregressive decoding because the drafter failed, and requests that decoded "
-                    "autoregressively because more requests were decoding than --speculate-up-to (per interval).",
+                    "autoregressive decoding because the drafter failed, requests that decoded "
+                    "autoregressively because more requests were decoding than --speculate-up-to, and requests "
+                    "resumed after the verifier ran short of KV memory (per interval).",
                     [target(rate("ddtree_spec_drafts_total"), "drafted rounds / s"),
                      target("sum(increase(ddtree_fallbacks_total" + RI + "))", "AR fallbacks"),
-                     target("sum(increase(ddtree_spec_skipped_by_load_total" + RI + "))", "AR by load")],
+                     target("sum(increase(ddtree_spec_skipped_by_load_total" + RI + "))", "AR by load"),
+                     target("sum(increase(ddtree_requests_resumed_total" + RI + "))", "resumed for KV memory")],
                     "short", overrides=[color("AR fallbacks", "red"),
                                         {"matcher": {"id": "byName", "options": "AR fallbacks"},
                                          "properties": [{"id": "custom.drawStyle", "value": "bars"},
@@ -319,9 +321,14 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     "short", bars=True, decimals=0), 12, 8),
     ]
     memory = [
-        (timeseries("KV cache held by sessions", "Bytes of the verifier's target KV cache and the drafter's context "
-                    "K/V cache preallocated by live sessions.",
+        (timeseries("KV cache held by sessions", "Bytes of the verifier's target KV cache held by live sessions (each "
+                    "grows with what it has committed), all its caches with those kept for the next sessions, and "
+                    "their limit (--kv-cache-gib; 0: none but the device's); the drafter's context K/V cache "
+                    "preallocated by live sessions.",
                     [target("sum by (instance) (ddtree_verify_kv_cache_bytes)", "verifier KV {{instance}}"),
+                     target("sum by (instance) (ddtree_verify_kv_cache_pool_bytes)", "verifier KV pool {{instance}}"),
+                     target("sum by (instance) (ddtree_verify_kv_cache_limit_bytes)",
+                            "verifier KV limit {{instance}}"),
                      target("sum by (instance) (ddtree_draft_context_cache_bytes)",
                             "drafter context {{instance}}")], "bytes"), 12, 8),
         (timeseries("GPU memory", "torch's allocated (tensors) and reserved (caching allocator) memory on each "

@@ -1,0 +1,108 @@
+"""Requests resumed after the verifier ran short of KV memory.
+
+A verifier session's cache grows with what it commits (verify_server/cache_slots.py), so the memory the running
+requests need grows as they go, and may pass what the verifier has (--kv-cache-gib, or the device's). A step that
+cannot get memory fails ABORTED with nothing changed. The request then gives its sessions up, which frees their
+memory, waits until another request ends or gives its own up, and starts again from its prompt and the tokens it
+has streamed (the prefix caches hold most of them), with the tokens still to come: as vLLM recomputes a preempted
+request. The client sees a pause, not an error; a greedy request's text is the one it would have had.
+
+Not resumed (they fail 503 as before): requests whose choices depend on their output so far in a way a new prompt
+would not reproduce (a grammar's state, penalties over the output), and a request that ran short while no other
+request held memory (waiting would not help: its own need passes what the verifier has).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import grpc
+
+from protos.types import SamplingParams
+from gateway.grpc_client import BackendError
+from gateway.request import Round
+
+SEED_STEP = 0x9E3779B97F4A7C15  # a resumed seeded request's next seed: far from the last one, reproducible
+
+
+class MemoryWaits:
+    """The requests waiting for KV memory, woken each time memory may have freed (a request ended, or another
+    gave its sessions up): `frees` counts those times."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.frees = 0
+        self._freed = asyncio.Event()
+
+    def freed(self) -> None:
+        self.frees += 1
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    async def wait(self, seen: int) -> None:
+        """Until memory has freed more than `seen` times."""
+        self.waiting += 1
+        try:
+            while self.frees <= seen:
+                await self._freed.wait()
+        finally:
+            self.waiting -= 1
+
+
+def resumable(params: SamplingParams) -> bool:
+    """Whether the request's choices after a restart from its output so far are those it would have made: not with
+    a grammar (its matcher's state is the output's) or penalties (they count the output's tokens)."""
+    return not params.grammar and not params.penalized
+
+
+def after(params: SamplingParams, streamed: int, restarts: int) -> SamplingParams:
+    """The params of a request restarted after `streamed` tokens: min_tokens counts on from them, and a seeded
+    request draws from a seed of its own for each restart (the seed's first numbers again would repeat the draws of
+    the output's first tokens)."""
+    min_tokens = max(0, params.min_tokens - streamed)
+    seed = None if params.seed is None else (params.seed + restarts * SEED_STEP) % 2**63
+    return replace(params, min_tokens=min_tokens, seed=seed)
+
+
+async def resumed_rounds(
+    rounds: Callable[[list[int], SamplingParams, int], AsyncIterator[Round]],
+    prompt: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    waits: MemoryWaits,
+    others_running: Callable[[], int],
+    on_resume: Callable[[], None],
+) -> AsyncIterator[Round]:
+    """rounds(prompt, params, max_tokens)'s rounds, restarted from the output so far whenever a verifier call runs
+    short of KV memory (ABORTED) and the request is resumable. Round indices go on across restarts (a restart's
+    prefill is not a first token). others_running: the other requests that hold a decoding slot; on_resume: told of
+    each restart (metrics)."""
+    streamed: list[int] = []
+    next_index, restarts, alone = 0, 0, False
+    while True:
+        seen, index_end = waits.frees, next_index  # memory freed while this attempt runs is not waited for again
+        try:
+            async for rnd in rounds(prompt + streamed, after(params, len(streamed), restarts),
+                                    max_tokens - len(streamed)):
+                rnd.index += next_index
+                index_end = rnd.index + 1
+                streamed += rnd.tokens
+                yield rnd
+            return
+        except BackendError as exc:
+            if exc.code != grpc.StatusCode.ABORTED or not resumable(params):
+                raise
+            ran = index_end > next_index  # its rounds went on a while: its sessions held grown caches
+            holding = others_running() - waits.waiting  # other requests whose sessions hold memory
+            if holding <= 0 and alone and not ran:
+                raise  # alone it ran short twice with nothing done between: no memory will come free
+            alone = holding <= 0
+            if ran:  # the memory its sessions held (run_rounds ended them) is free for the others; one that failed
+                waits.freed()  # at once freed only what it had just taken: waking the others then is a storm
+        next_index = index_end
+        restarts += 1
+        on_resume()
+        if not alone and waits.frees - ran == seen:  # nothing freed since the attempt began: wait for it
+            await waits.wait(waits.frees)
