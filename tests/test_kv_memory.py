@@ -49,6 +49,10 @@ def limited(tmp_path_factory) -> Iterator[Limited]:
         assert interrupt(stack.process) == 0, stack.log()[-5000:]
 
 
+def _verifier(stack: Limited) -> str:
+    return httpx.get(f"http://127.0.0.1:{stack.verify_metrics}/metrics", timeout=10).text
+
+
 def _story(stack: Stack, max_tokens: int) -> tuple[str, str]:
     reply = stack.client().chat.completions.create(model=MODEL, messages=STORY, max_tokens=max_tokens, temperature=0,
                                                    stream=False)
@@ -64,14 +68,19 @@ def _streamed_story(stack: Stack, max_tokens: int) -> str:
 def test_requests_past_the_kv_limit_are_resumed_with_their_text(limited: Stack) -> None:
     alone, finish = _story(limited, ANSWER)
     assert finish == "length"
-    metrics = httpx.get(f"{limited.url}/metrics", timeout=10).text
-    resumed_before = metric(metrics, "ddtree_requests_resumed_total")
+    resumed_before = metric(httpx.get(f"{limited.url}/metrics", timeout=10).text, "ddtree_requests_resumed_total")
+    hits_before = metric(_verifier(limited), "ddtree_verify_prefix_cache_hit_tokens_total")
     # the same request four times over: they step together, and their caches run past their first slots together
     with ThreadPoolExecutor(REQUESTS) as pool:
         texts = list(pool.map(lambda _: _streamed_story(limited, ANSWER), range(REQUESTS)))
     assert texts == [alone] * REQUESTS
-    assert metric(httpx.get(f"{limited.url}/metrics", timeout=10).text, "ddtree_requests_resumed_total") > resumed_before
-    verifier = httpx.get(f"http://127.0.0.1:{limited.verify_metrics}/metrics", timeout=10).text
+    resumed = metric(httpx.get(f"{limited.url}/metrics", timeout=10).text, "ddtree_requests_resumed_total")
+    assert resumed > resumed_before
+    verifier = _verifier(limited)
+    # a request runs short past its first 256 slots, and its restart finds those in the prefix cache, all but the
+    # last partial block: it recomputes little
+    hits = metric(verifier, "ddtree_verify_prefix_cache_hit_tokens_total") - hits_before
+    assert hits >= (256 - 16) * (resumed - resumed_before)
     assert 0 < metric(verifier, "ddtree_verify_kv_cache_pool_bytes") <= LIMIT_BYTES
     assert metric(verifier, "ddtree_verify_kv_cache_limit_bytes") == pytest.approx(LIMIT_BYTES, abs=1)
 
