@@ -68,6 +68,13 @@ def held_at_once(streams: list[Stream]) -> int:
     return most
 
 
+def limit(args: argparse.Namespace, prompt_tokens: int) -> dict:
+    """A request's token limit: its answer runs to L (ignore_eos); open-ended, none (the stop strings, if any)."""
+    if args.open_ended:
+        return {"stop": args.stop} if args.stop else {}
+    return {"max_tokens": args.context - prompt_tokens, "ignore_eos": True}
+
+
 async def capacity(url: str, metrics: list[str | None], model: str, mode: str, args: argparse.Namespace) -> dict:
     peaks: dict[str, float] = {}
     running = True
@@ -87,10 +94,8 @@ async def capacity(url: str, metrics: list[str | None], model: str, mode: str, a
             raise SystemExit(f"--context {args.context} leaves no answer after a prompt of {short[0]} tokens")
         sampler = asyncio.create_task(sample())
         start = time.perf_counter()
-        limit = ({"stop": args.stop} if args.stop else {}) if args.open_ended else {
-            "max_tokens": args.context - count, "ignore_eos": True}
         streams = await asyncio.gather(*(stream_chat(http, url, {
-            "model": model, "messages": [{"role": "user", "content": text}], **limit,
+            "model": model, "messages": [{"role": "user", "content": text}], **limit(args, count),
             "temperature": args.temperature, "speculation": {"mode": mode}})
             for text, count in sessions))
         wall = time.perf_counter() - start

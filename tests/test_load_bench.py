@@ -110,3 +110,13 @@ def test_capacity_holds_every_session_at_once(stack: ServeStack, tmp_path: Path)
     assert 1 <= peaks["ddtree_requests_running"] <= SESSIONS and peaks["ddtree_requests_waiting"] == 0
     assert 1 <= peaks["ddtree_verify_active_sessions"] <= SESSIONS and peaks["ddtree_verify_kv_cache_bytes"] > 0
     assert 1 <= peaks["ddtree_draft_active_sessions"] <= SESSIONS and peaks["ddtree_draft_context_cache_bytes"] > 0
+
+
+def test_capacity_open_ended_sends_no_token_limit(stack: ServeStack, tmp_path: Path) -> None:
+    out = tmp_path / "open.json"
+    _bench("capacity.py", "--gateway", stack.url, "--sessions", "3", "--context", "64", "--open-ended", "--stop", " ",
+           "--modes", "off", "--out", str(out))
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["errors"] == 0 and r["completed"] == 3 and r["open_ended"], r["error_samples"]
+    # no max_tokens: each answer ran until its first space (or the model's end), not to L
+    assert all(1 <= n < 64 - count for n, count in zip(r["completion_tokens"], r["prompt_tokens"]))
