@@ -45,7 +45,10 @@ class RopeTable:
         if rows <= have:
             return
         self._retired.append(self.table)
-        self.table = torch.cat((self.table, self._compute(have, 1 << (rows - 1).bit_length())))
+        # an ordinary tensor even where a step's session grows into a new slot (under inference mode): Dynamo guards
+        # on a tensor's dispatch keys, and a table of the other kind would compile the steps that read it again
+        with torch.inference_mode(False):
+            self.table = torch.cat((self.table, self._compute(have, 1 << (rows - 1).bit_length())))
         torch._dynamo.maybe_mark_dynamic(self.table, 0)
 
     @torch.no_grad()

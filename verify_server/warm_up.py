@@ -30,11 +30,14 @@ def _warm_up_session(
     engine: VerifyEngine, capacity: int, taps: list[int] | None = None, params: SamplingParams | None = None
 ) -> Iterator[str]:
     """A session (greedy, tapping the last layer unless told: features handed over, as a drafter's session has
-    them), ended however the warm-up step goes."""
+    them) whose cache is in the size class of `capacity` from the start, ended however the warm-up step goes. A
+    session's cache grows as it commits; the warm-up sets the class itself, so that its steps meet the slot sizes
+    (strides) it means them to."""
     session_id = f"warm-up-{uuid.uuid4().hex}"
     engine.start_session(session_id, capacity, params or SamplingParams(),
                          [engine.num_layers - 1] if taps is None else taps)
     try:
+        engine.session(session_id).check_room(0, capacity)  # empty: the move copies nothing
         yield session_id
     finally:
         engine.end_session(session_id)
