@@ -37,8 +37,8 @@ from gateway.rounds import Round, Speculation, run_rounds
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
-# the verifier's answers when it is gone or holds no free session: the request is answered 503, not 500
-# the verifier down, out of sessions, or out of KV memory for a request that cannot resume (gateway/resume.py)
+# the verifier's answers when it is gone, holds no free session, or has no KV memory for a request that cannot
+# resume (gateway/resume.py): the request is answered 503, not 500
 UNAVAILABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
 
 

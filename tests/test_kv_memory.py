@@ -59,20 +59,21 @@ def _story(stack: Stack, max_tokens: int) -> tuple[str, str]:
     return reply.choices[0].message.content, reply.choices[0].finish_reason
 
 
-def _streamed_story(stack: Stack, max_tokens: int) -> str:
+def _streamed_story(stack: Stack, max_tokens: int, mode: str) -> str:
     chunks = stack.client().chat.completions.create(model=MODEL, messages=STORY, max_tokens=max_tokens, temperature=0,
-                                                    stream=True)
+                                                    stream=True, extra_body={"speculation": {"mode": mode}})
     return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
 
 
-def test_requests_past_the_kv_limit_are_resumed_with_their_text(limited: Stack) -> None:
+@pytest.mark.parametrize("mode", ["ddtree", "off"])  # rounds of trees; AR steps, submitted a step ahead
+def test_requests_past_the_kv_limit_are_resumed_with_their_text(limited: Limited, mode: str) -> None:
     alone, finish = _story(limited, ANSWER)
     assert finish == "length"
     resumed_before = metric(httpx.get(f"{limited.url}/metrics", timeout=10).text, "ddtree_requests_resumed_total")
     hits_before = metric(_verifier(limited), "ddtree_verify_prefix_cache_hit_tokens_total")
     # the same request four times over: they step together, and their caches run past their first slots together
     with ThreadPoolExecutor(REQUESTS) as pool:
-        texts = list(pool.map(lambda _: _streamed_story(limited, ANSWER), range(REQUESTS)))
+        texts = list(pool.map(lambda _: _streamed_story(limited, ANSWER, mode), range(REQUESTS)))
     assert texts == [alone] * REQUESTS
     resumed = metric(httpx.get(f"{limited.url}/metrics", timeout=10).text, "ddtree_requests_resumed_total")
     assert resumed > resumed_before
