@@ -14,24 +14,37 @@ from transformers import AutoModelForCausalLM
 
 from protos.types import DraftTree, SamplingParams
 from verify_server.session import MemoryShortError
+from verify_server.verify import VerifyEngine
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from tests.conftest import VOCAB, hf_greedy
 from tests.test_verify import make_engine, oracle_tree
 
-def chain(root: int, tokens: list[int]) -> DraftTree:
-    """A tree of one branch: root, then tokens."""
+def chain(root: int, tokens: list[int], device: torch.device) -> DraftTree:
+    """A tree of one branch on `device`: root, then tokens (a round queued behind another takes its tree from the
+    device, its root from the round before)."""
     n = len(tokens)
-    return DraftTree(tokens=torch.tensor([root, *tokens]), parents=torch.arange(-1, n), depths=torch.arange(n + 1),
-                     max_depth=n)
+    return DraftTree(tokens=torch.tensor([root, *tokens], device=device), parents=torch.arange(-1, n, device=device),
+                     depths=torch.arange(n + 1, device=device), max_depth=n)
 
 
 PROMPT = 250  # tokens: the first cache (MIN_SLOT_TOKENS) is nearly full after the prompt
 ANSWER = 300  # tokens generated: past two size classes
 
 
-@pytest.mark.parametrize("path", ["fused-static", "hf"])
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+
+
+def engine_on(target: Path, path: str) -> VerifyEngine:
+    """make_engine's paths, and "cuda": the service's configuration on a GPU (fp32, so that tokens compare exactly):
+    captured graphs that find the slots by address, whose moves the copies and the tables must follow."""
+    if path == "cuda":
+        return VerifyEngine.from_pretrained(target, device="cuda", compile=True)
+    return make_engine(target, path)
+
+
+@pytest.mark.parametrize("path", ["fused-static", "hf", CUDA])
 def test_sessions_grow_across_size_classes_with_the_targets_tokens(qwen3_target: Path, path: str) -> None:
-    engine = make_engine(qwen3_target, path)
+    engine = engine_on(qwen3_target, path)
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     rng = random.Random(1)
     prompts = {name: [rng.randrange(VOCAB) for _ in range(PROMPT)] for name in ("a", "b")}
@@ -101,10 +114,11 @@ def test_a_session_with_no_memory_to_grow_into_fails_its_step_and_keeps_its_stat
     assert sess.cache is not cache and sess.cache.room == 2 * MIN_SLOT_TOKENS
 
 
-def test_a_session_grows_with_a_round_in_flight(qwen3_target: Path) -> None:
+@pytest.mark.parametrize("path", ["fused-static", CUDA])
+def test_a_session_grows_with_a_round_in_flight(qwen3_target: Path, path: str) -> None:
     """The second of two queued rounds is the one that passes the cache's room: the move happens with the first
     still in flight, and carries the slots that round writes (up to its furthest outcome) along."""
-    engine = make_engine(qwen3_target, "fused-static")
+    engine = engine_on(qwen3_target, path)
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     rng = random.Random(3)
     prompt = [rng.randrange(VOCAB) for _ in range(MIN_SLOT_TOKENS - 9)]
@@ -113,14 +127,14 @@ def test_a_session_grows_with_a_round_in_flight(qwen3_target: Path) -> None:
     got = list(engine.prefill("s", prompt).tokens)
     sess = engine.session("s")
     first_cache, start = sess.cache, sess.cache.length
-    one = chain(got[-1], truth[1:6])  # accepted whole: 5 nodes and the bonus
-    two = chain(0, truth[7:11] + [(truth[11] + 1) % VOCAB])  # from where the first one's path ends; 4 accepted
+    one = chain(got[-1], truth[1:6], engine.device)  # accepted whole: 5 nodes and the bonus
+    two = chain(0, truth[7:11] + [(truth[11] + 1) % VOCAB], engine.device)  # from where the first's path ends
     assert start + 6 <= first_cache.room < start + 12
     a = engine.launch("s", one)
     assert sess.cache is first_cache
     b = engine.launch("s", two)  # starts where the first can end at the furthest: past the room
     assert sess.cache is not first_cache and sess.cache.room == 2 * MIN_SLOT_TOKENS
     step_a, step_b = engine.collect(a), engine.collect(b)
-    assert step_a.tokens == truth[1:7] and step_b.tokens == truth[7:12]  # 4 accepted and the bonus
+    assert step_a.tokens == truth[1:7] and step_b.tokens == truth[7:12]  # the second: 4 accepted and the bonus
     assert sess.cache.length == start + 11
     assert engine.decode("s").tokens == truth[12:13]  # the moved cache holds every committed slot
