@@ -126,6 +126,7 @@ SERVICE_MODULES = {
     "test_internal_services", "test_serve_stacks", "test_openai_fields", "test_models_resolve",
     "test_fuzz_api", "test_fuzz_wire", "test_lane_guards", "test_grammar_api", "test_tool_calls_api",
     "test_client_isolation", "test_step_scheduler", "test_batch_rpcs", "test_load_bench", "test_grammar_services",
+    "test_kv_memory",
 }
 
 
