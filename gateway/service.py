@@ -340,6 +340,7 @@ class GatewayService:
                               self.config.decode_steps)
 
         try:
+            await self._memory.admit()  # after the requests given up for memory, which go first
             async for rnd in resumed_rounds(rounds, req.prompt, req.params, req.max_tokens, self._memory,
                                             lambda: self._slots.held - 1, self.metrics.resumed.inc):
                 queue.put_nowait(rnd)

@@ -111,3 +111,36 @@ def test_memory_freed_while_a_request_runs_is_not_waited_for_again() -> None:
         assert len(loop.calls) == 2 and len(got) == 5
 
     asyncio.run(scenario())
+
+
+def test_new_requests_wait_for_those_given_up_for_memory_and_hold_none_of_it() -> None:
+    async def scenario() -> None:
+        waits, others, order = MemoryWaits(), [1], []
+        loop = Loop([2, 0])  # short after 2 rounds; short again at once on its first restart; then it runs
+
+        async def rounds(prompt: list[int], params: SamplingParams, max_tokens: int) -> AsyncIterator[Round]:
+            async for rnd in loop(prompt, params, max_tokens):
+                order.append("resumed" if len(loop.calls) > 1 else "ran")
+                yield rnd
+
+        async def new_request() -> None:
+            await waits.admit()
+            order.append("new admitted")
+
+        task = asyncio.create_task(collect(resumed_rounds(rounds, [1], SamplingParams(), 6, waits,
+                                                          lambda: others[0], lambda: None)))
+        while not waits.waiting:  # short of memory while another request holds some: it waits
+            await asyncio.sleep(0)
+        new = asyncio.create_task(new_request())
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert waits.gated == 1 and "new admitted" not in order  # held back: the memory is the resumed one's
+        # the other request ends (the new one still holds a slot, but no memory); the restart runs short at once:
+        # with only a held-back request besides it, it tries again at once rather than wait for that one
+        waits.freed()
+        await asyncio.wait_for(task, timeout=30)
+        await asyncio.wait_for(new, timeout=30)
+        assert order.index("new admitted") > order.index("resumed")
+        assert len(loop.calls) == 3 and waits.resuming == waits.gated == waits.waiting == 0
+
+    asyncio.run(scenario())
