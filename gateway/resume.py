@@ -88,7 +88,7 @@ def after(params: SamplingParams, streamed: int, restarts: int) -> SamplingParam
     request draws from a seed of its own for each restart (the seed's first numbers again would repeat the draws of
     the output's first tokens)."""
     min_tokens = max(0, params.min_tokens - streamed)
-    seed = None if params.seed is None else (params.seed + restarts * SEED_STEP) % 2**63
+    seed = None if params.seed is None else (params.seed + restarts * SEED_STEP) % 2**64  # a uint64, as the API's
     return replace(params, min_tokens=min_tokens, seed=seed)
 
 
