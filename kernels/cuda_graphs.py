@@ -155,7 +155,7 @@ class SlotPool(Generic[T]):
     @property
     def allocated(self) -> int:
         """Buffers that exist, held or free."""
-        return sum(item is not None for item in self._items)
+        return len(self.buffers())
 
     def buffers(self) -> list[T]:
         """The buffers that exist, held or free."""

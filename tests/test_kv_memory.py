@@ -101,4 +101,5 @@ def test_the_limit_goes_from_serve_to_the_verifier_and_bad_values_are_refused(tm
     for settings, why in (({"kv_cache_gib": -1.0}, "must be > 0"), ({"kv_cache_gib": 1.0, "tp": 2}, "--tp > 1")):
         with pytest.raises(ValueError, match=why):
             VerifyServerConfig(target=str(tmp_path), **settings)
-    assert VerifyServerConfig(target=str(tmp_path), kv_cache_gib=0.5).kv_cache_gib == 0.5
+    assert VerifyServerConfig(target=str(tmp_path), kv_cache_gib=0.5).kv_cache_bytes == 2**29
+    assert VerifyServerConfig(target=str(tmp_path)).kv_cache_bytes is None

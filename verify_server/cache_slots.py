@@ -145,15 +145,13 @@ class PooledCaches:
                 self.pool.trim()
             if (why := over_limit(self.limit, self.held_bytes, more)) is not None:
                 raise NoMemory(why)
-        try:
-            slot = self.pool.acquire(size, over)
-        except torch.OutOfMemoryError as exc:
-            if not self.pool.trim():
-                raise NoMemory(f"no device memory for a cache slot of {size} tokens: {exc}") from None
+        for attempt in range(2):  # the second after the free slots kept for reuse are given up
             try:
                 slot = self.pool.acquire(size, over)
-            except torch.OutOfMemoryError as again:
-                raise NoMemory(f"no device memory for a cache slot of {size} tokens: {again}") from None
+                break
+            except torch.OutOfMemoryError as exc:
+                if attempt or not self.pool.trim():
+                    raise NoMemory(f"no device memory for a cache slot of {size} tokens: {exc}") from None
         if slot is None:
             raise MemoryError(f"all {self.pool.max_sessions} session slots are in use (raise --max-sessions)")
         cache = self.pool[slot]

@@ -110,6 +110,11 @@ class VerifyServerConfig(ServiceConfig):
         return self.device_gib_bytes(self.prefix_cache_gib, *PREFIX_CACHE_GIB)
 
     @property
+    def kv_cache_bytes(self) -> int | None:
+        """kv_cache_gib in bytes; None: no limit."""
+        return None if self.kv_cache_gib is None else self.device_gib_bytes(self.kv_cache_gib, 0, 0)
+
+    @property
     def served_name(self) -> str:
         return self.model_name or Path(self.target).resolve().name
 
