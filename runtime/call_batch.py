@@ -1,16 +1,20 @@
 """Calls of one kind that wait for a service's engine together and run as one step: several sessions' Verify
 rounds in one forward (verify_server/batched_rounds.py), several Draft calls' blocks in one
-(draft_server/engine.py). `Batch` gathers them on the event loop; `run_checked` is a batch's run over a
+(draft_server/engine.py). `Batch` gathers them on the event loop; `checked` and `answered` are a batch's run over a
 service's requests, each parsed and answered on its own; `answer_all` answers a batch message (the .proto's XBatch)
 by submitting its calls to the Batch all at once, each answered as alone, without a coroutine of its own (at tens of
-calls a step, that machinery was a large part of a step's host time). The engine host: runtime/service.py.
+calls a step, that machinery was a large part of a step's host time). A run may launch its work on the device and
+be read later (`Deferred`: the verifier's AR steps launched ahead), so that the next run is launched before the
+host reads the last. The engine host: runtime/service.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic
 
 import grpc
@@ -20,6 +24,17 @@ from runtime.lane import CallFailed
 from runtime.service import E, EngineHost
 
 MAX_BATCH_CALLS = 1024  # calls one batch message may carry: far beyond any server's sessions
+MAX_UNREAD = 2  # deferred runs launched and not read at once: the one on the device and the one queued behind it
+DEFERRED_POLL_S = 0.0002  # how often a deferred run on the device is looked at while no new calls come
+
+
+@dataclass
+class Deferred:
+    """A batch's run launched on the device and read later: done() says whether the device has run it (reading
+    it then waits for nothing); read(engine) -> one outcome per call, as a run's, on the engine."""
+
+    done: Callable[[], bool]
+    read: Callable[[Any], list[Any]]
 
 
 async def answer_all(
@@ -67,17 +82,33 @@ def run_checked(
     """A Batch's run over a service's calls: each request parsed and checked (its error is its own outcome), the
     valid ones run together (run -> one result or exception each), each result answered -> one outcome per
     request, in order."""
+    outcomes, calls = checked(requests, parse)
+    return answered(outcomes, run(calls) if calls else [], answer)
+
+
+def checked(requests: list[Any], parse: Callable[[Any], Any]) -> tuple[list[Any], list[Any]]:
+    """Each request parsed and checked -> (one outcome per request: its error, or None where it is valid; the
+    valid ones parsed, in order), for `answered`."""
     outcomes: list[Any] = [None] * len(requests)
-    calls, where = [], []
+    calls = []
     for i, request in enumerate(requests):
         try:
             calls.append(parse(request))
-            where.append(i)
         except Exception as exc:  # noqa: BLE001 - this call's own error
             outcomes[i] = exc
-    for i, result in zip(where, run(calls) if calls else []):
-        outcomes[i] = result if isinstance(result, Exception) else answer(result)
-    return outcomes
+    return outcomes, calls
+
+
+def answered(outcomes: list[Any], results: list[Any], answer: Callable[[Any], Any]) -> list[Any]:
+    """`checked`'s outcomes with the valid calls' results (one result or exception each, in order) filled in,
+    each result answered."""
+    filled = list(outcomes)
+    results_in = iter(results)
+    for i, outcome in enumerate(outcomes):
+        if outcome is None:
+            result = next(results_in)
+            filled[i] = result if isinstance(result, Exception) else answer(result)
+    return filled
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a Batch's sizes histogram
@@ -90,10 +121,12 @@ class Batch(Generic[E]):
     inline (its answer is there when the run returns: no task, no wake-up), else a runner task does. Calls that
     arrive while a run is in the engine wait for the next run, which takes them all (up to max_size). run(engine,
     items) -> one outcome per item, a response or the exception that call fails with: one call's failure is its
-    own."""
+    own; or a Deferred, which the runner reads once the device has run it, launching the calls that come meanwhile
+    first (_run_waiting)."""
 
     def __init__(
-        self, rpc: str, run: Callable[[E, list[Any]], list[Any]], max_size: int, sizes: Histogram | None = None
+        self, rpc: str, run: Callable[[E, list[Any]], list[Any] | Deferred], max_size: int,
+        sizes: Histogram | None = None
     ) -> None:
         """rpc: the name the runs go by (whether they run inline, service.EngineHost); sizes: observes each run's
         number of calls."""
@@ -101,7 +134,9 @@ class Batch(Generic[E]):
             raise ValueError(f"a batch holds at least 1 call, got {max_size}")
         self.rpc, self.run, self.max_size, self.sizes = rpc, run, max_size, sizes
         self._waiting: list[tuple[Any, asyncio.Future]] = []
+        self._unread: deque[tuple[list[tuple[Any, asyncio.Future]], Deferred]] = deque()  # runs launched, oldest first
         self._runner: asyncio.Task | None = None
+        self._wake: asyncio.Future | None = None  # the runner's, while it waits for a deferred run: new calls wake it
         self._leading = False  # a call waits its turn of the loop before it runs the calls waiting
 
     async def call(
@@ -119,6 +154,8 @@ class Batch(Generic[E]):
         loop = asyncio.get_running_loop()
         answers = [loop.create_future() for _ in items]
         self._waiting += zip(items, answers)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
         try:
             if self._runner is None and not self._leading:
                 await self._lead(host, answers[0])
@@ -130,7 +167,10 @@ class Batch(Generic[E]):
 
     async def submit(self, host: EngineHost[E], item: Any) -> Any:
         if self.max_size == 1:  # nothing to gather: the call runs as it comes, without waiting for a turn of the loop
-            (outcome,) = await host.execute(self.rpc, lambda engine: self.run(engine, [item]))
+            outcomes = await host.execute(self.rpc, lambda engine: self.run(engine, [item]))
+            if isinstance(outcomes, Deferred):  # nothing to launch behind it
+                outcomes = await host.execute(self.rpc, outcomes.read)
+            (outcome,) = outcomes
             if self.sizes is not None:
                 self.sizes.observe(1)
         else:
@@ -168,17 +208,56 @@ class Batch(Generic[E]):
             outcomes = [exc] * len(taken)
         if self.sizes is not None:
             self.sizes.observe(len(taken))
-        for (_, answer), outcome in zip(taken, outcomes):
-            if not answer.done():
-                answer.set_result(outcome)
+        if isinstance(outcomes, Deferred):  # read by the runner, once the device has run it
+            self._unread.append((taken, outcomes))
+        else:
+            _answer(taken, outcomes)
+
+    async def _read_oldest(self, host: EngineHost[E]) -> None:
+        taken, run = self._unread.popleft()
+        try:
+            outcomes = await host.execute(self.rpc, run.read)
+        except Exception as exc:  # noqa: BLE001 - as a run's failure: each call fails with it
+            outcomes = [exc] * len(taken)
+        _answer(taken, outcomes)
 
     def _start_runner(self, host: EngineHost[E]) -> None:
-        if self._waiting and self._runner is None:
+        if (self._waiting or self._unread) and self._runner is None:
             self._runner = asyncio.get_running_loop().create_task(self._run_waiting(host))
 
     async def _run_waiting(self, host: EngineHost[E]) -> None:
+        """Runs the calls waiting, and reads the deferred runs once the device has run them, oldest first. New
+        calls are launched before the host reads a run still on the device (up to MAX_UNREAD unread), so the
+        device runs them back to back while the host reads, answers and gathers."""
         try:
-            while self._waiting:
-                await self._run_batch(host, self._take())
+            while self._waiting or self._unread:
+                if self._waiting and len(self._unread) < MAX_UNREAD:
+                    await self._run_batch(host, self._take())
+                elif self._unread[0][1].done():
+                    await self._read_oldest(host)
+                else:
+                    await self._nap()
         finally:
             self._runner = None
+
+    async def _nap(self) -> None:
+        """Until new calls come, or DEFERRED_POLL_S have passed."""
+        loop = asyncio.get_running_loop()
+        wake = self._wake = loop.create_future()
+        timer = loop.call_later(DEFERRED_POLL_S, _wake_up, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._wake = None
+
+
+def _wake_up(wake: asyncio.Future) -> None:
+    if not wake.done():
+        wake.set_result(None)
+
+
+def _answer(taken: list[tuple[Any, asyncio.Future]], outcomes: list[Any]) -> None:
+    for (_, answer), outcome in zip(taken, outcomes):
+        if not answer.done():
+            answer.set_result(outcome)

@@ -73,6 +73,10 @@ class StepTimer:
             self._events[2].record(self._stream)
         self._ended = time.perf_counter()
 
+    def done(self) -> bool:
+        """Whether the step's kernels queued up to end() have run (always, without a GPU)."""
+        return self._events is None or self._events[2].query()
+
     def sync(self, read: Callable[[], T]) -> T:
         """end() unless done already, then the step's host sync: waits for the step's kernels, then `read` takes
         what the host needs (e.g. `tensor.tolist()`, of a pinned copy the step queued)."""

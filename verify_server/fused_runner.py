@@ -115,6 +115,12 @@ class FusedRunner:
         graph serves every slot."""
         return self.trees.by_address
 
+    @property
+    def batches_static(self) -> bool:
+        """Whether a batch of several sessions' trees runs on the static path, in one step (captured where graphs
+        run: TreeSteps._prepare)."""
+        return self.static and (self.by_address or not self.graphs.enabled)
+
     def _slot_key(self, key: tuple, cache: KVCache) -> tuple:
         """The key of a graph captured for one slot's cache (its addresses baked in): ends with the slot's tag."""
         return (*key, ("slot", self.slots.slot_of(cache)))
@@ -218,16 +224,19 @@ class FusedRunner:
         """Several sessions' trees in one uncaptured forward (TreeSteps.forward)."""
         return self.trees.forward(items, taps)
 
-    def batch_round(self, items: list[BatchTree], taps: tuple[int, ...]) -> GreedyOutputs | None:
+    def batch_round(
+        self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None
+    ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay (TreeSteps.greedy); None where not captured."""
-        return self.trees.greedy(items, taps, self.graphs if self.static else None)
+        return self.trees.greedy(items, taps, self.graphs if self.static else None, roots_from)
 
     def sampled_round(
-        self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]]
+        self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]],
+        roots_from: torch.Tensor | None = None,
     ) -> GreedyOutputs | None:
         """Rounds sampled with temperature and min-p alone, of one session or several, in one replay, their choices
         drawn in the graph (TreeSteps.sampled); None where not captured."""
-        return self.trees.sampled(items, taps, self.graphs if self.static else None, draws)
+        return self.trees.sampled(items, taps, self.graphs if self.static else None, draws, roots_from)
 
     def ar_steps(self, items: list[BatchTree], counts: list[int]) -> torch.Tensor | None:
         """counts[b] greedy AR steps of each untapped session in a row, chained on the device (TreeSteps.ar_steps)

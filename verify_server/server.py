@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from prometheus_client import Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
+from runtime.call_batch import BATCH_BUCKETS, Batch, Deferred, answer_all, answered, checked
 from runtime.service import (
     EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
 )
@@ -171,13 +171,19 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _rounds(
         self, engine: VerifyEngine, requests: list[pb.VerifyRequest | pb.DecodeRequest]
-    ) -> list[pb.StepResponse | Exception]:
+    ) -> list[pb.StepResponse | Exception] | Deferred:
         """Several sessions' Verify and Decode calls, those that pass their checks in one forward
-        (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with."""
-        return run_checked(requests, lambda request: self._call(engine, request),
-                           lambda calls: engine.verify_batch([call[:2] for call in calls], True,
-                                                             [call[2] for call in calls]),
-                           tensors.step_to_pb)
+        (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with. Where they are all one AR
+        step of sessions whose choices the graph makes, the step is launched behind the steps still on the device
+        and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
+        outcomes, calls = checked(requests, lambda request: self._call(engine, request))
+        if calls and all(tree is ROOT_ONLY and steps == 1 for _, tree, steps in calls):
+            step = engine.launch_decodes([session_id for session_id, _, _ in calls])
+            if step is not None:
+                return Deferred(step.done, lambda engine: answered(outcomes, engine.read_decodes(step),
+                                                                   tensors.step_to_pb))
+        results = engine.verify_batch([call[:2] for call in calls], True, [call[2] for call in calls]) if calls else []
+        return answered(outcomes, results, tensors.step_to_pb)
 
     def _call(
         self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
@@ -188,9 +194,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
         """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""
-        root = engine.session(request.session_id).root  # NOT_FOUND before any complaint about the tree
+        sess = engine.session(request.session_id)  # NOT_FOUND before any complaint about the tree
         if isinstance(request, pb.DecodeRequest):
             return ROOT_ONLY
+        if sess.ahead:  # its root is the token of a step not read yet
+            engine.settle()
+        root = sess.root
         tree = tensors.tree_from_pb(request.tree)
         check_tree(tree, root, self._tree_limits(engine))
         return tree

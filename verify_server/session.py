@@ -14,7 +14,7 @@ import torch
 
 from kernels.device_copies import CopiesMemo
 from kernels.readback import PinnedReadback
-from protos.types import SamplingParams
+from protos.types import SamplingParams, StepResult
 from runtime.timing import StepTimer
 from verify_server.cache_slots import CacheSlots, NoMemory
 from verify_server.kv_cache import KVCache
@@ -72,6 +72,28 @@ class PendingRound:
 
 
 @dataclass
+class AheadStep:
+    """A batch of AR steps launched and not read yet (verify_server/decode_ahead.py).
+
+    sessions  each call's (session id, session), in the batch's order
+    tokens    [trees] on the device: the token each tree's step chose (rows past the sessions: fillers)
+    host      [len(sessions)] host view (pinned on a GPU) that the device stores the tokens into after the step
+    timer     the step's StepTimer: its end is recorded once the tokens are stored
+    results   each call's StepResult, once read
+    """
+
+    sessions: list[tuple[str, VerifySession]]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    timer: StepTimer
+    results: list[StepResult] | None = None
+
+    def done(self) -> bool:
+        """Whether the step has run (reading it waits for nothing)."""
+        return self.timer.done()
+
+
+@dataclass
 class VerifySession:
     cache: KVCache
     capacity: int  # committed slots the session asked for (the fused path's cache may be larger)
@@ -87,6 +109,9 @@ class VerifySession:
     grammar: TreeGrammar | None = None  # the grammar at the committed tokens, where params carry one
     blocks: SessionBlocks | None = None  # what the prefix cache reads of it, where the engine caches prefixes
     inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
+    # AR steps launched ahead and not read yet, oldest first: each (the step, this session's index in it)
+    # (verify_server/decode_ahead.py); the committed length and root lag the device by as many steps
+    ahead: deque[tuple[AheadStep, int]] = field(default_factory=deque)
     readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
     queued: int = 0  # rounds queued so far (picks the readback buffer)
     # per readback slot, host memory for a host_features round's path features, flat
@@ -107,8 +132,8 @@ class VerifySession:
         if end > self.capacity:
             raise CapacityError(f"session needs {end} KV slots but was started with capacity {self.capacity}")
         if end > self.cache.room:
-            # the rounds in flight write up to their furthest outcome: those slots come along
-            kept = self.cache.length + sum(p.advance for p in self.inflight)
+            # the rounds in flight and the steps launched ahead write up to their furthest outcome: those slots come along
+            kept = self.cache.length + sum(p.advance for p in self.inflight) + len(self.ahead)
             try:
                 self.cache = self.slots.grow(self.cache, end, kept)
             except NoMemory as exc:

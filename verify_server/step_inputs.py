@@ -167,7 +167,7 @@ class BatchBuffers:
             elif q > 1:
                 for i, values in enumerate((tree.tokens, tree.parents, tree.depths)):
                     row[i * qb : i * qb + q] = values.numpy()
-            row[3 * qb : 3 * qb + 3] = (item.cache.length, q, item.root)
+            row[3 * qb : 3 * qb + 3] = (item.start, q, item.root)
             table[:, b] = slot_addresses(item.cache)
         if draws is not None:
             drawn = host[host.shape[0] - self.draws.numel() :].view(np.float64).reshape(self.draws.shape)
@@ -181,7 +181,13 @@ class BatchBuffers:
         if self.copied is not None:
             self.copied.record()
         copy_together([pair for b in on_device for pair in self._tree_rows(b, items[b].tree)])
-        self.caches, self.starts = [item.cache for item in items], [item.cache.length for item in items]
+        self.caches, self.starts = [item.cache for item in items], [item.start for item in items]
+
+    def take_roots(self, tokens: torch.Tensor) -> None:
+        """The roots written as -(i + 1) (BatchTree.root) become tokens[i], tokens [n] on the device: the tokens
+        of a step launched before this one, which the host has not read."""
+        roots = self.inputs[:, 3 * self.qb + 2]  # [B], a strided view
+        roots.copy_(torch.where(roots < 0, tokens[(-roots - 1).clamp(0, tokens.shape[0] - 1)], roots))
 
     def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
         """A lone round queued before the session's previous one is read: its start and root come from that

@@ -28,11 +28,19 @@ from verify_server.tree_attention import ancestor_matrix
 
 @dataclass(frozen=True)
 class BatchTree:
-    """One session's part of a batch: its cache slot, its tree, its root token."""
+    """One session's part of a batch: its cache slot, its tree, its root token. ahead: the session's steps
+    launched before this one and not read yet (verify_server/decode_ahead.py): its tree starts that far past the
+    committed length, and a root of -(i + 1) stands for token i of the step launched before, on the device only."""
 
     cache: KVCache
     tree: DraftTree
     root: int
+    ahead: int = 0
+
+    @property
+    def start(self) -> int:
+        """The slot of the tree's root."""
+        return self.cache.length + self.ahead
 
 
 @dataclass

@@ -76,14 +76,16 @@ class TreeSteps:
         return self.decoder.logits(hidden, compiled=True), features, batch, rows
 
     def greedy(
-        self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None
+        self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
+        roots_from: torch.Tensor | None = None,
     ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay, each tree padded to the query bucket of the largest ->
         (packed [trees, 2 + qb], each row as accept_path returns it; features of each path's nodes [trees, qb,
         taps*hidden], the first k+1 rows of each valid, or None; cursors [trees, 2], each tree's next start and
         bonus token), rewritten by the graph's next replay; None where it is not captured (see _prepare). The
-        caller commits each tree's k + 1 rows; rows past the items are filler."""
-        prepared = self._prepare(items, graphs)
+        caller commits each tree's k + 1 rows; rows past the items are filler. roots_from: the tokens [n] of a step
+        launched before, on the device, that the roots written as -(i + 1) stand for (BatchTree.root)."""
+        prepared = self._prepare(items, graphs, roots_from=roots_from)
         if prepared is None:
             return None
         buf, kv_len = prepared
@@ -91,12 +93,12 @@ class TreeSteps:
 
     def sampled(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
-        draws: Callable[[], list[TreeDraws]],
+        draws: Callable[[], list[TreeDraws]], roots_from: torch.Tensor | None = None,
     ) -> GreedyOutputs | None:
         """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample), each
         tree's choices drawn in the graph from `draws()`, called once the batch is known to be captured (a session's
-        numbers are drawn only for the round that uses them)."""
-        prepared = self._prepare(items, graphs, draws=draws)
+        numbers are drawn only for the round that uses them); roots_from as for greedy."""
+        prepared = self._prepare(items, graphs, draws=draws, roots_from=roots_from)
         if prepared is None:
             return None
         buf, kv_len = prepared
@@ -183,7 +185,7 @@ class TreeSteps:
 
     def _prepare(
         self, items: list[BatchTree], graphs: GraphPool | None, after: torch.Tensor | None = None, start: int = 0,
-        ahead: int = 0, draws: Callable[[], list[TreeDraws]] | None = None,
+        ahead: int = 0, draws: Callable[[], list[TreeDraws]] | None = None, roots_from: torch.Tensor | None = None,
     ) -> tuple[BatchBuffers, int] | None:
         """The batch's static inputs written, and its key bucket; None where it is not captured: no graphs (eager
         mode), trees beyond the largest bucket, or several trees on a GPU without the flash kernel (which finds the
@@ -193,7 +195,7 @@ class TreeSteps:
         any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
         round in flight (BatchBuffers.write_after), start the furthest that round can take it. ahead: the steps
         chained after this one on the same inputs (ar_steps), whose keys reach that much further. draws: a sampled
-        batch's (sampled), called here, once the batch is known to be captured."""
+        batch's (sampled), called here, once the batch is known to be captured. roots_from: greedy's."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if graphs is not None else None
         if qb is None or (graphs.enabled and not self.by_address and len(items) > 1):
             return None
@@ -208,7 +210,9 @@ class TreeSteps:
                                                                      self.decoder.embed.device)
         if after is None:
             buf.write(items, None if draws is None else draws())
-            start = max(item.cache.length for item in items) + ahead
+            if roots_from is not None:
+                buf.take_roots(roots_from)
+            start = max(item.start for item in items) + ahead
             if ahead:  # the loop form's key rows (TreeBatch.kv_lens) cover the last chained step
                 buf.starts = [s + ahead for s in buf.starts]
         else:

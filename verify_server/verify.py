@@ -22,6 +22,7 @@ from runtime.grammar import Grammars
 from runtime.models import read_eos_ids
 from runtime.timing import TimerEvents
 from verify_server.batched_rounds import BatchedRounds
+from verify_server.decode_ahead import AheadStep, DecodesAhead
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
 from verify_server.grammar import TreeGrammar
@@ -105,6 +106,7 @@ class VerifyEngine:
         self.timers = TimerEvents(self.device)
         self.fused: FusedRunner | None = None
         self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
+        self.ahead: DecodesAhead | None = None  # the fused path's AR steps launched before the last one is read
         no_fused = "the generic HF path was asked for" if not fused else fused_unsupported(cfg)
         if attention == INVARIANT and no_fused is not None:
             raise ValueError(f"the deterministic mode needs the fused path (Qwen3 / Llama / Qwen2 targets): {no_fused}")
@@ -112,6 +114,7 @@ class VerifyEngine:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
                                      max_batch)
             self.queued = QueuedRounds(self.fused, self.timers)
+            self.ahead = DecodesAhead(self.fused, self.timers, self.sessions, self._cached)
         # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
         # a prompt chunk that no captured prompt step runs goes through _forward
@@ -260,7 +263,34 @@ class VerifyEngine:
     @torch.inference_mode()
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         """_verify, its committed tokens offered to the prefix cache."""
+        self.settle()
         return self._cached(session_id, self._verify(session_id, tree, host_features))
+
+    # ---- AR steps launched ahead ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def launch_decodes(self, session_ids: list[str]) -> AheadStep | None:
+        """One AR step of each session in one replay, launched behind the steps launched before and not read, its
+        roots taken from theirs on the device (verify_server/decode_ahead.py); read_decodes reads it. None where
+        one launch cannot take them all (DecodesAhead.launchable): nothing is launched, and verify_batch runs
+        them."""
+        if self.ahead is None:
+            return None
+        sessions = self.ahead.launchable(session_ids)
+        return None if sessions is None else self.ahead.launch(session_ids, sessions)
+
+    @torch.inference_mode()
+    def read_decodes(self, step: AheadStep) -> list[StepResult]:
+        """A launched step's results, one per session in its order: waits for it, and commits it and the steps
+        launched before it (once: a step read already answers from its results)."""
+        return self.ahead.read(step)
+
+    def settle(self) -> None:
+        """Reads every AR step launched ahead, their results kept for their callers: what runs any other round,
+        or checks a tree against a session's root, must find each session's committed state as its device's."""
+        if self.ahead is not None and self.ahead.unread:
+            with torch.inference_mode():
+                self.ahead.settle()
 
     def _cached(self, session_id: str, step: StepResult) -> StepResult:
         """A round's commit as the prefix cache sees it: the blocks it fills are offered (where prefixes are
@@ -328,6 +358,7 @@ class VerifyEngine:
         chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, logits
         processors or logprobs, the uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds
         queued): verify() runs those."""
+        self.settle()
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
@@ -349,6 +380,7 @@ class VerifyEngine:
         """Several sessions' Verify and Decode calls, their forward shared where it can be; steps: each call's AR
         steps in a row (a Decode's; None: one each) -> each call's StepResult, or the exception verify() would
         raise for it (BatchedRounds.verify_batch)."""
+        self.settle()
         outcomes = self.batched.verify_batch(calls, host_features, steps)
         for (session_id, _), outcome in zip(calls, outcomes):  # in call order: a session's second call came after
             if isinstance(outcome, StepResult):
