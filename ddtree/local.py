@@ -99,7 +99,9 @@ class LocalVerifier:
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return self.engine.verify(session_id, tree)
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
+        if untap:
+            self.engine.untap(session_id)
         return self.engine.decode(session_id, steps=steps)
 
     async def end_session(self, session_id: str) -> None:

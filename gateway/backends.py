@@ -71,8 +71,9 @@ class VerifierClient(Protocol):
 
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
-        """`steps` AR steps in a row (at most MAX_DECODE_STEPS): their tokens, a token a step."""
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
+        """`steps` AR steps in a row (at most MAX_DECODE_STEPS): their tokens, a token a step. untap: the session
+        taps no features from this call on (its drafter has gone)."""
         ...
 
     async def end_session(self, session_id: str) -> None: ...

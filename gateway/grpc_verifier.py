@@ -109,8 +109,9 @@ class GrpcVerifier(GrpcClient):
         request.tree.CopyFrom(tensors.tree_to_pb(tree))  # the drafter's tree passes on as it came
         return await self._round("Verify", session_id, request)
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
-        return await self._round("Decode", session_id, pb.DecodeRequest(session_id=session_id, steps=steps))
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
+        return await self._round("Decode", session_id,
+                                 pb.DecodeRequest(session_id=session_id, steps=steps, untap=untap))
 
     async def end_session(self, session_id: str) -> None:
         try:

@@ -70,6 +70,11 @@ class Request:
     relay: asyncio.Future | None = None
     steps: Steps | None = None  # the gateway's step gather: a round is handed over once the next call has left
     decode_steps: int = 1  # AR steps a Decode asks for in a row, at most (ar_steps)
+    # asked before each round of a speculating request that may go on AR (run_rounds): False gives the drafter up
+    keep_speculating: Callable[[], bool] | None = None
+    # where a speculating request gave its drafter up: the step, timings and index its AR steps go on from
+    handoff: tuple[StepResult, Mapping[str, float], int] | None = None
+    untapping: bool = False  # the next Decode untaps the verifier session (its drafter has gone)
 
     def tree_shape(self) -> tuple[int, int | None]:
         return self.spec.tree_shape(self.drafter.block_size)
@@ -86,6 +91,16 @@ class Request:
         first (a stop token still wastes the steps after it: the request ends there anyway); 0 where the limit
         leaves no room. ahead: the steps of Decodes already submitted and not yet taken."""
         return max(0, min(self.decode_steps, self.max_new_tokens - self.generated - ahead))
+
+    def gives_way(self) -> bool:
+        """Whether the request gives its drafter up now and goes on AR: it speculates, may go on AR, and
+        speculation no longer pays at this load (keep_speculating)."""
+        return self.drafter is not None and self.keep_speculating is not None and not self.keep_speculating()
+
+    def decode(self, steps: int) -> Awaitable[StepResult]:
+        """The next Decode of `steps` AR steps; the first after the drafter has gone untaps the verifier session."""
+        untap, self.untapping = self.untapping, False
+        return self.verifier.decode(self.session_id, steps, untap)
 
     @property
     def root_position(self) -> int:

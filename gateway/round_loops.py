@@ -22,13 +22,18 @@ from gateway.request import Request, Round, discard, round_timings
 
 
 async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
-    """One round at a time: each starts from the host's copy of the last one's outcome."""
+    """One round at a time: each starts from the host's copy of the last one's outcome. A speculating request that
+    gives its drafter up (Request.gives_way) ends the loop before a round, leaving where it stands in
+    `run.handoff`."""
     session_id = run.session_id
     pending: asyncio.Future | None = None  # the next round's first call, started before this round is handed over
     index = 0
     tree_size = 0
     try:
         while True:
+            if index and run.gives_way():  # AR steps from here, in their own loop form (run_rounds)
+                run.handoff = (step, timings, index)
+                return
             tokens, logprobs, finish = run.take(step)
             if finish:
                 yield Round(index, tokens, tree_size, finish, timings, logprobs)
@@ -78,7 +83,9 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
 DECODES_AHEAD = 2  # a pipelined request's Decodes submitted at once: one in its step, one waiting for the next
 
 
-async def pipelined_decodes(run: Request, step: StepResult, timings: Mapping[str, float]) -> AsyncIterator[Round]:
+async def pipelined_decodes(
+    run: Request, step: StepResult, timings: Mapping[str, float], index: int = 0
+) -> AsyncIterator[Round]:
     """AR steps through the step scheduler (gateway/steps.py) with each session's next Decode submitted before its
     last one is answered. A Decode's outcome is only the next step's root, which the verifier already holds, so the
     call need not wait for the host to read the last one: when a step's answers arrive, every session's next call
@@ -86,11 +93,11 @@ async def pipelined_decodes(run: Request, step: StepResult, timings: Mapping[str
     goes from step to step while the host reads, detokenises and streams the last one's tokens, which at tens of
     sessions takes about as long as the step. Decodes are submitted only within the request's token limit; a stop
     token wastes the one submitted after it (the session ends there anyway). Round timings: round_s is the time
-    between two answers."""
+    between two answers. index: the round `step` is (a request that gave its drafter up goes on from there)."""
     session_id = run.session_id
     submitted: deque[tuple[asyncio.Future, int]] = deque()  # the Decodes in progress, oldest first, and their steps
     ahead = 0  # their steps, all together
-    index, last = 0, time.perf_counter()
+    last = time.perf_counter()
     try:
         while True:
             tokens, logprobs, finish = run.take(step)
@@ -98,7 +105,7 @@ async def pipelined_decodes(run: Request, step: StepResult, timings: Mapping[str
                 yield Round(index, tokens, 0, finish, timings, logprobs)
                 return
             while len(submitted) < DECODES_AHEAD and (steps := run.ar_steps(ahead)) > 0:
-                submitted.append((asyncio.ensure_future(run.verifier.decode(session_id, steps)), steps))
+                submitted.append((asyncio.ensure_future(run.decode(steps)), steps))
                 ahead += steps
             await asyncio.sleep(0)  # the calls reach the step gather (grpc.aio starts them in tasks of their own)
             if not run.ar_steps(ahead):  # the limit's last Decode is in: no step waits for this session after it

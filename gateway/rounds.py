@@ -35,13 +35,17 @@ async def run_rounds(
     prefill_chunk: int = 0,
     steps: Steps | None = None,
     decode_steps: int = 1,
+    keep_speculating: Callable[[], bool] | None = None,
 ) -> AsyncIterator[Round]:
     """Yields one Round per step; the sessions on both services end however the iteration ends.
 
     prefill_chunk: a prompt longer than this goes to the verifier in chunks of as many tokens (0: in one call),
     see Request.prefill. steps: the gather the clients' round calls go out in (gateway/steps.py), if any: a round
     is handed over once the next one's first call has left with its step. decode_steps: the AR steps a Decode
-    call asks for in a row (Request.decode_steps).
+    call asks for in a row (Request.decode_steps). keep_speculating: asked before each round of a speculating request
+    whose AR steps could go a step ahead (a remote verifier in steps, no grammar, not seeded: a seeded request's
+    text follows its rounds); once it says no, the request gives its drafter up, untaps its verifier session and
+    goes on with AR steps (round_loops.pipelined_decodes): the same output, in steps that other AR requests share.
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
     output is unchanged, only slower. `on_fallback` hears about it (metrics, logs). Plain greedy requests (no
@@ -80,8 +84,21 @@ async def run_rounds(
         # end, where a Decode submitted ahead would fail)
         pipelined = not chained and run.drafter is None and steps is not None and verifier.remote and not params.grammar
         loop = chained_rounds if chained else pipelined_decodes if pipelined else stepped_rounds
+        if (loop is stepped_rounds and run.drafter and steps is not None and verifier.remote and not params.grammar
+                and not params.seeded):
+            run.keep_speculating = keep_speculating
         async for rnd in loop(run, step, timings):
             yield rnd
+        if run.handoff is not None:  # speculation stopped paying at this load: AR steps from here
+            run.drafter, run.untapping = None, True
+            if drafter_session:
+                drafter_session = False
+                # the step need not wait for this call; a drafter that fails to end the session lets it expire
+                with contextlib.suppress(Exception):
+                    async with steps.calling(run.session_id):
+                        await drafter.end_session(run.session_id)
+            async for rnd in pipelined_decodes(run, *run.handoff):
+                yield rnd
         ended = True
     finally:
         discard(run.relay)  # the request ended before its first draft

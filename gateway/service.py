@@ -330,6 +330,15 @@ class GatewayService:
         fits = len(req.prompt) + req.max_tokens <= info.max_session_tokens
         return self.backends.drafter if fits and req.spec.tree_shape(info.block_size)[0] <= info.max_budget else None
 
+    def _keep_speculating(self) -> bool:
+        """Whether a running speculating request goes on speculating (SpeculationByLoad, as a request that begins
+        now): no once more requests hold a decoding slot than --speculate-up-to, and the request then goes on AR
+        (run_rounds)."""
+        if self._by_load.speculates(self._slots.held):
+            return True
+        self.metrics.load_yield.inc()
+        return False
+
     async def _run_loop(self, req: GenerationRequest, queue: asyncio.Queue) -> None:
         drafter = self._drafter_for(req)
         spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
@@ -337,7 +346,7 @@ class GatewayService:
         def rounds(prompt: list[int], params: SamplingParams, max_tokens: int) -> AsyncIterator[Round]:
             return run_rounds(self.backends.verifier, drafter, prompt, params, spec, max_tokens, list(req.stop_ids),
                               self.monitor.drafter_failed, self.config.prefill_chunk, self.backends.steps,
-                              self.config.decode_steps)
+                              self.config.decode_steps, self._keep_speculating)
 
         try:
             await self._memory.admit()  # after the requests given up for memory, which go first

@@ -52,9 +52,9 @@ class ServiceVerifier(LocalVerifier):
         await asyncio.sleep(0)
         return await super().verify(session_id, tree)
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
         await asyncio.sleep(0)
-        return await super().decode(session_id, steps)
+        return await super().decode(session_id, steps, untap)
 
     async def info(self) -> VerifierInfo:
         e = self.engine

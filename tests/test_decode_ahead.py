@@ -176,15 +176,17 @@ def test_what_one_launch_cannot_take_runs_the_ordinary_way(qwen3_target: Path) -
 def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path) -> None:
     """The verifier's Batch over a real engine: Decode batches submitted a step ahead (as the gateway's step
     behind sends them) are launched behind the unread step, each call answered with the target's token; a batch
-    with a bad call answers it with its status and launches the rest."""
+    with a bad call answers it with its status and launches the rest. A tapped session (a speculating request's)
+    whose first Decode untaps it joins them."""
     engine = make_engine(qwen3_target, "fused-static")
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     asked = prompts(3, seed=3)
     truth = {name: hf_greedy(model, prompt, 24) for name, prompt in asked.items()}
     got = {}
     for name, prompt in asked.items():
-        engine.start_session(name, 1024, SamplingParams(), [])
-        got[name] = list(engine.prefill(name, prompt).tokens)
+        engine.start_session(name, 1024, SamplingParams(), [1, 2] if name == "s0" else [])
+        got[name] = list(engine.prefill(name, prompt, keep_features=name == "s0").tokens)
+    assert engine.launch_decodes(list(asked)) is None  # s0 taps features
     host = EngineHost(ServiceMetrics("ddtree_verify", "kv_cache_bytes", "KV", engine.device), STATUSES,
                       kv_cache_bytes, 600.0)
     host.engine = engine
@@ -204,7 +206,7 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
         answers = []
         pending = None
         for k in range(20):
-            calls = [pb.DecodeRequest(session_id=name) for name in asked]
+            calls = [pb.DecodeRequest(session_id=name, untap=k == 0 and name == "s0") for name in asked]
             if k == 7:
                 calls.append(pb.DecodeRequest(session_id="nobody"))
             submitted = asyncio.ensure_future(servicer.rounds.submit_all(host, calls))
@@ -224,6 +226,8 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     for name in asked:
         assert got[name] == truth[name][: len(got[name])] and len(got[name]) == 21, name
     assert most_unread == MAX_UNREAD
+    untapped = engine.session("s0")
+    assert untapped.taps == [] and not untapped.kept_features
 
 
 def test_a_batch_launches_while_a_deferred_run_is_on_the_device() -> None:

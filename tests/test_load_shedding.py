@@ -32,7 +32,7 @@ class GatedVerifier(ServiceVerifier):
 
     gate: asyncio.Event
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
         await self.gate.wait()
         return await super().decode(session_id, steps)
 

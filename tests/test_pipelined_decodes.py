@@ -55,7 +55,7 @@ class StepVerifier:
                       skip_features: int = 0) -> StepResult:
         return StepResult(self._commit(session_id, 1), None)
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
         return await self.steps.submit(self.kind, session_id, (session_id, steps))
 
     async def end_session(self, session_id: str) -> None:

@@ -40,7 +40,7 @@ class StalledVerifier(ServiceVerifier):
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return await self._stall()
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
         return await self._stall()
 
     async def _stall(self) -> StepResult:

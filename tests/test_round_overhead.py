@@ -265,7 +265,7 @@ class Remote:
     async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
         return await self._answer("verify", StepResult([5, 6], torch.zeros(2, 2)))
 
-    async def decode(self, session_id: str, steps: int = 1) -> StepResult:
+    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
         return await self._answer("decode", StepResult([8], torch.zeros(1, 2)))
 
 

@@ -149,3 +149,49 @@ def test_a_steady_load_is_verified_in_steps_of_every_client(stack: ServeStack) -
     forwards, rounds, steps = (b - a for a, b in zip(before, after))
     assert forwards >= 5 and steps >= 5, f"a window of {forwards:.0f} forwards and {steps:.0f} steps"
     assert rounds / forwards >= 12, f"mean verify batch {rounds / forwards:.2f} over {forwards:.0f} forwards"
+
+
+@pytest.fixture(scope="module")
+def by_load(tmp_path_factory) -> Iterator[ServeStack]:
+    # speculation pays up to 2 requests decoding at once: beyond, new requests decode AR and running ones give way
+    with serve_stack(tmp_path_factory.mktemp("by-load"), "--max-batch", "16", "--draft-max-batch", "16",
+                     "--max-running", "16", "--speculate-up-to", "2") as running:
+        yield running
+
+
+def test_speculating_streams_go_on_ar_when_the_load_passes_the_limit_each_as_alone(by_load: ServeStack) -> None:
+    """Two long greedy streams speculate alone; once six more begin, they give their drafter up mid-stream
+    (counted) and go on with AR steps that the others' steps share: every text is the one it gets alone."""
+    long = {"ignore_eos": True}
+
+    async def one(client: openai.AsyncOpenAI, i: int, first_token: asyncio.Event | None = None) -> str:
+        reply = await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id, messages=[{"role": "user", "content": PROMPTS[i]}],
+            max_tokens=160 if i < 2 else 40, temperature=0, stream=True, extra_body=long if i < 2 else {})
+        text = ""
+        async for chunk in reply:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+                if first_token is not None:
+                    first_token.set()
+        return text
+
+    async def scenario() -> tuple[list[str], list[str], str, str]:
+        client = _client(by_load)
+        alone = [await one(client, i) for i in range(8)]
+        async with httpx.AsyncClient() as http:
+            before = (await http.get(f"{by_load.url}/metrics")).text
+            started = [asyncio.Event(), asyncio.Event()]
+            first = [asyncio.ensure_future(one(client, i, started[i])) for i in range(2)]
+            await asyncio.gather(*(event.wait() for event in started))
+            rest = await asyncio.gather(*(one(client, i) for i in range(2, 8)))
+            together = [*await asyncio.gather(*first), *rest]
+            after = (await http.get(f"{by_load.url}/metrics")).text
+        return alone, together, before, after
+
+    alone, together, before, after = asyncio.run(scenario())
+    assert all(alone)
+    assert together == alone
+    stopped = metric(after, "ddtree_spec_stopped_by_load_total") - metric(before, "ddtree_spec_stopped_by_load_total")
+    assert stopped >= 1, "no speculating stream gave its drafter up"
+    assert metric(after, "ddtree_spec_skipped_by_load_total") > metric(before, "ddtree_spec_skipped_by_load_total")

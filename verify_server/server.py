@@ -188,8 +188,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _call(
         self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
     ) -> tuple[str, DraftTree, int]:
-        """A round call checked -> (session id, its tree, its AR steps in a row)."""
-        steps = decode_steps(request.steps) if isinstance(request, pb.DecodeRequest) else 1
+        """A round call checked -> (session id, its tree, its AR steps in a row). A Decode that asks for it untaps
+        its session first (DecodeRequest.untap)."""
+        steps = 1
+        if isinstance(request, pb.DecodeRequest):
+            steps = decode_steps(request.steps)
+            if request.untap:
+                engine.untap(request.session_id)
         return request.session_id, self._tree(engine, request), steps
 
     def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:

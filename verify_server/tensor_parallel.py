@@ -129,6 +129,10 @@ class TensorParallelEngine:
         self.channel.send("end_session", {"id": session_id})
         return self.engine.end_session(session_id)
 
+    def untap(self, session_id: str) -> None:
+        self.channel.send("untap", {"id": session_id})
+        self.engine.untap(session_id)
+
     def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
         skip_features: int = 0,
@@ -188,6 +192,8 @@ def follow(engine: VerifyEngine) -> None:
                 engine.verify(header["id"], tree)
             elif op == "decode":
                 engine.decode(header["id"])
+            elif op == "untap":
+                engine.untap(header["id"])
         except SessionError as exc:
             log.debug("rank %d: %s failed as on rank 0: %s", dist.get_rank(), op, exc)
 

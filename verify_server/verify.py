@@ -220,6 +220,19 @@ class VerifyEngine:
             self.caches.release(sess.cache)
         return sess is not None
 
+    def untap(self, session_id: str) -> None:
+        """The session taps no features from now on: its drafter has gone (a speculating request gone on with AR
+        steps), so its steps batch with untapped sessions'. Its prompt features not taken are dropped, and the
+        prefix blocks it commits from now on are cached without features. SessionError with rounds queued, which
+        read the taps."""
+        sess = self.session(session_id)
+        if sess.inflight:
+            raise SessionError(f"session {session_id!r} has queued rounds: collect them first")
+        sess.taps = []
+        sess.kept_features.clear()
+        if sess.blocks is not None:
+            sess.blocks.taps, sess.blocks.rows = (), []
+
     def session(self, session_id: str) -> VerifySession:
         try:
             sess = self.sessions[session_id]
