@@ -109,8 +109,9 @@ class Request:
 
     def fall_back(self, exc: BaseException) -> None:
         """The drafter failed (down, timed out, erroring): the request goes on with AR steps on the verifier, its
-        output unchanged, only slower; `on_fallback` hears about it (metrics, logs)."""
-        self.drafter = None
+        output unchanged, only slower; `on_fallback` hears about it (metrics, logs). Its next Decode untaps the
+        verifier session: nothing reads its features any more."""
+        self.drafter, self.untapping = None, True
         if self.on_fallback is not None:
             self.on_fallback(exc)
 

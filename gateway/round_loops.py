@@ -39,7 +39,7 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
                 yield Round(index, tokens, tree_size, finish, timings, logprobs)
                 return
             drafter = run.drafter
-            first = partial(run.draft, step) if drafter else partial(run.verifier.decode, session_id, run.ar_steps())
+            first = partial(run.draft, step) if drafter else partial(run.decode, run.ar_steps())
             # A remote backend's first call of the next round goes out before this round is handed over, so what
             # the caller does with the round (detokenising, metrics, streaming it out) overlaps the call instead of
             # delaying it. One turn of the event loop lets the call start (grpc.aio starts it in a task of its
@@ -73,7 +73,7 @@ async def stepped_rounds(run: Request, step: StepResult, timings: Mapping[str, f
                     step = await run.verifier.verify(session_id, tree)
                     rpc = {"draft_rpc_s": t1 - t0}
                 else:
-                    step = await run.verifier.decode(session_id)
+                    step = await run.decode(1)
             # merged when read: an in-process drafter's timings wait on device events, off the round's critical path
             timings = round_timings(timings, rpc, step, time.perf_counter() - t0)
     finally:
