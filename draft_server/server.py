@@ -89,8 +89,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
-        return {"Draft": (pb.DraftRequest, self.Draft), "DraftBatch": (pb.DraftBatchRequest, self.DraftBatch),
-                "Append": (relay.AppendCall, self.Append)}
+        return {"Draft": Route(pb.DraftRequest, self.Draft),
+                "DraftBatch": Route(pb.DraftBatchRequest, self.DraftBatch),
+                "Append": Route(relay.AppendCall, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:
         info = tensors.drafter_info_to_pb(

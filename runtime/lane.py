@@ -33,7 +33,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -61,7 +61,15 @@ class RequestParser(Protocol):
 
 # rpc name -> (request parser, the servicer's unary method: (request, context) -> response). A response that is no
 # message has a `lane_pieces()` method: it is written as the bytes that returns, in pieces.
-Route = tuple[RequestParser, Callable[[Any, Any], Awaitable[Any]]]
+class Route(NamedTuple):
+    """A lane RPC: how its requests are read, the servicer method that answers each, and whether a connection's
+    next request starts as soon as it is read, while the calls before it still run (overlapped; the answers still
+    go in request order): for calls whose next one can begin its work before the last one is answered (the
+    verifier's VerifyBatch: a step launched behind the one on the device)."""
+
+    parser: RequestParser
+    handler: Callable[[Any, Any], Awaitable[Any]]
+    overlapped: bool = False
 
 
 class CallFailed(Exception):
@@ -164,7 +172,8 @@ class AbortContext:
 
 
 class _ServerConnection(_Frames):
-    """One client connection: its first frame names the RPC; its requests are answered one at a time, in order."""
+    """One client connection: its first frame names the RPC; its requests are answered in order, one at a time (an
+    overlapped route's each started as it is read)."""
 
     def __init__(self, server: LaneServer) -> None:
         super().__init__(MAX_HELLO_BYTES)  # until a lane client has said hello: a stranger gets no large buffer
@@ -235,7 +244,7 @@ class _ServerConnection(_Frames):
                 self._fail(CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"no lane for {rpc!r}"))
             self.max_bytes = self._server.max_bytes
             return
-        request_cls = self._route[0]
+        request_cls = self._route.parser
         try:
             self._requests.put_nowait(request_cls.FromString(payload))  # parsed in place, before the buffer moves on
         except DecodeError as exc:
@@ -261,27 +270,61 @@ class _ServerConnection(_Frames):
             if isinstance(request, CallFailed):
                 self._fail(request)
                 return
-            try:
-                response = await self._route[1](request, self._context)
-            except CallFailed as failure:
-                self._fail(failure)
+            call = self._route.handler(request, self._context)  # (a request comes after the hello: a route)
+            if self._route.overlapped:
+                await self._answer_overlapped(asyncio.ensure_future(call))
                 return
-            except Exception as exc:  # noqa: BLE001 - a servicer maps its own failures; anything else is INTERNAL
-                log.exception("lane call failed")
-                self._fail(CallFailed(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            if not await self._answer(call):
                 return
-            if self.transport.is_closing():
-                return  # the client went away while its call ran
-            pieces = (response.SerializeToString(),) if isinstance(response, Message) else response.lane_pieces()
-            self.send(grpc.StatusCode.OK.value[0], *pieces)
+
+    async def _answer_overlapped(self, first: asyncio.Future) -> None:
+        """Each request's call starts as it is read (Route.overlapped), `first` already; the answers go in request
+        order. Calls started after one that fails run on, unanswered, as a gRPC call's job runs on once its client
+        has gone."""
+        started: asyncio.Queue[asyncio.Future | CallFailed | None] = asyncio.Queue()
+        started.put_nowait(first)
+        reader = asyncio.get_running_loop().create_task(self._start_calls(started))
+        try:
+            while (call := await started.get()) is not None:
+                if isinstance(call, CallFailed):
+                    self._fail(call)
+                    return
+                if not await self._answer(call):
+                    return
+        finally:
+            reader.cancel()
+
+    async def _start_calls(self, started: asyncio.Queue[asyncio.Future | CallFailed | None]) -> None:
+        while (request := await self._requests.get()) is not None:
+            started.put_nowait(request if isinstance(request, CallFailed)
+                               else asyncio.ensure_future(self._route.handler(request, self._context)))
+        started.put_nowait(None)
+
+    async def _answer(self, call: Awaitable[Any]) -> bool:
+        """Sends the call's answer -> whether the connection goes on (a failure answer ends it)."""
+        try:
+            response = await call
+        except CallFailed as failure:
+            self._fail(failure)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a servicer maps its own failures; anything else is INTERNAL
+            log.exception("lane call failed")
+            self._fail(CallFailed(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return False
+        if self.transport.is_closing():
+            return False  # the client went away while its call ran
+        pieces = (response.SerializeToString(),) if isinstance(response, Message) else response.lane_pieces()
+        self.send(grpc.StatusCode.OK.value[0], *pieces)
+        return True
 
 
 class LaneServer:
-    """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection."""
+    """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection
+    (but for overlapped routes: Route). A route may be given as a (parser, handler) pair."""
 
-    def __init__(self, routes: dict[str, Route], max_message_bytes: int, token: str | None = None,
-                 max_connections: int = 1024, peer_timeout: float = 30.0) -> None:
-        self.routes = routes
+    def __init__(self, routes: dict[str, Route | tuple[RequestParser, Any]], max_message_bytes: int,
+                 token: str | None = None, max_connections: int = 1024, peer_timeout: float = 30.0) -> None:
+        self.routes = {rpc: Route(*route) for rpc, route in routes.items()}
         self.max_bytes = max_message_bytes
         self.token = token  # the shared secret a client's hello must carry (None: none asked)
         self.max_connections = max_connections

@@ -15,7 +15,7 @@ from gateway.grpc_client import STEP_KEY, BackendError
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.transports import SessionStream
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, _Frames
+from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, Route, _Frames
 
 MAX_BYTES = 4096
 
@@ -317,3 +317,43 @@ def test_a_client_call_follows_the_last_one_unanswered_and_one_cancelled_before_
     sent_unanswered, second, closed_by_cancel, closed = asyncio.run(scenario())
     assert sent_unanswered == 2 and second == "answer two"
     assert not closed_by_cancel and closed  # a failure ends the connection; a call that never went does not
+
+
+def test_an_overlapped_route_starts_each_request_as_it_is_read_and_answers_in_order():
+    """Route.overlapped: the second request's call starts while the first one's still runs (here the first waits
+    for the second to have started, which a connection answering one call at a time would never do), and the
+    answers still come in request order; a failure answer ends the connection as on any route."""
+    started: list[int] = []
+    second = asyncio.Event()
+
+    async def overlapped(request: pb.DraftRequest, context) -> pb.DraftResponse:
+        started.append(request.root_token)
+        if request.root_token == 1:
+            await asyncio.wait_for(second.wait(), 5)
+        else:
+            second.set()
+        if request.root_token == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "root token 0")
+        response = pb.DraftResponse()
+        response.tree.max_depth = request.root_token
+        return response
+
+    async def scenario():
+        server = LaneServer({"Both": Route(pb.DraftRequest, overlapped, overlapped=True)}, MAX_BYTES)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            lane = await Lane.open("127.0.0.1", port, "Both", pb.DraftResponse, MAX_BYTES)
+            answers = [lane.request(pb.DraftRequest(root_token=t)) for t in (1, 2, 3)]
+            done = [(await answer).tree.max_depth for answer in answers]
+            lane = await Lane.open("127.0.0.1", port, "Both", pb.DraftResponse, MAX_BYTES)
+            failing = await asyncio.gather(*(lane.request(pb.DraftRequest(root_token=t)) for t in (4, 0, 5)),
+                                           return_exceptions=True)
+            return done, failing
+        finally:
+            await asyncio.wait_for(server.close(), 5)
+
+    done, (first, failed, behind) = asyncio.run(scenario())
+    assert done == [1, 2, 3] and started[:2] == [1, 2]
+    assert first.tree.max_depth == 4
+    assert (failed.code, failed.details) == (grpc.StatusCode.INVALID_ARGUMENT, "root token 0")
+    assert isinstance(behind, CallFailed) and behind.code == grpc.StatusCode.UNAVAILABLE

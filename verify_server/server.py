@@ -110,10 +110,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return response
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
-        return {"Verify": (pb.VerifyRequest, self.Verify), "Decode": (pb.DecodeRequest, self.Decode),
-                "VerifyBatch": (pb.VerifyBatchRequest, self.VerifyBatch),
-                "TakeFeatures": (pb.TakeFeaturesRequest, self._lane_take_features)}
+        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call. A
+        VerifyBatch starts as it is read: the gateway sends a step of AR Decodes behind the one in flight, which
+        the Batch launches behind it on the device before the host reads the first (runtime/call_batch.py)."""
+        return {"Verify": Route(pb.VerifyRequest, self.Verify), "Decode": Route(pb.DecodeRequest, self.Decode),
+                "VerifyBatch": Route(pb.VerifyBatchRequest, self.VerifyBatch, overlapped=True),
+                "TakeFeatures": Route(pb.TakeFeaturesRequest, self._lane_take_features)}
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
         info = tensors.verifier_info_to_pb(

@@ -132,7 +132,8 @@ class VerifySession:
         if end > self.capacity:
             raise CapacityError(f"session needs {end} KV slots but was started with capacity {self.capacity}")
         if end > self.cache.room:
-            # the rounds in flight and the steps launched ahead write up to their furthest outcome: those slots come along
+            # the rounds in flight and the steps launched ahead write up to their furthest outcome: those slots come
+            # along
             kept = self.cache.length + sum(p.advance for p in self.inflight) + len(self.ahead)
             try:
                 self.cache = self.slots.grow(self.cache, end, kept)
