@@ -47,16 +47,25 @@ def prompts(n: int, seed: int = 0) -> dict[str, list[int]]:
     return {f"s{i}": [rng.randrange(VOCAB) for _ in range(MIN_SLOT_TOKENS - 20 + 7 * i)] for i in range(n)}
 
 
+def greedy_sessions(
+    engine: VerifyEngine, target: Path, n: int, seed: int, new_tokens: int, tapped: str = ""
+) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
+    """n greedy sessions started and prefilled (`tapped` with taps, its prompt's features kept) -> (their prompts,
+    the target's greedy continuations by HF generate, the tokens each has so far: its prefill's)."""
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    asked = prompts(n, seed)
+    truth = {name: hf_greedy(model, prompt, new_tokens) for name, prompt in asked.items()}
+    got = {}
+    for name, prompt in asked.items():
+        engine.start_session(name, 1024, SamplingParams(), [1, 2] if name == tapped else [])
+        got[name] = list(engine.prefill(name, prompt, keep_features=name == tapped).tokens)
+    return asked, truth, got
+
+
 @pytest.mark.parametrize("path", ["fused-static", CUDA])
 def test_steps_launched_ahead_give_the_targets_tokens(qwen3_target: Path, path: str) -> None:
     engine = engine_on(qwen3_target, path)
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    asked = prompts(4)
-    truth = {name: hf_greedy(model, prompt, 70) for name, prompt in asked.items()}
-    got = {}
-    for name, prompt in asked.items():
-        engine.start_session(name, 1024, SamplingParams(), [])
-        got[name] = list(engine.prefill(name, prompt).tokens)
+    asked, truth, got = greedy_sessions(engine, qwen3_target, 4, 0, 70)
     names = list(asked)
     unread = []
     most_unread = 0
@@ -122,13 +131,7 @@ def test_other_calls_read_the_steps_unread_first(qwen3_target: Path) -> None:
     """A tree, a decode, a batch: each finds the session where its steps took it, and the launched steps' callers
     still read their own tokens. A session ended with its step unread is not committed to; the others go on."""
     engine = make_engine(qwen3_target, "fused-static")
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    asked = prompts(3, seed=9)
-    truth = {name: hf_greedy(model, prompt, 30) for name, prompt in asked.items()}
-    got = {}
-    for name, prompt in asked.items():
-        engine.start_session(name, 1024, SamplingParams(), [])
-        got[name] = list(engine.prefill(name, prompt).tokens)
+    asked, truth, got = greedy_sessions(engine, qwen3_target, 3, 9, 30)
     names = list(asked)
     first, second = engine.launch_decodes(names), engine.launch_decodes(names)
     tree = oracle_tree(random.Random(1), truth["s0"][2], truth["s0"][3:], 4, 5)
@@ -179,13 +182,7 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     with a bad call answers it with its status and launches the rest. A tapped session (a speculating request's)
     whose first Decode untaps it joins them."""
     engine = make_engine(qwen3_target, "fused-static")
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    asked = prompts(3, seed=3)
-    truth = {name: hf_greedy(model, prompt, 24) for name, prompt in asked.items()}
-    got = {}
-    for name, prompt in asked.items():
-        engine.start_session(name, 1024, SamplingParams(), [1, 2] if name == "s0" else [])
-        got[name] = list(engine.prefill(name, prompt, keep_features=name == "s0").tokens)
+    asked, truth, got = greedy_sessions(engine, qwen3_target, 3, 3, 24, tapped="s0")
     assert engine.launch_decodes(list(asked)) is None  # s0 taps features
     host = EngineHost(ServiceMetrics("ddtree_verify", "kv_cache_bytes", "KV", engine.device), STATUSES,
                       kv_cache_bytes, 600.0)
