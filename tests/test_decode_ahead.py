@@ -29,8 +29,7 @@ from verify_server.server import STATUSES, VerifierServicer, kv_cache_bytes
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu,
-                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
 
 
 def engine_on(target: Path, path: str) -> VerifyEngine:
