@@ -222,6 +222,7 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     for name in asked:
         assert got[name] == truth[name][: len(got[name])] and len(got[name]) == 21, name
     assert most_unread == MAX_UNREAD
+    assert host.metrics.registry.get_sample_value("ddtree_verify_decodes_launched_ahead_total") >= 10
     untapped = engine.session("s0")
     assert untapped.taps == [] and not untapped.kept_features
 

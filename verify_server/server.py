@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import grpc
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, Deferred, answer_all, answered, checked
 from runtime.service import (
@@ -54,6 +54,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           "one forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # every session's Verify and Decode calls that wait for the engine at once share its next forward
         self.rounds: Batch[VerifyEngine] = Batch("Verify", self._rounds, config.max_batch, sizes)
+        self.launched_ahead = Counter("ddtree_verify_decodes_launched_ahead", "Batches of AR steps launched behind "
+                                      "a step still unread, before the host read it (VerifyEngine.launch_decodes)",
+                                      registry=host.metrics.registry)
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
         # A full context plus one tree's scratch slots, which is what the round loop asks for at most.
@@ -182,6 +185,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if calls and all(tree is ROOT_ONLY and steps == 1 for _, tree, steps in calls):
             step = engine.launch_decodes([session_id for session_id, _, _ in calls])
             if step is not None:
+                if len(engine.ahead.unread) > 1:
+                    self.launched_ahead.inc()
                 return Deferred(step.done, lambda engine: answered(outcomes, engine.read_decodes(step),
                                                                    tensors.step_to_pb))
         results = engine.verify_batch([call[:2] for call in calls], True, [call[2] for call in calls]) if calls else []

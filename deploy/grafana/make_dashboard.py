@@ -243,11 +243,13 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     "percentunit"), 8, 8),
         (timeseries("Rounds and AR fallbacks", "Drafted rounds per second, requests that fell back to "
                     "autoregressive decoding because the drafter failed, requests that decoded "
-                    "autoregressively because more requests were decoding than --speculate-up-to, and requests "
-                    "resumed after the verifier ran short of KV memory (per interval).",
+                    "autoregressively because more requests were decoding than --speculate-up-to (from their start, "
+                    "or giving their drafter up mid-way), and requests resumed after the verifier ran short of KV "
+                    "memory (per interval).",
                     [target(rate("ddtree_spec_drafts_total"), "drafted rounds / s"),
                      target("sum(increase(ddtree_fallbacks_total" + RI + "))", "AR fallbacks"),
                      target("sum(increase(ddtree_spec_skipped_by_load_total" + RI + "))", "AR by load"),
+                     target("sum(increase(ddtree_spec_stopped_by_load_total" + RI + "))", "went AR by load"),
                      target("sum(increase(ddtree_requests_resumed_total" + RI + "))", "resumed for KV memory")],
                     "short", overrides=[color("AR fallbacks", "red"),
                                         {"matcher": {"id": "byName", "options": "AR fallbacks"},
