@@ -66,6 +66,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
     p.add_argument("--max-batch", type=int, default=16,
                    help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=1024,
+                   help="the verifier prefills the chunks of several sessions' waiting prompts (of up to 512 tokens "
+                   "each) in one forward, up to N tokens together (0: each prompt alone)")
     p.add_argument("--draft-max-batch", type=int, default=16,
                    help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
     p.add_argument("--max-sessions", type=int,
@@ -164,6 +167,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
     if args.max_session_tokens is not None and args.max_session_tokens < 2:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
+    if args.prefill_batch_tokens < 0:
+        raise SystemExit(f"ddtree serve: --prefill-batch-tokens must be >= 0, got {args.prefill_batch_tokens}")
     if args.kv_cache_gib is not None and (args.kv_cache_gib <= 0 or args.tp > 1):
         # the verifier would refuse it at each start, and be restarted forever
         raise SystemExit(f"ddtree serve: --kv-cache-gib must be > 0 and not with --tp > 1, got {args.kv_cache_gib}")
@@ -194,7 +199,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
-                      "--max-batch", str(args.max_batch), "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
+                      "--max-batch", str(args.max_batch), "--prefill-batch-tokens", str(args.prefill_batch_tokens),
+                      "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
                       *(["--deterministic"] if args.deterministic else []),
                       *([] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)])]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),

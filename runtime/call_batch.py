@@ -122,17 +122,20 @@ class Batch(Generic[E]):
     arrive while a run is in the engine wait for the next run, which takes them all (up to max_size). run(engine,
     items) -> one outcome per item, a response or the exception that call fails with: one call's failure is its
     own; or a Deferred, which the runner reads once the device has run it, launching the calls that come meanwhile
-    first (_run_waiting)."""
+    first (_run_waiting). Where calls have a cost, a run takes the oldest calls within its budget (a run's prompt
+    tokens), the rest waiting for the next."""
 
     def __init__(
         self, rpc: str, run: Callable[[E, list[Any]], list[Any] | Deferred], max_size: int,
-        sizes: Histogram | None = None
+        sizes: Histogram | None = None, cost: Callable[[Any], int] | None = None, budget: int = 0,
     ) -> None:
         """rpc: the name the runs go by (whether they run inline, service.EngineHost); sizes: observes each run's
-        number of calls."""
+        number of calls; cost: each call's share of a run's `budget` (a prompt chunk's tokens), which a run's calls
+        stay within, the first call whatever its cost (None: no budget)."""
         if max_size < 1:
             raise ValueError(f"a batch holds at least 1 call, got {max_size}")
         self.rpc, self.run, self.max_size, self.sizes = rpc, run, max_size, sizes
+        self.cost, self.budget = cost, budget
         self._waiting: list[tuple[Any, asyncio.Future]] = []
         self._unread: deque[tuple[list[tuple[Any, asyncio.Future]], Deferred]] = deque()  # runs launched, oldest first
         self._runner: asyncio.Task | None = None
@@ -195,8 +198,18 @@ class Batch(Generic[E]):
         self._start_runner(host)  # the calls beyond max_size, or all of them where the engine is busy
 
     def _take(self) -> list[tuple[Any, asyncio.Future]]:
-        taken, self._waiting = self._waiting[: self.max_size], self._waiting[self.max_size :]
-        return [(item, answer) for item, answer in taken if not answer.done()]  # callers gone: skipped
+        """The next run's calls: the oldest waiting, up to max_size (and the budget); callers gone are dropped."""
+        self._waiting = [(item, answer) for item, answer in self._waiting if not answer.done()]
+        count = min(self.max_size, len(self._waiting))
+        if self.cost is not None:
+            spent = 0
+            for i, (item, _) in enumerate(self._waiting[:count]):
+                spent += self.cost(item)
+                if spent > self.budget and i:
+                    count = i
+                    break
+        taken, self._waiting = self._waiting[:count], self._waiting[count:]
+        return taken
 
     async def _run_batch(self, host: EngineHost[E], taken: list[tuple[Any, asyncio.Future]]) -> None:
         if not taken:

@@ -268,6 +268,23 @@ def test_a_batch_of_one_runs_each_call_as_it_comes() -> None:
     assert outcomes[0] == 0 and isinstance(outcomes[1], ValueError) and outcomes[2] == 40
 
 
+def test_a_batch_with_a_budget_takes_the_oldest_calls_within_it() -> None:
+    """Calls with a cost (a Prefill's prompt tokens): a run takes the oldest waiting calls while their costs stay
+    within the budget, a call over the budget by itself alone; the rest wait for the next run, in order."""
+    engine = Recorder()
+    host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
+    host.engine = engine
+    batch = Batch("Prefill", lambda e, items: e.run(items), max_size=3, cost=lambda item: item, budget=10)
+
+    async def scenario() -> list:
+        calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (4, 4, 6, 12, 2, 2, 2, 2)]
+        return await asyncio.gather(*calls)
+
+    outcomes = asyncio.run(scenario())
+    assert engine.runs == [[4, 4], [6], [12], [2, 2, 2], [2]]  # 4 + 4 + 6 and 6 + 12 pass 10; max_size 3
+    assert outcomes == [40, 40, 60, 120, 20, 20, 20, 20]
+
+
 def test_batch_skips_callers_gone_and_fails_a_failed_run_for_all() -> None:
     """A call cancelled while it waits is not run; a run that fails as a whole fails each of its calls with its
     error, and the next run goes on."""

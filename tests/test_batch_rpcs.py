@@ -222,6 +222,76 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
 # ---- the step gather through the clients ------------------------------------------------------------------------
 
 
+# ---- Prefill ----------------------------------------------------------------------------------------------------
+
+
+def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
+    """A burst of prompts (each prompt in two sessions, tapped and not, one session's prompt in two chunks whose
+    features the verifier keeps), sent at once among a call for an unknown session and one with a token beyond the
+    vocabulary: the verifier runs the Prefill calls that wait together in one forward, and each answer (first
+    token, features, kept features taken later, its status) is what the same call gets alone, one call at a time.
+    Then each session decodes as its twin."""
+    prompts = [*PROMPTS, *PROMPTS]
+    taps = [TAPS] * len(PROMPTS) + [[]] * len(PROMPTS)
+
+    def calls(sessions: list[str]) -> list[pb.PrefillRequest]:
+        requests = [pb.PrefillRequest(session_id=session, prompt=prompt) for session, prompt in zip(sessions, prompts)]
+        chunked = requests.pop(0)  # in two chunks, their features kept
+        requests += [pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[:3], more=True,
+                                       keep_features=True),
+                     pb.PrefillRequest(session_id="unknown-" + uuid.uuid4().hex, prompt=[1, 2]),
+                     pb.PrefillRequest(session_id=sessions[1], prompt=[VOCAB + 5])]
+        return requests, pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[3:], keep_features=True)
+
+    async def answers(stub, requests: list[pb.PrefillRequest], at_once: bool) -> list[tuple[int, pb.StepResponse]]:
+        async def answer(request):
+            try:
+                return OK, await stub.Prefill(request, timeout=30)
+            except grpc.aio.AioRpcError as err:
+                return err.code().value[0], err.details()
+
+        if at_once:
+            return list(await asyncio.gather(*(answer(request) for request in requests)))
+        return [await answer(request) for request in requests]
+
+    async def scenario():
+        async with (grpc.aio.insecure_channel(services.verifier.address) as channel,
+                    GrpcVerifier(services.verifier.address) as client):
+            stub = pb_grpc.VerifierStub(channel)
+            results = []
+            for at_once in (False, True):  # the reference first: one call a run
+                sessions = [uuid.uuid4().hex for _ in prompts]
+                for session, session_taps in zip(sessions, taps):
+                    await client.start_session(session, 64, SamplingParams(), session_taps)
+                requests, last_chunk = calls(sessions)
+                got = await answers(stub, requests, at_once)
+                got += await answers(stub, [last_chunk], at_once)
+                kept = [await stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=last_chunk.session_id), timeout=30)
+                        for _ in range(2)]
+                decoded = [[(await client.decode(session)).tokens[0] for _ in range(4)] for session in sessions]
+                for session in sessions:
+                    await client.end_session(session)
+                results.append((got, kept, decoded))
+            return results
+
+    shared_before = _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size")
+    (alone, alone_kept, alone_decoded), (burst, burst_kept, burst_decoded) = asyncio.run(scenario())
+    assert _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size") - shared_before > 0
+    assert [code for code, _ in burst] == [code for code, _ in alone] == [OK] * (len(prompts) - 1) + [
+        OK, NOT_FOUND, INVALID, OK]
+    assert "unknown-" in burst[-3][1] and "vocab" in burst[-2][1]
+    for (_, got), (_, expected) in [(b, a) for b, a in zip(burst, alone) if b[0] == OK]:
+        assert list(got.tokens) == list(expected.tokens)
+        assert got.HasField("features") == expected.HasField("features")
+        if expected.HasField("features"):
+            assert torch.allclose(tensors.tensor_from_pb(got.features), tensors.tensor_from_pb(expected.features),
+                                  atol=1e-4, rtol=1e-4)
+    for got, expected in zip(burst_kept, alone_kept):
+        assert torch.allclose(tensors.tensor_from_pb(got.features), tensors.tensor_from_pb(expected.features),
+                              atol=1e-4, rtol=1e-4)
+    assert burst_decoded == alone_decoded
+
+
 async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int]) -> list[int]:
     """One greedy ddtree request's tokens; the drafter must serve every round."""
     fallbacks: list[BaseException] = []

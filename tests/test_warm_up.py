@@ -23,6 +23,7 @@ from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 from tests.test_verify import make_engine
 from verify_server import fused_layer
 from verify_server.fused_layer import unfused_linear
+from verify_server.prefill import PrefillCall
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.warm_up import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine
@@ -74,6 +75,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
     serve_steps(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
     serve_long_prompt(engine)
     serve_batches(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
+    serve_prompt_batches(engine)
     assert compiled_graphs() == before
 
 
@@ -89,6 +91,7 @@ def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -
     serve_steps(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
     serve_long_prompt(engine)
     serve_batches(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
+    serve_prompt_batches(engine)
     assert compiled_graphs() == before
 
 
@@ -122,6 +125,23 @@ def serve_batches(engine: VerifyEngine, capacity: int, node_counts: tuple[int, .
                 roots[session_id] = step.tokens[-1]
     for session_id in sessions:
         engine.end_session(session_id)
+
+
+def serve_prompt_batches(engine: VerifyEngine) -> None:
+    """Several sessions' prompts in one forward (prefill_batch): 2 to 5 sessions, of 1 to 300 rows together, a
+    chunk after committed rows among them, untapped and tapped."""
+    rng = random.Random(8)
+    for taps, lengths in (([1, 3], (3, 40)), ([], (200, 90, 17)), ([1, 3], (5, 1, 60, 33, 128))):
+        sessions = [f"p{i}" for i in range(len(lengths))]
+        for session_id in sessions:
+            engine.start_session(session_id, 600, SamplingParams(), taps=taps)
+        engine.prefill(sessions[0], [rng.randrange(engine.vocab_size) for _ in range(20)], more=True)
+        calls = [PrefillCall(session_id, [rng.randrange(engine.vocab_size) for _ in range(length)])
+                 for session_id, length in zip(sessions, lengths)]
+        for step in engine.prefill_batch(calls):
+            assert not isinstance(step, Exception), step
+        for session_id in sessions:
+            engine.end_session(session_id)
 
 
 def serve_long_prompt(engine: VerifyEngine) -> None:

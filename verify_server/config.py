@@ -33,6 +33,13 @@ class VerifyServerConfig(ServiceConfig):
         16, "at most N sessions' rounds (Verify and Decode calls waiting for the engine at once) verified in one "
         "forward; 1: one at a time"
     )
+    prefill_batch_tokens: int = option(
+        1024, "Prefill calls of several sessions waiting for the engine at once (a burst of requests' prompts) share "
+        "one forward, up to N prompt tokens together and max_batch calls; a chunk of more than 512 tokens runs alone "
+        "(its forward is bound by its own matmuls); 0: every Prefill alone. By a thousand rows a large "
+        "target's forward is bound by its matmuls, not its weights' reading: a larger budget saves little, and "
+        "stalls the running streams' steps longer"
+    )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
     warm_up_taps: str = option(
         "", "the target layers the drafter in front of this verifier taps (its target_layer_ids, comma-separated): "
@@ -70,6 +77,8 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"fused_rows must be >= -1, got {self.fused_rows}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.prefill_batch_tokens < 0:
+            raise ValueError(f"prefill_batch_tokens must be >= 0, got {self.prefill_batch_tokens}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         try:

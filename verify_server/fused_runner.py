@@ -224,6 +224,15 @@ class FusedRunner:
         """Several sessions' trees in one uncaptured forward (TreeSteps.forward)."""
         return self.trees.forward(items, taps)
 
+    def prompt_batch(
+        self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch]:
+        """Several sessions' prompt chunks in one uncaptured forward, each a chain (verify_server/prefill.py) ->
+        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, features [rows,
+        taps*hidden] or None, the batch whose rows they follow)."""
+        logits, features, batch, _ = self.trees.forward(items, taps, ending)
+        return logits, features, batch
+
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None
     ) -> GreedyOutputs | None:

@@ -1,28 +1,77 @@
-"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill and take_features.
+"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill, prefill_batch and
+take_features.
 
 Each call continues the context where the last one left it; the prefix cache (verify_server/prefix_cache.py)
 restores the chunk's first tokens where it holds them and is offered the blocks the chunk fills. The last call picks
 the first token (the new root). A call with keep_features leaves its features on the host until take_features
 hands them out.
+
+Several sessions' chunks share one forward (prefill_batch): at batch 1 a large target's short prompt is bound by
+reading its weights, like a decode step, so a burst of requests' prompts prefilled one by one pays that reading once
+each. Each chunk is a chain from its session's committed length, i.e. a tree whose node i sees nodes 0..i: the
+causal mask of a prompt after its committed prefix. So the shared forward is the batched rounds' forward
+(verify_server/tree_batch.py), with only each prompt's last row through the lm_head.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from protos.types import StepResult
-from runtime.timing import TimerEvents
+from protos.types import DraftTree, StepResult
+from runtime.timing import StepTimer, TimerEvents
 from verify_server.fused_runner import FusedRunner
 from verify_server.prefix_cache import PrefixCache
-from verify_server.sampling import first_token
+from verify_server.sampling import PathLogprobs, first_token
 from verify_server.session import SessionError, VerifySession
+from verify_server.step_attention import INVARIANT
+from verify_server.step_inputs import MAX_GRAPH_NODES
+from verify_server.tree_batch import BatchTree
+
+log = logging.getLogger(__name__)
 
 # VerifyEngine._forward: (session, ids [q], positions [q], tree mask or None, last_only) -> logits, features
 Forward = Callable[
     [VerifySession, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor | None]
 ]
+# The longest chunk that shares a forward with others': past it a prompt's forward is bound by its own matmuls, and
+# the batched rounds' attention has not been tuned for longer chains. Longer chunks run alone.
+MAX_SHARED_CHUNK = MAX_GRAPH_NODES
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """A Prefill call: its session, its prompt chunk and VerifyEngine.prefill's options."""
+
+    session_id: str
+    prompt: list[int]
+    more: bool = False
+    keep_features: bool = False
+    skip_features: int = 0
+
+
+@dataclass
+class _Chunk:
+    """A prefill call under way: its session, the slot its chunk starts at, how many of the chunk's first tokens the
+    prefix cache restored (their features: cached, None without taps), its timer (a shared forward's), and where it
+    ends the prompt, its first token's logprobs on the device (None where not asked for)."""
+
+    call: PrefillCall
+    sess: VerifySession
+    start: int
+    reused: int
+    cached: torch.Tensor | None
+    timer: StepTimer
+    scored: PathLogprobs | None = None
+
+    @property
+    def rest(self) -> list[int]:
+        """The tokens the forward runs."""
+        return self.call.prompt[self.reused :]
 
 
 def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -38,9 +87,15 @@ def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return kept, copied
 
 
+def chain(tokens: list[int]) -> DraftTree:
+    """A prompt chunk as a tree: node i's parent is node i - 1, so each token sees the ones before it."""
+    order = torch.arange(len(tokens))
+    return DraftTree(torch.tensor(tokens), order - 1, order, len(tokens) - 1)
+
+
 class PromptPrefill:
-    """prefill and take_features over the engine's fused runner (None: every chunk through `forward`), timers,
-    device and forward."""
+    """prefill, prefill_batch and take_features over the engine's fused runner (None: every chunk through
+    `forward`), timers, device and forward."""
 
     def __init__(
         self, fused: FusedRunner | None, timers: TimerEvents, device: torch.device, forward: Forward
@@ -49,57 +104,161 @@ class PromptPrefill:
         self.timers = timers  # the engine's: a chunk's forward time
         self.device = device
         self.forward = forward  # a chunk that no captured prompt step runs goes through it
+        # The deterministic mode keeps a prompt's chunks on its own causal steps, whose results it vouches for.
+        self.shares = fused is not None and fused.decoder.attention != INVARIANT
 
-    def prefill(
-        self, session_id: str, sess: VerifySession, prompt: list[int], more: bool, keep_features: bool,
-        prefix: PrefixCache | None, skip_features: int = 0,
-    ) -> StepResult:
+    def prefill(self, call: PrefillCall, sess: VerifySession, prefix: PrefixCache | None) -> StepResult:
         """VerifyEngine.prefill for the session `sess`; prefix: the engine's prefix cache (None where prefixes are
-        not cached, and then the session has no blocks); skip_features: the features of positions below it are left
-        out of the answer and the kept features (the drafter holds their context)."""
+        not cached, and then the session has no blocks)."""
+        chunk = self._begin(call, sess, prefix, self.timers.timer())
+        try:
+            logits, features = self._prompt_forward(sess, chunk.rest, chunk.start + chunk.reused)
+        except BaseException:
+            sess.cache.length = chunk.start  # the chunk is not committed: the restored slots are free again
+            raise
+        chunk.timer.mark()
+        first = self._choose(chunk, logits)
+        if first is None:
+            chunk.timer.end()
+        root = None if first is None else chunk.timer.sync(lambda: int(first[0].item()))
+        return self._finish(chunk, features, root, prefix)
+
+    def prefill_batch(
+        self, calls: list[tuple[PrefillCall, VerifySession]], prefix: PrefixCache | None
+    ) -> list[StepResult | Exception]:
+        """VerifyEngine.prefill_batch over the calls' sessions -> each call's StepResult, or the exception prefill
+        would raise for it. The chunks of up to MAX_SHARED_CHUNK tokens of sessions tapping the same layers share one
+        forward (each session's first call of the batch, on the fused path outside the deterministic mode); the
+        others run alone, in order, after it."""
+        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        seen: set[str] = set()
+        for i, (call, sess) in enumerate(calls):
+            if self.shares and call.session_id not in seen and 0 < len(call.prompt) <= MAX_SHARED_CHUNK:
+                groups.setdefault(tuple(sess.taps), []).append(i)
+            seen.add(call.session_id)
+        for taps, members in groups.items():
+            if len(members) > 1:
+                for i, outcome in zip(members, self._together([calls[i] for i in members], taps, prefix)):
+                    outcomes[i] = outcome
+        for i, (call, sess) in enumerate(calls):
+            if outcomes[i] is None:
+                try:
+                    outcomes[i] = self.prefill(call, sess, prefix)
+                except Exception as exc:  # noqa: BLE001 - this call's own error
+                    outcomes[i] = exc
+        return outcomes
+
+    def _together(
+        self, calls: list[tuple[PrefillCall, VerifySession]], taps: tuple[int, ...], prefix: PrefixCache | None
+    ) -> list[StepResult | Exception | None]:
+        """The calls' chunks in one forward -> each one's outcome; None for those left to run alone (all of them
+        where the forward runs out of memory: nothing is committed then)."""
+        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
+        timer = self.timers.timer()
+        chunks: list[tuple[int, _Chunk]] = []
+        for i, (call, sess) in enumerate(calls):
+            try:
+                chunks.append((i, self._begin(call, sess, prefix, timer)))
+            except Exception as exc:  # noqa: BLE001 - this call's own error
+                outcomes[i] = exc
+        running = [(i, chunk) for i, chunk in chunks if chunk.rest]  # a `more` chunk held whole runs nothing
+        try:
+            logits, features, rows = self._shared_forward([chunk for _, chunk in running], taps)
+        except BaseException as exc:
+            for _, chunk in chunks:
+                chunk.sess.cache.length = chunk.start
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            log.warning("%d prompt chunks ran out of memory together; prefilling them one by one", len(running))
+            return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
+        timer.mark()
+        ending = itertools.count()  # the logits' rows: the chunks that end their prompts, in order (all run)
+        firsts = [self._choose(chunk, None if chunk.call.more else logits[next(ending)][None]) for _, chunk in chunks]
+        chosen = [first for first in firsts if first is not None]
+        if not chosen:
+            timer.end()
+        roots = iter(timer.sync(lambda: torch.cat(chosen).tolist()) if chosen else [])  # one host sync for all
+        rows_of = {i: chunk_rows for (i, _), chunk_rows in zip(running, rows)}
+        for i, chunk in chunks:
+            chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
+            outcomes[i] = self._finish(chunk, chunk_features, None if chunk.call.more else next(roots), prefix)
+        return outcomes
+
+    def _shared_forward(
+        self, chunks: list[_Chunk], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[slice]]:
+        """The chunks' tokens, each from its slot past its restored ones, in one forward -> (logits [m, V] fp32 of
+        the last row of each of the m chunks that end their prompts, in order, or None; features [rows,
+        taps*hidden] or None; each chunk's rows in them)."""
+        if not chunks:
+            return None, None, []
+        for chunk in chunks:
+            chunk.sess.cache.length = chunk.start + chunk.reused
+        items = [BatchTree(chunk.sess.cache, chain(chunk.rest), chunk.rest[0]) for chunk in chunks]
+        ending = [b for b, chunk in enumerate(chunks) if not chunk.call.more]
+        logits, features, batch = self.fused.prompt_batch(items, taps, ending)
+        return logits, features, [batch.tree_rows(b) for b in range(len(chunks))]
+
+    @staticmethod
+    def _begin(call: PrefillCall, sess: VerifySession, prefix: PrefixCache | None, timer: StepTimer) -> _Chunk:
+        """A call's checks, its room, and the prefix cache's restore of its first tokens (timed by `timer`)."""
         if sess.root is not None:
             raise SessionError(
-                f"session {session_id!r} is already prefilled: its prompt ended with a call without `more`"
+                f"session {call.session_id!r} is already prefilled: its prompt ended with a call without `more`"
             )
-        if not prompt:
+        if not call.prompt:
             raise SessionError("the prompt chunk is empty")
-        start, n = sess.cache.length, len(prompt)
+        start, n = sess.cache.length, len(call.prompt)
         sess.check_room(start, n + 1)  # the first token's K/V comes with the next step (or with more prompt)
-        timer = self.timers.timer()
-        reused, cached = 0, None  # the chunk's first tokens whose K/V the prefix cache restored, their features
+        reused, cached = 0, None
         if sess.blocks is not None:
-            reused, cached = prefix.restore(sess.blocks, sess.cache, prompt, more)
-        try:
-            logits, features = self._prompt_forward(sess, prompt[reused:], start + reused)
-        except BaseException:
-            sess.cache.length = start  # the chunk is not committed: the restored slots are free again
-            raise
-        if cached is not None:
-            features = cached if features is None else torch.cat((cached, features))
-        timer.mark()
-        sess.cache.length = start + n
+            reused, cached = prefix.restore(sess.blocks, sess.cache, call.prompt, call.more)
+        return _Chunk(call, sess, start, reused, cached, timer)
+
+    @staticmethod
+    def _choose(chunk: _Chunk, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """The chunk's prompt history, and where it ends the prompt, its first token [1] chosen from its last row's
+        logits [1, V] on the device (its logprobs kept on the chunk's session until _finish); None for a `more`
+        chunk, which picks no token: a sampled session draws nothing, so a chunked prompt samples what it would
+        have in one call."""
+        sess, call = chunk.sess, chunk.call
         if sess.history is not None:
-            sess.history.add_prompt(prompt)
+            sess.history.add_prompt(call.prompt)
+        if call.more:
+            return None
+        first, scored = first_token(logits, sess.params, sess.history, sess.draws, call.prompt[-1], sess.grammar)
+        chunk.scored = scored
+        return first
+
+    def _finish(
+        self, chunk: _Chunk, features: torch.Tensor | None, root: int | None, prefix: PrefixCache | None
+    ) -> StepResult:
+        """A chunk's commit after its forward (features of the rows it ran, None without taps) and, where it ends the
+        prompt, its first token `root` read already: the session's length and root, the prefix cache's blocks, the
+        features answered or kept. -> its StepResult, forward_s its timer's."""
+        sess, call, start = chunk.sess, chunk.call, chunk.start
+        if chunk.cached is not None:
+            features = chunk.cached if features is None else torch.cat((chunk.cached, features))
+        sess.cache.length = start + len(call.prompt)
         logprobs = None
-        if more:
-            timer.end()
-        else:  # read before the kept features' copy is queued: the first token does not wait for it
-            first, scored = first_token(logits, sess.params, sess.history, sess.draws, prompt[-1], sess.grammar)
-            sess.root = timer.sync(lambda: int(first.item()))
+        if root is not None:  # read before the kept features' copy is queued: the first token does not wait for it
+            sess.root = root
             if sess.history is not None:
-                sess.history.add_output([sess.root])
+                sess.history.add_output([root])
             if sess.grammar is not None:
-                sess.grammar.commit([sess.root])
-            logprobs = None if scored is None else scored.read(1)
+                sess.grammar.commit([root])
+            logprobs = None if chunk.scored is None else chunk.scored.read(1)
         if sess.blocks is not None:
-            prefix.commit(sess.blocks, sess.cache, prompt if more else [*prompt, sess.root], features)
-        if features is not None and skip_features > start:  # [n - dropped, taps*hidden]; none left: None
-            features = features[skip_features - start :] if skip_features < start + n else None
-        if keep_features and features is not None:
+            prefix.commit(sess.blocks, sess.cache, call.prompt if call.more else [*call.prompt, root], features)
+        skip = call.skip_features
+        if features is not None and skip > start:  # [n - dropped, taps*hidden]; none left: None
+            features = features[skip - start :] if skip < start + len(call.prompt) else None
+        if call.keep_features and features is not None:
             sess.kept_features.append(_kept(features))
             features = None
-        forward_s, _ = timer.split()  # a chunk's kernels, not the copy after them
-        return StepResult([] if more else [sess.root], features, forward_s=forward_s, logprobs=logprobs)
+        forward_s, _ = chunk.timer.split()  # a chunk's kernels, not the copy after them
+        return StepResult([] if call.more else [root], features, forward_s=forward_s, logprobs=logprobs)
 
     def _prompt_forward(
         self, sess: VerifySession, prompt: list[int], start: int

@@ -30,6 +30,7 @@ from runtime.lane import CallFailed, Route
 from runtime.prefix_blocks import PrefixCacheMetrics
 from verify_server.cache_slots import KVCacheMetrics
 from verify_server.config import VerifyServerConfig
+from verify_server.prefill import PrefillCall
 from verify_server.session import CapacityError, MemoryShortError, UnknownSessionError, VerifySession
 from verify_server.step_attention import INVARIANT
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree, decode_steps
@@ -54,6 +55,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           "one forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # every session's Verify and Decode calls that wait for the engine at once share its next forward
         self.rounds: Batch[VerifyEngine] = Batch("Verify", self._rounds, config.max_batch, sizes)
+        prompts = Histogram("ddtree_verify_prefill_batch_size", "Sessions' Prefill calls run in one forward",
+                            buckets=BATCH_BUCKETS, registry=host.metrics.registry)
+        # the Prefill calls that wait for the engine at once share its next forward, within a budget of tokens
+        self.prompts: Batch[VerifyEngine] = Batch(
+            "Prefill", self._prefills, config.max_batch if config.prefill_batch_tokens else 1, prompts,
+            cost=lambda request: len(request.prompt), budget=config.prefill_batch_tokens)
         self.launched_ahead = Counter("ddtree_verify_decodes_launched_ahead", "Batches of AR steps launched behind "
                                       "a step still unread, before the host read it (VerifyEngine.launch_decodes)",
                                       registry=host.metrics.registry)
@@ -79,7 +86,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return await self.host.call("EndSession", context, end)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.host.call("Prefill", context, lambda engine: self._prefill(engine, request), forward=True)
+        return await self.prompts.call(self.host, "Prefill", context, request, forward=True)
 
     async def TakeFeatures(self, request: pb.TakeFeaturesRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         return await self.host.call(
@@ -148,18 +155,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         engine.start_session(request.session_id, request.capacity, params, list(request.tap_layers))
         return pb.VerifierStartSessionResponse()
 
-    def _prefill(self, engine: VerifyEngine, request: pb.PrefillRequest) -> pb.StepResponse:
-        """The prompt in one call or in chunks (`more` on every call but the last): each answer holds its chunk's
-        features (or the verifier keeps them for TakeFeatures: `keep_features`), the last one the first token too.
-        A chunk after the prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with
-        the session untouched."""
+    def _prefills(self, engine: VerifyEngine, requests: list[pb.PrefillRequest]) -> list[pb.StepResponse | Exception]:
+        """Several sessions' Prefill calls, their chunks in one forward where they can share it
+        (VerifyEngine.prefill_batch) -> each call's answer, or the error it fails with. A call sends its prompt in one
+        call or in chunks (`more` on every call but the last): each answer holds its chunk's features (or the
+        verifier keeps them for TakeFeatures: `keep_features`), the last one the first token too. A chunk after the
+        prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session
+        untouched."""
+        outcomes, calls = checked(requests, lambda request: self._prefill_call(engine, request))
+        return answered(outcomes, engine.prefill_batch(calls) if calls else [], tensors.step_to_pb)
+
+    def _prefill_call(self, engine: VerifyEngine, request: pb.PrefillRequest) -> PrefillCall:
+        """A Prefill call checked."""
         check_prompt(request.prompt, engine.vocab_size)
         self._check_features_fit(engine, request)
         if request.skip_features < 0:
             raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
-        step = engine.prefill(request.session_id, list(request.prompt), request.more, request.keep_features,
-                              request.skip_features)
-        return tensors.step_to_pb(step)
+        return PrefillCall(request.session_id, list(request.prompt), request.more, request.keep_features,
+                           request.skip_features)
 
     def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
         """A chunk's features go back in one message (its answer's or TakeFeatures'): a chunk whose features could
@@ -187,7 +200,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if step is not None:
                 if len(engine.ahead.unread) > 1:
                     self.launched_ahead.inc()
-                return Deferred(step.done, lambda engine: answered(outcomes, engine.read_decodes(step),
+                return Deferred(step.timer.done, lambda engine: answered(outcomes, engine.read_decodes(step),
                                                                    tensors.step_to_pb))
         results = engine.verify_batch([call[:2] for call in calls], True, [call[2] for call in calls]) if calls else []
         return answered(outcomes, results, tensors.step_to_pb)

@@ -78,7 +78,7 @@ class AheadStep:
     sessions  each call's (session id, session), in the batch's order
     tokens    [trees] on the device: the token each tree's step chose (rows past the sessions: fillers)
     host      [len(sessions)] host view (pinned on a GPU) that the device stores the tokens into after the step
-    timer     the step's StepTimer: its end is recorded once the tokens are stored
+    timer     the step's StepTimer: its end is recorded once the tokens are stored (done(): reading waits for nothing)
     results   each call's StepResult, once read
     """
 
@@ -87,10 +87,6 @@ class AheadStep:
     host: torch.Tensor
     timer: StepTimer
     results: list[StepResult] | None = None
-
-    def done(self) -> bool:
-        """Whether the step has run (reading it waits for nothing)."""
-        return self.timer.done()
 
 
 @dataclass

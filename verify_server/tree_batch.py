@@ -51,8 +51,8 @@ class TreeBatch:
     row_slot   [rows] int64 on the device: each row's slot row in its tree's cache, for the loop form's K/V writes
                (None with the flash kernels, which take each tree's rows from its start)
     starts     [B] int64 on the device: each tree's first slot
-    anc        [B, max_q, max_q] bool on the device: tree b's ancestor-or-self matrix in its top-left corner; None:
-               every tree a causal chunk (lone_batch, the invariant kernels only)
+    anc        [B, w, w] bool on the device, w >= max_q: tree b's ancestor-or-self matrix in its top-left corner;
+               None: every tree a causal chunk (lone_batch, the invariant kernels only)
     tables     [2, B] int64 on the device: each tree's rows and first row
     slots      [2 * layers + 1, B] int64 on the device (slot_table), for the flash and invariant kernels; None
                elsewhere
@@ -129,7 +129,10 @@ def build_batch(items: list[BatchTree], device: torch.device, by_address: bool) 
     q_lens = [item.tree.tokens.shape[0] for item in items]
     offsets = [sum(q_lens[:b]) for b in range(len(items))]
     max_q = max(q_lens)
-    anc = torch.zeros(len(items), max_q, max_q, dtype=torch.bool)  # [B, max_q, max_q]
+    # a multiple of 16 past one row: Triton specialises the flash kernel on its strides' divisibility by 16, and the
+    # start-up compile (compile_batch_plans) met only such widths; an uncaptured batch of any other would compile
+    width = max_q if max_q == 1 else -(-max_q // 16) * 16
+    anc = torch.zeros(len(items), width, width, dtype=torch.bool)  # [B, width, width]
     columns = []  # per tree: [5, q] ids, positions, parents, depths, row_slot
     for b, item in enumerate(items):
         tree, q = item.tree.cpu(), q_lens[b]

@@ -29,7 +29,7 @@ from verify_server.grammar import TreeGrammar
 from verify_server.hf_forward import HFForward
 from verify_server.cache_slots import MIN_SLOT_TOKENS, CacheSlots, NoMemory, OwnCaches
 from verify_server.kv_cache import KVCache
-from verify_server.prefill import PromptPrefill
+from verify_server.prefill import PrefillCall, PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.queued_rounds import QueuedRounds
@@ -63,7 +63,7 @@ def load_target(
 
 class VerifyEngine:
     """One target's verification for many sessions: the steps a service or an in-process round loop calls
-    (start_session, prefill, take_features, verify, decode, launch / collect, verify_batch, end_session)."""
+    (start_session, prefill, prefill_batch, take_features, verify, decode, launch / collect, verify_batch, end_session)."""
 
     def __init__(
         self,
@@ -255,8 +255,24 @@ class VerifyEngine:
         and a sampled session draws nothing, so a chunked prompt samples what it would have in one
         call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
         it are left out (the drafter restored their context); a chunk wholly below it has none, kept or not."""
-        return self.prompts.prefill(session_id, self.session(session_id), prompt, more, keep_features, self.prefix,
-                                    skip_features)
+        call = PrefillCall(session_id, prompt, more, keep_features, skip_features)
+        return self.prompts.prefill(call, self.session(session_id), self.prefix)
+
+    @torch.inference_mode()
+    def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
+        """Several sessions' prefill calls, their chunks in one forward where they can share it (a burst of
+        requests' prompts: PromptPrefill.prefill_batch) -> each call's StepResult, or the exception prefill would
+        raise for it. A session's later call in the batch runs after its earlier one."""
+        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
+        found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
+        for i, call in enumerate(calls):
+            try:
+                found.append((i, (call, self.session(call.session_id))))
+            except UnknownSessionError as exc:
+                outcomes[i] = exc
+        for (i, _), outcome in zip(found, self.prompts.prefill_batch([pair for _, pair in found], self.prefix)):
+            outcomes[i] = outcome
+        return outcomes
 
     def take_features(self, session_id: str) -> StepResult:
         """The features of the session's oldest prefill call made with keep_features and not taken yet."""

@@ -15,6 +15,7 @@ import torch
 
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
+from verify_server.prefill import PrefillCall
 from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
@@ -95,6 +96,15 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
     for prompt in (17, *(n + 1 for n in past_limit)):
         with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
+    # Several sessions' prompts in one forward (prefill_batch: the batched rounds' uncaptured step over chains, and
+    # the lm_head over their last rows), of two sizes.
+    if _batches(engine):
+        for lengths in ((17, 40), (100, 60)):
+            with _warm_up_session(engine, 128) as first, _warm_up_session(engine, 128) as second:
+                calls = [PrefillCall(session_id, [0] * n) for session_id, n in zip((first, second), lengths)]
+                for step in engine.prefill_batch(calls):
+                    if isinstance(step, Exception):
+                        raise step
     # A chunked prompt's later chunks: a step of their own (attending to the committed rows too), compiled apart
     # from the prompts' (fused_layer.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the
     # first token; in slots of two size classes, so that the slot's rows are symbolic for it too.

@@ -296,9 +296,11 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     "sessions' blocks (Draft calls) the drafter ran in one, beside the requests' calls the gateway "
                     "sent in one batch call of a step (its step scheduler). A step's batch near the running requests "
                     "means every running request rides each step; a forward's batch below a step's means the "
-                    "service's --max-batch splits it.",
+                    "service's --max-batch splits it. The verifier's prompt forwards: the Prefill calls each took "
+                    "(requests starting together).",
                     [target(mean("ddtree_verify_batch_size"), "verifier mean"),
                      target(quantile(0.9, "ddtree_verify_batch_size"), "verifier p90"),
+                     target(mean("ddtree_verify_prefill_batch_size"), "verifier prompts mean"),
                      target(mean("ddtree_draft_batch_size"), "drafter mean"),
                      target(mean("ddtree_step_batch_size", "rpc"), "gateway step {{rpc}} mean")], "short"), 8, 8),
         (timeseries("Collector pauses p99", "Python garbage-collector pauses of each process, any generation: "

@@ -1,0 +1,202 @@
+"""Several sessions' Prefill calls in one forward (VerifyEngine.prefill_batch; the verifier service's Prefill calls
+that wait for the engine at once): each call's answer is what prefill gives it alone, on the fused path (whose
+chunks share a forward) and the generic one (each alone), with every kind of session a request brings: tapped or
+not, greedy, sampled, with processors and logprobs, features answered or kept, a chunk after committed rows, a
+prefix restored from the prefix cache, a session's two calls in one batch, and calls that fail. The reference is a
+second engine, the same calls one at a time; after the prompts, every session goes on as its twin does (greedy
+ones as the target's own greedy continuation, through deep trees). Nothing here measures time."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from protos.types import SamplingParams, StepResult
+from tests.conftest import hf_greedy
+from tests.test_chunked_prefill import DENSE_TOL, TAPS, assert_fp32_close, make_prompt
+from tests.test_verify import PATHS, make_engine, oracle_tree
+from verify_server.prefill import MAX_SHARED_CHUNK, PrefillCall
+from verify_server.verify import VerifyEngine
+
+SAMPLED = SamplingParams(temperature=0.8, seed=11)
+PROCESSED = SamplingParams(repetition_penalty=1.3, logprobs=2)
+TRUTH_TOKENS = 40
+
+
+class SharedForwards:
+    """Counts the shared prompt forwards a fused engine runs, and their chunks (wraps FusedRunner.prompt_batch,
+    which still runs)."""
+
+    def __init__(self, engine: VerifyEngine) -> None:
+        self.chunks: list[int] = []
+        if engine.fused is None:
+            return
+        run = engine.fused.prompt_batch
+
+        def counted(items, taps, ending):
+            self.chunks.append(len(items))
+            return run(items, taps, ending)
+
+        engine.fused.prompt_batch = counted
+
+
+def start(engines: tuple[VerifyEngine, ...], sessions: dict[str, tuple[SamplingParams, list[int]]]) -> None:
+    for engine in engines:
+        for session_id, (params, taps) in sessions.items():
+            engine.start_session(session_id, 200, params, taps)
+
+
+def one_by_one(engine: VerifyEngine, calls: list[PrefillCall]) -> list[StepResult | Exception]:
+    outcomes = []
+    for call in calls:
+        try:
+            outcomes.append(engine.prefill(call.session_id, call.prompt, call.more, call.keep_features,
+                                           call.skip_features))
+        except Exception as exc:  # noqa: BLE001 - the call's own outcome
+            outcomes.append(exc)
+    return outcomes
+
+
+def assert_same_outcomes(got: list, expected: list) -> None:
+    """The same tokens, features (within fp32 rounding: one forward over several sessions' rows rounds apart from
+    one over a prompt's), logprobs, or the same error."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        if isinstance(b, Exception):
+            assert type(a) is type(b) and str(a) == str(b)
+            continue
+        assert isinstance(a, StepResult), a
+        assert a.tokens == b.tokens
+        assert (a.features is None) == (b.features is None)
+        if b.features is not None:
+            assert_fp32_close(a.features, b.features, DENSE_TOL)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if b.logprobs is not None:
+            assert a.logprobs.top_ids == b.logprobs.top_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs.logprobs), torch.tensor(b.logprobs.logprobs))
+
+
+def assert_same_continuations(
+    engines: tuple[VerifyEngine, VerifyEngine], session_ids: list[str], steps: int = 8
+) -> dict[str, list[int]]:
+    """Each session's kept features taken alike, then `steps` decode steps alike in both engines -> each session's
+    decoded tokens."""
+    batched, alone = engines
+    decoded: dict[str, list[int]] = {}
+    for session_id in session_ids:
+        while batched.session(session_id).kept_features:
+            assert_fp32_close(batched.take_features(session_id).features, alone.take_features(session_id).features,
+                              DENSE_TOL)
+        assert not alone.session(session_id).kept_features
+        for _ in range(steps):
+            a, b = batched.decode(session_id), alone.decode(session_id)
+            assert a.tokens == b.tokens
+            if b.features is not None:
+                assert_fp32_close(a.features, b.features, DENSE_TOL)
+            decoded.setdefault(session_id, []).extend(a.tokens)
+    return decoded
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path) -> None:
+    """One batch of calls of every kind, and failing calls among them, answered as one by one; the fused path runs
+    the chunks that can share a forward (per tapped layers, each session's first call) in one forward each."""
+    batched, alone = make_engine(qwen3_target, path), make_engine(qwen3_target, path)
+    forwards = SharedForwards(batched)
+    sessions = {
+        "greedy-tapped": (SamplingParams(), TAPS), "greedy-kept": (SamplingParams(), TAPS),
+        "sampled": (SAMPLED, TAPS), "processed": (PROCESSED, TAPS), "skipping": (SamplingParams(), TAPS),
+        "two-calls": (SamplingParams(), TAPS), "chunked": (SamplingParams(), TAPS),
+        "untapped": (SamplingParams(), []), "untapped-sampled": (SAMPLED, []), "done": (SamplingParams(), []),
+        "too-long": (SamplingParams(), TAPS), "empty": (SamplingParams(), TAPS),
+    }
+    start((batched, alone), sessions)
+    prompts = {session_id: make_prompt(5 + 3 * i, seed=i) for i, session_id in enumerate(sessions)}
+    for engine in (batched, alone):
+        engine.prefill("chunked", prompts["chunked"][:9], more=True)  # its batched chunk starts after 9 rows
+        engine.prefill("done", prompts["done"])  # already prefilled: its call fails
+        engine.session("too-long").capacity = 20  # asked for 20 tokens: its prompt does not fit
+    calls = [
+        PrefillCall("greedy-tapped", prompts["greedy-tapped"]),
+        PrefillCall("greedy-kept", prompts["greedy-kept"], keep_features=True),
+        PrefillCall("sampled", prompts["sampled"]),
+        PrefillCall("unknown", [1, 2, 3]),
+        PrefillCall("processed", prompts["processed"]),
+        PrefillCall("skipping", prompts["skipping"], skip_features=7),
+        PrefillCall("two-calls", prompts["two-calls"][:6], more=True, keep_features=True),
+        PrefillCall("chunked", prompts["chunked"][9:]),
+        PrefillCall("untapped", prompts["untapped"]),
+        PrefillCall("done", [4, 5]),
+        PrefillCall("untapped-sampled", prompts["untapped-sampled"]),
+        PrefillCall("two-calls", prompts["two-calls"][6:], keep_features=True),  # after its first, alone
+        PrefillCall("too-long", make_prompt(30, seed=99)),
+        PrefillCall("empty", []),
+    ]
+    outcomes = batched.prefill_batch(calls)
+    assert_same_outcomes(outcomes, one_by_one(alone, calls))
+    failed = [call.session_id for call, outcome in zip(calls, outcomes) if isinstance(outcome, Exception)]
+    assert failed == ["unknown", "done", "too-long", "empty"]
+    if path != "hf":  # the tapped sessions' first calls, and the two untapped ones
+        assert sorted(forwards.chunks) == [2, 7]
+    decoded = assert_same_continuations((batched, alone), [s for s in sessions if s not in failed])
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    first = {call.session_id: outcome.tokens for call, outcome in zip(calls, outcomes) if call.session_id not in failed}
+    for session_id in ("greedy-tapped", "greedy-kept", "untapped"):
+        truth = hf_greedy(model, prompts[session_id], TRUTH_TOKENS + 8)
+        assert first[session_id] + decoded[session_id] == truth[:9]
+        assert_deep_rounds_follow_the_target(batched, session_id, truth)
+
+
+def assert_deep_rounds_follow_the_target(engine: VerifyEngine, session_id: str, truth: list[int]) -> None:
+    """After its first token and 8 decode steps (truth[:9]), deep trees whose paths follow the truth: every round
+    accepts the target's own continuation, up to TRUTH_TOKENS."""
+    rng = random.Random(3)
+    got = truth[:9]
+    while len(got) < TRUTH_TOKENS:
+        max_depth = rng.randint(3, 7)
+        tree = oracle_tree(rng, got[-1], truth[len(got):], max_depth, max_depth)
+        step = engine.verify(session_id, tree)
+        assert step.tokens == truth[len(got) : len(got) + len(step.tokens)]
+        got += step.tokens
+
+
+@pytest.mark.parametrize("path", ["fused", "fused-static"])
+def test_shared_prefill_restores_cached_prefixes(path: str, qwen3_target: Path) -> None:
+    """With the prefix cache on, sessions whose prompts begin as an earlier one's restore those blocks and run the
+    rest in the shared forward; each answers as alone and goes on as alone."""
+    batched, alone = make_engine(qwen3_target, path), make_engine(qwen3_target, path)
+    for engine in (batched, alone):
+        engine.enable_prefix_cache(2**24)
+    shared = make_prompt(40, seed=5)  # two full blocks of 16 tokens, cached by the first session
+    sessions = {"first": (SamplingParams(), TAPS), "tapped": (SamplingParams(), TAPS),
+                "also-tapped": (SAMPLED, TAPS), "untapped": (SamplingParams(), [])}
+    start((batched, alone), sessions)
+    for engine in (batched, alone):
+        engine.prefill("first", shared)
+        engine.end_session("first")
+    hits = batched.prefix.stats.hit_tokens
+    calls = [PrefillCall("tapped", shared[:35] + make_prompt(6, seed=6)),
+             PrefillCall("also-tapped", shared + make_prompt(3, seed=7), keep_features=True),
+             PrefillCall("untapped", shared[:33])]
+    assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
+    assert batched.prefix.stats.hit_tokens - hits == alone.prefix.stats.hit_tokens - hits > 0
+    assert_same_continuations((batched, alone), ["tapped", "also-tapped", "untapped"])
+
+
+def test_long_chunks_run_alone_beside_a_shared_forward(qwen3_target: Path) -> None:
+    """A chunk longer than MAX_SHARED_CHUNK runs alone; the short ones still share a forward."""
+    batched, alone = make_engine(qwen3_target, "fused"), make_engine(qwen3_target, "fused")
+    forwards = SharedForwards(batched)
+    for engine in (batched, alone):
+        for session_id in ("long", "a", "b"):
+            engine.start_session(session_id, MAX_SHARED_CHUNK + 40, SamplingParams(), TAPS)
+    calls = [PrefillCall("a", make_prompt(12, seed=1)), PrefillCall("long", make_prompt(MAX_SHARED_CHUNK + 1)),
+             PrefillCall("b", make_prompt(30, seed=2))]
+    assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
+    assert forwards.chunks == [2]
+    assert_same_continuations((batched, alone), ["long", "a", "b"])
+
