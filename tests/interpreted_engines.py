@@ -88,7 +88,29 @@ def check_verify() -> None:
     batch = engine.verify_batch([("a-ar", ROOT_ONLY), ("b-ar", ROOT_ONLY)], steps=[7, 3])
     assert [step.tokens for step in batch] == [truths["a"][1:8], truths["b"][1:4]], batch
     assert engine.decode("a-ar", steps=5).tokens == truths["a"][8:13]
-    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens; AR steps in a row ok")
+    check_prompt_batch(engine, model)
+    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens; AR steps in a row ok; "
+          "prompts in one forward ok")
+
+
+def check_prompt_batch(engine, model) -> None:
+    """Several sessions' prompts in one forward (prefill_batch): their chunks as chains through the batch op, tapped
+    and untapped, one of them a chunk after 6 committed rows, of lengths that are no multiple of 16; each session's
+    first token and AR steps after it are the target's own."""
+    from protos.types import SamplingParams
+    from tests.conftest import VOCAB, hf_greedy
+    from verify_server.prefill import PrefillCall
+
+    prompts = {name: [(7 * i + 3 * len(name)) % VOCAB for i in range(length)]
+               for name, length in (("c", 5), ("dd", 23), ("e", 17), ("ff", 9))}
+    truths = {name: hf_greedy(model, prompt, 6) for name, prompt in prompts.items()}
+    for name in prompts:
+        engine.start_session(name, 200, SamplingParams(), taps=[1, 3] if len(name) == 1 else [])
+    engine.prefill("e", prompts["e"][:6], more=True)
+    calls = [PrefillCall(name, prompt[6:] if name == "e" else prompt) for name, prompt in prompts.items()]
+    for name, step in zip(prompts, engine.prefill_batch(calls)):
+        assert step.tokens == truths[name][:1], (name, step)
+        assert [engine.decode(name).tokens[0] for _ in range(5)] == truths[name][1:6], name
 
 
 def check_deterministic() -> None:
