@@ -4,8 +4,11 @@ between a step and the weight-streaming bound.
 With --batch N, a step of N sessions' rounds in one VerifyBatch forward instead (VerifyEngine.verify_batch, as the
 verifier serves a step of the step scheduler): N decode steps (0 nodes) or N trees.
 
-Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64] [--compile] [--attention grouped] [--eager]
-       [--batch 16] [--temperature 0.7 [--top-p 0.9]]
+With --prefill L --prompts N, N sessions' prompts of L tokens prefilled one by one, then in one forward
+(VerifyEngine.prefill_batch, as the verifier serves Prefill calls that wait together).
+
+Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64 [--prompts 16]] [--compile]
+       [--attention grouped] [--eager] [--batch 16] [--temperature 0.7 [--top-p 0.9]]
 TARGET: a model directory, or random:<shape> (runtime/shapes.py SHAPES, e.g. random:qwen3-8b).
 """
 
@@ -21,6 +24,7 @@ from runtime.timing import profiled_calls
 from protos.types import DraftTree, SamplingParams
 from draft_server.tree import build_tree
 from verify_server.step_attention import ATTENTION_CHOICES
+from verify_server.prefill import PrefillCall
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine, load_target
 
@@ -38,6 +42,9 @@ def main() -> None:
     p.add_argument("--fused-rows", type=int, default=None, metavar="N",
                    help="steps of up to N rows through the fused Triton projections (0: cuBLAS; default: by size)")
     p.add_argument("--prefill", default="", help="prompt lengths whose prefill to profile (a session each call)")
+    p.add_argument("--prompts", type=int, default=1,
+                   help="with --prefill: this many sessions' prompts a call, one by one and in one forward "
+                   "(VerifyEngine.prefill_batch)")
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="sessions verified in one step (1: a lone round)")
     p.add_argument("--temperature", type=float, default=0.0, help="the sessions sample (0: greedy)")
@@ -53,7 +60,8 @@ def main() -> None:
     streamed = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
     bound_ms = streamed / copy_bandwidth(torch.device(args.device), min(4 * 2**30, streamed)) * 1000
     print(f"weight-streaming bound {bound_ms:.3f} ms ({streamed / 1e9:.2f} GB streamed per step)")
-    engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager, max_sessions=max(16, args.batch),
+    engine = VerifyEngine(model, fused=not args.eager, graphs=not args.eager,
+                          max_sessions=max(16, args.batch, args.prompts),
                           max_batch=args.batch)
     if engine.fused is not None:
         engine.fused.configure(graphs=True, compile=args.compile, attention=args.attention,
@@ -85,15 +93,28 @@ def main() -> None:
         for name in names:
             engine.end_session(name)
     for length in (int(n) for n in args.prefill.split(",") if n):
-        def prefill(length: int = length) -> None:
-            engine.start_session("p", length + 1, SamplingParams(), [])
-            engine.prefill("p", prompt[:length])
-            engine.end_session("p")
+        prompts = [prompt[i : i + length] for i in range(args.prompts)]  # each session's own tokens
 
-        wall_ms, kernel_ms, table = profiled_calls(prefill, sync, args.rows)
-        print(f"\n=== prefill of {length} tokens (session start and end included): {wall_ms:.3f} ms wall, "
-              f"{kernel_ms:.3f} ms of device kernels per call ===")
-        print(table)
+        def prefill(length: int = length, prompts: list[list[int]] = prompts, together: bool = False) -> None:
+            sessions = [f"p{i}" for i in range(len(prompts))]
+            for name in sessions:
+                engine.start_session(name, length + 1, SamplingParams(), [])
+            if together:
+                for outcome in engine.prefill_batch([PrefillCall(n, p) for n, p in zip(sessions, prompts)]):
+                    if isinstance(outcome, Exception):
+                        raise outcome
+            else:
+                for name, tokens in zip(sessions, prompts):
+                    engine.prefill(name, tokens)
+            for name in sessions:
+                engine.end_session(name)
+
+        for together in (False, True) if args.prompts > 1 else (False,):
+            wall_ms, kernel_ms, table = profiled_calls(lambda: prefill(together=together), sync, args.rows)
+            how = "in one forward" if together else "one by one"
+            print(f"\n=== prefill of {args.prompts} prompt(s) of {length} tokens {how} (sessions' start and end "
+                  f"included): {wall_ms:.3f} ms wall, {kernel_ms:.3f} ms of device kernels per call ===")
+            print(table)
 
 
 if __name__ == "__main__":
