@@ -195,12 +195,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                          "--metrics-port", str(args.draft_metrics_port),
                          "--warm-up-budgets", str(args.budget),
                          "--max-batch", str(args.draft_max_batch)]
-    # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
+    # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget,
+    # as many trees at once as requests speculate)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
                       "--max-batch", str(args.max_batch), "--prefill-batch-tokens", str(args.prefill_batch_tokens),
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
+                      "--warm-up-trees", str(args.speculate_up_to),
                       *(["--deterministic"] if args.deterministic else []),
                       *([] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)])]
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),

@@ -249,9 +249,17 @@ def check_warm_up() -> None:
     from verify_server.warm_up import capture_rounds
 
     engine, met = _warm_up([])
-    for most in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
-        engine.fused.slots.max_sessions = most
+    most = engine.fused.slots.max_sessions
+    for fewer in (1, 2):  # a verifier of fewer slots (--max-sessions) holds no more warm-up sessions at once
+        engine.fused.slots.max_sessions = fewer
         capture_rounds(engine, [], 7, 64)
+    # at most 3 trees a step (--warm-up-trees: requests speculate up to 3 at once): tree rounds in batches of up to
+    # 4 (the graph 3 trees run), AR steps up to the batch's 8
+    engine.fused.slots.max_sessions = most
+    engine.fused.graphs = recorder = ReplayRecorder()
+    capture_rounds(engine, [], 7, 64, trees=3)
+    shapes = {(key[0], key[1]) for key in recorder.seen if "prefill" not in key}  # rounds' (trees, query bucket)
+    assert shapes == {(n, qb) for n in (1, 2, 4, 8) for qb in (1, 16) if qb == 1 or n <= 4}, sorted(shapes)
     print("warm_up ok", met, "round shapes met, all captured in warm-up")
 
 
@@ -264,9 +272,11 @@ def check_warm_up_tapped() -> None:
 def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed up, the round shapes met)
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and of both sampled kinds, alone and up to five at once, at contexts
-    within its key buckets: none of their round steps has a shape the warm-up has not run, and replaying what it
-    captured gives each round the tokens the same engine gives without graphs; capture_prompts captures every
-    prompt bucket, whose graphs serve every slot. One set of taps a check: each half takes about as long."""
+    within its key buckets, and, tapped (a drafter's trees), their trees cut by the gateway's fit to any smaller
+    size, greedy and sampled in the graph: none of their round steps has a shape the warm-up has not run, and
+    replaying what it captured gives each round the tokens the same engine gives without graphs; capture_prompts
+    captures every prompt bucket, whose graphs serve every slot. One set of taps a check: each half takes about as
+    long."""
     import random
     import tempfile
     from pathlib import Path
@@ -275,7 +285,7 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
     from protos.types import SamplingParams
     from tests.conftest import make_target
     from verify_server.verify import VerifyEngine
-    from verify_server.warm_up import _chain, capture_prompts, capture_rounds
+    from verify_server.warm_up import _chain, capture_prompts, capture_rounds, fitted_node_counts
 
     with tempfile.TemporaryDirectory() as tmp:
         target = make_target("qwen3", Path(tmp))
@@ -284,20 +294,23 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
         e.fused.static = True
         e.fused.decoder.attention = FLASH
     engine.fused.graphs = recorder = ReplayRecorder()
-    nodes, most_keys = 7, 128
+    nodes, most_keys = (20, 128) if tapped else (7, 128)
+    cuts = fitted_node_counts(nodes) if tapped else []  # 20 nodes, bucket 32: a cut to 1-15 nodes is bucket 16's
+    assert cuts == ([15] if tapped else [])
     capture_rounds(engine, tapped, nodes, most_keys)
     capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}
     warm_prompts = {key for key in recorder.seen if "prefill" in key}
-    # params (greedy, sampled in the graph, sampled after it), 1, 2, 4 or 8 trees (max_batch 8), AR step or tree,
-    # key buckets
-    assert not engine.sessions and len(warm) == 3 * 4 * 2 * len(key_buckets(most_keys)), len(warm)
+    # params (greedy, sampled in the graph, sampled after it; a cut tree's the first two), 1, 2, 4 or 8 trees
+    # (max_batch 8), AR step, tree or cut tree, key buckets
+    assert not engine.sessions and len(warm) == (3 * 2 + 2 * len(cuts)) * 4 * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
     # a top-p session's choices are made after the graph alike whatever its taps: met once, tapped
     filtered = (SamplingParams(temperature=1.1, top_p=0.9, seed=4),) if tapped else ()
     for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3), *filtered):
-        for prompt in (3, 50, 100):  # contexts in every key bucket of the warm-up's
+        # contexts in every key bucket of the warm-up's (below 128 keys with a tree's bucket after them)
+        for prompt in (3, 40, 70) if tapped else (3, 50, 100):
             sessions = {f"{tapped}-{params.temperature}-{prompt}-{i}": None for i in range(5)}
             for name in sessions:
                 ids = [rng.randrange(engine.vocab_size) for _ in range(prompt + rng.randint(0, 8))]
@@ -306,7 +319,9 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
                 sessions[name] = engine.prefill(name, ids).tokens[-1]
                 assert plain.prefill(name, ids).tokens[-1] == sessions[name]
             for _ in range(3):
-                size = rng.choice([0, nodes])
+                # trees cut by a step's fit, greedy or sampled in the graph (a top-p round's cut tree is captured
+                # when first met: the warm-up does not hold every row's logits for it)
+                size = rng.choice([0, nodes, *(rng.randint(1, cut) for cut in cuts if params.top_p == 1.0)])
                 together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
                 trees = [(name, _chain(sessions[name], size)) for name in together]
                 steps = engine.verify_batch(trees)

@@ -200,3 +200,18 @@ def test_long_chunks_run_alone_beside_a_shared_forward(qwen3_target: Path) -> No
     assert forwards.chunks == [2]
     assert_same_continuations((batched, alone), ["long", "a", "b"])
 
+
+
+@pytest.mark.parametrize("path", ["fused", "fused-static"])
+def test_a_batch_of_chunks_that_end_no_prompt(path: str, qwen3_target: Path) -> None:
+    """A chunked prompt's calls in batches (a gateway's chunked prefills of requests starting together): one whose
+    chunks all have more to come picks no token and runs no lm_head; the next ends the prompts."""
+    batched, alone = make_engine(qwen3_target, path), make_engine(qwen3_target, path)
+    forwards = SharedForwards(batched)
+    start((batched, alone), {"a": (SamplingParams(), TAPS), "b": (SAMPLED, TAPS), "c": (SamplingParams(), TAPS)})
+    prompts = {name: make_prompt(20 + 7 * i, seed=30 + i) for i, name in enumerate("abc")}
+    for calls in ([PrefillCall(n, prompts[n][:9], more=True, keep_features=n == "a") for n in "abc"],
+                  [PrefillCall(n, prompts[n][9:], keep_features=n == "a") for n in "abc"]):
+        assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
+    assert forwards.chunks == [3, 3]
+    assert_same_continuations((batched, alone), list("abc"))

@@ -48,6 +48,10 @@ class VerifyServerConfig(ServiceConfig):
     )
     warm_up_nodes: int = option(32, "the tree size requests ask for most (the gateway's --budget): its rounds' "
                                      "graphs are captured in warm-up (at most max_tree_size)")
+    warm_up_trees: int = option(0, "the most sessions' trees a step verifies at once (the gateway's "
+                                   "--speculate-up-to, past which requests decode AR): the warm-up captures tree rounds "
+                                   "in batches of up to this many, AR steps of up to max_batch; 0: max_batch "
+                                   "(ddtree serve passes it)")
     prefix_cache_gib: float | None = option(
         None, "device memory (GiB) for the prefix cache: committed tokens' K/V and drafter features kept after their "
         "requests, so that a prompt starting as an earlier one (a chat's next turn, a shared system prompt) skips "
@@ -95,6 +99,8 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:
             raise ValueError(f"warm_up_nodes must be >= 0, got {self.warm_up_nodes}")
+        if self.warm_up_trees < 0:
+            raise ValueError(f"warm_up_trees must be >= 0, got {self.warm_up_trees}")
         if self.deterministic and (self.tp > 1 or self.eager or self.compile):
             given = "--tp > 1" if self.tp > 1 else "--eager" if self.eager else "--compile"
             raise ValueError(f"--deterministic runs the fused path on one GPU, uncompiled: not with {given}")

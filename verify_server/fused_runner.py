@@ -226,12 +226,16 @@ class FusedRunner:
 
     def prompt_batch(
         self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch]:
         """Several sessions' prompt chunks in one uncaptured forward, each a chain (verify_server/prefill.py) ->
-        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, features [rows,
-        taps*hidden] or None, the batch whose rows they follow)."""
-        logits, features, batch, _ = self.trees.forward(items, taps, ending)
-        return logits, features, batch
+        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, None where it lists none;
+        features [rows, taps*hidden] or None; the batch whose rows they follow). Only those rows go through the
+        lm_head."""
+        hidden, features, batch, _ = self.trees.hidden_forward(items, taps)
+        if not ending:
+            return None, features, batch
+        last = torch.tensor([batch.tree_rows(b).stop - 1 for b in ending], dtype=torch.long, device=hidden.device)
+        return self.decoder.logits(hidden.index_select(0, last), compiled=True), features, batch
 
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None

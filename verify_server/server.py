@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, Deferred, answer_all, answered, checked
 from runtime.service import (
@@ -61,6 +61,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.prompts: Batch[VerifyEngine] = Batch(
             "Prefill", self._prefills, config.max_batch if config.prefill_batch_tokens else 1, prompts,
             cost=lambda request: len(request.prompt), budget=config.prefill_batch_tokens)
+        graphs = Gauge("ddtree_verify_cuda_graphs", "CUDA graphs the verifier holds (rounds and prompts by shape): "
+                       "a rise while serving is a step that met a shape the warm-up did not capture, and waited for "
+                       "its capture", registry=host.metrics.registry)
+        graphs.set_function(lambda: len(host.engine.fused.graphs) if host.engine and host.engine.fused else 0)
         self.launched_ahead = Counter("ddtree_verify_decodes_launched_ahead", "Batches of AR steps launched behind "
                                       "a step still unread, before the host read it (VerifyEngine.launch_decodes)",
                                       registry=host.metrics.registry)
@@ -251,7 +255,7 @@ def kv_cache_bytes(session: VerifySession) -> int:
 def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     """The warm-up, then the prefix cache: after it, so that the warm-up's prompts run every step shape whole and
     leave nothing cached."""
-    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size))
+    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees)
     if config.kv_cache_bytes is not None:  # after the warm-up, whose sessions are not the operator's
         engine.caches.limit_to(config.kv_cache_bytes)
         log.info("sessions' KV caches: up to %.2f GiB", config.kv_cache_gib)

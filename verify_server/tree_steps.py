@@ -64,20 +64,23 @@ class TreeSteps:
         return self.decoder.attention in (FLASH, INVARIANT)
 
     def forward(
-        self, items: list[BatchTree], taps: tuple[int, ...], last_of: list[int] | None = None
+        self, items: list[BatchTree], taps: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
         """Several sessions' trees in one uncaptured forward through the configured (compiled) step -> logits
         [rows, V] fp32, features [rows, taps*hidden] (None without taps), the batch, whose rows and trees they
         follow, and its rows' [4, rows] ids, positions, parents and depths, for the caller's sampling and walks.
-        Each tree's new K/V go to slots [length, length+q) of its cache. last_of: only the last row of each of
-        these trees goes through the lm_head (logits [len(last_of), V]), as a prompt chunk needs."""
+        Each tree's new K/V go to slots [length, length+q) of its cache."""
+        hidden, features, batch, rows = self.hidden_forward(items, taps)
+        return self.decoder.logits(hidden, compiled=True), features, batch, rows
+
+    def hidden_forward(
+        self, items: list[BatchTree], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, TreeBatch, torch.Tensor]:
+        """forward's layers without its lm_head: the last layer's output [rows, hidden] in logits' place."""
         batch, rows = build_batch(items, self.decoder.embed.device, self.by_address)
         hidden, cos, sin = embed_tokens(rows[0], rows[1], self.decoder.embed, self.decoder.rope.table)
         hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
-        if last_of is not None:
-            last = torch.tensor([batch.tree_rows(b).stop - 1 for b in last_of], device=hidden.device)
-            hidden = hidden.index_select(0, last)
-        return self.decoder.logits(hidden, compiled=True), features, batch, rows
+        return hidden, features, batch, rows
 
     def greedy(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,

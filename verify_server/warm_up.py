@@ -57,7 +57,7 @@ def _batches(engine: VerifyEngine) -> bool:
     return fused is None or min(fused.max_batch, fused.slots.max_sessions) >= 2
 
 
-def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32) -> None:
+def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, trees: int = 0) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
     it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
@@ -65,7 +65,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
     (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
     taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
-    they serve every slot, of prompts of every captured bucket (capture_prompts)."""
+    they serve every slot, of prompts of every captured bucket (capture_prompts); trees: the most sessions' trees a
+    step verifies (0: as many as a batch takes)."""
     start = time.perf_counter()
     # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
     # too, in the larger session, where a captured step of that many rows is one a request can bring.
@@ -122,27 +123,51 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
             taps = None
         start, graphs = time.perf_counter(), len(engine.fused.graphs)
         for tapped in ([], *([list(taps)] if taps else [])):  # requests without a drafter tap nothing
-            capture_rounds(engine, tapped, nodes)
+            capture_rounds(engine, tapped, nodes, trees=trees)
             capture_prompts(engine, tapped)
         log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
                  time.perf_counter() - start)
 
 
-def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
+def fitted_node_counts(nodes: int) -> list[int]:
+    """The trees of `nodes` nodes as a step's load-adaptive fit (gateway/tree_fit.py) may cut them, one per query
+    bucket below theirs: each bucket's largest tree, whose graph a cut to any size in that bucket replays."""
+    top = bucket(nodes + 1)
+    return [qb - 1 for qb in QUERY_BUCKETS if 1 < qb and top is not None and qb < top]
+
+
+def _scored_too(node_count: int, nodes: int) -> bool:
+    """Whether rounds of node_count nodes are captured sampled after top-p too (choices made after the graph, which
+    holds every row's logits): AR steps and whole trees; a cut tree's would hold that memory for rounds requests
+    seldom bring."""
+    return node_count in (0, nodes)
+
+
+def _round_kinds(node_count: int, nodes: int) -> tuple[SamplingParams, ...]:
+    """The sampling kinds whose rounds of node_count nodes are captured: greedy, sampled with temperature alone
+    (choices drawn in the graph), and sampled after top-p where _scored_too."""
+    kinds = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
+    return (*kinds, SamplingParams(temperature=1.0, top_p=0.9, seed=0)) if _scored_too(node_count, nodes) else kinds
+
+
+def capture_rounds(
+    engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS, trees: int = 0
+) -> None:
     """The round graphs of sessions tapping `taps`, greedy and of both sampled kinds, alone, two at once and in larger
-    batches, for AR steps and trees of `nodes` nodes, over every key bucket up to most_keys (within the target's
-    context): a graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first
-    requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow."""
-    for node_count in (0, nodes):
+    batches (trees: of up to that many trees, 0: as many as a batch takes; AR steps always), for AR steps and trees
+    of `nodes` nodes, over every key bucket up to most_keys (within the target's context): a graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first
+    requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow. Tapped sessions'
+    trees (a drafter's) also as the gateway's load-adaptive fit cuts them (fitted_node_counts: a capture in the
+    middle of a loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost
+    curve), greedy and sampled in the graph."""
+    for node_count in (0, nodes, *(fitted_node_counts(nodes) if taps else ())):
         qb = bucket(node_count + 1)
         if qb is None:
             continue
         for keys in key_buckets(min(most_keys, engine.model.config.max_position_embeddings)):
             if keys <= qb:
                 continue
-            # greedy; sampled with temperature alone (choices drawn in the graph); sampled after top-p (after it)
-            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
-                           SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
+            for params in _round_kinds(node_count, nodes):
                 # committed rows: keys - qb, so that a round's start plus its bucket is this key bucket
                 with _warm_up_session(engine, keys, taps, params) as alone:
                     root = engine.prefill(alone, [0] * (keys - qb)).tokens[-1]
@@ -156,7 +181,7 @@ def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys:
                     for step in engine.verify_batch(calls, host_features=True):
                         if isinstance(step, Exception):
                             raise step
-    _capture_larger_batches(engine, taps, nodes, most_keys)
+    _capture_larger_batches(engine, taps, nodes, most_keys, trees)
 
 
 def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
@@ -172,31 +197,33 @@ def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
                 engine.prefill(session_id, [0] * qb)
 
 
-def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int) -> None:
-    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once), straight through
-    the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its length), at
-    the lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees shares the
-    graph of the power of two above n."""
+def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int, trees: int) -> None:
+    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once; tree rounds up to
+    `trees`, 0: as many), straight through the runner: their trees all in one warm-up slot, whose rows are scratch
+    (no session reads past its length), at the lengths that make each key bucket; no prefill, no session, nothing
+    committed. A batch of n trees shares the graph of the power of two above n."""
     fused = engine.fused
     most = min(fused.max_batch, fused.slots.max_sessions)
     sizes = [1 << i for i in range(2, (most - 1).bit_length() + 1)]  # 4, 8, ...: 1 and 2 ran as sessions above
+    most_trees = 1 << (min(trees or most, most) - 1).bit_length()  # the graph a batch of that many trees runs
     if not sizes:
         return
     limit = min(most_keys, engine.model.config.max_position_embeddings)
     cache = fused.slots.acquire(limit)
     try:
         with torch.inference_mode():  # the rounds write the slot, as a session's do
-            for node_count in (0, nodes):
+            for node_count in (0, nodes, *(fitted_node_counts(nodes) if taps else ())):
                 qb = bucket(node_count + 1)
                 for keys in (k for k in key_buckets(limit) if qb is not None and k > qb):
                     cache.length = keys - qb  # a round's start plus its bucket is this key bucket
-                    for trees in sizes:
-                        items = [BatchTree(cache, _chain(0, node_count), 0)] * trees
+                    for count in (n for n in sizes if node_count == 0 or n <= most_trees):
+                        items = [BatchTree(cache, _chain(0, node_count), 0)] * count
                         fused.batch_round(items, tuple(taps))  # greedy: forward, walks and compactions
                         # sampled with temperature alone: the same, the choices drawn; any other sampled: the forward
-                        draws = [TreeDraws(np.full(node_count + 1, 0.5), 1.0, 0.0)] * trees
+                        draws = [TreeDraws(np.full(node_count + 1, 0.5), 1.0, 0.0)] * count
                         fused.sampled_round(items, tuple(taps), lambda: draws)
-                        fused.batch_scores(items, tuple(taps))
+                        if _scored_too(node_count, nodes):
+                            fused.batch_scores(items, tuple(taps))
     finally:
         cache.length = 0
         fused.slots.release(cache)
