@@ -122,8 +122,10 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
                         list(taps), engine.num_layers)
             taps = None
         start, graphs = time.perf_counter(), len(engine.fused.graphs)
-        for tapped in ([], *([list(taps)] if taps else [])):  # requests without a drafter tap nothing
-            capture_rounds(engine, tapped, nodes, trees=trees)
+        for tapped in ([], *([list(taps)] if taps else [])):
+            # requests without a drafter tap nothing, and where the drafter's taps are known verify no trees (a
+            # speculating request untaps as it goes on AR)
+            capture_rounds(engine, tapped, nodes if tapped or not taps else 0, trees=trees)
             capture_prompts(engine, tapped)
         log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
                  time.perf_counter() - start)
@@ -134,6 +136,14 @@ def fitted_node_counts(nodes: int) -> list[int]:
     bucket below theirs: each bucket's largest tree, whose graph a cut to any size in that bucket replays."""
     top = bucket(nodes + 1)
     return [qb - 1 for qb in QUERY_BUCKETS if 1 < qb and top is not None and qb < top]
+
+
+def _node_counts(taps: list[int], nodes: int) -> tuple[int, ...]:
+    """The round sizes captured: AR steps, trees of `nodes` nodes (none where it is 0) and, tapped (a drafter's
+    trees), their fitted cuts."""
+    if nodes == 0:
+        return (0,)
+    return (0, nodes, *(fitted_node_counts(nodes) if taps else ()))
 
 
 def _scored_too(node_count: int, nodes: int) -> bool:
@@ -155,12 +165,13 @@ def capture_rounds(
 ) -> None:
     """The round graphs of sessions tapping `taps`, greedy and of both sampled kinds, alone, two at once and in larger
     batches (trees: of up to that many trees, 0: as many as a batch takes; AR steps always), for AR steps and trees
-    of `nodes` nodes, over every key bucket up to most_keys (within the target's context): a graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first
-    requests of a fresh service would otherwise wait for, bucket by bucket as their contexts grow. Tapped sessions'
-    trees (a drafter's) also as the gateway's load-adaptive fit cuts them (fitted_node_counts: a capture in the
-    middle of a loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost
-    curve), greedy and sampled in the graph."""
-    for node_count in (0, nodes, *(fitted_node_counts(nodes) if taps else ())):
+    of `nodes` nodes (0: AR steps alone), over every key bucket up to most_keys (within the target's context): a
+    graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first requests of a
+    fresh service would otherwise wait for, bucket by bucket as their contexts grow. Tapped sessions' trees (a
+    drafter's) also as the gateway's load-adaptive fit cuts them (fitted_node_counts: a capture in the middle of a
+    loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost curve),
+    greedy and sampled in the graph."""
+    for node_count in _node_counts(taps, nodes):
         qb = bucket(node_count + 1)
         if qb is None:
             continue
@@ -212,7 +223,7 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
     cache = fused.slots.acquire(limit)
     try:
         with torch.inference_mode():  # the rounds write the slot, as a session's do
-            for node_count in (0, nodes, *(fitted_node_counts(nodes) if taps else ())):
+            for node_count in _node_counts(taps, nodes):
                 qb = bucket(node_count + 1)
                 for keys in (k for k in key_buckets(limit) if qb is not None and k > qb):
                     cache.length = keys - qb  # a round's start plus its bucket is this key bucket
