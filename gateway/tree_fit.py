@@ -38,6 +38,10 @@ MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
 WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
 DECAY = 1 - 1 / 4096  # per counted round: the acceptance rates follow a workload that changes
 COST_WEIGHT = 0.2  # weight of a new measurement in a row count's (or the overhead's) running mean
+# A measurement past this many times its running mean counts as that many: a batch that waited on something else
+# (a graph's capture, a prompt forward ahead of it on the verifier, a collector pause) must not move the mean as much
+# as a slower forward would; a mean that truly rises still follows, by up to COST_WEIGHT * (OUTLIER - 1) a sample.
+OUTLIER = 2.0
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
 
@@ -137,11 +141,9 @@ class TreeFit:
     def observe_batch(self, rows: int, seconds: float, sent: float) -> None:
         """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer."""
         key = int(_quantum(rows))
-        known = self.costs.get(key)
-        self.costs[key] = seconds if known is None else known + COST_WEIGHT * (seconds - known)
+        self.costs[key] = _running_mean(self.costs.get(key), seconds)
         if self._answered is not None and 0 <= sent - self._answered < STALE_GAP_S:
-            gap = sent - self._answered
-            self.overhead_s = gap if self.overhead_s is None else self.overhead_s + COST_WEIGHT * (gap - self.overhead_s)
+            self.overhead_s = _running_mean(self.overhead_s, sent - self._answered)
         self._answered = time.perf_counter()
 
     # ---- the choice -----------------------------------------------------------------------------------------
@@ -197,6 +199,13 @@ class TreeFit:
         for tree, size in zip(trees, sizes):
             if size > nodes:
                 cut(tree, nodes)
+
+
+def _running_mean(mean: float | None, sample: float) -> float:
+    """A running mean after one more sample, the sample clipped at OUTLIER times the mean (the first one: itself)."""
+    if mean is None:
+        return sample
+    return mean + COST_WEIGHT * (min(sample, OUTLIER * mean) - mean)
 
 
 def _quantum(rows: np.ndarray | int) -> np.ndarray | int:

@@ -114,6 +114,18 @@ def test_measurements_from_rounds_and_batches():
     assert fit.overhead_s == pytest.approx(0.004)
 
 
+def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
+    """A verify batch 10 times its row count's usual time (it waited for a graph's capture, or behind a prompt
+    forward) counts as OUTLIER times the mean; a cost that truly rises is still followed within some samples."""
+    fit = TreeFit()
+    fit.observe_batch(16, 0.010, sent=0.0)
+    fit.observe_batch(16, 0.100, sent=0.0)
+    assert fit.costs[16] == pytest.approx(0.010 + tree_fit.COST_WEIGHT * (tree_fit.OUTLIER - 1) * 0.010)
+    for _ in range(30):
+        fit.observe_batch(16, 0.030, sent=0.0)
+    assert fit.costs[16] == pytest.approx(0.030, rel=0.01)
+
+
 def test_fit_cuts_the_verify_calls_trees_and_reports_the_size():
     chosen = Histogram("chosen", "test", buckets=(1, 4, 8, 16, 32), registry=CollectorRegistry())
     fit = TreeFit(chosen)
