@@ -19,7 +19,7 @@ from protos.types import SamplingParams, StepResult
 from tests.conftest import hf_greedy
 from tests.test_chunked_prefill import DENSE_TOL, TAPS, assert_fp32_close, make_prompt
 from tests.test_verify import PATHS, make_engine, oracle_tree
-from verify_server.prefill import MAX_SHARED_CHUNK, PrefillCall
+from verify_server.prefill import MAX_SHARED_CHUNK, PrefillCall, prefill_each
 from verify_server.verify import VerifyEngine
 
 SAMPLED = SamplingParams(temperature=0.8, seed=11)
@@ -51,14 +51,8 @@ def start(engines: tuple[VerifyEngine, ...], sessions: dict[str, tuple[SamplingP
 
 
 def one_by_one(engine: VerifyEngine, calls: list[PrefillCall]) -> list[StepResult | Exception]:
-    outcomes = []
-    for call in calls:
-        try:
-            outcomes.append(engine.prefill(call.session_id, call.prompt, call.more, call.keep_features,
-                                           call.skip_features))
-        except Exception as exc:  # noqa: BLE001 - the call's own outcome
-            outcomes.append(exc)
-    return outcomes
+    """The reference: each call alone through VerifyEngine.prefill."""
+    return prefill_each(engine.prefill, calls)
 
 
 def assert_same_outcomes(got: list, expected: list) -> None:

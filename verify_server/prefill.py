@@ -87,6 +87,18 @@ def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return kept, copied
 
 
+def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -> list[StepResult | Exception]:
+    """Each call alone through `prefill` (VerifyEngine.prefill's signature), in order -> its StepResult, or the
+    exception it raised."""
+    outcomes: list[StepResult | Exception] = []
+    for call in calls:
+        try:
+            outcomes.append(prefill(call.session_id, call.prompt, call.more, call.keep_features, call.skip_features))
+        except Exception as exc:  # noqa: BLE001 - this call's own error
+            outcomes.append(exc)
+    return outcomes
+
+
 def chain(tokens: list[int]) -> DraftTree:
     """A prompt chunk as a tree: node i's parent is node i - 1, so each token sees the ones before it."""
     order = torch.arange(len(tokens))

@@ -21,7 +21,7 @@ from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import verify_alone
-from verify_server.prefill import PrefillCall
+from verify_server.prefill import PrefillCall, prefill_each
 from verify_server.session import SessionError
 from verify_server.sharding import shard_model
 from verify_server.step_inputs import ROOT_ONLY
@@ -144,14 +144,7 @@ class TensorParallelEngine:
     def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
         """Each call alone through prefill, in order (the sharded target has no fused path, hence no shared
         forward) -> its StepResult, or the exception it raised."""
-        outcomes: list[StepResult | Exception] = []
-        for call in calls:
-            try:
-                outcomes.append(self.prefill(call.session_id, call.prompt, call.more, call.keep_features,
-                                             call.skip_features))
-            except Exception as exc:  # noqa: BLE001 - this call's own error
-                outcomes.append(exc)
-        return outcomes
+        return prefill_each(self.prefill, calls)
 
     def take_features(self, session_id: str) -> StepResult:
         return self.engine.take_features(session_id)  # only rank 0's features leave the process
