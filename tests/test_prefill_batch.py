@@ -209,3 +209,29 @@ def test_a_batch_of_chunks_that_end_no_prompt(path: str, qwen3_target: Path) -> 
         assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
     assert forwards.chunks == [3, 3]
     assert_same_continuations((batched, alone), list("abc"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash batch kernel and compiled steps need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target: Path) -> None:
+    """The service's configuration on a GPU (graphs, the flash batch kernel over the chains, compiled steps): prompts
+    of 5 to 400 tokens, tapped and untapped, one a chunk after committed rows, answered as one by one (features
+    within the dtype's rounding; the first tokens equal) and, in fp32, the same decode steps after; with a chunk past
+    MAX_SHARED_CHUNK beside them."""
+    batched, alone = (VerifyEngine.from_pretrained(qwen3_target, "cuda", dtype, compile=True) for _ in range(2))
+    lengths = {"a": 5, "b": 61, "c": 400, "d": 17, "e": 130, "long": MAX_SHARED_CHUNK + 30}
+    sessions = {name: (SamplingParams(), TAPS if name in "ace" else []) for name in lengths}
+    for engine in (batched, alone):
+        for session_id, (params, taps) in sessions.items():
+            engine.start_session(session_id, 600, params, taps)
+        engine.prefill("e", make_prompt(40, seed=9), more=True)
+    calls = [PrefillCall(name, make_prompt(n, seed=i)) for i, (name, n) in enumerate(lengths.items())]
+    got, expected = batched.prefill_batch(calls), one_by_one(alone, calls)
+    tol = DENSE_TOL * 25 if dtype == torch.float32 else 3e-2
+    for a, b in zip(got, expected):
+        assert isinstance(a, StepResult) and a.tokens == b.tokens
+        if b.features is not None:
+            assert_fp32_close(a.features.float(), b.features.float(), tol)
+    if dtype == torch.float32:
+        for name in lengths:
+            assert [batched.decode(name).tokens for _ in range(8)] == [alone.decode(name).tokens for _ in range(8)]
