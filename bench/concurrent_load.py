@@ -18,10 +18,11 @@ request's TTFT and their p50 / p99, the per-token ITL p50 / p99 and the chunk ga
 ITL is read), end-to-end p50 / p99, failed requests and a few of their messages; from the gateway's metrics τ,
 the mean requests' calls in a step's VerifyBatch (ddtree_step_batch_size), the tree sizes drafted
 (ddtree_spec_tree_size: mean and rounds by bucket) and those a step's verify cut them to (ddtree_step_tree_nodes,
-load-adaptive trees), and the mean time a round spent in each phase (ddtree_round_phase_seconds); with --verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size)
-and its forwards per second, its mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size) and the
-CUDA graphs it captured during the level (ddtree_verify_cuda_graphs: steps that waited for a capture), with --drafter-metrics the drafter's (ddtree_draft_batch_size). One JSON (--out) and
-its figure, a PNG of the same name (ddtree/plots.py load_figure).
+load-adaptive trees), and the mean time a round spent in each phase (ddtree_round_phase_seconds); with
+--verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per second, its
+mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size) and the CUDA graphs it captured during the
+level (ddtree_verify_cuda_graphs: steps that waited for a capture), with --drafter-metrics the drafter's
+(ddtree_draft_batch_size). One JSON (--out) and its figure, a PNG of the same name (ddtree/plots.py load_figure).
 """
 
 from __future__ import annotations

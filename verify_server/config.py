@@ -48,10 +48,11 @@ class VerifyServerConfig(ServiceConfig):
     )
     warm_up_nodes: int = option(32, "the tree size requests ask for most (the gateway's --budget): its rounds' "
                                      "graphs are captured in warm-up (at most max_tree_size)")
-    warm_up_trees: int = option(0, "the most sessions' trees a step verifies at once (the gateway's "
-                                   "--speculate-up-to, past which requests decode AR): the warm-up captures tree rounds "
-                                   "in batches of up to this many, AR steps of up to max_batch; 0: max_batch "
-                                   "(ddtree serve passes it)")
+    warm_up_trees: int = option(
+        0, "the most sessions' trees a step verifies at once (the gateway's --speculate-up-to, past which requests "
+        "decode AR): the warm-up captures tree rounds in batches of up to this many, AR steps of up to max_batch; 0: "
+        "max_batch (ddtree serve passes it)"
+    )
     prefix_cache_gib: float | None = option(
         None, "device memory (GiB) for the prefix cache: committed tokens' K/V and drafter features kept after their "
         "requests, so that a prompt starting as an earlier one (a chat's next turn, a shared system prompt) skips "

@@ -186,15 +186,23 @@ class PromptPrefill:
             return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
         timer.mark()
         ending = itertools.count()  # the logits' rows: the chunks that end their prompts, in order (all run)
-        firsts = [self._choose(chunk, None if chunk.call.more else logits[next(ending)][None]) for _, chunk in chunks]
-        chosen = [first for first in firsts if first is not None]
+        firsts: dict[int, torch.Tensor | None] = {}  # by call: its first token [1] on the device, None for `more`
+        for i, chunk in chunks:
+            row = None if chunk.call.more else logits[next(ending)][None]
+            try:
+                firsts[i] = self._choose(chunk, row)
+            except Exception as exc:  # noqa: BLE001 - this call's own error, nothing of it committed
+                chunk.sess.cache.length = chunk.start
+                outcomes[i] = exc
+        chosen = [first for first in firsts.values() if first is not None]
         if not chosen:
             timer.end()
         roots = iter(timer.sync(lambda: torch.cat(chosen).tolist()) if chosen else [])  # one host sync for all
         rows_of = {i: chunk_rows for (i, _), chunk_rows in zip(running, rows)}
         for i, chunk in chunks:
-            chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
-            outcomes[i] = self._finish(chunk, chunk_features, None if chunk.call.more else next(roots), prefix)
+            if i in firsts:
+                chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
+                outcomes[i] = self._finish(chunk, chunk_features, None if firsts[i] is None else next(roots), prefix)
         return outcomes
 
     def _shared_forward(

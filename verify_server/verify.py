@@ -63,7 +63,8 @@ def load_target(
 
 class VerifyEngine:
     """One target's verification for many sessions: the steps a service or an in-process round loop calls
-    (start_session, prefill, prefill_batch, take_features, verify, decode, launch / collect, verify_batch, end_session)."""
+    (start_session, prefill, prefill_batch, take_features, verify, decode, launch / collect, verify_batch,
+    end_session)."""
 
     def __init__(
         self,
