@@ -273,7 +273,7 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
     """The verifier's warm-up captures (verify_server/warm_up.py, capture_rounds) every round graph that requests
     of its taps and tree size then meet, greedy and of both sampled kinds, alone and up to five at once, at contexts
     within its key buckets, and, tapped (a drafter's trees), their trees cut by the gateway's fit to any smaller
-    size, greedy and sampled in the graph: none of their round steps has a shape the warm-up has not run, and
+    size: none of their round steps has a shape the warm-up has not run, and
     replaying what it captured gives each round the tokens the same engine gives without graphs; capture_prompts
     captures every prompt bucket, whose graphs serve every slot. One set of taps a check: each half takes about as
     long."""
@@ -301,9 +301,9 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
     capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}
     warm_prompts = {key for key in recorder.seen if "prefill" in key}
-    # params (greedy, sampled in the graph, sampled after it; a cut tree's the first two), 1, 2, 4 or 8 trees
-    # (max_batch 8), AR step, tree or cut tree, key buckets
-    assert not engine.sessions and len(warm) == (3 * 2 + 2 * len(cuts)) * 4 * len(key_buckets(most_keys)), len(warm)
+    # params (greedy, sampled in the graph, sampled after it), 1, 2, 4 or 8 trees (max_batch 8), AR step, tree or cut
+    # tree, key buckets
+    assert not engine.sessions and len(warm) == 3 * 4 * (2 + len(cuts)) * len(key_buckets(most_keys)), len(warm)
     recorder.seen.clear()
     rng = random.Random(1)
     # a top-p session's choices are made after the graph alike whatever its taps: met once, tapped
@@ -319,9 +319,7 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
                 sessions[name] = engine.prefill(name, ids).tokens[-1]
                 assert plain.prefill(name, ids).tokens[-1] == sessions[name]
             for _ in range(3):
-                # trees cut by a step's fit, greedy or sampled in the graph (a top-p round's cut tree is captured
-                # when first met: the warm-up does not hold every row's logits for it)
-                size = rng.choice([0, nodes, *(rng.randint(1, cut) for cut in cuts if params.top_p == 1.0)])
+                size = rng.choice([0, nodes, *(rng.randint(1, cut) for cut in cuts)])  # cut trees: a step's fit's
                 together = rng.sample(list(sessions), rng.choice([1, 2, 3, 5]))  # batches of 1, 2, 4, 8
                 trees = [(name, _chain(sessions[name], size)) for name in together]
                 steps = engine.verify_batch(trees)

@@ -146,20 +146,6 @@ def _node_counts(taps: list[int], nodes: int) -> tuple[int, ...]:
     return (0, nodes, *(fitted_node_counts(nodes) if taps else ()))
 
 
-def _scored_too(node_count: int, nodes: int) -> bool:
-    """Whether rounds of node_count nodes are captured sampled after top-p too (choices made after the graph, which
-    holds every row's logits): AR steps and whole trees; a cut tree's would hold that memory for rounds requests
-    seldom bring."""
-    return node_count in (0, nodes)
-
-
-def _round_kinds(node_count: int, nodes: int) -> tuple[SamplingParams, ...]:
-    """The sampling kinds whose rounds of node_count nodes are captured: greedy, sampled with temperature alone
-    (choices drawn in the graph), and sampled after top-p where _scored_too."""
-    kinds = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
-    return (*kinds, SamplingParams(temperature=1.0, top_p=0.9, seed=0)) if _scored_too(node_count, nodes) else kinds
-
-
 def capture_rounds(
     engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS, trees: int = 0
 ) -> None:
@@ -169,8 +155,7 @@ def capture_rounds(
     graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first requests of a
     fresh service would otherwise wait for, bucket by bucket as their contexts grow. Tapped sessions' trees (a
     drafter's) also as the gateway's load-adaptive fit cuts them (fitted_node_counts: a capture in the middle of a
-    loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost curve),
-    greedy and sampled in the graph."""
+    loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost curve)."""
     for node_count in _node_counts(taps, nodes):
         qb = bucket(node_count + 1)
         if qb is None:
@@ -178,7 +163,9 @@ def capture_rounds(
         for keys in key_buckets(min(most_keys, engine.model.config.max_position_embeddings)):
             if keys <= qb:
                 continue
-            for params in _round_kinds(node_count, nodes):
+            # greedy; sampled with temperature alone (choices drawn in the graph); sampled after top-p (after it)
+            for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0),
+                           SamplingParams(temperature=1.0, top_p=0.9, seed=0)):
                 # committed rows: keys - qb, so that a round's start plus its bucket is this key bucket
                 with _warm_up_session(engine, keys, taps, params) as alone:
                     root = engine.prefill(alone, [0] * (keys - qb)).tokens[-1]
@@ -233,8 +220,7 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
                         # sampled with temperature alone: the same, the choices drawn; any other sampled: the forward
                         draws = [TreeDraws(np.full(node_count + 1, 0.5), 1.0, 0.0)] * count
                         fused.sampled_round(items, tuple(taps), lambda: draws)
-                        if _scored_too(node_count, nodes):
-                            fused.batch_scores(items, tuple(taps))
+                        fused.batch_scores(items, tuple(taps))
     finally:
         cache.length = 0
         fused.slots.release(cache)
