@@ -198,18 +198,17 @@ class Batch(Generic[E]):
         self._start_runner(host)  # the calls beyond max_size, or all of them where the engine is busy
 
     def _take(self) -> list[tuple[Any, asyncio.Future]]:
-        """The next run's calls: the oldest waiting, up to max_size (and the budget); callers gone are dropped."""
-        self._waiting = [(item, answer) for item, answer in self._waiting if not answer.done()]
+        """The next run's calls: the oldest waiting, up to max_size (and the budget); callers gone are skipped."""
         count = min(self.max_size, len(self._waiting))
-        if self.cost is not None:
+        if self.cost is not None:  # callers gone spend nothing of the budget
             spent = 0
-            for i, (item, _) in enumerate(self._waiting[:count]):
-                spent += self.cost(item)
+            for i, (item, answer) in enumerate(self._waiting[:count]):
+                spent += 0 if answer.done() else self.cost(item)
                 if spent > self.budget and i:
                     count = i
                     break
         taken, self._waiting = self._waiting[:count], self._waiting[count:]
-        return taken
+        return [(item, answer) for item, answer in taken if not answer.done()]
 
     async def _run_batch(self, host: EngineHost[E], taken: list[tuple[Any, asyncio.Future]]) -> None:
         if not taken:

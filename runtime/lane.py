@@ -320,11 +320,11 @@ class _ServerConnection(_Frames):
 
 class LaneServer:
     """Serves `routes` on one TCP port; the methods run as their gRPC forms do, one call at a time per connection
-    (but for overlapped routes: Route). A route may be given as a (parser, handler) pair."""
+    (but for overlapped routes: Route)."""
 
-    def __init__(self, routes: dict[str, Route | tuple[RequestParser, Any]], max_message_bytes: int,
-                 token: str | None = None, max_connections: int = 1024, peer_timeout: float = 30.0) -> None:
-        self.routes = {rpc: Route(*route) for rpc, route in routes.items()}
+    def __init__(self, routes: dict[str, Route], max_message_bytes: int, token: str | None = None,
+                 max_connections: int = 1024, peer_timeout: float = 30.0) -> None:
+        self.routes = routes
         self.max_bytes = max_message_bytes
         self.token = token  # the shared secret a client's hello must carry (None: none asked)
         self.max_connections = max_connections

@@ -15,7 +15,7 @@ from runtime.event_loop import PollingSelector, busy_poll_seconds, usable_cpus
 from runtime.config import ServiceConfig
 from gateway.config import GatewayConfig
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from runtime.lane import Lane, LaneServer
+from runtime.lane import Lane, LaneServer, Route
 
 
 def test_busy_poll_setting(monkeypatch, tmp_path) -> None:
@@ -124,7 +124,7 @@ def test_lane_exchange_on_a_polling_loop() -> None:
             response.features.data = request.features.data[::-1]
             return response
 
-        server = LaneServer({"Echo": (pb.DraftRequest, echo)}, 2**20)
+        server = LaneServer({"Echo": Route(pb.DraftRequest, echo)}, 2**20)
         port = await server.start("127.0.0.1", 0)
         lane = await Lane.open("127.0.0.1", port, "Echo", pb.StepResponse, 2**20)
         answers = []

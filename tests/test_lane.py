@@ -39,7 +39,7 @@ async def _echo(request: pb.DraftRequest, context) -> pb.StepResponse:
 
 
 async def _with_lane(scenario, max_bytes: int = MAX_BYTES):
-    server = LaneServer({"Draft": (pb.DraftRequest, _draft), "Echo": (pb.DraftRequest, _echo)}, max_bytes)
+    server = LaneServer({"Draft": Route(pb.DraftRequest, _draft), "Echo": Route(pb.DraftRequest, _echo)}, max_bytes)
     port = await server.start("127.0.0.1", 0)
     try:
         return await scenario(port)
@@ -158,7 +158,7 @@ def test_an_answer_over_the_clients_limit_is_refused():
 
 def test_a_server_gone_is_unavailable():
     async def scenario():
-        server = LaneServer({"Draft": (pb.DraftRequest, _draft)}, MAX_BYTES)
+        server = LaneServer({"Draft": Route(pb.DraftRequest, _draft)}, MAX_BYTES)
         port = await server.start("127.0.0.1", 0)
         lane = await Lane.open("127.0.0.1", port, "Draft", pb.DraftResponse, MAX_BYTES)
         await lane.exchange(pb.DraftRequest(root_token=3))

@@ -11,7 +11,7 @@ import pytest
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.config import ServiceConfig
-from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer
+from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, Route
 
 PEER_TIMEOUT = 0.3  # short, so the test waits little; every wait below is several times longer or has no bound
 
@@ -31,7 +31,7 @@ REQUEST = _frame(pb.DraftRequest(root_token=7).SerializeToString())
 
 
 async def _with_server(scenario, max_connections: int = 1024):
-    server = LaneServer({"Draft": (pb.DraftRequest, _draft)}, 4096, max_connections=max_connections,
+    server = LaneServer({"Draft": Route(pb.DraftRequest, _draft)}, 4096, max_connections=max_connections,
                         peer_timeout=PEER_TIMEOUT)
     port = await server.start("127.0.0.1", 0)
     try:

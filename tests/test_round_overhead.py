@@ -25,7 +25,7 @@ from gateway.rounds import Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from runtime.lane import LaneServer
+from runtime.lane import LaneServer, Route
 
 # ---- EngineHost: where engine calls run ------------------------------------------------------------------------
 
@@ -572,7 +572,7 @@ async def _with_server(servicer: pb_grpc.DrafterServicer, scenario, lanes: bool 
     pb_grpc.add_DrafterServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    lane = LaneServer({"Draft": (pb.DraftRequest, servicer.Draft)}, 2**20)
+    lane = LaneServer({"Draft": Route(pb.DraftRequest, servicer.Draft)}, 2**20)
     if isinstance(servicer, LaneDrafter):
         servicer.lane_port = await lane.start("127.0.0.1", 0)
     try:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
-from verify_server.prefill import PrefillCall
+from verify_server.prefill import PrefillCall, chain
 from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
@@ -46,8 +46,7 @@ def _warm_up_session(
 
 def _chain(root: int, nodes: int) -> DraftTree:
     """A warm-up tree: `nodes` tokens 0 in a chain under `root` (node i's parent is i - 1)."""
-    chain = torch.arange(nodes + 1)
-    return DraftTree(torch.cat((torch.tensor([root]), torch.zeros(nodes, dtype=torch.long))), chain - 1, chain, nodes)
+    return chain([root] + [0] * nodes)
 
 
 def _batches(engine: VerifyEngine) -> bool:
