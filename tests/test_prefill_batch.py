@@ -19,7 +19,8 @@ from protos.types import SamplingParams, StepResult
 from tests.conftest import hf_greedy
 from tests.test_chunked_prefill import DENSE_TOL, TAPS, assert_fp32_close, make_prompt
 from tests.test_verify import PATHS, make_engine, oracle_tree
-from verify_server.prefill import MAX_SHARED_CHUNK, PrefillCall, prefill_each
+from verify_server.prefill import PrefillCall
+from verify_server.prompt_batch import MAX_SHARED_CHUNK, prefill_each
 from verify_server.verify import VerifyEngine
 
 SAMPLED = SamplingParams(temperature=0.8, seed=11)

@@ -1,22 +1,13 @@
-"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill, prefill_batch and
-take_features.
+"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill and take_features.
 
 Each call continues the context where the last one left it; the prefix cache (verify_server/prefix_cache.py)
 restores the chunk's first tokens where it holds them and is offered the blocks the chunk fills. The last call picks
 the first token (the new root). A call with keep_features leaves its features on the host until take_features
 hands them out.
-
-Several sessions' chunks share one forward (prefill_batch): at batch 1 a large target's short prompt is bound by
-reading its weights, like a decode step, so a burst of requests' prompts prefilled one by one pays that reading once
-each. Each chunk is a chain from its session's committed length, i.e. a tree whose node i sees nodes 0..i: the
-causal mask of a prompt after its committed prefix. So the shared forward is the batched rounds' forward
-(verify_server/tree_batch.py), with only each prompt's last row through the lm_head.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,19 +19,11 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.prefix_cache import PrefixCache
 from verify_server.sampling import PathLogprobs, first_token
 from verify_server.session import SessionError, VerifySession
-from verify_server.step_attention import INVARIANT
-from verify_server.step_inputs import MAX_GRAPH_NODES
-from verify_server.tree_batch import BatchTree
-
-log = logging.getLogger(__name__)
 
 # VerifyEngine._forward: (session, ids [q], positions [q], tree mask or None, last_only) -> logits, features
 Forward = Callable[
     [VerifySession, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor | None]
 ]
-# The longest chunk that shares a forward with others': past it a prompt's forward is bound by its own matmuls, and
-# the batched rounds' attention has not been tuned for longer chains. Longer chunks run alone.
-MAX_SHARED_CHUNK = MAX_GRAPH_NODES
 
 
 @dataclass(frozen=True)
@@ -55,7 +38,7 @@ class PrefillCall:
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """A prefill call under way: its session, the slot its chunk starts at, how many of the chunk's first tokens the
     prefix cache restored (their features: cached, None without taps), its timer (a shared forward's), and where it
     ends the prompt, its first token's logprobs on the device (None where not asked for)."""
@@ -87,18 +70,6 @@ def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None
     return kept, copied
 
 
-def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -> list[StepResult | Exception]:
-    """Each call alone through `prefill` (VerifyEngine.prefill's signature), in order -> its StepResult, or the
-    exception it raised."""
-    outcomes: list[StepResult | Exception] = []
-    for call in calls:
-        try:
-            outcomes.append(prefill(call.session_id, call.prompt, call.more, call.keep_features, call.skip_features))
-        except Exception as exc:  # noqa: BLE001 - this call's own error
-            outcomes.append(exc)
-    return outcomes
-
-
 def chain(tokens: list[int]) -> DraftTree:
     """A prompt chunk as a tree: node i's parent is node i - 1, so each token sees the ones before it."""
     order = torch.arange(len(tokens))
@@ -106,8 +77,9 @@ def chain(tokens: list[int]) -> DraftTree:
 
 
 class PromptPrefill:
-    """prefill, prefill_batch and take_features over the engine's fused runner (None: every chunk through
-    `forward`), timers, device and forward."""
+    """prefill and take_features over the engine's fused runner (None: every chunk through `forward`), timers,
+    device and forward; begin, choose and finish are a chunk's steps before and after its forward, which
+    PromptBatch shares."""
 
     def __init__(
         self, fused: FusedRunner | None, timers: TimerEvents, device: torch.device, forward: Forward
@@ -116,112 +88,25 @@ class PromptPrefill:
         self.timers = timers  # the engine's: a chunk's forward time
         self.device = device
         self.forward = forward  # a chunk that no captured prompt step runs goes through it
-        # The deterministic mode keeps a prompt's chunks on its own causal steps, whose results it vouches for.
-        self.shares = fused is not None and fused.decoder.attention != INVARIANT
 
     def prefill(self, call: PrefillCall, sess: VerifySession, prefix: PrefixCache | None) -> StepResult:
         """VerifyEngine.prefill for the session `sess`; prefix: the engine's prefix cache (None where prefixes are
         not cached, and then the session has no blocks)."""
-        chunk = self._begin(call, sess, prefix, self.timers.timer())
+        chunk = self.begin(call, sess, prefix, self.timers.timer())
         try:
             logits, features = self._prompt_forward(sess, chunk.rest, chunk.start + chunk.reused)
         except BaseException:
             sess.cache.length = chunk.start  # the chunk is not committed: the restored slots are free again
             raise
         chunk.timer.mark()
-        first = self._choose(chunk, logits)
+        first = self.choose(chunk, logits)
         if first is None:
             chunk.timer.end()
         root = None if first is None else chunk.timer.sync(lambda: int(first[0].item()))
-        return self._finish(chunk, features, root, prefix)
-
-    def prefill_batch(
-        self, calls: list[tuple[PrefillCall, VerifySession]], prefix: PrefixCache | None
-    ) -> list[StepResult | Exception]:
-        """VerifyEngine.prefill_batch over the calls' sessions -> each call's StepResult, or the exception prefill
-        would raise for it. The chunks of up to MAX_SHARED_CHUNK tokens of sessions tapping the same layers share one
-        forward (each session's first call of the batch, on the fused path outside the deterministic mode); the
-        others run alone, in order, after it."""
-        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        seen: set[str] = set()
-        for i, (call, sess) in enumerate(calls):
-            if self.shares and call.session_id not in seen and 0 < len(call.prompt) <= MAX_SHARED_CHUNK:
-                groups.setdefault(tuple(sess.taps), []).append(i)
-            seen.add(call.session_id)
-        for taps, members in groups.items():
-            if len(members) > 1:
-                for i, outcome in zip(members, self._together([calls[i] for i in members], taps, prefix)):
-                    outcomes[i] = outcome
-        for i, (call, sess) in enumerate(calls):
-            if outcomes[i] is None:
-                try:
-                    outcomes[i] = self.prefill(call, sess, prefix)
-                except Exception as exc:  # noqa: BLE001 - this call's own error
-                    outcomes[i] = exc
-        return outcomes
-
-    def _together(
-        self, calls: list[tuple[PrefillCall, VerifySession]], taps: tuple[int, ...], prefix: PrefixCache | None
-    ) -> list[StepResult | Exception | None]:
-        """The calls' chunks in one forward -> each one's outcome; None for those left to run alone (all of them
-        where the forward runs out of memory: nothing is committed then)."""
-        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
-        timer = self.timers.timer()
-        chunks: list[tuple[int, _Chunk]] = []
-        for i, (call, sess) in enumerate(calls):
-            try:
-                chunks.append((i, self._begin(call, sess, prefix, timer)))
-            except Exception as exc:  # noqa: BLE001 - this call's own error
-                outcomes[i] = exc
-        running = [(i, chunk) for i, chunk in chunks if chunk.rest]  # a `more` chunk held whole runs nothing
-        try:
-            logits, features, rows = self._shared_forward([chunk for _, chunk in running], taps)
-        except BaseException as exc:
-            for _, chunk in chunks:
-                chunk.sess.cache.length = chunk.start
-            if not isinstance(exc, torch.OutOfMemoryError):
-                raise
-            log.warning("%d prompt chunks ran out of memory together; prefilling them one by one", len(running))
-            return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
-        timer.mark()
-        ending = itertools.count()  # the logits' rows: the chunks that end their prompts, in order (all run)
-        firsts: dict[int, torch.Tensor | None] = {}  # by call: its first token [1] on the device, None for `more`
-        for i, chunk in chunks:
-            row = None if chunk.call.more else logits[next(ending)][None]
-            try:
-                firsts[i] = self._choose(chunk, row)
-            except Exception as exc:  # noqa: BLE001 - this call's own error, nothing of it committed
-                chunk.sess.cache.length = chunk.start
-                outcomes[i] = exc
-        chosen = [first for first in firsts.values() if first is not None]
-        if not chosen:
-            timer.end()
-        roots = iter(timer.sync(lambda: torch.cat(chosen).tolist()) if chosen else [])  # one host sync for all
-        rows_of = {i: chunk_rows for (i, _), chunk_rows in zip(running, rows)}
-        for i, chunk in chunks:
-            if i in firsts:
-                chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
-                outcomes[i] = self._finish(chunk, chunk_features, None if firsts[i] is None else next(roots), prefix)
-        return outcomes
-
-    def _shared_forward(
-        self, chunks: list[_Chunk], taps: tuple[int, ...]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[slice]]:
-        """The chunks' tokens, each from its slot past its restored ones, in one forward -> (logits [m, V] fp32 of
-        the last row of each of the m chunks that end their prompts, in order, or None; features [rows,
-        taps*hidden] or None; each chunk's rows in them)."""
-        if not chunks:
-            return None, None, []
-        for chunk in chunks:
-            chunk.sess.cache.length = chunk.start + chunk.reused
-        items = [BatchTree(chunk.sess.cache, chain(chunk.rest), chunk.rest[0]) for chunk in chunks]
-        ending = [b for b, chunk in enumerate(chunks) if not chunk.call.more]
-        logits, features, batch = self.fused.prompt_batch(items, taps, ending)
-        return logits, features, [batch.tree_rows(b) for b in range(len(chunks))]
+        return self.finish(chunk, features, root, prefix)
 
     @staticmethod
-    def _begin(call: PrefillCall, sess: VerifySession, prefix: PrefixCache | None, timer: StepTimer) -> _Chunk:
+    def begin(call: PrefillCall, sess: VerifySession, prefix: PrefixCache | None, timer: StepTimer) -> Chunk:
         """A call's checks, its room, and the prefix cache's restore of its first tokens (timed by `timer`)."""
         if sess.root is not None:
             raise SessionError(
@@ -234,12 +119,12 @@ class PromptPrefill:
         reused, cached = 0, None
         if sess.blocks is not None:
             reused, cached = prefix.restore(sess.blocks, sess.cache, call.prompt, call.more)
-        return _Chunk(call, sess, start, reused, cached, timer)
+        return Chunk(call, sess, start, reused, cached, timer)
 
     @staticmethod
-    def _choose(chunk: _Chunk, logits: torch.Tensor | None) -> torch.Tensor | None:
+    def choose(chunk: Chunk, logits: torch.Tensor | None) -> torch.Tensor | None:
         """The chunk's prompt history, and where it ends the prompt, its first token [1] chosen from its last row's
-        logits [1, V] on the device (its logprobs kept on the chunk's session until _finish); None for a `more`
+        logits [1, V] on the device (its logprobs kept on the chunk's session until finish); None for a `more`
         chunk, which picks no token: a sampled session draws nothing, so a chunked prompt samples what it would
         have in one call."""
         sess, call = chunk.sess, chunk.call
@@ -251,8 +136,8 @@ class PromptPrefill:
         chunk.scored = scored
         return first
 
-    def _finish(
-        self, chunk: _Chunk, features: torch.Tensor | None, root: int | None, prefix: PrefixCache | None
+    def finish(
+        self, chunk: Chunk, features: torch.Tensor | None, root: int | None, prefix: PrefixCache | None
     ) -> StepResult:
         """A chunk's commit after its forward (features of the rows it ran, None without taps) and, where it ends the
         prompt, its first token `root` read already: the session's length and root, the prefix cache's blocks, the

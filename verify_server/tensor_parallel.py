@@ -21,7 +21,8 @@ from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import verify_alone
-from verify_server.prefill import PrefillCall, prefill_each
+from verify_server.prefill import PrefillCall
+from verify_server.prompt_batch import prefill_each
 from verify_server.session import SessionError
 from verify_server.sharding import shard_model
 from verify_server.step_inputs import ROOT_ONLY

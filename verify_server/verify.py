@@ -3,8 +3,9 @@
 Its parts: the fused path's runner (verify_server/fused_runner.py) where the target has one, else the HF modules
 with the tree attention of tree_attention.py and linear_attention.py; captured greedy rounds queued on the device
 (queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); a
-prompt's prefill, whole or in chunks (prefill.py, PromptPrefill); the walk and commit of an uncaptured round
-(walk.py); a session's state (session.py).
+prompt's prefill, whole or in chunks (prefill.py, PromptPrefill), and several sessions' prompts in one forward
+(prompt_batch.py, PromptBatch); the walk and commit of an uncaptured round (walk.py); a session's state
+(session.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from verify_server.kv_cache import KVCache
 from verify_server.prefill import PrefillCall, PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
+from verify_server.prompt_batch import PromptBatch
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import Draws
 from verify_server.session import (
@@ -120,6 +122,7 @@ class VerifyEngine:
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
         # a prompt chunk that no captured prompt step runs goes through _forward
         self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
+        self.prompt_batch = PromptBatch(self.prompts, self.fused)
         self.hf: HFForward | None = None  # the generic path, for targets without a fused one
         # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
         self.linear: LinearLayout | None = None
@@ -262,7 +265,7 @@ class VerifyEngine:
     @torch.inference_mode()
     def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
         """Several sessions' prefill calls, their chunks in one forward where they can share it (a burst of
-        requests' prompts: PromptPrefill.prefill_batch) -> each call's StepResult, or the exception prefill would
+        requests' prompts: PromptBatch.run) -> each call's StepResult, or the exception prefill would
         raise for it. A session's later call in the batch runs after its earlier one."""
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
@@ -271,7 +274,7 @@ class VerifyEngine:
                 found.append((i, (call, self.session(call.session_id))))
             except UnknownSessionError as exc:
                 outcomes[i] = exc
-        for (i, _), outcome in zip(found, self.prompts.prefill_batch([pair for _, pair in found], self.prefix)):
+        for (i, _), outcome in zip(found, self.prompt_batch.run([pair for _, pair in found], self.prefix)):
             outcomes[i] = outcome
         return outcomes
 
