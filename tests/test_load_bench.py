@@ -75,6 +75,7 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
             assert r[f"{name}_p99_s"] >= r[f"{name}_p50_s"] > 0, name
         assert r["mean_step_batch"] >= 1 and r["mean_verify_batch"] >= 1 and r["forwards_per_s"] > 0
         assert r["mean_prefill_batch"] >= 1 and r["graphs_captured"] == 0  # no CUDA graphs on a CPU
+        assert r["launched_ahead"] == 0  # AR steps launch ahead on the static path alone, a GPU's
         assert "verify" in r["round_phase_ms"]
         if r["mode"] == "off":
             assert r["tau"] is None and r["mean_tree_size"] is None and r["tree_sizes"] == {}
