@@ -26,6 +26,8 @@ from verify_server.verify import VerifyEngine
 SAMPLED = SamplingParams(temperature=0.8, seed=11)
 PROCESSED = SamplingParams(repetition_penalty=1.3, logprobs=2)
 TRUTH_TOKENS = 40
+# Two logprobs closer than this are a tie to bf16: its 8-bit mantissa rounds logits of a few units by ~0.02 a step.
+BF16_TIE = 0.1
 
 
 class SharedForwards:
@@ -217,11 +219,14 @@ def test_a_batch_of_chunks_that_end_no_prompt(path: str, qwen3_target: Path) -> 
 def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target: Path) -> None:
     """The service's configuration on a GPU (graphs, the flash batch kernel over the chains, compiled steps): prompts
     of 5 to 400 tokens, tapped and untapped, one a chunk after committed rows, answered as one by one (features
-    within the dtype's rounding; the first tokens equal) and, in fp32, the same decode steps after; with a chunk past
-    MAX_SHARED_CHUNK beside them."""
+    within the dtype's rounding; the first tokens equal, in bf16 but where the one-by-one logits' top two are within
+    its rounding) and, in fp32, the same decode steps after; with a chunk past MAX_SHARED_CHUNK beside them."""
+    # The other dtype's compiles of the same (fullgraph) layer functions would count toward dynamo's recompile limit,
+    # past which a compiled call fails; a server compiles one dtype.
+    torch._dynamo.reset()
     batched, alone = (VerifyEngine.from_pretrained(qwen3_target, "cuda", dtype, compile=True) for _ in range(2))
     lengths = {"a": 5, "b": 61, "c": 400, "d": 17, "e": 130, "long": MAX_SHARED_CHUNK + 30}
-    sessions = {name: (SamplingParams(), TAPS if name in "ace" else []) for name in lengths}
+    sessions = {name: (SamplingParams(logprobs=2), TAPS if name in "ace" else []) for name in lengths}
     for engine in (batched, alone):
         for session_id, (params, taps) in sessions.items():
             engine.start_session(session_id, 600, params, taps)
@@ -230,7 +235,10 @@ def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target
     got, expected = batched.prefill_batch(calls), one_by_one(alone, calls)
     tol = DENSE_TOL * 25 if dtype == torch.float32 else 3e-2
     for a, b in zip(got, expected):
-        assert isinstance(a, StepResult) and a.tokens == b.tokens
+        assert isinstance(a, StepResult)
+        if a.tokens != b.tokens:  # a near tie of a random model's flat logits, which bf16 rounding may flip
+            (top, second), ids = b.logprobs.top_logprobs[0], b.logprobs.top_ids[0]
+            assert dtype == torch.bfloat16 and {*a.tokens, *b.tokens} == {*ids} and top - second < BF16_TIE, (a, b)
         if b.features is not None:
             assert_fp32_close(a.features.float(), b.features.float(), tol)
     if dtype == torch.float32:

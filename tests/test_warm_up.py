@@ -128,10 +128,11 @@ def serve_batches(engine: VerifyEngine, capacity: int, node_counts: tuple[int, .
 
 
 def serve_prompt_batches(engine: VerifyEngine) -> None:
-    """Several sessions' prompts in one forward (prefill_batch): 2 to 5 sessions, of 1 to 300 rows together, a
-    chunk after committed rows among them, untapped and tapped."""
+    """Several sessions' prompts in one forward (prefill_batch): 2 to 16 sessions, of 1 to 960 rows together, a
+    chunk after committed rows among them, untapped and tapped (a burst of 16 requests' prompts: 16 sessions)."""
     rng = random.Random(8)
-    for taps, lengths in (([1, 3], (3, 40)), ([], (200, 90, 17)), ([1, 3], (5, 1, 60, 33, 128))):
+    for taps, lengths in (([1, 3], (3, 40)), ([], (200, 90, 17)), ([1, 3], (5, 1, 60, 33, 128)), ([], (60,) * 16),
+                          ([1, 3], (61,) * 5)):
         sessions = [f"p{i}" for i in range(len(lengths))]
         for session_id in sessions:
             engine.start_session(session_id, 600, SamplingParams(), taps=taps)
