@@ -70,7 +70,7 @@ def test_verifier_warm_up_compiles_every_step_shape(
         monkeypatch.setattr(fused_layer, "decode_linear", cpu_decode_linear)
         engine.fused.decoder.fused_rows = fused_rows  # set_compiled refuses it on a CPU
     engine.fused.static = True  # the bucketed steps CUDA graphs replay, forced on so that the CPU runs them
-    warm_up_verifier(engine)
+    warm_up_verifier(engine, prompt_tokens=1024)
     before = compiled_graphs()
     serve_steps(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
     serve_long_prompt(engine)
@@ -86,7 +86,7 @@ def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -
     torch._dynamo.reset()
     engine = VerifyEngine.from_pretrained(qwen3_target, device="cuda", compile=True)
     assert engine.fused.decoder.fused_rows == 128
-    warm_up_verifier(engine)
+    warm_up_verifier(engine, prompt_tokens=1024)
     before = compiled_graphs()
     serve_steps(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
     serve_long_prompt(engine)

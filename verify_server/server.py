@@ -255,7 +255,8 @@ def kv_cache_bytes(session: VerifySession) -> int:
 def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     """The warm-up, then the prefix cache: after it, so that the warm-up's prompts run every step shape whole and
     leave nothing cached."""
-    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees)
+    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees,
+            config.prefill_batch_tokens)
     if config.kv_cache_bytes is not None:  # after the warm-up, whose sessions are not the operator's
         engine.caches.limit_to(config.kv_cache_bytes)
         log.info("sessions' KV caches: up to %.2f GiB", config.kv_cache_gib)

@@ -16,6 +16,7 @@ import torch
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
 from verify_server.prefill import PrefillCall, chain
+from verify_server.prompt_batch import MAX_SHARED_CHUNK
 from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
@@ -49,6 +50,25 @@ def _chain(root: int, nodes: int) -> DraftTree:
     return chain([root] + [0] * nodes)
 
 
+def _largest_prompt_batch(engine: VerifyEngine, taps: Sequence[int] | None, tokens: int) -> None:
+    """A burst's shared prompt forward at its largest: `tokens` rows in chains of up to MAX_SHARED_CHUNK, as many as
+    a batch and the slots hold, tapping the drafter's layers where known. Its activations are the largest an
+    uncaptured forward of the service asks the allocator for: met here, their memory is held from the start, and
+    the first burst of requests does not wait for it."""
+    fused = engine.fused
+    sessions = min(fused.max_batch, fused.slots.max_sessions) if fused is not None else 2
+    length = min(MAX_SHARED_CHUNK, -(-tokens // sessions))
+    count = min(sessions, tokens // length) if length else 0
+    if count < 2:
+        return
+    tapped = list(taps) if taps and max(taps) < engine.num_layers else None
+    with contextlib.ExitStack() as stack:
+        names = [stack.enter_context(_warm_up_session(engine, length + 1, tapped)) for _ in range(count)]
+        for step in engine.prefill_batch([PrefillCall(session_id, [0] * length) for session_id in names]):
+            if isinstance(step, Exception):
+                raise step
+
+
 def _batches(engine: VerifyEngine) -> bool:
     """Whether several sessions' rounds can share a forward, so that the warm-up runs batches (and may hold two
     sessions at once: the fused path's slots bound the sessions held)."""
@@ -56,7 +76,9 @@ def _batches(engine: VerifyEngine) -> bool:
     return fused is None or min(fused.max_batch, fused.slots.max_sessions) >= 2
 
 
-def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, trees: int = 0) -> None:
+def warm_up(
+    engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, trees: int = 0, prompt_tokens: int = 0
+) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
     it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
@@ -65,7 +87,8 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
     taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
     they serve every slot, of prompts of every captured bucket (capture_prompts); trees: the most sessions' trees a
-    step verifies (0: as many as a batch takes)."""
+    step verifies (0: as many as a batch takes); prompt_tokens: the most prompt tokens a shared prompt forward takes
+    (the service's --prefill-batch-tokens; 0: none share one)."""
     start = time.perf_counter()
     # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
     # too, in the larger session, where a captured step of that many rows is one a request can bring.
@@ -105,6 +128,7 @@ def warm_up(engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int 
                 for step in engine.prefill_batch(calls):
                     if isinstance(step, Exception):
                         raise step
+        _largest_prompt_batch(engine, taps, prompt_tokens)
     # A chunked prompt's later chunks: a step of their own (attending to the committed rows too), compiled apart
     # from the prompts' (fused_layer.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the
     # first token; in slots of two size classes, so that the slot's rows are symbolic for it too.
