@@ -43,7 +43,6 @@ def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -
     return outcomes
 
 
-
 class PromptBatch:
     """prefill_batch over a PromptPrefill (each call's steps, and the chunks that run alone) and the engine's fused
     runner (None: every chunk alone)."""
