@@ -52,7 +52,7 @@ def _chain(root: int, nodes: int) -> DraftTree:
 
 def _largest_prompt_batch(engine: VerifyEngine, taps: Sequence[int] | None, tokens: int) -> None:
     """A burst's shared prompt forward at its largest: `tokens` rows in chains of up to MAX_SHARED_CHUNK, as many as
-    a batch and the slots hold, tapping the drafter's layers where known. Its activations are the largest an
+    a batch and the slots hold, tapping the drafter's layers where known (checked by warm_up). Its activations are the largest an
     uncaptured forward of the service asks the allocator for: met here, their memory is held from the start, and
     the first burst of requests does not wait for it."""
     fused = engine.fused
@@ -61,9 +61,9 @@ def _largest_prompt_batch(engine: VerifyEngine, taps: Sequence[int] | None, toke
     count = min(sessions, tokens // length) if length else 0
     if count < 2:
         return
-    tapped = list(taps) if taps and max(taps) < engine.num_layers else None
     with contextlib.ExitStack() as stack:
-        names = [stack.enter_context(_warm_up_session(engine, length + 1, tapped)) for _ in range(count)]
+        names = [stack.enter_context(_warm_up_session(engine, length + 1, list(taps) if taps else None))
+                 for _ in range(count)]
         for step in engine.prefill_batch([PrefillCall(session_id, [0] * length) for session_id in names]):
             if isinstance(step, Exception):
                 raise step
@@ -90,6 +90,10 @@ def warm_up(
     step verifies (0: as many as a batch takes); prompt_tokens: the most prompt tokens a shared prompt forward takes
     (the service's --prefill-batch-tokens; 0: none share one)."""
     start = time.perf_counter()
+    if taps and max(taps) >= engine.num_layers:
+        log.warning("warm-up taps %s are not layers of this %d-layer target: warming up untapped rounds only",
+                    list(taps), engine.num_layers)
+        taps = None
     # A compiled step past the fused projections' row limit takes the other branch (cuBLAS): a tree one past it
     # too, in the larger session, where a captured step of that many rows is one a request can bring.
     limit = engine.fused.decoder.fused_rows if engine.fused is not None else 0
@@ -140,10 +144,6 @@ def warm_up(
                 engine.prefill(session_id, [0] * chunk, more=i + 1 < len(chunks))
     log.info("warm-up forwards done in %.3f s", time.perf_counter() - start)
     if engine.fused is not None and engine.fused.graphs.enabled:
-        if taps and max(taps) >= engine.num_layers:
-            log.warning("warm-up taps %s are not layers of this %d-layer target: capturing untapped rounds only",
-                        list(taps), engine.num_layers)
-            taps = None
         start, graphs = time.perf_counter(), len(engine.fused.graphs)
         for tapped in ([], *([list(taps)] if taps else [])):
             # requests without a drafter tap nothing, and where the drafter's taps are known verify no trees (a
