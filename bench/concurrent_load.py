@@ -18,11 +18,15 @@ request's TTFT and their p50 / p99, the per-token ITL p50 / p99 and the chunk ga
 ITL is read), end-to-end p50 / p99, failed requests and a few of their messages; from the gateway's metrics τ,
 the mean requests' calls in a step's VerifyBatch (ddtree_step_batch_size), the tree sizes drafted
 (ddtree_spec_tree_size: mean and rounds by bucket) and those a step's verify cut them to (ddtree_step_tree_nodes,
-load-adaptive trees), and the mean time a round spent in each phase (ddtree_round_phase_seconds); with
+load-adaptive trees), the mean time a round spent in each phase (ddtree_round_phase_seconds) and the TTFT's two
+parts, the wait for a slot and the sessions' start and prefill (ddtree_request_{queue,prefill}_time_seconds); with
 --verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per second, its
-mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size) and the CUDA graphs it captured during the
+mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of its session
+calls (StartSession, Prefill, EndSession, TakeFeatures: queueing for the engine included) and of a Prefill's
+forward, and the CUDA graphs it captured during the
 level (ddtree_verify_cuda_graphs: steps that waited for a capture) and the batches of AR steps it launched behind a
-step still unread (ddtree_verify_decodes_launched_ahead_total), with --drafter-metrics the drafter's
+step still unread (ddtree_verify_decodes_launched_ahead_total) and the Prefill calls run in a step's forward
+(ddtree_verify_step_prompts_total), with --drafter-metrics the drafter's
 (ddtree_draft_batch_size). One JSON (--out) and its figure, a PNG of the same name (ddtree/plots.py load_figure).
 """
 
@@ -47,6 +51,7 @@ from load_client import (Stream, TokenCounter, difference, histogram_counts, his
                          scrape, stream_chat)
 
 ERROR_SAMPLES = 5  # distinct failure messages kept per level
+SESSION_RPCS = ("StartSession", "Prefill", "EndSession", "TakeFeatures")  # the verifier's calls around the rounds
 
 
 def seed(mode: str, temperature: float, clients: int, client: int, request: int) -> str:
@@ -104,10 +109,17 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
           "mean_prefill_batch": histogram_mean(verifier, "ddtree_verify_prefill_batch_size"),
           "graphs_captured": verifier.get("ddtree_verify_cuda_graphs"),
           "launched_ahead": verifier.get("ddtree_verify_decodes_launched_ahead_total"),
+          "step_prompts": verifier.get("ddtree_verify_step_prompts_total"),
           "forwards_per_s": forwards / wall if metrics[0] else None,
           "mean_draft_batch": histogram_mean(drafter, "ddtree_draft_batch_size"),
           "round_phase_ms": {p: 1000 * ms for p in PHASES
-                             if (ms := histogram_mean(gateway, "ddtree_round_phase_seconds", phase=p)) is not None}}
+                             if (ms := histogram_mean(gateway, "ddtree_round_phase_seconds", phase=p)) is not None},
+          "ttft_parts_ms": {part: 1000 * ms for part in ("queue", "prefill")
+                            if (ms := histogram_mean(gateway, f"ddtree_request_{part}_time_seconds")) is not None},
+          "verifier_rpc_ms": {rpc: 1000 * ms for rpc in SESSION_RPCS if (ms := histogram_mean(
+              verifier, "ddtree_verify_request_duration_seconds", rpc=rpc)) is not None},
+          "prefill_forward_ms": 1000 * ms if (ms := histogram_mean(
+              verifier, "ddtree_verify_forward_duration_seconds", rpc="Prefill")) is not None else None}
     if temperature == 0:  # greedy: [client][request], None where the request failed
         r["texts"] = [[None if s.error else s.text for s in per_client] for per_client in streams]
     return r
@@ -143,12 +155,15 @@ def report_line(r: dict) -> str:
     extra = "".join(f", {label} {r[key]:.2f}" for key, label in (
         ("tau", "tau"), ("mean_step_batch", "step batch"), ("mean_verify_batch", "verify batch"),
         ("mean_prefill_batch", "prefill batch"), ("graphs_captured", "graphs captured"),
-        ("launched_ahead", "AR steps launched ahead"),
+        ("launched_ahead", "AR steps launched ahead"), ("step_prompts", "prompts in steps"),
         ("mean_draft_batch", "draft batch"), ("mean_tree_size", "tree"), ("mean_fitted_tree_size", "verified tree"))
         if r[key] is not None)
     return (f"{r['gateway']} {r['mode']} T={r['temperature']:g} {r['clients']} clients: {r['tokens_per_s']:.1f} "
             f"tokens/s, TTFT p50/p99 {ms(r['ttft_p50_s'])}/{ms(r['ttft_p99_s'])} ms, ITL p50/p99 "
-            f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}")
+            f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}"
+            + "".join(f", {name} {value:.1f} ms" for name, value in
+                      (*((f"TTFT {k}", v) for k, v in r["ttft_parts_ms"].items()),
+                       *((f"verifier {k}", v) for k, v in r["verifier_rpc_ms"].items()))))
 
 
 def main() -> None:

@@ -40,6 +40,13 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("ddtree_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS,
                              registry=r)
+        # TTFT in two: waiting for a slot (and for memory), then the sessions' start and the prompt's prefill
+        self.queue_time = Histogram("ddtree_request_queue_time_seconds", "Arrival to the start of the request's "
+                                    "round loop: waiting for a decoding slot and for KV memory", buckets=TTFT_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("ddtree_request_prefill_time_seconds", "Start of the round loop to the first "
+                                      "token: the sessions' start and the prompt's prefill", buckets=TTFT_BUCKETS,
+                                      registry=r)
         self.running = Gauge("ddtree_requests_running", "Requests decoding now", registry=r)
         self.waiting = Gauge("ddtree_requests_waiting", "Requests queued for a decoding slot", registry=r)
         # Speculation.

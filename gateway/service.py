@@ -249,7 +249,7 @@ class GatewayService:
         """The request's deltas from its round loop, a task of its own, which is appended to `started`. Past the
         `deadline` (event-loop time) the request ends as a drain ends it."""
         queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
-        loop = asyncio.create_task(self._run_loop(req, queue))
+        loop = asyncio.create_task(self._run_loop(req, queue, arrival))
         self._decoding[queue] = loop
         started.append(loop)
         self._loops.add(loop)
@@ -339,7 +339,7 @@ class GatewayService:
         self.metrics.load_yield.inc()
         return False
 
-    async def _run_loop(self, req: GenerationRequest, queue: asyncio.Queue) -> None:
+    async def _run_loop(self, req: GenerationRequest, queue: asyncio.Queue, arrival: float) -> None:
         drafter = self._drafter_for(req)
         spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
 
@@ -350,8 +350,12 @@ class GatewayService:
 
         try:
             await self._memory.admit()  # after the requests given up for memory, which go first
+            begun = time.perf_counter()
+            self.metrics.queue_time.observe(begun - arrival)
             async for rnd in resumed_rounds(rounds, req.prompt, req.params, req.max_tokens, self._memory,
                                             lambda: self._slots.held - 1, self.metrics.resumed.inc):
+                if rnd.index == 0:
+                    self.metrics.prefill_time.observe(time.perf_counter() - begun)
                 queue.put_nowait(rnd)
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()

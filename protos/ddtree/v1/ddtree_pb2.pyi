@@ -339,12 +339,14 @@ class VerifyBatchRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[RoundCall, _Mapping]]] = ...) -> None: ...
 
 class RoundCall(_message.Message):
-    __slots__ = ("verify", "decode")
+    __slots__ = ("verify", "decode", "prefill")
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     verify: VerifyRequest
     decode: DecodeRequest
-    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
+    prefill: PrefillRequest
+    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
     __slots__ = ("outcomes",)
