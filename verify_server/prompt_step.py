@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from protos.types import DraftTree, StepResult
-from runtime.timing import TimerEvents
+from runtime.timing import StepTimer, TimerEvents
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused_runner import FusedRunner
 from verify_server.prefill import Chunk, PrefillCall, PromptPrefill, chain
@@ -105,6 +105,9 @@ class PromptStep:
         items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, rounds)]
         items += [BatchTree(chunk.sess.cache, chain(chunk.rest), chunk.rest[0]) for _, chunk in running]
         ending = [len(rounds) + b for b, (_, chunk) in enumerate(running) if not chunk.call.more]
+        if not items:  # every chunk failed its checks, or is a `more` chunk the prefix cache held whole
+            firsts = {i: self.prompts.choose(chunk, None) for i, chunk in chunks}
+            return self._finish(chunks, prompt_out, firsts, None, {}, prefix, timer), []
         # a sampled round may have drawn its numbers when the forward cannot go on: apart, it draws the same ones
         sampled = [(sess.draws, sess.draws.mark()) for sess in sessions if sess.draws is not None]
         try:
@@ -139,14 +142,22 @@ class PromptStep:
                 prompt_out[i] = exc
         # the rounds' walks and commits end in the step's host sync, after which the first tokens are there to read
         round_out = walk_and_commit(sessions, trees, timer, host_features) if trees else []
+        rows_of = {i: batch.tree_rows(len(rounds) + b) for b, (i, _) in enumerate(running)}
+        return self._finish(chunks, prompt_out, firsts, features, rows_of, prefix, timer, bool(trees)), round_out
+
+    def _finish(
+        self, chunks: list[tuple[int, Chunk]], outcomes: list[StepResult | Exception | None],
+        firsts: dict[int, torch.Tensor | None], features: torch.Tensor | None, rows_of: dict[int, slice],
+        prefix: PrefixCache | None, timer: StepTimer, synced: bool = False,
+    ) -> list[StepResult | Exception | None]:
+        """The chunks' first tokens read (one host sync for all, none where the rounds' walks synced already and
+        none was chosen) and each chunk that ran committed (PromptPrefill.finish) -> `outcomes` filled in."""
         chosen = [first for first in firsts.values() if first is not None]
-        if not trees and not chosen:
+        if not synced and not chosen:
             timer.end()
         roots = iter(timer.sync(lambda: torch.cat(chosen).tolist()) if chosen else [])
-        rows_of = {i: batch.tree_rows(len(rounds) + b) for b, (i, _) in enumerate(running)}
         for i, chunk in chunks:
             if i in firsts:
-                chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
-                prompt_out[i] = self.prompts.finish(chunk, chunk_features, None if firsts[i] is None else next(roots),
-                                                    prefix)
-        return prompt_out, round_out
+                rows = None if features is None or i not in rows_of else features[rows_of[i]]
+                outcomes[i] = self.prompts.finish(chunk, rows, None if firsts[i] is None else next(roots), prefix)
+        return outcomes
