@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from protos.types import DraftTree, SamplingParams, StepResult
@@ -62,12 +63,6 @@ def alone(engine: VerifyEngine, prompts: list[PrefillCall], rounds: list[tuple[s
         except Exception as exc:  # noqa: BLE001
             round_out.append(exc)
     return prompt_out, round_out
-
-
-def assert_same_rounds(got: list, expected: list) -> None:
-    """The same tokens, features and logprobs (assert_same_outcomes), or the same error; features are compared
-    where both have them (a batched round keeps its path's on the host, as the service asks)."""
-    assert_same_outcomes(got, expected)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -127,7 +122,7 @@ def test_a_step_runs_prompts_in_its_rounds_forward_each_as_alone(path: str, qwen
     prompt_out, round_out, shared = stepped.step(calls, rounds, steps, BUDGET, True)
     expected_prompts, expected_rounds = alone(reference, calls, rounds, steps)
     assert_same_outcomes(prompt_out, expected_prompts)
-    assert_same_rounds(round_out, expected_rounds)
+    assert_same_outcomes(round_out, expected_rounds)
     failed = [call.session_id for call, outcome in zip(calls, prompt_out) if isinstance(outcome, Exception)]
     assert failed == ["p-unknown", "p-done", "p-too-long"]
     failed_rounds = [sid for (sid, _), outcome in zip(rounds, round_out) if isinstance(outcome, Exception)]
@@ -166,7 +161,7 @@ def test_tapped_prompts_share_tapped_rounds_within_the_budget(path: str, qwen3_t
     prompt_out, round_out, shared = stepped.step(calls, rounds, [1, 1, 1], 60, True)
     expected_prompts, expected_rounds = alone(reference, calls, rounds, [1, 1, 1])
     assert_same_outcomes(prompt_out, expected_prompts)
-    assert_same_rounds(round_out, expected_rounds)
+    assert_same_outcomes(round_out, expected_rounds)
     assert shared == 2 and forwards.forwards == [(2, 4)]
     assert_same_continuations((stepped, reference), list(names), steps=4)
     # budget 0: the prompts and rounds run as prefill_batch and verify_batch do
@@ -176,6 +171,33 @@ def test_tapped_prompts_share_tapped_rounds_within_the_budget(path: str, qwen3_t
     prompt_out, round_out, shared = stepped.step(calls, [("u", ROOT_ONLY)], [1], 0, True)
     expected_prompts, expected_rounds = alone(reference, calls, [("u", ROOT_ONLY)], [1])
     assert_same_outcomes(prompt_out, expected_prompts)
-    assert_same_rounds(round_out, expected_rounds)
+    assert_same_outcomes(round_out, expected_rounds)
     assert shared == 0 and forwards.forwards == [(2, 4)]
     assert isinstance(prompt_out[0], StepResult)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash batch kernel and compiled steps need a GPU")
+def test_a_step_with_prompts_on_gpu_answers_as_alone(qwen3_target: Path) -> None:
+    """The service's configuration on a GPU (graphs, the flash batch kernel over trees and chains, compiled steps),
+    fp32: running sessions' AR steps and a tree beside prompts of 5 to 200 tokens, each as alone (the rounds alone
+    run captured), and the same decode steps after."""
+    torch._dynamo.reset()
+    stepped, reference = (VerifyEngine.from_pretrained(qwen3_target, "cuda", torch.float32, compile=True)
+                          for _ in range(2))
+    lengths = {"a": 5, "b": 61, "c": 200, "d": 17}
+    for engine in (stepped, reference):
+        for i, session_id in enumerate(("r0", "r1", "r2", "sampled", *lengths)):
+            engine.start_session(session_id, 600, SAMPLED if session_id == "sampled" else SamplingParams(), [])
+            if session_id not in lengths:
+                engine.prefill(session_id, make_prompt(20 + 9 * i, seed=i))
+    rng = random.Random(4)
+    rounds = [("r0", ROOT_ONLY), ("r1", ROOT_ONLY), ("sampled", ROOT_ONLY),
+              ("r2", oracle_tree(rng, stepped.session("r2").root, make_prompt(8, seed=3), 0, 6))]
+    calls = [PrefillCall(name, make_prompt(n, seed=10 + i)) for i, (name, n) in enumerate(lengths.items())]
+    prompt_out, round_out, shared = stepped.step(calls, rounds, [1] * len(rounds), BUDGET, True)
+    expected_prompts, expected_rounds = alone(reference, calls, rounds, [1] * len(rounds))
+    assert shared == len(calls)
+    for got, expected in ((prompt_out, expected_prompts), (round_out, expected_rounds)):
+        assert [o.tokens for o in got] == [o.tokens for o in expected]
+    for name in (*lengths, "r0", "r1", "r2", "sampled"):
+        assert [stepped.decode(name).tokens for _ in range(8)] == [reference.decode(name).tokens for _ in range(8)]
