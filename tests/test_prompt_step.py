@@ -22,7 +22,7 @@ from tests.test_prefill_batch import (
 )
 from tests.test_verify import PATHS, make_engine, oracle_tree
 from verify_server.prefill import PrefillCall
-from verify_server.prompt_batch import MAX_SHARED_CHUNK
+from verify_server.prompt_step import MAX_SHARED_CHUNK
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine
 

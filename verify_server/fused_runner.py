@@ -224,20 +224,11 @@ class FusedRunner:
         """Several sessions' trees in one uncaptured forward (TreeSteps.forward)."""
         return self.trees.forward(items, taps)
 
-    def prompt_batch(
-        self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch]:
-        """Several sessions' prompt chunks in one uncaptured forward, each a chain (verify_server/prefill.py) ->
-        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, None where it lists none;
-        features [rows, taps*hidden] or None; the batch whose rows they follow). Only those rows go through the
-        lm_head."""
-        logits, features, batch, _ = self.step_forward(items, taps, 0, ending)
-        return logits, features, batch
-
     def step_forward(
         self, items: list[BatchTree], taps: tuple[int, ...], whole: int, ending: list[int]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch, torch.Tensor]:
-        """A step's rounds and prompt chunks in one uncaptured forward (verify_server/prompt_step.py): the first
+        """A step's rounds and prompt chunks, or prompt chunks alone, in one uncaptured forward
+        (verify_server/prompt_step.py): the first
         `whole` items rounds' trees, the rest prompt chunks, each a chain -> (logits fp32 [every row of the first
         `whole` trees, in order, then the last row of each item `ending` lists, V], None where there are none;
         features [rows, taps*hidden] or None; the batch whose rows they follow; its rows' [4, rows] ids, positions,

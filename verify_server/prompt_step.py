@@ -23,20 +23,24 @@ from verify_server.batched_rounds import BatchedRounds
 from verify_server.fused_runner import FusedRunner
 from verify_server.prefill import Chunk, PrefillCall, PromptPrefill, chain
 from verify_server.prefix_cache import PrefixCache
-from verify_server.prompt_batch import MAX_SHARED_CHUNK
 from verify_server.session import VerifySession
+from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
 from verify_server.walk import TreeRows, walk_and_commit
 
 log = logging.getLogger(__name__)
+
+# The longest chunk that shares a forward with others': past it a prompt's forward is bound by its own matmuls, and
+# the batched rounds' attention has not been tuned for longer chains. Longer chunks run alone.
+MAX_SHARED_CHUNK = MAX_GRAPH_NODES
 
 # A step's round call, as verify_batch takes it: (session id, its tree)
 RoundCall = tuple[str, DraftTree]
 
 
 class PromptStep:
-    """The shared forward of a step's rounds and prompt chunks, over the engine's fused runner, prompt steps,
-    batched rounds (which say which rounds can join a batch) and timers."""
+    """The shared forward of a step's rounds and prompt chunks (or of prompt chunks alone: PromptBatch's), over the
+    engine's fused runner, prompt steps, batched rounds (which say which rounds can join a batch) and timers."""
 
     def __init__(
         self, fused: FusedRunner, prompts: PromptPrefill, rounds: BatchedRounds, timers: TimerEvents
@@ -76,8 +80,8 @@ class PromptStep:
             if sess is not None and tuple(sess.taps) == taps:
                 batched[session_id] = sess
                 members.append(i)
-        outcomes = self._together([prompts[i] for i in chosen], [rounds[i] for i in members],
-                                  [batched[rounds[i][0]] for i in members], taps, host_features, prefix)
+        outcomes = self.together([prompts[i] for i in chosen], [rounds[i] for i in members],
+                                 [batched[rounds[i][0]] for i in members], taps, host_features, prefix)
         if outcomes is not None:
             for i, outcome in zip(chosen, outcomes[0]):
                 prompt_out[i] = outcome
@@ -85,12 +89,13 @@ class PromptStep:
                 round_out[i] = outcome
         return prompt_out, round_out
 
-    def _together(
+    def together(
         self, prompts: list[tuple[PrefillCall, VerifySession]], rounds: list[RoundCall],
         sessions: list[VerifySession], taps: tuple[int, ...], host_features: bool, prefix: PrefixCache | None,
-    ) -> tuple[list[StepResult | Exception | None], list[StepResult]] | None:
-        """One forward for the rounds' trees and the chunks -> (the chunks' outcomes, the rounds'); None where it
-        ran out of memory."""
+    ) -> tuple[list[StepResult | Exception], list[StepResult]] | None:
+        """One forward for the rounds' trees (of `sessions`, which a batch can take) and the chunks (each of a
+        session of its own, tapping `taps`, as the rounds' sessions do) -> (the chunks' outcomes, the rounds'); None
+        where it ran out of memory (nothing is committed then)."""
         timer = self.timers.timer()
         prompt_out: list[StepResult | Exception | None] = [None] * len(prompts)
         chunks: list[tuple[int, Chunk]] = []
@@ -119,7 +124,7 @@ class PromptStep:
                 raise
             for draws, mark in sampled:
                 draws.rewind(mark)
-            log.warning("a step's %d rounds and %d prompt chunks ran out of memory together; running them apart",
+            log.warning("%d rounds and %d prompt chunks ran out of memory together; running them apart",
                         len(rounds), len(running))
             return None
         timer.mark()

@@ -123,10 +123,11 @@ class VerifyEngine:
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
         # a prompt chunk that no captured prompt step runs goes through _forward
         self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
-        self.prompt_batch = PromptBatch(self.prompts, self.fused)
-        # a step's prompt chunks in its rounds' forward, on the fused path outside the deterministic mode
-        self.prompt_step = (PromptStep(self.fused, self.prompts, self.batched, self.timers)
-                            if self.prompt_batch.shares else None)
+        # several sessions' prompt chunks in one forward, a step's beside its rounds: on the fused path, outside the
+        # deterministic mode, which keeps a prompt's chunks on its own causal steps (whose results it vouches for)
+        shares = self.fused is not None and self.fused.decoder.attention != INVARIANT
+        self.prompt_step = PromptStep(self.fused, self.prompts, self.batched, self.timers) if shares else None
+        self.prompt_batch = PromptBatch(self.prompts, self.prompt_step)
         self.hf: HFForward | None = None  # the generic path, for targets without a fused one
         # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
         self.linear: LinearLayout | None = None
