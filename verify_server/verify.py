@@ -439,12 +439,9 @@ class VerifyEngine:
         self.settle()
         prompt_out: list[StepResult | Exception | None] = [None] * len(prompts)
         round_out: list[StepResult | Exception | None] = [None] * len(rounds)
-        found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
-        for i, call in enumerate(prompts):
-            try:
-                found.append((i, (call, self.session(call.session_id))))
-            except UnknownSessionError as exc:
-                prompt_out[i] = exc
+        # (a call of an unknown session fails in prefill_batch, after)
+        found = [(i, (call, self.session(call.session_id))) for i, call in enumerate(prompts)
+                 if call.session_id in self.sessions]
         shared = 0
         if self.prompt_step is not None and budget:
             shared_prompts, round_out = self.prompt_step.run([pair for _, pair in found], rounds, steps, budget,
