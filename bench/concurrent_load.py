@@ -25,8 +25,7 @@ mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean
 calls (StartSession, Prefill, EndSession, TakeFeatures: queueing for the engine included) and of a Prefill's
 forward, and the CUDA graphs it captured during the
 level (ddtree_verify_cuda_graphs: steps that waited for a capture) and the batches of AR steps it launched behind a
-step still unread (ddtree_verify_decodes_launched_ahead_total) and the Prefill calls run in a step's forward
-(ddtree_verify_step_prompts_total), with --drafter-metrics the drafter's
+step still unread (ddtree_verify_decodes_launched_ahead_total), with --drafter-metrics the drafter's
 (ddtree_draft_batch_size). One JSON (--out) and its figure, a PNG of the same name (ddtree/plots.py load_figure).
 """
 
@@ -109,7 +108,6 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
           "mean_prefill_batch": histogram_mean(verifier, "ddtree_verify_prefill_batch_size"),
           "graphs_captured": verifier.get("ddtree_verify_cuda_graphs"),
           "launched_ahead": verifier.get("ddtree_verify_decodes_launched_ahead_total"),
-          "step_prompts": verifier.get("ddtree_verify_step_prompts_total"),
           "forwards_per_s": forwards / wall if metrics[0] else None,
           "mean_draft_batch": histogram_mean(drafter, "ddtree_draft_batch_size"),
           "round_phase_ms": {p: 1000 * ms for p in PHASES
@@ -155,7 +153,7 @@ def report_line(r: dict) -> str:
     extra = "".join(f", {label} {r[key]:.2f}" for key, label in (
         ("tau", "tau"), ("mean_step_batch", "step batch"), ("mean_verify_batch", "verify batch"),
         ("mean_prefill_batch", "prefill batch"), ("graphs_captured", "graphs captured"),
-        ("launched_ahead", "AR steps launched ahead"), ("step_prompts", "prompts in steps"),
+        ("launched_ahead", "AR steps launched ahead"),
         ("mean_draft_batch", "draft batch"), ("mean_tree_size", "tree"), ("mean_fitted_tree_size", "verified tree"))
         if r[key] is not None)
     return (f"{r['gateway']} {r['mode']} T={r['temperature']:g} {r['clients']} clients: {r['tokens_per_s']:.1f} "

@@ -7,11 +7,7 @@ verifier serves a step of the step scheduler): N decode steps (0 nodes) or N tre
 With --prefill L --prompts N, N sessions' prompts of L tokens prefilled one by one, then in one forward
 (VerifyEngine.prefill_batch, as the verifier serves Prefill calls that wait together).
 
-With --step-prompts M (and --prefill L, --batch N), a step of the N sessions' rounds that carries M joining sessions'
-prompts of L tokens: apart (the prompts' forward, then the step's), then in one forward (VerifyEngine.step, as the
-verifier serves a VerifyBatch that carries Prefill calls).
-
-Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64 [--prompts 16 | --step-prompts 2]] [--compile]
+Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64 [--prompts 16]] [--compile]
        [--attention grouped] [--eager] [--batch 16] [--temperature 0.7 [--top-p 0.9]]
 TARGET: a model directory, or random:<shape> (runtime/shapes.py SHAPES, e.g. random:qwen3-8b).
 """
@@ -49,9 +45,6 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=1,
                    help="with --prefill: this many sessions' prompts a call, one by one and in one forward "
                    "(VerifyEngine.prefill_batch)")
-    p.add_argument("--step-prompts", type=int, default=0,
-                   help="with --prefill: this many joining sessions' prompts beside each step of --nodes, apart and "
-                   "in the step's forward (VerifyEngine.step)")
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--batch", type=int, default=1, help="sessions verified in one step (1: a lone round)")
     p.add_argument("--temperature", type=float, default=0.0, help="the sessions sample (0: greedy)")
@@ -82,8 +75,7 @@ def main() -> None:
     for nodes in (int(n) for n in args.nodes.split(",") if n):
         for i, name in enumerate(names):
             params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i)
-            # 35 calls a profile (runtime.timing.profiled_calls), each at most 2 slots a node; 3 profiles with prompts
-            engine.start_session(name, args.context + (210 if args.step_prompts else 70) * (nodes + 1), params, [])
+            engine.start_session(name, args.context + 70 * (nodes + 1), params, [])
             engine.prefill(name, prompt)
         tree = build_tree(logprobs.to(engine.device), 0, nodes) if nodes else None
         if args.batch > 1:
@@ -98,16 +90,6 @@ def main() -> None:
               f"{wall_ms:.3f} ms wall ({wall_ms / bound_ms:.2f}x "
               f"the bound), {kernel_ms:.3f} ms of device kernels per step ===")
         print(table)
-        for length in (int(n) for n in args.prefill.split(",") if n and args.step_prompts):
-            for together in (False, True):
-                joining = [prompt[i : i + length] for i in range(args.step_prompts)]
-                wall_ms, kernel_ms, table = profiled_calls(
-                    lambda: step_with_prompts(engine, names, tree or ROOT_ONLY, joining, together), sync, args.rows)
-                how = "in its forward" if together else "apart"
-                print(f"\n=== a step of {args.batch} session(s) with {args.step_prompts} prompt(s) of {length} "
-                      f"tokens {how} (the joining sessions' start and end included): {wall_ms:.3f} ms wall, "
-                      f"{kernel_ms:.3f} ms of device kernels per step ===")
-                print(table)
         for name in names:
             engine.end_session(name)
     for length in (int(n) for n in args.prefill.split(",") if n):
@@ -133,27 +115,6 @@ def main() -> None:
             print(f"\n=== prefill of {args.prompts} prompt(s) of {length} tokens {how} (sessions' start and end "
                   f"included): {wall_ms:.3f} ms wall, {kernel_ms:.3f} ms of device kernels per call ===")
             print(table)
-
-
-def step_with_prompts(
-    engine: VerifyEngine, names: list[str], tree: DraftTree, prompts: list[list[int]], together: bool
-) -> None:
-    """One step of the sessions `names` (each the same tree) and joining sessions' prompts: the prompts' forward and
-    then the step's (apart), or both in one (VerifyEngine.step)."""
-    joining = [f"j{i}" for i in range(len(prompts))]
-    for name, tokens in zip(joining, prompts):
-        engine.start_session(name, len(tokens) + 1, SamplingParams(), [])
-    calls = [PrefillCall(name, tokens) for name, tokens in zip(joining, prompts)]
-    rounds = [(name, tree) for name in names]
-    if together:
-        outcomes = [*(out := engine.step(calls, rounds, [1] * len(rounds), 1 << 20, True))[0], *out[1]]
-    else:
-        outcomes = [*engine.prefill_batch(calls), *engine.verify_batch(rounds, True)]
-    for outcome in outcomes:
-        if isinstance(outcome, Exception):
-            raise outcome
-    for name in joining:
-        engine.end_session(name)
 
 
 if __name__ == "__main__":

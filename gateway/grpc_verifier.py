@@ -1,7 +1,6 @@
 """The round loop's VerifierClient over gRPC (gateway/grpc_client.py): with a `Steps` (gateway/steps.py), the
-Verify and Decode calls of all running sessions, and the Prefill calls of those joining, go out in steps, as one
-VerifyBatch call each, their trees cut by a `TreeFit` (gateway/tree_fit.py), where it has one, to the size its
-measurements favour."""
+Verify and Decode calls of all running sessions go out in steps, as one VerifyBatch call each, their trees cut by a
+`TreeFit` (gateway/tree_fit.py), where it has one, to the size its measurements favour."""
 
 from __future__ import annotations
 
@@ -47,11 +46,9 @@ class GrpcVerifier(GrpcClient):
         finally:
             self._rounds_out -= 1
         if fit is not None:
-            rows, chained, prompts = 0, False, False
+            rows, chained = 0, False
             for call, answer in zip(calls, answers):
-                kind = call.WhichOneof("call")
-                prompts |= kind == "prefill"
-                if kind != "verify":
+                if not call.HasField("verify"):
                     rows += 1
                     chained |= call.decode.steps > 1
                     continue
@@ -59,9 +56,8 @@ class GrpcVerifier(GrpcClient):
                 rows += tree.shape[1]
                 if isinstance(answer, pb.StepResponse):
                     fit.observe_round(tree, answer.tokens, self._fits.get(call.verify.session_id, GREEDY).kind)
-            # a batch behind another, or of chained steps, took several forwards, and prompt chunks cost more than
-            # a round's rows: no measure of one forward's cost
-            if not (chained or behind or prompts):
+            # a batch behind another, or of chained steps, took several forwards: no measure of one forward's cost
+            if not (chained or behind):
                 fit.observe_batch(rows, time.perf_counter() - sent, sent)
         return answers
 
@@ -100,9 +96,6 @@ class GrpcVerifier(GrpcClient):
     ) -> StepResult:
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features,
                                     skip_features=skip_features)
-        if self._rounds is not None:  # with the next step: the verifier runs it in the step's forward where it fits
-            answer = await self._steps.submit(self._rounds, session_id, pb.RoundCall(prefill=request))
-            return tensors.step_from_pb(answer, wire=True)
         async with self._tracked(session_id):
             return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
 

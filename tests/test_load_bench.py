@@ -74,8 +74,8 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
         for name in ("ttft", "itl", "chunk_gap", "e2e"):
             assert r[f"{name}_p99_s"] >= r[f"{name}_p50_s"] > 0, name
         assert r["mean_step_batch"] >= 1 and r["mean_verify_batch"] >= 1 and r["forwards_per_s"] > 0
-        # every request's prompt went with a step, in its rounds' forward; none as a Prefill call of its own
-        assert r["step_prompts"] == r["requests"] and r["mean_prefill_batch"] is None
+        assert r["mean_prefill_batch"] >= 1
+        # the TTFT's parts: the wait for a slot, then the sessions' start and prefill, each request's verifier calls
         assert set(r["ttft_parts_ms"]) == {"queue", "prefill"} and r["ttft_parts_ms"]["prefill"] > 0
         assert {"StartSession", "Prefill", "EndSession"} <= set(r["verifier_rpc_ms"]) and r["prefill_forward_ms"] > 0
         assert r["graphs_captured"] == 0  # no CUDA graphs on a CPU

@@ -20,8 +20,7 @@ from tests.conftest import hf_greedy
 from tests.test_chunked_prefill import DENSE_TOL, TAPS, assert_fp32_close, make_prompt
 from tests.test_verify import PATHS, make_engine, oracle_tree
 from verify_server.prefill import PrefillCall
-from verify_server.prompt_batch import prefill_each
-from verify_server.prompt_step import MAX_SHARED_CHUNK
+from verify_server.prompt_batch import MAX_SHARED_CHUNK, prefill_each
 from verify_server.verify import VerifyEngine
 
 SAMPLED = SamplingParams(temperature=0.8, seed=11)
@@ -32,21 +31,20 @@ BF16_TIE = 0.1
 
 
 class SharedForwards:
-    """Counts the shared prompt forwards a fused engine runs, and their chunks (wraps FusedRunner.step_forward, which
-    still runs; a forward without rounds is a prompt batch's)."""
+    """Counts the shared prompt forwards a fused engine runs, and their chunks (wraps FusedRunner.prompt_batch,
+    which still runs)."""
 
     def __init__(self, engine: VerifyEngine) -> None:
         self.chunks: list[int] = []
         if engine.fused is None:
             return
-        run = engine.fused.step_forward
+        run = engine.fused.prompt_batch
 
-        def counted(items, taps, whole, ending):
-            assert whole == 0, "a prompt batch runs no rounds"
+        def counted(items, taps, ending):
             self.chunks.append(len(items))
-            return run(items, taps, whole, ending)
+            return run(items, taps, ending)
 
-        engine.fused.step_forward = counted
+        engine.fused.prompt_batch = counted
 
 
 def start(engines: tuple[VerifyEngine, ...], sessions: dict[str, tuple[SamplingParams, list[int]]]) -> None:

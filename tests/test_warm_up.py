@@ -24,7 +24,7 @@ from tests.test_verify import make_engine
 from verify_server import fused_layer
 from verify_server.fused_layer import unfused_linear
 from verify_server.prefill import PrefillCall
-from verify_server.step_inputs import MAX_GRAPH_NODES, ROOT_ONLY
+from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.warm_up import warm_up as warm_up_verifier
 from verify_server.verify import VerifyEngine
 
@@ -76,7 +76,6 @@ def test_verifier_warm_up_compiles_every_step_shape(
     serve_long_prompt(engine)
     serve_batches(engine, 400, (1, 0, 9, 31, 47, 0, 63, 100))
     serve_prompt_batches(engine)
-    serve_prompt_steps(engine)
     assert compiled_graphs() == before
 
 
@@ -93,7 +92,6 @@ def test_verifier_warm_up_on_gpu_compiles_every_step_shape(qwen3_target: Path) -
     serve_long_prompt(engine)
     serve_batches(engine, 700, (1, 0, 9, 31, 47, 0, 63, 100, 127, 128, 200))
     serve_prompt_batches(engine)
-    serve_prompt_steps(engine)
     assert compiled_graphs() == before
 
 
@@ -144,29 +142,6 @@ def serve_prompt_batches(engine: VerifyEngine) -> None:
         for step in engine.prefill_batch(calls):
             assert not isinstance(step, Exception), step
         for session_id in sessions:
-            engine.end_session(session_id)
-
-
-def serve_prompt_steps(engine: VerifyEngine) -> None:
-    """Steps that carry prompts (VerifyEngine.step): running sessions' AR steps, or their trees, beside joining
-    sessions' prompts in one forward, untapped and tapped, 1 to 14 rounds beside 1 to 5 prompts."""
-    rng = random.Random(9)
-    for taps, running, nodes, lengths in (([], 4, 0, (60,)), ([], 14, 0, (33, 61)), ([1, 3], 3, 20, (61,) * 5),
-                                          ([], 1, 0, (200, 7))):
-        sessions = [f"r{i}" for i in range(running)]
-        for session_id in sessions:
-            engine.start_session(session_id, 600, SamplingParams(), taps=taps)
-            engine.prefill(session_id, [rng.randrange(engine.vocab_size) for _ in range(30)])
-        rounds = [(session_id, random_tree(rng, engine.session(session_id).root, nodes, engine.vocab_size)
-                   if nodes else ROOT_ONLY) for session_id in sessions]
-        joining = [f"j{i}" for i in range(len(lengths))]
-        for session_id in joining:
-            engine.start_session(session_id, 600, SamplingParams(), taps=taps)
-        calls = [PrefillCall(session_id, [rng.randrange(engine.vocab_size) for _ in range(length)])
-                 for session_id, length in zip(joining, lengths)]
-        prompts, outcomes, shared = engine.step(calls, rounds, [1] * len(rounds), 1024, True)
-        assert shared == len(calls) and not any(isinstance(o, Exception) for o in (*prompts, *outcomes))
-        for session_id in (*sessions, *joining):
             engine.end_session(session_id)
 
 

@@ -135,7 +135,7 @@ class BatchedRounds:
         groups: dict[tuple, list[int]] = {}
         batched: dict[str, VerifySession] = {}
         for i, (session_id, tree) in enumerate(calls):
-            sess = self.batchable(session_id, tree, batched)
+            sess = self._batchable(session_id, tree, batched)
             if sess is not None:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
                 batched[session_id] = sess
                 params = sess.params
@@ -151,7 +151,7 @@ class BatchedRounds:
                 outcomes[i] = verify_alone(self.verify, session_id, tree, host_features)
         return outcomes
 
-    def batchable(
+    def _batchable(
         self, session_id: str, tree: DraftTree, batched: dict[str, VerifySession]
     ) -> VerifySession | None:
         """The session when this call can join the batch, marked used as verify() marks it; None for verify() to

@@ -224,22 +224,18 @@ class FusedRunner:
         """Several sessions' trees in one uncaptured forward (TreeSteps.forward)."""
         return self.trees.forward(items, taps)
 
-    def step_forward(
-        self, items: list[BatchTree], taps: tuple[int, ...], whole: int, ending: list[int]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch, torch.Tensor]:
-        """A step's rounds and prompt chunks, or prompt chunks alone, in one uncaptured forward
-        (verify_server/prompt_step.py): the first
-        `whole` items rounds' trees, the rest prompt chunks, each a chain -> (logits fp32 [every row of the first
-        `whole` trees, in order, then the last row of each item `ending` lists, V], None where there are none;
-        features [rows, taps*hidden] or None; the batch whose rows they follow; its rows' [4, rows] ids, positions,
-        parents and depths, as forward gives them). Only those rows go through the lm_head."""
-        hidden, features, batch, rows = self.trees.hidden_forward(items, taps)
-        picked = [r for b in range(whole) for r in range(batch.tree_rows(b).start, batch.tree_rows(b).stop)]
-        picked += [batch.tree_rows(b).stop - 1 for b in ending]
-        if not picked:
-            return None, features, batch, rows
-        index = torch.tensor(picked, dtype=torch.long, device=hidden.device)
-        return self.decoder.logits(hidden.index_select(0, index), compiled=True), features, batch, rows
+    def prompt_batch(
+        self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch]:
+        """Several sessions' prompt chunks in one uncaptured forward, each a chain (verify_server/prefill.py) ->
+        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, None where it lists none;
+        features [rows, taps*hidden] or None; the batch whose rows they follow). Only those rows go through the
+        lm_head."""
+        hidden, features, batch, _ = self.trees.hidden_forward(items, taps)
+        if not ending:
+            return None, features, batch
+        last = torch.tensor([batch.tree_rows(b).stop - 1 for b in ending], dtype=torch.long, device=hidden.device)
+        return self.decoder.logits(hidden.index_select(0, last), compiled=True), features, batch
 
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None

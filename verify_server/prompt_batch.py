@@ -3,20 +3,32 @@
 At batch 1 a large target's short prompt is bound by reading its weights, like a decode step, so a burst of
 requests' prompts prefilled one by one pays that reading once each. Each chunk is a chain from its session's
 committed length, i.e. a tree whose node i sees nodes 0..i: the causal mask of a prompt after its committed prefix.
-So the shared forward is a step's without rounds (verify_server/prompt_step.py): the batched rounds' forward, with only
-each prompt's last row through the lm_head; each call's checks, restore, first token and commit are PromptPrefill's,
-as alone.
+So the shared forward is the batched rounds' forward (verify_server/tree_batch.py), with only each prompt's last row
+through the lm_head; each call's checks, restore, first token and commit are PromptPrefill's, as alone.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections.abc import Callable
 
+import torch
+
 from protos.types import StepResult
-from verify_server.prefill import PrefillCall, PromptPrefill
+from verify_server.fused_runner import FusedRunner
+from verify_server.prefill import Chunk, PrefillCall, PromptPrefill, chain
 from verify_server.prefix_cache import PrefixCache
-from verify_server.prompt_step import MAX_SHARED_CHUNK, PromptStep
 from verify_server.session import VerifySession
+from verify_server.step_attention import INVARIANT
+from verify_server.step_inputs import MAX_GRAPH_NODES
+from verify_server.tree_batch import BatchTree
+
+log = logging.getLogger(__name__)
+
+# The longest chunk that shares a forward with others': past it a prompt's forward is bound by its own matmuls, and
+# the batched rounds' attention has not been tuned for longer chains. Longer chunks run alone.
+MAX_SHARED_CHUNK = MAX_GRAPH_NODES
 
 
 def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -> list[StepResult | Exception]:
@@ -32,12 +44,14 @@ def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -
 
 
 class PromptBatch:
-    """prefill_batch over a PromptPrefill (each call's steps, and the chunks that run alone) and the engine's
-    PromptStep (None: every chunk alone), whose forward the shared chunks run in, without rounds."""
+    """prefill_batch over a PromptPrefill (each call's steps, and the chunks that run alone) and the engine's fused
+    runner (None: every chunk alone)."""
 
-    def __init__(self, prompts: PromptPrefill, step: PromptStep | None) -> None:
+    def __init__(self, prompts: PromptPrefill, fused: FusedRunner | None) -> None:
         self.prompts = prompts
-        self.step = step
+        self.fused = fused
+        # The deterministic mode keeps a prompt's chunks on its own causal steps, whose results it vouches for.
+        self.shares = fused is not None and fused.decoder.attention != INVARIANT
 
     def run(
         self, calls: list[tuple[PrefillCall, VerifySession]], prefix: PrefixCache | None
@@ -50,13 +64,12 @@ class PromptBatch:
         groups: dict[tuple[int, ...], list[int]] = {}
         seen: set[str] = set()
         for i, (call, sess) in enumerate(calls):
-            if self.step is not None and call.session_id not in seen and 0 < len(call.prompt) <= MAX_SHARED_CHUNK:
+            if self.shares and call.session_id not in seen and 0 < len(call.prompt) <= MAX_SHARED_CHUNK:
                 groups.setdefault(tuple(sess.taps), []).append(i)
             seen.add(call.session_id)
         for taps, members in groups.items():
             if len(members) > 1:
-                shared = self.step.together([calls[i] for i in members], [], [], taps, False, prefix)
-                for i, outcome in zip(members, shared[0] if shared is not None else ()):
+                for i, outcome in zip(members, self._together([calls[i] for i in members], taps, prefix)):
                     outcomes[i] = outcome
         for i, (call, sess) in enumerate(calls):
             if outcomes[i] is None:
@@ -65,3 +78,62 @@ class PromptBatch:
                 except Exception as exc:  # noqa: BLE001 - this call's own error
                     outcomes[i] = exc
         return outcomes
+
+    def _together(
+        self, calls: list[tuple[PrefillCall, VerifySession]], taps: tuple[int, ...], prefix: PrefixCache | None
+    ) -> list[StepResult | Exception | None]:
+        """The calls' chunks in one forward -> each one's outcome; None for those left to run alone (all of them
+        where the forward runs out of memory: nothing is committed then)."""
+        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
+        timer = self.prompts.timers.timer()
+        chunks: list[tuple[int, Chunk]] = []
+        for i, (call, sess) in enumerate(calls):
+            try:
+                chunks.append((i, self.prompts.begin(call, sess, prefix, timer)))
+            except Exception as exc:  # noqa: BLE001 - this call's own error
+                outcomes[i] = exc
+        running = [(i, chunk) for i, chunk in chunks if chunk.rest]  # a `more` chunk held whole runs nothing
+        try:
+            logits, features, rows = self._shared_forward([chunk for _, chunk in running], taps)
+        except BaseException as exc:
+            for _, chunk in chunks:
+                chunk.sess.cache.length = chunk.start
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            log.warning("%d prompt chunks ran out of memory together; prefilling them one by one", len(running))
+            return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
+        timer.mark()
+        ending = itertools.count()  # the logits' rows: the chunks that end their prompts, in order (all run)
+        firsts: dict[int, torch.Tensor | None] = {}  # by call: its first token [1] on the device, None for `more`
+        for i, chunk in chunks:
+            row = None if chunk.call.more else logits[next(ending)][None]
+            try:
+                firsts[i] = self.prompts.choose(chunk, row)
+            except Exception as exc:  # noqa: BLE001 - this call's own error, nothing of it committed
+                chunk.sess.cache.length = chunk.start
+                outcomes[i] = exc
+        chosen = [first for first in firsts.values() if first is not None]
+        if not chosen:
+            timer.end()
+        roots = iter(timer.sync(lambda: torch.cat(chosen).tolist()) if chosen else [])  # one host sync for all
+        rows_of = {i: chunk_rows for (i, _), chunk_rows in zip(running, rows)}
+        for i, chunk in chunks:
+            if i in firsts:
+                chunk_features = None if features is None or i not in rows_of else features[rows_of[i]]
+                outcomes[i] = self.prompts.finish(chunk, chunk_features, None if firsts[i] is None else next(roots), prefix)
+        return outcomes
+
+    def _shared_forward(
+        self, chunks: list[Chunk], taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[slice]]:
+        """The chunks' tokens, each from its slot past its restored ones, in one forward -> (logits [m, V] fp32 of
+        the last row of each of the m chunks that end their prompts, in order, or None; features [rows,
+        taps*hidden] or None; each chunk's rows in them)."""
+        if not chunks:
+            return None, None, []
+        for chunk in chunks:
+            chunk.sess.cache.length = chunk.start + chunk.reused
+        items = [BatchTree(chunk.sess.cache, chain(chunk.rest), chunk.rest[0]) for chunk in chunks]
+        ending = [b for b, chunk in enumerate(chunks) if not chunk.call.more]
+        logits, features, batch = self.fused.prompt_batch(items, taps, ending)
+        return logits, features, [batch.tree_rows(b) for b in range(len(chunks))]

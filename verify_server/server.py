@@ -65,8 +65,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                        "a rise while serving is a step that met a shape the warm-up did not capture, and waited for "
                        "its capture", registry=host.metrics.registry)
         graphs.set_function(lambda: len(host.engine.fused.graphs) if host.engine and host.engine.fused else 0)
-        self.step_prompts = Counter("ddtree_verify_step_prompts", "Prefill calls of a step run in its rounds' "
-                                    "forward (VerifyEngine.step)", registry=host.metrics.registry)
         self.launched_ahead = Counter("ddtree_verify_decodes_launched_ahead", "Batches of AR steps launched behind "
                                       "a step still unread, before the host read it (VerifyEngine.launch_decodes)",
                                       registry=host.metrics.registry)
@@ -119,8 +117,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def VerifyBatch(
         self, request: pb.VerifyBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyBatchResponse:
-        """One step's round calls of many sessions (the gateway's step scheduler), and the prompt chunks of sessions
-        joining it, each answered as alone."""
+        """One step's round calls of many sessions (the gateway's step scheduler), each answered as alone."""
         response = pb.VerifyBatchResponse()
         await answer_all(context, self.host, self.rounds, [_round_call(call) for call in request.calls],
                          response.outcomes, "step")
@@ -195,38 +192,28 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             )
 
     def _rounds(
-        self, engine: VerifyEngine, requests: list[pb.VerifyRequest | pb.DecodeRequest | pb.PrefillRequest]
+        self, engine: VerifyEngine, requests: list[pb.VerifyRequest | pb.DecodeRequest]
     ) -> list[pb.StepResponse | Exception] | Deferred:
-        """Several sessions' Verify and Decode calls, and the Prefill calls of sessions joining the step, those that
-        pass their checks in one forward (VerifyEngine.step) -> each call's answer, or the error it fails with.
-        Where they are all one AR step of sessions whose choices the graph makes, the step is launched behind the
-        steps still on the device and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
+        """Several sessions' Verify and Decode calls, those that pass their checks in one forward
+        (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with. Where they are all one AR
+        step of sessions whose choices the graph makes, the step is launched behind the steps still on the device
+        and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
         outcomes, calls = checked(requests, lambda request: self._call(engine, request))
-        prompts = [call for call in calls if isinstance(call, PrefillCall)]
-        rounds = [call for call in calls if not isinstance(call, PrefillCall)]
-        if rounds and not prompts and all(tree is ROOT_ONLY and steps == 1 for _, tree, steps in rounds):
-            step = engine.launch_decodes([session_id for session_id, _, _ in rounds])
+        if calls and all(tree is ROOT_ONLY and steps == 1 for _, tree, steps in calls):
+            step = engine.launch_decodes([session_id for session_id, _, _ in calls])
             if step is not None:
                 if len(engine.ahead.unread) > 1:
                     self.launched_ahead.inc()
                 return Deferred(step.timer.done, lambda engine: answered(outcomes, engine.read_decodes(step),
                                                                    tensors.step_to_pb))
-        if not calls:
-            return answered(outcomes, [], tensors.step_to_pb)
-        prompt_out, round_out, shared = engine.step(prompts, [call[:2] for call in rounds],
-                                                    [call[2] for call in rounds], self.config.prefill_batch_tokens, True)
-        self.step_prompts.inc(shared)
-        prompt_out, round_out = iter(prompt_out), iter(round_out)
-        results = [next(prompt_out) if isinstance(call, PrefillCall) else next(round_out) for call in calls]
+        results = engine.verify_batch([call[:2] for call in calls], True, [call[2] for call in calls]) if calls else []
         return answered(outcomes, results, tensors.step_to_pb)
 
     def _call(
-        self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest | pb.PrefillRequest
-    ) -> tuple[str, DraftTree, int] | PrefillCall:
-        """A step's call checked -> a round call's (session id, its tree, its AR steps in a row), or a Prefill's
-        PrefillCall. A Decode that asks for it untaps its session first (DecodeRequest.untap)."""
-        if isinstance(request, pb.PrefillRequest):
-            return self._prefill_call(engine, request)
+        self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
+    ) -> tuple[str, DraftTree, int]:
+        """A round call checked -> (session id, its tree, its AR steps in a row). A Decode that asks for it untaps
+        its session first (DecodeRequest.untap)."""
         steps = 1
         if isinstance(request, pb.DecodeRequest):
             steps = decode_steps(request.steps)
@@ -250,18 +237,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
 
 
-def _round_call(
-    call: pb.RoundCall,
-) -> tuple[str, pb.VerifyRequest | pb.DecodeRequest | pb.PrefillRequest] | CallFailed:
+def _round_call(call: pb.RoundCall) -> tuple[str, pb.VerifyRequest | pb.DecodeRequest] | CallFailed:
     """A VerifyBatch's call -> (its rpc, its request), or the failure an empty one is."""
     kind = call.WhichOneof("call")
     if kind == "verify":
         return "Verify", call.verify
     if kind == "decode":
         return "Decode", call.decode
-    if kind == "prefill":
-        return "Prefill", call.prefill
-    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify, a decode or a prefill")
+    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
 
 
 def kv_cache_bytes(session: VerifySession) -> int:

@@ -175,14 +175,6 @@ class TensorParallelEngine:
         return [verify_alone(self.verify, session_id, tree, host_features, n)
                 for (session_id, tree), n in zip(calls, counts)]
 
-    def step(
-        self, prompts: list[PrefillCall], rounds: list[tuple[str, DraftTree]], steps: Sequence[int], budget: int,
-        host_features: bool = False,
-    ) -> tuple[list[StepResult | Exception], list[StepResult | Exception], int]:
-        """A step's prompts through prefill_batch, then its rounds through verify_batch, each call alone (no fused
-        path, hence no shared forward: `budget` is moot)."""
-        return self.prefill_batch(prompts), self.verify_batch(rounds, host_features, steps), 0
-
     def shutdown(self) -> None:
         self.channel.send("shutdown", {})
 

@@ -34,7 +34,6 @@ from verify_server.prefill import PrefillCall, PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.prompt_batch import PromptBatch
-from verify_server.prompt_step import PromptStep
 from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import Draws
 from verify_server.session import (
@@ -123,11 +122,7 @@ class VerifyEngine:
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
         # a prompt chunk that no captured prompt step runs goes through _forward
         self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
-        # several sessions' prompt chunks in one forward, a step's beside its rounds: on the fused path, outside the
-        # deterministic mode, which keeps a prompt's chunks on its own causal steps (whose results it vouches for)
-        shares = self.fused is not None and self.fused.decoder.attention != INVARIANT
-        self.prompt_step = PromptStep(self.fused, self.prompts, self.batched, self.timers) if shares else None
-        self.prompt_batch = PromptBatch(self.prompts, self.prompt_step)
+        self.prompt_batch = PromptBatch(self.prompts, self.fused)
         self.hf: HFForward | None = None  # the generic path, for targets without a fused one
         # a hybrid target's gated-delta layout (None: every layer has K/V), and its tree's per-node factors
         self.linear: LinearLayout | None = None
@@ -424,42 +419,6 @@ class VerifyEngine:
             if isinstance(outcome, StepResult):
                 self._cached(session_id, outcome)
         return outcomes
-
-    @torch.inference_mode()
-    def step(
-        self, prompts: list[PrefillCall], rounds: list[tuple[str, DraftTree]], steps: Sequence[int],
-        budget: int, host_features: bool = False,
-    ) -> tuple[list[StepResult | Exception], list[StepResult | Exception], int]:
-        """A step's Prefill calls and round calls (steps: each round call's AR steps in a row) -> (each prefill's
-        outcome, each round's, as prefill_batch and verify_batch would give them; how many prompt chunks shared the
-        rounds' forward). The prompt chunks of up to `budget` tokens in all share it where they can
-        (verify_server/prompt_step.py; 0: none do); the calls left run after it, the prompts first."""
-        if not prompts:
-            return [], self.verify_batch(rounds, host_features, steps), 0
-        self.settle()
-        prompt_out: list[StepResult | Exception | None] = [None] * len(prompts)
-        round_out: list[StepResult | Exception | None] = [None] * len(rounds)
-        # (a call of an unknown session fails in prefill_batch, after)
-        found = [(i, (call, self.session(call.session_id))) for i, call in enumerate(prompts)
-                 if call.session_id in self.sessions]
-        shared = 0
-        if self.prompt_step is not None and budget:
-            shared_prompts, round_out = self.prompt_step.run([pair for _, pair in found], rounds, steps, budget,
-                                                             host_features, self.prefix)
-            for (i, _), outcome in zip(found, shared_prompts):
-                prompt_out[i] = outcome
-                shared += isinstance(outcome, StepResult)
-            for (session_id, _), outcome in zip(rounds, round_out):
-                if isinstance(outcome, StepResult):
-                    self._cached(session_id, outcome)
-        left = [i for i, outcome in enumerate(prompt_out) if outcome is None]
-        for i, outcome in zip(left, self.prefill_batch([prompts[i] for i in left])):
-            prompt_out[i] = outcome
-        left = [i for i, outcome in enumerate(round_out) if outcome is None]
-        for i, outcome in zip(left, self.verify_batch([rounds[i] for i in left], host_features,
-                                                      [steps[i] for i in left])):
-            round_out[i] = outcome
-        return prompt_out, round_out, shared
 
     def _forward(
         self, sess: VerifySession, ids: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor | None,

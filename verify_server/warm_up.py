@@ -16,7 +16,7 @@ import torch
 from kernels.cuda_graphs import key_buckets
 from protos.types import DraftTree, SamplingParams
 from verify_server.prefill import PrefillCall, chain
-from verify_server.prompt_step import MAX_SHARED_CHUNK
+from verify_server.prompt_batch import MAX_SHARED_CHUNK
 from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket

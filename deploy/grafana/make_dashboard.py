@@ -204,7 +204,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
     latency = [
         (timeseries("Time to first token", "Request arrival to first generated token (queueing and prefill "
                     "included), and its two parts' p90: the wait for a decoding slot (and KV memory), then the "
-                    "sessions' start and the prompt's prefill (which rides in the next step's forward). "
+                    "sessions' start and the prompt's prefill. "
                     "Percentiles from the gateway's histograms.",
                     [*percentiles("ddtree_time_to_first_token_seconds", "TTFT"),
                      target(quantile(0.9, "ddtree_request_queue_time_seconds"), "queue p90"),
@@ -301,12 +301,10 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     "sent in one batch call of a step (its step scheduler). A step's batch near the running requests "
                     "means every running request rides each step; a forward's batch below a step's means the "
                     "service's --max-batch splits it. The verifier's prompt forwards: the Prefill calls each took "
-                    "(requests starting together, outside steps), and the prompt chunks a second that rode in a "
-                    "step's forward.",
+                    "(requests starting together).",
                     [target(mean("ddtree_verify_batch_size"), "verifier mean"),
                      target(quantile(0.9, "ddtree_verify_batch_size"), "verifier p90"),
                      target(mean("ddtree_verify_prefill_batch_size"), "verifier prompts mean"),
-                     target(rate("ddtree_verify_step_prompts_total"), "prompts in steps / s"),
                      target(mean("ddtree_draft_batch_size"), "drafter mean"),
                      target(mean("ddtree_step_batch_size", "rpc"), "gateway step {{rpc}} mean")], "short"), 8, 8),
         (timeseries("Collector pauses p99", "Python garbage-collector pauses of each process, any generation: "

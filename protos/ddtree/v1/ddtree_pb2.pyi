@@ -339,14 +339,12 @@ class VerifyBatchRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[RoundCall, _Mapping]]] = ...) -> None: ...
 
 class RoundCall(_message.Message):
-    __slots__ = ("verify", "decode", "prefill")
+    __slots__ = ("verify", "decode")
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
     verify: VerifyRequest
     decode: DecodeRequest
-    prefill: PrefillRequest
-    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
     __slots__ = ("outcomes",)
