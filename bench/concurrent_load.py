@@ -156,12 +156,11 @@ def report_line(r: dict) -> str:
         ("launched_ahead", "AR steps launched ahead"),
         ("mean_draft_batch", "draft batch"), ("mean_tree_size", "tree"), ("mean_fitted_tree_size", "verified tree"))
         if r[key] is not None)
+    parts = "".join(f", TTFT {part} {value:.1f} ms" for part, value in r["ttft_parts_ms"].items())
+    parts += "".join(f", verifier {rpc} {value:.1f} ms" for rpc, value in r["verifier_rpc_ms"].items())
     return (f"{r['gateway']} {r['mode']} T={r['temperature']:g} {r['clients']} clients: {r['tokens_per_s']:.1f} "
             f"tokens/s, TTFT p50/p99 {ms(r['ttft_p50_s'])}/{ms(r['ttft_p99_s'])} ms, ITL p50/p99 "
-            f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}"
-            + "".join(f", {name} {value:.1f} ms" for name, value in
-                      (*((f"TTFT {k}", v) for k, v in r["ttft_parts_ms"].items()),
-                       *((f"verifier {k}", v) for k, v in r["verifier_rpc_ms"].items()))))
+            f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}{parts}")
 
 
 def main() -> None:

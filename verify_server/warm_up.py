@@ -52,9 +52,9 @@ def _chain(root: int, nodes: int) -> DraftTree:
 
 def _largest_prompt_batch(engine: VerifyEngine, taps: Sequence[int] | None, tokens: int) -> None:
     """A burst's shared prompt forward at its largest: `tokens` rows in chains of up to MAX_SHARED_CHUNK, as many as
-    a batch and the slots hold, tapping the drafter's layers where known (checked by warm_up). Its activations are the largest an
-    uncaptured forward of the service asks the allocator for: met here, their memory is held from the start, and
-    the first burst of requests does not wait for it."""
+    a batch and the slots hold, tapping the drafter's layers where known (checked by warm_up). Its activations are
+    the largest an uncaptured forward of the service asks the allocator for: met here, their memory is held from the
+    start, and the first burst of requests does not wait for it."""
     fused = engine.fused
     sessions = min(fused.max_batch, fused.slots.max_sessions) if fused is not None else 2
     length = min(MAX_SHARED_CHUNK, -(-tokens // sessions))

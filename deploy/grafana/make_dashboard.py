@@ -204,8 +204,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
     latency = [
         (timeseries("Time to first token", "Request arrival to first generated token (queueing and prefill "
                     "included), and its two parts' p90: the wait for a decoding slot (and KV memory), then the "
-                    "sessions' start and the prompt's prefill. "
-                    "Percentiles from the gateway's histograms.",
+                    "sessions' start and the prompt's prefill. Percentiles from the gateway's histograms.",
                     [*percentiles("ddtree_time_to_first_token_seconds", "TTFT"),
                      target(quantile(0.9, "ddtree_request_queue_time_seconds"), "queue p90"),
                      target(quantile(0.9, "ddtree_request_prefill_time_seconds"), "prefill p90")], "s"), 8, 8),
