@@ -214,6 +214,64 @@ def test_a_batch_of_chunks_that_end_no_prompt(path: str, qwen3_target: Path) -> 
     assert_same_continuations((batched, alone), list("abc"))
 
 
+class CapturedForwards:
+    """Counts a fused engine's shared prompt forwards that ran on the captured path, and those that did not (wraps
+    TreeSteps.prompt_hidden, which still runs)."""
+
+    def __init__(self, engine: VerifyEngine) -> None:
+        self.captured, self.uncaptured = 0, 0
+        run = engine.fused.trees.prompt_hidden
+
+        def counted(items, taps, graphs):
+            outcome = run(items, taps, graphs)
+            if outcome is None:
+                self.uncaptured += 1
+            else:
+                self.captured += 1
+            return outcome
+
+        engine.fused.trees.prompt_hidden = counted
+
+
+def test_shared_prefill_on_the_captured_path(qwen3_target: Path) -> None:
+    """The code path CUDA graphs replay (fused-static): chunks whose padding to one query bucket and a power of two of
+    trees at most doubles their rows (or stays within SMALL_PROMPT_BATCH rows) run through the batched rounds'
+    captured scores step, each call of every kind
+    (greedy, sampled, processed with logprobs, kept features, a chunk after committed rows, one with more to come)
+    answered as alone and going on as alone, greedy ones as the target's own continuation through deep trees; a
+    batch that would pad past that runs uncaptured, answered as alone too."""
+    batched, alone = make_engine(qwen3_target, "fused-static"), make_engine(qwen3_target, "fused-static")
+    captured = CapturedForwards(batched)
+    sessions = {"greedy": (SamplingParams(), TAPS), "sampled": (SAMPLED, TAPS), "processed": (PROCESSED, TAPS),
+                "kept": (SamplingParams(), TAPS), "chunked": (SamplingParams(), TAPS), "more": (SamplingParams(), TAPS)}
+    start((batched, alone), sessions)
+    prompts = {session_id: make_prompt(56 + 2 * i, seed=40 + i) for i, session_id in enumerate(sessions)}
+    for engine in (batched, alone):
+        engine.prefill("chunked", prompts["chunked"][:9], more=True)  # its batched chunk starts after 9 rows
+    first_calls = [PrefillCall("greedy", prompts["greedy"]), PrefillCall("sampled", prompts["sampled"]),
+                   PrefillCall("processed", prompts["processed"]),
+                   PrefillCall("kept", prompts["kept"], keep_features=True),
+                   PrefillCall("chunked", prompts["chunked"][9:]), PrefillCall("more", prompts["more"][:60], more=True)]
+    # 55 to 62 tokens a chunk: 8 trees of 64 rows for 351 tokens, within twice theirs
+    firsts = batched.prefill_batch(first_calls)
+    assert_same_outcomes(firsts, one_by_one(alone, first_calls))
+    assert (captured.captured, captured.uncaptured) == (1, 0)
+    # the rest of a prompt (6 tokens) beside a short prompt and a long one: 4 trees of 112 rows for 112 tokens, past
+    # both padding bounds, so uncaptured
+    start((batched, alone), {"late": (SamplingParams(), TAPS), "short": (SAMPLED, TAPS)})
+    calls = [PrefillCall("more", prompts["more"][60:]), PrefillCall("late", make_prompt(100, seed=50)),
+             PrefillCall("short", make_prompt(6, seed=51))]
+    assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
+    assert (captured.captured, captured.uncaptured) == (1, 1)
+    decoded = assert_same_continuations((batched, alone), [*sessions, "late", "short"])
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    for session_id in ("greedy", "kept", "chunked"):
+        truth = hf_greedy(model, prompts[session_id], TRUTH_TOKENS + 8)
+        first = next(step for call, step in zip(first_calls, firsts) if call.session_id == session_id)
+        assert first.tokens + decoded[session_id] == truth[:9]
+        assert_deep_rounds_follow_the_target(batched, session_id, truth)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash batch kernel and compiled steps need a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target: Path) -> None:

@@ -13,7 +13,8 @@ through the configured (compiled) layers with SDPA's causal attention: uncapture
 launches would be most of a short request's time outside its rounds. Longer prompts (bound by their matmuls, where
 the graph saves nothing) and a chunked prompt's chunks after the first (attending to the committed prefix too) take
 the same compiled prompt step uncaptured; one-token prompts and chunks, and trees beyond the largest bucket, run the
-forward eagerly.
+forward eagerly. Several sessions' prompt chunks in one forward are a batch of chains: they replay the batched
+rounds' graphs where padding them to one bucket costs less than the uncaptured forward's launches (prompt_batch).
 """
 
 from __future__ import annotations
@@ -225,17 +226,23 @@ class FusedRunner:
         return self.trees.forward(items, taps)
 
     def prompt_batch(
-        self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, TreeBatch]:
-        """Several sessions' prompt chunks in one uncaptured forward, each a chain (verify_server/prefill.py) ->
-        (logits [len(ending), V] fp32 of the last row of each chunk `ending` lists, None where it lists none;
-        features [rows, taps*hidden] or None; the batch whose rows they follow). Only those rows go through the
-        lm_head."""
-        hidden, features, batch, _ = self.trees.hidden_forward(items, taps)
+        self, items: list[BatchTree], taps: tuple[int, ...], ending: list[int], capture: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[slice]]:
+        """Several sessions' prompt chunks in one forward, each a chain (verify_server/prefill.py): captured where
+        graphs run and the batch pads well (TreeSteps.prompt_hidden), else uncaptured (capture False: uncaptured
+        whatever its shape, the warm-up's compiles of that step) -> (logits [len(ending), V] fp32 of the last row of
+        each chunk `ending` lists, None where it lists none; features [rows, taps*hidden] or None; each chunk's
+        rows in them). Only those last rows go through the lm_head."""
+        captured = self.trees.prompt_hidden(items, taps, self.graphs) if capture and self.static else None
+        if captured is not None:
+            hidden, features, rows = captured
+        else:
+            hidden, features, batch, _ = self.trees.hidden_forward(items, taps)
+            rows = [batch.tree_rows(b) for b in range(len(items))]
         if not ending:
-            return None, features, batch
-        last = torch.tensor([batch.tree_rows(b).stop - 1 for b in ending], dtype=torch.long, device=hidden.device)
-        return self.decoder.logits(hidden.index_select(0, last), compiled=True), features, batch
+            return None, features, rows
+        last = torch.tensor([rows[b].stop - 1 for b in ending], dtype=torch.long, device=hidden.device)
+        return self.decoder.logits(hidden.index_select(0, last), compiled=True), features, rows
 
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None

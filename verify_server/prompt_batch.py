@@ -3,8 +3,9 @@
 At batch 1 a large target's short prompt is bound by reading its weights, like a decode step, so a burst of
 requests' prompts prefilled one by one pays that reading once each. Each chunk is a chain from its session's
 committed length, i.e. a tree whose node i sees nodes 0..i: the causal mask of a prompt after its committed prefix.
-So the shared forward is the batched rounds' forward (verify_server/tree_batch.py), with only each prompt's last row
-through the lm_head; each call's checks, restore, first token and commit are PromptPrefill's, as alone.
+So the shared forward is the batched rounds' forward (verify_server/tree_batch.py), captured where graphs run and
+the batch pads well (their scores step's graphs), with only each prompt's last row through the lm_head; each call's
+checks, restore, first token and commit are PromptPrefill's, as alone.
 """
 
 from __future__ import annotations
@@ -135,5 +136,4 @@ class PromptBatch:
             chunk.sess.cache.length = chunk.start + chunk.reused
         items = [BatchTree(chunk.sess.cache, chain(chunk.rest), chunk.rest[0]) for chunk in chunks]
         ending = [b for b, chunk in enumerate(chunks) if not chunk.call.more]
-        logits, features, batch = self.fused.prompt_batch(items, taps, ending)
-        return logits, features, [batch.tree_rows(b) for b in range(len(chunks))]
+        return self.fused.prompt_batch(items, taps, ending)

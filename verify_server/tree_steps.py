@@ -3,7 +3,8 @@ uncaptured, or captured per (trees, query bucket, key bucket) whatever slots the
 batch with its walks and compactions in the graph (greedy), a batch sampled with temperature and min-p alone
 likewise, its choices drawn in the graph from the uniform numbers that come up with its inputs (sampled), any other
 sampled batch up to its last hidden states, the logits after (scores). A lone round is a batch of one (lone_greedy,
-lone_scores), so its graphs too are shared by every slot. FusedRunner holds a TreeSteps and passes each captured
+lone_scores), so its graphs too are shared by every slot. Several sessions' prompt chunks, chains, replay the scores
+step's graphs too (prompt_hidden). FusedRunner holds a TreeSteps and passes each captured
 step the pool it is captured in.
 """
 
@@ -25,6 +26,12 @@ from verify_server.step_inputs import (
 )
 from verify_server.tree_batch import BatchTree, TreeBatch, build_batch
 
+# A prompt batch runs captured (TreeSteps.prompt_hidden) where its padding leaves it at most MAX_PROMPT_PADDING times
+# its rows, or at most SMALL_PROMPT_BATCH rows in all: an uncaptured forward pays every kernel's launch from the host
+# whatever its rows, a padded row only its share of the matmuls, which a large target's forward of a few hundred rows
+# hides behind the reading of its weights.
+MAX_PROMPT_PADDING = 2
+SMALL_PROMPT_BATCH = 256
 # packed [trees, 2 + qb], path features [trees, qb, taps*hidden] or None, cursors [trees, 2]
 GreedyOutputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
@@ -124,9 +131,31 @@ class TreeSteps:
         if prepared is None:
             return None
         buf, kv_len = prepared
-        hidden, features, xs, _ = graphs.run(self._key(buf, kv_len, taps, "batch-scores"),
-                                             lambda: self._hidden(buf, taps, kv_len))
+        hidden, features, xs = self._replay_hidden(buf, kv_len, taps, graphs)
         return self.decoder.logits(hidden, compiled=True), features, xs, buf.qb
+
+    def prompt_hidden(
+        self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[slice]] | None:
+        """Several sessions' prompt chunks (chains) through the scores step's graph, without its lm_head ->
+        (the last layer's output [trees * qb, hidden], features [trees * qb, taps*hidden] or None, each item's
+        rows in them); the features are the caller's to keep. None where the step is not captured (as for greedy)
+        or where the batch's padding (each chain to the longest's bucket, the trees to a power of two) would pass
+        both MAX_PROMPT_PADDING times its rows and SMALL_PROMPT_BATCH rows: there the uncaptured forward, which runs
+        its rows alone, costs less."""
+        lengths = [item.tree.tokens.shape[0] for item in items]
+        qb = bucket(max(lengths))
+        padded = (1 << (len(items) - 1).bit_length()) * (qb or 0)
+        if qb is None or padded > max(MAX_PROMPT_PADDING * sum(lengths), SMALL_PROMPT_BATCH):
+            return None
+        prepared = self._prepare(items, graphs)
+        if prepared is None:
+            return None
+        buf, kv_len = prepared
+        hidden, features, _ = self._replay_hidden(buf, kv_len, taps, graphs)
+        if features is not None and graphs.enabled:  # the graph's own output, rewritten by its next replay
+            features = features.clone()
+        return hidden, features, [slice(b * qb, b * qb + q) for b, q in enumerate(lengths)]
 
     def ar_steps(
         self, items: list[BatchTree], counts: list[int], taps: tuple[int, ...], graphs: GraphPool | None
@@ -249,6 +278,15 @@ class TreeSteps:
                           _stack([x.anc for x in xs]), starts, buf.tables, buf.slots if flash else None, qb, kv_len)
         hidden, features = self.decoder.batch_forward(hidden, cos, sin, batch, taps)
         return hidden, features, xs, batch
+
+    def _replay_hidden(
+        self, buf: BatchBuffers, kv_len: int, taps: tuple[int, ...], graphs: GraphPool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[TreeInputs]]:
+        """The scores step's graph of the written batch, replayed (captured the first time its key is met) ->
+        _hidden's outputs but the batch."""
+        hidden, features, xs, _ = graphs.run(self._key(buf, kv_len, taps, "batch-scores"),
+                                             lambda: self._hidden(buf, taps, kv_len))
+        return hidden, features, xs
 
     def _round(self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int, sampled: bool = False) -> GreedyOutputs:
         """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its

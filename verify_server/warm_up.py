@@ -21,6 +21,7 @@ from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
 from verify_server.tree_batch import BatchTree
+from verify_server.tree_steps import MAX_PROMPT_PADDING, SMALL_PROMPT_BATCH
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
@@ -50,23 +51,36 @@ def _chain(root: int, nodes: int) -> DraftTree:
     return chain([root] + [0] * nodes)
 
 
-def _largest_prompt_batch(engine: VerifyEngine, taps: Sequence[int] | None, tokens: int) -> None:
-    """A burst's shared prompt forward at its largest: `tokens` rows in chains of up to MAX_SHARED_CHUNK, as many as
-    a batch and the slots hold, tapping the drafter's layers where known (checked by warm_up). Its activations are
-    the largest an uncaptured forward of the service asks the allocator for: met here, their memory is held from the
-    start, and the first burst of requests does not wait for it."""
+def _uncaptured_prompt_batches(engine: VerifyEngine, taps: Sequence[int] | None, tokens: int) -> None:
+    """The shared prompt forward uncaptured (FusedRunner.prompt_batch; a batch that pads badly runs it where graphs
+    run): compiled for two row counts, then at its largest, `tokens` rows in chains of up to MAX_SHARED_CHUNK, as many
+    as a batch and the slots hold, whose activations are the largest an uncaptured forward of the service asks the
+    allocator for: met here, their memory is held from the start, and the first burst of requests does not wait for
+    it. Straight through the runner, tapping the drafter's layers where known (checked by warm_up), the chains in one
+    warm-up slot whose rows are scratch: nothing committed."""
     fused = engine.fused
-    sessions = min(fused.max_batch, fused.slots.max_sessions) if fused is not None else 2
-    length = min(MAX_SHARED_CHUNK, -(-tokens // sessions))
-    count = min(sessions, tokens // length) if length else 0
-    if count < 2:
-        return
-    with contextlib.ExitStack() as stack:
-        names = [stack.enter_context(_warm_up_session(engine, length + 1, list(taps) if taps else None))
-                 for _ in range(count)]
-        for step in engine.prefill_batch([PrefillCall(session_id, [0] * length) for session_id in names]):
-            if isinstance(step, Exception):
-                raise step
+    most = min(fused.max_batch, fused.slots.max_sessions)
+    length = min(MAX_SHARED_CHUNK, -(-tokens // most)) if tokens else 0
+    count = min(most, tokens // length) if length else 0
+    batches = [(17, 40), (100, 60), *([(length,) * count] if count >= 2 else [])]
+    tapped = tuple(taps) if taps else (engine.num_layers - 1,)
+    _prompt_batches(engine, tapped, batches, capture=False)
+
+
+def _prompt_batches(
+    engine: VerifyEngine, taps: tuple[int, ...], batches: Sequence[Sequence[int]], capture: bool
+) -> None:
+    """Each batch of chains of those lengths (tokens 0, from slot 0) through FusedRunner.prompt_batch, every chain's
+    last row through the lm_head, in one warm-up slot."""
+    fused = engine.fused
+    cache = fused.slots.acquire(max(max(lengths) for lengths in batches))
+    try:
+        with torch.inference_mode():  # the chains write the slot, as a session's do
+            for lengths in batches:
+                items = [BatchTree(cache, chain([0] * n), 0) for n in lengths]
+                fused.prompt_batch(items, taps, list(range(len(items))), capture=capture)
+    finally:
+        fused.slots.release(cache)
 
 
 def _batches(engine: VerifyEngine) -> bool:
@@ -123,8 +137,9 @@ def warm_up(
     for prompt in (17, *(n + 1 for n in past_limit)):
         with _warm_up_session(engine, prompt + 1) as session_id:
             engine.prefill(session_id, [0] * prompt)
-    # Several sessions' prompts in one forward (prefill_batch: the batched rounds' uncaptured step over chains, and
-    # the lm_head over their last rows), of two sizes.
+    # Several sessions' prompts in one forward (prefill_batch: the batched rounds' step over chains, captured where
+    # graphs run and the batch pads well, and the lm_head over their last rows), of two sizes; then the uncaptured
+    # form, which a batch that pads badly runs.
     if _batches(engine):
         for lengths in ((17, 40), (100, 60)):
             with _warm_up_session(engine, 128) as first, _warm_up_session(engine, 128) as second:
@@ -132,7 +147,8 @@ def warm_up(
                 for step in engine.prefill_batch(calls):
                     if isinstance(step, Exception):
                         raise step
-        _largest_prompt_batch(engine, taps, prompt_tokens)
+        if engine.fused is not None and prompt_tokens:
+            _uncaptured_prompt_batches(engine, taps, prompt_tokens)
     # A chunked prompt's later chunks: a step of their own (attending to the committed rows too), compiled apart
     # from the prompts' (fused_layer.chunk_layer): two sizes, one past the limit, and a last chunk, which picks the
     # first token; in slots of two size classes, so that the slot's rows are symbolic for it too.
@@ -150,6 +166,7 @@ def warm_up(
             # speculating request untaps as it goes on AR)
             capture_rounds(engine, tapped, nodes if tapped or not taps else 0, trees=trees)
             capture_prompts(engine, tapped)
+            capture_prompt_batches(engine, tapped, prompt_tokens)
         log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
                  time.perf_counter() - start)
 
@@ -216,6 +233,26 @@ def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
         if 1 < qb < engine.model.config.max_position_embeddings:  # a one-token prompt runs uncaptured
             with _warm_up_session(engine, qb + 1, taps) as session_id:
                 engine.prefill(session_id, [0] * qb)
+
+
+def capture_prompt_batches(engine: VerifyEngine, taps: list[int], tokens: int) -> None:
+    """Where graphs serve every slot (the flash kernels' GPUs), the captured shared prompt forwards
+    (FusedRunner.prompt_batch) of sessions tapping `taps`: first chunks (from slot 0) of every query bucket, in
+    batches of 2, 4, ... chains up to the most a batch holds, as far as `tokens` (the service's
+    --prefill-batch-tokens) reaches: a batch that runs captured pads to at most MAX_PROMPT_PADDING times its
+    tokens, or SMALL_PROMPT_BATCH rows. Later chunks, past committed or restored rows, meet larger key buckets,
+    captured when first met."""
+    fused = engine.fused
+    if not fused.by_address or not tokens:
+        return
+    most = min(fused.max_batch, fused.slots.max_sessions)
+    sizes = [1 << i for i in range(1, (most - 1).bit_length() + 1)]  # the graphs' tree counts: 2, 4, ...
+    buckets = [qb for qb in QUERY_BUCKETS if 1 < qb <= MAX_SHARED_CHUNK
+               and qb < engine.model.config.max_position_embeddings]
+    most_rows = max(MAX_PROMPT_PADDING * tokens, SMALL_PROMPT_BATCH)
+    batches = [(qb,) * n for qb in buckets for n in sizes if n * qb <= most_rows]
+    if batches:
+        _prompt_batches(engine, tuple(taps), batches, capture=True)
 
 
 def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int, trees: int) -> None:
