@@ -21,6 +21,8 @@ from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import HIDDEN, VOCAB, hf_greedy
 from tests.services import VERIFIER_SERVICE, free_ports, launch, wait_serving
 from tests.test_verify import PATHS, make_engine, oracle_tree
+from verify_server import prefill as prefill_module
+from verify_server.prefill import PrefillCall
 from verify_server.session import CapacityError, SessionError
 from verify_server.tensor_parallel import TensorParallelGroup
 from verify_server.verify import VerifyEngine
@@ -191,6 +193,45 @@ def test_refused_chunks_leave_the_session_intact(path: str, qwen3_target: Path) 
     whole = engine.prefill("whole", prompt)
     assert_chunks_equal_one_call([first, last], whole, (4,))
     assert engine.decode("s").tokens == engine.decode("whole").tokens
+
+
+@pytest.mark.parametrize("path", ["fused", "fused-static"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_failed_first_token_leaves_the_session_as_before(
+    path: str, batched: bool, qwen3_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt whose first-token choice fails (made to here, once) fails uncommitted, alone or in a shared forward:
+    its session's cache (the prefix cache's restored blocks freed again) and the prompt tokens its repetition penalty
+    reads as before it, so that another prompt then answers as a fresh session's does."""
+    engine = make_engine(qwen3_target, path)
+    engine.enable_prefix_cache(2**24)
+    params = SamplingParams(repetition_penalty=50.0)
+    shared, prompt = make_prompt(40, seed=5), make_prompt(6, seed=6)
+    engine.start_session("cached", 100, SamplingParams(), TAPS)
+    engine.prefill("cached", shared)  # two full blocks of `shared` in the prefix cache
+    engine.end_session("cached")
+    engine.start_session("fresh", 100, params, TAPS)
+    first = engine.prefill("fresh", shared[:33] + prompt).tokens
+    failing = shared[:33] + first * 5  # restores two blocks; its tokens, were they kept, would be penalized
+    real = prefill_module.first_token
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(prefill_module, "first_token", real)
+        raise RuntimeError("the choice failed")
+
+    for session_id in ("s", "other"):
+        engine.start_session(session_id, 100, params, TAPS)
+    monkeypatch.setattr(prefill_module, "first_token", fail_once)
+    calls = [PrefillCall("s", failing)] + ([PrefillCall("other", make_prompt(9, seed=7))] if batched else [])
+    outcome = engine.prefill_batch(calls)[0] if batched else None
+    if batched:
+        assert isinstance(outcome, RuntimeError), outcome
+    else:
+        with pytest.raises(RuntimeError, match="the choice failed"):
+            engine.prefill("s", failing)
+    assert engine.session("s").cache.length == 0 and engine.session("s").root is None
+    assert engine.prefill("s", shared[:33] + prompt).tokens == first
+    assert [engine.decode("s").tokens for _ in range(6)] == [engine.decode("fresh").tokens for _ in range(6)]
 
 
 def test_tensor_parallel_chunks_equal_one_call(hybrid_targets: dict[str, Path]) -> None:

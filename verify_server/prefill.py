@@ -95,11 +95,11 @@ class PromptPrefill:
         chunk = self.begin(call, sess, prefix, self.timers.timer())
         try:
             logits, features = self._prompt_forward(sess, chunk.rest, chunk.start + chunk.reused)
+            chunk.timer.mark()
+            first = self.choose(chunk, logits)
         except BaseException:
             sess.cache.length = chunk.start  # the chunk is not committed: the restored slots are free again
             raise
-        chunk.timer.mark()
-        first = self.choose(chunk, logits)
         if first is None:
             chunk.timer.end()
         root = None if first is None else chunk.timer.sync(lambda: int(first[0].item()))
@@ -132,7 +132,12 @@ class PromptPrefill:
             sess.history.add_prompt(call.prompt)
         if call.more:
             return None
-        first, scored = first_token(logits, sess.params, sess.history, sess.draws, call.prompt[-1], sess.grammar)
+        try:
+            first, scored = first_token(logits, sess.params, sess.history, sess.draws, call.prompt[-1], sess.grammar)
+        except BaseException:
+            if sess.history is not None:  # the chunk fails uncommitted: the session as before it
+                sess.history.drop_prompt(call.prompt)
+            raise
         chunk.scored = scored
         return first
 

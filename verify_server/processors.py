@@ -27,14 +27,18 @@ class TokenHistory:
     def add_prompt(self, tokens: list[int]) -> None:
         self._count(self.prompt, tokens)
 
+    def drop_prompt(self, tokens: list[int]) -> None:
+        """add_prompt undone: a prompt chunk that failed before it was committed."""
+        self._count(self.prompt, tokens, -1.0)
+
     def add_output(self, tokens: list[int]) -> None:
         self._count(self.output, tokens)
         self.generated += len(tokens)
 
     @staticmethod
-    def _count(counts: torch.Tensor, tokens: list[int]) -> None:
+    def _count(counts: torch.Tensor, tokens: list[int], each: float = 1.0) -> None:
         ids = torch.tensor(tokens, dtype=torch.long, device=counts.device)
-        counts.index_add_(0, ids, torch.ones(len(tokens), device=counts.device))
+        counts.index_add_(0, ids, torch.full((len(tokens),), each, device=counts.device))
 
 
 def process_logits(

@@ -51,8 +51,13 @@ class PromptBatch:
     def __init__(self, prompts: PromptPrefill, fused: FusedRunner | None) -> None:
         self.prompts = prompts
         self.fused = fused
-        # The deterministic mode keeps a prompt's chunks on its own causal steps, whose results it vouches for.
-        self.shares = fused is not None and fused.decoder.attention != INVARIANT
+
+    @property
+    def shares(self) -> bool:
+        """Whether chunks share forwards: on the fused path, but in the deterministic mode, which keeps a prompt's
+        chunks on its own causal steps, whose results it vouches for (read per run: FusedRunner.configure may
+        change the attention)."""
+        return self.fused is not None and self.fused.decoder.attention != INVARIANT
 
     def run(
         self, calls: list[tuple[PrefillCall, VerifySession]], prefix: PrefixCache | None
