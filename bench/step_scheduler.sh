@@ -10,6 +10,7 @@
 #   cohorts     --step-cohorts 2: two cohorts stepping on their own, one's drafts beside the other's verifies
 #   drafted     --no-fit-trees: each step verifies its trees as drafted, at the budget's size whatever the load
 #   alone       --no-batch-steps --draft-max-batch 1: each request's calls go alone and meet by chance
+#   prompts-alone  steps, with --prefill-batch-tokens 0: every prompt its own (captured) forward, none shared
 # usage: bench/step_scheduler.sh SHAPE OUT ; env PAIR (default /tmp/pair-SHAPE), CLIENTS (default 1,4,16),
 # MAX_TOKENS (default 64), REQUESTS (per client, default 3), MODES (default "off ddtree"), TEMPERATURES (default 0),
 # CHECK_ALONE (1: each greedy answer against the same request alone), MAX_SESSIONS (each stack's --max-sessions and
@@ -29,7 +30,8 @@ fi
 
 declare -A flags=([steps]="--draft-max-batch 16" [steps-d1]="--draft-max-batch 1"
                   [cohorts]="--draft-max-batch 16 --step-cohorts 2" [drafted]="--draft-max-batch 16 --no-fit-trees"
-                  [alone]="--no-batch-steps --draft-max-batch 1")
+                  [alone]="--no-batch-steps --draft-max-batch 1"
+                  [prompts-alone]="--draft-max-batch 16 --prefill-batch-tokens 0")
 read -ra names <<< "${STACKS:-steps steps-d1 alone}"
 pids=() gateways=() verifiers=() drafters=()
 trap 'for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null; done; wait' EXIT

@@ -94,12 +94,23 @@ def check_verify() -> None:
 
 
 def check_prompt_batch(engine, model) -> None:
-    """Several sessions' prompts in one forward (prefill_batch): their chunks as chains through the batch op, tapped
-    and untapped, one of them a chunk after 6 committed rows, of lengths that are no multiple of 16; each session's
-    first token and AR steps after it are the target's own."""
+    """Several sessions' prompts in one forward (prefill_batch): their chunks as chains through the batch op, on the
+    captured path where the engine's steps are static (the batched rounds' scores step), tapped and untapped, one of
+    them a chunk after 6 committed rows, of lengths that are no multiple of 16; each session's first token and AR
+    steps after it are the target's own."""
     from protos.types import SamplingParams
     from tests.conftest import VOCAB, hf_greedy
     from verify_server.prefill import PrefillCall
+
+    captured = []
+    prompt_hidden = engine.fused.trees.prompt_hidden
+
+    def counted(items, taps, graphs):
+        outcome = prompt_hidden(items, taps, graphs)
+        captured.append(outcome is not None)
+        return outcome
+
+    engine.fused.trees.prompt_hidden = counted
 
     prompts = {name: [(7 * i + 3 * len(name)) % VOCAB for i in range(length)]
                for name, length in (("c", 5), ("dd", 23), ("e", 17), ("ff", 9))}
@@ -111,6 +122,8 @@ def check_prompt_batch(engine, model) -> None:
     for name, step in zip(prompts, engine.prefill_batch(calls)):
         assert step.tokens == truths[name][:1], (name, step)
         assert [engine.decode(name).tokens[0] for _ in range(5)] == truths[name][1:6], name
+    if engine.fused.by_address:  # captured batches of several sessions find their slots by address
+        assert captured == [True, True], captured  # the tapped two, the untapped two
 
 
 def check_deterministic() -> None:

@@ -21,6 +21,7 @@ from runtime.models import read_eos_ids, resolve_pair
 from gateway.rounds import Round, Speculation, run_rounds
 from tests.conftest import hf_greedy
 from tests.test_exactness import prompts
+from verify_server.session import MemoryShortError
 from verify_server.tensor_parallel import TensorParallelGroup, shard_model
 
 SPECS = [Speculation("ar"), Speculation("chain"), Speculation("ddtree", 4), Speculation("ddtree", 64)]
@@ -89,6 +90,38 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_target: Path) -> None:
             for _ in range(3):
                 group.engine.decode("s")
         assert time.monotonic() - start < 60
+    finally:
+        group.close()
+
+
+def test_sharded_memory_limits_and_untaps_hold_on_every_rank(qwen3_target: Path) -> None:
+    """--kv-cache-gib on a sharded verifier limits every rank's caches alike: a prompt whose session cannot grow,
+    and a session that does not fit, are refused (MemoryShortError) with nothing changed on any rank, and the
+    group goes on in lockstep; a session untapped (its drafter gone) goes on with AR steps on every rank. The
+    tokens are the target's own greedy ones throughout."""
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    prompt = prompts(1)[0]
+    truth = hf_greedy(hf, prompt, 6)
+    group = TensorParallelGroup(str(qwen3_target), 2, "cpu", torch.float32, timeout_s=20)
+    engine = group.engine
+    try:
+        engine.start_session("s", 600, SamplingParams(), [1, 3])
+        engine.limit_kv_caches(engine.caches.held_bytes * 3 // 2)  # the first session's cache, not another
+        with pytest.raises(MemoryShortError):
+            engine.prefill("s", [1] * 300)  # past its first cache's room: a larger one does not fit
+        with pytest.raises(MemoryShortError):
+            engine.start_session("t", 64, SamplingParams(), [])
+        assert list(engine.sessions) == ["s"]
+        first = engine.prefill("s", prompt)
+        assert first.tokens == truth[:1] and first.features is not None
+        engine.untap("s")
+        steps = [engine.decode("s") for _ in range(5)]
+        assert [t for step in steps for t in step.tokens] == truth[1:6]
+        assert all(step.features is None for step in steps)
+        engine.end_session("s")
+        engine.start_session("t", 64, SamplingParams(), [])
+        assert engine.prefill("t", prompt).tokens == truth[:1]
+        assert group.alive()
     finally:
         group.close()
 

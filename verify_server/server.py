@@ -258,7 +258,7 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees,
             config.prefill_batch_tokens)
     if config.kv_cache_bytes is not None:  # after the warm-up, whose sessions are not the operator's
-        engine.caches.limit_to(config.kv_cache_bytes)
+        engine.limit_kv_caches(config.kv_cache_bytes)
         log.info("sessions' KV caches: up to %.2f GiB", config.kv_cache_gib)
     budget = config.prefix_cache_bytes
     if budget and config.tp > 1:

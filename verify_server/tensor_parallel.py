@@ -23,7 +23,7 @@ from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import verify_alone
 from verify_server.prefill import PrefillCall
 from verify_server.prompt_batch import prefill_each
-from verify_server.session import SessionError
+from verify_server.session import SessionError, VerifySession
 from verify_server.sharding import shard_model
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine
@@ -31,7 +31,7 @@ from verify_server.verify import VerifyEngine
 log = logging.getLogger("ddtree.verify.tp")
 
 STORE_HOST = "127.0.0.1"  # the ranks are processes of one host
-OPS = ("start_session", "end_session", "prefill", "verify", "decode", "shutdown")
+OPS = ("start_session", "end_session", "prefill", "verify", "decode", "shutdown", "untap", "limit_kv_caches")
 
 
 def init_group(rank: int, world: int, device: str, store: dist.Store, timeout_s: float) -> torch.device:
@@ -101,13 +101,22 @@ class _Channel:
 
 
 class TensorParallelEngine:
-    """Rank 0's face of a sharded verifier: the VerifyEngine API, each call mirrored on every rank.
-    `alive()` says whether every rank still runs (runtime.service.ShardedEngine); `close()` stops them all."""
+    """Rank 0's face of a sharded verifier: the VerifyEngine API the service uses, each call that changes state
+    mirrored on every rank, what is only read (shapes, sessions, KV cache memory) rank 0's. The sharded target has no
+    fused path (no graphs, no shared or launched-ahead forwards) and no prefix cache (every rank would have to
+    restore its shard in lockstep with rank 0's lookups). `alive()` says whether every rank still runs
+    (runtime.service.ShardedEngine); `close()` stops them all."""
 
     def __init__(self, engine: VerifyEngine, alive: Callable[[], bool], close: Callable[[], None]) -> None:
         self.engine = engine
         self.channel = _Channel(engine.device)
         self.sessions = engine.sessions  # rank 0's table is the service's view (metrics, TTL sweeps)
+        self.caches = engine.caches  # rank 0's, for the metrics; limit_kv_caches limits every rank's
+        self.model, self.num_layers, self.hidden_size = engine.model, engine.num_layers, engine.hidden_size
+        self.vocab_size, self.device, self.dtype, self.path = engine.vocab_size, engine.device, engine.dtype, engine.path
+        self.fused: None = None
+        self.ahead: None = None
+        self.prefix: None = None
         self._ranks_alive = alive
         self.close = close
 
@@ -115,17 +124,24 @@ class TensorParallelEngine:
         """False once any rank has died: the service must stop answering (NOT_SERVING), not hang."""
         return self._ranks_alive()
 
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)  # read-only attributes (vocab_size, device, ...) come from rank 0
+    def session(self, session_id: str) -> VerifySession:
+        return self.engine.session(session_id)
+
+    def limit_kv_caches(self, nbytes: int) -> None:
+        """Every rank's KV caches (shards of the same sessions' alike) held to nbytes, so that a step one rank's
+        caches refuse is refused on all, before any of them runs its forward."""
+        self.channel.send("limit_kv_caches", {"bytes": nbytes})
+        self.engine.limit_kv_caches(nbytes)
 
     def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
         if params.seed is None and not params.greedy:
             # every rank must draw the same samples: fix the seed here instead of letting each rank pick one
             params = replace(params, seed=int(torch.randint(2**62, ()).item()))
+        # rank 0 first: a session it refuses (its checks, memory) is not started on the others
+        self.engine.start_session(session_id, capacity, params, taps)
         # the params in the wire's own encoding; every rank runs the same logits processors on the same logits
         wire = tensors.sampling_to_pb(params).SerializeToString().hex()
         self.channel.send("start_session", {"id": session_id, "capacity": capacity, "params": wire, "taps": taps})
-        self.engine.start_session(session_id, capacity, params, taps)
 
     def end_session(self, session_id: str) -> bool:
         self.channel.send("end_session", {"id": session_id})
@@ -149,6 +165,13 @@ class TensorParallelEngine:
 
     def take_features(self, session_id: str) -> StepResult:
         return self.engine.take_features(session_id)  # only rank 0's features leave the process
+
+    def launch_decodes(self, session_ids: list[str]) -> None:
+        """No AR step is launched ahead here (no fused path): verify_batch runs them."""
+        return None
+
+    def settle(self) -> None:
+        """Nothing is launched ahead to read."""
 
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)
@@ -201,6 +224,8 @@ def follow(engine: VerifyEngine) -> None:
                 engine.decode(header["id"])
             elif op == "untap":
                 engine.untap(header["id"])
+            elif op == "limit_kv_caches":
+                engine.limit_kv_caches(header["bytes"])
         except SessionError as exc:
             log.debug("rank %d: %s failed as on rank 0: %s", dist.get_rank(), op, exc)
 

@@ -148,6 +148,11 @@ class VerifyEngine:
             return "hf"
         return "fused+graphs" if self.fused.graphs.enabled else "fused"
 
+    def limit_kv_caches(self, nbytes: int) -> None:
+        """From now on the sessions' KV caches hold at most nbytes (--kv-cache-gib): a step past it fails
+        MemoryShortError with nothing changed."""
+        self.caches.limit_to(nbytes)
+
     def enable_prefix_cache(self, budget_bytes: int) -> None:
         """Keeps committed tokens' K/V and features past their sessions, up to budget_bytes of device memory
         (verify_server/prefix_cache.py), where this engine caches prefixes (caches_prefixes); said once in the log
