@@ -80,8 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sessions of a long-context drafter need it lowered")
     p.add_argument("--kv-cache-gib", type=float,
                    help="device memory (GiB) the verifier's sessions' KV caches may hold together (default: no limit "
-                   "but the device's); a request that runs short waits and resumes. Set it where the drafter shares "
-                   "the GPU")
+                   "but the device's; with --tp > 1, on each GPU); a request that runs short waits and resumes. Set "
+                   "it where the drafter shares the GPU")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -169,9 +169,9 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
     if args.prefill_batch_tokens < 0:
         raise SystemExit(f"ddtree serve: --prefill-batch-tokens must be >= 0, got {args.prefill_batch_tokens}")
-    if args.kv_cache_gib is not None and (args.kv_cache_gib <= 0 or args.tp > 1):
+    if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         # the verifier would refuse it at each start, and be restarted forever
-        raise SystemExit(f"ddtree serve: --kv-cache-gib must be > 0 and not with --tp > 1, got {args.kv_cache_gib}")
+        raise SystemExit(f"ddtree serve: --kv-cache-gib must be > 0, got {args.kv_cache_gib}")
     if args.deterministic and (args.tp > 1 or args.eager or args.compile):
         # the verifier would refuse them at each start, and be restarted forever
         raise SystemExit("ddtree serve: --deterministic runs the verifier on one GPU, uncompiled: not with --tp > 1, "

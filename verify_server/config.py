@@ -65,7 +65,7 @@ class VerifyServerConfig(ServiceConfig):
         "committed, not the capacity it asked for, and grows as it goes (doubling): a step that would take the caches "
         "past this fails ABORTED with nothing changed, and the gateway resumes that request once memory frees. "
         "Default: no limit but the device's (set one where a drafter shares the GPU, so that sessions cannot take its "
-        "memory). Not with --tp > 1"
+        "memory). With --tp > 1, on each GPU: every rank's caches, shards of the same sessions, held to it alike"
     )
     deterministic: bool = option(
         False, "row-invariant verification: every tree node's logits, its tree alone or batched with other sessions', "
@@ -94,8 +94,6 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"warm_up_taps must be layer indices >= 0, got {taps}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if self.kv_cache_gib is not None and self.tp > 1:
-            raise ValueError("--kv-cache-gib is not supported with --tp > 1 (each rank would have to refuse alike)")
         if self.prefix_cache_gib is not None and self.prefix_cache_gib < 0:
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:
