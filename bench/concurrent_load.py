@@ -22,7 +22,8 @@ load-adaptive trees), the mean time a round spent in each phase (ddtree_round_ph
 parts, the wait for a slot and the sessions' start and prefill (ddtree_request_{queue,prefill}_time_seconds); with
 --verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per second, its
 mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of its session
-calls (StartSession, Prefill, EndSession, TakeFeatures: queueing for the engine included) and of a Prefill's
+calls (Prefill, whose first call starts a session, EndSession, TakeFeatures, and StartSession where a gateway calls
+it apart: queueing for the engine included) and of a Prefill's
 forward, and the CUDA graphs it captured during the
 level (ddtree_verify_cuda_graphs: steps that waited for a capture) and the batches of AR steps it launched behind a
 step still unread (ddtree_verify_decodes_launched_ahead_total), with --drafter-metrics the drafter's

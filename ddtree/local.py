@@ -10,6 +10,7 @@ import torch
 from runtime.timing import DeferredTimings
 from protos.types import DraftTree, SamplingParams, StepResult
 from draft_server.engine import DraftEngine
+from gateway.backends import SessionStart
 from draft_server.session import DraftResult
 from verify_server.session import PendingRound
 from verify_server.verify import ROOT_ONLY, VerifyEngine
@@ -89,8 +90,10 @@ class LocalVerifier:
 
     async def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-        skip_features: int = 0,
+        skip_features: int = 0, start: SessionStart | None = None,
     ) -> StepResult:
+        if start is not None:
+            self.engine.start_session(session_id, start.capacity, start.params, start.taps)
         return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)
 
     async def take_features(self, session_id: str) -> torch.Tensor:

@@ -5,11 +5,22 @@ gateway/grpc_verifier.py implement them over gRPC, ddtree/local.py in-process.""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from protos.types import DraftTree, SamplingParams, StepResult
+
+
+@dataclass(frozen=True)
+class SessionStart:
+    """A verifier session's start, sent with its prompt's first prefill call: the KV slots it may take, how the
+    target picks its tokens, the layers it taps for the drafter (VerifierClient.start_session's arguments)."""
+
+    capacity: int
+    params: SamplingParams
+    taps: list[int]
 
 
 class DrafterClient(Protocol):
@@ -57,11 +68,13 @@ class VerifierClient(Protocol):
 
     async def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-        skip_features: int = 0,
+        skip_features: int = 0, start: SessionStart | None = None,
     ) -> StepResult:
         """The prompt, or a chunk of it: `more` says another chunk follows (no token is chosen then);
         `keep_features`: the verifier keeps the chunk's features for take_features (the step has none);
-        skip_features: the prompt positions below it get no features (the drafter restored their context)."""
+        skip_features: the prompt positions below it get no features (the drafter restored their context); start:
+        the session starts with this call (a remote verifier's in the call itself: a request's first token waits
+        for one call, not two); the caller ends it however the call goes, as after start_session."""
         ...
 
     async def take_features(self, session_id: str) -> torch.Tensor:

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from protos.types import DraftTree, SamplingParams, StepResult, VerifierInfo
+from gateway.backends import SessionStart
 from gateway.grpc_client import GrpcClient
 from gateway.steps import StepKind
 from gateway.tree_fit import GREEDY, SessionFit, TreeFit, tree_arrays
@@ -74,13 +75,7 @@ class GrpcVerifier(GrpcClient):
         return False  # a round queued on the device ahead of the host needs the verifier in the loop's process
 
     async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None:
-        request = pb.VerifierStartSessionRequest(
-            session_id=session_id, capacity=capacity, sampling=tensors.sampling_to_pb(params), tap_layers=taps
-        )
-        if self._steps is not None:
-            self._steps.join(session_id)  # the round loop of this session has begun: steps wait for its calls
-        if not params.greedy:
-            self._fits[session_id] = SessionFit.of(params)
+        request = self._starting(session_id, SessionStart(capacity, params, taps))
         try:
             async with self._tracked(session_id):
                 await self._call("StartSession", self._stub.StartSession, request)
@@ -92,12 +87,24 @@ class GrpcVerifier(GrpcClient):
 
     async def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-        skip_features: int = 0,
+        skip_features: int = 0, start: SessionStart | None = None,
     ) -> StepResult:
         request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, keep_features=keep_features,
                                     skip_features=skip_features)
+        if start is not None:
+            request.start.CopyFrom(self._starting(session_id, start))
         async with self._tracked(session_id):
             return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request), wire=True)
+
+    def _starting(self, session_id: str, start: SessionStart) -> pb.VerifierStartSessionRequest:
+        """A session about to start: its round loop has begun (steps wait for its calls), the tree fit knows its
+        sampling -> its StartSession request."""
+        if self._steps is not None:
+            self._steps.join(session_id)
+        if not start.params.greedy:
+            self._fits[session_id] = SessionFit.of(start.params)
+        return pb.VerifierStartSessionRequest(session_id=session_id, capacity=start.capacity,
+                                              sampling=tensors.sampling_to_pb(start.params), tap_layers=start.taps)
 
     async def take_features(self, session_id: str) -> relay.WireFeatures:
         request = pb.TakeFeaturesRequest(session_id=session_id)

@@ -14,7 +14,7 @@ from typing import Literal
 
 from runtime.timing import DeferredTimings
 from protos.types import DraftTree, StepResult, TokenLogprobs
-from gateway.backends import DrafterClient, VerifierClient
+from gateway.backends import DrafterClient, SessionStart, VerifierClient
 from gateway.steps import Steps
 
 Mode = Literal["ar", "chain", "ddtree"]
@@ -138,7 +138,9 @@ class Request:
         tree, timings = await self.drafter.draft(self.session_id, None, root, position, budget, top_k, committed)
         return tree, DeferredTimings(lambda: {**timings, "relay_s": waited})  # read later, as the draft's own
 
-    async def prefill(self, prompt: list[int], chunk: int, skip: int = 0) -> StepResult:
+    async def prefill(
+        self, prompt: list[int], chunk: int, skip: int = 0, start: SessionStart | None = None
+    ) -> StepResult:
         """The prompt's forward: in one call, or in chunks of `chunk` tokens (a chunked prefill; 0: one call), so
         that the verifier serves other sessions' rounds between them. The verifier keeps the prompt's features
         (keep_features: several taps of the target's hidden size a token) where a drafter needs them and they
@@ -146,7 +148,8 @@ class Request:
         for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps them
         (_relay), and the first draft waits for them (`relay`) and brings none. skip: the prompt positions whose
         context the drafter restored from its prefix cache: no features are made to travel for them, and a chunk
-        wholly below it keeps none. -> the last chunk's step, its forward_s the whole prompt's."""
+        wholly below it keeps none. start: the verifier session starts with the first chunk (VerifierClient.prefill).
+        -> the last chunk's step, its forward_s the whole prompt's."""
         if not 0 < chunk < len(prompt):
             chunk = len(prompt)
         begins = range(0, len(prompt), chunk)
@@ -160,7 +163,8 @@ class Request:
             more = begin + chunk < len(prompt)
             keeps = keep and begin + chunk > skip
             step = await self.verifier.prefill(self.session_id, prompt[begin : begin + chunk], more=more,
-                                               keep_features=keeps, skip_features=skip)
+                                               keep_features=keeps, skip_features=skip,
+                                               start=start if begin == 0 else None)
             if keeps:
                 kept.release()
             forward_s += step.forward_s

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from protos.types import SamplingParams
-from gateway.backends import DrafterClient, VerifierClient
+from gateway.backends import DrafterClient, SessionStart, VerifierClient
 from gateway.request import MODES, Mode, Request, Round, Speculation, discard
 from gateway.round_loops import chained_rounds, pipelined_decodes, stepped_rounds
 from gateway.steps import Steps
@@ -66,7 +66,9 @@ async def run_rounds(
     taps = run.drafter.target_layer_ids if run.drafter else []
 
     drafter_session, ended, reused = False, False, 0
-    await verifier.start_session(run.session_id, len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
+    # the verifier's session starts with the prompt's first call, after the drafter's, whose restored context the
+    # prompt's features skip
+    start = SessionStart(len(prompt) + max_new_tokens + spec.max_nodes(block) + 1, params, taps)
     try:
         if run.drafter:
             try:
@@ -77,7 +79,7 @@ async def run_rounds(
             except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR, never fails the request
                 run.fall_back(exc)
         t0 = time.perf_counter()
-        step = await run.prefill(prompt, prefill_chunk, reused)
+        step = await run.prefill(prompt, prefill_chunk, reused, start)
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - t0}
         chained = verifier.can_chain(params, spec.max_nodes(block)) and (run.drafter is None or run.drafter.chains)
         # AR steps of a remote verifier in steps, a step ahead (not with a grammar: its matcher ends at the output's

@@ -361,6 +361,53 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
     assert len(first) == 1 and 0 <= first[0] < VOCAB
 
 
+def test_a_prefill_that_starts_its_session_holds_nothing_when_it_fails(services, hf_tokens):
+    """PrefillRequest.start: the session starts with its prompt's first call, whose first token is the target's
+    greedy one, as after a StartSession. A start refused (capacity past the limit, an id other than the call's), or
+    a call that then fails its checks (a token past the vocabulary, an empty prompt) or its forward's room (a prompt
+    past the capacity), fails alone and holds nothing: the sessions gauge is where it was, and the same session
+    then starts with a good call. A start of a session that exists is refused, that session untouched."""
+    session, other = uuid.uuid4().hex, uuid.uuid4().hex
+
+    def start(session_id: str, capacity: int = 64) -> pb.VerifierStartSessionRequest:
+        return pb.VerifierStartSessionRequest(session_id=session_id, capacity=capacity)
+
+    def prefill(session_id: str, prompt: list[int], starting: pb.VerifierStartSessionRequest | None = None):
+        request = pb.PrefillRequest(session_id=session_id, prompt=prompt)
+        if starting is not None:
+            request.start.CopyFrom(starting)
+        return stub.Prefill(request, timeout=30)
+
+    def code(call) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        return err.value.code()
+
+    sessions = lambda: services.verifier.metric("ddtree_verify_active_sessions")  # noqa: E731
+    before = sessions()
+    with grpc.insecure_channel(services.verifier.address) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        stub.StartSession(start(other), timeout=30)
+        codes = {
+            "capacity beyond limit": code(lambda: prefill(session, PROMPT, start(session, 10**9))),
+            "another session's id": code(lambda: prefill(session, PROMPT, start(other))),
+            "token beyond vocab": code(lambda: prefill(session, PROMPT[:-1] + [VOCAB], start(session))),
+            "empty prompt": code(lambda: prefill(session, [], start(session))),
+            "prompt beyond capacity": code(lambda: prefill(session, PROMPT, start(session, len(PROMPT)))),
+            "session that exists": code(lambda: prefill(other, PROMPT, start(other))),
+        }
+        held = sessions()
+        first = prefill(session, PROMPT, start(session)).tokens
+        other_first = prefill(other, PROMPT).tokens  # untouched by the start that named it: not prefilled yet
+        for session_id in (session, other):
+            stub.EndSession(pb.VerifierEndSessionRequest(session_id=session_id), timeout=30)
+    exhausted = {"capacity beyond limit", "prompt beyond capacity"}
+    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes}
+    assert held == before + 1  # `other` alone
+    assert list(first) == list(other_first) == hf_tokens[:1]
+    assert sessions() == before
+
+
 def test_prompt_features_past_the_message_limit_are_refused_before_any_work(tmp_path):
     """A prompt's features go back in one message: past --max-message-bytes the verifier refuses the prefill up front
     (RESOURCE_EXHAUSTED, naming the flag), where the answer used to fail on its way out with the session prefilled.

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from protos.types import SamplingParams, StepResult
+from gateway.backends import SessionStart
 from gateway.rounds import Round, Speculation, run_rounds
 from gateway.steps import Steps
 
@@ -52,7 +53,9 @@ class StepVerifier:
         self.committed[session_id] = 0
 
     async def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-                      skip_features: int = 0) -> StepResult:
+                      skip_features: int = 0, start: SessionStart | None = None) -> StepResult:
+        if start is not None:
+            await self.start_session(session_id, start.capacity, start.params, start.taps)
         return StepResult(self._commit(session_id, 1), None)
 
     async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:

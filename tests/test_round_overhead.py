@@ -21,6 +21,7 @@ from runtime.process import use_device
 from protos.types import DraftTree, SamplingParams, StepResult
 from gateway.grpc_client import BackendError
 from gateway.grpc_drafter import GrpcDrafter
+from gateway.backends import SessionStart
 from gateway.rounds import Round, Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -224,8 +225,8 @@ class Remote:
     async def end_session(self, session_id: str) -> None:
         self.log.append("end")
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False,
-                      keep_features: bool = False, skip_features: int = 0) -> StepResult:
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+                      skip_features: int = 0, start: SessionStart | None = None) -> StepResult:
         chunk = self.log.count("prefill sent")
         if chunk == self.fail_chunk:
             await self._answer("prefill", None)

@@ -165,16 +165,33 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         call or in chunks (`more` on every call but the last): each answer holds its chunk's features (or the
         verifier keeps them for TakeFeatures: `keep_features`), the last one the first token too. A chunk after the
         prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session
-        untouched."""
-        outcomes, calls = checked(requests, lambda request: self._prefill_call(engine, request))
-        return answered(outcomes, engine.prefill_batch(calls) if calls else [], tensors.step_to_pb)
+        untouched. A call with `start` starts its session first; where it fails, the session is ended again."""
+        starts: list[bool] = []  # whether each valid call starts its session (PrefillRequest.start)
+        outcomes, calls = checked(requests, lambda request: self._prefill_call(engine, request, starts))
+        results = engine.prefill_batch(calls) if calls else []
+        for call, start, result in zip(calls, starts, results):
+            if start and isinstance(result, Exception):
+                engine.end_session(call.session_id)  # a failed call holds nothing
+        return answered(outcomes, results, tensors.step_to_pb)
 
-    def _prefill_call(self, engine: VerifyEngine, request: pb.PrefillRequest) -> PrefillCall:
-        """A Prefill call checked."""
-        check_prompt(request.prompt, engine.vocab_size)
-        self._check_features_fit(engine, request)
-        if request.skip_features < 0:
-            raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
+    def _prefill_call(self, engine: VerifyEngine, request: pb.PrefillRequest, starts: list[bool]) -> PrefillCall:
+        """A Prefill call checked, its session started first where the call starts it (ended again where the call
+        fails its checks); whether it does is added to `starts`."""
+        if request.HasField("start"):
+            if request.start.session_id != request.session_id:
+                raise RequestError(f"start.session_id {request.start.session_id!r} is not the call's session_id "
+                                   f"{request.session_id!r}")
+            self._start_session(engine, request.start)
+        try:
+            check_prompt(request.prompt, engine.vocab_size)
+            self._check_features_fit(engine, request)
+            if request.skip_features < 0:
+                raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
+        except BaseException:
+            if request.HasField("start"):
+                engine.end_session(request.session_id)
+            raise
+        starts.append(request.HasField("start"))
         return PrefillCall(request.session_id, list(request.prompt), request.more, request.keep_features,
                            request.skip_features)
 

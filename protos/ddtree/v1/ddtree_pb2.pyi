@@ -245,18 +245,20 @@ class VerifierEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "more", "keep_features", "skip_features")
+    __slots__ = ("session_id", "prompt", "more", "keep_features", "skip_features", "start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     more: bool
     keep_features: bool
     skip_features: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., keep_features: _Optional[bool] = ..., skip_features: _Optional[int] = ...) -> None: ...
+    start: VerifierStartSessionRequest
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., keep_features: _Optional[bool] = ..., skip_features: _Optional[int] = ..., start: _Optional[_Union[VerifierStartSessionRequest, _Mapping]] = ...) -> None: ...
 
 class TakeFeaturesRequest(_message.Message):
     __slots__ = ("session_id",)

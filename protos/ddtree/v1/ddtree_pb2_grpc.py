@@ -445,7 +445,8 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartSession(self, request, context):
-        """Allocates a session's KV cache and fixes its sampling parameters and tapped layers.
+        """Allocates a session's KV cache and fixes its sampling parameters and tapped layers (or PrefillRequest.start,
+        with the session's first prompt call).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
