@@ -10,8 +10,8 @@ import torch
 from runtime.timing import DeferredTimings
 from protos.types import DraftTree, SamplingParams, StepResult
 from draft_server.engine import DraftEngine
-from gateway.backends import SessionStart
 from draft_server.session import DraftResult
+from gateway.backends import SessionStart
 from verify_server.session import PendingRound
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 
