@@ -11,7 +11,7 @@ from protos.types import DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.backends import SessionStart
 from gateway.grpc_client import GrpcClient
 from gateway.steps import StepKind
-from gateway.tree_fit import GREEDY, SessionFit, TreeFit, tree_arrays
+from gateway.tree_fit import SessionFit, TreeFit
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -47,19 +47,9 @@ class GrpcVerifier(GrpcClient):
         finally:
             self._rounds_out -= 1
         if fit is not None:
-            rows, chained = 0, False
-            for call, answer in zip(calls, answers):
-                if not call.HasField("verify"):
-                    rows += 1
-                    chained |= call.decode.steps > 1
-                    continue
-                tree = tree_arrays(call.verify.tree)
-                rows += tree.shape[1]
-                if isinstance(answer, pb.StepResponse):
-                    fit.observe_round(tree, answer.tokens, self._fits.get(call.verify.session_id, GREEDY).kind)
             # a batch behind another, or of chained steps, took several forwards: no measure of one forward's cost
-            if not (chained or behind):
-                fit.observe_batch(rows, time.perf_counter() - sent, sent)
+            chained = any(call.HasField("decode") and call.decode.steps > 1 for call in calls)
+            fit.observe_step(calls, answers, sent, whole=not (chained or behind), sessions=self._fits)
         return answers
 
     async def _round(self, rpc: str, session_id: str, request: pb.VerifyRequest | pb.DecodeRequest) -> StepResult:

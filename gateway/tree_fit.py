@@ -23,6 +23,7 @@ WARM_ROUNDS). The step still cuts every tree to one size.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -33,6 +34,7 @@ from prometheus_client import Histogram
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import SamplingParams
 
+log = logging.getLogger("ddtree.gateway")
 ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
 MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
 WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
@@ -129,6 +131,7 @@ class TreeFit:
         self.costs: dict[int, float] = {}  # rows (a multiple of ROW_QUANTUM) -> running mean of a verify batch's s
         self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch
         self._answered: float | None = None  # when the last verify batch's answer came
+        self.failures = 0  # cuts and measurements that raised (their steps went as drafted)
 
     # ---- measurements ---------------------------------------------------------------------------------------
 
@@ -167,9 +170,12 @@ class TreeFit:
         """The nodes to cut each tree of a step to, given its trees' sizes (and their requests' sampling classes,
         default greedy) and the rows of its other calls (AR steps): the size that commits the most tokens per
         second (the largest such); the largest tree's size (no cut) until enough is measured."""
-        largest = max(trees)
-        if self.pooled.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None or largest > MAX_RANK:
-            return largest  # (ranks past MAX_RANK, a drafter's --max-budget raised past it, are not counted)
+        largest = max(trees, default=0)
+        if (largest < 1 or self.pooled.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None
+                or largest > MAX_RANK):
+            # (a step of trees without nodes, a grammar's single choice, has nothing to cut; ranks past MAX_RANK,
+            # a drafter's --max-budget raised past it, are not counted)
+            return largest
         kinds = [0.0] * len(trees) if kinds is None else list(kinds)
         order = sorted(set(kinds))
         # [classes, largest+1] A(k) of each class, A(0) = 0; each tree's class is a row of it
@@ -179,26 +185,64 @@ class TreeFit:
         rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest]: each tree's nodes and its root
         tokens = len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest] expected tokens the step commits
         rate = tokens / (self.overhead_s + self.cost(rows))
+        if not np.isfinite(rate).all():  # a step measured as taking no time: no basis for a cut
+            return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
     def fit(self, calls: Sequence[pb.RoundCall], sessions: Mapping[str, SessionFit] | None = None) -> None:
         """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions whose
-        SessionFit says as drafted. sessions: what the fit knows of each (absent: greedy)."""
-        known = sessions or {}
+        SessionFit says as drafted. sessions: what the fit knows of each (absent: greedy). The cut is an
+        optimisation: should choosing it fail, the step goes with its trees as drafted, never fails."""
+        try:
+            self._fit(calls, sessions or {})
+        except Exception:
+            self._failed("cut a step's trees")
+
+    def observe_step(self, calls: Sequence[pb.RoundCall], answers: Sequence[object], sent: float, whole: bool,
+                     sessions: Mapping[str, SessionFit] | None = None) -> None:
+        """A verify batch's calls and their answers (a StepResponse each, or the call's own error), sent at `sent`
+        (perf_counter): each verified round's accepted path, and, where `whole` (the batch ran as one forward, not
+        behind another nor as chained steps), the forward's cost at its rows. Never fails: the answers are the
+        step's whatever the measurements make of them."""
+        try:
+            known, rows = sessions or {}, 0
+            for call, answer in zip(calls, answers):
+                if not call.HasField("verify"):
+                    rows += 1
+                    continue
+                tree = tree_arrays(call.verify.tree)
+                rows += tree.shape[1]
+                if isinstance(answer, pb.StepResponse):
+                    self.observe_round(tree, answer.tokens, known.get(call.verify.session_id, GREEDY).kind)
+            if whole:
+                self.observe_batch(rows, time.perf_counter() - sent, sent)
+        except Exception:
+            self._failed("measure a step")
+
+    def _fit(self, calls: Sequence[pb.RoundCall], known: Mapping[str, SessionFit]) -> None:
         cut_calls = [call.verify for call in calls
                      if call.HasField("verify") and not known.get(call.verify.session_id, GREEDY).as_drafted]
         if not cut_calls:
             return
         trees = [call.tree for call in cut_calls]
-        sizes = [len(tree.nodes) // (3 * 4) - 1 for tree in trees]
-        other_rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
+        # (a tree of another shape fails here, before any cut; one without even a root, the verifier refuses)
+        sizes = [max(0, tree_arrays(tree).shape[1] - 1) for tree in trees]
+        rows = sum(tree_arrays(call.verify.tree).shape[1] if call.HasField("verify") else 1 for call in calls)
         classes = [known.get(call.session_id, GREEDY).kind for call in cut_calls]
-        nodes = self.size(sizes, other_rows=other_rows - sum(sizes) - len(sizes), kinds=classes)
+        nodes = self.size(sizes, other_rows=rows - sum(sizes) - len(sizes), kinds=classes)
+        if nodes < 1:
+            return  # trees without nodes: nothing was chosen
         if self.chosen is not None:
             self.chosen.observe(nodes)
         for tree, size in zip(trees, sizes):
             if size > nodes:
                 cut(tree, nodes)
+
+    def _failed(self, what: str) -> None:
+        """A measurement or a cut that raised: logged with its trace the first time (it would repeat every step)."""
+        self.failures += 1
+        if self.failures == 1:
+            log.warning("the tree fit could not %s; its steps go with their trees as drafted", what, exc_info=True)
 
 
 def _running_mean(mean: float | None, sample: float) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
 from draft_server.tree import build_tree
@@ -176,3 +178,83 @@ def test_each_sampling_class_counts_its_own_rates():
     assert fit.rates(sampled).sum() == 0 and fit.rates(greedy)[deep].min() > 0.99
     fit.costs, fit.overhead_s = {16: 1e-3, 512: 1.5e-3}, 1e-3  # rows nearly free: only acceptance decides
     assert fit.size([16] * 16, kinds=[sampled] * 16) < fit.size([16] * 16, kinds=[greedy] * 16)
+
+
+def wire_tree(nodes: int, seed: int) -> pb.DraftTree:
+    """A wire tree of `nodes` nodes (0: the root alone, as a grammar that leaves one choice drafts it)."""
+    if nodes == 0:
+        empty = pb.DraftTree()
+        empty.CopyFrom(drafted(1, seed))
+        cut(empty, 0)
+        return empty
+    return drafted(nodes, seed, depths=8, vocab=max(8, nodes))
+
+
+def test_steps_of_trees_without_nodes_keep_them_as_drafted():
+    """A grammar that leaves one token drafts a root alone: a step of such trees, or of such trees beside full
+    ones, after the fit has warmed up."""
+    fit = TreeFit()
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    assert fit.size([0, 0, 0]) == 0 and fit.size([]) == 0
+    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=wire_tree(0, i))) for i, s in enumerate("ab")]
+    fit.fit(calls)
+    assert [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls] == [0, 0]
+    calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id="c", tree=wire_tree(32, 3))))
+    fit.fit(calls)
+    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
+    assert sizes[:2] == [0, 0] and 1 <= sizes[2] < 32
+    assert fit.failures == 0
+
+
+def test_a_fit_that_fails_leaves_the_trees_as_drafted(caplog):
+    fit = TreeFit()
+    measured(fit, [0.5] * 32, {16: 1e-3}, overhead_s=1e-3)
+    good = pb.RoundCall(verify=pb.VerifyRequest(session_id="a", tree=drafted(32)))
+    bad = pb.RoundCall(verify=pb.VerifyRequest(session_id="b", tree=pb.DraftTree(nodes=b"\0" * 20)))
+    before = good.verify.tree.nodes
+    fit.fit([good, bad])  # a tree's bytes that no [3, N+1] array holds: the verifier refuses that call alone
+    fit.observe_step([good, bad], [pb.StepResponse(tokens=[1, 2]), pb.StepResponse(tokens=[3])], 0.0, whole=True)
+    assert good.verify.tree.nodes == before and fit.failures == 2
+    assert "trees as drafted" in caplog.text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    trees=st.lists(st.tuples(st.integers(0, 48), st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.booleans()),
+                   min_size=1, max_size=12),
+    decodes=st.integers(0, 8),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=64),
+    costs=st.dictionaries(st.integers(1, 2048), st.floats(1e-6, 1.0), max_size=6),
+    overhead_s=st.one_of(st.none(), st.floats(0.0, 0.1)),
+    rounds=st.integers(0, 2 * tree_fit.WARM_ROUNDS),
+)
+def test_the_fit_handles_every_step(trees, decodes, rates, costs, overhead_s, rounds):
+    """Arbitrary tree sizes (none included), sampling classes, seeded sessions, acceptance rates, cost curves and
+    warm-up states: the fit never raises, cuts every tree it may to one size of at least one node within the
+    largest (a tree with no nodes stays so), leaves seeded sessions' trees whole, and every cut tree is its own
+    first nodes."""
+    fit = TreeFit()
+    fit.pooled.hits[1 : len(rates) + 1] = rates
+    fit.pooled.trials[1 : len(rates) + 1] = 1.0
+    fit.pooled.rounds = rounds
+    fit.costs = {int(tree_fit._quantum(rows)): seconds for rows, seconds in costs.items()}
+    fit.overhead_s = overhead_s
+    sessions, calls = {}, []
+    for i, (nodes, temperature, seeded) in enumerate(trees):
+        params = SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)
+        sessions[f"s{i}"] = SessionFit.of(params)
+        calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id=f"s{i}", tree=wire_tree(nodes, i))))
+    calls += [pb.RoundCall(decode=pb.DecodeRequest(session_id=f"d{i}")) for i in range(decodes)]
+    drafted_trees = [pb.DraftTree(nodes=call.verify.tree.nodes) for call in calls[: len(trees)]]
+    fit.fit(calls, sessions)
+    assert fit.failures == 0
+    after = [tensors.tree_from_pb(call.verify.tree) for call in calls[: len(trees)]]
+    cut_to = {got.num_nodes for (nodes, _, _), got, call in zip(trees, after, calls)
+              if got.num_nodes < nodes and not sessions[call.verify.session_id].as_drafted}
+    assert len(cut_to) <= 1 and all(k >= 1 for k in cut_to)
+    for (nodes, _, _), got, call, before in zip(trees, after, calls, drafted_trees):
+        if sessions[call.verify.session_id].as_drafted or nodes == 0:
+            assert got.num_nodes == nodes
+        assert np.array_equal(tree_arrays(call.verify.tree), tree_arrays(before)[:, : got.num_nodes + 1])
+    fit.observe_step(calls, [pb.StepResponse(tokens=[1, 2])] * len(calls), 0.0, whole=True, sessions=sessions)
+    assert fit.failures == 0
