@@ -31,6 +31,15 @@ class ContextSlots:
     def max_sessions(self) -> int:
         return self._pool.max_sessions
 
+    @max_sessions.setter
+    def max_sessions(self, count: int) -> None:
+        self._pool.max_sessions = count  # (slots allocated already stay: their addresses are in the address tables)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The slots allocated so far, held or free, and the scratch slot."""
+        return (self._pool.allocated + (self._scratch is not None)) * self.slot_bytes
+
     @property
     def slot_bytes(self) -> int:
         """One slot's K and V over every layer."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -17,6 +18,7 @@ from prometheus_client import Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
 from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
+from runtime import memory
 from runtime.process import run_service, serve
 from protos.types import DrafterInfo
 from draft_server.config import DraftServerConfig
@@ -165,9 +167,10 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     log.info("loading drafter from %s (%s, %s)", config.drafter, device, str(dtype).removeprefix("torch."))
     drafter = load_drafter(config.drafter, device, dtype)
     log.info("loading the target's embed_tokens and lm_head from %s", config.target)
+    head = TargetHead.load(config.target, device, dtype)
     engine = DraftEngine(
-        drafter, TargetHead.load(config.target, device, dtype),
-        eager=config.eager, max_sessions=config.max_sessions, max_context=config.max_session_tokens,
+        drafter, head, eager=config.eager, max_sessions=config.max_sessions,
+        max_context=config.max_session_tokens or default_session_tokens(config, drafter, head),
         compile=config.compiles, max_batch=config.max_batch, target_path=config.target,
         constrained=config.constrained_trees,
     )
@@ -188,12 +191,47 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     return engine
 
 
+def default_session_tokens(config: DraftServerConfig, drafter: torch.nn.Module, head: TargetHead) -> int | None:
+    """Without --max-session-tokens on a GPU: the context that --max-sessions sessions' slots (each holds its whole
+    capacity) fit in this service's share of the device beside the weights, the working memory's guess and the
+    prefix cache, rather than the model's whole context a slot. None elsewhere: the drafter's whole context."""
+    share = config.memory_share
+    if share is None or config.eager:
+        return None
+    device, cfg = config.torch_device(), drafter.config
+    weights = sum(p.numel() * p.element_size() for p in drafter.parameters()) + head.nbytes
+    cache_bytes = (int(share * memory.device_total(device)) - weights - memory.working_guess(weights)
+                   - config.prefix_cache_bytes)
+    per_token = memory.kv_bytes_per_token(dataclasses.asdict(cfg), head.embed.dtype)
+    tokens = memory.session_tokens(cache_bytes, config.max_sessions, per_token, cfg.max_position_embeddings)
+    log.info("sessions of up to %d tokens (--max-session-tokens): what %d context slots hold in %.1f GiB of the "
+             "device (--gpu-memory-utilization %g)", tokens, config.max_sessions, cache_bytes / memory.GIB, share)
+    return tokens
+
+
 def prepare(engine: DraftEngine, config: DraftServerConfig) -> None:
-    """The warm-up, then the prefix cache: after it, so that the warm-up's sessions leave nothing cached."""
+    """The warm-up, then the caches: the sessions' context slots the device memory the warm-up's largest steps left
+    in this service's share holds (as many sessions as fit, within --max-sessions), reserved (runtime/memory.py);
+    then the prefix cache, after the warm-up so that its sessions leave nothing cached."""
     warm_up(engine, config.warm_up_budget_list, config.max_budget)
-    engine.enable_prefix_cache(config.prefix_cache_bytes)
+    prefix, share, static = config.prefix_cache_bytes, config.memory_share, engine.static
+    if share is not None and static is not None:
+        device = config.torch_device()
+        budget = memory.measure(device, share, static.slots.allocated_bytes, "drafter")
+        prefix = min(prefix, budget.caches // 4)
+        fit = (budget.caches - prefix) // static.slots.slot_bytes - 1  # (the scratch slot's)
+        if fit < 1:
+            raise memory.MemoryMisfit(
+                f"the drafter's share ({budget.describe()}) holds no session's context slot of {static.max_context} "
+                f"tokens ({static.slots.slot_bytes / memory.GIB:.2f} GiB): lower --max-session-tokens, or raise "
+                "--gpu-memory-utilization")
+        static.slots.max_sessions = min(static.slots.max_sessions, fit)
+        memory.reserve(device, budget, "drafter")
+        log.info("device memory reserved: %s; %d sessions of %d tokens", budget.describe(),
+                 static.slots.max_sessions, static.max_context)
+    engine.enable_prefix_cache(prefix)
     if engine.prefix is not None:
-        log.info("prefix cache: up to %.2f GiB", config.prefix_cache_bytes / 2**30)
+        log.info("prefix cache: up to %.2f GiB", prefix / memory.GIB)
 
 
 async def run_server(config: DraftServerConfig) -> None:

@@ -38,7 +38,8 @@ class GatewayConfig(FlagConfig):
                             choices=SPEC_MODES)
     budget: int = option(32, "tree nodes per round of requests that do not choose (ddtree mode)")
     max_budget: int = option(256, "largest per-request budget accepted (the verifier's limit applies too)")
-    max_running: int = option(16, "requests decoding at once; later ones wait in a queue")
+    max_running: int = option(64, "requests decoding at once, at most (the model services' sessions, which on a GPU "
+                                  "follow from the memory each reserves, bound it too); later ones wait in a queue")
     max_waiting: int | None = option(None, "requests waiting in that queue at most; more get 429 with Retry-After "
                                            "(default: 4 x max_running)")
     max_client_requests: int = option(0, "POST requests one client (one peer address) may have in flight at once, "

@@ -20,6 +20,7 @@ import torch
 
 from runtime.auth import check_token
 from runtime.event_loop import AUTO_MIN_CPUS, AUTO_WINDOW_US, check_busy_poll_us
+from runtime.memory import DEFAULT_UTILIZATION
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # gRPC caps a message at 2 GiB - 1, which is also the default: a prompt's features travel whole, verifier ->
@@ -96,8 +97,15 @@ class ServiceConfig(FlagConfig):
     max_session_tokens: int | None = option(
         None, "largest session capacity accepted (default: derived from the model's max_position_embeddings)"
     )
+    gpu_memory_utilization: float | None = option(
+        None, "share of the GPU's memory this service holds: its weights, its largest step (measured in warm-up) "
+        "and its caches, which are sized from what remains and reserved at start-up, so that no request fails later "
+        "for device memory; a device without that much free refuses the start. Default 0.9 (ddtree serve splits its "
+        "own share between the drafter and the verifier on one device); CUDA devices only"
+    )
     max_sessions: int = option(
-        16, "sessions held at once; the static (graph) path keeps at most this many cache slots, each allocated "
+        64, "sessions held at once (on a GPU, the drafter holds as many as its reserved memory has context slots "
+        "for); the static (graph) path keeps at most this many cache slots, each allocated "
         "on first need (the verifier's in size classes: a new class takes a free slot's place once all exist)"
     )
     eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
@@ -144,6 +152,12 @@ class ServiceConfig(FlagConfig):
             raise ValueError(f"max_message_bytes must be in [{low}, {high}], got {self.max_message_bytes}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.torch_device().type != "cuda":
+                raise ValueError("gpu_memory_utilization is a CUDA device's share: not with device "
+                                 f"{self.torch_device()}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)
         self.torch_device()  # a malformed device string fails at startup, not after loading
 
@@ -156,6 +170,13 @@ class ServiceConfig(FlagConfig):
     def sweep_interval(self) -> float:
         """How often idle sessions are looked for: often enough that expiry lags the TTL by a quarter at most."""
         return min(max(self.session_ttl / 4, 0.05), 30.0)
+
+    @property
+    def memory_share(self) -> float | None:
+        """gpu_memory_utilization, or its default on a CUDA device; None elsewhere (no reservation)."""
+        if self.torch_device().type != "cuda":
+            return None
+        return self.gpu_memory_utilization if self.gpu_memory_utilization is not None else DEFAULT_UTILIZATION
 
     def device_gib_bytes(self, gib: float | None, default_gpu: float, default_cpu: float) -> int:
         """A memory budget flag in bytes: gib, or where unset its default for the device (a GPU's or a CPU's)."""

@@ -41,6 +41,7 @@ class CacheSlots(Protocol):
     """A session's cache is acquired small and exchanged for a larger one as it grows."""
 
     limit: int | None  # bytes the caches may hold together (None: what the device has)
+    row_bytes: int  # one token's K/V over every layer
 
     def limit_to(self, nbytes: int) -> None:
         """From now on the caches hold at most `nbytes` (those kept for reuse go first)."""
@@ -95,7 +96,7 @@ class PooledCaches:
         layer."""
         self.pool: SlotPool[KVCache] = SlotPool(max_sessions, new_cache, self._evict)
         self.limit: int | None = None
-        self._row_bytes = row_bytes
+        self.row_bytes = row_bytes
         self._spare = spare
         self._drop_graphs = drop_graphs
         self._slot_of: dict[int, int] = {}  # id(cache) -> its slot
@@ -140,7 +141,7 @@ class PooledCaches:
     def _take(self, size: int, over: int) -> KVCache:
         """A slot of `size` tokens, within the limit and the device's memory."""
         if self.limit is not None and not self.pool.reusable(size):
-            more = self._row_bytes * (size + self._spare)
+            more = self.row_bytes * (size + self._spare)
             if over_limit(self.limit, self.held_bytes, more):
                 self.pool.trim()
             if (why := over_limit(self.limit, self.held_bytes, more)) is not None:
@@ -171,7 +172,7 @@ class OwnCaches:
     def __init__(self, make: Callable[[int], KVCache], row_bytes: int) -> None:
         """make: slots -> a new cache of that capacity; row_bytes: one slot's K/V over every layer."""
         self._make = make
-        self._row_bytes = row_bytes
+        self.row_bytes = row_bytes
         self.limit: int | None = None
         self._held = 0
 
@@ -184,7 +185,7 @@ class OwnCaches:
 
     def acquire(self, rows: int) -> KVCache:
         rows = size_class(rows)
-        if (why := over_limit(self.limit, self._held, rows * self._row_bytes)) is not None:
+        if (why := over_limit(self.limit, self._held, rows * self.row_bytes)) is not None:
             raise NoMemory(why)
         try:
             cache = self._make(rows)

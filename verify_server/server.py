@@ -13,12 +13,14 @@ import time
 from typing import Any
 
 import grpc
+import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, Deferred, answer_all, answered, checked
 from runtime.service import (
     EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
 )
+from runtime import memory
 from runtime.config import MAX_MESSAGE_BYTES
 from runtime.process import run_service, serve
 from protos.types import DraftTree, VerifierInfo
@@ -43,6 +45,9 @@ MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, t
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (MemoryShortError, grpc.StatusCode.ABORTED),  # nothing changed: the caller may try again once memory frees
+    # a step that found no device memory: as short of cache memory, the gateway resumes the request once memory
+    # frees, on sessions started anew (whatever the failed step left in these ones goes with them)
+    (torch.OutOfMemoryError, grpc.StatusCode.ABORTED),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 )
 
@@ -70,8 +75,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                       registry=host.metrics.registry)
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
-        # A full context plus one tree's scratch slots, which is what the round loop asks for at most.
-        return self.config.max_session_tokens or engine.model.config.max_position_embeddings + self.config.max_tree_size + 1
+        return session_capacity(engine, self.config)
 
     async def Info(self, request: pb.VerifierInfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfoResponse:
         return await self.host.call("Info", context, self._info)
@@ -264,27 +268,53 @@ def _round_call(call: pb.RoundCall) -> tuple[str, pb.VerifyRequest | pb.DecodeRe
     return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
 
 
+def session_capacity(engine: VerifyEngine, config: VerifyServerConfig) -> int:
+    """The largest session accepted: --max-session-tokens, else a full context plus one tree's scratch slots, which
+    is what the round loop asks for at most."""
+    return config.max_session_tokens or engine.model.config.max_position_embeddings + config.max_tree_size + 1
+
+
 def kv_cache_bytes(session: VerifySession) -> int:
     """K/V plus, on hybrid targets, the linear-attention layers' recurrent state: all a session holds."""
     return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
 
 
 def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
-    """The warm-up, then the prefix cache: after it, so that the warm-up's prompts run every step shape whole and
-    leave nothing cached."""
+    """The warm-up, then the caches: sized from the device memory the warm-up's largest steps left in this
+    service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
+    run every step shape whole and leave nothing cached."""
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees,
             config.prefill_batch_tokens)
-    if config.kv_cache_bytes is not None:  # after the warm-up, whose sessions are not the operator's
-        engine.limit_kv_caches(config.kv_cache_bytes)
-        log.info("sessions' KV caches: up to %.2f GiB", config.kv_cache_gib)
-    budget = config.prefix_cache_bytes
-    if budget and config.tp > 1:
+    kv, prefix = config.kv_cache_bytes, config.prefix_cache_bytes
+    if prefix and config.tp > 1:
         # every rank would have to restore its own shard of a prefix in lockstep with rank 0's lookups
         log.info("prefix caching is off under tensor parallelism")
-    elif budget:
-        engine.enable_prefix_cache(budget)
+        prefix = 0
+    share = config.memory_share
+    if share is not None and config.tp == 1:
+        device = config.torch_device()
+        budget = memory.measure(device, share, engine.caches.held_bytes, "verifier")
+        prefix = min(prefix, budget.caches // 4)  # the sessions' own K/V come first
+        room = budget.caches - prefix
+        if kv is not None and kv > room:
+            raise memory.MemoryMisfit(
+                f"--kv-cache-gib {config.kv_cache_gib:g} passes the {room / memory.GIB:.1f} GiB the verifier's share "
+                f"leaves for KV caches ({budget.describe()}): lower it, or raise --gpu-memory-utilization")
+        kv = room if kv is None else kv
+        memory.reserve(device, budget, "verifier")
+        tokens, capacity = kv // engine.caches.row_bytes, session_capacity(engine, config)
+        log.info("device memory reserved: %s; sessions' KV caches %.1f GiB: %d tokens, %d sessions of the largest "
+                 "capacity (%d tokens; a session holds what it has committed)", budget.describe(), kv / memory.GIB,
+                 tokens, tokens // capacity, capacity)
+    elif share is not None:
+        log.info("under --tp the caches are not reserved up front: --kv-cache-gib bounds every rank's alike")
+    if kv is not None:  # after the warm-up, whose sessions are not the operator's
+        engine.limit_kv_caches(kv)
+        log.info("sessions' KV caches: up to %.2f GiB", kv / memory.GIB)
+    if prefix:
+        engine.enable_prefix_cache(prefix)
         if engine.prefix is not None:
-            log.info("prefix cache: up to %.2f GiB", budget / 2**30)
+            log.info("prefix cache: up to %.2f GiB", prefix / memory.GIB)
 
 
 def load_engine(config: VerifyServerConfig) -> VerifyEngine:
