@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Hashable
 
 RETRY_AFTER_S = 1  # a shed request's Retry-After: places free up as fast as requests finish
 
@@ -14,7 +15,12 @@ class RunningLimit:
     The waiters take turns by client: each client's wait in arrival order, and a freed place goes to the next client
     in rotation that has one waiting, so a client that sends many requests at once delays another's by at most one
     turn. A lower limit lets the holders finish and admits no one until they are under it; a higher one admits
-    waiters at once."""
+    waiters at once.
+
+    A request can be counted before it acquires: `reserve` takes its ticket when it is admitted, and its acquire
+    takes the ticket over (it then holds or waits), so the requests of a burst, all admitted before the first of
+    them acquires, count each other (`load`). A request that ends before acquiring gives its ticket back
+    (`unreserve`)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -22,9 +28,20 @@ class RunningLimit:
         # each waiting client's waiters, in arrival order; the dict's order is the rotation (next turn first)
         self._queues: dict[str, deque[asyncio.Future]] = {}
         self._waiting = 0
+        self._reserved: set[Hashable] = set()  # tickets of requests admitted but not yet at acquire
 
-    async def acquire(self, client: str = "") -> None:
-        """client: who asks (every caller that names none is one client, whose waiters keep arrival order)."""
+    def reserve(self, ticket: Hashable) -> None:
+        self._reserved.add(ticket)
+
+    def unreserve(self, ticket: Hashable) -> None:
+        """The ticket's request will not acquire (it failed or went away first); none once its acquire began."""
+        self._reserved.discard(ticket)
+
+    async def acquire(self, client: str = "", ticket: Hashable | None = None) -> None:
+        """client: who asks (every caller that names none is one client, whose waiters keep arrival order).
+        ticket: the request's reservation, taken over in the same step as the place: it is never counted twice
+        nor not at all."""
+        self._reserved.discard(ticket)
         if self.held < self.limit and not self._queues:
             self.held += 1
             return
@@ -44,8 +61,12 @@ class RunningLimit:
     def waiting(self) -> int:
         return self._waiting
 
-    def would_wait(self) -> bool:
-        return self.held >= self.limit or bool(self._queues)
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) as they will be once every reserved request has acquired: the reserved ones take
+        the free places, and the rest wait."""
+        coming = self._waiting + len(self._reserved)
+        starting = min(coming, max(0, self.limit - self.held))
+        return self.held + starting, coming - starting
 
     def fail_waiters(self, error: Exception) -> None:
         """Every waiter's acquire raises `error` (the holders keep their places)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 from transformers import PreTrainedTokenizerBase
 
 from runtime.grammar import parse_grammar, tool_calls_grammar
@@ -185,16 +185,19 @@ async def _respond(
     tool_calls: int | None = 0,
 ) -> Response:
     """tool_calls: how many tool calls each choice's text is parsed for (None: any number; 0: not parsed)."""
-    service.admit(len(gens))  # a shed request gets its 429/503 before a stream's first byte
+    service.admit(gens)  # a shed request gets its 429/503 before a stream's first byte
     if stream:
-        return EventStreamResponse(_events(service, gens, fmt, tool_calls))
-    # A non-streaming client that hangs up would otherwise keep both model services busy to the last token.
-    collect = asyncio.create_task(_collect(service, gens))
-    while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
-        if await http.is_disconnected():
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)  # its round loops end their sessions
-            return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+        return EventStreamResponse(_events(service, gens, fmt, tool_calls), lambda: service.dismiss(gens))
+    try:
+        # A non-streaming client that hangs up would otherwise keep both model services busy to the last token.
+        collect = asyncio.create_task(_collect(service, gens))
+        while not (await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S))[0]:
+            if await http.is_disconnected():
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)  # its round loops end their sessions
+                return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+    finally:
+        service.dismiss(gens)
     texts, lasts, logprobs = collect.result()
     choices = []
     for i, (text, last, lps) in enumerate(zip(texts, lasts, logprobs)):
@@ -259,12 +262,21 @@ def _sse(body: dict[str, Any]) -> str:
 
 class EventStreamResponse(StreamingResponse):
     """A StreamingResponse that always closes its event generator. When the client disconnects, Starlette stops
-    iterating but leaves the generator suspended; closing it is what stops the request's round loop now."""
+    iterating but leaves the generator suspended; closing it is what stops the request's round loop now.
+    `ended` runs once the response is over however it ends, even where the generator never began (a client gone
+    before the response started)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], ended: Callable[[], None]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()
 
     async def stream_response(self, send: Send) -> None:
         try:

@@ -154,19 +154,28 @@ class GatewayService:
     def max_waiting(self) -> int:
         return self.config.max_waiting if self.config.max_waiting is not None else 4 * self.config.max_running
 
-    def admit(self, count: int = 1) -> None:
-        """Sheds `count` new requests (one's choices) up front, before any response starts: 503 once shutdown has
-        begun, 429 when those that would have to wait would take the waiting queue past max_waiting."""
+    def admit(self, gens: list[GenerationRequest]) -> None:
+        """Sheds a new request (its choices, `gens`) up front, before any response starts: 503 once shutdown has
+        begun, 429 when those that would have to wait would take the waiting queue past max_waiting. Else each
+        choice's place is reserved now, as the request's own generate takes it over only awaits later and the
+        requests arriving meanwhile must count it; the caller calls `dismiss` once the request is over."""
         if self._closing is not None:
             self.metrics.shed.labels("shutdown").inc()
             raise self._closing
         self._slots.set_limit(self._running_limit())
-        free = 0 if self._slots.would_wait() else self._slots.limit - self._slots.held
-        if self._slots.waiting + max(0, count - free) > self.max_waiting:
+        running, waiting = self._slots.load()
+        if waiting + max(0, len(gens) - max(0, self._slots.limit - running)) > self.max_waiting:
             self.metrics.shed.labels("queue_full").inc()
-            raise APIError(429, f"the server is at capacity ({self._slots.held} requests running, "
-                           f"{self._slots.waiting} waiting); retry later", type="requests",
-                           code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+            raise APIError(429, f"the server is at capacity ({running} requests running, {waiting} waiting); "
+                           "retry later", type="requests", code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+        for gen in gens:
+            self._slots.reserve(_ticket(gen))
+
+    def dismiss(self, gens: list[GenerationRequest]) -> None:
+        """An admitted request is over (answered, failed or gone): the places of its choices that never reached
+        generate go back. Their generate, should it still begin, waits for a place as an unreserved request."""
+        for gen in gens:
+            self._slots.unreserve(_ticket(gen))
 
     def _timed_out(self) -> APIError:
         """A request past --request-timeout: 504, as a gateway answers when the servers behind it are not done in
@@ -196,7 +205,7 @@ class GatewayService:
         self.metrics.waiting.inc()
         try:
             async with asyncio.timeout_at(deadline):
-                await self._slots.acquire(req.client)  # in turns with other clients' requests
+                await self._slots.acquire(req.client, _ticket(req))  # in turns with other clients' requests
         except TimeoutError:
             raise self._timed_out() from None
         finally:
@@ -360,6 +369,12 @@ class GatewayService:
         except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
             self.monitor.recheck()
             queue.put_nowait(exc)
+
+
+def _ticket(gen: GenerationRequest) -> int:
+    """An admitted choice's reservation (RunningLimit.reserve). By identity, unique while the choice lives: a
+    request's choices may be equal, and a generation is not hashable."""
+    return id(gen)
 
 
 def _end_request(queue: asyncio.Queue, loop: asyncio.Task, error: APIError) -> None:

@@ -1,6 +1,7 @@
 """The gateway's admission limit (gateway/admission.py): at most `limit` requests hold it, the others wait in
 turns by client, each client's in arrival order; the limit can move while it is held; a waiter that goes away never
-holds it. And the cap on one client's requests in flight (gateway/client_limit.py)."""
+holds it; a request reserved at admission counts from then on, until its acquire takes the reservation over or it
+gives it back. And the cap on one client's requests in flight (gateway/client_limit.py)."""
 
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def test_a_waiter_that_goes_away_leaves_the_rotation_and_the_others_keep_their_t
         limit.release()  # admits c1...
         waiters["c1"].cancel()  # ...which is gone before it runs: the place goes back
         await asyncio.sleep(0)
-        assert waiters["c1"].cancelled() and limit.held == 0 and limit.waiting == 0 and not limit.would_wait()
+        assert waiters["c1"].cancelled() and limit.held == 0 and limit.waiting == 0 and limit.load() == (0, 0)
 
     asyncio.run(scenario())
 
@@ -131,6 +132,68 @@ def test_failed_waiters_of_every_client_raise_and_leave_no_count_behind() -> Non
         assert limit.held == 1
 
     asyncio.run(scenario())
+
+
+def test_reserved_requests_count_as_running_or_waiting_until_their_acquire_takes_them_over() -> None:
+    async def scenario() -> None:
+        limit = RunningLimit(1)
+        for ticket in "abc":  # a burst, all admitted before the first acquires
+            limit.reserve(ticket)
+        assert limit.load() == (1, 2) and limit.held == 0 and limit.waiting == 0
+        await limit.acquire("x", "a")  # takes the free place over from its reservation
+        assert limit.load() == (1, 2) and limit.held == 1
+        waiters = [asyncio.ensure_future(limit.acquire("x", t)) for t in "bc"]
+        await asyncio.sleep(0)
+        assert limit.load() == (1, 2) and limit.waiting == 2  # the same places, now held and waited for
+        limit.release()
+        await asyncio.sleep(0)
+        assert waiters[0].done() and limit.load() == (1, 1)
+        limit.release()
+        await asyncio.sleep(0)
+        limit.release()
+        assert waiters[1].done() and limit.load() == (0, 0) and limit.held == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_reservation_given_back_before_acquiring_frees_its_place_and_one_taken_over_is_not_freed_again() -> None:
+    async def scenario() -> None:
+        limit = RunningLimit(1)
+        limit.reserve("holder")
+        limit.reserve("failed")  # answered 400, or its client gone, before its acquire
+        limit.reserve("waiter")
+        await limit.acquire("x", "holder")
+        limit.unreserve("failed")
+        assert limit.load() == (1, 1)
+        limit.unreserve("holder")  # already taken over: the holder keeps its place
+        limit.unreserve("failed")  # given back twice: counted once
+        assert limit.load() == (1, 1) and limit.held == 1
+        waiter = asyncio.ensure_future(limit.acquire("y", "waiter"))
+        await asyncio.sleep(0)
+        waiter.cancel()  # gone while it waits: neither waiting nor reserved any longer
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert limit.load() == (1, 0) and limit.waiting == 0
+        limit.release()
+        assert limit.load() == (0, 0) and limit.held == 0
+        await limit.acquire("z", "never reserved")  # an acquire without a reservation is admitted as before
+        assert limit.load() == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_reserved_requests_take_the_free_places_before_counting_as_waiting() -> None:
+    limit = RunningLimit(3)
+    limit.reserve(1)
+    assert limit.load() == (1, 0)
+    limit.reserve(2)
+    limit.reserve(3)
+    limit.reserve(4)
+    assert limit.load() == (3, 1)
+    limit.set_limit(1)  # lowered: one place for the four, and the other three wait
+    assert limit.load() == (1, 3)
+    for ticket in (1, 2, 3, 4):
+        limit.unreserve(ticket)
+    assert limit.load() == (0, 0)
 
 
 def test_a_client_past_its_limit_gets_429_while_other_clients_are_served() -> None:
