@@ -4,6 +4,7 @@ vLLM's template controls: add_generation_prompt, continue_final_message and chat
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from gateway.chat_messages import ChatMessage
 from gateway.openai_api import APIError
 
+log = logging.getLogger("ddtree.gateway")
+
 # apply_chat_template's own arguments and the template's standard variables: set by the gateway, never by a
 # request's chat_template_kwargs
 RESERVED_KWARGS = frozenset({
@@ -19,6 +22,10 @@ RESERVED_KWARGS = frozenset({
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
+# A tool to render a conversation with at start-up: a template that lists a request's tools writes its name out.
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "ddtree_probe_tool", "description": "Checks that the chat template lists tools",
+    "parameters": {"type": "object", "properties": {}}}}
 
 
 @dataclass(frozen=True)
@@ -85,3 +92,29 @@ def render(tokenizer: PreTrainedTokenizerBase, template: str | None, messages: l
     except Exception as exc:  # noqa: BLE001 - templates raise on conversations they do not support
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase, template: str | None) -> bool:
+    """Whether a chat template (None: the tokenizer's) writes a request's tools into the prompt: a conversation
+    rendered with PROBE_TOOL names it only where it does. Raises what the template raises."""
+    messages = [{"role": "user", "content": "What time is it?"}]
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tools=[PROBE_TOOL],
+                                         add_generation_prompt=True, tokenize=False)
+    return PROBE_TOOL["function"]["name"] in text
+
+
+def warn_unrendered_tools(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
+    """Logs a warning where the chat template leaves tools out of the prompt. Requests with tools are still
+    answered, the model never told of them, so the operator hears of it once, at start-up."""
+    if not (template or tokenizer.chat_template):
+        return  # chat requests are refused (render): no prompt to leave tools out of
+    try:
+        rendered = renders_tools(tokenizer, template)
+    except Exception as exc:  # noqa: BLE001 - a template may refuse the probe's conversation
+        log.warning("could not check that the chat template renders tools: it failed on a one-message "
+                    "conversation with a tool: %s", exc)
+        return
+    if not rendered:
+        log.warning("the chat template does not render `tools`: a request's tools are left out of the prompt, so "
+                    "the model is not told of them (tool_choice \"required\" or a named function still constrains "
+                    "the reply to their calls); give a template that renders them with --chat-template")

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from protos.types import SamplingParams
 from gateway.admission import RETRY_AFTER_S, RunningLimit, SpeculationByLoad
-from gateway.chat import ChatTemplateArgs, render
+from gateway.chat import ChatTemplateArgs, render, warn_unrendered_tools
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
 from gateway.grpc_client import BackendError
@@ -49,6 +49,7 @@ class GatewayService:
         self.tokenizer = tokenizer
         # --chat-template's text, which replaces the tokenizer's template
         self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
+        warn_unrendered_tools(tokenizer, self.chat_template)
         self.metrics = Metrics()
         if backends.steps is not None:
             backends.steps.sizes = self.metrics.step_calls

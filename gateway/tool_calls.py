@@ -15,7 +15,10 @@ feeding it at once, so a stream's pieces add up to the whole reply's parse where
 Once a call's first delta is out it cannot be taken back, so a call stays a call whatever follows its header, as
 in OpenAI's API: arguments that are not valid JSON are given as written, and a block the reply ends inside (at
 max_tokens or a stop) is a call whose arguments are what the model wrote of them, less a tail that may have been
-its closing cut short. A header the reply ends inside stays content."""
+its closing cut short. A block the reply ends inside before its header is complete is no call and no content: it is
+dropped, with the blanks that frame it; so is a tail that is part of `<tool_call>` where the reply ends, if no
+content came before it (where a reply constrained to calls begins its next block), while after content it stays
+content. So a reply constrained to calls never has content, however it is cut."""
 
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ class ToolCallParser:
         self.pending = ""  # text fed but not yet given out
         self.in_call = False  # pending is the open call's arguments text
         self.after_call = False  # blanks that follow a call frame it: dropped until other text comes
+        self.spoke = False  # content has been given
         self.calls = 0  # calls begun so far
 
     def read(self, text: str, last: bool = False) -> Parsed:
@@ -120,10 +124,12 @@ class ToolCallParser:
         start = self.pending.find(OPEN)
         if start < 0:
             # hold a tail that may begin a block, and the blanks before it
-            safe = len(self.pending) - _open_prefix(self.pending)
-            given = len(self.pending) if final else len(self.pending[:safe].rstrip())
+            tail = _open_prefix(self.pending)
+            given = len(self.pending[:len(self.pending) - tail].rstrip())
+            if final:  # a tail with no content before it is a block cut off in its opening; else the text's end
+                given = 0 if tail and not (given or self.spoke) else len(self.pending)
             out.append(self._text(self.pending[:given]))
-            self.pending = self.pending[given:]
+            self.pending = "" if final else self.pending[given:]
             return False
         before = len(self.pending[:start].rstrip())  # blanks before a block frame it
         body = start + len(OPEN)
@@ -132,13 +138,9 @@ class ToolCallParser:
             out.append(self._text(self.pending[:body]))
             self.pending = self.pending[body:]
             return True
-        if header is True:  # the header is not complete yet
-            if final:
-                out.append(self._text(self.pending))
-                self.pending = ""
-            else:
-                out.append(self._text(self.pending[:before]))
-                self.pending = self.pending[before:]
+        if header is True:  # the header is not complete yet: held, and dropped where the reply ends inside it
+            out.append(self._text(self.pending[:before]))
+            self.pending = "" if final else self.pending[before:]
             return False
         out.append(self._text(self.pending[:before]))
         deltas.append(CallDelta(self.calls, "", f"call_{uuid.uuid4().hex[:24]}", header.name))
@@ -152,6 +154,7 @@ class ToolCallParser:
         if self.after_call:
             text = text.lstrip()
             self.after_call = not text
+        self.spoke = self.spoke or bool(text)
         return text
 
 

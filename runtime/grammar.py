@@ -20,6 +20,10 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 CACHED_GRAMMARS = 64  # compiled grammars a service keeps (the least recently used goes first)
+# The most calls a reply constrained to parallel tool calls makes. Each call's end leaves a model free to begin
+# another instead of EOS, and one that always does (a small or random model may) would run to max_tokens and leave
+# its last call cut short; after this many the grammar is complete and takes only EOS.
+MAX_PARALLEL_CALLS = 16
 
 
 def canonical(value: Any) -> str:
@@ -37,9 +41,9 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
 
 
 def tool_calls_grammar(functions: list[tuple[str, dict[str, Any]]], parallel: bool) -> str:
-    """Tool calls in Qwen3's format, and nothing else: one (parallel: one or more, a newline apart) of
-    `<tool_call>\n{"name": "<name>", "arguments": <JSON of its parameters' schema>}\n</tool_call>`.
-    functions: each function's name and parameters schema (the names need no JSON escaping)."""
+    """Tool calls in Qwen3's format, and nothing else: one (parallel: one to MAX_PARALLEL_CALLS, a newline apart)
+    of `<tool_call>\n{"name": "<name>", "arguments": <JSON of its parameters' schema>}\n</tool_call>`, then only
+    EOS. functions: each function's name and parameters schema (the names need no JSON escaping)."""
     return canonical({"tool_calls": {"functions": [{"name": n, "parameters": p} for n, p in functions],
                                      "parallel": parallel}})
 
@@ -56,8 +60,12 @@ def _tool_calls_structural_tag(spec: Any) -> dict[str, Any]:
     tags = [{"type": "tag", "begin": f'<tool_call>\n{{"name": "{f["name"]}", "arguments": ',
              "content": {"type": "json_schema", "json_schema": f["parameters"], "max_whitespace_cnt": 1},
              "end": "}\n</tool_call>"} for f in spec["functions"]]
-    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "\n",
-                                                  "at_least_one": True, "stop_after_first": not spec["parallel"]}}
+    call = {"type": "or", "elements": tags}
+    if spec["parallel"]:  # the calls after the first, each after a newline, bounded so that the grammar completes
+        more = {"type": "repeat", "min": 0, "max": MAX_PARALLEL_CALLS - 1,
+                "content": {"type": "sequence", "elements": [{"type": "const_string", "value": "\n"}, call]}}
+        call = {"type": "sequence", "elements": [call, more]}
+    return {"type": "structural_tag", "format": call}
 
 
 def parse_grammar(description: str) -> xgr.Grammar:

@@ -1,17 +1,23 @@
 """Tool calls read from a reply's text (gateway/tool_calls.py): complete blocks become calls and the rest stays
 content; several calls, a cap on them, blocks that are not calls, calls with malformed or unfinished arguments;
 arguments streamed as they come, and a stream split anywhere assembles, as OpenAI's clients do, into the whole
-reply's parse. The tool_calls grammar accepts exactly the calls it describes."""
+reply's parse; a block cut off before its header is complete is dropped. The tool_calls grammar accepts exactly the
+calls it describes, up to MAX_PARALLEL_CALLS of them. A chat template that leaves tools out of the prompt is found at
+start-up and warned of."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import pytest
 import xgrammar as xgr
 
+from gateway.chat import renders_tools, warn_unrendered_tools
 from gateway.tool_calls import CallDelta, Parsed, ParsedCall, ToolCallParser, finish_reason, parse_reply
-from runtime.grammar import parse_grammar, tool_calls_grammar
+from runtime.grammar import MAX_PARALLEL_CALLS, parse_grammar, tool_calls_grammar
+from runtime.models import load_tokenizer, resolve_pair
 
 WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}\n</tool_call>'
@@ -73,10 +79,17 @@ def test_an_unclosed_call_keeps_what_was_written_of_its_arguments() -> None:
         assert call.arguments == '{"zone": "CET"}'
 
 
-def test_an_unfinished_header_stays_content() -> None:
-    text = f'{TIME} Then <tool_call>\n{{"name": "weath'
-    content, parsed = parse_reply(text, None)
-    assert content == text[len(TIME) + 1:] and calls(parsed) == [(0, "time", {"zone": "CET"})]
+def test_a_block_cut_off_before_its_header_is_complete_is_dropped() -> None:
+    content, parsed = parse_reply(f'{TIME} Then <tool_call>\n{{"name": "weath', None)
+    assert content == "Then" and calls(parsed) == [(0, "time", {"zone": "CET"})]
+    assert parse_reply('<tool_call>\n{"name": "weath', None) == ("", [])
+    # cut off in its opening: dropped where it stands as a block (at the start, or after calls), as in a reply
+    # constrained to calls; after content it is that content's end
+    for cut in ("<", "<tool_c", "<tool_call"):
+        assert parse_reply(cut, None) == ("", [])
+        content, parsed = parse_reply(f"{TIME}\n{cut}", None)
+        assert content is None and calls(parsed) == [(0, "time", {"zone": "CET"})]
+        assert parse_reply(f"x {cut}", None) == (f"x {cut}", [])
 
 
 def streamed(pieces: list[str], max_calls: int | None) -> tuple[str, list[tuple[int, str, str]], list[int]]:
@@ -113,6 +126,9 @@ PRETTY = '<tool_call>\n{ "name" :"weather",\n "arguments":\n  {\n  "city": {"in"
     '<tool_call>{"name":"f","arguments":{"a":"}"}}</tool_call><tool_call>\n{"name": "g", "arguments": {}}} </tool',
     '<tool_call>\n{"name": "weather", "arguments": {"city": }\n</tool_call>\n<tool_call>\n{"name": "x y"',
     f'{TIME}\n<tool_call>\n{{"name": "weather", "arguments": {{"city": "Pa',
+    f'{TIME}\n<tool_call>\n{{"name": "wea',
+    f"{TIME}\n<tool_ca",
+    "Hi <tool_call>\n{",
 ])
 @pytest.mark.parametrize("max_calls", [None, 1])
 def test_streams_split_anywhere_parse_as_the_whole_reply(text: str, max_calls: int | None) -> None:
@@ -174,8 +190,27 @@ def test_the_tool_calls_grammar_takes_calls_of_its_functions_only() -> None:
     time = '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
     assert accepts(both, f"{call}\n{time}\n{call}") and parse_reply(f"{call}\n{time}", None)[0] is None
     assert not accepts(both, call.replace("weather", "wether"))
+    # a bounded number of calls: after the last one the grammar is complete, so the model must stop
+    most = "\n".join([time] * MAX_PARALLEL_CALLS)
+    assert accepts(both, most) and not accepts(both, f"{most}\n{time}")
 
 
 def test_a_bad_parameters_schema_is_named() -> None:
     with pytest.raises(ValueError, match='invalid parameters schema: Unsupported type "colour"'):
         parse_grammar(tool_calls_grammar([("f", {"type": "colour"})], parallel=False))
+
+
+def test_a_chat_template_that_leaves_tools_out_is_warned_of(caplog: pytest.LogCaptureFixture) -> None:
+    tokenizer = load_tokenizer(resolve_pair(None, None)[0])  # the demo target: ChatML, no tools
+    qwen3 = (Path(__file__).resolve().parent / "qwen3_tools.jinja").read_text()
+    assert renders_tools(tokenizer, qwen3) and not renders_tools(tokenizer, None)
+    caplog.set_level(logging.WARNING, logger="ddtree.gateway")
+    warn_unrendered_tools(tokenizer, qwen3)
+    assert not caplog.records
+    warn_unrendered_tools(tokenizer, None)
+    (record,) = caplog.records
+    assert "does not render `tools`" in record.getMessage() and "--chat-template" in record.getMessage()
+    caplog.clear()
+    warn_unrendered_tools(tokenizer, "{{ raise_exception('system message first') }}")
+    (record,) = caplog.records
+    assert "could not check" in record.getMessage() and "system message first" in record.getMessage()

@@ -1,8 +1,9 @@
 """Tool calling through `ddtree serve` on the demo pair, with the official `openai` client and Qwen3's tool format
 (tests/qwen3_tools.jinja as --chat-template: the demo target's own template has no tools). A named function's call
 parses and its arguments keep to the function's schema, whole and streamed (the arguments in pieces that join into
-the whole reply's); the call and its result sent back in the conversation get a reply; bad tools and tool choices
-are 400s naming the problem."""
+the whole reply's); the call and its result sent back in the conversation get a reply; a reply constrained to calls
+("required", parallel or not, or a named function) is complete calls that end by themselves, and one cut short by
+max_tokens has no content; bad tools and tool choices are 400s naming the problem."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from runtime.grammar import MAX_PARALLEL_CALLS
 from runtime.models import resolve_pair
 from tests.services import free_ports, interrupt, wait_gateway_ready
 
@@ -30,6 +32,8 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Th
 QUESTION = [{"role": "user", "content": "What is the weather in Oslo?"}]
 MAX_CALL_TOKENS = 160  # a call of `weather` is some 50 tokens of the demo tokenizer, with room for blanks
 NAMED = {"type": "function", "function": {"name": "weather"}}
+MAX_CALLS_TOKENS = MAX_PARALLEL_CALLS * 100  # room for the most calls a reply makes, blanks and all
+SCHEMAS = {"weather": WEATHER, "clock": {"type": "object", "properties": {}, "additionalProperties": False}}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,29 @@ def test_required_calls_one_of_the_tools(client: openai.OpenAI) -> None:
     (call,) = choice.message.tool_calls
     schema = {"weather": WEATHER, "clock": {"type": "object"}}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_a_constrained_reply_is_complete_calls_that_end(client: openai.OpenAI, tool_choice: str | dict) -> None:
+    # parallel calls are allowed: the grammar still ends, after MAX_PARALLEL_CALLS calls at most, and the demo
+    # model, which would go on calling, must stop there
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                           temperature=0, max_tokens=MAX_CALLS_TOKENS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice.message
+    calls = choice.message.tool_calls
+    assert 1 <= len(calls) <= (MAX_PARALLEL_CALLS if tool_choice == "required" else 1)
+    for call in calls:
+        assert call.function.name in (SCHEMAS if tool_choice == "required" else ["weather"])
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+    # cut short by max_tokens in the block's opening, its header and its arguments: "length", and no content, so
+    # no piece of a block; a call whose header was complete is given with what was written of its arguments
+    for max_tokens in (3, 12, 45):
+        cut = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                                             temperature=0, max_tokens=max_tokens).choices[0]
+        assert cut.finish_reason == "length" and not cut.message.content, (max_tokens, cut.message)
+        assert all(c.function.name in SCHEMAS for c in cut.message.tool_calls or ())
 
 
 def test_bad_tools_and_tool_choices_are_400s(client: openai.OpenAI) -> None:
