@@ -25,6 +25,8 @@ DEFAULT_UTILIZATION = 0.9  # of the device's memory, for everything on it of one
 # Of the caches' bytes, the part kept out of every cache limit: graphs first captured while serving (a key bucket a
 # long session reaches) and a step a little past the warm-up's largest come out of it rather than the device.
 HEADROOM = 0.05
+# A model service's exit status when its share does not hold it: a supervisor that starts it again gets the same.
+MEMORY_MISFIT_EXIT = 3
 TOKEN_QUANTUM = 256  # session tokens sized from memory are a multiple of this (the verifier's smallest size class)
 
 
@@ -130,3 +132,30 @@ def session_tokens(cache_bytes: int, sessions: int, per_token: int, context: int
             f"{cache_bytes / GIB:.2f} GiB of caches do not hold {sessions} sessions of {TOKEN_QUANTUM} tokens: raise "
             "--gpu-memory-utilization, or lower --max-sessions")
     return min(tokens, context)
+
+
+def head_bytes(target: str | Path, dtype: torch.dtype) -> int:
+    """The target's embedding and output head, which the drafter holds (once where they are tied)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    text = config.get("text_config", config)
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return (1 if tied else 2) * text["vocab_size"] * text["hidden_size"] * dtype_bytes(dtype)
+
+
+def drafter_share(total: int, utilization: float, target: str | Path, drafter: str | Path, dtype: torch.dtype,
+                  sessions: int, prefixes: tuple[int, int]) -> float:
+    """The part of `utilization` of a device of `total` bytes that a drafter takes beside its verifier on that
+    device: its weights, its working memory's guess, its prefix cache and `sessions` context slots of the tokens
+    each session gets where both services' per-token caches share what the weights leave (the drafter's slots hold
+    their whole capacity; the verifier's caches hold what sessions commit, so the verifier gets the rest).
+    prefixes: the verifier's and the drafter's prefix caches, bytes."""
+    read = lambda path: json.loads((Path(path) / "config.json").read_text())  # noqa: E731
+    weights_v = weight_bytes(target, dtype)
+    weights_d = weight_bytes(drafter, dtype) + head_bytes(target, dtype)
+    per_v, per_d = kv_bytes_per_token(read(target), dtype), kv_bytes_per_token(read(drafter), dtype)
+    left = (int(utilization * total) - weights_v - weights_d - working_guess(weights_v) - working_guess(weights_d)
+            - sum(prefixes))
+    context = read(drafter).get("max_position_embeddings", 40960)
+    tokens = min(context, max(TOKEN_QUANTUM, left // max(1, sessions * (per_v + per_d))))
+    need = weights_d + working_guess(weights_d) + prefixes[1] + sessions * tokens * per_d
+    return min(need / total, utilization / 2)

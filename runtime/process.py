@@ -25,6 +25,7 @@ from runtime.event_loop import busy_poll_seconds
 from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from runtime.service import E, EngineHost
 from runtime.config import ServiceConfig
+from runtime.memory import MEMORY_MISFIT_EXIT, MemoryMisfit
 from runtime.auth import TokenInterceptor
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.lane import LaneServer, Route
@@ -133,7 +134,8 @@ async def serve(
 
 def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any], Awaitable[None]]) -> int:
     """The process around a model service: config from flags (exit 2 when invalid), serve, exit 1 when the model
-    directory cannot be loaded."""
+    directory cannot be loaded, MEMORY_MISFIT_EXIT when its share of the device does not hold it (starting it again
+    would not help)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_large_allocations()
     try:
@@ -143,6 +145,9 @@ def run_service(config_cls: Any, args: argparse.Namespace, server: Callable[[Any
         return 2
     try:
         event_loop.run(server(config), busy_poll_seconds(config.busy_poll_us))
+    except MemoryMisfit as exc:
+        log.error("cannot serve: %s", exc)
+        return MEMORY_MISFIT_EXIT
     except (FileNotFoundError, ValueError) as exc:  # what the loaders raise for a bad model directory
         log.error("cannot serve: %s", exc)
         return 1
