@@ -241,15 +241,15 @@ class GatewayService:
         self._memory.freed()
 
     def _running_limit(self) -> int:
-        """max_running, lowered to the sessions the model services hold at once (as their Info reports them):
-        a request past those would fail its StartSession rather than wait."""
-        limits = [self.config.max_running]
-        for info in (self.monitor.verifier_info, self.monitor.drafter_info):
-            if info is not None and info.max_sessions > 0:
-                limits.append(info.max_sessions)
-        limit = min(limits)
+        """max_running, lowered to the sessions the verifier holds at once (as its Info reports them): a request
+        past those would fail its StartSession rather than wait. Not the drafter's: a request that finds its
+        sessions all held decodes AR (run_rounds), and past --speculate-up-to requests do anyway."""
+        info = self.monitor.verifier_info
+        limit = self.config.max_running
+        if info is not None and info.max_sessions > 0:
+            limit = min(limit, info.max_sessions)
         if limit != self._slots.limit and limit < self.config.max_running:
-            log.info("running at most %d requests at once: a model service holds %d sessions at most "
+            log.info("running at most %d requests at once: the verifier holds %d sessions at most "
                      "(--max-running %d)", limit, limit, self.config.max_running)
         return limit
 
