@@ -7,10 +7,15 @@ ports `serve` picks free (their gRPC ports, which it hands to the gateway) or th
 several stacks share a host; only the HTTP API's port is fixed. Each stack's three processes share a secret of
 their own (runtime/auth.py) that the model services require of every call but health checks.
 
-A model service that dies is started again, on the same gRPC port, after a backoff (1, 2, 4 ... 30 s; back to 1 s
-once it has run a minute): meanwhile the gateway decodes autoregressively (drafter down) or answers 503 (verifier
-down), and it takes the service back as soon as its health check says SERVING. If the gateway dies, everything
-stops.
+A child that dies is started again, on the same port, after a backoff (1, 2, 4 ... 30 s; back to 1 s once it has
+run a minute): while a model service is down the gateway decodes autoregressively (drafter down) or answers 503
+(verifier down), and it takes the service back as soon as its health check says SERVING; while the gateway is down
+the API refuses connections.
+
+The children die with `serve`, however it ends (kill -9 included), so none keeps serving unsupervised or holds a
+port: each runs in a process group of its own with a watchdog that kills the group once `serve` is gone (the
+processes a service starts, such as its tensor-parallel ranks, are in that group too), and the kernel kills each
+child itself when `serve` dies (Linux's parent-death signal). A child's group is killed too when the child exits.
 """
 
 from __future__ import annotations
@@ -41,10 +46,36 @@ LOOPBACK = "127.0.0.1"
 FIRST_PICKED_PORT = 20000  # free_ports picks from here up to the ephemeral range
 PICK_ATTEMPTS = 64  # random ports tried, each taken or not, before the kernel picks one
 STOP_TIMEOUT_S = 15.0  # per process, after SIGTERM, before SIGKILL (the services' own drain is shorter)
-FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # before a dead model service starts again: doubled per death, capped
-STEADY_S = 60.0  # a service that ran this long before it died starts again after the first backoff
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0  # before a dead child starts again: doubled per death, capped
+STEADY_S = 60.0  # a child that ran this long before it died starts again after the first backoff
 # Fields of the gateway's config that `serve` fills in itself; the others pass through as gateway flags.
 CHOSEN = ("target", "verifier", "drafter", "host", "port", "auth_token")
+# Runs as `python -I -S -c TETHER SERVE_PID FD COMMAND...` in each child between fork and its program (a Python of
+# its own, stdlib only: preexec_fn is unsafe in `serve`, whose threads run). It asks the kernel for SIGKILL once
+# `serve` dies (PR_SET_PDEATHSIG), and exits if `serve` died before that took hold. It forks the group's watchdog,
+# which lets go of the child's output (`serve` reads it to its end) and reads FD, a pipe whose only write end
+# `serve` holds: the read ends once `serve` is gone, however it ended, and the watchdog kills the group. Then it
+# becomes COMMAND, keeping its pid.
+TETHER = """
+import os, signal, sys
+PR_SET_PDEATHSIG = 1
+serve, fd = int(sys.argv[1]), int(sys.argv[2])
+if sys.platform.startswith("linux"):
+    import ctypes
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+if os.getppid() != serve:
+    os._exit(1)
+if os.fork() == 0:
+    null = os.open(os.devnull, os.O_RDWR)
+    for std in (0, 1, 2):
+        os.dup2(null, std)
+    while os.read(fd, 1):
+        pass
+    os.killpg(0, signal.SIGKILL)
+    os._exit(0)
+os.close(fd)
+os.execv(sys.argv[3], sys.argv[3:])
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -136,7 +167,7 @@ def ephemeral_start() -> int:
 
 
 def backoff(deaths: int) -> float:
-    """Seconds before a model service that has died `deaths` times in a row starts again."""
+    """Seconds before a child that has died `deaths` times in a row starts again."""
     return min(FIRST_BACKOFF_S * 2 ** (deaths - 1), MAX_BACKOFF_S)
 
 
@@ -205,9 +236,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
                       "--warm-up-trees", str(args.speculate_up_to),
                       *(["--deterministic"] if args.deterministic else []),
                       *([] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)])]
+    addresses = {"verifier": f"{LOOPBACK}:{verify_port}",
+                 "drafter": f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"}
+    try:  # the gateway would refuse them at each start, and be restarted forever
+        GatewayConfig.from_args(args, target=target, host=args.host, port=args.port, auth_token=None, **addresses)
+    except ValueError as exc:
+        raise SystemExit(f"ddtree serve: {exc}") from None
     gateway = [*ddtree, "gateway", "--target", target, "--host", args.host, "--port", str(args.port),
-               "--verifier", f"{LOOPBACK}:{verify_port}",
-               "--drafter", f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"]
+               "--verifier", addresses["verifier"], "--drafter", addresses["drafter"]]
     for name in (f.name for f in dataclasses.fields(GatewayConfig) if f.name not in CHOSEN):
         value, flag = getattr(args, name), name.replace("_", "-")
         if isinstance(value, bool):  # a --flag / --no-flag switch
@@ -220,6 +256,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     cmds = commands(args)
+    # A gateway that cannot bind the API's port would be started again forever: refuse it now.
+    check_port_free(args.host, args.port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -227,23 +265,41 @@ def run(args: argparse.Namespace) -> int:
     # take turns every round, and on CPU an idle one's OpenMP threads would spin on the cores the busy one needs.
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1", **stack_secret(),
            **({GatewayConfig.env_var("api_key"): args.api_key} if args.api_key else {})}
+    # The children's watchdogs read `alive`; `serve` holds the write end, never written, until it ends.
+    alive, _ = os.pipe()
     children: list[Child] = []
     try:
         for name, cmd in cmds.items():
-            children.append(_start(name, cmd, env))
+            children.append(_start(name, cmd, env, alive))
         print(f"[serve] OpenAI API on http://{args.host}:{args.port}/v1 (GET /health says when it is ready)",
               flush=True)
-        return _supervise(children, stop, env)
+        _supervise(children, stop, env, alive)
+        return 0
     finally:
         # the gateway's own drain lasts its shutdown grace: it is given that on top
         _stop([c for c in children if c.name == "gateway"], STOP_TIMEOUT_S + args.shutdown_grace)
         _stop([c for c in children if c.name != "gateway"], STOP_TIMEOUT_S)
 
 
-def _start(name: str, cmd: list[str], env: dict[str, str]) -> Child:
-    # A session of its own: Ctrl-C reaches only `serve`, which then stops the children in order.
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env=env, text=True, errors="replace", start_new_session=True)
+def check_port_free(host: str, port: int) -> None:
+    """Exits unless `host`:`port` can be bound now, as the gateway's server binds it (SO_REUSEADDR)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"ddtree serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _start(name: str, cmd: list[str], env: dict[str, str], alive: int) -> Child:
+    # A session of its own: Ctrl-C reaches only `serve`, which then stops the children in order; the session is
+    # also the group the watchdog kills. The parent-death signal fires when the thread that forked the child ends,
+    # so children are started from the main thread only, which lasts as long as `serve`.
+    assert threading.current_thread() is threading.main_thread()
+    tethered = [sys.executable, "-I", "-S", "-c", TETHER, str(os.getpid()), str(alive), *cmd]
+    process = subprocess.Popen(tethered, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env=env, text=True, errors="replace", start_new_session=True, pass_fds=(alive,))
     printer = threading.Thread(target=_prefix_lines, args=(name, process), daemon=True)
     printer.start()
     print(f"[serve] {name} started (pid {process.pid})", flush=True)
@@ -256,17 +312,25 @@ def _prefix_lines(name: str, process: subprocess.Popen) -> None:
         sys.stdout.flush()
 
 
-def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str]) -> int:
-    """Waits for a signal (-> 0) or for the gateway to exit (-> 1), starting model services that die again."""
+def _exit_code(child: Child) -> int | None:
+    """The child's exit status, or None while it runs. Once it has exited, its group (its watchdog, and any process
+    of its own left) is killed before it is reaped: until then its pid, the group's id, cannot be anyone else's."""
+    if child.process.returncode is None:
+        if os.waitid(os.P_PID, child.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.process.pid, signal.SIGKILL)
+    return child.process.poll()
+
+
+def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str], alive: int) -> None:
+    """Until a signal, starts the children that die again."""
     while not stop.wait(0.5):
         now = time.monotonic()
         for i, child in enumerate(children):
-            code = child.process.poll()
+            code = _exit_code(child)
             if code is None:
                 continue
-            if child.name == "gateway":
-                print(f"[serve] gateway exited with code {code}; stopping", flush=True)
-                return 1
             if child.restart_at is None:
                 child.printer.join()  # its last lines first
                 child.deaths = 1 if now - child.started >= STEADY_S else child.deaths + 1
@@ -274,20 +338,20 @@ def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str]
                 print(f"[serve] {child.name} exited with code {code}; starting it again in "
                       f"{backoff(child.deaths):.0f} s", flush=True)
             elif now >= child.restart_at:
-                children[i] = _start(child.name, child.command, env)
+                children[i] = _start(child.name, child.command, env, alive)
                 children[i].deaths = child.deaths
-    return 0
 
 
 def _stop(children: list[Child], timeout: float) -> None:
     for child in children:
-        if child.process.poll() is None:
+        if _exit_code(child) is None:
             child.process.terminate()
+    deadline = time.monotonic() + timeout
     for child in children:
-        try:
-            child.process.wait(timeout)
-        except subprocess.TimeoutExpired:
+        while _exit_code(child) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if child.process.returncode is None:
             print(f"[serve] {child.name} did not stop in {timeout:.0f} s; killing it", flush=True)
-            child.process.kill()
+            os.killpg(child.process.pid, signal.SIGKILL)  # its group with it: not reaped yet, the id is still its
             child.process.wait()
         child.printer.join()

@@ -1,12 +1,14 @@
 """`ddtree serve` as an operator runs it, on the tiny chat pair: two stacks side by side on one host (their
 internal ports picked free, their model services closed to strangers by a secret of each stack's own), a model
 service that dies started again and taken back by the gateway without a restart of its own, the streams a dead
-verifier breaks ended with an error event naming the failed call, and SIGTERM ending the streams still running
-with an error event and [DONE]."""
+verifier breaks ended with an error event naming the failed call, a dead gateway started again on its port,
+SIGTERM ending the streams still running with an error event and [DONE], and `kill -9` of `serve` taking every
+process of its stack with it."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -69,10 +71,16 @@ def _start(target: Path, drafter: Path, logs: Path, name: str, *flags: str) -> S
 
 
 @pytest.fixture(scope="module")
-def stacks(tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
-    """Two stacks on the same pair; the second drains with no grace (the last test stops it)."""
-    target = make_chat_target(tmp_path_factory.mktemp("stack_target"))
-    drafter = make_drafter(tmp_path_factory.mktemp("stack_drafter"))
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny chat target and its drafter."""
+    return (make_chat_target(tmp_path_factory.mktemp("stack_target")),
+            make_drafter(tmp_path_factory.mktemp("stack_drafter")))
+
+
+@pytest.fixture(scope="module")
+def stacks(models, tmp_path_factory) -> Iterator[tuple[Stack, Stack]]:
+    """Two stacks on the same pair; the second drains with no grace (the SIGTERM test stops it)."""
+    target, drafter = models
     logs = tmp_path_factory.mktemp("stack_logs")
     pair = (_start(target, drafter, logs, "a"), _start(target, drafter, logs, "b", "--shutdown-grace", "0"))
     try:
@@ -159,6 +167,16 @@ def test_a_dead_verifier_ends_its_streams_cleanly_and_is_taken_back(stacks) -> N
     assert a.metric("ddtree_backend_recoveries_total", service="verifier") >= 1
 
 
+def test_a_dead_gateway_is_started_again_on_its_port(stacks) -> None:
+    a, _ = stacks
+    want = _story(a)
+    gateway = a.pid("gateway")
+    os.kill(gateway, signal.SIGKILL)
+    _wait_until(a, lambda: a.pid("gateway") != gateway and _status(a) == "ok", "gateway back")
+    assert "[serve] gateway exited with code -9; starting it again in 1 s" in a.log()
+    assert _story(a) == want  # the model services kept running: the new gateway takes them as they are
+
+
 def test_sigterm_ends_running_streams_with_an_error_event_and_done(stacks) -> None:
     """The last test on the second stack: it stops it."""
     _, b = stacks
@@ -166,6 +184,55 @@ def test_sigterm_ends_running_streams_with_an_error_event_and_done(stacks) -> No
     assert chunks[-1] == "[DONE]"
     assert chunks[-2]["error"]["code"] == "service_unavailable" and "shutting down" in chunks[-2]["error"]["message"]
     assert b.process.wait(60) == 0
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` now, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, below = set(), [pid]
+    while below:
+        for child in children.get(below.pop(), []):
+            found.add(child)
+            below.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether any thread of `pid` runs. A zombie holds no port and no memory, only its exit status until it is
+    reaped; but a killed process's first thread is a zombie while its other threads, holding its files, still exit."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+    return False
+
+
+def test_kill_9_of_serve_takes_every_process_of_its_stack_with_it(models, tmp_path) -> None:
+    """`serve` killed outright cleans nothing up itself: its children and the tensor-parallel rank the verifier
+    started must die all the same, within seconds, leaving the API's port to a new `serve`."""
+    stack = _start(*models, tmp_path, "killed", "--tp", "2")
+    try:
+        wait_gateway_ready(stack.url, stack.process, stack.log)
+        pids = _descendants(stack.process.pid)
+        verifier_own = _descendants(stack.pid("verify"))
+        assert any(b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes() for p in verifier_own)  # its rank 1
+    finally:
+        stack.process.kill()
+        stack.process.wait()
+    deadline = time.monotonic() + 5
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _running(p)]
+    for pid in left:  # not to leave them serving past a failure
+        os.kill(pid, signal.SIGKILL)
+    assert not left, stack.log()[-5000:]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds it, past TIME_WAIT
+        sock.bind(("127.0.0.1", int(stack.url.rsplit(":", 1)[1])))
 
 
 def test_serve_picks_free_internal_ports_and_takes_the_model_positionally() -> None:
