@@ -35,12 +35,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from runtime import memory
 from runtime.models import resolve_pair
-from runtime.config import DTYPE_NAMES
-from draft_server.config import DraftServerConfig
+from runtime.config import DTYPE_NAMES, ServiceConfig
+from draft_server.config import PREFIX_CACHE_GIB as DRAFT_PREFIX_CACHE_GIB, DraftServerConfig
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
-from verify_server.config import VerifyServerConfig
+from verify_server.config import PREFIX_CACHE_GIB as VERIFY_PREFIX_CACHE_GIB, VerifyServerConfig
 
 LOOPBACK = "127.0.0.1"
 FIRST_PICKED_PORT = 20000  # free_ports picks from here up to the ephemeral range
@@ -102,17 +105,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "each) in one forward, up to N tokens together (0: each prompt alone)")
     p.add_argument("--draft-max-batch", type=int, default=16,
                    help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the GPU's memory this stack holds, split between the drafter and the verifier on "
+                   "one device; each sizes its caches from what its weights and warm-up leave of its part and "
+                   "reserves them at start-up (default 0.9; two stacks on one GPU: 0.45 each)")
     p.add_argument("--max-sessions", type=int,
                    help="sessions the verifier and the drafter each hold at once, their cache slots (default: theirs, "
-                   "16); the gateway runs no more requests at once than this, so raise --max-running with it")
+                   "64); the gateway runs no more requests at once than the verifier holds, so raise --max-running "
+                   "with it")
     p.add_argument("--max-session-tokens", type=int,
-                   help="the longest session (prompt and answer) the verifier and the drafter each take (default: "
-                   "the models' context); the drafter sizes each of its --max-sessions cache slots to it, so many "
-                   "sessions of a long-context drafter need it lowered")
+                   help="the longest session (prompt and answer) the verifier and the drafter each take (default: the "
+                   "models' context; on a GPU the drafter's is what --max-sessions context slots hold in its share)")
     p.add_argument("--kv-cache-gib", type=float,
-                   help="device memory (GiB) the verifier's sessions' KV caches may hold together (default: no limit "
-                   "but the device's; with --tp > 1, on each GPU); a request that runs short waits and resumes. Set "
-                   "it where the drafter shares the GPU")
+                   help="device memory (GiB) the verifier's sessions' KV caches may hold together (default on a GPU: "
+                   "what its share leaves; with --tp > 1, on each GPU, no limit unless given); a request that runs "
+                   "short waits and resumes")
     p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the model services' steps (default: on with a CUDA device)")
@@ -210,6 +217,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     target, drafter = resolve_pair(args.target, args.drafter)
     if (args.drafter or "").lower() == "none":
         drafter = None
+    shares = memory_shares(args, target, drafter)
     ddtree = [sys.executable, "-m", "ddtree.cli"]
     model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
              *(["--eager"] if args.eager else []),
@@ -223,14 +231,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if drafter is not None:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
-                         "--metrics-port", str(args.draft_metrics_port),
+                         "--metrics-port", str(args.draft_metrics_port), *shares["draft"],
                          "--warm-up-budgets", str(args.budget),
                          "--max-batch", str(args.draft_max_batch)]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget,
     # as many trees at once as requests speculate)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
-                      "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp),
+                      "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp), *shares["verify"],
                       "--max-batch", str(args.max_batch), "--prefill-batch-tokens", str(args.prefill_batch_tokens),
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
                       "--warm-up-trees", str(args.speculate_up_to),
@@ -254,6 +262,39 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     return cmds
 
 
+def memory_shares(args: argparse.Namespace, target: str, drafter: str | None) -> dict[str, list[str]]:
+    """Each model service's --gpu-memory-utilization: on a CUDA device, the stack's share split between the drafter
+    and the verifier by what each holds (runtime/memory.py's drafter_share, from the models' configurations); no
+    flag elsewhere (a share given there is refused, as the services would refuse it at every start)."""
+    utilization = args.gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        raise SystemExit(f"ddtree serve: --gpu-memory-utilization must be in (0, 1], got {utilization}")
+    device = ServiceConfig(device=args.device).torch_device()
+    if device.type != "cuda":
+        if utilization is not None:
+            raise SystemExit(f"ddtree serve: --gpu-memory-utilization is a CUDA device's share, not {device}'s")
+        return {"draft": [], "verify": []}
+    utilization = utilization if utilization is not None else memory.DEFAULT_UTILIZATION
+    dtype = ServiceConfig(device=args.device, dtype=args.dtype).torch_dtype()
+    drafter_part = 0.0
+    if drafter is not None:
+        prefixes = (int(VERIFY_PREFIX_CACHE_GIB[0] * memory.GIB), int(DRAFT_PREFIX_CACHE_GIB[0] * memory.GIB))
+        sessions = args.max_sessions or ServiceConfig.max_sessions
+        drafter_part = memory.drafter_share(device_total(device), utilization, target, drafter, dtype, sessions,
+                                            prefixes)
+    return {"draft": ["--gpu-memory-utilization", f"{drafter_part:.4f}"],
+            "verify": ["--gpu-memory-utilization", f"{utilization - drafter_part:.4f}"]}
+
+
+def device_total(device: torch.device) -> int:
+    """A CUDA device's memory, read in a process of its own: `serve` itself keeps no CUDA context on the device."""
+    probe = "import sys, torch; print(torch.cuda.get_device_properties(sys.argv[1]).total_memory)"
+    result = subprocess.run([sys.executable, "-c", probe, str(device)], capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"ddtree serve: cannot read {device}'s memory: {result.stderr.strip()[-500:]}")
+    return int(result.stdout)
+
+
 def run(args: argparse.Namespace) -> int:
     cmds = commands(args)
     # A gateway that cannot bind the API's port would be started again forever: refuse it now.
@@ -273,8 +314,7 @@ def run(args: argparse.Namespace) -> int:
             children.append(_start(name, cmd, env, alive))
         print(f"[serve] OpenAI API on http://{args.host}:{args.port}/v1 (GET /health says when it is ready)",
               flush=True)
-        _supervise(children, stop, env, alive)
-        return 0
+        return _supervise(children, stop, env, alive)
     finally:
         # the gateway's own drain lasts its shutdown grace: it is given that on top
         _stop([c for c in children if c.name == "gateway"], STOP_TIMEOUT_S + args.shutdown_grace)
@@ -323,14 +363,19 @@ def _exit_code(child: Child) -> int | None:
     return child.process.poll()
 
 
-def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str], alive: int) -> None:
-    """Until a signal, starts the children that die again."""
+def _supervise(children: list[Child], stop: threading.Event, env: dict[str, str], alive: int) -> int:
+    """Until a signal (-> 0), starts the children that die again; but a model service whose share of the device
+    does not hold it would not fit at any start (-> 1, the stack stops)."""
     while not stop.wait(0.5):
         now = time.monotonic()
         for i, child in enumerate(children):
             code = _exit_code(child)
             if code is None:
                 continue
+            if code == memory.MEMORY_MISFIT_EXIT:
+                child.printer.join()  # its reason first
+                print(f"[serve] {child.name} does not fit its share of the device (above); stopping", flush=True)
+                return 1
             if child.restart_at is None:
                 child.printer.join()  # its last lines first
                 child.deaths = 1 if now - child.started >= STEADY_S else child.deaths + 1

@@ -91,3 +91,18 @@ def test_a_reservation_holds_the_caches_bytes_and_refuses_a_share_that_does_not_
     with pytest.raises(memory.MemoryMisfit, match="other processes hold"):
         memory.reserve(device, too_much, "test")
     del weights
+
+
+def test_the_drafters_part_of_a_stacks_share_follows_what_it_holds() -> None:
+    """ddtree serve's split on one device: the drafter's part grows with the share and with its sessions, and stays
+    a fraction of it (the verifier gets the rest); with the demo pair's tiny weights, about its working memory's
+    guess and prefix cache."""
+    target, drafter = resolve_pair(None, None)
+    total, prefixes = 16 * memory.GIB, (4 * memory.GIB, memory.GIB)
+    part = lambda utilization, sessions: memory.drafter_share(  # noqa: E731
+        total, utilization, target, drafter, torch.bfloat16, sessions, prefixes)
+    # (the demo's tokens are small: only thousands of sessions keep them below its 2048-token context)
+    assert 0 < part(0.6, 4096) < part(0.9, 4096) < 0.9 / 2
+    assert part(0.9, 16) < part(0.9, 4096) < part(0.9, 8192)
+    guess = memory.working_guess(memory.weight_bytes(drafter, torch.bfloat16)) + prefixes[1]
+    assert guess / total < part(0.9, 64) < (guess + 0.5 * memory.GIB) / total

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ddtree.cli import build_parser
+from ddtree import serve as serve_module
 from ddtree.serve import FIRST_PICKED_PORT, ephemeral_start, backoff, commands, free_ports
 from protos.ddtree.v1 import ddtree_pb2 as pb
+from runtime.memory import MEMORY_MISFIT_EXIT
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import make_drafter
 from tests.gateway_support import events, make_chat_target, metric
@@ -267,3 +270,21 @@ def test_picked_ports_lie_below_the_ephemeral_range_distinct_and_free() -> None:
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))  # free: bound again at once
+
+
+def test_a_service_that_does_not_fit_its_share_stops_the_stack(capsys) -> None:
+    """A model service that exits with the memory misfit's status would not fit at any start: `serve` stops rather
+    than start it again forever; and a share is a CUDA device's, refused up front elsewhere."""
+    alive, keep = os.pipe()
+    refusing = [sys.executable, "-c", f"print('the verifier needs 70 GiB'); raise SystemExit({MEMORY_MISFIT_EXIT})"]
+    child = serve_module._start("verify", refusing, dict(os.environ), alive)
+    try:
+        assert serve_module._supervise([child], threading.Event(), dict(os.environ), alive) == 1
+    finally:
+        os.close(alive)
+        os.close(keep)
+    out = capsys.readouterr().out
+    assert "the verifier needs 70 GiB" in out and "does not fit its share of the device" in out
+    assert child.restart_at is None  # never scheduled to start again
+    with pytest.raises(SystemExit, match="CUDA device's share"):
+        commands(build_parser().parse_args(["serve", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
