@@ -6,17 +6,22 @@ real app over the in-process engines, through the official `openai` client on ht
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.health import Backends
+from gateway.service import GatewayService
 from protos.types import StepResult
 from tests.conftest import make_drafter
 from tests.gateway_support import ServiceVerifier, local_backends, make_chat_target, metric
@@ -51,6 +56,30 @@ def backends(target: Path, tmp_path_factory) -> Backends:
     return Backends(GatedVerifier(local.verifier.engine), local.drafter)
 
 
+@dataclass
+class Gated:
+    """A gateway app over the gated backends, its service, and an `openai` client on its ASGI transport."""
+
+    app: FastAPI
+    service: GatewayService
+    client: openai.AsyncOpenAI
+    http: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def _gated(target: Path, backends: Backends, max_waiting: int) -> AsyncIterator[Gated]:
+    """One request runs at a time, max_waiting wait, and decode steps wait at a closed gate until the test opens it."""
+    backends.verifier.gate = asyncio.Event()
+    app = create_app(GatewayConfig(target=str(target), max_running=1, max_waiting=max_waiting, spec_mode="off"),
+                     backends)
+    async with app.router.lifespan_context(app):
+        await app.state.service.monitor.check()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway/v1") as http:
+            client = openai.AsyncOpenAI(api_key="unused", base_url="http://gateway/v1", http_client=http,
+                                        max_retries=0)
+            yield Gated(app, app.state.service, client, http)
+
+
 def _gauge(service, name: str) -> float:
     return metric(service.metrics.render().decode(), name)
 
@@ -67,13 +96,8 @@ async def _until(condition) -> None:
 
 
 async def test_a_full_waiting_queue_sheds_new_requests_with_429_and_retry_after(target, backends) -> None:
-    backends.verifier.gate = asyncio.Event()
-    app = create_app(GatewayConfig(target=str(target), max_running=1, max_waiting=1, spec_mode="off"), backends)
-    async with app.router.lifespan_context(app):
-        service = app.state.service
-        await service.monitor.check()
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway/v1")
-        client = openai.AsyncOpenAI(api_key="unused", base_url="http://gateway/v1", http_client=http, max_retries=0)
+    async with _gated(target, backends, max_waiting=1) as gated:
+        service, client, http = gated.service, gated.client, gated.http
         request = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0}
         running = asyncio.create_task(client.chat.completions.create(**request))
         await _until(lambda: _gauge(service, "ddtree_requests_running") == 1)
@@ -87,7 +111,6 @@ async def test_a_full_waiting_queue_sheds_new_requests_with_429_and_retry_after(
         backends.verifier.gate.set()
         answers = await asyncio.gather(running, waiting)
         metrics = (await http.get("http://gateway/metrics")).text
-        await http.aclose()
     for error in shed:
         assert error.status_code == 429 and error.response.headers["Retry-After"] == "1"
         body = error.response.json()["error"]
@@ -115,13 +138,8 @@ async def test_a_burst_is_admitted_up_to_the_running_and_waiting_limits_and_the_
     """20 requests at once, none of which can end meanwhile (their decode steps wait at the gate): exactly 1 runs
     and 2 wait, though every one of them is admitted before the first reaches its slot; the other 17 get 429, and
     once the admitted ones end nothing is left counted."""
-    backends.verifier.gate = asyncio.Event()
-    app = create_app(GatewayConfig(target=str(target), max_running=1, max_waiting=2, spec_mode="off"), backends)
-    async with app.router.lifespan_context(app):
-        service = app.state.service
-        await service.monitor.check()
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway/v1")
-        client = openai.AsyncOpenAI(api_key="unused", base_url="http://gateway/v1", http_client=http, max_retries=0)
+    async with _gated(target, backends, max_waiting=2) as gated:
+        service, client, http = gated.service, gated.client, gated.http
         request = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0}
 
         async def ask(stream: bool) -> str | None:
@@ -150,7 +168,6 @@ async def test_a_burst_is_admitted_up_to_the_running_and_waiting_limits_and_the_
         assert service._slots.load() == (0, 0) and in_flight() == 0
         after = await client.chat.completions.create(**request)
         metrics = (await http.get("http://gateway/metrics")).text
-        await http.aclose()
     assert after.choices[0].finish_reason == "length"
     assert metric(metrics, "ddtree_requests_shed_total", reason="queue_full") == 17
 
@@ -159,11 +176,8 @@ async def test_an_admitted_stream_whose_client_is_gone_before_it_begins_gives_it
     """A stream admitted, whose client has hung up by the time its response starts (ASGI 2.4: the server's send
     raises OSError), so that none of its choices reaches generate: its place is free again, and at max_waiting 0
     the next request runs rather than getting 429."""
-    backends.verifier.gate = asyncio.Event()
-    app = create_app(GatewayConfig(target=str(target), max_running=1, max_waiting=0, spec_mode="off"), backends)
-    async with app.router.lifespan_context(app):
-        service = app.state.service
-        await service.monitor.check()
+    async with _gated(target, backends, max_waiting=0) as gated:
+        service = gated.service
         request = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0}
         body = json.dumps({**request, "stream": True}).encode()
         received = [{"type": "http.request", "body": body, "more_body": False}]
@@ -180,25 +194,17 @@ async def test_an_admitted_stream_whose_client_is_gone_before_it_begins_gives_it
                  "root_path": "", "client": ("127.0.0.1", 50000), "server": ("gateway", 80),
                  "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
         with pytest.raises(ClientDisconnect):
-            await app(scope, receive, send)
+            await gated.app(scope, receive, send)
         assert service._slots.load() == (0, 0) and service._slots.held == 0
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway/v1")
-        client = openai.AsyncOpenAI(api_key="unused", base_url="http://gateway/v1", http_client=http, max_retries=0)
         backends.verifier.gate.set()
-        after = await client.chat.completions.create(**request)
-        await http.aclose()
+        after = await gated.client.chat.completions.create(**request)
     assert after.choices[0].finish_reason == "length"
 
 
 async def test_a_requests_choices_are_admitted_together_or_not_at_all(target, backends) -> None:
     """n choices take n places at admission: 4 do not fit 1 running and 2 waiting, 3 do, and then fill them."""
-    backends.verifier.gate = asyncio.Event()
-    app = create_app(GatewayConfig(target=str(target), max_running=1, max_waiting=2, spec_mode="off"), backends)
-    async with app.router.lifespan_context(app):
-        service = app.state.service
-        await service.monitor.check()
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway/v1")
-        client = openai.AsyncOpenAI(api_key="unused", base_url="http://gateway/v1", http_client=http, max_retries=0)
+    async with _gated(target, backends, max_waiting=2) as gated:
+        service, client = gated.service, gated.client
         request = {"model": "tiny", "messages": HELLO, "max_tokens": 4, "temperature": 0}
         with pytest.raises(openai.RateLimitError) as too_many:
             await client.chat.completions.create(**request, n=4)
@@ -210,7 +216,6 @@ async def test_a_requests_choices_are_admitted_together_or_not_at_all(target, ba
         answer = await three
         await _until(lambda: service._slots.held == 0)
         assert service._slots.load() == (0, 0)
-        await http.aclose()
     assert "0 requests running, 0 waiting" in too_many.value.response.json()["error"]["message"]
     assert "1 requests running, 2 waiting" in one_more.value.response.json()["error"]["message"]
     assert [c.finish_reason for c in answer.choices] == ["length"] * 3
