@@ -143,7 +143,7 @@ def test_serving_after_warm_up_with_info_and_reflection(services):
     assert verifier_info.hidden_size == HIDDEN
     assert (verifier_info.max_context_length, verifier_info.eos_token_ids) == (1024, [])
     assert verifier_info.max_tree_size == MAX_TREE
-    assert verifier_info.max_sessions == drafter_info.max_sessions == 16  # their --max-sessions default
+    assert verifier_info.max_sessions == drafter_info.max_sessions == 64  # their --max-sessions default
     assert (drafter_info.block_size, drafter_info.target_layer_ids) == (BLOCK, [0, 2])
     assert (drafter_info.feature_dim, drafter_info.vocab_size) == (FEATURE_DIM, VOCAB)
     with grpc.insecure_channel(services.verifier.address) as channel:
