@@ -73,7 +73,9 @@ def test_a_step_without_device_memory_is_answered_as_short_of_cache_memory() -> 
 @CUDA
 def test_a_reservation_holds_the_caches_bytes_and_refuses_a_share_that_does_not_fit() -> None:
     device = torch.device("cuda")
+    torch.cuda.empty_cache()  # what earlier tests of this process left cached is no working memory of this one's
     weights = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # the working memory: held throughout
+    torch.cuda.reset_peak_memory_stats(device)
     total = memory.device_total(device)
     utilization = (torch.cuda.memory_reserved(device) + 2**30) / total  # 1 GiB of caches, less the headroom
     budget = memory.measure(device, utilization, 0, "test")
