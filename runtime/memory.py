@@ -89,6 +89,16 @@ def reserve(device: torch.device, budget: CacheBudget, what: str) -> None:
         del held
 
 
+def memory_misfit_at_load(device: torch.device, what: str) -> MemoryMisfit:
+    """Why a service whose weights or warm-up ran out of device memory cannot start, and what to change."""
+    free, total = torch.cuda.mem_get_info(device)
+    mine = torch.cuda.memory_reserved(device)
+    return MemoryMisfit(
+        f"the {what} ran out of device memory loading and warming up: the device has {free / GIB:.1f} GiB of "
+        f"{total / GIB:.1f} GiB free, and other processes hold {(total - free - mine) / GIB:.1f} GiB. Give each stack "
+        "on this device a share that fits beside the others' (--gpu-memory-utilization), or free the device")
+
+
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

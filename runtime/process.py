@@ -25,7 +25,7 @@ from runtime.event_loop import busy_poll_seconds
 from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from runtime.service import E, EngineHost
 from runtime.config import ServiceConfig
-from runtime.memory import MEMORY_MISFIT_EXIT, MemoryMisfit
+from runtime.memory import MEMORY_MISFIT_EXIT, MemoryMisfit, memory_misfit_at_load
 from runtime.auth import TokenInterceptor
 from runtime.malformed import MalformedRequestInterceptor
 from runtime.lane import LaneServer, Route
@@ -108,7 +108,10 @@ async def serve(
         tasks += [loading, stopping]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         if loading.done():
-            loading.result()  # a failed load ends the process with its error
+            try:
+                loading.result()  # a failed load ends the process with its error
+            except torch.OutOfMemoryError as exc:  # the weights or the warm-up found the device taken
+                raise memory_misfit_at_load(device, service_name) from exc
             freeze_startup_heap()
             for name in ("", service_name):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -302,10 +302,9 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
                 f"leaves for KV caches ({budget.describe()}): lower it, or raise --gpu-memory-utilization")
         kv = room if kv is None else kv
         memory.reserve(device, budget, "verifier")
-        tokens, capacity = kv // engine.caches.row_bytes, session_capacity(engine, config)
-        log.info("device memory reserved: %s; sessions' KV caches %.1f GiB: %d tokens, %d sessions of the largest "
-                 "capacity (%d tokens; a session holds what it has committed)", budget.describe(), kv / memory.GIB,
-                 tokens, tokens // capacity, capacity)
+        log.info("device memory reserved: %s; sessions' KV caches %.1f GiB: %d tokens for up to %d sessions, each "
+                 "holding what it has committed", budget.describe(), kv / memory.GIB, kv // engine.caches.row_bytes,
+                 config.max_sessions)
     elif share is not None:
         log.info("under --tp the caches are not reserved up front: --kv-cache-gib bounds every rank's alike")
     if kv is not None:  # after the warm-up, whose sessions are not the operator's
