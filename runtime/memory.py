@@ -130,7 +130,7 @@ def kv_bytes_per_token(config: dict, dtype: torch.dtype, layers: int | None = No
 def working_guess(weights: int) -> int:
     """A service's working memory beside its weights before its warm-up has measured it: graphs, the largest
     step's activations, the allocator's rounding."""
-    return GIB + weights // 8
+    return 5 * GIB // 2 + weights // 8
 
 
 def session_tokens(cache_bytes: int, sessions: int, per_token: int, context: int) -> int:

@@ -111,7 +111,7 @@ async def serve(
             try:
                 loading.result()  # a failed load ends the process with its error
             except torch.OutOfMemoryError as exc:  # the weights or the warm-up found the device taken
-                raise memory_misfit_at_load(device, service_name) from exc
+                raise memory_misfit_at_load(device, service_name.rsplit(".", 1)[-1].lower()) from exc
             freeze_startup_heap()
             for name in ("", service_name):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
