@@ -53,10 +53,11 @@ def _request(kind: int) -> dict:
         base["response_format"] = {"type": "json_schema", "json_schema": {"name": "forced", "schema": FORCED}}
     elif choice == 2:
         base["response_format"] = {"type": "json_object"}
-    elif choice == 3:
-        base |= {"tools": TOOLS, "tool_choice": "required"}
+    elif choice == 3:  # (one call: the demo model, left free, makes as many parallel calls as the grammar allows)
+        base |= {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 160}
     elif choice == 4:
-        base |= {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+        base |= {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}},
+                 "max_tokens": 160}
     return base
 
 
@@ -85,13 +86,19 @@ def test_structured_and_tool_requests_after_the_fit_has_warmed_up(stack: ServeSt
     assert metric(gateway, "ddtree_step_tree_nodes_bucket", le="16.0") > 0, "the fit never cut a step's trees"
     failed = [(kind, exc) for kind, exc in answers if isinstance(exc, Exception)]
     assert not failed, failed[:3]
+    complete = {choice: 0 for choice in range(6)}  # answers that ended of themselves, by kind
     for kind, answer in answers:
         message, finish = answer.choices[0].message, answer.choices[0].finish_reason
+        complete[kind % 6] += finish in ("stop", "tool_calls")
         if kind % 6 == 1:
             assert json.loads(message.content) == {"ok": True} and finish == "stop"
         elif kind % 6 == 0 and finish == "stop":
             jsonschema.validate(json.loads(message.content), SCHEMA)
         elif kind % 6 in (3, 4) and finish == "tool_calls":
-            assert message.tool_calls[0].function.name == "weather"
-            jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), TOOLS[0]["function"]["parameters"])
+            assert message.content is None
+            for call in message.tool_calls:
+                assert call.function.name == "weather"
+                jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    print("answers that ended of themselves, by kind:", complete)
+    assert complete[0] and complete[1] and complete[3] and complete[4], complete  # schemas and named calls checked, not just sent
     assert "tree fit could not" not in stack.log()
