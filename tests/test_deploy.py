@@ -701,3 +701,19 @@ def test_dashboard_queries_evaluate_on_prometheus(live, tmp_path) -> None:
             assert f"sum({name})" not in empty and f"sum by (instance) ({name})" not in empty, name
     finally:
         interrupt(process)
+
+
+def test_the_model_services_share_one_gpu_within_the_stacks_share() -> None:
+    """By default the drafter and the verifier share GPU 0: their memory shares add up to no more than one stack's
+    (each refuses its start where the device has not its share free), and on the CPU override they hold none (a share
+    is a CUDA device's: the services would refuse it)."""
+    from runtime.memory import DEFAULT_UTILIZATION
+
+    gpu, cpu = compose(read_env_file(ENV_EXAMPLE))["services"], compose(cpu=True)["services"]
+    shares = [float(gpu[name]["environment"][f"DDTREE_{name.upper()}_GPU_MEMORY_UTILIZATION"])
+              for name in ("draft", "verify")]
+    assert gpu["draft"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == \
+        gpu["verify"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    assert all(share > 0 for share in shares) and sum(shares) <= DEFAULT_UTILIZATION
+    assert all(cpu[name]["environment"][f"DDTREE_{name.upper()}_GPU_MEMORY_UTILIZATION"] == ""
+               for name in ("draft", "verify"))
