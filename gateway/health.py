@@ -16,10 +16,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import grpc
+
 from protos.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.fit import info_misfit
+from gateway.grpc_client import BackendError
 from gateway.steps import Steps
 from gateway.tree_fit import TreeFit
 
@@ -73,9 +76,14 @@ class BackendMonitor:
         self._recheck.set()
 
     def drafter_failed(self, exc: BaseException) -> None:
-        """The round loop's on_fallback: the request carries on autoregressively, new ones skip the drafter."""
-        log.warning("drafter call failed (%s): the request continues autoregressively", exc)
+        """The round loop's on_fallback: the request carries on autoregressively, new ones skip the drafter; but
+        where the drafter only holds no more sessions (RESOURCE_EXHAUSTED: its slots are all held, as its reserved
+        memory sizes them), it is up and the next requests try it again."""
         self.metrics.fallbacks.inc()
+        if isinstance(exc, BackendError) and exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            log.info("the drafter holds no more sessions (%s): the request decodes autoregressively", exc.details)
+            return
+        log.warning("drafter call failed (%s): the request continues autoregressively", exc)
         self._set_drafter_up(False)
         self.recheck()
 

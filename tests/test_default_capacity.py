@@ -43,3 +43,37 @@ def test_48_concurrent_requests_run_at_once_at_the_defaults(stack: ServeStack) -
     finishes, most_running, most_waiting = asyncio.run(scenario())
     assert finishes == ["length"] * CLIENTS
     assert most_running == CLIENTS and most_waiting == 0
+
+
+def test_requests_past_the_drafters_sessions_decode_ar_and_the_drafter_stays_up(tmp_path, monkeypatch) -> None:
+    """The running limit follows the verifier's sessions alone: with one drafter session slot (on a GPU its reserved
+    memory may hold fewer than the verifier's), the requests that find it held decode AR with the same text, and the
+    drafter is not taken for down: the next request speculates."""
+    monkeypatch.setenv("DDTREE_DRAFT_MAX_SESSIONS", "1")
+    with serve_stack(tmp_path, "--speculate-up-to", "0") as stack:
+        async def scenario() -> tuple[list[str], str, str]:
+            client = openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
+            model = (await client.models.list()).data[0].id
+
+            async def ask() -> str:
+                answer = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "Describe a lighthouse."}], max_tokens=48,
+                    temperature=0)
+                return answer.choices[0].message.content
+
+            alone = await ask()
+            together = await asyncio.gather(*(ask() for _ in range(6)))
+            async with httpx.AsyncClient() as http:
+                between = (await http.get(f"{stack.url}/metrics")).text
+                again = await ask()
+                after = (await http.get(f"{stack.url}/metrics")).text
+            return [alone, *together, again], between, after
+
+        texts, between, after = asyncio.run(scenario())
+        log = stack.log()
+    assert len(set(texts)) == 1 and texts[0]
+    assert metric(between, "ddtree_fallbacks_total") >= 1 and "the drafter holds no more sessions" in log
+    assert metric(after, "ddtree_backend_up", service="drafter") == 1
+    assert "drafter is down" not in log
+    rounds = "ddtree_spec_acceptance_length_count"
+    assert metric(after, rounds) > metric(between, rounds)  # the last request speculated
