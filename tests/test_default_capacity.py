@@ -17,6 +17,10 @@ pytestmark = pytest.mark.services
 CLIENTS = 48
 
 
+def _client(stack: ServeStack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
     with serve_stack(tmp_path_factory.mktemp("defaults")) as running:
@@ -25,20 +29,20 @@ def stack(tmp_path_factory) -> Iterator[ServeStack]:
 
 def test_48_concurrent_requests_run_at_once_at_the_defaults(stack: ServeStack) -> None:
     async def scenario() -> tuple[list[str], float, float]:
-        client = openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
-        model = (await client.models.list()).data[0].id
-        requests = [asyncio.create_task(client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Tell a story about harbour {i}."}], max_tokens=64,
-            temperature=0, extra_body={"ignore_eos": True})) for i in range(CLIENTS)]
-        most_running = most_waiting = 0.0
-        async with httpx.AsyncClient() as http:
-            while not all(task.done() for task in requests):
-                gateway = (await http.get(f"{stack.url}/metrics")).text
-                most_running = max(most_running, metric(gateway, "ddtree_requests_running"))
-                most_waiting = max(most_waiting, metric(gateway, "ddtree_requests_waiting"))
-                await asyncio.sleep(0.02)
-        answers = await asyncio.gather(*requests)
-        return [answer.choices[0].finish_reason for answer in answers], most_running, most_waiting
+        async with _client(stack) as client:
+            model = (await client.models.list()).data[0].id
+            requests = [asyncio.create_task(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Tell a story about harbour {i}."}], max_tokens=64,
+                temperature=0, extra_body={"ignore_eos": True})) for i in range(CLIENTS)]
+            most_running = most_waiting = 0.0
+            async with httpx.AsyncClient() as http:
+                while not all(task.done() for task in requests):
+                    gateway = (await http.get(f"{stack.url}/metrics")).text
+                    most_running = max(most_running, metric(gateway, "ddtree_requests_running"))
+                    most_waiting = max(most_waiting, metric(gateway, "ddtree_requests_waiting"))
+                    await asyncio.sleep(0.02)
+            answers = await asyncio.gather(*requests)
+            return [answer.choices[0].finish_reason for answer in answers], most_running, most_waiting
 
     finishes, most_running, most_waiting = asyncio.run(scenario())
     assert finishes == ["length"] * CLIENTS
@@ -52,22 +56,22 @@ def test_requests_past_the_drafters_sessions_decode_ar_and_the_drafter_stays_up(
     monkeypatch.setenv("DDTREE_DRAFT_MAX_SESSIONS", "1")
     with serve_stack(tmp_path, "--speculate-up-to", "0") as stack:
         async def scenario() -> tuple[list[str], str, str]:
-            client = openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
-            model = (await client.models.list()).data[0].id
+            async with _client(stack) as client:
+                model = (await client.models.list()).data[0].id
 
-            async def ask() -> str:
-                answer = await client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": "Describe a lighthouse."}], max_tokens=48,
-                    temperature=0)
-                return answer.choices[0].message.content
+                async def ask() -> str:
+                    answer = await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "Describe a lighthouse."}], max_tokens=48,
+                        temperature=0)
+                    return answer.choices[0].message.content
 
-            alone = await ask()
-            together = await asyncio.gather(*(ask() for _ in range(6)))
-            async with httpx.AsyncClient() as http:
-                between = (await http.get(f"{stack.url}/metrics")).text
-                again = await ask()
-                after = (await http.get(f"{stack.url}/metrics")).text
-            return [alone, *together, again], between, after
+                alone = await ask()
+                together = await asyncio.gather(*(ask() for _ in range(6)))
+                async with httpx.AsyncClient() as http:
+                    between = (await http.get(f"{stack.url}/metrics")).text
+                    again = await ask()
+                    after = (await http.get(f"{stack.url}/metrics")).text
+                return [alone, *together, again], between, after
 
         texts, between, after = asyncio.run(scenario())
         log = stack.log()

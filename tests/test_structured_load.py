@@ -32,6 +32,10 @@ REQUESTS = 96  # of each of the mixed kinds below, in turn
 CONCURRENCY = 16
 
 
+def _client(stack: ServeStack) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
     # every request speculates (--speculate-up-to 0), so the structured ones' trees meet the fit's cut
@@ -63,24 +67,24 @@ def _request(kind: int) -> dict:
 
 def test_structured_and_tool_requests_after_the_fit_has_warmed_up(stack: ServeStack) -> None:
     async def scenario() -> tuple[list, str]:
-        client = openai.AsyncOpenAI(api_key="unused", base_url=f"{stack.url}/v1", max_retries=0, timeout=600)
-        model = (await client.models.list()).data[0].id
-        # free streams at once until the fit cuts trees: it has its rounds and its cost curve
-        await asyncio.gather(*(client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"Write a note about river {i}."}], max_tokens=24,
-            temperature=0) for i in range(48)))
-        gate = asyncio.Semaphore(CONCURRENCY)
+        async with _client(stack) as client:
+            model = (await client.models.list()).data[0].id
+            # free streams at once until the fit cuts trees: it has its rounds and its cost curve
+            await asyncio.gather(*(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Write a note about river {i}."}], max_tokens=24,
+                temperature=0) for i in range(48)))
+            gate = asyncio.Semaphore(CONCURRENCY)
 
-        async def one(kind: int) -> object:
-            async with gate:
-                try:
-                    return kind, await client.chat.completions.create(model=model, **_request(kind))
-                except openai.APIError as exc:
-                    return kind, exc
+            async def one(kind: int) -> object:
+                async with gate:
+                    try:
+                        return kind, await client.chat.completions.create(model=model, **_request(kind))
+                    except openai.APIError as exc:
+                        return kind, exc
 
-        answers = await asyncio.gather(*(one(kind) for kind in range(REQUESTS)))
-        async with httpx.AsyncClient() as http:
-            return answers, (await http.get(f"{stack.url}/metrics")).text
+            answers = await asyncio.gather(*(one(kind) for kind in range(REQUESTS)))
+            async with httpx.AsyncClient() as http:
+                return answers, (await http.get(f"{stack.url}/metrics")).text
 
     answers, gateway = asyncio.run(scenario())
     assert metric(gateway, "ddtree_step_tree_nodes_bucket", le="16.0") > 0, "the fit never cut a step's trees"
@@ -100,5 +104,6 @@ def test_structured_and_tool_requests_after_the_fit_has_warmed_up(stack: ServeSt
                 assert call.function.name == "weather"
                 jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
     print("answers that ended of themselves, by kind:", complete)
-    assert complete[0] and complete[1] and complete[3] and complete[4], complete  # schemas and named calls checked, not just sent
+    # schemas and calls checked, not just sent
+    assert complete[0] and complete[1] and complete[3] and complete[4], complete
     assert "tree fit could not" not in stack.log()
