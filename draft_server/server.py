@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -170,7 +169,7 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     head = TargetHead.load(config.target, device, dtype)
     engine = DraftEngine(
         drafter, head, eager=config.eager, max_sessions=config.max_sessions,
-        max_context=config.max_session_tokens or default_session_tokens(config, drafter, head),
+        max_context=config.max_session_tokens or default_session_tokens(config),
         compile=config.compiles, max_batch=config.max_batch, target_path=config.target,
         constrained=config.constrained_trees,
     )
@@ -191,21 +190,19 @@ def load_engine(config: DraftServerConfig) -> DraftEngine:
     return engine
 
 
-def default_session_tokens(config: DraftServerConfig, drafter: torch.nn.Module, head: TargetHead) -> int | None:
+def default_session_tokens(config: DraftServerConfig) -> int | None:
     """Without --max-session-tokens on a GPU: the context that --max-sessions sessions' slots (each holds its whole
     capacity) fit in this service's share of the device beside the weights, the working memory's guess and the
     prefix cache, rather than the model's whole context a slot. None elsewhere: the drafter's whole context."""
     share = config.memory_share
     if share is None or config.eager:
         return None
-    device, cfg = config.torch_device(), drafter.config
-    weights = sum(p.numel() * p.element_size() for p in drafter.parameters()) + head.nbytes
-    cache_bytes = (int(share * memory.device_total(device)) - weights - memory.working_guess(weights)
-                   - config.prefix_cache_bytes)
-    per_token = memory.kv_bytes_per_token(dataclasses.asdict(cfg), head.embed.dtype)
-    tokens = memory.session_tokens(cache_bytes, config.max_sessions, per_token, cfg.max_position_embeddings)
-    log.info("sessions of up to %d tokens (--max-session-tokens): what %d context slots hold in %.1f GiB of the "
-             "device (--gpu-memory-utilization %g)", tokens, config.max_sessions, cache_bytes / memory.GIB, share)
+    footprint = memory.DrafterFootprint.of(config.target, config.drafter, config.torch_dtype())
+    share_bytes = int(share * memory.device_total(config.torch_device()))
+    tokens = footprint.session_tokens(share_bytes, config.max_sessions, config.prefix_cache_bytes)
+    log.info("sessions of up to %d tokens (--max-session-tokens): what %d context slots hold in the drafter's %.1f "
+             "GiB of the device (--gpu-memory-utilization %g)", tokens, config.max_sessions, share_bytes / memory.GIB,
+             share)
     return tokens
 
 

@@ -22,11 +22,6 @@ class TargetHead:
     def vocab_size(self) -> int:
         return self.lm_head.shape[0]
 
-    @property
-    def nbytes(self) -> int:
-        tensors = {id(t): t for t in (self.embed, self.lm_head)}  # a tied head is one tensor
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)
 

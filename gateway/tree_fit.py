@@ -227,7 +227,7 @@ class TreeFit:
         trees = [call.tree for call in cut_calls]
         # (a tree of another shape fails here, before any cut; one without even a root, the verifier refuses)
         sizes = [max(0, tree_arrays(tree).shape[1] - 1) for tree in trees]
-        rows = sum(tree_arrays(call.verify.tree).shape[1] if call.HasField("verify") else 1 for call in calls)
+        rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
         classes = [known.get(call.session_id, GREEDY).kind for call in cut_calls]
         nodes = self.size(sizes, other_rows=rows - sum(sizes) - len(sizes), kinds=classes)
         if nodes < 1:

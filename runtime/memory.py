@@ -146,10 +146,41 @@ def session_tokens(cache_bytes: int, sessions: int, per_token: int, context: int
 
 def head_bytes(target: str | Path, dtype: torch.dtype) -> int:
     """The target's embedding and output head, which the drafter holds (once where they are tied)."""
-    config = json.loads((Path(target) / "config.json").read_text())
+    config = read_config(target)
     text = config.get("text_config", config)
     tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
     return (1 if tied else 2) * text["vocab_size"] * text["hidden_size"] * dtype_bytes(dtype)
+
+
+def read_config(directory: str | Path) -> dict:
+    return json.loads((Path(directory) / "config.json").read_text())
+
+
+@dataclass(frozen=True)
+class DrafterFootprint:
+    """What a drafter holds on its device, from the configurations and checkpoint headers alone (before loading):
+    the same figures for `ddtree serve`'s split and the drafter's own sizing, so that the two agree."""
+
+    weights: int  # its weights and the target's embedding and head it borrows
+    per_token: int  # one context token's K/V over its layers
+    context: int  # its longest context
+
+    @classmethod
+    def of(cls, target: str | Path, drafter: str | Path, dtype: torch.dtype) -> DrafterFootprint:
+        config = read_config(drafter)
+        return cls(weight_bytes(drafter, dtype) + head_bytes(target, dtype), kv_bytes_per_token(config, dtype),
+                   config.get("max_position_embeddings", 40960))
+
+    def session_tokens(self, share: int, sessions: int, prefix: int) -> int:
+        """The session capacity at which `sessions` context slots fit `share` bytes beside the weights, the working
+        memory's guess and the prefix cache (session_tokens)."""
+        return session_tokens(share - self.weights - working_guess(self.weights) - prefix, sessions, self.per_token,
+                              self.context)
+
+    def share(self, tokens: int, sessions: int, prefix: int) -> int:
+        """The bytes that hold `sessions` slots of `tokens` beside the weights, the working memory's guess and the
+        prefix cache: session_tokens' inverse."""
+        return self.weights + working_guess(self.weights) + prefix + sessions * tokens * self.per_token
 
 
 def drafter_share(total: int, utilization: float, target: str | Path, drafter: str | Path, dtype: torch.dtype,
@@ -159,13 +190,10 @@ def drafter_share(total: int, utilization: float, target: str | Path, drafter: s
     each session gets where both services' per-token caches share what the weights leave (the drafter's slots hold
     their whole capacity; the verifier's caches hold what sessions commit, so the verifier gets the rest).
     prefixes: the verifier's and the drafter's prefix caches, bytes."""
-    read = lambda path: json.loads((Path(path) / "config.json").read_text())  # noqa: E731
+    footprint = DrafterFootprint.of(target, drafter, dtype)
     weights_v = weight_bytes(target, dtype)
-    weights_d = weight_bytes(drafter, dtype) + head_bytes(target, dtype)
-    per_v, per_d = kv_bytes_per_token(read(target), dtype), kv_bytes_per_token(read(drafter), dtype)
-    left = (int(utilization * total) - weights_v - weights_d - working_guess(weights_v) - working_guess(weights_d)
-            - sum(prefixes))
-    context = read(drafter).get("max_position_embeddings", 40960)
-    tokens = min(context, max(TOKEN_QUANTUM, left // max(1, sessions * (per_v + per_d))))
-    need = weights_d + working_guess(weights_d) + prefixes[1] + sessions * tokens * per_d
-    return min(need / total, utilization / 2)
+    left = (int(utilization * total) - weights_v - working_guess(weights_v) - footprint.weights
+            - working_guess(footprint.weights) - sum(prefixes))
+    per_token = kv_bytes_per_token(read_config(target), dtype) + footprint.per_token
+    tokens = min(footprint.context, max(TOKEN_QUANTUM, left // max(1, sessions * per_token)))
+    return min(footprint.share(tokens, sessions, prefixes[1]) / total, utilization / 2)

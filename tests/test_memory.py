@@ -108,3 +108,15 @@ def test_the_drafters_part_of_a_stacks_share_follows_what_it_holds() -> None:
     assert part(0.9, 16) < part(0.9, 4096) < part(0.9, 8192)
     guess = memory.working_guess(memory.weight_bytes(drafter, torch.bfloat16)) + prefixes[1]
     assert guess / total < part(0.9, 64) < (guess + 0.5 * memory.GIB) / total
+
+
+def test_the_drafter_sizes_its_sessions_as_serve_split_for_them() -> None:
+    """The drafter's own default session length in the part `ddtree serve` gave it is the length the split was
+    worked out for: `sessions` slots of it fit that part (and one quantum more would not)."""
+    target, drafter = resolve_pair(None, None)
+    total, sessions, prefix = 16 * memory.GIB, 4096, memory.GIB
+    footprint = memory.DrafterFootprint.of(target, drafter, torch.bfloat16)
+    part = memory.drafter_share(total, 0.9, target, drafter, torch.bfloat16, sessions, (4 * memory.GIB, prefix))
+    tokens = footprint.session_tokens(int(part * total), sessions, prefix)
+    assert footprint.share(tokens, sessions, prefix) <= part * total
+    assert footprint.share(tokens + memory.TOKEN_QUANTUM, sessions, prefix) > part * total
