@@ -1,6 +1,6 @@
 """ddtree's and the chain's τ from teacher-forced blocks (CPU, fp32, no serving loop): the target's greedy answers to
 the bench prompts, the drafter's blocks rooted at every answer token, and each round's tree walked against the
-answer (training/acceptance.py tree_steps; tests/test_tau_walk.py checks that this equals the served rounds one
+answer (training/acceptance.py tree_steps; tests/unit/test_tau_walk.py checks that this equals the served rounds one
 by one). Seconds where the serving loop takes minutes, so tree policies can be compared on many prompts: budgets,
 top-k, and transforms of the drafter's log-probs before the tree build (a temperature; a penalty on every token but
 each depth's most likely one, which shifts the budget from side branches to the main path).

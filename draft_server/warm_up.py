@@ -42,7 +42,7 @@ def _sessions(engine: DraftEngine, count: int, capacity: int) -> Iterator[list[s
 def warm_up(engine: DraftEngine, budgets: Sequence[int] = (), max_budget: int = 0) -> None:
     """Drafts that change every size a request can change (new features per draft: one, a round's, a prompt's;
     the context's key bucket), so that under --compile Dynamo has made them dynamic before clients arrive and no
-    request after SERVING waits seconds for a compile (tests/test_warm_up.py). Then the chain's tree and one of
+    request after SERVING waits seconds for a compile (tests/unit/test_warm_up.py). Then the chain's tree and one of
     each of `budgets`: a tree shape's first draft builds its kernels (on a GPU, Triton's, unless cached on
     disk), captures its graph and, compiled on the CPU, compiles. A context limit below the four drafts' positions
     keeps those that fit. Then, where graphs run, every single draft's graph (warm_up_slot), and with

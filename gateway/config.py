@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from runtime.event_loop import check_busy_poll_us
 from runtime.models import resolve_pair
 from runtime.auth import check_token
-from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, option
+from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, knob, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
 MAX_DECODE_STEPS = 32  # the verifier's limit on a Decode's steps
@@ -37,7 +37,6 @@ class GatewayConfig(FlagConfig):
     spec_mode: str = option("ddtree", "speculation of requests that do not choose ('off': autoregressive)",
                             choices=SPEC_MODES)
     budget: int = option(32, "tree nodes per round of requests that do not choose (ddtree mode)")
-    max_budget: int = option(256, "largest per-request budget accepted (the verifier's limit applies too)")
     max_running: int = option(64, "requests decoding at once, at most (the model services' sessions, which on a GPU "
                                   "follow from the memory each reserves, bound it too); later ones wait in a queue")
     max_waiting: int | None = option(None, "requests waiting in that queue at most; more get 429 with Retry-After "
@@ -47,51 +46,45 @@ class GatewayConfig(FlagConfig):
                                          "clients are served (waiting requests are admitted in turns by client "
                                          "either way); 0: no limit")
     max_n: int = option(8, "most choices (n) one request may ask for; each decodes as a request of its own")
+    request_timeout: float = option(0.0, "seconds a request may wait and decode in all; past them it ends with a "
+                                         "504 in OpenAI's shape (a stream: an error event, then [DONE]); 0: no limit")
     chat_template: str | None = option(None, "a Jinja chat template file used instead of the target tokenizer's")
     api_key: str | None = option(None, "clients must send `Authorization: Bearer KEY` (else 401); prefer the env "
                                        "var, which other users cannot read in the process list")
-    open_paths: str = option("/health,/metrics", "comma-separated paths served without the API key when "
-                                                 "--api-key is set (empty: every path needs it)")
-    health_interval: float = option(5.0, "seconds between health checks of the backends (also their time limit)")
-    rpc_timeout: float = option(30.0, "deadline of one drafter/verifier call, in seconds")
-    request_timeout: float = option(0.0, "seconds a request may wait and decode in all; past them it ends with a "
-                                         "504 in OpenAI's shape (a stream: an error event, then [DONE]); 0: no limit")
-    lanes: bool = option(True, "send a session's round calls over a backend's round lane when it announces one "
-                               "(the same messages over plain TCP, faster than gRPC); false: over gRPC streams")
-    batch_steps: bool = option(True, "send the round calls of every running request to each service as one batch "
-                                     "call per step (the step scheduler), which the service runs in one forward; "
-                                     "false: each request's calls go alone and meet in the services by chance")
-    step_wait_ms: float = option(2.0, "how long a step waits for a running request that is not yet waiting on a "
-                                      "call before it leaves without it, in milliseconds")
-    fit_trees: bool = option(True, "with batch steps, cut each step's trees to the size that commits the most "
-                                   "tokens per second at the step's load, from the live acceptance by node rank and "
-                                   "the verify cost by rows (a request's budget stays its ceiling); false: trees "
-                                   "go as drafted")
-    speculate_up_to: int = option(SPECULATE_UP_TO, "requests speculate only while at most this many decode at "
-                                  "once, themselves included; a request that begins beyond that decodes "
-                                  "autoregressively (its output the same; a seeded sampled request keeps its "
-                                  "mode, and so its text; requests speculate again once at most half that many "
-                                  "decode), since at that load AR steps commit more "
-                                  "tokens per second for the whole batch: one weight read serves every session's "
-                                  "token, where trees' rows and drafts no longer ride on it; 0: always speculate")
-    decode_steps: int = option(1, "AR steps a request's Decode call asks for in a row (mode off): the verifier "
-                                  "runs them back to back, chained on the device, so the host work and transport "
-                                  "of a step are paid once per that many tokens; a new request joins the running "
-                                  "ones after at most that many steps (1: a call a token). Pays where many "
-                                  "sessions decode at once; costs time to first token where requests come and go")
-    step_cohorts: int = option(1, "running requests step in this many cohorts, each on its own, so that one "
-                                  "cohort's drafts run while another's verifies do (2: the drafter and the "
-                                  "verifier on two GPUs)")
-    max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
-    prefill_chunk: int = option(2048, "prompt tokens per verifier Prefill call: a longer prompt goes in chunks "
-                                      "whose features the verifier keeps, so its first token comes after the "
-                                      "forwards alone, and other requests' rounds run between them; the features "
-                                      "then go to the drafter chunk by chunk; 0: every prompt in one call")
-    max_request_bytes: int = option(4 * 2**20, "largest HTTP request body accepted, in bytes; a larger one gets a "
-                                              "413 before any of it is parsed or tokenized")
-    busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
     auth_token: str | None = option(None, AUTH_TOKEN_HELP)
-    shutdown_grace: float = option(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    max_budget: int = knob(256, "largest per-request budget accepted (the verifier's limit applies too): larger "
+                                "trees on request against one step's rows")
+    open_paths: str = knob("/health,/metrics", "comma-separated paths served without the API key when --api-key is "
+                                               "set: open probes and scrapes against what they expose (empty: none)")
+    health_interval: float = knob(5.0, "seconds between health checks of the backends (also their time limit): a "
+                                       "down or returning service seen sooner against more checks")
+    rpc_timeout: float = knob(30.0, "deadline of one drafter/verifier call, in seconds: a stuck service noticed "
+                                    "sooner against slow calls (long prompts on a CPU) cut off")
+    lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
+                             "plain TCP): less per-round overhead than gRPC streams (off: gRPC only)")
+    batch_steps: bool = knob(True, "the round calls of every running request go to each service as one batch call a "
+                                   "step, run in one forward: throughput under load (off: each request's calls alone)")
+    step_wait_ms: float = knob(2.0, "milliseconds a step waits for a running request not yet waiting on a call: "
+                                    "fuller steps against each step's latency")
+    fit_trees: bool = knob(True, "with batch steps, cut each step's trees to the size that commits the most tokens "
+                                 "per second at its load (the budget stays the ceiling): tokens/s under load "
+                                 "against the longest paths (off: trees as drafted)")
+    speculate_up_to: int = knob(SPECULATE_UP_TO, "requests speculate only while at most this many decode, and again "
+                                "once at most half as many do (the output the same): speculation's speed at low load "
+                                "against AR's batched steps at high load (0: always speculate)")
+    decode_steps: int = knob(1, "AR steps a Decode call runs in a row, chained on the device: a step's host work and "
+                                "transport paid once per that many tokens, against new requests joining only "
+                                "between chains (time to first token)")
+    step_cohorts: int = knob(1, "running requests step in this many cohorts, one's drafts beside another's verifies "
+                                "(2: the drafter and the verifier on two GPUs): overlap against each step's batch")
+    prefill_chunk: int = knob(2048, "prompt tokens per verifier Prefill call: other requests' rounds run between a "
+                                    "long prompt's chunks, against more calls a prompt (0: every prompt in one call)")
+    max_request_bytes: int = knob(4 * 2**20, "largest HTTP request body, in bytes, a larger one refused 413 before "
+                                             "it is parsed: longer prompts against the memory one request may take")
+    max_message_bytes: int = knob(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
+    busy_poll_us: int | None = knob(None, BUSY_POLL_HELP)
+    shutdown_grace: float = knob(5.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM: gentler stops "
+                                      "against slower restarts")
 
     def __post_init__(self) -> None:
         if self.target is None:

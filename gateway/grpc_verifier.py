@@ -11,7 +11,7 @@ from protos.types import DraftTree, SamplingParams, StepResult, VerifierInfo
 from gateway.backends import SessionStart
 from gateway.grpc_client import GrpcClient
 from gateway.steps import StepKind
-from gateway.tree_fit import SessionFit, TreeFit
+from gateway.tree_fit import TreeFit, sampling_class
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -32,7 +32,7 @@ class GrpcVerifier(GrpcClient):
         self._rounds: StepKind | None = (None if self._steps is None
                                          else self._steps.kind("VerifyBatch", self._send_rounds))
         self._tree_fit = tree_fit
-        self._fits: dict[str, SessionFit] = {}  # session -> what the tree fit knows of it, where not greedy
+        self._fits: dict[str, float] = {}  # session -> its sampling class (tree_fit.sampling_class), where not greedy
         self._rounds_out = 0  # VerifyBatch calls in flight (a step may follow the one in flight: gateway/steps.py)
 
     async def _send_rounds(self, calls: list[pb.RoundCall]) -> list[Any]:
@@ -92,7 +92,7 @@ class GrpcVerifier(GrpcClient):
         if self._steps is not None:
             self._steps.join(session_id)
         if not start.params.greedy:
-            self._fits[session_id] = SessionFit.of(start.params)
+            self._fits[session_id] = sampling_class(start.params)
         return pb.VerifierStartSessionRequest(session_id=session_id, capacity=start.capacity,
                                               sampling=tensors.sampling_to_pb(start.params), tap_layers=start.taps)
 

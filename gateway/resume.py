@@ -25,8 +25,6 @@ from protos.types import SamplingParams
 from gateway.grpc_client import BackendError
 from gateway.request import Round
 
-SEED_STEP = 0x9E3779B97F4A7C15  # a resumed seeded request's next seed: far from the last one, reproducible
-
 
 class MemoryWaits:
     """The requests waiting for KV memory, woken each time memory may have freed (a request ended, or another
@@ -83,13 +81,11 @@ def resumable(params: SamplingParams) -> bool:
     return not params.grammar and not params.penalized
 
 
-def after(params: SamplingParams, streamed: int, restarts: int) -> SamplingParams:
-    """The params of a request restarted after `streamed` tokens: min_tokens counts on from them, and a seeded
-    request draws from a seed of its own for each restart (the seed's first numbers again would repeat the draws of
-    the output's first tokens)."""
-    min_tokens = max(0, params.min_tokens - streamed)
-    seed = None if params.seed is None else (params.seed + restarts * SEED_STEP) % 2**64  # a uint64, as the API's
-    return replace(params, min_tokens=min_tokens, seed=seed)
+def after(params: SamplingParams, streamed: int) -> SamplingParams:
+    """The params of a request restarted after `streamed` tokens: min_tokens counts on from them. A seeded request
+    keeps its seed: its numbers are its output positions', which go on from the streamed tokens, so its text is the
+    one it would have had."""
+    return replace(params, min_tokens=max(0, params.min_tokens - streamed))
 
 
 async def resumed_rounds(
@@ -106,12 +102,12 @@ async def resumed_rounds(
     prefill is not a first token). others_running: the other requests that hold a decoding slot; on_resume: told of
     each restart (metrics)."""
     streamed: list[int] = []
-    next_index, restarts, alone, resuming = 0, 0, False, False
+    next_index, alone, resuming = 0, False, False
     try:
         while True:
             seen, index_end = waits.frees, next_index  # memory freed while this attempt runs is not waited for again
             try:
-                async for rnd in rounds(prompt + streamed, after(params, len(streamed), restarts),
+                async for rnd in rounds(prompt + streamed, after(params, len(streamed)),
                                         max_tokens - len(streamed)):
                     if resuming:  # running again: new requests may take memory from here on
                         resuming = False
@@ -135,7 +131,6 @@ async def resumed_rounds(
                 resuming = True
                 waits.resuming += 1
             next_index = index_end
-            restarts += 1
             on_resume()
             if not alone and waits.frees - ran == seen:  # nothing freed since the attempt began: wait for it
                 await waits.wait(waits.frees)

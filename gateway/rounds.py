@@ -43,8 +43,7 @@ async def run_rounds(
     see Request.prefill. steps: the gather the clients' round calls go out in (gateway/steps.py), if any: a round
     is handed over once the next one's first call has left with its step. decode_steps: the AR steps a Decode
     call asks for in a row (Request.decode_steps). keep_speculating: asked before each round of a speculating request
-    whose AR steps could go a step ahead (a remote verifier in steps, no grammar, not seeded: a seeded request's
-    text follows its rounds); once it says no, the request gives its drafter up, untaps its verifier session and
+    whose AR steps could go a step ahead (a remote verifier in steps, no grammar); once it says no, the request gives its drafter up, untaps its verifier session and
     goes on with AR steps (round_loops.pipelined_decodes): the same output, in steps that other AR requests share.
 
     If the drafter fails (down, timed out, erroring), the request carries on with AR steps on the verifier: the
@@ -86,8 +85,7 @@ async def run_rounds(
         # end, where a Decode submitted ahead would fail)
         pipelined = not chained and run.drafter is None and steps is not None and verifier.remote and not params.grammar
         loop = chained_rounds if chained else pipelined_decodes if pipelined else stepped_rounds
-        if (loop is stepped_rounds and run.drafter and steps is not None and verifier.remote and not params.grammar
-                and not params.seeded):
+        if loop is stepped_rounds and run.drafter and steps is not None and verifier.remote and not params.grammar:
             run.keep_speculating = keep_speculating
         async for rnd in loop(run, step, timings):
             yield rnd

@@ -329,12 +329,12 @@ class GatewayService:
         """The drafter, unless the request decodes AR: by choice, because the drafter is known to be down (the
         request would otherwise pay a failed call first), because the request exceeds the drafter's limits, or
         because more requests hold a decoding slot than speculation pays for (--speculate-up-to: SpeculationByLoad;
-        the slots count a burst's requests before their loops begin). A seeded sampled request keeps its mode: its
-        seed's draws follow the rounds, so another mode would give another text."""
+        the slots count a burst's requests before their loops begin). Its text is the same either way, a seeded
+        sampled one's too: a seed's number at each position is the position's alone."""
         info = self.monitor.drafter_info
         if req.spec.mode == "ar" or not self.monitor.drafter_up or info is None:
             return None
-        if not self._by_load.speculates(self._slots.held) and not req.params.seeded:
+        if not self._by_load.speculates(self._slots.held):
             self.metrics.load_ar.inc()
             return None
         fits = len(req.prompt) + req.max_tokens <= info.max_session_tokens

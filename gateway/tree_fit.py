@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from prometheus_client import Histogram
@@ -66,20 +65,6 @@ def sampling_class(params: SamplingParams) -> float:
     return 0.0 if params.greedy else round(params.temperature, 1)
 
 
-class SessionFit(NamedTuple):
-    """What the fit knows of a session: its sampling class (sampling_class), and whether its trees go uncut (seeded
-    sampling: a tree's size decides how many numbers a round draws from the session's seeded stream, so a cut would make
-    the text depend on the load)."""
-
-    kind: float
-    as_drafted: bool
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> SessionFit:
-        return cls(sampling_class(params), params.seeded)
-
-
-GREEDY = SessionFit(0.0, False)  # a session the fit has no record of
 
 
 class AcceptanceRates:
@@ -189,9 +174,9 @@ class TreeFit:
             return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def fit(self, calls: Sequence[pb.RoundCall], sessions: Mapping[str, SessionFit] | None = None) -> None:
-        """Cuts the trees of a step's verify calls to the chosen size, in place, but those of the sessions whose
-        SessionFit says as drafted. sessions: what the fit knows of each (absent: greedy). The cut is an
+    def fit(self, calls: Sequence[pb.RoundCall], sessions: Mapping[str, float] | None = None) -> None:
+        """Cuts the trees of a step's verify calls to the chosen size, in place. sessions: each one's sampling
+        class (sampling_class; absent: greedy). The cut is an
         optimisation: should choosing it fail, the step goes with its trees as drafted, never fails."""
         try:
             self._fit(calls, sessions or {})
@@ -199,7 +184,7 @@ class TreeFit:
             self._failed("cut a step's trees")
 
     def observe_step(self, calls: Sequence[pb.RoundCall], answers: Sequence[object], sent: float, whole: bool,
-                     sessions: Mapping[str, SessionFit] | None = None) -> None:
+                     sessions: Mapping[str, float] | None = None) -> None:
         """A verify batch's calls and their answers (a StepResponse each, or the call's own error), sent at `sent`
         (perf_counter): each verified round's accepted path, and, where `whole` (the batch ran as one forward, not
         behind another nor as chained steps), the forward's cost at its rows. Never fails: the answers are the
@@ -213,22 +198,21 @@ class TreeFit:
                 tree = tree_arrays(call.verify.tree)
                 rows += tree.shape[1]
                 if isinstance(answer, pb.StepResponse):
-                    self.observe_round(tree, answer.tokens, known.get(call.verify.session_id, GREEDY).kind)
+                    self.observe_round(tree, answer.tokens, known.get(call.verify.session_id, 0.0))
             if whole:
                 self.observe_batch(rows, time.perf_counter() - sent, sent)
         except Exception:
             self._failed("measure a step")
 
-    def _fit(self, calls: Sequence[pb.RoundCall], known: Mapping[str, SessionFit]) -> None:
-        cut_calls = [call.verify for call in calls
-                     if call.HasField("verify") and not known.get(call.verify.session_id, GREEDY).as_drafted]
+    def _fit(self, calls: Sequence[pb.RoundCall], known: Mapping[str, float]) -> None:
+        cut_calls = [call.verify for call in calls if call.HasField("verify")]
         if not cut_calls:
             return
         trees = [call.tree for call in cut_calls]
         # (a tree of another shape fails here, before any cut; one without even a root, the verifier refuses)
         sizes = [max(0, tree_arrays(tree).shape[1] - 1) for tree in trees]
         rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
-        classes = [known.get(call.session_id, GREEDY).kind for call in cut_calls]
+        classes = [known.get(call.session_id, 0.0) for call in cut_calls]
         nodes = self.size(sizes, other_rows=rows - sum(sizes) - len(sizes), kinds=classes)
         if nodes < 1:
             return  # trees without nodes: nothing was chosen

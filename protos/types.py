@@ -41,12 +41,6 @@ class SamplingParams:
         return self.temperature <= 0.0
 
     @property
-    def seeded(self) -> bool:
-        """Sampled with a seed: its text follows its rounds' draws from the seeded stream, so it is the same only
-        where its rounds are (a tree cut to another size, or another mode, gives another text)."""
-        return self.seed is not None and not self.greedy
-
-    @property
     def penalized(self) -> bool:
         """Whether a penalty applies: the choice at a node then depends on the tokens of its path."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

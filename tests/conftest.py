@@ -118,27 +118,21 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-# What runs where (tests/README.md). Every test gets one of `unit` / `services`; `gpu` marks the tests (or the
-# parametrisations) that run only where CUDA is available and skip elsewhere.
-SERVICE_MODULES = {
-    "test_e2e", "test_gateway_api", "test_grpc_services", "test_deploy", "test_chunked_prefill", "test_tensor_parallel",
-    "test_cli_generate", "test_heap", "test_lane", "test_round_overhead", "test_triton_interpreted", "test_floors",
-    "test_internal_services", "test_serve_stacks", "test_openai_fields", "test_models_resolve",
-    "test_fuzz_api", "test_fuzz_wire", "test_lane_guards", "test_grammar_api", "test_tool_calls_api",
-    "test_client_isolation", "test_step_scheduler", "test_batch_rpcs", "test_load_bench", "test_grammar_services",
-    "test_kv_memory",
-}
+# What runs where (tests/README.md). A test's directory gives its group: tests/unit/ (in-process, one module or engine)
+# or tests/services/ (real processes or servers on loopback); the marker `unit` / `services` is that directory's name.
+# `gpu` is declared on the tests (or parametrisations) that need CUDA: `@pytest.mark.gpu(reason=...)`, or
+# `pytest.param("cuda", marks=pytest.mark.gpu)`. Where no CUDA device is, those skip.
+TESTS = Path(__file__).resolve().parent
+GROUPS = ("unit", "services")
 
 
-def _needs_gpu(item: pytest.Item) -> bool:
-    skips = [m for m in item.iter_markers("skipif") if any(w in m.kwargs.get("reason", "") for w in ("GPU", "CUDA"))]
-    params = getattr(item, "callspec", None)
-    return bool(skips) or (params is not None and any(str(v).startswith("cuda") for v in params.params.values()))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = torch.cuda.is_available()
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        item.add_marker(pytest.mark.services if module in SERVICE_MODULES else pytest.mark.unit)
-        if _needs_gpu(item):
-            item.add_marker(pytest.mark.gpu)
+        group = item.path.resolve().relative_to(TESTS).parts[0]
+        if group not in GROUPS:
+            raise pytest.UsageError(f"{item.path}: a test module goes in tests/unit/ or tests/services/")
+        item.add_marker(getattr(pytest.mark, group))
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None and not cuda:
+            item.add_marker(pytest.mark.skip(reason=gpu.kwargs.get("reason", "needs a CUDA device")))

@@ -16,7 +16,7 @@ def check_drafter() -> None:
     """The static drafter with its tree built by the kernels and its block's projections through the rows kernel
     drafts the eager drafter's trees, round after round (on a GPU the kernels are its default for small drafters;
     on the CPU they are switched on here)."""
-    from tests.test_drafter_static import FEATURE_DIM, ROUNDS, engines, run_rounds, sliding_drafter
+    from tests.unit.test_drafter_static import FEATURE_DIM, ROUNDS, engines, run_rounds, sliding_drafter
 
     torch.manual_seed(0)
     eager, static = engines(sliding_drafter(), DEVICE.type, max_sessions=2, max_context=256)
@@ -40,7 +40,7 @@ def check_verify() -> None:
 
     from protos.types import DraftTree, SamplingParams
     from tests.conftest import hf_greedy, make_target
-    from tests.test_verify import oracle_tree
+    from tests.unit.test_verify import oracle_tree
     from verify_server.verify import VerifyEngine
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +143,7 @@ def check_deterministic() -> None:
 
     from protos.types import DraftTree, SamplingParams
     from tests.conftest import make_target
-    from tests.test_verify import oracle_tree
+    from tests.unit.test_verify import oracle_tree
     from verify_server.step_attention import INVARIANT
     from verify_server.step_inputs import ROOT_ONLY
     from verify_server.tree_batch import BatchTree
@@ -376,7 +376,7 @@ def check_draft_batch() -> None:
 
     from draft_server.session import DraftCall
     from tests.conftest import VOCAB
-    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
+    from tests.unit.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 
     torch.manual_seed(0)
     eager, static = engines(_flash_drafter(), device=DEVICE.type, max_sessions=4, max_context=200, max_batch=4)
@@ -411,7 +411,7 @@ def check_draft_warm_up() -> None:
     from draft_server.session import DraftCall
     from draft_server.warm_up import warm_up
     from tests.conftest import VOCAB
-    from tests.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
+    from tests.unit.test_drafter_static import FEATURE_DIM, assert_same_tree, engines
 
     torch.manual_seed(0)  # the features: the batch kernel and the eager attention differ by float noise, which a
     # near-tie between two tokens' scores could turn into different trees

@@ -1,9 +1,9 @@
 """Checks of the Triton kernels on the CPU, through Triton's interpreter (TRITON_INTERPRET=1 must be set before
-triton is imported, so tests/test_triton_interpreted.py runs each check in a process of its own), or compiled on a
-GPU when run there without it: `python -m tests.triton_interpreted CHECK`, CHECK one of CHECKS' names. The kernels'
-own checks are in tests/interpreted_kernels.py, those of the engines around them in tests/interpreted_engines.py.
-The same kernels run compiled on a GPU in test_flash_tree.py, test_drafter_static.py, test_batch.py and
-test_draft_batch.py."""
+triton is imported, so tests/services/test_triton_interpreted.py runs each check in a process of its own), or
+compiled on a GPU when run there without it: `python -m tests.triton_interpreted CHECK`, CHECK one of CHECKS' names.
+The kernels' own checks are in tests/interpreted_kernels.py, those of the engines around them in
+tests/interpreted_engines.py. The same kernels run compiled on a GPU in tests/unit/: test_flash_tree.py,
+test_drafter_static.py, test_batch.py and test_draft_batch.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A round roots a block at the last committed token, with the target's features of everything before it as context,
 and commits what the target accepts plus the bonus. Training's blocks (training/drafter_loss.py block_logits) are
 built the same way from the target's own answer, so walking the answer with them gives the served rounds one by one
-(tests/test_tau_walk.py): the chain's from each block's correct positions, a tree's from the tree each block's
+(tests/unit/test_tau_walk.py): the chain's from each block's correct positions, a tree's from the tree each block's
 log-probs build, matched against the answer as the target's greedy choices. A round's root is an answer token (the
 prefill commits the first), so an answer of n + 1 tokens has n roots.
 """

@@ -173,16 +173,12 @@ class BatchedRounds:
         the batch cannot run (a GPU whose graphs could not find the slots, or out of memory: nothing is committed
         yet), each call runs alone, captured, and fails alone if it must."""
         items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, calls)]
-        # A sampled batch may have drawn its numbers when it cannot go on: the rounds alone then draw the same ones.
-        sampled = [(sess.draws, sess.draws.mark()) for sess in sessions if sess.draws is not None]
         try:
             results = self._run_together(sessions, items, host_features)
         except torch.OutOfMemoryError:
             log.warning("a batch of %d trees ran out of memory; verifying them one by one", len(calls))
             results = None
-        if results is None:
-            for draws, mark in sampled:
-                draws.rewind(mark)
+        if results is None:  # (a sampled tree's numbers are its positions': alone, it draws the same ones)
             return [verify_alone(self.verify, session_id, tree, host_features) for session_id, tree in calls]
         return results
 

@@ -83,8 +83,7 @@ class DecodesAhead:
 
     def launch(self, session_ids: list[str], sessions: list[VerifySession]) -> AheadStep | None:
         """One AR step of each session (`launchable`'s answer) in one replay, queued behind the steps unread ->
-        the step, unread; None where it cannot run (out of device memory: nothing is launched, the sampled
-        sessions' numbers are given back)."""
+        the step, unread; None where it cannot run (out of device memory: nothing is launched)."""
         last = self.unread[-1] if self.unread else None
         items = []
         for sess in sessions:
@@ -95,7 +94,6 @@ class DecodesAhead:
         roots_from = None if last is None else last.tokens
         timer = self.timers.timer()
         greedy = sessions[0].params.raw_argmax
-        sampled = [] if greedy else [(sess.draws, sess.draws.mark()) for sess in sessions]
         try:
             captured = (self.fused.batch_round(items, (), roots_from) if greedy
                         else self.fused.sampled_round(items, (), session_draws(sessions, items), roots_from))
@@ -109,8 +107,6 @@ class DecodesAhead:
         except torch.OutOfMemoryError:
             log.warning("a batch of %d AR steps launched ahead ran out of memory; stepping them as they come",
                         len(sessions))
-            for draws, mark in sampled:
-                draws.rewind(mark)
             return None
         timer.end()
         self._launched += 1

@@ -171,5 +171,5 @@ def prompt_layer(*args: object, **kwargs: object) -> torch.Tensor:
 def chunk_layer(*args: object, **kwargs: object) -> torch.Tensor:
     """decoder_layer for a later chunk of a prompt (attention CHUNK), apart from prompt_layer for the same reason:
     together, each kind at up to the fused row limit and beyond, over the slots' size classes and the prompt
-    scratch, pass the limit on a GPU (tests/test_warm_up.py: no step compiles after the warm-up)."""
+    scratch, pass the limit on a GPU (tests/unit/test_warm_up.py: no step compiles after the warm-up)."""
     return decoder_layer(*args, **kwargs)

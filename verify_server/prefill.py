@@ -133,7 +133,8 @@ class PromptPrefill:
         if call.more:
             return None
         try:
-            first, scored = first_token(logits, sess.params, sess.history, sess.draws, call.prompt[-1], sess.grammar)
+            first, scored = first_token(logits, sess.params, sess.history, sess.draws, call.prompt[-1],
+                                        chunk.start + len(call.prompt) - 1, sess.grammar)
         except BaseException:
             if sess.history is not None:  # the chunk fails uncommitted: the session as before it
                 sess.history.drop_prompt(call.prompt)

@@ -4,7 +4,7 @@ module and gathered by position in each step.
 Why: HF's rotary module is ~7 kernels a step (an fp32 matmul, cat, cos, sin, the scaling, two casts), a fixed cost
 that a launch-bound verify step pays whatever its size. Each position's values depend on that position alone (a
 one-term product, then elementwise ops), so a row gathered from the table is bit-identical to what the module
-computes for it in any step (tests/test_fused.py). Rope types whose frequencies change with the step's largest
+computes for it in any step (tests/unit/test_fused.py). Rope types whose frequencies change with the step's largest
 position (dynamic NTK, longrope) cannot be tabled, nor captured: the fused path refuses them (fused_unsupported).
 """
 

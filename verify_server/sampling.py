@@ -2,10 +2,12 @@
 top-p, in vLLM's order). The same function serves AR decoding and tree verification, which is what makes the tree
 lossless. The logits it takes are those of verify_server/processors.py (penalties, logit_bias, min_tokens).
 
-A sample is drawn by inverting the distribution's running sum at one uniform number per row, each session's numbers
-from its own seeded stream on the host (Draws). So a batch of sessions samples in one pass over all their rows,
-inside a CUDA graph too (the numbers are inputs like the trees), and a session's tokens for a seed depend only on
-its logits, not on which batch, bucket or path (captured or not) scored them."""
+A sample is drawn by inverting the distribution's running sum at one uniform number per row. The number of the row
+that chooses the token at output position t is a function of the session's seed and t alone (Draws), so the
+target's choice at each position depends only on the prefix and the seed: a seeded text is the same in AR, chain
+and ddtree, with trees of any size, alone or in any batch, captured or not, and after a restart from its output.
+A batch of sessions samples in one pass over all their rows, inside a CUDA graph too (the numbers are inputs like
+the trees)."""
 
 from __future__ import annotations
 
@@ -19,29 +21,40 @@ from verify_server.grammar import TreeGrammar
 from verify_server.processors import PathLogprobs, TokenHistory, path_logprobs, process_logits
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer over uint64 [n] (wrapping arithmetic): a bijection whose outputs look independent."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 class Draws:
-    """A sampled session's stream of uniform numbers in [0, 1), one per row it samples, from its seed."""
+    """A sampled session's uniform numbers in [0, 1): the one of output position t is a hash of (seed, t), a counter
+    based generator with no state, so a step of any shape, redone or launched ahead, draws each position's number
+    and no other."""
 
     def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
+        self._key = _mix(np.array([seed % 2**64], dtype=np.uint64))  # [1]
 
-    def uniforms(self, n: int) -> np.ndarray:
-        """The next n numbers [n] float64."""
-        return self._rng.random(n)
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """positions [n] int -> their numbers [n] float64 (53 random bits each)."""
+        z = _mix(self._key ^ (np.asarray(positions, dtype=np.uint64) * _GOLDEN))
+        return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
-    def mark(self) -> dict:
-        """The stream's place now, to go back to (rewind) where the numbers drawn after it went unused."""
-        return self._rng.bit_generator.state
-
-    def rewind(self, mark: dict) -> None:
-        self._rng.bit_generator.state = mark
+    def by_depth(self, root_position: int, count: int) -> np.ndarray:
+        """The numbers of a tree's depths 0 .. count-1 [count] float64: a node at depth d chooses the token at
+        root_position + 1 + d, whatever its branch (one branch at most is the output's)."""
+        return self.at(np.arange(root_position + 1, root_position + 1 + count))
 
 
 class TreeDraws(NamedTuple):
-    """What a captured sampled round draws a tree's choices with: a uniform number per real node, from its session's
-    stream, and the session's temperature and min_p."""
+    """What a captured sampled round draws a tree's choices with: its session's numbers by depth (Draws.by_depth, as
+    many as the tree has rows: no depth reaches that), the session's temperature and min_p."""
 
-    uniforms: np.ndarray  # [q] float64
+    uniforms: np.ndarray  # [q] float64, by depth
     temperature: float
     min_p: float
 
@@ -95,27 +108,30 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, draws: Draws | None) -> torch.Tensor:
-    """logits [n, V] -> [n] int64, one independent target choice per row (draws: the session's, where it samples)."""
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingParams, draws: Draws | None, root_position: int, depths: torch.Tensor
+) -> torch.Tensor:
+    """logits [n, V] of a tree's rows, depths [n] theirs, the root at root_position -> [n] int64, the target's
+    choice at each row (draws: the session's, where it samples)."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    uniforms = torch.from_numpy(draws.uniforms(logits.shape[0])).to(logits.device)
-    return sample_rows(filtered_probs(logits, params), uniforms)
+    by_depth = torch.from_numpy(draws.by_depth(root_position, logits.shape[0])).to(logits.device)  # [n]
+    return sample_rows(filtered_probs(logits, params), by_depth[depths])
 
 
 def first_token(
     logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None, draws: Draws | None,
-    last: int, grammar: TreeGrammar | None = None,
+    last: int, position: int, grammar: TreeGrammar | None = None,
 ) -> tuple[torch.Tensor, PathLogprobs | None]:
     """A prompt's last row's logits [1, V] -> the target's first token [1] (the choice at a tree holding only its
-    root, the prompt's `last` token, within the session's grammar if any) and, where params ask for them, its
-    logprobs on the device."""
+    root, the prompt's `last` token at `position`, within the session's grammar if any) and, where params ask for
+    them, its logprobs on the device."""
     device = logits.device
     root = torch.zeros(1, dtype=torch.long, device=device)  # the row's node index and its depth alike
     ids = torch.full((1,), last, dtype=torch.long, device=device)
     anc = torch.ones(1, 1, dtype=torch.bool, device=device)
     allowed = logits if grammar is None else grammar.constrain(logits, [last], [-1])  # [1, V]
-    first = choose_tokens(process_logits(allowed, params, history, ids, anc, root), params, draws)
+    first = choose_tokens(process_logits(allowed, params, history, ids, anc, root), params, draws, position, root)
     if params.logprobs is None:
         return first, None
     return first, path_logprobs(logits, root, first, params.logprobs)

@@ -296,10 +296,11 @@ class TreeSteps:
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         trees, qb = len(xs), buf.qb
-        if sampled:  # each row's session's temperature and min_p [trees * qb, 1], its own number [trees * qb]
+        if sampled:  # each row's session's temperature and min_p [trees * qb, 1], its depth's number [trees * qb]
             temperature, min_p = (buf.draws[:, qb + i : qb + i + 1].float().expand(trees, qb).reshape(-1, 1)
                                   for i in (0, 1))
-            choices = sample_rows(tempered_probs(logits, temperature, min_p), buf.draws[:, :qb].reshape(-1))
+            depths = buf.inputs[:, 2 * qb : 3 * qb]  # [trees, qb] (a padding row's stale depth is below qb too)
+            choices = sample_rows(tempered_probs(logits, temperature, min_p), buf.draws[:, :qb].gather(1, depths).reshape(-1))
         else:
             choices = logits.argmax(dim=-1)  # [trees * qb]
         outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]

@@ -80,7 +80,8 @@ def walk_and_commit(
         if sess.grammar is not None:  # the tree on the host: the grammar walks it there
             logits = sess.grammar.constrain(logits, tree.ids.tolist(), tree.parents.tolist())
         logits = process_logits(logits, sess.params, sess.history, tree.ids, tree.anc, tree.depths)  # [q, V]
-        choice = choose_tokens(logits, sess.params, sess.draws)  # [q] the target's token after each
+        # [q] the target's token after each
+        choice = choose_tokens(logits, sess.params, sess.draws, sess.cache.length, tree.depths)
         walked, path = accept_path(tree.ids, tree.parents, tree.depths, tree.anc, choice)
         packed.append(walked)
         paths.append(path)
@@ -148,9 +149,9 @@ def commit_captured(
 
 
 def session_draws(sessions: list[VerifySession], items: list[BatchTree]) -> Callable[[], list[TreeDraws]]:
-    """What a captured sampled batch draws its trees' choices with: each session's next numbers, one per node of
-    its tree (as many as an uncaptured round of the tree draws), its temperature and min_p."""
-    return lambda: [TreeDraws(sess.draws.uniforms(item.tree.tokens.shape[0]), sess.params.temperature,
+    """What a captured sampled batch draws its trees' choices with: each session's numbers by depth from its
+    tree's root (past the steps launched ahead of it), its temperature and min_p."""
+    return lambda: [TreeDraws(sess.draws.by_depth(item.start, item.tree.tokens.shape[0]), sess.params.temperature,
                               sess.params.min_p) for sess, item in zip(sessions, items)]
 
 

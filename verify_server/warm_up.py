@@ -97,7 +97,7 @@ def warm_up(
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
     it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
     prompt bucket, the slot's stride) changes here once, and no request after SERVING waits seconds for a compile
-    (tests/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
+    (tests/unit/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
     taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
     they serve every slot, of prompts of every captured bucket (capture_prompts); trees: the most sessions' trees a

@@ -4,9 +4,10 @@
     python deploy/grafana/make_dashboard.py --check  # exit 1 when the JSON is not what this script writes
 
 Every query uses only metrics that the gateway (gateway/metrics.py) and the two model services (runtime/service.py,
-ServiceMetrics with prefixes ddtree_draft / ddtree_verify) export; tests/test_deploy.py checks that against live
-/metrics pages. Queries aggregate over instances (sum, sum by le), so several gateways or replicas just add up, and
-the datasource is a dashboard variable, so the JSON can be imported into any Grafana with a Prometheus datasource.
+ServiceMetrics with prefixes ddtree_draft / ddtree_verify) export; tests/services/test_deploy.py checks that
+against live /metrics pages. Queries aggregate over instances (sum, sum by le), so several gateways or replicas just
+add up, and the datasource is a dashboard variable, so the JSON can be imported into any Grafana with a Prometheus
+datasource.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""In-process tests of one module or engine (marker `unit`, tests/README.md)."""

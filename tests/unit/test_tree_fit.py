@@ -1,0 +1,257 @@
+"""Load-adaptive trees (gateway/tree_fit.py): a drafted tree's prefix is the best smaller tree, a round's accepted
+path read back as node ranks, the cost curve, and the size chosen for a step by its load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram
+
+from draft_server.tree import build_tree
+from gateway import tree_fit
+from gateway.tree_fit import TreeFit, cut, path_ranks, sampling_class, tree_arrays
+from protos import tensors
+from protos.ddtree.v1 import ddtree_pb2 as pb
+from protos.types import SamplingParams
+
+
+def drafted(budget: int, seed: int = 0, depths: int = 7, vocab: int = 50) -> pb.DraftTree:
+    """A tree as the drafter builds it from random per-depth log-probs, in its wire form."""
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = torch.randn(depths, vocab, generator=generator).log_softmax(-1)
+    return tensors.tree_to_pb(build_tree(logprobs, 3, budget))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_trees_first_k_nodes_are_the_best_tree_of_k_nodes(seed):
+    """What makes a cut free: the drafter's tree of budget k is the first k nodes of its larger tree."""
+    full = drafted(48, seed)
+    for k in (1, 2, 5, 16, 31, 47):
+        small = tensors.tree_from_pb(drafted(k, seed))
+        cut_tree = pb.DraftTree()
+        cut_tree.CopyFrom(full)
+        cut(cut_tree, k)
+        got = tensors.tree_from_pb(cut_tree)  # also checks it is a well-formed wire tree
+        assert got.num_nodes == k
+        for name in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(got, name), getattr(small, name)), (k, name)
+        assert (got.parents[1:] < torch.arange(1, k + 1)).all()  # every parent kept, before its child
+
+
+def test_cut_leaves_a_smaller_tree_alone():
+    tree = drafted(8)
+    before = tree.nodes
+    cut(tree, 20)
+    assert tree.nodes == before
+
+
+def test_path_ranks_follow_the_accepted_tokens_through_the_tree():
+    tree = tree_arrays(drafted(32, seed=1))
+    tokens, parents = tree[0], tree[1]
+    deepest = int(np.argmax(tree[2]))
+    path = []
+    node = deepest
+    while node:
+        path.append(node)
+        node = int(parents[node])
+    path.reverse()
+    accepted = [int(tokens[n]) for n in path] + [7]  # the path's tokens, then the target's own
+    assert path_ranks(tree, accepted) == path
+    assert path_ranks(tree, [int(tokens[path[0]]), 7]) == path[:1]
+    assert path_ranks(tree, [9999]) == []  # the target's own token right away: nothing accepted
+
+
+def measured(fit: TreeFit, rates: list[float], cost_of: dict[int, float], overhead_s: float) -> None:
+    """Puts known acceptance rates by rank and a known cost curve into `fit`."""
+    fit.pooled.hits[1 : len(rates) + 1] = rates
+    fit.pooled.trials[1 : len(rates) + 1] = 1.0
+    fit.pooled.rounds = tree_fit.WARM_ROUNDS
+    fit.costs = dict(cost_of)
+    fit.overhead_s = overhead_s
+
+
+def test_few_requests_keep_their_trees_many_get_them_cut():
+    fit = TreeFit()
+    assert fit.size([32] * 4) == 32  # nothing measured yet: no cut
+    rates = [0.9 * 0.93**i for i in range(32)]  # later ranks are accepted less often
+    # nearly flat up to 128 rows, then each row costs (a weight-bound forward turning compute-bound)
+    measured(fit, rates, {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3)
+    one, four, sixteen = fit.size([32]), fit.size([32] * 4), fit.size([32] * 16)
+    assert one == 32
+    assert sixteen < four <= one
+    # the choice is the best one on the model: no other size commits more tokens per second
+    k = np.arange(1, 33)
+    gain = np.cumsum(rates)
+    rows = 16 * (k + 1)
+    rate = 16 * (1 + gain) / (10e-3 + fit.cost(rows))
+    assert rate[sixteen - 1] == rate.max()
+    assert fit.size([32, 3] * 8) <= 32  # a request's own smaller budget is its ceiling, never raised
+
+
+def test_the_cost_curve_interpolates_and_extrapolates_by_rows():
+    fit = TreeFit()
+    fit.costs = {32: 4e-3, 128: 6e-3}
+    got = fit.cost(np.array([1, 32, 80, 128, 256]))
+    assert got == pytest.approx([4e-3, 4e-3, 5e-3, 6e-3, 12e-3])
+
+
+def test_measurements_from_rounds_and_batches():
+    fit = TreeFit()
+    tree = tree_arrays(drafted(8, seed=2))
+    child = int(np.flatnonzero(tree[1] == 0)[0])
+    for _ in range(10):
+        fit.observe_round(tree, [int(tree[0][child]), 5])
+    rates = fit.rates()
+    assert rates[child] == pytest.approx(1.0)
+    assert rates[1 : 9].sum() == pytest.approx(1.0)  # one node of the 8 on every path
+    assert rates[9:].sum() == 0  # ranks no tree had
+    fit.observe_batch(40, 0.010, sent=0.0)
+    assert fit.costs == {48: 0.010} and fit.overhead_s is None  # no step before it: no gap yet
+    answered = fit._answered
+    fit.observe_batch(40, 0.020, sent=answered + 0.004)
+    assert fit.costs[48] == pytest.approx(0.010 + tree_fit.COST_WEIGHT * 0.010)
+    assert fit.overhead_s == pytest.approx(0.004)
+
+
+def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
+    """A verify batch 10 times its row count's usual time (it waited for a graph's capture, or behind a prompt
+    forward) counts as OUTLIER times the mean; a cost that truly rises is still followed within some samples."""
+    fit = TreeFit()
+    fit.observe_batch(16, 0.010, sent=0.0)
+    fit.observe_batch(16, 0.100, sent=0.0)
+    assert fit.costs[16] == pytest.approx(0.010 + tree_fit.COST_WEIGHT * (tree_fit.OUTLIER - 1) * 0.010)
+    for _ in range(30):
+        fit.observe_batch(16, 0.030, sent=0.0)
+    assert fit.costs[16] == pytest.approx(0.030, rel=0.01)
+
+
+def test_fit_cuts_the_verify_calls_trees_and_reports_the_size():
+    chosen = Histogram("chosen", "test", buckets=(1, 4, 8, 16, 32), registry=CollectorRegistry())
+    fit = TreeFit(chosen)
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)  # rows cost, ranks > 2 never pay
+    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=drafted(32, seed=i)))
+             for i, s in enumerate("abc")]
+    calls.append(pb.RoundCall(decode=pb.DecodeRequest(session_id="d")))
+    fit.fit(calls)
+    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls[:3]]
+    assert len(set(sizes)) == 1 and sizes[0] < 32
+    assert calls[3].HasField("decode")
+    reported = {sample.name: sample.value for sample in chosen.collect()[0].samples}
+    assert reported["chosen_count"] == 1 and reported["chosen_sum"] == sizes[0]  # one step, its size
+
+
+def test_seeded_sessions_trees_are_cut_like_any_other():
+    """A seeded session's numbers are its positions', not its trees' nodes': its trees are cut with the others'."""
+    fit = TreeFit()
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=drafted(32, seed=i)))
+             for i, s in enumerate("abc")]
+    fit.fit(calls, {"b": sampling_class(SamplingParams(temperature=0.8, seed=1))})
+    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
+    assert sizes[0] == sizes[1] == sizes[2] < 32
+
+
+def test_trees_larger_than_the_counted_ranks_go_uncut():
+    fit = TreeFit()
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    assert fit.size([tree_fit.MAX_RANK + 8, 32]) == tree_fit.MAX_RANK + 8
+
+
+def test_each_sampling_class_counts_its_own_rates():
+    """Greedy rounds that accept deep paths and sampled rounds that accept nothing: each class's rates are its own
+    once it has WARM_ROUNDS rounds (the pooled ones until then), and a step of sampled trees is cut shorter than a
+    step of greedy ones under the same cost curve."""
+    fit = TreeFit()
+    tree = np.stack([100 + np.arange(17), np.arange(-1, 16), np.arange(17)]).astype(np.int32)  # a chain of 16
+    tokens, deep = tree[0], list(range(1, 17))  # every node of it accepted
+    greedy, sampled = tree_fit.sampling_class(SamplingParams()), tree_fit.sampling_class(SamplingParams(temperature=0.74))
+    assert (greedy, sampled) == (0.0, 0.7)
+    for _ in range(tree_fit.WARM_ROUNDS):
+        fit.observe_round(tree, [int(tokens[n]) for n in deep] + [5], greedy)
+    assert np.array_equal(fit.rates(sampled), fit.rates(greedy))  # no rounds of its own yet: the pooled rates
+    for _ in range(tree_fit.WARM_ROUNDS):
+        fit.observe_round(tree, [99999], sampled)
+    assert fit.rates(sampled).sum() == 0 and fit.rates(greedy)[deep].min() > 0.99
+    fit.costs, fit.overhead_s = {16: 1e-3, 512: 1.5e-3}, 1e-3  # rows nearly free: only acceptance decides
+    assert fit.size([16] * 16, kinds=[sampled] * 16) < fit.size([16] * 16, kinds=[greedy] * 16)
+
+
+def wire_tree(nodes: int, seed: int) -> pb.DraftTree:
+    """A wire tree of `nodes` nodes (0: the root alone, as a grammar that leaves one choice drafts it)."""
+    if nodes == 0:
+        empty = pb.DraftTree()
+        empty.CopyFrom(drafted(1, seed))
+        cut(empty, 0)
+        return empty
+    return drafted(nodes, seed, depths=8, vocab=max(8, nodes))
+
+
+def test_steps_of_trees_without_nodes_keep_them_as_drafted():
+    """A grammar that leaves one token drafts a root alone: a step of such trees, or of such trees beside full
+    ones, after the fit has warmed up."""
+    fit = TreeFit()
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    assert fit.size([0, 0, 0]) == 0 and fit.size([]) == 0
+    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=wire_tree(0, i))) for i, s in enumerate("ab")]
+    fit.fit(calls)
+    assert [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls] == [0, 0]
+    calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id="c", tree=wire_tree(32, 3))))
+    fit.fit(calls)
+    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
+    assert sizes[:2] == [0, 0] and 1 <= sizes[2] < 32
+    assert fit.failures == 0
+
+
+def test_a_fit_that_fails_leaves_the_trees_as_drafted(caplog):
+    fit = TreeFit()
+    measured(fit, [0.5] * 32, {16: 1e-3}, overhead_s=1e-3)
+    good = pb.RoundCall(verify=pb.VerifyRequest(session_id="a", tree=drafted(32)))
+    bad = pb.RoundCall(verify=pb.VerifyRequest(session_id="b", tree=pb.DraftTree(nodes=b"\0" * 20)))
+    before = good.verify.tree.nodes
+    fit.fit([good, bad])  # a tree's bytes that no [3, N+1] array holds: the verifier refuses that call alone
+    fit.observe_step([good, bad], [pb.StepResponse(tokens=[1, 2]), pb.StepResponse(tokens=[3])], 0.0, whole=True)
+    assert good.verify.tree.nodes == before and fit.failures == 2
+    assert "trees as drafted" in caplog.text
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    trees=st.lists(st.tuples(st.integers(0, 48), st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.booleans()),
+                   min_size=1, max_size=12),
+    decodes=st.integers(0, 8),
+    rates=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=64),
+    costs=st.dictionaries(st.integers(1, 2048), st.floats(1e-6, 1.0), max_size=6),
+    overhead_s=st.one_of(st.none(), st.floats(0.0, 0.1)),
+    rounds=st.integers(0, 2 * tree_fit.WARM_ROUNDS),
+)
+def test_the_fit_handles_every_step(trees, decodes, rates, costs, overhead_s, rounds):
+    """Arbitrary tree sizes (none included), sampling classes, seeded sessions, acceptance rates, cost curves and
+    warm-up states: the fit never raises, cuts every tree it may to one size of at least one node within the
+    largest (a tree with no nodes stays so), and every cut tree is its own first nodes."""
+    fit = TreeFit()
+    fit.pooled.hits[1 : len(rates) + 1] = rates
+    fit.pooled.trials[1 : len(rates) + 1] = 1.0
+    fit.pooled.rounds = rounds
+    fit.costs = {int(tree_fit._quantum(rows)): seconds for rows, seconds in costs.items()}
+    fit.overhead_s = overhead_s
+    sessions, calls = {}, []
+    for i, (nodes, temperature, seeded) in enumerate(trees):
+        params = SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)
+        sessions[f"s{i}"] = sampling_class(params)
+        calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id=f"s{i}", tree=wire_tree(nodes, i))))
+    calls += [pb.RoundCall(decode=pb.DecodeRequest(session_id=f"d{i}")) for i in range(decodes)]
+    drafted_trees = [pb.DraftTree(nodes=call.verify.tree.nodes) for call in calls[: len(trees)]]
+    fit.fit(calls, sessions)
+    assert fit.failures == 0
+    after = [tensors.tree_from_pb(call.verify.tree) for call in calls[: len(trees)]]
+    cut_to = {got.num_nodes for (nodes, _, _), got in zip(trees, after) if got.num_nodes < nodes}
+    assert len(cut_to) <= 1 and all(k >= 1 for k in cut_to)
+    for (nodes, _, _), got, call, before in zip(trees, after, calls, drafted_trees):
+        if nodes == 0:
+            assert got.num_nodes == nodes
+        assert np.array_equal(tree_arrays(call.verify.tree), tree_arrays(before)[:, : got.num_nodes + 1])
+    fit.observe_step(calls, [pb.StepResponse(tokens=[1, 2])] * len(calls), 0.0, whole=True, sessions=sessions)
+    assert fit.failures == 0
