@@ -39,7 +39,7 @@ import torch
 
 from runtime import memory
 from runtime.models import resolve_pair
-from runtime.config import DTYPE_NAMES, ServiceConfig
+from runtime.config import ServiceConfig, advanced_group
 from draft_server.config import PREFIX_CACHE_GIB as DRAFT_PREFIX_CACHE_GIB, DraftServerConfig
 from draft_server.dflash_config import DFlashConfig
 from gateway.config import GatewayConfig
@@ -82,51 +82,47 @@ os.execv(sys.argv[3], sys.argv[3:])
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The options an operator sets first, the tuning knobs under "advanced". Each flag that goes on to a model
+    service is its config's field (one definition, FlagConfig.add_flag); one left unset is not handed on, so the
+    service's own default, or its DDTREE_DRAFT_* / DDTREE_VERIFY_* variable, holds."""
     p = sub.add_parser("serve", help="run drafter, verifier and gateway locally (three processes)")
-    p.add_argument("model", nargs="?", help="target model directory, as --target")
-    p.add_argument("--target", help="target model directory (default: the bundled demo target)")
-    p.add_argument("--drafter", help="DFlash drafter directory; 'none': decode autoregressively (default: the demo "
-                   "drafter, with the demo target; with --target, required)")
-    p.add_argument("--device", default="auto", help="torch device of both model services: cpu, cuda, cuda:N, auto")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES)
-    p.add_argument("--host", default=LOOPBACK, help="interface of the HTTP API")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
-    p.add_argument("--draft-port", type=int, default=0, help="gRPC port of the drafter (0: a free one)")
-    p.add_argument("--verify-port", type=int, default=0, help="gRPC port of the verifier (0: a free one)")
-    p.add_argument("--draft-metrics-port", type=int, default=0,
-                   help="Prometheus metrics port of the drafter (0: a free one, logged)")
-    p.add_argument("--verify-metrics-port", type=int, default=0,
-                   help="Prometheus metrics port of the verifier (0: a free one, logged)")
-    p.add_argument("--tp", type=int, default=1, help="shard the target over N ranks (cuda:0..N-1, or CPU processes)")
-    p.add_argument("--max-batch", type=int, default=16,
-                   help="the verifier verifies at most N sessions' waiting rounds in one forward (1: one at a time)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=1024,
-                   help="the verifier prefills the chunks of several sessions' waiting prompts (of up to 512 tokens "
-                   "each) in one forward, up to N tokens together (0: each prompt alone)")
-    p.add_argument("--draft-max-batch", type=int, default=16,
-                   help="the drafter drafts at most N sessions' waiting blocks in one forward (1: one at a time)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   help="share of the GPU's memory this stack holds, split between the drafter and the verifier on "
-                   "one device; each sizes its caches from what its weights and warm-up leave of its part and "
-                   "reserves them at start-up (default 0.9; two stacks on one GPU: 0.45 each)")
-    p.add_argument("--max-sessions", type=int,
-                   help="sessions the verifier and the drafter each hold at once, their cache slots (default: theirs, "
-                   "64); the gateway runs no more requests at once than the verifier holds, so raise --max-running "
-                   "with it")
-    p.add_argument("--max-session-tokens", type=int,
-                   help="the longest session (prompt and answer) the verifier and the drafter each take (default: the "
-                   "models' context; on a GPU the drafter's is what --max-sessions context slots hold in its share)")
-    p.add_argument("--kv-cache-gib", type=float,
-                   help="device memory (GiB) the verifier's sessions' KV caches may hold together (default on a GPU: "
-                   "what its share leaves; with --tp > 1, on each GPU, no limit unless given); a request that runs "
-                   "short waits and resumes")
-    p.add_argument("--eager", action="store_true", help="model services without static buffers or CUDA graphs")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model services' steps (default: on with a CUDA device)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="the verifier's row-invariant mode: each tree node's logits are bitwise the target's own "
-                   "decode step's, so greedy output in bf16 equals AR decoding's (a CUDA GPU; uncompiled, slower)")
-    GatewayConfig.add_arguments(p, exclude=CHOSEN)
+    advanced = advanced_group(p)
+    p.add_argument("model", nargs="?", help="target model directory or hub id, as --target")
+    VerifyServerConfig.add_flag(p, "target", env=False)
+    DraftServerConfig.add_flag(p, "drafter", env=False, help="DFlash drafter directory or hub id; 'none': decode "
+                               "autoregressively (default: the demo drafter, with the demo target; with --target, "
+                               "required)")
+    ServiceConfig.add_flag(p, "device", env=False)
+    ServiceConfig.add_flag(p, "dtype", env=False)
+    VerifyServerConfig.add_flag(p, "tp", env=False)
+    GatewayConfig.add_flag(p, "host", env=False, default=LOOPBACK)
+    GatewayConfig.add_flag(p, "port", env=False)
+    ServiceConfig.add_flag(p, "gpu_memory_utilization", env=False, default=None,
+                           help="share of the GPU's memory this stack holds, split between the drafter and the "
+                           "verifier on one device; each sizes its caches from what its part leaves and reserves them "
+                           "at start-up (default 0.9; two stacks on one GPU: 0.45 each)")
+    ServiceConfig.add_flag(p, "max_sessions", env=False, default=None,
+                           help="sessions the verifier and the drafter each hold at once; the gateway runs no more "
+                           "requests at once than they hold, so raise --max-running with it")
+    ServiceConfig.add_flag(p, "max_session_tokens", env=False, default=None,
+                           help="the longest session (prompt and answer) the verifier and the drafter each take "
+                           "(default: the models' context; on a GPU the drafter's is what --max-sessions context "
+                           "slots hold in its share)")
+    VerifyServerConfig.add_flag(p, "deterministic", env=False, default=None)
+    for config, name, what in ((DraftServerConfig, "port", "gRPC port of the drafter, for another client"),
+                               (VerifyServerConfig, "port", "gRPC port of the verifier, for another client"),
+                               (DraftServerConfig, "metrics_port", "Prometheus metrics port of the drafter, to scrape"),
+                               (VerifyServerConfig, "metrics_port", "Prometheus metrics port of the verifier, to scrape")):
+        service = "draft" if config is DraftServerConfig else "verify"
+        config.add_flag(advanced, name, flag=f"--{service}-{name.replace('_', '-')}", env=False, default=0,
+                        help=f"{what}: a fixed port against a clash between stacks on one host (0: a free one)")
+    VerifyServerConfig.add_flag(advanced, "max_batch", env=False, default=None)
+    VerifyServerConfig.add_flag(advanced, "prefill_batch_tokens", env=False, default=None)
+    DraftServerConfig.add_flag(advanced, "max_batch", flag="--draft-max-batch", env=False, default=None)
+    VerifyServerConfig.add_flag(advanced, "kv_cache_gib", env=False, default=None)
+    ServiceConfig.add_flag(advanced, "eager", env=False, default=None)
+    ServiceConfig.add_flag(advanced, "compile", env=False, default=None)
+    GatewayConfig.add_arguments(p, exclude=CHOSEN, advanced=advanced)
     p.set_defaults(func=run)
 
 
@@ -205,7 +201,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
     if args.max_session_tokens is not None and args.max_session_tokens < 2:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
-    if args.prefill_batch_tokens < 0:
+    if args.prefill_batch_tokens is not None and args.prefill_batch_tokens < 0:
         raise SystemExit(f"ddtree serve: --prefill-batch-tokens must be >= 0, got {args.prefill_batch_tokens}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         # the verifier would refuse it at each start, and be restarted forever
@@ -220,11 +216,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     shares = memory_shares(args, target, drafter)
     ddtree = [sys.executable, "-m", "ddtree.cli"]
     model = ["--target", target, "--device", args.device, "--dtype", args.dtype, "--host", LOOPBACK,
-             *(["--eager"] if args.eager else []),
-             *([] if args.compile is None else ["--compile" if args.compile else "--no-compile"]),
-             *([] if args.busy_poll_us is None else ["--busy-poll-us", str(args.busy_poll_us)]),
-             *([] if args.max_sessions is None else ["--max-sessions", str(args.max_sessions)]),
-             *([] if args.max_session_tokens is None else ["--max-session-tokens", str(args.max_session_tokens)])]
+             *given(args, "eager"), *given(args, "compile"), *given(args, "busy_poll_us"),
+             *given(args, "max_sessions"), *given(args, "max_session_tokens")]
     draft_port, verify_port = free_ports(2)
     draft_port, verify_port = args.draft_port or draft_port, args.verify_port or verify_port
     cmds = {}
@@ -232,18 +225,15 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
                          "--metrics-port", str(args.draft_metrics_port), *shares["draft"],
-                         "--warm-up-budgets", str(args.budget),
-                         "--max-batch", str(args.draft_max_batch)]
+                         "--warm-up-budgets", str(args.budget), *given(args, "draft_max_batch", "--max-batch")]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget,
     # as many trees at once as requests speculate)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp), *shares["verify"],
-                      "--max-batch", str(args.max_batch), "--prefill-batch-tokens", str(args.prefill_batch_tokens),
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
-                      "--warm-up-trees", str(args.speculate_up_to),
-                      *(["--deterministic"] if args.deterministic else []),
-                      *([] if args.kv_cache_gib is None else ["--kv-cache-gib", str(args.kv_cache_gib)])]
+                      "--warm-up-trees", str(args.speculate_up_to), *given(args, "max_batch"),
+                      *given(args, "prefill_batch_tokens"), *given(args, "deterministic"), *given(args, "kv_cache_gib")]
     addresses = {"verifier": f"{LOOPBACK}:{verify_port}",
                  "drafter": f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"}
     try:  # the gateway would refuse them at each start, and be restarted forever
@@ -260,6 +250,16 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
             gateway += [f"--{flag}", str(value)]
     cmds["gateway"] = gateway
     return cmds
+
+
+def given(args: argparse.Namespace, name: str, flag: str | None = None) -> list[str]:
+    """A serve flag handed on to a model service as its `flag` (by default the same), only where it was given."""
+    value, flag = getattr(args, name), flag or "--" + name.replace("_", "-")
+    if value is None:
+        return []
+    if isinstance(value, bool):  # a --flag / --no-flag switch
+        return [flag if value else "--no-" + flag.removeprefix("--")]
+    return [flag, str(value)]
 
 
 def memory_shares(args: argparse.Namespace, target: str, drafter: str | None) -> dict[str, list[str]]:

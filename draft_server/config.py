@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from runtime.models import resolve_pair
-from runtime.config import ServiceConfig, option
+from runtime.config import ServiceConfig, knob, option
 
 PREFIX_CACHE_GIB = (1.0, 0.25)  # the default on a GPU (tens of thousands of tokens of an 8B drafter), a CPU
 
@@ -22,26 +22,24 @@ class DraftServerConfig(ServiceConfig):
     )
     port: int = option(50061, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9461, "Prometheus metrics port (0: any free port, logged)")
-    max_budget: int = option(1024, "largest tree (nodes without the root) a Draft call may ask for")
-    max_batch: int = option(
-        16, "draft the blocks of up to N sessions' Draft calls that wait for the engine at once (a gateway's step "
-        "sends them together) in one forward (each call gets the tree it would alone); 1: each call drafts alone"
+    max_budget: int = knob(1024, "largest tree (nodes without the root) a Draft call may ask for: larger trees on "
+                                 "request against one call's work")
+    max_batch: int = knob(
+        16, "Draft calls waiting together (a gateway's step sends them so) drafted in one forward, each getting the "
+        "tree it would alone: throughput under load against a longer step (1: each alone)"
     )
-    constrained_trees: bool = option(
-        True, "a session with a grammar (structured output) drafts only tokens its grammar allows after the output "
-        "and each node's path, its tree built on the host (--no-constrained-trees: its trees are built as any other "
-        "session's, and the verifier alone applies the grammar)"
+    constrained_trees: bool = knob(
+        True, "a request with a grammar drafts only tokens its grammar allows, its tree built on the host: longer "
+        "accepted paths against a slower tree build at large vocabularies (off: the verifier alone applies it)"
     )
-    prefix_cache_gib: float | None = option(
-        None, "device memory (GiB) for the prefix cache: prompt blocks' context K/V kept after their requests, so that "
-        "a prompt starting as an earlier one (a chat's next turn, a shared system prompt) starts with that context "
-        "restored and the verifier leaves its features out; least recently used blocks go first. Default 1 on a GPU, "
-        "0.25 on a CPU; 0: off"
+    prefix_cache_gib: float | None = knob(
+        None, "device memory (GiB) for the prefix cache of prompt blocks' drafter context: a prompt that begins as "
+        "an earlier one starts with it restored, against memory for sessions (default 1 on a GPU, 0.25 on a CPU; "
+        "0: off)"
     )
-    warm_up_budgets: str = option(
-        "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget and any "
-        "budget clients ask for often): their first requests then capture no graphs (the tree kernels of every budget "
-        "up to --max-budget are compiled in warm-up anyway)"
+    warm_up_budgets: str = knob(
+        "32", "ddtree budgets drafted in warm-up besides the chain, comma-separated (the gateway's --budget): their "
+        "first requests capture no graphs, for a longer start"
     )
 
     def __post_init__(self) -> None:

@@ -4,6 +4,9 @@ share (ServiceConfig).
 Each service has ONE frozen config dataclass (draft_server/config.py, verify_server/config.py, gateway/config.py)
 extending FlagConfig. Every field becomes a flag `--field-name` whose default comes from the env var
 `<ENV_PREFIX><FIELD_NAME>` when set, else from the dataclass; the field's `help` metadata is the flag's help.
+A field made with `option` is a setting an operator sets, listed first; one made with `knob` is a tuning knob,
+listed under "advanced" with a help line that says what it trades. `ddtree serve` builds its flags for the model
+services from the same fields (FlagConfig.add_flag), so each option has one definition.
 """
 
 from __future__ import annotations
@@ -28,23 +31,36 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 # whole context. Below 1 MiB not even a small prefill's features fit.
 MAX_MESSAGE_BYTES = 2**31 - 1
 _MESSAGE_BYTES_RANGE = (2**20, MAX_MESSAGE_BYTES)
-MAX_MESSAGE_HELP = "largest gRPC or lane message sent or received, in bytes (a prompt's features come in one)"
+MAX_MESSAGE_HELP = ("largest gRPC or lane message, in bytes (a prompt's features come in one): longer prompts' "
+                    "features against the memory one message may take")
 AUTH_TOKEN_HELP = (
     "shared secret between the gateway and the model services: a service with one answers gRPC calls and round "
     "lane connections without it UNAUTHENTICATED (health checks stay open); give it to the gateway, the drafter "
     "and the verifier alike, through the env var (the process list shows flags)"
 )
 BUSY_POLL_HELP = (
-    "microseconds the event loop keeps polling its sockets after its last I/O before it sleeps: a round's "
-    "message then lands sooner at each hop (no wake-up from sleep), at the cost of a busy core while sessions run "
-    f"(0: off; default: {AUTO_WINDOW_US} where {AUTO_MIN_CPUS} or more CPUs are usable, by affinity and cgroup quota, "
-    "else 0)"
+    "microseconds the event loop polls its sockets after its last I/O before it sleeps: a round's message lands "
+    f"sooner at each hop, for a busy core while sessions run (0: off; default: {AUTO_WINDOW_US} where "
+    f"{AUTO_MIN_CPUS} or more CPUs are usable, else 0)"
 )
+ADVANCED_TITLE = "advanced"
+ADVANCED_DESCRIPTION = "tuning knobs: the defaults fit most machines; each line says what the knob trades"
+_GIVEN = object()  # add_flag's default: the service's own (its env var, else the field's)
 
 
 def option(default: Any, help: str, **metadata: Any) -> Any:
-    """A config field that is also a command-line flag."""
+    """A config field that is also a command-line flag, one an operator sets (listed first)."""
     return field(default=default, metadata={"help": help, **metadata})
+
+
+def knob(default: Any, trade: str, **metadata: Any) -> Any:
+    """A config field that is a tuning knob: its flag is listed under "advanced", `trade` saying what it trades."""
+    return option(default, trade, advanced=True, **metadata)
+
+
+def advanced_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The argument group of a command's tuning knobs, listed after the options an operator sets."""
+    return parser.add_argument_group(ADVANCED_TITLE, ADVANCED_DESCRIPTION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,26 +70,53 @@ class FlagConfig:
     ENV_PREFIX: ClassVar[str] = "DDTREE_"
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-        """One flag per field but `exclude` (fields a wrapper such as `ddtree serve` sets itself)."""
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in exclude:
-                continue
-            kind = _scalar_type(hints[f.name])
-            env = cls.env_var(f.name)
+    def add_arguments(cls, parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (),
+                      advanced: argparse._ArgumentGroup | None = None) -> None:
+        """One flag per field but `exclude` (fields a wrapper such as `ddtree serve` sets itself): the options on
+        `parser`, the knobs in `advanced` (a group made here unless given)."""
+        inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)}
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in exclude]
+        names.sort(key=lambda name: name in inherited)  # a service's own settings (its models) before the shared ones
+        if advanced is None and any(cls.is_knob(name) for name in names):
+            advanced = advanced_group(parser)
+        for name in names:
+            cls.add_flag(advanced if cls.is_knob(name) else parser, name)
+
+    @classmethod
+    def is_knob(cls, name: str) -> bool:
+        return bool(cls.__dataclass_fields__[name].metadata.get("advanced"))
+
+    @classmethod
+    def add_flag(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, *, flag: str | None = None,
+                 default: Any = _GIVEN, help: str | None = None, env: bool = True) -> None:
+        """The flag of field `name`, by default as the service's own command has it: `--field-name`, its default the
+        env var's value when set, else the field's. A wrapper that hands the value on (`ddtree serve`) passes
+        env=False, and `default` where it differs from the field's (None: nothing handed on unless given, so the
+        service's own default or env var holds; the help shows the field's), `flag` or `help` where its meaning
+        differs."""
+        f = cls.__dataclass_fields__[name]
+        kind = _scalar_type(typing.get_type_hints(cls)[name])
+        flag = flag or "--" + name.replace("_", "-")
+        if default is _GIVEN:
             default = f.default
-            if os.environ.get(env):
+            if env and os.environ.get(cls.env_var(name)):
+                text = os.environ[cls.env_var(name)]
                 try:
-                    default = _parse_bool(os.environ[env]) if kind is bool else kind(os.environ[env])
+                    default = _parse_bool(text) if kind is bool else kind(text)
                 except ValueError:
-                    parser.error(f"env {env}={os.environ[env]!r} is not a valid {kind.__name__}")
-            flag = "--" + f.name.replace("_", "-")
-            help = f"{f.metadata['help']} [env {env}; default: %(default)s]"
-            if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
-            else:
-                parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help)
+                    raise SystemExit(f"error: env {cls.env_var(name)}={text!r} is not a valid {kind.__name__}") from None
+        if env:
+            suffix = f" [env {cls.env_var(name)}" + ("]" if default is None else "; default: %(default)s]")
+        elif default is not None:
+            suffix = " [default: %(default)s]"
+        else:
+            suffix = "" if f.default is None else f" [default: {f.default}]"
+        help = (help or f.metadata["help"]) + suffix
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+        else:
+            parser.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help)
 
     @classmethod
     def env_var(cls, field_name: str) -> str:
@@ -93,41 +136,43 @@ class ServiceConfig(FlagConfig):
     metrics_port: int = option(0, "Prometheus metrics port (0: any free port, logged)")
     device: str = option("auto", "torch device: cpu, cuda, cuda:N, or auto (cuda when available)")
     dtype: str = option("auto", "model dtype (auto: bfloat16 on cuda, float32 on cpu)", choices=DTYPE_NAMES)
-    session_ttl: float = option(300.0, "seconds a session may stay idle before the server ends it")
     max_session_tokens: int | None = option(
-        None, "largest session capacity accepted (default: derived from the model's max_position_embeddings)"
+        None, "largest session capacity accepted, prompt and answer (default: derived from the model's "
+        "max_position_embeddings)"
     )
     gpu_memory_utilization: float | None = option(
-        None, "share of the GPU's memory this service holds: its weights, its largest step (measured in warm-up) "
-        "and its caches, which are sized from what remains and reserved at start-up, so that no request fails later "
-        "for device memory; a device without that much free refuses the start. Default 0.9 (ddtree serve splits its "
-        "own share between the drafter and the verifier on one device); CUDA devices only"
+        None, "share of the GPU's memory this service holds: its weights, its largest step (measured in warm-up) and "
+        "its caches, sized from what remains and reserved at start-up, so that no request fails later for device "
+        "memory; a device without that much free refuses the start. Default 0.9; CUDA devices only"
     )
     max_sessions: int = option(
-        64, "sessions held at once (on a GPU, the drafter holds as many as its reserved memory has context slots "
-        "for); the static (graph) path keeps at most this many cache slots, each allocated "
-        "on first need (the verifier's in size classes: a new class takes a free slot's place once all exist)"
+        64, "sessions held at once, each a cache slot allocated on first need (on a GPU the drafter holds as many as "
+        "its reserved memory has context slots for)"
     )
-    eager: bool = option(False, "run every step eagerly: no static buffers, no CUDA graphs (for debugging)")
-    compile: bool | None = option(
-        None, "torch.compile the captured steps (the verifier's fused Qwen3 / Llama layers and round; the drafter's "
-        "block, context append and tree build), compiled in warm-up; fewer, fused kernels. Default: on with a CUDA "
-        "device, off on the CPU"
+    session_ttl: float = knob(300.0, "seconds a session may stay idle before the server ends it: a slow client "
+                                     "keeps its session, against a vanished one's memory freed later")
+    eager: bool = knob(False, "every step eager, no static buffers or CUDA graphs: any model runs, each step far "
+                              "slower (for debugging)")
+    compile: bool | None = knob(
+        None, "torch.compile the captured steps in warm-up: fewer, fused kernels, for a longer start (default: on "
+        "with a CUDA device)"
     )
-    lane_port: int = option(
-        0, "TCP port of the round lane (a session's round calls as the same messages over plain TCP, announced "
-        "through Info; 0: any free port; -1: no lane, rounds over gRPC only)"
+    lane_port: int = knob(
+        0, "TCP port of the round lane, a session's round calls as gRPC's messages over plain TCP: less per-round "
+        "overhead than gRPC streams, another port to open (0: any free port; -1: no lane, gRPC only)"
     )
-    max_lane_connections: int = option(
-        1024, "round-lane connections held at once (a session holds a few); one more is refused RESOURCE_EXHAUSTED"
+    max_lane_connections: int = knob(
+        1024, "round-lane connections held at once (a session holds a few), one more refused RESOURCE_EXHAUSTED: "
+        "more peers against more sockets"
     )
-    lane_peer_timeout: float = option(
-        30.0, "seconds a round-lane peer may take to send its hello, or stay silent in the middle of a frame, before "
-        "its connection is closed (a connection idle between whole requests stays open)"
+    lane_peer_timeout: float = knob(
+        30.0, "seconds a round-lane peer may take over its hello or the rest of a frame before it is closed: "
+        "patience with slow peers against sockets held by stuck ones"
     )
-    max_message_bytes: int = option(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
-    busy_poll_us: int | None = option(None, BUSY_POLL_HELP)
-    shutdown_grace: float = option(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM")
+    max_message_bytes: int = knob(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
+    busy_poll_us: int | None = knob(None, BUSY_POLL_HELP)
+    shutdown_grace: float = knob(5.0, "seconds in-flight calls get to finish on SIGINT/SIGTERM: gentler stops "
+                                      "against slower restarts")
     auth_token: str | None = option(None, AUTH_TOKEN_HELP)
 
     def __post_init__(self) -> None:

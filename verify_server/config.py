@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from runtime.models import is_hub_id, resolve_pair
-from runtime.config import ServiceConfig, option
+from runtime.config import ServiceConfig, knob, option
 
 
 PREFIX_CACHE_GIB = (4.0, 0.25)  # the default on a GPU, on a CPU
@@ -18,60 +18,54 @@ PREFIX_CACHE_GIB = (4.0, 0.25)  # the default on a GPU, on a CPU
 class VerifyServerConfig(ServiceConfig):
     ENV_PREFIX: ClassVar[str] = "DDTREE_VERIFY_"
 
-    target: str | None = option(None, "target model directory, HF layout (default: the bundled demo target)")
+    target: str | None = option(None, "target model directory (HF layout), or hub id in the local Hugging Face "
+                                      "cache (default: the bundled demo target)")
     model_name: str | None = option(None, "model name reported by Info (default: the target's hub id where it "
                                           "is named by one, else its directory's name)")
     port: int = option(50062, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
-    max_tree_size: int = option(1024, "largest tree (nodes without the root) Verify accepts")
-    max_tree_depth: int = option(64, "largest max_depth (drafter block size - 1) Verify accepts")
-    fused_rows: int = option(
-        -1, "steps of up to N rows run their projections as fused Triton kernels (Qwen3 / Llama targets on a GPU); "
-        "0: none; -1: by the target's size (one-row steps always, a tree's rows on small targets)"
-    )
-    max_batch: int = option(
-        16, "at most N sessions' rounds (Verify and Decode calls waiting for the engine at once) verified in one "
-        "forward; 1: one at a time"
-    )
-    prefill_batch_tokens: int = option(
-        1024, "Prefill calls of several sessions waiting for the engine at once (a burst of requests' prompts) share "
-        "one forward, up to N prompt tokens together and max_batch calls; a chunk of more than 512 tokens runs alone "
-        "(its forward is bound by its own matmuls); 0: every Prefill alone. By a thousand rows a large "
-        "target's forward is bound by its matmuls, not its weights' reading: a larger budget saves little, and "
-        "stalls the running streams' steps longer"
-    )
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
-    warm_up_taps: str = option(
-        "", "the target layers the drafter in front of this verifier taps (its target_layer_ids, comma-separated): "
-        "where CUDA graphs run, the warm-up captures the rounds of sessions tapping them, as well as of sessions "
-        "tapping none, so that no first request waits for a capture (ddtree serve passes them)"
-    )
-    warm_up_nodes: int = option(32, "the tree size requests ask for most (the gateway's --budget): its rounds' "
-                                     "graphs are captured in warm-up (at most max_tree_size)")
-    warm_up_trees: int = option(
-        0, "the most sessions' trees a step verifies at once (the gateway's --speculate-up-to, past which requests "
-        "decode AR): the warm-up captures tree rounds in batches of up to this many, AR steps of up to max_batch; 0: "
-        "max_batch (ddtree serve passes it)"
-    )
-    prefix_cache_gib: float | None = option(
-        None, "device memory (GiB) for the prefix cache: committed tokens' K/V and drafter features kept after their "
-        "requests, so that a prompt starting as an earlier one (a chat's next turn, a shared system prompt) skips "
-        "that part of its prefill; least recently used blocks go first. Default 4 on a GPU (room for tens of "
-        "thousands of tokens of an 8B target beside its sessions), 0.25 on a CPU (small targets, small memory); "
-        "0: off. Hybrid targets and --tp > 1 do not cache prefixes"
-    )
-    kv_cache_gib: float | None = option(
-        None, "device memory (GiB) the sessions' KV caches may hold together. A session's cache holds what it has "
-        "committed, not the capacity it asked for, and grows as it goes (doubling): a step that would take the caches "
-        "past this fails ABORTED with nothing changed, and the gateway resumes that request once memory frees. "
-        "Default: no limit but the device's (set one where a drafter shares the GPU, so that sessions cannot take its "
-        "memory). With --tp > 1, on each GPU: every rank's caches, shards of the same sessions, held to it alike"
-    )
     deterministic: bool = option(
-        False, "row-invariant verification: every tree node's logits, its tree alone or batched with other sessions', "
-        "are bitwise those of the target's own one-row decode step at its position, so that greedy output in bf16 "
-        "equals AR decoding's (kernels/invariant.py's projections, norms and attention, uncompiled: slower). Needs a "
-        "CUDA GPU with Triton and a Qwen3 / Llama / Qwen2 target; not with --tp > 1, --eager or --compile"
+        False, "row-invariant verification: each tree node's logits are bitwise the target's own decode step's, so "
+        "greedy output in bf16 equals AR decoding's; slower (uncompiled invariant kernels). A CUDA GPU with Triton, a "
+        "Qwen3 / Llama / Qwen2 target; not with --tp > 1, --eager or --compile"
+    )
+    max_tree_size: int = knob(1024, "largest tree (nodes without the root) Verify accepts: larger trees on request "
+                                    "against one call's rows")
+    max_tree_depth: int = knob(64, "largest max_depth (drafter block size - 1) Verify accepts: deeper drafters "
+                                   "against one call's rows")
+    fused_rows: int = knob(
+        -1, "steps of up to N rows run their projections as fused Triton kernels (Qwen3 / Llama on a GPU), which beat "
+        "cuBLAS on few rows and lose on many (0: none; -1: by the target's size)"
+    )
+    max_batch: int = knob(
+        16, "sessions' rounds (Verify and Decode calls waiting together) verified in one forward: tokens/s under "
+        "load against a longer step (1: one at a time)"
+    )
+    prefill_batch_tokens: int = knob(
+        1024, "waiting Prefill calls (a burst's prompts) share one forward, up to N prompt tokens and max_batch "
+        "calls: fewer forwards for a burst, against running streams stalled longer (0: each alone)"
+    )
+    warm_up_taps: str = knob(
+        "", "the target layers the drafter in front taps (its target_layer_ids, comma-separated): the warm-up "
+        "captures their sessions' rounds too, so first requests wait for no capture, for a longer start (ddtree "
+        "serve passes them)"
+    )
+    warm_up_nodes: int = knob(32, "the tree size requests ask for most (the gateway's --budget): its rounds are "
+                                  "captured in warm-up, for a longer start (at most max_tree_size)")
+    warm_up_trees: int = knob(
+        0, "the most trees a step verifies at once (the gateway's --speculate-up-to): the warm-up captures tree "
+        "batches up to it, fewer graphs and a shorter start than max_batch (0: max_batch; ddtree serve passes it)"
+    )
+    prefix_cache_gib: float | None = knob(
+        None, "device memory (GiB) for the prefix cache of committed tokens' K/V and drafter features: a prompt that "
+        "begins as an earlier one skips that part of its prefill, against memory for sessions (default 4 on a GPU, "
+        "0.25 on a CPU; 0: off; hybrid targets and --tp > 1 cache nothing)"
+    )
+    kv_cache_gib: float | None = knob(
+        None, "device memory (GiB) the sessions' KV caches may hold together, below what the memory share leaves: "
+        "room kept for others on the device against sessions held; a request that runs short pauses and resumes "
+        "(default: the share's rest on a GPU, no limit on a CPU; with --tp > 1, on each GPU)"
     )
 
     def __post_init__(self) -> None:
