@@ -59,6 +59,17 @@ from pathlib import Path
 
 import httpx
 import torch
+
+# bench/'s own module (a script's folder is on its sys.path)
+from load_client import (
+    Stream,
+    difference,
+    histogram_mean,
+    prompt,
+    sample_key,
+    scrape,
+    stream_chat,
+)
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -67,8 +78,6 @@ from ddtree.serve import free_ports
 from draft_server.dflash import DFlashDrafter, init_drafter_weights, save_drafter
 from draft_server.dflash_config import DFlashConfig
 from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
-# bench/'s own module (a script's folder is on its sys.path)
-from load_client import Stream, difference, histogram_mean, prompt, sample_key, scrape, stream_chat
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = {"ar": "off", "ddtree": "ddtree"}  # --modes names -> the request's speculation.mode
