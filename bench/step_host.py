@@ -5,6 +5,7 @@ services' batching, answers and walks) is what is left to see.
 
     python bench/step_host.py --clients 1,16,64 --modes ar,ddtree --tokens 64 --requests 3 --out FILE.json
     python bench/step_host.py --smoke --out FILE.json          # CI size: 1 and 4 clients, 8 tokens, 2 requests
+    python bench/step_host.py --target P/target --drafter P/drafter --device cuda --dtype bfloat16 ...  # a real pair
 
 The pair is built in a temporary directory from seeded random weights and saved through the real formats: a
 1-layer Qwen3 target (hidden 32, fp32) with a character-level tokenizer of 44 tokens and the ChatML template, and a
@@ -142,12 +143,12 @@ class Stack:
     """`ddtree serve` on loopback (CPU, fp32) over the pair, with its metrics ports; stopped by stop()."""
 
     def __init__(self, target: Path, drafter: Path, sessions: int, budget: int, log_path: Path,
-                 profile: Path | None) -> None:
+                 profile: Path | None, device: str = "cpu", dtype: str = "float32") -> None:
         port, verify_metrics, draft_metrics = free_ports(3)
         self.url = f"http://127.0.0.1:{port}"
         self.metrics = (self.url, f"http://127.0.0.1:{verify_metrics}", f"http://127.0.0.1:{draft_metrics}")
         self.log_path = log_path
-        self.flags = ["--device", "cpu", "--dtype", "float32", "--max-sessions", str(sessions), "--max-running",
+        self.flags = ["--device", device, "--dtype", dtype, "--max-sessions", str(sessions), "--max-running",
                       str(sessions), "--max-batch", str(sessions), "--draft-max-batch", str(sessions),
                       "--speculate-up-to", "0", "--budget", str(budget), "--health-interval", "1",
                       "--shutdown-grace", "0"]
@@ -359,8 +360,15 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="cProfile the gateway for the whole run; its top functions go beside --out")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    p.add_argument("--target", type=Path, help="a target directory to serve instead of the built 1-layer pair "
+                   "(with --drafter: the host time at a real pair's shapes, e.g. `ddtree embed-pair`'s on a GPU)")
+    p.add_argument("--drafter", type=Path, help="the drafter for --target")
+    p.add_argument("--device", default="cpu", help="the stack's device (cuda with --target)")
+    p.add_argument("--dtype", default="float32", help="the stack's dtype")
     p.add_argument("--out", type=Path, required=True, help="the JSON")
     args = p.parse_args()
+    if (args.target is None) != (args.drafter is None):
+        p.error("--target and --drafter go together")
     for name, value in (SMOKE if args.smoke else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -376,8 +384,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="step_host_") as tmp:
         root = Path(tmp)
         started = time.perf_counter()
-        target, drafter = build_pair(root)
-        stack = Stack(target, drafter, max(counts), args.budget, root / "serve.log", profile)
+        target, drafter = (args.target, args.drafter) if args.target else build_pair(root)
+        stack = Stack(target, drafter, max(counts), args.budget, root / "serve.log", profile, args.device, args.dtype)
         try:
             model = stack.wait_ready()
             print(f"stack ready in {time.perf_counter() - started:.1f} s (pids {stack.pids})", flush=True)
@@ -400,9 +408,11 @@ def main() -> None:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "hardware": {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-                     "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "pair": {"target": f"Qwen3, 1 layer, hidden {HIDDEN}, vocab {len(TOKENS)}, fp32, random weights",
-                 "drafter": f"DFlash, 1 layer, hidden {HIDDEN}, block {BLOCK}, fp32, random weights"},
+                     "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None},
+        "pair": ({"target": str(args.target), "drafter": str(args.drafter)} if args.target else
+                 {"target": f"Qwen3, 1 layer, hidden {HIDDEN}, vocab {len(TOKENS)}, fp32, random weights",
+                  "drafter": f"DFlash, 1 layer, hidden {HIDDEN}, block {BLOCK}, fp32, random weights"}),
         "serve_flags": stack.flags, "env": {"OMP_NUM_THREADS": "1"},
         "settings": {"clients": counts, "modes": modes, "tokens": args.tokens, "requests": args.requests,
                      "budget": args.budget, "prompt_words": args.prompt_words, "smoke": args.smoke,
