@@ -293,6 +293,8 @@ def level(stack: Stack, model: str, mode: str, clients: int, args: argparse.Name
         "mean_draft_batch": histogram_mean(drafter, "ddtree_draft_batch_size"),
         "tau": (1 + gateway.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts
                 if (drafts := gateway.get("ddtree_spec_drafts_total", 0.0)) else None),
+        # the node count the load-adaptive fit cut each step's trees to (a request's budget is its ceiling)
+        "fit_nodes": histogram_mean(gateway, "ddtree_step_tree_nodes"),
         "wall_per_step_ms": 1000 * wall / steps if steps else None,
         "step_ms": step_ms, "forward_ms": forward_ms,
         "host_ms": None if step_ms is None else step_ms - forward_ms,
