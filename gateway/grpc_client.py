@@ -1,9 +1,9 @@
-"""The base of the round loop's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
+"""The base of the step engine's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
 Its subclasses, GrpcDrafter (gateway/grpc_drafter.py) and GrpcVerifier (gateway/grpc_verifier.py), have the same
-signatures as the in-process backends of ddtree/local.py, so `run_rounds` cannot tell them apart.
+signatures as the in-process backends of ddtree/local.py, so the engine (gateway/engine.py) cannot tell them apart.
 
-Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
-back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
+Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The engine falls back to
+AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
 A session's round calls and a prompt's features (the calls in a client's STREAMED) go over one connection per
 session and call, each answer within the deadline of a call: to the service's round lane (runtime/lane.py; the port
@@ -12,9 +12,7 @@ XStream; the features' calls, BULK, have none and go unary). Features and trees 
 (protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
 are never decoded to torch tensors here.
 
-With a `Steps` (gateway/steps.py), the round calls of all running sessions go out in steps, as one batch call each
-(`_batch`), over one connection per client; the other calls tell the Steps while they are in progress, so that a
-step does not wait for a session that is waiting on them.
+A step's calls go as one batch call (`_batch`), over one connection per client.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
-from gateway.steps import Steps
 from gateway.transports import GrpcStream, SessionStream, UnaryCalls
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import CallFailed, Lane
@@ -76,11 +73,8 @@ class GrpcClient:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
         auth_token: str | None = None,
-        steps: Steps | None = None,
     ) -> None:
-        """steps: the gateway's step gather (shared by its two clients); None: each round call goes alone."""
         service = pb.DESCRIPTOR.services_by_name[self.SERVICE].full_name
-        self._steps = steps
         self.address = address
         self.timeout_s = timeout_s
         self._token = auth_token  # the shared secret (runtime/auth.py): in every call's metadata and lane hello
@@ -180,10 +174,6 @@ class GrpcClient:
             return UnaryCalls(self._bulk[rpc], self.timeout_s, self._metadata)
         # No deadline on the stream itself: it lives as long as the session, each answer has one.
         return GrpcStream(getattr(self._stub, f"{rpc}Stream")(metadata=self._metadata))
-
-    def _tracked(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """Around a call that is not a round call: the step knows the session is waiting on it."""
-        return self._steps.calling(session_id) if self._steps is not None else contextlib.nullcontext()
 
     async def _batch(self, rpc: str, batch: Message, outcomes: Callable[[Message], Any], answer: Callable[[Any], Any],
                      expected: int) -> list[Any]:

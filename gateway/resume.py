@@ -23,7 +23,7 @@ import grpc
 
 from protos.types import SamplingParams
 from gateway.grpc_client import BackendError
-from gateway.request import Round
+from gateway.sequence import Round
 
 
 class MemoryWaits:

@@ -14,7 +14,7 @@ import pytest
 
 from protos.types import SamplingParams
 from gateway.grpc_client import BackendError
-from gateway.request import Round
+from gateway.sequence import Round
 from gateway.resume import MemoryWaits, after, resumed_rounds
 
 SHORT = BackendError("verifier", "Verify", grpc.StatusCode.ABORTED, "no memory to grow the session's KV cache")
