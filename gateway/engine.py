@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import replace
 
@@ -37,6 +38,8 @@ from protos.types import SamplingParams, StepResult
 from runtime.timing import DeferredTimings
 
 log = logging.getLogger("ddtree.engine")
+
+MAX_STEPS_OUT = 2  # steps launched and not committed at once: the one on the device and the one behind it
 
 
 class Engine:
@@ -64,6 +67,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's prefill in flight
         self._ending: set[asyncio.Task] = set()  # sessions being ended
+        self._calls: list[tuple[list[Sequence], asyncio.Future]] = []  # the batch calls out, and for whom
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
@@ -83,20 +87,46 @@ class Engine:
         await asyncio.gather(*self._tasks.values(), *self._ending, return_exceptions=True)
 
     async def _run(self) -> None:
+        steps: deque[tuple[StepPlan, asyncio.Task]] = deque()  # launched and not committed, oldest first
         while True:
             for seq in self.scheduler.admit():
                 self._tasks[seq] = asyncio.get_running_loop().create_task(self._prefill(seq))
-            plan = self.scheduler.plan()
-            if plan is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
+            if not steps:
+                plan = self.scheduler.plan()
+                if plan is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                steps.append((plan, self._launch(plan)))
+            if len(steps) < MAX_STEPS_OUT and (behind := self._behind(steps[-1][0])) is not None:
+                steps.append((behind, self._launch(behind)))
+            plan, task = steps.popleft()
             try:
-                await self._step(plan)
-            except Exception as exc:
+                self._settle(plan, *await task)
+            except Exception as exc:  # noqa: BLE001 - a step's own bug fails its sequences, never the loop
                 log.error("a step failed", exc_info=exc)
                 for seq in plan.sequences:
                     self._end(seq, exc)
+
+    def _behind(self, last: StepPlan) -> StepPlan | None:
+        """The next step, where it may go before `last` is answered: AR steps only (their roots are the steps'
+        before, which the verifier holds), to a remote verifier, which reads it while it runs the one before and
+        answers in order; every sequence with room for it past its steps in flight and no grammar (whose matcher
+        ends at the output's end). So the device goes from step to step while the host reads, detokenises and
+        streams the last one. A stop token wastes the step after it: the sequence ends there anyway."""
+        if not self.verifier.remote or last.drafts:
+            return None
+        plan = self.scheduler.plan()
+        if plan is None or plan.drafts:
+            return None
+        if any(seq.room - seq.ahead < 1 or seq.params.grammar for seq in plan.sequences):
+            return None
+        return plan
+
+    def _launch(self, plan: StepPlan) -> asyncio.Task:
+        for seq in plan.sequences:
+            seq.ahead += 1
+        return asyncio.get_running_loop().create_task(self._step(plan))
 
     async def generate(
         self, prompt: list[int], params: SamplingParams, spec: Speculation, max_tokens: int, stop_ids: Iterable[int],
@@ -133,13 +163,15 @@ class Engine:
         self._wake.set()
         self.start()
 
-    def cancel(self, seq: Sequence) -> None:
-        """Its reader has gone: it leaves the steps, and its sessions end."""
+    def cancel(self, seq: Sequence, error: BaseException | None = None) -> None:
+        """Its reader has gone (or ends it with `error`, which the reader gets): it leaves the steps, and its sessions
+        end."""
         if seq.phase is not Phase.DONE:
-            self._end(seq, None)
+            self._end(seq, error)
 
-    async def _step(self, plan: StepPlan) -> None:
-        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one."""
+    async def _step(self, plan: StepPlan) -> tuple[dict[Sequence, tuple], list, float, float, float]:
+        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one ->
+        the trees, the verify outcomes and when the step began, its drafts ended and it was answered."""
         start = time.perf_counter()
         trees: dict[Sequence, tuple] = {}
         if plan.drafts:
@@ -149,11 +181,16 @@ class Engine:
             untap, seq.untap = seq.untap, False
             asks.append(VerifyAsk(seq.id, trees[seq][0] if seq in trees else None, untap))
         drafted = time.perf_counter()
-        outcomes = await self._call("Verify", self.verifier.verify, asks)
-        done = time.perf_counter()
+        outcomes = await self._call("Verify", self.verifier.verify, asks, plan.sequences)
+        return trees, outcomes, start, drafted, time.perf_counter()
+
+    def _settle(self, plan: StepPlan, trees: dict[Sequence, tuple], outcomes: list, start: float, drafted: float,
+                done: float) -> None:
+        """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
         for seq, outcome in zip(plan.sequences, outcomes):
+            seq.ahead -= 1
             if seq.phase is not Phase.RUNNING:
-                continue  # cancelled meanwhile
+                continue  # cancelled, finished or preempted meanwhile
             if isinstance(outcome, BaseException):
                 self._failed(seq, outcome)
                 continue
@@ -181,7 +218,7 @@ class Engine:
             asking.append(seq)
         if not asks:
             return {}
-        outcomes = await self._call("Draft", self.drafter.draft, asks)
+        outcomes = await self._call("Draft", self.drafter.draft, asks, asking)
         trees = {}
         for seq, outcome in zip(asking, outcomes):
             if isinstance(outcome, BaseException):
@@ -190,17 +227,27 @@ class Engine:
                 trees[seq] = outcome
         return trees
 
-    async def _call(self, rpc: str, call: Callable, asks: list) -> list:
-        """A step's batch call -> each ask's outcome; a failure of the whole call is each ask's."""
+    async def _call(self, rpc: str, call: Callable, asks: list, seqs: list[Sequence]) -> list:
+        """A step's batch call for `seqs` -> each ask's outcome; a failure of the whole call is each ask's. Once
+        every one of `seqs` is done (their readers gone) the call is cancelled: nobody waits for it."""
         if self.on_step is not None:
             self.on_step(rpc, len(asks))
+        task = asyncio.ensure_future(call(asks))
+        entry = (seqs, task)
+        self._calls.append(entry)
         try:
-            outcomes = await call(asks)
+            outcomes = await task
             if len(outcomes) != len(asks):
                 raise RuntimeError(f"{rpc}: {len(outcomes)} outcomes for {len(asks)} calls")
             return outcomes
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the loop itself stops
+            return [asyncio.CancelledError()] * len(asks)
         except Exception as exc:  # noqa: BLE001 - each ask fails with it
             return [exc] * len(asks)
+        finally:
+            self._calls.remove(entry)
 
     def _commit(self, seq: Sequence, step: StepResult, tree_size: int, timings: Mapping[str, float]) -> None:
         """A step's outcome: its tokens cut at the sequence's stops, handed to the reader; the features its drafter
@@ -317,6 +364,9 @@ class Engine:
         seq.relay = None
         self.scheduler.remove(seq)
         seq.phase = Phase.DONE
+        for seqs, call in self._calls:
+            if all(s.phase is Phase.DONE for s in seqs):
+                call.cancel()  # its step's call serves nobody any more
         if exc is not None:
             seq.rounds.put_nowait(exc)
         self._end_sessions(seq, final=True)

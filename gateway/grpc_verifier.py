@@ -28,6 +28,7 @@ class GrpcVerifier(GrpcClient):
         super().__init__(*args, **kwargs)
         self._tree_fit = tree_fit
         self._fits: dict[str, float] = {}  # session -> its sampling class (tree_fit.sampling_class), where not greedy
+        self._out = 0  # VerifyBatch calls in flight (a step may follow the one in flight: gateway/engine.py)
 
     async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
         calls = []
@@ -42,11 +43,15 @@ class GrpcVerifier(GrpcClient):
         fit = self._tree_fit
         if fit is not None:
             fit.fit(calls, self._fits)
-        sent = time.perf_counter()
-        answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
-                                    lambda outcome: outcome.step, len(calls))
-        if fit is not None:
-            fit.observe_step(calls, answers, sent, whole=True, sessions=self._fits)
+        sent, behind = time.perf_counter(), self._out > 0
+        self._out += 1
+        try:
+            answers = await self._batch("VerifyBatch", pb.VerifyBatchRequest(calls=calls), lambda r: r.outcomes,
+                                        lambda outcome: outcome.step, len(calls))
+        finally:
+            self._out -= 1
+        if fit is not None:  # a batch behind another took two forwards: no measure of one forward's cost
+            fit.observe_step(calls, answers, sent, whole=not behind, sessions=self._fits)
         return [a if isinstance(a, Exception) else tensors.step_from_pb(a, wire=True) for a in answers]
 
     async def info(self) -> VerifierInfo:

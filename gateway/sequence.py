@@ -77,6 +77,7 @@ class Sequence:
     committed: list[int] = field(default_factory=list)
     untap: bool = False  # its next verify untaps its verifier session (its drafter has gone)
     verifying: bool = False  # a verifier session is held
+    ahead: int = 0  # steps launched for it and not committed yet
     index: int = 0  # rounds handed to the reader
     rounds: asyncio.Queue[Round | BaseException] = field(default_factory=asyncio.Queue)
     # resolves once its sessions have ended for good (with the failure ending them, if any)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Round, Speculation, run_rounds
-from gateway.steps import Steps
+from gateway.engine import Engine
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
@@ -292,11 +292,14 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
     assert burst_decoded == alone_decoded
 
 
-async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int]) -> list[int]:
-    """One greedy ddtree request's tokens; the drafter must serve every round."""
+async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int],
+                    engine: Engine | None = None) -> list[int]:
+    """One greedy ddtree request's tokens (on `engine`, with the others it runs, or alone); the drafter must serve
+    every round."""
     fallbacks: list[BaseException] = []
-    loop = run_rounds(verifier, drafter, prompt, SamplingParams(), Speculation("ddtree", BUDGET), MAX_NEW, [],
-                      fallbacks.append)
+    spec = Speculation("ddtree", BUDGET)
+    loop = (run_rounds(verifier, drafter, prompt, SamplingParams(), spec, MAX_NEW, [], fallbacks.append)
+            if engine is None else engine.generate(prompt, SamplingParams(), spec, MAX_NEW, []))
     rounds: list[Round] = [r async for r in loop]
     assert fallbacks == []
     return [t for r in rounds for t in r.tokens]
@@ -304,7 +307,7 @@ async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[i
 
 @pytest.fixture(scope="module")
 def alone(services) -> list[list[int]]:
-    """Each prompt run by itself, its calls sent one by one (no step gather)."""
+    """Each prompt run by itself."""
 
     async def run_each():
         async with (GrpcVerifier(services.verifier.address) as verifier,
@@ -317,17 +320,16 @@ def alone(services) -> list[list[int]]:
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "grpc"])
 def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
-    """The prompts at once, their round calls gathered into steps over one connection per service (the round lane,
-    or unary gRPC calls without lanes): each output is the prompt's alone, and the steps carried several calls."""
+    """The prompts at once on one engine, their steps' calls over one connection per service (the round lane, or
+    unary gRPC calls without lanes): each output is the prompt's alone, and the steps carried several calls."""
     registry = CollectorRegistry()
     sizes = Histogram("step_batch_size", "calls per batch call", ["rpc"], buckets=(1, 2, 4, 8), registry=registry)
     opened: list[str] = []
+    fallbacks: list[BaseException] = []
 
     async def scenario():
-        steps = Steps(0.01)
-        steps.sizes = sizes
-        async with (GrpcVerifier(services.verifier.address, lanes=lanes, steps=steps) as verifier,
-                    GrpcDrafter(services.drafter.address, lanes=lanes, steps=steps) as drafter):
+        async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
+                    GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
             await drafter.info()
             for client in (verifier, drafter):
                 async def recorded(rpc: str, open_=client._open):
@@ -336,7 +338,12 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
                     return transport
 
                 client._open = recorded
-            return await asyncio.gather(*(_generate(verifier, drafter, prompt) for prompt in PROMPTS))
+            engine = Engine(verifier, drafter, on_fallback=fallbacks.append,
+                            on_step=lambda rpc, n: sizes.labels(f"{rpc}Batch").observe(n))
+            try:
+                return await asyncio.gather(*(_generate(verifier, drafter, prompt, engine) for prompt in PROMPTS))
+            finally:
+                await engine.stop()
 
     assert [len(tokens) for tokens in alone] == [MAX_NEW] * len(PROMPTS)
     assert asyncio.run(scenario()) == alone
@@ -351,6 +358,6 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
         return (registry.get_sample_value("step_batch_size_count", {"rpc": rpc})
                 - registry.get_sample_value("step_batch_size_bucket", {"rpc": rpc, "le": "1.0"}))
 
-    assert several("VerifyBatch") > 0 and several("DraftBatch") > 0
+    assert several("VerifyBatch") > 0 and several("DraftBatch") > 0 and fallbacks == []
     assert services.verifier.metric("ddtree_verify_active_sessions") == 0  # every session ended
     assert services.drafter.metric("ddtree_draft_active_sessions") == 0

@@ -100,7 +100,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
-                                      "--busy-poll-us", "3000", "--decode-steps", "4",
+                                      "--busy-poll-us", "3000",
                                       "--prefill-chunk", str(PREFILL_CHUNK)], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )

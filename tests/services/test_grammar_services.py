@@ -21,7 +21,6 @@ from gateway.grpc_client import BackendError
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
-from gateway.steps import Steps
 from protos.types import SamplingParams
 from runtime.grammar import json_schema_grammar
 from runtime.models import read_eos_ids, resolve_pair
@@ -77,13 +76,11 @@ async def _generate(verifier, drafter, prompt: list[int], eos: list[int], fallba
     return [t async for r in loop for t in r.tokens]
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["alone", "steps"])
-def test_grammar_requests_through_the_services(stack, in_process, stepped: bool) -> None:
+def test_grammar_requests_through_the_services(stack, in_process) -> None:
     async def scenario() -> tuple[list[list[int]], list]:
-        steps = Steps(0.01) if stepped else None
         fallbacks: list = []
-        async with (GrpcVerifier(stack.verifier.address, steps=steps) as verifier,
-                    GrpcDrafter(stack.drafter.address, steps=steps) as drafter):
+        async with (GrpcVerifier(stack.verifier.address) as verifier,
+                    GrpcDrafter(stack.drafter.address) as drafter):
             await drafter.info()
             outputs = await asyncio.gather(*(_generate(verifier, drafter, p, stack.eos, fallbacks)
                                              for p in stack.prompts))

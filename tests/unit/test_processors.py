@@ -22,7 +22,6 @@ from ddtree.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from runtime.service import RequestError
 from tests.conftest import make_drafter, make_target
-from tests.unit.test_exactness import LoggedVerifier
 from tests.unit.test_sampling import P_THRESHOLD, p_value
 from verify_server.processors import TokenHistory, process_logits
 from verify_server.session import SessionError
@@ -105,16 +104,15 @@ def tiny(tmp_path_factory):
 
 
 def load(tiny, path: str):
-    """fused / hf as load_local makes them; chained: the captured code forced on, chaining where it may."""
+    """fused / hf as load_local makes them; static: the captured code forced on."""
     target, drafter_dir, _ = tiny
     verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=path == "hf")
-    if path == "chained":
+    if path == "static":
         verifier.engine.fused.static = True
-        verifier = LoggedVerifier(verifier.engine, [])
     return verifier, drafter
 
 
-@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+@pytest.mark.parametrize("path", ["fused", "hf", "static"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_with_processors_equals_hf_generate(tiny, path: str, case: str) -> None:
     """Token for token in every mode, the logprobs (chosen and top-k) allclose to HF's raw scores; a processor
@@ -148,9 +146,7 @@ def test_greedy_with_processors_equals_hf_generate(tiny, path: str, case: str) -
     assert changed or case == "logprobs"
     # paths several nodes deep, each node processed as its own sequence (the drafter guesses processed paths worse)
     assert max(accepted) >= 4 and sum(a >= 3 for a in accepted) >= 5
-    if path == "chained":  # these sessions are never queued on the captured path
-        assert "launch" not in verifier.log
-        assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
+    assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
 
 
 def test_each_node_is_processed_as_the_sequence_of_its_path() -> None:
