@@ -204,12 +204,10 @@ class Engine:
         draft failed (or its prompt's relay) goes on AR."""
         asks, asking = [], []
         for seq in seqs:
-            if seq.relay is not None:  # its prompt's features reach the drafter first
+            if seq.relay is not None:  # its prompt's features are in the drafter's context (Scheduler.plan)
                 relay, seq.relay = seq.relay, None
-                try:
-                    await relay
-                except Exception as exc:  # noqa: BLE001 - a drafter failure degrades to AR
-                    self._fall_back(seq, exc)
+                if relay.exception() is not None:  # a drafter failure degrades to AR
+                    self._fall_back(seq, relay.exception())
                     continue
             budget, top_k = seq.spec.tree_shape(self.drafter.block_size)
             features, seq.features = seq.features, None
@@ -320,6 +318,7 @@ class Engine:
         kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
         if keep and featured:
             seq.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, seq.id, featured, kept))
+            seq.relay.add_done_callback(lambda _: self._wake.set())  # the sequence may step
         forward_s = 0.0
         for begin in begins:
             more = begin + chunk < len(prompt)
