@@ -103,7 +103,7 @@ class Engine:
             plan, task = steps.popleft()
             try:
                 self._settle(plan, *await task)
-            except Exception as exc:  # noqa: BLE001 - a step's own bug fails its sequences, never the loop
+            except Exception as exc:  # a step's own bug fails its sequences, never the loop
                 log.error("a step failed", exc_info=exc)
                 for seq in plan.sequences:
                     self._end(seq, exc)
@@ -169,26 +169,28 @@ class Engine:
         if seq.phase is not Phase.DONE:
             self._end(seq, error)
 
-    async def _step(self, plan: StepPlan) -> tuple[dict[Sequence, tuple], list, float, float, float]:
-        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one ->
-        the trees, the verify outcomes and when the step began, its drafts ended and it was answered."""
+    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], dict[Sequence, tuple], list, float, float, float]:
+        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one -> the
+        sequences verified (those not ended meanwhile), their trees, the verify outcomes and when the step began,
+        its drafts ended and it was answered."""
         start = time.perf_counter()
         trees: dict[Sequence, tuple] = {}
         if plan.drafts:
             trees = await self._draft(plan.drafts)
-        asks = []
-        for seq in plan.sequences:
+        asks, live = [], [seq for seq in plan.sequences if seq.phase is Phase.RUNNING]  # (some ended meanwhile)
+        for seq in live:
             untap, seq.untap = seq.untap, False
             asks.append(VerifyAsk(seq.id, trees[seq][0] if seq in trees else None, untap))
         drafted = time.perf_counter()
-        outcomes = await self._call("Verify", self.verifier.verify, asks, plan.sequences)
-        return trees, outcomes, start, drafted, time.perf_counter()
+        outcomes = await self._call("Verify", self.verifier.verify, asks, live) if asks else []
+        return live, trees, outcomes, start, drafted, time.perf_counter()
 
-    def _settle(self, plan: StepPlan, trees: dict[Sequence, tuple], outcomes: list, start: float, drafted: float,
-                done: float) -> None:
+    def _settle(self, plan: StepPlan, live: list[Sequence], trees: dict[Sequence, tuple], outcomes: list,
+                start: float, drafted: float, done: float) -> None:
         """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
-        for seq, outcome in zip(plan.sequences, outcomes):
+        for seq in plan.sequences:
             seq.ahead -= 1
+        for seq, outcome in zip(live, outcomes):
             if seq.phase is not Phase.RUNNING:
                 continue  # cancelled, finished or preempted meanwhile
             if isinstance(outcome, BaseException):
@@ -219,6 +221,8 @@ class Engine:
         outcomes = await self._call("Draft", self.drafter.draft, asks, asking)
         trees = {}
         for seq, outcome in zip(asking, outcomes):
+            if seq.phase is not Phase.RUNNING:
+                continue  # ended meanwhile: its draft's failure (cancelled, session gone) is no drafter's
             if isinstance(outcome, BaseException):
                 self._fall_back(seq, outcome)
             else:
@@ -306,8 +310,9 @@ class Engine:
         other sequences' steps between them. The verifier keeps the prompt's features where a drafter needs them
         and they would travel (a remote verifier, or chunks): then the calls carry only tokens, and the first token
         waits for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps
-        them (_relay), and the first draft waits for them (`relay`). skip: the prompt positions whose context the
-        drafter restored from its prefix cache: no features travel for them, and a chunk wholly below it keeps none.
+        them (_relay), and the sequence sits out steps until they are there (seq.relay, Scheduler.plan). skip: the
+        prompt positions whose context the drafter restored from its prefix cache: no features travel for them, and
+        a chunk wholly below it keeps none.
         -> the last chunk's step, its forward_s the whole prompt's."""
         prompt, chunk = seq.prompt, self.prefill_chunk
         if not 0 < chunk < len(prompt):

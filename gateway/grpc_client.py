@@ -127,6 +127,7 @@ class GrpcClient:
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
             stream = self._streams[key] = SessionStream()
         await stream.lock.acquire()  # a caller cancelled while it waits here has sent nothing: nothing to drop
+        answer: asyncio.Future | None = None
         try:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -145,7 +146,8 @@ class GrpcClient:
         except CallFailed as exc:
             code, details = exc.code, exc.details
         except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
-            self._drop(key, stream)
+            if answer is None:  # (a lane's request sent: the lane passes its answer over, the requests behind it stand)
+                self._drop(key, stream)
             raise
         self._drop(key, stream)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)

@@ -235,7 +235,7 @@ class GatewayService:
     def _running_limit(self) -> int:
         """max_running, lowered to the sessions the verifier holds at once (as its Info reports them): a request
         past those would fail its StartSession rather than wait. Not the drafter's: a request that finds its
-        sessions all held decodes AR (run_rounds), and past --speculate-up-to requests do anyway."""
+        sessions all held decodes AR (Engine._prefill), and past --speculate-up-to requests do anyway."""
         info = self.monitor.verifier_info
         limit = self.config.max_running
         if info is not None and info.max_sessions > 0:
@@ -344,7 +344,7 @@ class GatewayService:
     def _keep_speculating(self) -> bool:
         """Whether a running speculating request goes on speculating (SpeculationByLoad, as a request that begins
         now): no once more requests hold a decoding slot than --speculate-up-to, and the request then goes on AR
-        (run_rounds)."""
+        (Engine._commit)."""
         if self._by_load.speculates(self._slots.held):
             return True
         self.metrics.load_yield.inc()
