@@ -34,8 +34,7 @@ class GrpcVerifier(GrpcClient):
         calls = []
         for ask in asks:
             if ask.tree is None:
-                calls.append(pb.RoundCall(decode=pb.DecodeRequest(session_id=ask.session_id, steps=1,
-                                                                  untap=ask.untap)))
+                calls.append(pb.RoundCall(decode=pb.DecodeRequest(session_id=ask.session_id, untap=ask.untap)))
             else:
                 request = pb.VerifyRequest(session_id=ask.session_id)
                 request.tree.CopyFrom(tensors.tree_to_pb(ask.tree))  # the drafter's tree passes on as it came

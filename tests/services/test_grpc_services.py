@@ -296,30 +296,6 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
     assert verified + decoded == hf_tokens[1:5]
 
 
-def test_a_decode_of_several_steps_answers_as_that_many_decodes(services, hf_tokens):
-    """A Decode with steps answers with a token a step, the target's own, as one-step Decodes on another session
-    do; steps past the verifier's limit are INVALID_ARGUMENT, the session untouched; 0 steps is one."""
-    async def scenario():
-        async with GrpcVerifier(services.verifier.address) as verifier:
-            stub = pb_grpc.VerifierStub(verifier._channel)
-            sessions = [uuid.uuid4().hex for _ in range(2)]
-            for session in sessions:
-                await verifier.start_session(session, 64, SamplingParams(), [])
-                await verifier.prefill(session, PROMPT)
-            many = (await verifier.decode(sessions[0], 6)).tokens
-            singles = [(await verifier.decode(sessions[1])).tokens for _ in range(6)]
-            refused = await _status(stub.Decode(pb.DecodeRequest(session_id=sessions[0], steps=33), timeout=30))
-            zero = (await stub.Decode(pb.DecodeRequest(session_id=sessions[0], steps=0), timeout=30)).tokens
-            for session in sessions:
-                await verifier.end_session(session)
-            return many, singles, refused, list(zero)
-
-    many, singles, refused, zero = asyncio.run(scenario())
-    assert many == [token for tokens in singles for token in tokens] == hf_tokens[1:7]
-    assert refused == INVALID
-    assert zero == hf_tokens[7:8]
-
-
 def test_unknown_sessions_are_not_found(services):
     async def scenario():
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:

@@ -24,7 +24,6 @@ from runtime.service import RequestError
 from tests.conftest import make_drafter, make_target
 from tests.unit.test_sampling import P_THRESHOLD, p_value
 from verify_server.processors import TokenHistory, process_logits
-from verify_server.session import SessionError
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.validate import check_sampling
 
@@ -203,19 +202,26 @@ def test_batched_rounds_apply_each_sessions_processors(tiny, static: bool) -> No
 
 
 def test_processed_sessions_are_routed_off_the_captured_paths(tiny) -> None:
-    """The captured rounds take the raw argmax inside a graph: a session whose choice or output needs more is
-    declared unable to chain, and launching one is refused rather than run without its processors."""
+    """The captured greedy round takes the raw argmax inside a graph: a plain greedy session (min_p changes no
+    argmax) takes it, a session whose choice or output needs more never does (its round runs with its
+    processors)."""
     verifier, _ = load(tiny, "fused")
     engine = verifier.engine
     engine.fused.static = True
-    assert engine.can_launch(SamplingParams(), 16) and engine.can_launch(SamplingParams(min_p=0.3), 16)
-    for fields in CASES.values():
-        params = SamplingParams(**fields, stop_ids=(1,))
-        assert not params.raw_argmax and not engine.can_launch(params, 16)
+    greedy_round, captured = engine.fused.greedy_round, []
+
+    def counted(*args):  # the runner's greedy_round, counted
+        captured.append(args)
+        return greedy_round(*args)
+
+    engine.fused.greedy_round = counted
+    plain = [SamplingParams(stop_ids=(1,)), SamplingParams(min_p=0.3, stop_ids=(1,))]
+    for params in plain + [SamplingParams(**fields, stop_ids=(1,)) for fields in CASES.values()]:
         engine.start_session("s", 64, params, [])
         engine.prefill("s", [1, 2, 3])
-        with pytest.raises(SessionError, match="plain greedy"):
-            engine.launch("s", build_tree(torch.log_softmax(torch.randn(3, VOCAB_T), -1), engine.sessions["s"].root, 8))
+        captured.clear()
+        engine.verify("s", build_tree(torch.log_softmax(torch.randn(3, VOCAB_T), -1), engine.sessions["s"].root, 8))
+        assert len(captured) == params.raw_argmax == (params in plain), params
         engine.end_session("s")
 
 
