@@ -1,5 +1,5 @@
 """The batch RPCs (DraftBatch, VerifyBatch) of the real drafter and verifier on loopback, and the gateway's step
-gather (gateway/steps.py) sending the round calls of concurrent requests through them, over the round lanes or gRPC.
+engine (gateway/engine.py) sending the step calls of concurrent requests through them, over the round lanes or gRPC.
 
 Each call in a batch is answered as it would be alone: the reference is the same sessions, set up the same way,
 called one call at a time. Nothing here measures time.
@@ -16,6 +16,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
+from gateway.backends import VerifyAsk
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Round, Speculation, run_rounds
@@ -26,7 +27,9 @@ from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.types import DraftTree, SamplingParams
 from runtime.call_batch import MAX_BATCH_CALLS
 from tests.conftest import BLOCK, HIDDEN, VOCAB
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import (
+    DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session, wait_serving,
+)
 
 PROMPTS = [[3, 17, 8, 25, 11, 40, 2], [5, 9, 1, 30], [22, 4, 19, 7, 13, 13, 6, 1, 0], [44, 2, 31]]
 TAPS = [0, 2]  # the test drafter's target layers
@@ -90,7 +93,7 @@ def test_verify_batch_answers_each_call_as_alone_with_its_own_status(services):
             batched = [uuid.uuid4().hex for _ in PROMPTS]
             single = [uuid.uuid4().hex for _ in PROMPTS]
             for session in batched + single:
-                await client.start_session(session, 64, SamplingParams(), TAPS)
+                await start_verifier_session(client, session, 64, SamplingParams(), TAPS)
             roots, reference = [], []
             for prompt, b, s in zip(PROMPTS, batched, single):
                 first = [(await client.prefill(session, prompt)).tokens for session in (b, s)]
@@ -219,9 +222,6 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
             assert got.num_nodes > 1
 
 
-# ---- the step gather through the clients ------------------------------------------------------------------------
-
-
 # ---- Prefill ----------------------------------------------------------------------------------------------------
 
 
@@ -262,13 +262,14 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
             for at_once in (False, True):  # the reference first: one call a run
                 sessions = [uuid.uuid4().hex for _ in prompts]
                 for session, session_taps in zip(sessions, taps):
-                    await client.start_session(session, 64, SamplingParams(), session_taps)
+                    await start_verifier_session(client, session, 64, SamplingParams(), session_taps)
                 requests, last_chunk = calls(sessions)
                 got = await answers(stub, requests, at_once)
                 got += await answers(stub, [last_chunk], at_once)
                 kept = [await stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=last_chunk.session_id), timeout=30)
                         for _ in range(2)]
-                decoded = [[(await client.decode(session)).tokens[0] for _ in range(4)] for session in sessions]
+                decoded = [[(await one(client.verify([VerifyAsk(session, None)]))).tokens[0] for _ in range(4)]
+                           for session in sessions]
                 for session in sessions:
                     await client.end_session(session)
                 results.append((got, kept, decoded))
@@ -290,6 +291,9 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
         assert torch.allclose(tensors.tensor_from_pb(got.features), tensors.tensor_from_pb(expected.features),
                               atol=1e-4, rtol=1e-4)
     assert burst_decoded == alone_decoded
+
+
+# ---- the step engine through the clients ------------------------------------------------------------------------
 
 
 async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int],

@@ -1,8 +1,7 @@
 """Constrained trees through the real drafter and verifier on loopback (the demo pair): the gateway's clients send
-the grammar at the drafter's StartSession and each draft's committed tokens, one call at a time or in steps
-(DraftBatch), and the output equals the in-process round loop's with no drafter failure on the way. A grammar the
-drafter cannot compile, and committed tokens that do not continue the output, are INVALID_ARGUMENT; the session
-drafts on afterwards."""
+the grammar at the drafter's StartSession and each draft's committed tokens in steps (DraftBatch), and the output
+equals the in-process round loop's with no drafter failure on the way. A grammar the drafter cannot compile, and
+committed tokens that do not continue the output, are INVALID_ARGUMENT; the session drafts on afterwards."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.local import load_local
+from gateway.backends import DraftAsk
 from gateway.grpc_client import BackendError
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
@@ -24,7 +24,7 @@ from gateway.rounds import Speculation, run_rounds
 from protos.types import SamplingParams
 from runtime.grammar import json_schema_grammar
 from runtime.models import read_eos_ids, resolve_pair
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, wait_serving
 
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
           "required": ["sky", "clear"]}
@@ -116,10 +116,12 @@ def test_bad_grammars_and_committed_tokens_are_invalid_argument(stack) -> None:
             await drafter.start_session(session, 64, json_schema_grammar(SCHEMA))
 
             def draft(root: int, position: int, committed: list[int]):  # the context reaches the root each time
-                return status(drafter.draft(session, features[: position - 8], root, position, 8, None, committed))
+                ask = DraftAsk(session, features[: position - 8], root, position, 8, None, committed)
+                return status(one(drafter.draft([ask])))
 
             n = len(key)
-            out["first"] = await status(drafter.draft(session, features[:8], opening[-1], 8, 8, None, opening))
+            out["first"] = await status(one(drafter.draft([DraftAsk(session, features[:8], opening[-1], 8, 8, None,
+                                                                    opening)])))
             out["no root"] = await draft(key[-1], 8 + n, key[:-1])
             out["gap"] = await draft(key[-1], 9 + n, key)
             out["refused"] = await draft(opening[0], 8 + n, key[:-1] + opening)
