@@ -60,7 +60,7 @@ class GatewayConfig(FlagConfig):
     rpc_timeout: float = knob(30.0, "deadline of one drafter/verifier call, in seconds: a stuck service noticed "
                                     "sooner against slow calls (long prompts on a CPU) cut off")
     lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
-                             "plain TCP): less per-round overhead than gRPC streams (off: gRPC only)")
+                             "plain TCP): less per-step overhead than unary gRPC calls (off: gRPC only)")
     fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens "
                                  "per second at its load (the budget stays the ceiling): tokens/s under load "
                                  "against the longest paths (off: trees as drafted)")

@@ -22,7 +22,6 @@ from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 
 class GrpcDrafter(GrpcClient):
     STREAMED = {"Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
-    BULK = frozenset({"Append", "DraftBatch"})
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
     _known: DrafterInfo | None = None  # info(), once asked

@@ -19,7 +19,6 @@ from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 
 class GrpcVerifier(GrpcClient):
     STREAMED = {"TakeFeatures": None, "VerifyBatch": pb.VerifyBatchResponse}
-    BULK = frozenset({"TakeFeatures", "VerifyBatch"})
     INFO_REQUEST = pb.VerifierInfoRequest
     SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
 
