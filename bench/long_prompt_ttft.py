@@ -52,8 +52,7 @@ def timed_request(url: str, model: str, text: str, max_tokens: int) -> dict:
         raise RuntimeError(f"{url}: HTTP {reply.status_code}: {reply.text}")
     usage = reply.json()["usage"]
     after = read_counters(url)
-    # where the rounds' time went (gateway/metrics.py PHASES; the first draft's wait for the relayed features is
-    # `relay`) and how many rounds drafted
+    # where the rounds' time went (gateway/metrics.py PHASES) and how many rounds drafted
     rounds = {name: after[name] - before[name] for name in after if name.startswith("phase[")}
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "first_s": after[TTFT] - before[TTFT], "last_s": last, "rounds_s": rounds,

@@ -4,9 +4,9 @@ build and the verifier's round, each replayed on its own so that its kernels can
 Usage: python bench/profile_round.py [--target DIR --drafter DIR] [--budget 32] [--dtype float32] [--compile]
        [--host-rounds TOKENS] [--census TOKENS]
 
---census: the kernels a round of whole generations runs as the bench runs them (ar, chain, ddtree; in-process,
-chained where the engines chain), glue outside the captured steps included: a generation's kernels less those of
-a one-token generation (its prefill), per round.
+--census: the kernels a round of whole generations runs as the bench runs them (ar, chain, ddtree; in-process),
+glue outside the captured steps included: a generation's kernels less those of a one-token generation (its
+prefill), per round.
 
 For a small pair every part is bound by how many kernels run one after another (each costs a few microseconds
 whatever its size), so the table reports kernels per call next to the wall time of a call.

@@ -91,7 +91,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz") + [" ", "\n", ".", ",", "!", "?", "'", "-", ":", "0", "1", "2", "3"]
 TOKENS = SPECIALS + CHARS + ["<|mask|>"]
 HIDDEN, BLOCK, CONTEXT = 32, 8, 2048  # a session holds a context of CONTEXT - the largest tree
-PHASES = ("draft", "verify", "tree", "walk", "server", "transport", "relay")
+PHASES = ("draft", "verify", "tree", "walk", "server", "transport")
 # the gateway's process runs this at start-up under --profile (sitecustomize); the others ignore it. SIGUSR1 turns
 # the profiler on and off (the bench's levels alone), and it is written at exit.
 PROFILE_HOOK = """
@@ -300,7 +300,6 @@ def level(stack: Stack, model: str, mode: str, clients: int, args: argparse.Name
         "host_ms": None if step_ms is None else step_ms - forward_ms,
         "verify_forward_ms": phases["verify"], "draft_forward_ms": phases["draft"], "tree_ms": phases["tree"],
         "walk_ms": phases["walk"], "server_ms": phases["server"], "transport_ms": phases["transport"],
-        "relay_ms": phases["relay"],
         "round_phases_sum_ms": sum(v for v in phases.values() if v is not None),
         "verifier_forward_ms": None if verifier_forward is None else 1000 * verifier_forward,
         "drafter_forward_ms": None if drafter_forward is None else 1000 * drafter_forward,

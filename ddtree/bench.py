@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ddtree.bench_report import mode_ratios, report, request_stats
 from ddtree.generate import DTYPES
+from ddtree.local import load_local
+from ddtree.plots import run_label
+from gateway.rounds import Round, Speculation, run_rounds
+from protos.types import SamplingParams
 from runtime.heap import freeze_startup_heap
 from runtime.models import resolve_pair
-from ddtree.bench_report import mode_ratios, report, request_stats
-from ddtree.plots import run_label
-from protos.types import SamplingParams
-from ddtree.local import load_local
-from gateway.rounds import Round, Speculation, run_rounds
 from verify_server.step_attention import ATTENTION_CHOICES
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -49,8 +49,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "everywhere; default: by the target's size)")
     p.add_argument("--attention", choices=ATTENTION_CHOICES, help="the verifier's attention kernel (default: the "
                    "fastest measured for the path, verify_server/fused_runner.py)")
-    p.add_argument("--no-chain", action="store_true",
-                   help="read each round on the host before queueing the next (gateway/round_loops.py chained_rounds)")
     p.add_argument("--gateway", metavar="URL", help="measure through running services (e.g. http://127.0.0.1:8000)")
     curve = p.add_argument_group("cost curve (random weights at real shapes; no model directories needed)")
     curve.add_argument("--cost-curve", metavar="SHAPE", help="qwen3-8b, qwen3-0.6b or tiny")
@@ -154,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     verifier, drafter = load_local(
         target, drafter_dir, args.device, DTYPES[args.dtype], eager=args.eager, compile=args.compile,
-        fused_rows=args.fused_rows, attention=args.attention, chain=not args.no_chain,
+        fused_rows=args.fused_rows, attention=args.attention,
     )
     eos = verifier.engine.read_eos_ids(target)
     device = torch.device(args.device)
@@ -176,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "model_pair": {"target": target, "drafter": drafter_dir},
         "settings": {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                      "dtype": args.dtype, "temperature": 0.0, "verifier_path": verifier.engine.path,
-                     "compile": args.compile, "chained": chained(verifier, drafter, specs),
+                     "compile": args.compile,
                      "fused_rows": verifier.engine.fused.decoder.fused_rows if verifier.engine.fused else 0,
                      "attention": verifier.engine.fused.decoder.attention if verifier.engine.fused else None,
                      "graphs_captured_while_timing": captured_graphs(verifier, drafter) - graphs_before},
@@ -186,14 +184,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     report(result, out)
     return 0
-
-
-def chained(verifier, drafter, specs: list[Speculation]) -> bool:
-    """Whether every mode's rounds were queued ahead of the host (gateway/round_loops.py chained_rounds), as the round
-    loop decides it: the switch alone says nothing on the paths that cannot chain (HF, CPU, tensor parallel)."""
-    return drafter is not None and drafter.chains and all(
-        verifier.can_chain(SamplingParams(), spec.max_nodes(drafter.block_size)) for spec in specs
-    )
 
 
 def captured_graphs(verifier, drafter) -> int:

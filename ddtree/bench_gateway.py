@@ -131,7 +131,7 @@ def run_gateway_bench(url: str, prompts_file: str, num_prompts: int, budgets: li
             "phases_ms": phases_ms,
             "request_ms": request_stats(seconds),
             # everything but the drafter's and the verifier's forwards, as in-process: the tree build, the walk, the
-            # services' host work, the transport and the relay
+            # services' host work and the transport
             "overhead_share": round(1 - (phases_ms["draft"] + phases_ms["verify"]) / sum(phases_ms.values()), 3)
             if sum(phases_ms.values()) else None,
             "texts": texts,

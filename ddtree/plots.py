@@ -41,7 +41,7 @@ def run_label(run: dict) -> str:
 def bench_figure(result: dict) -> Figure:
     """Three panels over the runs: tokens/s (each bar labelled with its ratio to AR), τ, and a round's time split
     into its phases (stacked; the in-process bench's phases are draft, tree, verify, walk, other, a gateway's
-    draft, tree, verify, walk, server, transport, relay), the round overhead share above each bar."""
+    draft, tree, verify, walk, server, transport), the round overhead share above each bar."""
     import matplotlib.pyplot as plt
 
     runs = result["runs"]

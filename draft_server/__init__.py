@@ -2,7 +2,7 @@
 
     server.py, config.py   the gRPC service (DrafterServicer) and its settings
     warm_up.py             the drafts run before the service says SERVING
-    engine.py              DraftEngine: sessions and their calls (draft, append, draft_after, draft_batch)
+    engine.py              DraftEngine: sessions and their calls (draft, append, draft_batch)
     session.py             a session's state, a draft's call and result, the errors calls fail with
     eager_drafter.py       the eager path: a cache per session, nothing captured (the reference)
     static_drafter.py      the static path: fixed cache slots, static buffers, CUDA graphs; its parts:

@@ -17,9 +17,9 @@ HEADER_ALIGN = 256  # bytes: the features' rows start aligned for wide loads
 
 class DraftInputs:
     """Views of one buffer: slot [1] (the session's cache slot), start [1] (an append's first cache row), position
-    [1] (the block's p), ids [1, B] (root, then MASK * (B-1)), block [2, 1] and cursor [2] (p and root again),
-    features [rows, taps*hidden]; on the host also `header`, a numpy view of [slot, start, p, root] (an item write
-    costs far less host time than a torch call)."""
+    [1] (the block's p), ids [1, B] (root, then MASK * (B-1)), block [2, 1] (p and root again), features [rows,
+    taps*hidden]; on the host also `header`, a numpy view of [slot, start, p, root] (an item write costs far less
+    host time than a torch call)."""
 
     def __init__(
         self, block_size: int, width: int, rows: int, dtype: torch.dtype, mask_token_id: int, device: torch.device,
@@ -34,7 +34,6 @@ class DraftInputs:
         self.slot, self.start, self.position = head[0:1], head[1:2], head[2:3]
         self.ids = head[3:].view(1, block_size)
         self.block = head[2:4].view(2, 1)  # position, root: a batch of one block's inputs (BlockBatch.lone)
-        self.cursor = head[2:4]  # the same [2], laid out as a verify round's cursor (StaticDrafter.draft_after)
         self.ids[0, 1:] = mask_token_id
         self.features = self.buffer[self.head_bytes :].view(dtype).view(rows, width)
         self.header = head[:4].numpy() if device.type == "cpu" else None

@@ -38,7 +38,7 @@ class EagerDrafter:
         for layer, (k, v) in enumerate(new_kv):
             sess.ctx_k[layer][:, :, sess.length : end] = k
             sess.ctx_v[layer][:, :, sess.length : end] = v
-        sess.length = sess.length_max = end
+        sess.length = end
 
     def tree(self, logprobs: torch.Tensor, root_token: int, budget: int, top_k: int | None) -> DraftTree:
         """build_tree over a block's log-probs [B-1, vocab]."""

@@ -137,7 +137,7 @@ class DraftEngine:
         timer = self.timers.timer()
         if self.static is not None:
             self.static.draft(sess.slot, sess.length, features, root_token, root_position)
-            sess.length = sess.length_max = root_position
+            sess.length = root_position
             timer.mark()
             if sess.grammar is not None:
                 tree, nodes = grammar_tree(self.static.logprobs, root_token, budget, top_k, sess.grammar), None
@@ -159,15 +159,14 @@ class DraftEngine:
         self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
         committed: Sequence[int],
     ) -> tuple[DraftSession, torch.Tensor]:
-        """A draft's checks (SessionError, the session untouched), then its session's context settled where the
-        features begin and its grammar (if any) moved past the committed tokens -> (the session, the features,
-        [0, taps*hidden] for none)."""
+        """A draft's checks (SessionError, the session untouched), then its session's grammar (if any) moved past
+        the committed tokens -> (the session, the features, [0, taps*hidden] for none)."""
         sess = self.session(session_id)
         if features is None:
             features = torch.empty(0, self.feature_dim, dtype=self.dtype)
         m = features.shape[0]
         self._check_features(features)
-        if sess.length == sess.length_max and sess.length + m != root_position:
+        if sess.length + m != root_position:
             raise SessionError(
                 f"context covers positions [0, {sess.length}) and {m} new features were sent, "
                 f"so the root must be at position {sess.length + m}, not {root_position}"
@@ -176,7 +175,6 @@ class DraftEngine:
         if not 0 <= root_token < self.head.vocab_size:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         self._check_budget(budget)
-        sess.settle(root_position - m)
         self.table.offer(sess)  # the rows it covers are final: the prompt's, once the first draft has appended them
         if sess.grammar is not None:
             sess.grammar.advance(committed, root_token, root_position)
@@ -227,7 +225,7 @@ class DraftEngine:
         sessions = []
         for i, block in together:
             sess = self.session(calls[i].session_id)
-            sess.length = sess.length_max = block.position
+            sess.length = block.position
             sessions.append(sess)
         timer.mark()
         trees = self.static.batch_trees(batch, [(calls[i].budget, calls[i].top_k) for i, _ in together], host_tree)
@@ -257,57 +255,17 @@ class DraftEngine:
         m = features.shape[0]
         if m == 0:
             raise SessionError("an append needs at least one feature row")
-        if sess.length != sess.length_max:
-            raise SessionError("a session with a draft after a round in flight cannot take an append")
         self._check_room(sess, session_id, sess.length + m)
         self.table.offer(sess)
         sess.last_used = time.monotonic()
         timer = self.timers.timer()
         if self.static is not None:
             self.static.append(sess.slot, sess.length, features)
-            sess.length = sess.length_max = sess.length + m
+            sess.length += m
         else:
             self.eager_drafter.append(sess, features)
         timer.mark()
         return sess.length, timer.split()[0]
-
-    @torch.inference_mode()
-    def draft_after(
-        self,
-        session_id: str,
-        features: torch.Tensor,
-        start: int,
-        cursor: torch.Tensor,
-        budget: int,
-        top_k: int | None = None,
-    ) -> DraftResult:
-        """The draft of the round after a verify round still in flight on this device (static path only): features
-        [n, taps*hidden] on the device are that round's path features for positions [start, start+n), of which
-        only its accepted k+1 are real; cursor [2] = (start + k + 1, the bonus token) is its outcome there. All n
-        rows are appended (those past k+1 land where the block's own rows, then later appends, overwrite them) and
-        the block is drafted at the cursor's position, so nothing here waits for the round. The host learns k at
-        the next draft, which starts its features at start + k + 1. The tree is the graph's own output (no copy a
-        round): the caller queues the verify round that reads it before this engine drafts again."""
-        sess = self.session(session_id)
-        if self.static is None:
-            raise SessionError("only the static path drafts after a round in flight")
-        if sess.grammar is not None:  # its tree follows the committed output, which the host has not read
-            raise SessionError("a session with a grammar drafts from the host's outcome, not after a round in flight")
-        n = features.shape[0]
-        self._check_features(features)
-        if not 0 < n <= self.block_size or features.device != self.device:
-            raise SessionError(f"a draft after a round takes 1 to {self.block_size} feature rows on {self.device}")
-        self._check_room(sess, session_id, start + n)
-        self._check_budget(budget)
-        sess.settle(start)
-        sess.last_used = time.monotonic()
-        timer = self.timers.timer()
-        self.static.draft_after(sess.slot, start, features, cursor, start + n)
-        sess.length, sess.length_max = start + 1, start + n
-        timer.mark()
-        tree, _ = self.static.tree(budget, top_k, keep=False)
-        timer.end()
-        return DraftResult(tree, timer)
 
     def _check_features(self, features: torch.Tensor) -> None:
         if features.ndim != 2 or features.shape[1] != self.feature_dim:

@@ -66,19 +66,9 @@ class DraftSession:
     capacity: int  # positions the session asked for: the root must stay below it
     slot: int | None = None  # the static path's cache slot
     length: int = 0
-    # after a draft_after, the context's end is the outcome of a verify round the host has not read: somewhere in
-    # [length, length_max]; the next draft names it (its features' first position)
-    length_max: int = 0
     last_used: float = 0.0
     grammar: DraftGrammar | None = None  # where its trees follow a grammar (constrained trees)
     blocks: PromptBlocks | None = None  # its prompt, where the engine caches prefixes (draft_server/prefix_cache.py)
-
-    def settle(self, start: int) -> None:
-        """The context ends at `start`: where the next draft's features begin."""
-        if not self.length <= start <= self.length_max:
-            known = f"{self.length}" if self.length == self.length_max else f"[{self.length}, {self.length_max}]"
-            raise SessionError(f"context covers positions [0, {known}), so new features cannot start at {start}")
-        self.length = self.length_max = start
 
 
 class DraftCall(NamedTuple):

@@ -83,5 +83,5 @@ class SessionTable:
         if self.prefix is None or not prompt:
             return 0
         sess.blocks = PromptBlocks(list(prompt))
-        sess.length = sess.length_max = self.prefix.restore(sess.blocks, sess.ctx_k, sess.ctx_v)
+        sess.length = self.prefix.restore(sess.blocks, sess.ctx_k, sess.ctx_v)
         return sess.length

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from kernels.cuda_graphs import KEY_ALIGN, GraphPool, key_bucket, key_buckets
-from kernels.device_copies import CopiesMemo
 from kernels.flash_batch import compile_batch_plans, write_slot_rows
 from kernels.flash_tree import compile_plans
 from protos.types import DraftTree
@@ -108,8 +107,6 @@ class StaticDrafter:
         self.appends = StepAppends(self.slots, self.graphs, self._kv_at_step,
                                    self._addresses if self.by_address else None, self._address, self._arange,
                                    cfg.num_taps * cfg.hidden_size, self.max_append, self.dtype, self.device)
-        # draft_after's copies (CopiesMemo: a handful of chained sessions' rings; each entry holds a round's features)
-        self._after_copies = CopiesMemo(limit=16)
 
     @property
     def logprobs(self) -> torch.Tensor:
@@ -169,9 +166,8 @@ class StaticDrafter:
     ) -> None:
         """Writes the slot, an append's first row and its features (and a block's root and position, when given)
         into the inputs: on a GPU, with host features, in one copy through the pinned staging buffer `index`.
-        Features already on the device (a chained round's, in-process) are written in place, scalars as fills (the
-        slot only when the header holds another): waiting for the staging buffer could hold the host behind the
-        rounds in flight."""
+        Features already on the device (an in-process verifier's) are written in place, scalars as fills (the slot
+        only when the header holds another): they take no trip through the host."""
         if self.device.type != "cuda" or features.device.type != "cpu":
             self._inputs.write(self._point_at(slot), start, features, root, position)
             return
@@ -229,25 +225,6 @@ class StaticDrafter:
 
     # ---- block --------------------------------------------------------------------------------------------------
 
-    def draft_after(self, slot: int, start: int, features: torch.Tensor, cursor: torch.Tensor, bound: int) -> None:
-        """append(slot, start, features) of features on the device (at most max_append rows), then the block with
-        its position and root read on the device from cursor [2] = (position, root token), a verify round's outcome
-        not yet known on the host; `bound` >= that position sizes the key bucket. The inputs go in one launch (the
-        append's first row from the device's row numbers: a fill is a launch of its own)."""
-        if (point := self._point_at(slot)) is not None:
-            self._inputs.slot.fill_(point)
-        m = features.shape[0]
-        features = features.to(self.dtype)
-        # a chained session's cursor and features come from a ring of the verifier's buffers: the same copies recur
-        self._after_copies.run(
-            (cursor, features),
-            lambda: [(self._inputs.cursor, cursor), (self._features[:m], features)],
-            more=[(self._start, self._arange[start : start + 1])],
-        )
-        if m:
-            self._replay_append(slot, m)
-        self._replay_block(slot, key_bucket(bound + self.config.block_size, self.rows))
-
     def _replay_block(self, slot: int, keys: int) -> None:
         """The block at the header's position, attending over the slot's rows [0, keys) -> the log-probs buffer: by
         address as a batch of one, its table row gathered in the graph by the header's slot; else the single
@@ -303,16 +280,15 @@ class StaticDrafter:
     # ---- trees --------------------------------------------------------------------------------------------------
 
     def tree(
-        self, budget: int, top_k: int | None, host: bool = False, index: int = 0, keep: bool = True
+        self, budget: int, top_k: int | None, host: bool = False, index: int = 0
     ) -> tuple[DraftTree, torch.Tensor | None]:
-        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites (keep;
-        else the graph's own output, which the next tree of its shape rewrites: for a caller that queues its copy
-        before any other draft, as a chained round's verify launch does); with `host` on a GPU also its copy as the
-        wire carries it, queued now: [3, N+1] int32 in pinned memory that the next host tree of this `index` reuses
-        (each draft of a batch has its own), to be read once the draft's kernels are done (else None)."""
+        """The tree over the last block's log-probs, on the device, in memory no later replay overwrites; with
+        `host` on a GPU also its copy as the wire carries it, queued now: [3, N+1] int32 in pinned memory that the
+        next host tree of this `index` reuses (each draft of a batch has its own), to be read once the draft's
+        kernels are done (else None)."""
         k, layout = self.trees.layouts.get(budget, top_k)
         packed = self.graphs.run(("tree", budget, k), lambda: self.trees.build(budget, k, layout))  # [3, N+1]
-        tree = self.trees.unpack(packed, (budget, k), keep, self.graphs.enabled)
+        tree = self.trees.unpack(packed)
         return tree, self.trees.host_copy(packed, index) if host else None
 
     def batch_trees(

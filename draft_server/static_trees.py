@@ -37,8 +37,6 @@ class StaticTrees:
         # the last trees on the host, as the wire carries them (host_copy), one per block of a batch:
         # [3 * (max nodes + 1)] int32 each, pinned
         self._host_trees: list[torch.Tensor] = []
-        # tree(keep=False)'s trees by shape: (the graph's output, the DraftTree of its rows)
-        self._handed: dict[tuple[int, int], tuple[torch.Tensor, DraftTree]] = {}
 
     def build(self, budget: int, top_k: int, layout: TreeLayout) -> torch.Tensor:
         """The tree over the log-probs buffer and the root -> [3, N+1] (tokens, parents, depths)."""
@@ -76,19 +74,10 @@ class StaticTrees:
             packed.append(self.build(budget, k, layout))
         return torch.cat([p.flatten() for p in packed]), [p.shape for p in packed]
 
-    def unpack(self, packed: torch.Tensor, shape: tuple[int, int], keep: bool, replayed: bool) -> DraftTree:
-        """The DraftTree of a build's output packed [3, N+1] of `shape` (budget, top_k): in memory no later build
-        overwrites (keep), else packed itself, which the next build of its shape rewrites (for a caller that queues
-        its copy before any other draft). replayed: packed is a graph's output, the same tensor each replay, so its
-        DraftTree is made once."""
-        made = None if keep else self._handed.get(shape)
-        if made is not None and made[0] is packed:
-            return made[1]  # the same graph's output: the same tree, whose arrays the verifier's copies know
-        rows = packed.clone() if keep else packed
-        tree = DraftTree(tokens=rows[0], parents=rows[1], depths=rows[2], max_depth=self.max_depth)
-        if not keep and replayed:  # else each call's output is a new tensor
-            self._handed[shape] = packed, tree
-        return tree
+    def unpack(self, packed: torch.Tensor) -> DraftTree:
+        """The DraftTree of a build's output packed [3, N+1], in memory no later build overwrites."""
+        rows = packed.clone()
+        return DraftTree(tokens=rows[0], parents=rows[1], depths=rows[2], max_depth=self.max_depth)
 
     def unpack_batch(
         self, flat: torch.Tensor, shapes: list[torch.Size], host: bool

@@ -1,14 +1,13 @@
-"""The round loop's view of the drafter and the verifier (gateway/rounds.py): the calls it makes, whichever side of
-a process boundary they are on, and what each backend declares it can do. gateway/grpc_drafter.py and
-gateway/grpc_verifier.py implement them over gRPC, ddtree/local.py in-process."""
+"""The step engine's view of the drafter and the verifier (gateway/engine.py): the calls a step makes, whichever side
+of a process boundary they are on. gateway/grpc_drafter.py and gateway/grpc_verifier.py implement them over gRPC,
+ddtree/local.py in-process. A step's drafts go as one call and its verifies as one call: each call in it answers as
+alone (its outcome, or the exception it failed with), and a failure of the whole call raises."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import Any, NamedTuple, Protocol
 
 from protos.types import DraftTree, SamplingParams, StepResult
 
@@ -16,21 +15,39 @@ from protos.types import DraftTree, SamplingParams, StepResult
 @dataclass(frozen=True)
 class SessionStart:
     """A verifier session's start, sent with its prompt's first prefill call: the KV slots it may take, how the
-    target picks its tokens, the layers it taps for the drafter (VerifierClient.start_session's arguments)."""
+    target picks its tokens, the layers it taps for the drafter."""
 
     capacity: int
     params: SamplingParams
     taps: list[int]
 
 
+class DraftAsk(NamedTuple):
+    """One session's draft in a step: the target's features of the positions since its last draft (None: none),
+    its root, and the tree's shape; committed: a session with a grammar's output since its last draft, ending with
+    the root (DraftRequest.committed; () none)."""
+
+    session_id: str
+    features: Any  # torch.Tensor, or a remote verifier's features as they came (passed on unparsed)
+    root_token: int
+    root_position: int
+    budget: int
+    top_k: int | None
+    committed: Sequence[int] = ()
+
+
+class VerifyAsk(NamedTuple):
+    """One session's part of a step's verify: its tree (None: an AR step, the root alone); untap: the session taps
+    no features from this step on (its drafter has gone)."""
+
+    session_id: str
+    tree: DraftTree | None
+    untap: bool = False
+
+
 class DrafterClient(Protocol):
     block_size: int
     target_layer_ids: list[int]
-    # Its calls go to another process. Then, or where `queues` (in-process: a draft only queues device work and
-    # returns), the round loop starts a round's draft before it hands the previous round to its caller.
-    remote: bool
-    queues: bool
-    chains: bool  # a ChainingDrafter: drafts after a round still in flight (draft_after)
 
     async def start_session(self, session_id: str, capacity: int, grammar: str, prompt: Sequence[int] = ()) -> int:
         """grammar: the request's (SamplingParams.grammar; "" none), which the session's trees then follow; prompt:
@@ -38,15 +55,11 @@ class DrafterClient(Protocol):
         features need not be sent: VerifierClient.prefill's skip_features)."""
         ...
 
-    async def draft(
-        self, session_id: str, features: torch.Tensor | None, root_token: int, root_position: int, budget: int,
-        top_k: int | None, committed: Sequence[int],
-    ) -> tuple[DraftTree, Mapping[str, float]]:
-        """features: the target's for the positions since the last call (None: none); committed: a session with
-        a grammar's output tokens since its last draft, ending with the root (DraftRequest.committed; () none)."""
+    async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
+        """A step's drafts, one forward for all: each session's tree and timings, or its own failure."""
         ...
 
-    async def append(self, session_id: str, features: torch.Tensor) -> None:
+    async def append(self, session_id: str, features: Any) -> None:
         """Features for the context, nothing drafted: a prompt's, chunk by chunk, as the verifier's take_features
         returns them."""
         ...
@@ -55,16 +68,9 @@ class DrafterClient(Protocol):
 
 
 class VerifierClient(Protocol):
-    # Its calls go to another process: the round loop starts an AR step before it hands the previous round over,
-    # and a prefill keeps the prompt's features for the relay to the drafter (take_features).
+    # Its calls go to another process: a prefill keeps the prompt's features for the relay to the drafter
+    # (take_features), and a step of AR sessions may follow the one in flight (the server runs them in order).
     remote: bool
-
-    def can_chain(self, params: SamplingParams, max_nodes: int) -> bool:
-        """Whether a session with these params and trees of up to max_nodes nodes can queue its rounds (only a
-        ChainingVerifier ever can)."""
-        ...
-
-    async def start_session(self, session_id: str, capacity: int, params: SamplingParams, taps: list[int]) -> None: ...
 
     async def prefill(
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
@@ -73,48 +79,17 @@ class VerifierClient(Protocol):
         """The prompt, or a chunk of it: `more` says another chunk follows (no token is chosen then);
         `keep_features`: the verifier keeps the chunk's features for take_features (the step has none);
         skip_features: the prompt positions below it get no features (the drafter restored their context); start:
-        the session starts with this call (a remote verifier's in the call itself: a request's first token waits
-        for one call, not two); the caller ends it however the call goes, as after start_session."""
+        the session starts with this call (a request's first token waits for one call, not two); the caller ends it
+        however the call goes."""
         ...
 
-    async def take_features(self, session_id: str) -> torch.Tensor:
-        """The oldest kept prefill call's features not taken yet, in the form the drafter's append takes (a remote
-        verifier's: its answer's bytes, unparsed)."""
+    async def take_features(self, session_id: str) -> Any:
+        """The oldest kept prefill call's features not taken yet, in the form the drafter's append takes."""
         ...
 
-    async def verify(self, session_id: str, tree: DraftTree) -> StepResult: ...
-
-    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
-        """`steps` AR steps in a row (at most MAX_DECODE_STEPS): their tokens, a token a step. untap: the session
-        taps no features from this call on (its drafter has gone)."""
+    async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
+        """A step's trees and AR steps, their forward shared where it can be: each session's outcome, or its own
+        failure."""
         ...
 
     async def end_session(self, session_id: str) -> None: ...
-
-
-class QueuedRound(Protocol):
-    """A verify round queued on the device and not read yet."""
-
-    advance: int  # the most tokens it can commit
-
-
-class ChainingVerifier(VerifierClient, Protocol):
-    """An in-process verifier that queues rounds without waiting for the one before (ddtree/local.py)."""
-
-    def launch(self, session_id: str, tree: DraftTree | None) -> QueuedRound:
-        """Queues a verify round of `tree` (None: an AR step); with a round in flight, from its outcome."""
-        ...
-
-    async def collect(self, queued: QueuedRound) -> StepResult: ...
-
-
-class ChainingDrafter(DrafterClient, Protocol):
-    """An in-process drafter on the verifier's device; `chains` is true."""
-
-    async def draft_after(
-        self, session_id: str, last: QueuedRound, start: int, budget: int, top_k: int | None
-    ) -> tuple[DraftTree, Mapping[str, float]]:
-        """The draft of the round after `last` (queued, its root at position `start`), from its outcome. The tree
-        may live in the drafter's own buffer (no copy a round): the caller launches its verify round before the
-        drafter drafts again."""
-        ...

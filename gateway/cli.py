@@ -27,7 +27,6 @@ from gateway.config import GatewayConfig
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.health import Backends
-from gateway.steps import Steps
 from gateway.tree_fit import TreeFit
 
 DRAIN_MARGIN_S = 2.0  # after the shutdown grace: for the requests ended then to send their last bytes
@@ -56,14 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    steps = Steps(config.step_wait_ms / 1000, config.step_cohorts) if config.batch_steps else None
-    tree_fit = TreeFit() if steps is not None and config.fit_trees else None
-    settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token, steps)
+    tree_fit = TreeFit() if config.fit_trees else None
+    settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token)
     verifier = GrpcVerifier(config.verifier, *settings, tree_fit=tree_fit)
     address = config.drafter_address
     drafter = GrpcDrafter(address, *settings) if address else None
     try:
-        app = create_app(config, Backends(verifier, drafter, steps, tree_fit), tokenizer)
+        app = create_app(config, Backends(verifier, drafter, tree_fit), tokenizer)
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process. The service ends what is
         # still in flight when the grace is over, so uvicorn's own limit, a little later, finds nothing to cut.

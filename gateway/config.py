@@ -17,7 +17,6 @@ from runtime.auth import check_token
 from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, knob, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
-MAX_DECODE_STEPS = 32  # the verifier's limit on a Decode's steps
 SPECULATE_UP_TO = 8  # where speculation stops paying at Qwen3-8B shapes on one H200 (bench/README.md)
 
 
@@ -61,22 +60,13 @@ class GatewayConfig(FlagConfig):
     rpc_timeout: float = knob(30.0, "deadline of one drafter/verifier call, in seconds: a stuck service noticed "
                                     "sooner against slow calls (long prompts on a CPU) cut off")
     lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
-                             "plain TCP): less per-round overhead than gRPC streams (off: gRPC only)")
-    batch_steps: bool = knob(True, "the round calls of every running request go to each service as one batch call a "
-                                   "step, run in one forward: throughput under load (off: each request's calls alone)")
-    step_wait_ms: float = knob(2.0, "milliseconds a step waits for a running request not yet waiting on a call: "
-                                    "fuller steps against each step's latency")
-    fit_trees: bool = knob(True, "with batch steps, cut each step's trees to the size that commits the most tokens "
+                             "plain TCP): less per-step overhead than unary gRPC calls (off: gRPC only)")
+    fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens "
                                  "per second at its load (the budget stays the ceiling): tokens/s under load "
                                  "against the longest paths (off: trees as drafted)")
     speculate_up_to: int = knob(SPECULATE_UP_TO, "requests speculate only while at most this many decode, and again "
                                 "once at most half as many do (the output the same): speculation's speed at low load "
                                 "against AR's batched steps at high load (0: always speculate)")
-    decode_steps: int = knob(1, "AR steps a Decode call runs in a row, chained on the device: a step's host work and "
-                                "transport paid once per that many tokens, against new requests joining only "
-                                "between chains (time to first token)")
-    step_cohorts: int = knob(1, "running requests step in this many cohorts, one's drafts beside another's verifies "
-                                "(2: the drafter and the verifier on two GPUs): overlap against each step's batch")
     prefill_chunk: int = knob(2048, "prompt tokens per verifier Prefill call: other requests' rounds run between a "
                                     "long prompt's chunks, against more calls a prompt (0: every prompt in one call)")
     max_request_bytes: int = knob(4 * 2**20, "largest HTTP request body, in bytes, a larger one refused 413 before "
@@ -113,14 +103,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
-        if self.step_wait_ms < 0:
-            raise ValueError(f"step_wait_ms must be >= 0, got {self.step_wait_ms}")
-        if not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
-            raise ValueError(f"decode_steps must be in [1, {MAX_DECODE_STEPS}], got {self.decode_steps}")
         if self.speculate_up_to < 0:
             raise ValueError(f"speculate_up_to must be >= 0, got {self.speculate_up_to}")
-        if self.step_cohorts < 1:
-            raise ValueError(f"step_cohorts must be >= 1, got {self.step_cohorts}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

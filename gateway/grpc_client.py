@@ -1,20 +1,16 @@
-"""The base of the round loop's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
+"""The base of the step engine's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
 Its subclasses, GrpcDrafter (gateway/grpc_drafter.py) and GrpcVerifier (gateway/grpc_verifier.py), have the same
-signatures as the in-process backends of ddtree/local.py, so `run_rounds` cannot tell them apart.
+signatures as the in-process backends of ddtree/local.py, so the engine (gateway/engine.py) cannot tell them apart.
 
-Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The round loop falls
-back to AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
+Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The engine falls back to
+AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
 
-A session's round calls and a prompt's features (the calls in a client's STREAMED) go over one connection per
-session and call, each answer within the deadline of a call: to the service's round lane (runtime/lane.py; the port
-comes from its Info answer) where it has one and the client's `lanes` is on, else over a gRPC stream (the .proto's
-XStream; the features' calls, BULK, have none and go unary). Features and trees come back in their wire form
-(protos/tensors.py WireTensor, WireDraftTree): the gateway only hands them from one service to the other, so they
-are never decoded to torch tensors here.
-
-With a `Steps` (gateway/steps.py), the round calls of all running sessions go out in steps, as one batch call each
-(`_batch`), over one connection per client; the other calls tell the Steps while they are in progress, so that a
-step does not wait for a session that is waiting on them.
+A step's calls and a prompt's features (the calls in a client's STREAMED) go over one connection per session (a
+step's: per client) and call, each answer within the deadline of a call: to the service's round lane
+(runtime/lane.py; the port comes from its Info answer) where it has one and the client's `lanes` is on, else as
+unary calls, their requests in pieces and their answers unparsed where they pass on. A step's calls go as one batch
+call (`_batch`). Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
+gateway only hands them from one service to the other, so they are never decoded to torch tensors here.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
-from gateway.steps import Steps
-from gateway.transports import GrpcStream, SessionStream, UnaryCalls
+from gateway.transports import SessionStream, UnaryCalls
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import CallFailed, Lane
 
@@ -60,11 +55,9 @@ class GrpcClient:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
     remote = True  # the round loop starts a round's first call before handing the previous round over
-    # session calls made over a stream or lane -> their response type (None: the answer's bytes, unparsed)
+    # calls made over a lane (or unary) -> their response type (None: the answer's bytes, unparsed); their
+    # requests are messages or bytes in pieces (WireFeatures)
     STREAMED: dict[str, type[Message] | None] = {}
-    # those of them that carry a prompt's features: no gRPC stream form (unary calls where there is no lane), their
-    # requests messages or bytes in pieces (WireFeatures)
-    BULK: frozenset[str] = frozenset()
     INFO_REQUEST: type[Message]
     SERVICE: str  # the service's name in ddtree.proto
     STUB: Callable[[grpc.aio.Channel], Any]  # its generated stub class
@@ -76,11 +69,8 @@ class GrpcClient:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         lanes: bool = True,
         auth_token: str | None = None,
-        steps: Steps | None = None,
     ) -> None:
-        """steps: the gateway's step gather (shared by its two clients); None: each round call goes alone."""
         service = pb.DESCRIPTOR.services_by_name[self.SERVICE].full_name
-        self._steps = steps
         self.address = address
         self.timeout_s = timeout_s
         self._token = auth_token  # the shared secret (runtime/auth.py): in every call's metadata and lane hello
@@ -99,10 +89,10 @@ class GrpcClient:
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stub = self.STUB(self._channel)
-        self._bulk = {  # the BULK calls' unary forms, for requests in pieces and unparsed answers
+        self._unary = {  # the calls' unary forms, for requests in pieces and unparsed answers
             rpc: self._channel.unary_unary(f"/{service}/{rpc}", request_serializer=_serialized,
                                            response_deserializer=self.STREAMED[rpc] and self.STREAMED[rpc].FromString)
-            for rpc in self.BULK
+            for rpc in self.STREAMED
         }
         self._streams: dict[tuple[str, str], SessionStream] = {}  # (rpc, session id) -> that session's calls of rpc
         host, _, port = address.rpartition(":")  # only a plain HOST:PORT address has a host a lane port adds to
@@ -124,15 +114,16 @@ class GrpcClient:
         return reply
 
     async def _session_call(self, rpc: str, session_id: str, request: Any) -> Any:
-        """`rpc` (one of STREAMED) for one session: over the session's lane connection, stream of `<rpc>Stream` or,
-        for a BULK call without a lane, unary calls (opened on first use). A lane's next request goes as soon as
-        this one is sent (the server answers in order); the other transports take one request at a time. Any
-        failure ends that connection or stream; the next call opens a new one."""
+        """`rpc` (one of STREAMED) for one session (or a step: STEP_KEY): over its lane connection, or without a lane
+        unary calls (opened on first use). A lane's next request goes as soon as this one is sent (the server
+        answers in order); unary calls take one request at a time. Any failure ends that connection; the next call
+        opens a new one."""
         key = (rpc, session_id)
         stream = self._streams.get(key)
         if stream is None:  # (not setdefault: it would build a SessionStream and its lock on every round call)
             stream = self._streams[key] = SessionStream()
         await stream.lock.acquire()  # a caller cancelled while it waits here has sent nothing: nothing to drop
+        answer: asyncio.Future | None = None
         try:
             try:
                 async with asyncio.timeout(self.timeout_s):
@@ -151,15 +142,15 @@ class GrpcClient:
         except CallFailed as exc:
             code, details = exc.code, exc.details
         except BaseException:  # cancelled: the answer, if it comes, belongs to nobody
-            self._drop(key, stream)
+            if answer is None:  # (a lane's request sent: the lane passes its answer over, the requests behind it stand)
+                self._drop(key, stream)
             raise
         self._drop(key, stream)
         raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
 
-    async def _open(self, rpc: str) -> Lane | GrpcStream | UnaryCalls:
+    async def _open(self, rpc: str) -> Lane | UnaryCalls:
         """A new connection to the service's round lane, or, where it has none or it is unreachable (the port is
-        asked for again at the next session's first call: the service may have moved), a new gRPC stream, or
-        unary calls for a BULK call."""
+        asked for again at the next session's first call: the service may have moved), unary calls."""
         if self._lanes and self._lane_port is None:
             with contextlib.suppress(BackendError):
                 await self._info()
@@ -176,14 +167,7 @@ class GrpcClient:
                 log.warning("round lane %s:%d of %s unreachable (%s): this session's %s calls go over gRPC",
                             self._lane_host, self._lane_port, self.address, exc, rpc)
                 self._lane_port = None
-        if rpc in self.BULK:
-            return UnaryCalls(self._bulk[rpc], self.timeout_s, self._metadata)
-        # No deadline on the stream itself: it lives as long as the session, each answer has one.
-        return GrpcStream(getattr(self._stub, f"{rpc}Stream")(metadata=self._metadata))
-
-    def _tracked(self, session_id: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """Around a call that is not a round call: the step knows the session is waiting on it."""
-        return self._steps.calling(session_id) if self._steps is not None else contextlib.nullcontext()
+        return UnaryCalls(self._unary[rpc], self.timeout_s, self._metadata)
 
     async def _batch(self, rpc: str, batch: Message, outcomes: Callable[[Message], Any], answer: Callable[[Any], Any],
                      expected: int) -> list[Any]:

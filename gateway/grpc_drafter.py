@@ -1,5 +1,4 @@
-"""The round loop's DrafterClient over gRPC (gateway/grpc_client.py): with a `Steps` (gateway/steps.py), the
-Draft calls of all running sessions go out in steps, as one DraftBatch call each.
+"""The step engine's DrafterClient over gRPC (gateway/grpc_client.py): a step's drafts go as one DraftBatch call.
 
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
@@ -9,14 +8,12 @@ Draft calls of all running sessions go out in steps, as one DraftBatch call each
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 from protos.types import DrafterInfo, DraftTree
+from gateway.backends import DraftAsk
 from gateway.grpc_client import GrpcClient
-from gateway.steps import StepKind
 from protos import tensors
 from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
@@ -24,22 +21,10 @@ from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 
 
 class GrpcDrafter(GrpcClient):
-    queues = False  # (remote: the round loop starts its drafts early anyway)
-    chains = False
-    STREAMED = {"Draft": pb.DraftResponse, "Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
-    BULK = frozenset({"Append", "DraftBatch"})
+    STREAMED = {"Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
     _known: DrafterInfo | None = None  # info(), once asked
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._drafts: StepKind | None = (None if self._steps is None
-                                         else self._steps.kind("DraftBatch", self._send_drafts))
-
-    async def _send_drafts(self, requests: list[pb.DraftRequest]) -> list[Any]:
-        return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
-                                 lambda outcome: outcome.draft, len(requests))
 
     @property
     def block_size(self) -> int:
@@ -62,41 +47,29 @@ class GrpcDrafter(GrpcClient):
     async def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt: Sequence[int] = ()) -> int:
         request = pb.DrafterStartSessionRequest(session_id=session_id, capacity=capacity, grammar=grammar,
                                                 prompt=prompt)
-        async with self._tracked(session_id):
-            return (await self._call("StartSession", self._stub.StartSession, request)).reused
+        return (await self._call("StartSession", self._stub.StartSession, request)).reused
 
-    async def draft(
-        self,
-        session_id: str,
-        features: torch.Tensor | tensors.WireTensor | None,
-        root_token: int,
-        root_position: int,
-        budget: int,
-        top_k: int | None,
-        committed: Sequence[int] = (),
-    ) -> tuple[DraftTree, dict[str, float]]:
-        request = pb.DraftRequest(
-            session_id=session_id, root_token=root_token, root_position=root_position, budget=budget, top_k=top_k or 0,
-            committed=committed,
-        )
-        if features is not None:
-            tensors.tensor_to_pb(features, out=request.features)  # the verifier's features pass on as they came
-        if self._drafts is not None:
-            return tensors.draft_from_pb(await self._steps.submit(self._drafts, session_id, request), wire=True)
-        return tensors.draft_from_pb(await self._session_call("Draft", session_id, request), wire=True)
+    async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
+        requests = []
+        for ask in asks:
+            request = pb.DraftRequest(session_id=ask.session_id, root_token=ask.root_token,
+                                      root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
+                                      committed=ask.committed)
+            if ask.features is not None:
+                tensors.tensor_to_pb(ask.features, out=request.features)  # the verifier's features pass on as they came
+            requests.append(request)
+        answers = await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
+                                    lambda outcome: outcome.draft, len(requests))
+        return [a if isinstance(a, Exception) else tensors.draft_from_pb(a, wire=True) for a in answers]
 
-    async def append(
-        self, session_id: str, features: torch.Tensor | tensors.WireTensor | relay.WireFeatures
-    ) -> None:
+    async def append(self, session_id: str, features: Any) -> None:
         if isinstance(features, relay.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
             request = features.append_request(session_id)
         else:
             request = pb.AppendRequest(session_id=session_id)
             tensors.tensor_to_pb(features, out=request.features)
-        async with self._tracked(session_id):
-            await self._session_call("Append", session_id, request)
+        await self._session_call("Append", session_id, request)
 
     async def end_session(self, session_id: str) -> None:
-        async with self._tracked(session_id):
-            await self._end_streams(session_id)
-            await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))
+        await self._end_streams(session_id)
+        await self._call("EndSession", self._stub.EndSession, pb.DrafterEndSessionRequest(session_id=session_id))

@@ -23,7 +23,6 @@ from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.fit import info_misfit
 from gateway.grpc_client import BackendError
-from gateway.steps import Steps
 from gateway.tree_fit import TreeFit
 
 log = logging.getLogger("ddtree.gateway")
@@ -47,7 +46,6 @@ class DrafterBackend(DrafterClient, Protocol):
 class Backends:
     verifier: VerifierBackend
     drafter: DrafterBackend | None  # None: autoregressive only
-    steps: Steps | None = None  # the step gather both gRPC clients share (gateway/steps.py), whose sizes are metrics
     tree_fit: TreeFit | None = None  # the verifier client's cut of each step's trees, whose sizes are metrics
 
 

@@ -23,7 +23,7 @@ PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.
 TREE_SIZE_BUCKETS = (1, 2, 4, 7, 8, 15, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)  # B-1 chains: 7, 15
 ACCEPT_BUCKETS = tuple(range(1, 17)) + (20, 24, 32)  # tokens committed per round (accepted + bonus)
 STEP_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # requests' calls in one batch call
-PHASES = ("draft", "tree", "verify", "walk", "server", "transport", "relay")
+PHASES = ("draft", "tree", "verify", "walk", "server", "transport")
 
 
 class Metrics:
@@ -65,8 +65,7 @@ class Metrics:
                                "drafter's forward), tree (the tree build), verify (the target's forward) and walk "
                                "(the acceptance walk and KV compaction); server their host work around it (request "
                                "decoding, host syncs, answer encoding), transport the rest (both ways over the round "
-                               "lane or gRPC, and the gateway's orchestration); relay a request's first draft "
-                               "waiting for its prompt's features on their way to the drafter (0 in every other round)",
+                               "lane or gRPC, and the gateway's orchestration)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.step_calls = Histogram("ddtree_step_batch_size", "Requests' round calls sent in one batch call of a step "
                                     "(rpc DraftBatch or VerifyBatch; the step scheduler)", ["rpc"],
@@ -132,9 +131,7 @@ class Metrics:
         server = max(0.0, t.get("draft_server_s", draft) - draft) + max(0.0, t.get("verify_server_s", verify) - verify)
         phases["server"].observe(server)
         # every round, as verify, walk, server and transport: their means stack to a round's
-        relay = t.get("relay_s", 0.0)
-        phases["relay"].observe(relay)
-        phases["transport"].observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server - relay))
+        phases["transport"].observe(max(0.0, t.get("round_s", 0.0) - draft - verify - server))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

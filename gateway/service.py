@@ -1,9 +1,8 @@
-"""The gateway's core, free of HTTP: prompts, request limits, the round loop per request, text deltas.
+"""The gateway's core, free of HTTP: prompts, request limits, the step engine for every request, text deltas.
 
-Each request's round loop runs in its own task, fed to the request through a queue. A client that goes away
-cancels that task (or it simply finishes), and run_rounds' `finally` then ends both sessions. The loop runs in
-a task of its own because the HTTP side is cancelled by anyio, whose cancellation repeats at every await:
-inside the request's task the session cleanup itself would be cancelled and the servers would keep the session.
+Each admitted request submits a sequence to the one step engine (gateway/engine.py) and reads its rounds. A client
+that goes away cancels its sequence; the engine ends its sessions in tasks of its own, which the HTTP side's
+cancellation (anyio's repeats at every await) cannot cut short.
 """
 
 from __future__ import annotations
@@ -15,25 +14,25 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from protos.types import SamplingParams
 from gateway.admission import RETRY_AFTER_S, RunningLimit, SpeculationByLoad
 from gateway.chat import ChatTemplateArgs, render, warn_unrendered_tools
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
+from gateway.engine import Engine
+from gateway.generation import Delta, GenerationRequest, ModelInfo
 from gateway.grpc_client import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
-from gateway.generation import Delta, GenerationRequest, ModelInfo
 from gateway.openai_api import APIError
 from gateway.openai_responses import TokenLogprob
-from gateway.resume import MemoryWaits, resumed_rounds
-from gateway.rounds import Round, Speculation, run_rounds
+from gateway.sequence import Round, Sequence, Speculation
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
@@ -51,25 +50,23 @@ class GatewayService:
         self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
         warn_unrendered_tools(tokenizer, self.chat_template)
         self.metrics = Metrics()
-        if backends.steps is not None:
-            backends.steps.sizes = self.metrics.step_calls
         if backends.tree_fit is not None:
             backends.tree_fit.chosen = self.metrics.fit_nodes
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
         self._by_load = SpeculationByLoad(config.speculate_up_to)
-        self._memory = MemoryWaits()  # requests waiting for the verifier's KV memory (gateway/resume.py)
+        self.engine = Engine(backends.verifier, backends.drafter, config.prefill_chunk, self.monitor.drafter_failed,
+                             self._keep_speculating, self._observe_step, self.metrics.resumed.inc)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
-        # the running requests' round queues and their round loops, for the end of a drain
-        self._decoding: dict[asyncio.Queue, asyncio.Task] = {}
+        self._decoding: set[Sequence] = set()  # the running requests' sequences, for the end of a drain
         # templating and tokenizing a long prompt take long enough to stall every stream if run on the event loop;
         # one thread, because a fast tokenizer must not be used from two at once
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._loops: set[asyncio.Task] = set()  # round loops in flight, so shutdown can end their sessions
 
     async def start(self) -> None:
         await self.monitor.start()
+        self.engine.start()
 
     def drain(self, grace: float) -> None:
         """Shutdown has begun: new requests get 503, and those still waiting or running after `grace` seconds end
@@ -87,18 +84,14 @@ class GatewayService:
             log.warning("shutdown grace of %.1f s over: ending %d requests with 503", grace, ended)
             self.metrics.shed.labels("shutdown").inc(ended)
         self._slots.fail_waiters(self._closing)
-        for queue, loop in list(self._decoding.items()):
-            _end_request(queue, loop, self._closing)
-        for loop in self._loops:
-            loop.cancel()  # their sessions end as a gone client's do
+        for seq in list(self._decoding):
+            self.engine.cancel(seq, self._closing)  # their sessions end as a gone client's do
 
     async def stop(self) -> None:
-        """Stops the health checks, cancels every round loop and waits for the loops to end their sessions."""
+        """Stops the health checks and the engine, whose sequences end their sessions."""
         if self._drain is not None:
             self._drain.cancel()
-        for loop in self._loops:
-            loop.cancel()
-        await asyncio.gather(self.monitor.stop(), *self._loops, return_exceptions=True)
+        await asyncio.gather(self.monitor.stop(), self.engine.stop(), return_exceptions=True)
         self._text_thread.shutdown(wait=False)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -185,7 +178,7 @@ class GatewayService:
                              "(--request-timeout)", type="server_error", code="timeout")
 
     def _failure(self, exc: Exception) -> APIError:
-        """A round loop's failure as the request's answer: 503 (with Retry-After) when the verifier is gone or out
+        """A sequence's failure as the request's answer: 503 (with Retry-After) when the verifier is gone or out
         of sessions, else 500. Either names the call that failed."""
         if isinstance(exc, APIError):
             return exc
@@ -194,7 +187,7 @@ class GatewayService:
             self.metrics.shed.labels("unavailable").inc()
             return APIError(503, f"the model is unavailable, retry later: {exc}", type="server_error",
                             code="service_unavailable", retry_after=self.retry_after_unavailable)
-        log.error("round loop failed", exc_info=exc)
+        log.error("generation failed", exc_info=exc)
         return APIError(500, f"generation failed: {exc}", type="server_error")
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
@@ -212,11 +205,11 @@ class GatewayService:
         finally:
             self.metrics.waiting.dec()
         self.metrics.running.inc()
-        finish = "abort"  # unless the loop ends or fails: the client went away
-        slot: list[asyncio.Task] = []  # the round loop, once started: it frees the slot when done
+        finish = "abort"  # unless the sequence ends or fails: the client went away
+        ended: list[asyncio.Future] = []  # the sequence's sessions' end, once submitted: it frees the slot
         try:
-            # Closed explicitly, so a request that is given up ends its round loop now, not when collected.
-            async with contextlib.aclosing(self._decode(req, arrival, deadline, slot)) as deltas:
+            # Closed explicitly, so a request that is given up ends its sequence now, not when collected.
+            async with contextlib.aclosing(self._decode(req, arrival, deadline, ended)) as deltas:
                 async for delta in deltas:
                     finish = delta.finish_reason or finish
                     yield delta
@@ -224,11 +217,11 @@ class GatewayService:
             finish = "error"
             raise
         finally:
-            if slot:
-                # Only once the loop has ended the request's sessions: the last answer reaches the client first,
+            if ended:
+                # Only once the engine has ended the request's sessions: the last answer reaches the client first,
                 # and the next request must not find the model services' session slots still held (with as many
-                # running requests as the verifier has slots, its StartSession would fail).
-                slot[0].add_done_callback(lambda _: self._ended())
+                # running requests as the verifier has slots, its session's start would fail).
+                ended[0].add_done_callback(lambda _: self._ended())
             else:
                 self._ended()
             self.metrics.running.dec()
@@ -236,14 +229,13 @@ class GatewayService:
             self.metrics.e2e.observe(time.perf_counter() - arrival)
 
     def _ended(self) -> None:
-        """A request's slot is free, and the memory its sessions held, for the requests that wait for either."""
+        """A request's slot is free, for the requests that wait for one."""
         self._slots.release()
-        self._memory.freed()
 
     def _running_limit(self) -> int:
         """max_running, lowered to the sessions the verifier holds at once (as its Info reports them): a request
         past those would fail its StartSession rather than wait. Not the drafter's: a request that finds its
-        sessions all held decodes AR (run_rounds), and past --speculate-up-to requests do anyway."""
+        sessions all held decodes AR (Engine._prefill), and past --speculate-up-to requests do anyway."""
         info = self.monitor.verifier_info
         limit = self.config.max_running
         if info is not None and info.max_sessions > 0:
@@ -254,31 +246,37 @@ class GatewayService:
         return limit
 
     async def _decode(
-        self, req: GenerationRequest, arrival: float, deadline: float | None, started: list[asyncio.Task]
+        self, req: GenerationRequest, arrival: float, deadline: float | None, ended: list[asyncio.Future]
     ) -> AsyncIterator[Delta]:
-        """The request's deltas from its round loop, a task of its own, which is appended to `started`. Past the
+        """The request's deltas from its sequence's rounds; the sequence's `ended` is appended to `ended`. Past the
         `deadline` (event-loop time) the request ends as a drain ends it."""
-        queue: asyncio.Queue[Round | Exception] = asyncio.Queue()
-        loop = asyncio.create_task(self._run_loop(req, queue, arrival))
-        self._decoding[queue] = loop
-        started.append(loop)
-        self._loops.add(loop)
-        loop.add_done_callback(self._loops.discard)
+        spec = req.spec if self._drafter_for(req) is not None else Speculation("ar", req.spec.budget)
+        params, stops = req.params, frozenset(req.stop_ids)
+        if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
+            params = replace(params, stop_ids=tuple(sorted(stops)))
+        seq = Sequence(list(req.prompt), params, spec, req.max_tokens, stops)
+        begun = time.perf_counter()
+        self.metrics.queue_time.observe(begun - arrival)
+        self.engine.submit(seq)
+        self._decoding.add(seq)
+        ended.append(seq.ended)
         expiry = None if deadline is None else asyncio.get_running_loop().call_at(
-            deadline, lambda: _end_request(queue, loop, self._timed_out()))
+            deadline, lambda: self.engine.cancel(seq, self._timed_out()))
         text_stream = TextStream(self.tokenizer, req.text)
-        generated, last, loop_done = 0, arrival, False
+        generated, last, done = 0, arrival, False
         self.metrics.prompt_tokens.inc(len(req.prompt))
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    loop_done = True  # failed, or cancelled by the drain or deadline that sent this: nothing to cancel
+                item = await seq.rounds.get()
+                if isinstance(item, BaseException):
+                    self.monitor.recheck()
                     raise self._failure(item) from item
                 now = time.perf_counter()
+                if item.index == 0:
+                    self.metrics.prefill_time.observe(now - begun)
                 self._observe_latency(item, now - last)
                 last = now
-                loop_done = item.finish_reason is not None
+                done = item.finish_reason is not None
                 text = ""
                 logprobs = self._token_logprobs(item)
                 for i, token in enumerate(item.tokens):
@@ -291,7 +289,7 @@ class GatewayService:
                     if matched:
                         yield Delta(text, "stop", generated, None if logprobs is None else logprobs[: i + 1])
                         return
-                if loop_done:
+                if done:
                     tail, matched = text_stream.finish()
                     yield Delta(text + tail, "stop" if matched else item.finish_reason, generated, logprobs)
                     return
@@ -300,9 +298,8 @@ class GatewayService:
         finally:
             if expiry is not None:
                 expiry.cancel()
-            self._decoding.pop(queue, None)
-            if not loop_done:  # a finished loop is ending its sessions now: cancelling would cut that short
-                loop.cancel()
+            self._decoding.discard(seq)
+            self.engine.cancel(seq)  # (a finished sequence is done already)
 
     def _token_logprobs(self, rnd: Round) -> list[TokenLogprob] | None:
         """The round's tokens' logprobs as text; None where the request did not ask for them. A logprob too small
@@ -316,6 +313,10 @@ class GatewayService:
         lp = rnd.logprobs
         return [TokenLogprob(text(t), max(v, -9999.0), tuple((text(a), max(b, -9999.0)) for a, b in zip(ids, values)))
                 for t, v, ids, values in zip(rnd.tokens, lp.logprobs, lp.top_ids, lp.top_logprobs)]
+
+    def _observe_step(self, rpc: str, calls: int) -> None:
+        """A step's batch call (Draft or Verify) of `calls` sequences."""
+        self.metrics.step_calls.labels(f"{rpc}Batch").observe(calls)
 
     def _observe_latency(self, rnd: Round, interval: float) -> None:
         if rnd.index == 0:
@@ -343,43 +344,13 @@ class GatewayService:
     def _keep_speculating(self) -> bool:
         """Whether a running speculating request goes on speculating (SpeculationByLoad, as a request that begins
         now): no once more requests hold a decoding slot than --speculate-up-to, and the request then goes on AR
-        (run_rounds)."""
+        (Engine._commit)."""
         if self._by_load.speculates(self._slots.held):
             return True
         self.metrics.load_yield.inc()
         return False
 
-    async def _run_loop(self, req: GenerationRequest, queue: asyncio.Queue, arrival: float) -> None:
-        drafter = self._drafter_for(req)
-        spec = req.spec if drafter is not None else Speculation("ar", req.spec.budget)
-
-        def rounds(prompt: list[int], params: SamplingParams, max_tokens: int) -> AsyncIterator[Round]:
-            return run_rounds(self.backends.verifier, drafter, prompt, params, spec, max_tokens, list(req.stop_ids),
-                              self.monitor.drafter_failed, self.config.prefill_chunk, self.backends.steps,
-                              self.config.decode_steps, self._keep_speculating)
-
-        try:
-            await self._memory.admit()  # after the requests given up for memory, which go first
-            begun = time.perf_counter()
-            self.metrics.queue_time.observe(begun - arrival)
-            async for rnd in resumed_rounds(rounds, req.prompt, req.params, req.max_tokens, self._memory,
-                                            lambda: self._slots.held - 1, self.metrics.resumed.inc):
-                if rnd.index == 0:
-                    self.metrics.prefill_time.observe(time.perf_counter() - begun)
-                queue.put_nowait(rnd)
-        except Exception as exc:  # noqa: BLE001 - handed to the request, which answers it
-            self.monitor.recheck()
-            queue.put_nowait(exc)
-
-
 def _ticket(gen: GenerationRequest) -> int:
     """An admitted choice's reservation (RunningLimit.reserve). By identity, unique while the choice lives: a
     request's choices may be equal, and a generation is not hashable."""
     return id(gen)
-
-
-def _end_request(queue: asyncio.Queue, loop: asyncio.Task, error: APIError) -> None:
-    """Ends a running request with `error` as its answer, and its round loop, whose sessions then end as a gone
-    client's do (run_rounds' cleanup is shielded from the cancellation)."""
-    queue.put_nowait(error)
-    loop.cancel()

@@ -187,7 +187,7 @@ class TreeFit:
                      sessions: Mapping[str, float] | None = None) -> None:
         """A verify batch's calls and their answers (a StepResponse each, or the call's own error), sent at `sent`
         (perf_counter): each verified round's accepted path, and, where `whole` (the batch ran as one forward, not
-        behind another nor as chained steps), the forward's cost at its rows. Never fails: the answers are the
+        behind another), the forward's cost at its rows. Never fails: the answers are the
         step's whatever the measurements make of them."""
         try:
             known, rows = sessions or {}, 0

@@ -32,7 +32,7 @@ class PinnedReadback:
         self.host = torch.empty(capacity, dtype=dtype, pin_memory=cuda)
         self._device_view = None  # the same bytes, as a CUDA tensor
         # target()'s views by shape: a round's readback has the same shape round after round, and making the two
-        # views is host time that every chained round would pay again
+        # views is host time that every round would pay again
         self._targets: dict[torch.Size, tuple[torch.Tensor, torch.Tensor]] = {}
         if cuda:
             raw = _CudaArray(self.host.data_ptr(), self.host.numel() * self.host.element_size())

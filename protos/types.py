@@ -53,7 +53,7 @@ class SamplingParams:
     @property
     def raw_argmax(self) -> bool:
         """The target's choice is the argmax of its raw logits and nothing else is read from them: the only rounds
-        the captured paths (argmax inside a CUDA graph, chained rounds) serve."""
+        the captured paths (argmax inside a CUDA graph) serve."""
         return self.greedy and not self.processed and self.logprobs is None and not self.grammar
 
     @property

@@ -12,12 +12,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
-from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, VerifierInfo
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
-from gateway.rounds import Speculation, run_rounds
+from gateway.backends import DraftAsk, VerifyAsk
 from gateway.health import Backends
+from gateway.rounds import Speculation, run_rounds
+from protos.types import (
+    DrafterInfo,
+    SamplingParams,
+    StepResult,
+    VerifierInfo,
+)
 from tests.conftest import VOCAB, make_target
+from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
 
 # ChatML specials first (ids 0-3, as in the demo tokenizer), single characters, byte-fallback tokens for "é" (C3 A9)
 # and "€" (E2 82 AC) so multi-byte characters span several tokens, and the drafter's mask token last (id 47).
@@ -48,13 +54,9 @@ class ServiceVerifier(LocalVerifier):
 
     healthy = True
 
-    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
+    async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
         await asyncio.sleep(0)
-        return await super().verify(session_id, tree)
-
-    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
-        await asyncio.sleep(0)
-        return await super().decode(session_id, steps, untap)
+        return await super().verify(asks)
 
     async def info(self) -> VerifierInfo:
         e = self.engine
@@ -83,10 +85,10 @@ class ServiceDrafter(LocalDrafter):
     async def health(self) -> bool:
         return self.healthy
 
-    async def draft(self, *args, **kwargs):
+    async def draft(self, asks: list[DraftAsk]):
         if self.broken:
             raise ConnectionError("drafter is gone")
-        return await super().draft(*args, **kwargs)
+        return await super().draft(asks)
 
 
 def local_backends(target: Path, drafter: Path) -> Backends:

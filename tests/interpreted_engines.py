@@ -30,8 +30,8 @@ def check_drafter() -> None:
 
 def check_verify() -> None:
     """The verifier's captured rounds through the batch op and the batch compaction (plain calls in the
-    interpreter, replayed graphs on a GPU): lone rounds (batches of one), chained rounds and batches of two sessions
-    give the target's own greedy tokens, deep acceptance included."""
+    interpreter, replayed graphs on a GPU): lone rounds (batches of one), a session's rounds back to back and
+    batches of two sessions, trees and AR steps, give the target's own greedy tokens, deep acceptance included."""
     import random
     import tempfile
     from pathlib import Path
@@ -60,7 +60,7 @@ def check_verify() -> None:
 
     def tree(name: str, root: int, at: int, depth: int):
         made = oracle_tree(rng, root, truths[name][at:], depth, depth + 1)
-        # on the device, as a co-located drafter's: a chained round's copy from the host would wait for the first
+        # on the device, as a co-located drafter's
         return DraftTree(made.tokens.to(DEVICE), made.parents.to(DEVICE), made.depths.to(DEVICE), made.max_depth)
 
     for round_ in range(6):
@@ -69,27 +69,28 @@ def check_verify() -> None:
             steps = dict(zip(prompts, engine.verify_batch(calls)))
         elif round_ % 3 == 1:  # each alone: a batch of one
             steps = {name: engine.verify(name, tree(name, got[name][-1], len(got[name]), 4)) for name in prompts}
-        else:  # session a's two rounds chained, the second's start and root from the first's outcome
-            first = engine.launch("a", tree("a", got["a"][-1], len(got["a"]), 3))
-            second = engine.launch("a", tree("a", 0, len(got["a"]) + 4, 2))
-            steps = {"a": engine.collect(first), "a2": engine.collect(second)}  # checked in this order
+        else:  # session a's two rounds back to back, the second from the first's outcome
+            first = engine.verify("a", tree("a", got["a"][-1], len(got["a"]), 3))
+            at = len(got["a"]) + len(first.tokens)
+            steps = {"a": first, "a2": engine.verify("a", tree("a", first.tokens[-1], at, 2))}  # checked in order
         for name, step in steps.items():
             session = name[0]
             want = truths[session][len(got[session]) : len(got[session]) + len(step.tokens)]
             assert step.tokens == want, (round_, name, step.tokens, want, len(got[session]))
             got[session] += step.tokens
     assert sum(len(tokens) for tokens in got.values()) > 40  # deep acceptance
-    # AR steps in a row, chained on the device (sessions without taps): a batch asking 7 and 3, then a lone 5
+    # AR steps of two sessions without taps, batched (one replay each), then a lone one
     from verify_server.step_inputs import ROOT_ONLY
 
     for name in ("a", "b"):
         engine.start_session(f"{name}-ar", 200, SamplingParams(), taps=[])
         assert engine.prefill(f"{name}-ar", prompts[name]).tokens == truths[name][:1]
-    batch = engine.verify_batch([("a-ar", ROOT_ONLY), ("b-ar", ROOT_ONLY)], steps=[7, 3])
-    assert [step.tokens for step in batch] == [truths["a"][1:8], truths["b"][1:4]], batch
-    assert engine.decode("a-ar", steps=5).tokens == truths["a"][8:13]
+    for n in range(1, 4):
+        batch = engine.verify_batch([("a-ar", ROOT_ONLY), ("b-ar", ROOT_ONLY)])
+        assert [step.tokens for step in batch] == [truths["a"][n : n + 1], truths["b"][n : n + 1]], (n, batch)
+    assert engine.decode("a-ar").tokens == truths["a"][4:5]
     check_prompt_batch(engine, model)
-    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens; AR steps in a row ok; "
+    print("verify ok", {name: len(tokens) for name, tokens in got.items()}, "tokens; batched AR steps ok; "
           "prompts in one forward ok")
 
 

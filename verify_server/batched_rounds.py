@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
-from protos.types import DraftTree, StepResult, TokenLogprobs
+from protos.types import DraftTree, StepResult
 from runtime.timing import TimerEvents
 from verify_server.fused_runner import FusedRunner
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, commit_captured, session_draws, timed, walk_and_commit
+from verify_server.walk import TreeRows, commit_captured, session_draws, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +29,12 @@ log = logging.getLogger(__name__)
 Verify = Callable[[str, DraftTree, bool], StepResult]
 
 
-def verify_alone(
-    verify: Verify, session_id: str, tree: DraftTree, host_features: bool, steps: int = 1
-) -> StepResult | Exception:
-    """verify() `steps` times in a row -> their results joined, or the exception the first one raised (the call's
-    own outcome; the batch goes on)."""
-    outcome = None
-    for _ in range(steps):
-        try:
-            step = verify(session_id, tree, host_features)
-        except Exception as exc:  # noqa: BLE001
-            step = exc
-        outcome = joined(outcome, step)
-        if isinstance(step, Exception):
-            break
-    return outcome
+def verify_alone(verify: Verify, session_id: str, tree: DraftTree, host_features: bool) -> StepResult | Exception:
+    """verify() -> its result, or the exception it raised (the call's own outcome; the batch goes on)."""
+    try:
+        return verify(session_id, tree, host_features)
+    except Exception as exc:  # noqa: BLE001
+        return exc
 
 
 class BatchedRounds:
@@ -58,74 +49,11 @@ class BatchedRounds:
         self.verify = verify  # a call that cannot join the batch runs alone through it
 
     def verify_batch(
-        self, calls: list[tuple[str, DraftTree]], host_features: bool = False, steps: Sequence[int] | None = None
+        self, calls: list[tuple[str, DraftTree]], host_features: bool = False
     ) -> list[StepResult | Exception]:
-        """calls: (session id, tree) pairs, a Decode's tree being the root alone; steps: how many AR steps in a row
-        each call runs (a Decode's; a tree's is 1; None: one each) -> each call's StepResult, or the exception
-        verify() would raise for it. A call of several steps answers with all their tokens (features, logprobs) in
-        one StepResult, or, where a later step fails, with those of the steps before it.
-
-        Plain greedy Decodes of sessions without taps on the captured path run their steps chained on the device
-        (_chain_decodes: one host sync for all of them). Every other call runs step by step (_step), each step's
-        calls of sessions on the fused path, prefilled, with no round queued, whose tree fits, with the same tapped
-        layers, in one forward."""
-        left = [1] * len(calls) if steps is None else list(steps)  # each call's steps still to run
-        outcomes: list[StepResult | Exception | None] = [None] * len(calls)
-        if max(left, default=1) > 1:
-            self._chain_decodes(calls, left, outcomes)
-        while ready := _next_steps(calls, left):
-            for i, outcome in zip(ready, self._step([calls[i] for i in ready], host_features)):
-                outcomes[i] = joined(outcomes[i], outcome)
-                left[i] = 0 if isinstance(outcome, Exception) else left[i] - 1
-        return outcomes
-
-    def _chain_decodes(
-        self, calls: list[tuple[str, DraftTree]], left: list[int], outcomes: list[StepResult | Exception | None]
-    ) -> None:
-        """The Decodes that can chain their steps on the device (plain greedy, no taps, captured, room for their
-        steps; a session's first call of the batch) in one run of TreeSteps.ar_steps: their outcomes filled in and
-        their steps left set to 0. An out-of-memory leaves them all to _step (nothing is committed yet)."""
-        if self.fused is None or not self.fused.static:
-            return
-        members: list[int] = []
-        sessions: list[VerifySession] = []
-        seen: set[str] = set()
-        for i, (session_id, tree) in enumerate(calls):
-            sess = self.sessions.get(session_id)
-            if (tree.tokens.shape[0] != 1 or sess is None or sess.root is None or sess.inflight or sess.taps
-                    or not sess.params.raw_argmax or session_id in seen
-                    or not sess.has_room(sess.cache.length + left[i])):
-                continue
-            members.append(i)
-            sessions.append(sess)
-            seen.add(session_id)
-        wanted = [left[i] for i in members]
-        if max(wanted, default=1) == 1:
-            return
-        items = [BatchTree(sess.cache, calls[i][1], sess.root) for i, sess in zip(members, sessions)]
-        timer = self.timers.timer()
-        try:
-            chosen = self.fused.ar_steps(items, wanted)  # [trees, max(wanted)] on the device
-        except torch.OutOfMemoryError:
-            log.warning("%d chained AR steps of %d sessions ran out of memory; stepping them one by one",
-                        max(wanted), len(items))
-            return
-        if chosen is None:
-            return
-        timer.mark()
-        host = timer.sync(chosen.tolist)  # the steps' single host sync
-        results = []
-        for i, sess, row, n in zip(members, sessions, host, wanted):
-            sess.last_used = time.monotonic()
-            sess.cache.length += n
-            sess.root = row[n - 1]
-            outcomes[i] = StepResult(row[:n], None)
-            results.append(outcomes[i])
-            left[i] = 0
-        timed(results, timer)
-
-    def _step(self, calls: list[tuple[str, DraftTree]], host_features: bool) -> list[StepResult | Exception]:
-        """One step of each call: the calls that can share a forward (plain greedy rounds, rounds sampled with
+        """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
+        exception verify() would raise for it. The calls that can share a forward (sessions on the fused path,
+        prefilled, whose tree fits, with the same tapped layers; plain greedy rounds, rounds sampled with
         temperature and min-p alone, and the others apart; on an engine with static buffers, each of the first two
         kinds captured in one graph with its choices) in one; the others (and a session's second call in one batch,
         which comes after its first) alone, in order, after it."""
@@ -134,8 +62,10 @@ class BatchedRounds:
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         groups: dict[tuple, list[int]] = {}
         batched: dict[str, VerifySession] = {}
+        seen: set[str] = set()
         for i, (session_id, tree) in enumerate(calls):
-            sess = self._batchable(session_id, tree, batched)
+            sess = self._batchable(session_id, tree, seen)
+            seen.add(session_id)
             if sess is not None:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
                 batched[session_id] = sess
                 params = sess.params
@@ -151,14 +81,12 @@ class BatchedRounds:
                 outcomes[i] = verify_alone(self.verify, session_id, tree, host_features)
         return outcomes
 
-    def _batchable(
-        self, session_id: str, tree: DraftTree, batched: dict[str, VerifySession]
-    ) -> VerifySession | None:
+    def _batchable(self, session_id: str, tree: DraftTree, seen: set[str]) -> VerifySession | None:
         """The session when this call can join the batch, marked used as verify() marks it; None for verify() to
-        run (or to refuse) it alone, such as a session's second call, which must come after its first (`batched`:
-        the sessions already in)."""
+        run (or to refuse) it alone, such as a session's second call, which must come after its first (`seen`: the
+        sessions of the calls before)."""
         sess = self.sessions.get(session_id)
-        if self.fused is None or sess is None or sess.root is None or sess.inflight or session_id in batched:
+        if self.fused is None or sess is None or sess.root is None or session_id in seen:
             return None
         q = tree.tokens.shape[0]
         if q > MAX_GRAPH_NODES or not sess.has_room(sess.cache.length + q):
@@ -209,31 +137,3 @@ class BatchedRounds:
                           None if features is None else features[b * qb : b * qb + q], item.tree.max_depth)
                  for b, (x, q, item) in enumerate(zip(xs, q_lens, items))]
         return walk_and_commit(sessions, trees, timer, host_features)
-
-
-def _next_steps(calls: list[tuple[str, DraftTree]], left: list[int]) -> list[int]:
-    """The calls whose next step runs now: each session's first call with steps left (a session's later call in
-    the batch waits until its earlier one is done)."""
-    ready, busy = [], set()
-    for i, (session_id, _) in enumerate(calls):
-        if left[i] > 0 and session_id not in busy:
-            ready.append(i)
-            busy.add(session_id)
-    return ready
-
-
-def joined(before: StepResult | Exception | None, step: StepResult | Exception) -> StepResult | Exception:
-    """A call's outcome after one more of its steps: the steps' tokens, features and logprobs in order, their
-    forward and walk times summed; a step that fails after others committed leaves their result."""
-    if before is None:
-        return step
-    if isinstance(step, Exception):
-        return before
-    features = None if before.features is None else torch.cat((before.features, step.features))
-    logprobs = None
-    if before.logprobs is not None:
-        a, b = before.logprobs, step.logprobs
-        logprobs = TokenLogprobs(a.logprobs + b.logprobs, a.top_ids + b.top_ids, a.top_logprobs + b.top_logprobs)
-    timings = {name: before.timings.get(name, 0.0) + step.timings.get(name, 0.0)
-               for name in {*before.timings, *step.timings}}
-    return StepResult(before.tokens + step.tokens, features, before.forward_s + step.forward_s, timings, logprobs)

@@ -126,7 +126,7 @@ class PooledCaches:
 
     def grow(self, cache: KVCache, rows: int, kept: int) -> KVCache:
         """Its committed slots are copied over, queued on the device after whatever still writes the old slot
-        (rounds in flight), which is then released: the next session to take it runs after both."""
+        (steps launched ahead), which is then released: the next session to take it runs after both."""
         bigger = self._take(size_class(rows), 1)
         move_into(bigger, cache, kept)
         self.release(cache)

@@ -58,9 +58,9 @@ class DecodesAhead:
 
     def launchable(self, session_ids: list[str]) -> list[VerifySession] | None:
         """The sessions, where one launch can take a step of each: all known and prefilled, untapped, with their
-        choices made in the graph and all of one kind (greedy, or sampled), none twice, no round of theirs queued
-        otherwise (QueuedRounds), each with room for its step, and those with a step unread all in the last step
-        launched; else None (the caller runs the calls the ordinary way)."""
+        choices made in the graph and all of one kind (greedy, or sampled), none twice, each with room for its step,
+        and those with a step unread all in the last step launched; else None (the caller runs the calls the
+        ordinary way)."""
         if not self.fused.batches_static or len(self.unread) >= MAX_AHEAD or not session_ids:
             return None
         if len(session_ids) > self.fused.slots.max_sessions or len(set(session_ids)) < len(session_ids):
@@ -69,7 +69,7 @@ class DecodesAhead:
         found = []
         for session_id in session_ids:
             sess = self.sessions.get(session_id)
-            if (sess is None or sess.root is None or sess.taps or sess.inflight
+            if (sess is None or sess.root is None or sess.taps
                     or not (sess.params.raw_argmax or sess.params.plain_sample)):
                 return None
             if sess.ahead and sess.ahead[-1][0] is not last:
@@ -100,7 +100,7 @@ class DecodesAhead:
             if captured is None:
                 raise RuntimeError("a batch of AR steps on the static path was not captured")
             timer.mark()
-            tokens = captured[2][:, 1].clone()  # [trees] the bonus tokens: the graph's next replay rewrites its own
+            tokens = captured[0][:, 1].clone()  # [trees] the bonus tokens: the graph's next replay rewrites its own
             ring = self._readback[self._launched % len(self._readback)]
             stored, host = ring.target(tokens[: len(sessions)])
             stored.copy_(tokens[: len(sessions)])

@@ -197,18 +197,15 @@ class FusedRunner:
         return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
-        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, start: int,
-        after: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A whole greedy verify round in one replay: forward, argmax, acceptance walk (verify_server/walk.py) and
-        compaction of the accepted path's K/V to slots [start, start+k+1). -> (packed [2 + qb] as accept_path
-        returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None, cursor [2] =
-        (the next round's start, the bonus token)); None when the step is not captured (eager mode, or a tree
-        beyond the largest bucket): run it the general way. The tree may be on the host or the device; `root`
-        replaces its root token. `after`: the cursor of a round still in flight, whose outcome gives this round
-        its start and root on the device; `start` is then an upper bound (it sizes the key bucket). Every output
-        is rewritten by the next replay of the same graph. The caller tracks the committed length."""
-        return self.trees.lone_greedy(cache, taps, tree, root, start, after, self.graphs if self.static else None)
+        compaction of the accepted path's K/V to slots [length, length+k+1). -> (packed [2 + qb] as accept_path
+        returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None); None when the
+        step is not captured (eager mode, or a tree beyond the largest bucket): run it the general way. The tree may
+        be on the host or the device; `root` replaces its root token. Every output is rewritten by the next replay
+        of the same graph. The caller tracks the committed length."""
+        return self.trees.lone_greedy(cache, taps, tree, root, self.graphs if self.static else None)
 
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
@@ -257,11 +254,6 @@ class FusedRunner:
         """Rounds sampled with temperature and min-p alone, of one session or several, in one replay, their choices
         drawn in the graph (TreeSteps.sampled); None where not captured."""
         return self.trees.sampled(items, taps, self.graphs if self.static else None, draws, roots_from)
-
-    def ar_steps(self, items: list[BatchTree], counts: list[int]) -> torch.Tensor | None:
-        """counts[b] greedy AR steps of each untapped session in a row, chained on the device (TreeSteps.ar_steps)
-        -> the tokens chosen [trees, max(counts)]; None where not captured."""
-        return self.trees.ar_steps(items, counts, (), self.graphs if self.static else None)
 
     def batch_scores(
         self, items: list[BatchTree], taps: tuple[int, ...]

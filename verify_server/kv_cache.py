@@ -42,7 +42,6 @@ class KVCache:
         self.length = 0  # slots [0, length) are committed
         self.spare = spare
         self.addresses: np.ndarray | None = None  # slot_addresses, once worked out
-        self.address_column: torch.Tensor | None = None  # the same on the device, for rounds queued without the host
 
     @property
     def capacity(self) -> int:

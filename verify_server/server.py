@@ -35,7 +35,7 @@ from verify_server.config import VerifyServerConfig
 from verify_server.prefill import PrefillCall
 from verify_server.session import CapacityError, MemoryShortError, UnknownSessionError, VerifySession
 from verify_server.step_attention import INVARIANT
-from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree, decode_steps
+from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 from verify_server.warm_up import warm_up
 
@@ -220,27 +220,24 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         step of sessions whose choices the graph makes, the step is launched behind the steps still on the device
         and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
         outcomes, calls = checked(requests, lambda request: self._call(engine, request))
-        if calls and all(tree is ROOT_ONLY and steps == 1 for _, tree, steps in calls):
-            step = engine.launch_decodes([session_id for session_id, _, _ in calls])
+        if calls and all(tree is ROOT_ONLY for _, tree in calls):
+            step = engine.launch_decodes([session_id for session_id, _ in calls])
             if step is not None:
                 if len(engine.ahead.unread) > 1:
                     self.launched_ahead.inc()
                 return Deferred(step.timer.done, lambda engine: answered(outcomes, engine.read_decodes(step),
                                                                    tensors.step_to_pb))
-        results = engine.verify_batch([call[:2] for call in calls], True, [call[2] for call in calls]) if calls else []
+        results = engine.verify_batch(calls, True) if calls else []
         return answered(outcomes, results, tensors.step_to_pb)
 
     def _call(
         self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
-    ) -> tuple[str, DraftTree, int]:
-        """A round call checked -> (session id, its tree, its AR steps in a row). A Decode that asks for it untaps
-        its session first (DecodeRequest.untap)."""
-        steps = 1
-        if isinstance(request, pb.DecodeRequest):
-            steps = decode_steps(request.steps)
-            if request.untap:
-                engine.untap(request.session_id)
-        return request.session_id, self._tree(engine, request), steps
+    ) -> tuple[str, DraftTree]:
+        """A round call checked -> (session id, its tree). A Decode that asks for it untaps its session first
+        (DecodeRequest.untap)."""
+        if isinstance(request, pb.DecodeRequest) and request.untap:
+            engine.untap(request.session_id)
+        return request.session_id, self._tree(engine, request)
 
     def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
         """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.device_copies import CopiesMemo
 from kernels.readback import PinnedReadback
 from protos.types import SamplingParams, StepResult
 from runtime.timing import StepTimer
@@ -24,10 +23,9 @@ from verify_server.processors import TokenHistory
 from verify_server.sampling import Draws
 from verify_server.state_cache import StateCache
 
-# Rounds of one session queued and not yet collected, at most: the one the host waits for and the next. Also the
-# size of a session's ring of per-round buffers (readbacks, path features, a chained round's kept outcome): the
-# round after next reuses a round's, by which time its caller has read, or sent, them.
-MAX_IN_FLIGHT = 2
+# The size of a session's ring of host buffers for its rounds' path features (VerifySession.kept_rows): the round
+# after next reuses a round's, by which time its caller has sent them.
+FEATURE_RING = 2
 
 
 class SessionError(ValueError):
@@ -45,30 +43,6 @@ class CapacityError(SessionError):
 class MemoryShortError(CapacityError):
     """No KV memory for the step now (the sessions' limit, or the device's, is held by other sessions): nothing
     changed, and the same step can run once memory frees."""
-
-
-@dataclass
-class PendingRound:
-    """A greedy round queued on the device and not read yet (VerifyEngine.launch); collect() reads it.
-
-    packed    [2 + qb] host view of accept_path's packed result, written by the device (kernels/readback.py) once
-              the round has run
-    features  [advance, taps*hidden]: the path's features (first k+1 rows valid, the rest finite filler), or None
-              without taps; on the device in memory of its own (launch(): the session's buffer of its ring slot,
-              which the round after next rewrites), or for a host_features round in the session's host buffer of
-              its ring slot (pinned on a GPU)
-    cursor    [2] on the device: (the next round's start slot, the bonus token), which the session's next launch
-              (and its drafter's draft_after) reads; launch() keeps it in the session's buffer of its ring slot
-    advance   the most tokens the round can commit (the tree's max_depth + 1): how far its outcome can move the
-              next round's start
-    """
-
-    session_id: str
-    packed: torch.Tensor
-    features: torch.Tensor | None
-    cursor: torch.Tensor
-    advance: int
-    timer: StepTimer
 
 
 @dataclass
@@ -104,18 +78,14 @@ class VerifySession:
     history: TokenHistory | None = None
     grammar: TreeGrammar | None = None  # the grammar at the committed tokens, where params carry one
     blocks: SessionBlocks | None = None  # what the prefix cache reads of it, where the engine caches prefixes
-    inflight: deque[PendingRound] = field(default_factory=deque)  # queued rounds not yet collected, oldest first
     # AR steps launched ahead and not read yet, oldest first: each (the step, this session's index in it)
     # (verify_server/decode_ahead.py); the committed length and root lag the device by as many steps
     ahead: deque[tuple[AheadStep, int]] = field(default_factory=deque)
-    readback: list[PinnedReadback] = field(default_factory=list)  # [2 + MAX_GRAPH_NODES] long each
-    queued: int = 0  # rounds queued so far (picks the readback buffer)
-    # per readback slot, host memory for a host_features round's path features, flat
+    # where a captured greedy round's outcome lands on the host, [2 + MAX_GRAPH_NODES] long (made on its first)
+    readback: PinnedReadback | None = None
+    rounds: int = 0  # rounds that took a ring slot so far (next_ring)
+    # per ring slot, host memory for a host_features round's path features, flat
     host_features: list[PinnedReadback | None] = field(default_factory=list)
-    # per readback slot, where a chained round keeps its cursor [2] and path features [advance, taps*hidden] (or
-    # None) on the device, and the copies into them from the graphs' outputs (QueuedRounds._keep_chained)
-    chained: list[tuple[torch.Tensor, torch.Tensor | None] | None] = field(default_factory=list)
-    chained_copies: CopiesMemo = field(default_factory=lambda: CopiesMemo(limit=8))
     # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
     # on the host (pinned on a GPU, with the event that marks their copy done; None on a CPU)
     kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
@@ -128,9 +98,8 @@ class VerifySession:
         if end > self.capacity:
             raise CapacityError(f"session needs {end} KV slots but was started with capacity {self.capacity}")
         if end > self.cache.room:
-            # the rounds in flight and the steps launched ahead write up to their furthest outcome: those slots come
-            # along
-            kept = self.cache.length + sum(p.advance for p in self.inflight) + len(self.ahead)
+            # the steps launched ahead write a slot each past the committed length: those slots come along
+            kept = self.cache.length + len(self.ahead)
             try:
                 self.cache = self.slots.grow(self.cache, end, kept)
             except NoMemory as exc:
@@ -145,13 +114,11 @@ class VerifySession:
         return True
 
     def next_ring(self) -> int:
-        """The ring slot of the round being queued, for its readback, its features' host rows and a chained
-        round's kept outcome (MAX_IN_FLIGHT)."""
+        """The ring slot of the round being committed, for its features' host rows (FEATURE_RING)."""
         if not self.host_features:
-            self.host_features = [None] * MAX_IN_FLIGHT
-            self.chained = [None] * MAX_IN_FLIGHT
-        ring = self.queued % MAX_IN_FLIGHT
-        self.queued += 1
+            self.host_features = [None] * FEATURE_RING
+        ring = self.rounds % FEATURE_RING
+        self.rounds += 1
         return ring
 
     def kept_rows(self, ring: int, rows: torch.Tensor, host_features: bool) -> tuple[torch.Tensor, torch.Tensor]:

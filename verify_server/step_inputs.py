@@ -7,13 +7,13 @@ tree_steps.py capture and replay the steps around them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kernels.cuda_graphs import key_bucket
-from kernels.device_copies import CopiesMemo, copy_together
+from kernels.device_copies import copy_together
 from protos.types import DraftTree
 from verify_server.fused import embed_tokens
 from verify_server.kv_cache import KVCache, slot_addresses
@@ -105,13 +105,9 @@ class BatchBuffers:
 
     inputs   [B, width] int64 on the device, a view of `data`; slots [2 * layers + 1, B] likewise; draws [B, qb + 2]
              float64, a view of its tail
-    counts   [qb + 1] 0, 1, ..., qb on the device: a node count's value, for a chained round's copy (write_after)
-    lone     write_after's destinations, views made once: tree 0's start, num and root [1] each, its slot column
-             [2 * layers + 1] (contiguous where the batch is of one tree, the only one write_after writes), its
-             tokens, parents and depths rows [3, qb]
-    staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and a chained round (write_after) is
-             queued without a host sync in between, so `copied` marks when the last copy has left it; a rewrite
-             waits for that (long done, in practice)
+    staging  `data` on the host (pinned on a GPU). Its copy is asynchronous and AR steps launched ahead
+             (decode_ahead.py) are queued without a host sync in between, so `copied` marks when the last copy has
+             left it; a rewrite waits for that (long done, in practice)
     """
 
     data: torch.Tensor
@@ -119,16 +115,11 @@ class BatchBuffers:
     inputs: torch.Tensor
     slots: torch.Tensor
     draws: torch.Tensor
-    nodes: torch.Tensor  # [qb] 0, 1, ...: the head of counts
-    counts: torch.Tensor
-    lone: tuple[torch.Tensor, ...]
+    nodes: torch.Tensor  # [qb] 0, 1, ...: node indices
     tables: torch.Tensor  # [2, B] each tree's rows (qb) and first row
     copied: torch.cuda.Event | None  # None on the CPU, where copies are synchronous
     caches: list[KVCache]  # of the batch last written, and the first row of each tree's new K/V
     starts: list[int]
-    # write_after's copies by cache, cursor and tree: a chained session's recur round after round (a ring of two
-    # cursors, the drafter graph's tree)
-    after_copies: CopiesMemo = field(default_factory=lambda: CopiesMemo(limit=64))
 
     @classmethod
     def allocate(cls, trees: int, qb: int, layers: int, device: torch.device) -> BatchBuffers:
@@ -138,11 +129,9 @@ class BatchBuffers:
         data = torch.zeros(size, dtype=torch.long, device=device)
         staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         tables = torch.tensor([[qb] * trees, [b * qb for b in range(trees)]], device=device)
-        counts = torch.arange(qb + 1, device=device)
         inputs, slots = data[: trees * width].view(trees, width), data[trees * width : table].view(-1, trees)
         draws = data[table:].view(torch.float64).view(trees, qb + 2)
-        lone = (*inputs[0, 3 * qb : 3 * qb + 3].split(1), slots[:, 0], *inputs[0, : 3 * qb].view(3, qb))
-        return cls(data, staging, inputs, slots, draws, counts[:qb], counts, lone, tables,
+        return cls(data, staging, inputs, slots, draws, torch.arange(qb, device=device), tables,
                    torch.cuda.Event() if device.type == "cuda" else None, [], [])
 
     @property
@@ -188,29 +177,6 @@ class BatchBuffers:
         of a step launched before this one, which the host has not read."""
         roots = self.inputs[:, 3 * self.qb + 2]  # [B], a strided view
         roots.copy_(torch.where(roots < 0, tokens[(-roots - 1).clamp(0, tokens.shape[0] - 1)], roots))
-
-    def write_after(self, item: BatchTree, cursor: torch.Tensor, start: int) -> None:
-        """A lone round queued before the session's previous one is read: its start and root come from that
-        round's outcome on the device, cursor [2] = (next start, bonus token), and nothing goes through the host
-        (its copy would wait for the round in flight). start: the furthest that round can take the session. The
-        tree, the scalars and the slot's addresses go in one launch (device_copies.copy_together)."""
-        q = item.tree.tokens.shape[0]
-        if q > 1 and item.tree.tokens.device != self.inputs.device:
-            raise ValueError("a chained round takes its tree on the device")
-        cache, tree = item.cache, item.tree
-        if cache.address_column is None:
-            cache.address_column = torch.from_numpy(slot_addresses(cache)).to(self.inputs.device)
-
-        def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
-            start_to, num_to, root_to, slots_to, *rows = self.lone
-            found = [(start_to, cursor[:1]), (num_to, self.counts[q : q + 1]), (root_to, cursor[1:]),
-                     (slots_to, cache.address_column)]
-            if q > 1:
-                found += [(row[:q], values) for row, values in zip(rows, (tree.tokens, tree.parents, tree.depths))]
-            return found
-
-        self.after_copies.run((cache, cache.address_column, cursor, tree.tokens, tree.parents, tree.depths), pairs)
-        self.caches, self.starts = [cache], [start]
 
     def _tree_rows(self, b: int, tree: DraftTree) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, source) of tree b's arrays, already on the device, in its row of the inputs."""
@@ -271,16 +237,16 @@ def prompt_step(
     return num, *embed_tokens(torch.where(nodes < num, inputs[: nodes.shape[0]], 0), nodes, embed, rope)
 
 
-def greedy_outcome(x: TreeInputs, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_outcome(x: TreeInputs, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A greedy round's outcome from the target's choice after each node [qb] (its logits' argmax, taken for the
     whole batch at once: one reduction over the vocabulary for every tree, not one per tree) -> (packed [2 + qb] as
     accept_path returns it; order [qb] the path's nodes root..deepest, then indices below qb: what the compaction
-    moves and the path's features' rows; cursor [2] the session's next start and bonus token). One function, so
-    that compiled it is a few kernels where its steps apart are a launch each."""
+    moves and the path's features' rows). One function, so that compiled it is a few kernels where its steps apart
+    are a launch each."""
     if x.ids.shape[0] == 1:  # an AR step: the root alone is the path (a static shape under torch.compile)
         order = torch.zeros_like(choice)  # [1] the root, also its accepted depth
         packed = torch.cat((order, choice, x.ids))
     else:
         packed, path = accept_path(x.ids, x.parents, x.depths, x.anc, choice, x.valid)
         order = path.clamp(max=path.shape[0] - 1)
-    return packed, order, torch.stack((x.start + packed[0] + 1, packed[1]))
+    return packed, order

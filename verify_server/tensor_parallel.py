@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -25,7 +25,6 @@ from verify_server.prefill import PrefillCall
 from verify_server.prompt_batch import prefill_each
 from verify_server.session import SessionError, VerifySession
 from verify_server.sharding import shard_model
-from verify_server.step_inputs import ROOT_ONLY
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("ddtree.verify.tp")
@@ -177,26 +176,18 @@ class TensorParallelEngine:
         self.channel.send("verify", {"id": session_id, "max_depth": tree.max_depth}, tree)
         return self.engine.verify(session_id, tree, host_features)  # only rank 0's features leave the process
 
-    def decode(self, session_id: str, host_features: bool = False, steps: int = 1) -> StepResult:
-        outcome = verify_alone(self._decode, session_id, ROOT_ONLY, host_features, steps)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    def _decode(self, session_id: str, tree: DraftTree, host_features: bool) -> StepResult:
-        """One AR step (tree: the root alone), on every rank."""
+    def decode(self, session_id: str, host_features: bool = False) -> StepResult:
+        """One AR step (the root alone), on every rank."""
         self.channel.send("decode", {"id": session_id})
         return self.engine.decode(session_id, host_features)
 
     @torch.inference_mode()
     def verify_batch(
-        self, calls: list[tuple[str, DraftTree]], host_features: bool = False, steps: Sequence[int] | None = None
+        self, calls: list[tuple[str, DraftTree]], host_features: bool = False
     ) -> list[StepResult | Exception]:
-        """Each call alone through verify, in order, each of its `steps` in turn (the sharded target has no fused
-        path, hence no batched forward) -> its StepResult, or the exception it raised."""
-        counts = [1] * len(calls) if steps is None else steps
-        return [verify_alone(self.verify, session_id, tree, host_features, n)
-                for (session_id, tree), n in zip(calls, counts)]
+        """Each call alone through verify, in order (the sharded target has no fused path, hence no batched
+        forward) -> its StepResult, or the exception it raised."""
+        return [verify_alone(self.verify, session_id, tree, host_features) for session_id, tree in calls]
 
     def shutdown(self) -> None:
         self.channel.send("shutdown", {})

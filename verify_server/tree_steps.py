@@ -32,8 +32,8 @@ from verify_server.tree_batch import BatchTree, TreeBatch, build_batch
 # hides behind the reading of its weights.
 MAX_PROMPT_PADDING = 2
 SMALL_PROMPT_BATCH = 256
-# packed [trees, 2 + qb], path features [trees, qb, taps*hidden] or None, cursors [trees, 2]
-GreedyOutputs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+# packed [trees, 2 + qb], path features [trees, qb, taps*hidden] or None
+GreedyOutputs = tuple[torch.Tensor, torch.Tensor | None]
 
 
 class TreeSteps:
@@ -60,7 +60,7 @@ class TreeSteps:
         self._unpack = torch.compile(unpack_step, fullgraph=True) if compile else unpack_step
         self._outcome = torch.compile(greedy_outcome, fullgraph=True) if compile else greedy_outcome
         # lone_greedy's outputs of a replayed graph: views made once per graph, not a round.
-        # key -> (the graph's packed outputs, (packed, features, cursor) of tree 0)
+        # key -> (the graph's packed outputs, (packed, features) of tree 0)
         self._lone_outputs: dict[Hashable, tuple[torch.Tensor, tuple]] = {}
 
     @property
@@ -95,10 +95,10 @@ class TreeSteps:
     ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay, each tree padded to the query bucket of the largest ->
         (packed [trees, 2 + qb], each row as accept_path returns it; features of each path's nodes [trees, qb,
-        taps*hidden], the first k+1 rows of each valid, or None; cursors [trees, 2], each tree's next start and
-        bonus token), rewritten by the graph's next replay; None where it is not captured (see _prepare). The
-        caller commits each tree's k + 1 rows; rows past the items are filler. roots_from: the tokens [n] of a step
-        launched before, on the device, that the roots written as -(i + 1) stand for (BatchTree.root)."""
+        taps*hidden], the first k+1 rows of each valid, or None), rewritten by the graph's next replay; None where it
+        is not captured (see _prepare). The caller commits each tree's k + 1 rows; rows past the items are filler.
+        roots_from: the tokens [n] of a step launched before, on the device, that the roots written as -(i + 1)
+        stand for (BatchTree.root)."""
         prepared = self._prepare(items, graphs, roots_from=roots_from)
         if prepared is None:
             return None
@@ -157,52 +157,21 @@ class TreeSteps:
             features = features.clone()
         return hidden, features, [slice(b * qb, b * qb + q) for b, q in enumerate(lengths)]
 
-    def ar_steps(
-        self, items: list[BatchTree], counts: list[int], taps: tuple[int, ...], graphs: GraphPool | None
-    ) -> torch.Tensor | None:
-        """counts[b] greedy AR steps of session b in a row (items: root-only trees), chained on the device: each
-        replay of the batch's AR graph takes its starts and roots from the last replay's cursors, so the host
-        waits for nothing between steps. A session whose steps are done repeats its last one (the same slot
-        rewritten with the same K/V, its choice unread) while the others go on -> chosen [trees, max(counts)]
-        on the device, the token each step chose (the first counts[b] of row b are session b's); None where not
-        captured (see _prepare). The caller commits each session's counts[b] tokens."""
-        n = max(counts)
-        prepared = self._prepare(items, graphs, ahead=n - 1)
-        if prepared is None:
-            return None
-        buf, kv_len = prepared
-        if buf.qb != 1:
-            raise ValueError("chained AR steps take root-only trees")
-        trees, device = buf.inputs.shape[0], buf.inputs.device
-        key = self._key(buf, kv_len, taps, "batch")
-        chosen = torch.empty(trees, n, dtype=torch.long, device=device)  # [trees, n]
-        # [trees] each tree's steps (a filler's: one, so it stays where it is)
-        steps = torch.tensor(counts + [1] * (trees - len(counts)), device=device)
-        cursor_inputs = buf.inputs[:, 3:6:2]  # [trees, 2] each tree's start and root token (qb 1: columns 3 and 5)
-        for j in range(n):
-            _, _, cursors = graphs.run(key, lambda: self._round(buf, taps, kv_len))  # cursors [trees, 2]
-            chosen[:, j] = cursors[:, 1]
-            if j + 1 < n:
-                cursor_inputs.copy_(torch.where((steps > j + 1)[:, None], cursors, cursor_inputs))
-        return chosen
-
     def lone_greedy(
-        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, start: int,
-        after: torch.Tensor | None, graphs: GraphPool | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """greedy for one session's round (FusedRunner.greedy_round): its row of each output. `after`: the cursor of
-        a round still in flight, whose outcome gives this round its start and root on the device; `start` is then
-        an upper bound (it sizes the key bucket)."""
-        prepared = self._prepare([BatchTree(cache, tree, root)], graphs, after, start)
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, graphs: GraphPool | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """greedy for one session's round (FusedRunner.greedy_round): its row of the packed outcomes and of the
+        path features."""
+        prepared = self._prepare([BatchTree(cache, tree, root)], graphs)
         if prepared is None:
             return None
         buf, kv_len = prepared
         key = self._key(buf, kv_len, taps, "batch")
-        packed, features, cursors = graphs.run(key, lambda: self._round(buf, taps, kv_len))
+        packed, features = graphs.run(key, lambda: self._round(buf, taps, kv_len))
         made = self._lone_outputs.get(key)
         if made is not None and made[0] is packed:  # the same graph's outputs (a dropped key is captured anew)
             return made[1]
-        lone = packed[0], None if features is None else features[0], cursors[0]
+        lone = packed[0], None if features is None else features[0]
         if graphs.enabled:  # else each call's outputs are new tensors
             self._lone_outputs[key] = packed, lone
         return lone
@@ -220,18 +189,16 @@ class TreeSteps:
         return logits[:q], None if features is None else features[:q], xs[0].head(q)
 
     def _prepare(
-        self, items: list[BatchTree], graphs: GraphPool | None, after: torch.Tensor | None = None, start: int = 0,
-        ahead: int = 0, draws: Callable[[], list[TreeDraws]] | None = None, roots_from: torch.Tensor | None = None,
+        self, items: list[BatchTree], graphs: GraphPool | None, draws: Callable[[], list[TreeDraws]] | None = None,
+        roots_from: torch.Tensor | None = None,
     ) -> tuple[BatchBuffers, int] | None:
         """The batch's static inputs written, and its key bucket; None where it is not captured: no graphs (eager
         mode), trees beyond the largest bucket, or several trees on a GPU without the flash kernel (which finds the
         slots by address; the loop form binds a graph to the slots it was captured with, so there only a lone round
         is captured, per slot). Batches are of 1, 2, 4, 8, ... trees, filled up with one-node trees over a scratch
         slot (fewer graphs to capture): a graph is keyed by their count, the bucket and the key bucket only, and
-        any sessions' slots replay it. after, start: a lone round queued after the cursor [2] of its session's
-        round in flight (BatchBuffers.write_after), start the furthest that round can take it. ahead: the steps
-        chained after this one on the same inputs (ar_steps), whose keys reach that much further. draws: a sampled
-        batch's (sampled), called here, once the batch is known to be captured. roots_from: greedy's."""
+        any sessions' slots replay it. draws: a sampled batch's (sampled), called here, once the batch is known to be
+        captured. roots_from: greedy's."""
         qb = bucket(max(item.tree.tokens.shape[0] for item in items)) if graphs is not None else None
         if qb is None or (graphs.enabled and not self.by_address and len(items) > 1):
             return None
@@ -244,16 +211,10 @@ class TreeSteps:
         if buf is None:
             buf = self._buffers[(trees, qb)] = BatchBuffers.allocate(trees, qb, len(self.decoder.layers),
                                                                      self.decoder.embed.device)
-        if after is None:
-            buf.write(items, None if draws is None else draws())
-            if roots_from is not None:
-                buf.take_roots(roots_from)
-            start = max(item.start for item in items) + ahead
-            if ahead:  # the loop form's key rows (TreeBatch.kv_lens) cover the last chained step
-                buf.starts = [s + ahead for s in buf.starts]
-        else:
-            buf.write_after(items[0], after, start)
-        return buf, key_bucket(start + qb, self.max_keys)
+        buf.write(items, None if draws is None else draws())
+        if roots_from is not None:
+            buf.take_roots(roots_from)
+        return buf, key_bucket(max(item.start for item in items) + qb, self.max_keys)
 
     def _key(self, buf: BatchBuffers, kv_len: int, taps: tuple[int, ...], kind: str) -> tuple:
         """A captured batch's graph: by shape alone where the flash kernels find the slots by address; else (a lone
@@ -304,16 +265,16 @@ class TreeSteps:
         else:
             choices = logits.argmax(dim=-1)  # [trees * qb]
         outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
-        packed, order, cursors = (_stack([o[i] for o in outcomes]) for i in range(3))  # [trees, 2 + qb | qb | 2]
+        packed, order = (_stack([o[i] for o in outcomes]) for i in range(2))  # [trees, 2 + qb | qb]
         if qb == 1:  # AR steps: the root alone, in place, its features the path's
-            return packed, None if features is None else features[:, None], cursors
+            return packed, None if features is None else features[:, None]
         # each path first; a filler's slots are beyond its committed length
         batch.compact(order, packed[:, 0].contiguous())
         if features is None:
-            return packed, None, cursors
+            return packed, None
         # [trees, qb, taps*hidden]: outside the compiled outcome, whose guards would hold the taps' width
         gathered = features.view(len(xs), qb, -1).gather(1, order[..., None].expand(-1, -1, features.shape[-1]))
-        return packed, gathered, cursors
+        return packed, gathered
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:

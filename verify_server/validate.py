@@ -61,17 +61,6 @@ def check_tree(tree: DraftTree, root: int | None, limits: TreeLimits) -> None:
         children.add((parent, tokens[i]))
 
 
-# A Decode's AR steps in a row, at most: one call holds its batch's forward for that many steps.
-MAX_DECODE_STEPS = 32
-
-
-def decode_steps(steps: int) -> int:
-    """A DecodeRequest's `steps` -> the steps it runs (0 means one)."""
-    if steps > MAX_DECODE_STEPS:
-        raise RequestError(f"a Decode runs at most {MAX_DECODE_STEPS} steps in a row, got {steps}")
-    return max(steps, 1)
-
-
 def check_prompt(prompt: Sequence[int], vocab_size: int) -> None:
     if not prompt:
         raise RequestError("the prompt (chunk) is empty")

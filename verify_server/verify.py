@@ -1,10 +1,10 @@
 """The verifier engine: prefill, tree verification in one forward, the acceptance walk, KV compaction, AR decode.
 
 Its parts: the fused path's runner (verify_server/fused_runner.py) where the target has one, else the HF modules
-with the tree attention of tree_attention.py and linear_attention.py; captured greedy rounds queued on the device
-(queued_rounds.py, QueuedRounds); several sessions' rounds in one forward (batched_rounds.py, BatchedRounds); a
-prompt's prefill, whole or in chunks (prefill.py, PromptPrefill), and several sessions' prompts in one forward
-(prompt_batch.py, PromptBatch); the walk and commit of an uncaptured round (walk.py); a session's state
+with the tree attention of tree_attention.py and linear_attention.py; several sessions' rounds in one forward
+(batched_rounds.py, BatchedRounds); AR steps launched before the host reads the step before (decode_ahead.py,
+DecodesAhead); a prompt's prefill, whole or in chunks (prefill.py, PromptPrefill), and several sessions' prompts in
+one forward (prompt_batch.py, PromptBatch); the walk and commit of a round (walk.py); a session's state
 (session.py).
 """
 
@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from kernels.device_copies import copy_together
+from kernels.readback import PinnedReadback
 from protos.types import DraftTree, SamplingParams, StepResult
 from runtime.grammar import Grammars
 from runtime.models import read_eos_ids
-from runtime.timing import TimerEvents
+from runtime.timing import StepTimer, TimerEvents
 from verify_server.batched_rounds import BatchedRounds
 from verify_server.decode_ahead import AheadStep, DecodesAhead
 from verify_server.fused import fused_unsupported
@@ -34,17 +35,14 @@ from verify_server.prefill import PrefillCall, PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
 from verify_server.prompt_batch import PromptBatch
-from verify_server.queued_rounds import QueuedRounds
 from verify_server.sampling import Draws
-from verify_server.session import (
-    CapacityError, MemoryShortError, PendingRound, SessionError, UnknownSessionError, VerifySession,
-)
+from verify_server.session import CapacityError, MemoryShortError, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
 from verify_server.step_attention import INVARIANT
-from verify_server.step_inputs import ROOT_ONLY
+from verify_server.step_inputs import MAX_GRAPH_NODES, ROOT_ONLY
 from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, commit_captured, session_draws, walk_and_commit
+from verify_server.walk import TreeRows, commit_captured, session_draws, timed, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +62,9 @@ def load_target(
 
 
 class VerifyEngine:
-    """One target's verification for many sessions: the steps a service or an in-process round loop calls
-    (start_session, prefill, prefill_batch, take_features, verify, decode, launch / collect, verify_batch,
-    end_session)."""
+    """One target's verification for many sessions: the steps a service or an in-process step engine calls
+    (start_session, prefill, prefill_batch, take_features, verify, decode, verify_batch, launch_decodes /
+    read_decodes, end_session)."""
 
     def __init__(
         self,
@@ -108,7 +106,6 @@ class VerifyEngine:
         self.grammars: Grammars | None = None  # built from target_path when a verifier session first brings a grammar
         self.timers = TimerEvents(self.device)
         self.fused: FusedRunner | None = None
-        self.queued: QueuedRounds | None = None  # the fused path's captured greedy rounds
         self.ahead: DecodesAhead | None = None  # the fused path's AR steps launched before the last one is read
         no_fused = "the generic HF path was asked for" if not fused else fused_unsupported(cfg)
         if attention == INVARIANT and no_fused is not None:
@@ -116,7 +113,6 @@ class VerifyEngine:
         if no_fused is None:
             self.fused = FusedRunner(model, self.num_layers, max_sessions, graphs, compile, attention, fused_rows,
                                      max_batch)
-            self.queued = QueuedRounds(self.fused, self.timers)
             self.ahead = DecodesAhead(self.fused, self.timers, self.sessions, self._cached)
         # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
@@ -232,11 +228,8 @@ class VerifyEngine:
     def untap(self, session_id: str) -> None:
         """The session taps no features from now on: its drafter has gone (a speculating request gone on with AR
         steps), so its steps batch with untapped sessions'. Its prompt features not taken are dropped, and the
-        prefix blocks it commits from now on are cached without features. SessionError with rounds queued, which
-        read the taps."""
+        prefix blocks it commits from now on are cached without features."""
         sess = self.session(session_id)
-        if sess.inflight:
-            raise SessionError(f"session {session_id!r} has queued rounds: collect them first")
         sess.taps = []
         sess.kept_features.clear()
         if sess.blocks is not None:
@@ -288,15 +281,9 @@ class VerifyEngine:
         return self.prompts.take_features(session_id, self.session(session_id))
 
     @torch.inference_mode()
-    def decode(self, session_id: str, host_features: bool = False, steps: int = 1) -> StepResult:
-        """`steps` plain autoregressive steps in a row, each a tree holding only the root (verify_batch's rules for
-        several: chained on the device where they can be, and a later step's failure returns the steps before)."""
-        if steps == 1:
-            return self.verify(session_id, ROOT_ONLY, host_features)
-        outcome = self.verify_batch([(session_id, ROOT_ONLY)], host_features, [steps])[0]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    def decode(self, session_id: str, host_features: bool = False) -> StepResult:
+        """A plain autoregressive step: a tree holding only the root."""
+        return self.verify(session_id, ROOT_ONLY, host_features)
 
     @torch.inference_mode()
     def verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
@@ -349,19 +336,17 @@ class VerifyEngine:
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
-        if sess.inflight:
-            raise SessionError(f"session {session_id!r} has queued rounds: collect them first")
         q = tree.tokens.shape[0]
         if self.scratch is not None and q > self.scratch.max_nodes:
             limit = self.scratch.max_nodes - 1
             raise CapacityError(f"a tree of {q - 1} nodes exceeds the verifier's max_tree_size {limit}")
-        if self.queued is not None:  # forward, walk and compaction in one graph replay, where it is captured
-            pending = self.queued.launch(session_id, sess, tree, host_features)
-            if pending is not None:
-                return QueuedRounds.collect(sess, pending)
         sess.check_room(sess.cache.length, q)
         timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
+        if sess.params.raw_argmax and self.fused is not None:  # forward, argmax, walk and compaction in one replay
+            captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root)
+            if captured is not None:
+                return self._commit_greedy(sess, tree, captured, timer, host_features)
         if sess.params.plain_sample and self.fused is not None:  # forward, choices, walk and compaction in one replay
             items = [BatchTree(sess.cache, tree, sess.root)]
             captured = self.fused.sampled_round(items, taps, session_draws([sess], items))
@@ -381,45 +366,42 @@ class VerifyEngine:
         rows = TreeRows(ids, parents, depths, anc, logits, features, tree.max_depth)
         return walk_and_commit([sess], [rows], timer, host_features, self.scratch)[0]
 
-    # ---- queued and batched rounds ----------------------------------------------------------------------------
+    def _commit_greedy(
+        self, sess: VerifySession, tree: DraftTree, captured: tuple[torch.Tensor, torch.Tensor | None],
+        timer: StepTimer, host_features: bool,
+    ) -> StepResult:
+        """A captured greedy round's end (FusedRunner.greedy_round: its walk and compaction ran in the graph): its
+        outcome stored into the session's readback buffer (kernels/readback.py) and its path's features into memory
+        of their own (VerifySession.kept_rows: as many rows as its path can have) in one launch, before the round's
+        one host sync; then the session's length and root move past its accepted path."""
+        packed, path_features = captured  # [2 + qb], [qb, taps*hidden] or None: the graph's outputs
+        timer.mark()
+        if sess.readback is None:  # a captured greedy round's outcome only: the others are read after their walk
+            sess.readback = PinnedReadback(2 + MAX_GRAPH_NODES, torch.long, self.device)
+        stored, host = sess.readback.target(packed)
+        copies, features = [(stored, packed)], None
+        if path_features is not None:
+            rows = path_features[: min(tree.max_depth + 1, packed.shape[0] - 2)]
+            kept, features = sess.kept_rows(sess.next_ring(), rows, host_features)
+            copies.append((kept, rows))
+        copy_together(copies)
+        read = timer.sync(host.tolist)  # the round's single host sync
+        k, bonus = read[0], read[1]
+        sess.cache.length += k + 1
+        sess.root = bonus
+        return timed([StepResult(read[3 : 3 + k] + [bonus], None if features is None else features[: k + 1])],
+                     timer)[0]
 
-    def can_launch(self, params: SamplingParams, max_nodes: int) -> bool:
-        """Whether launch() queues the rounds of a session with these params and trees of up to max_nodes nodes:
-        plain greedy ones only (SamplingParams.raw_argmax), whose choice the graph's argmax makes."""
-        return self.queued is not None and self.queued.can_queue(params, max_nodes)
-
-    @torch.inference_mode()
-    def launch(self, session_id: str, tree: DraftTree) -> PendingRound:
-        """Queues a greedy verify round (one graph replay) and returns before it has run. With a round of the
-        session still in flight, this one takes its start and root from that round's outcome on the device, so
-        the host waits for nothing between rounds; collect() reads the rounds in the order they were queued. A
-        chained round's tree must be on the device. SessionError where a round cannot be queued so (sampling, logits
-        processors or logprobs, the uncaptured paths, a tree beyond the largest bucket, MAX_IN_FLIGHT rounds
-        queued): verify() runs those."""
-        self.settle()
-        sess = self.session(session_id)
-        if sess.root is None:
-            raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")
-        pending = None if self.queued is None else self.queued.launch(session_id, sess, tree, keep_cursor=True)
-        if pending is None:
-            raise SessionError("only plain greedy rounds (no logits processors, no logprobs) on the captured path can "
-                               "be queued; use verify")
-        return pending
-
-    @torch.inference_mode()
-    def collect(self, pending: PendingRound) -> StepResult:
-        """Waits for a queued round and commits it: the session's length and root move past its accepted path."""
-        return self._cached(pending.session_id, QueuedRounds.collect(self.session(pending.session_id), pending))
+    # ---- batched rounds -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def verify_batch(
-        self, calls: list[tuple[str, DraftTree]], host_features: bool = False, steps: Sequence[int] | None = None
+        self, calls: list[tuple[str, DraftTree]], host_features: bool = False
     ) -> list[StepResult | Exception]:
-        """Several sessions' Verify and Decode calls, their forward shared where it can be; steps: each call's AR
-        steps in a row (a Decode's; None: one each) -> each call's StepResult, or the exception verify() would
-        raise for it (BatchedRounds.verify_batch)."""
+        """Several sessions' Verify and Decode calls, their forward shared where it can be -> each call's
+        StepResult, or the exception verify() would raise for it (BatchedRounds.verify_batch)."""
         self.settle()
-        outcomes = self.batched.verify_batch(calls, host_features, steps)
+        outcomes = self.batched.verify_batch(calls, host_features)
         for (session_id, _), outcome in zip(calls, outcomes):  # in call order: a session's second call came after
             if isinstance(outcome, StepResult):
                 self._cached(session_id, outcome)

@@ -123,12 +123,12 @@ def walk_and_commit(
 
 def commit_captured(
     sessions: list[VerifySession], items: list[BatchTree],
-    captured: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor], timer: StepTimer, host_features: bool,
+    captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer, host_features: bool,
 ) -> list[StepResult]:
     """A captured batch (greedy, or sampled in the graph): its walks and compactions ran in the graph; each tree's
     path features are queued to memory of their own as a lone round's are (as many rows as its path can have), then
     the host reads the outcomes and commits them."""
-    packed, features, _ = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None, cursors
+    packed, features = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None
     timer.mark()
     kept, copies = [], []
     if features is not None:

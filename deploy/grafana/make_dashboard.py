@@ -139,7 +139,7 @@ def bargauge(title: str, description: str, targets: list[dict[str, Any]], unit: 
 
 # gateway/metrics.py PHASES, each in one colour on both phase panels
 PHASE_COLORS = (("draft", "purple"), ("tree", "light-purple"), ("verify", "blue"), ("walk", "light-blue"),
-                ("server", "orange"), ("transport", "yellow"), ("relay", "green"))
+                ("server", "orange"), ("transport", "yellow"))
 
 
 def color(series: str, name: str) -> dict:
@@ -266,9 +266,8 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
         (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter "
                     "forward), tree (tree build), verify (target forward), walk (acceptance walk and KV compaction), "
                     "server (the model services' host work around them: request decoding, host syncs, answer "
-                    "encoding), transport (both ways over the round lane or gRPC, and orchestration), relay (a "
-                    "request's first draft waiting for its prompt's features on their way to the drafter). The "
-                    "stack is the mean round time; all but draft and verify is the round's overhead.",
+                    "encoding), transport (both ways over the round lane or gRPC, and orchestration). The stack "
+                    "is the mean round time; all but draft and verify is the round's overhead.",
                     [target(mean("ddtree_round_phase_seconds", "phase"), "{{phase}}")], "s", stack=True,
                     overrides=[color(phase, c) for phase, c in PHASE_COLORS]), 8, 8),
         (timeseries("Round phase p90", "90th percentile of each phase's time per round.",

@@ -154,3 +154,25 @@ def interrupt(process: subprocess.Popen) -> int:
             process.wait()
             raise
     return process.returncode
+
+
+async def one(batch):
+    """The one answer of a gateway client's batch call of one (GrpcVerifier.verify, GrpcDrafter.draft): its
+    outcome, or the error it failed with, raised."""
+    (answer,) = await batch
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+async def start_verifier_session(client, session_id: str, capacity: int, params=None, taps=()) -> None:
+    """A verifier session started by the server's StartSession RPC (the gateway's client starts one with its
+    prompt's first prefill instead), over the client's channel."""
+    from protos import tensors
+    from protos.ddtree.v1 import ddtree_pb2 as pb
+    from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+    from protos.types import SamplingParams
+
+    request = pb.VerifierStartSessionRequest(session_id=session_id, capacity=capacity, tap_layers=list(taps),
+                                             sampling=tensors.sampling_to_pb(params or SamplingParams()))
+    await pb_grpc.VerifierStub(client._channel).StartSession(request, timeout=30, metadata=client._metadata)

@@ -1,5 +1,5 @@
 """The batch RPCs (DraftBatch, VerifyBatch) of the real drafter and verifier on loopback, and the gateway's step
-gather (gateway/steps.py) sending the round calls of concurrent requests through them, over the round lanes or gRPC.
+engine (gateway/engine.py) sending the step calls of concurrent requests through them, over the round lanes or gRPC.
 
 Each call in a batch is answered as it would be alone: the reference is the same sessions, set up the same way,
 called one call at a time. Nothing here measures time.
@@ -16,17 +16,20 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
+from gateway.backends import VerifyAsk
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Round, Speculation, run_rounds
-from gateway.steps import Steps
+from gateway.engine import Engine
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.types import DraftTree, SamplingParams
 from runtime.call_batch import MAX_BATCH_CALLS
 from tests.conftest import BLOCK, HIDDEN, VOCAB
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import (
+    DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session, wait_serving,
+)
 
 PROMPTS = [[3, 17, 8, 25, 11, 40, 2], [5, 9, 1, 30], [22, 4, 19, 7, 13, 13, 6, 1, 0], [44, 2, 31]]
 TAPS = [0, 2]  # the test drafter's target layers
@@ -90,7 +93,7 @@ def test_verify_batch_answers_each_call_as_alone_with_its_own_status(services):
             batched = [uuid.uuid4().hex for _ in PROMPTS]
             single = [uuid.uuid4().hex for _ in PROMPTS]
             for session in batched + single:
-                await client.start_session(session, 64, SamplingParams(), TAPS)
+                await start_verifier_session(client, session, 64, SamplingParams(), TAPS)
             roots, reference = [], []
             for prompt, b, s in zip(PROMPTS, batched, single):
                 first = [(await client.prefill(session, prompt)).tokens for session in (b, s)]
@@ -219,9 +222,6 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
             assert got.num_nodes > 1
 
 
-# ---- the step gather through the clients ------------------------------------------------------------------------
-
-
 # ---- Prefill ----------------------------------------------------------------------------------------------------
 
 
@@ -262,13 +262,14 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
             for at_once in (False, True):  # the reference first: one call a run
                 sessions = [uuid.uuid4().hex for _ in prompts]
                 for session, session_taps in zip(sessions, taps):
-                    await client.start_session(session, 64, SamplingParams(), session_taps)
+                    await start_verifier_session(client, session, 64, SamplingParams(), session_taps)
                 requests, last_chunk = calls(sessions)
                 got = await answers(stub, requests, at_once)
                 got += await answers(stub, [last_chunk], at_once)
                 kept = [await stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=last_chunk.session_id), timeout=30)
                         for _ in range(2)]
-                decoded = [[(await client.decode(session)).tokens[0] for _ in range(4)] for session in sessions]
+                decoded = [[(await one(client.verify([VerifyAsk(session, None)]))).tokens[0] for _ in range(4)]
+                           for session in sessions]
                 for session in sessions:
                     await client.end_session(session)
                 results.append((got, kept, decoded))
@@ -292,11 +293,17 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
     assert burst_decoded == alone_decoded
 
 
-async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int]) -> list[int]:
-    """One greedy ddtree request's tokens; the drafter must serve every round."""
+# ---- the step engine through the clients ------------------------------------------------------------------------
+
+
+async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[int],
+                    engine: Engine | None = None) -> list[int]:
+    """One greedy ddtree request's tokens (on `engine`, with the others it runs, or alone); the drafter must serve
+    every round."""
     fallbacks: list[BaseException] = []
-    loop = run_rounds(verifier, drafter, prompt, SamplingParams(), Speculation("ddtree", BUDGET), MAX_NEW, [],
-                      fallbacks.append)
+    spec = Speculation("ddtree", BUDGET)
+    loop = (run_rounds(verifier, drafter, prompt, SamplingParams(), spec, MAX_NEW, [], fallbacks.append)
+            if engine is None else engine.generate(prompt, SamplingParams(), spec, MAX_NEW, []))
     rounds: list[Round] = [r async for r in loop]
     assert fallbacks == []
     return [t for r in rounds for t in r.tokens]
@@ -304,7 +311,7 @@ async def _generate(verifier: GrpcVerifier, drafter: GrpcDrafter, prompt: list[i
 
 @pytest.fixture(scope="module")
 def alone(services) -> list[list[int]]:
-    """Each prompt run by itself, its calls sent one by one (no step gather)."""
+    """Each prompt run by itself."""
 
     async def run_each():
         async with (GrpcVerifier(services.verifier.address) as verifier,
@@ -317,17 +324,16 @@ def alone(services) -> list[list[int]]:
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "grpc"])
 def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
-    """The prompts at once, their round calls gathered into steps over one connection per service (the round lane,
-    or unary gRPC calls without lanes): each output is the prompt's alone, and the steps carried several calls."""
+    """The prompts at once on one engine, their steps' calls over one connection per service (the round lane, or
+    unary gRPC calls without lanes): each output is the prompt's alone, and the steps carried several calls."""
     registry = CollectorRegistry()
     sizes = Histogram("step_batch_size", "calls per batch call", ["rpc"], buckets=(1, 2, 4, 8), registry=registry)
     opened: list[str] = []
+    fallbacks: list[BaseException] = []
 
     async def scenario():
-        steps = Steps(0.01)
-        steps.sizes = sizes
-        async with (GrpcVerifier(services.verifier.address, lanes=lanes, steps=steps) as verifier,
-                    GrpcDrafter(services.drafter.address, lanes=lanes, steps=steps) as drafter):
+        async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
+                    GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
             await drafter.info()
             for client in (verifier, drafter):
                 async def recorded(rpc: str, open_=client._open):
@@ -336,7 +342,12 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
                     return transport
 
                 client._open = recorded
-            return await asyncio.gather(*(_generate(verifier, drafter, prompt) for prompt in PROMPTS))
+            engine = Engine(verifier, drafter, on_fallback=fallbacks.append,
+                            on_step=lambda rpc, n: sizes.labels(f"{rpc}Batch").observe(n))
+            try:
+                return await asyncio.gather(*(_generate(verifier, drafter, prompt, engine) for prompt in PROMPTS))
+            finally:
+                await engine.stop()
 
     assert [len(tokens) for tokens in alone] == [MAX_NEW] * len(PROMPTS)
     assert asyncio.run(scenario()) == alone
@@ -351,6 +362,6 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
         return (registry.get_sample_value("step_batch_size_count", {"rpc": rpc})
                 - registry.get_sample_value("step_batch_size_bucket", {"rpc": rpc, "le": "1.0"}))
 
-    assert several("VerifyBatch") > 0 and several("DraftBatch") > 0
+    assert several("VerifyBatch") > 0 and several("DraftBatch") > 0 and fallbacks == []
     assert services.verifier.metric("ddtree_verify_active_sessions") == 0  # every session ended
     assert services.drafter.metric("ddtree_draft_active_sessions") == 0

@@ -445,23 +445,22 @@ async def test_speculation_metrics_add_up(target, backends) -> None:
 
 
 def test_round_phases_split_each_round_without_remainder() -> None:
-    """draft, tree, verify and walk: the services' device time; server: their totals beyond it; relay: a first
-    draft's wait for the prompt's features; transport: the rest. A round from backends that report no totals
-    (in-process) has no server part."""
+    """draft, tree, verify and walk: the services' device time; server: their totals beyond it; transport: the
+    rest. A round from backends that report no totals (in-process) has no server part."""
     metrics = Metrics()
     metrics.observe_round(Round(1, [1, 2, 3], 8, None, {
         "draft_s": 0.002, "tree_s": 0.001, "draft_server_s": 0.004, "verify_s": 0.005, "walk_s": 0.001,
-        "verify_server_s": 0.0075, "relay_s": 0.05, "round_s": 0.07,
+        "verify_server_s": 0.0075, "round_s": 0.02,
     }))
     metrics.observe_round(Round(2, [4], 0, None, {"verify_s": 0.001, "round_s": 0.003}))
     text = metrics.render().decode()
     phases = {p: metric(text, "ddtree_round_phase_seconds_sum", phase=p) for p in PHASES}
     assert phases == pytest.approx({"draft": 0.002, "tree": 0.001, "verify": 0.006, "walk": 0.001, "server": 0.0025,
-                                    "transport": 0.0105, "relay": 0.05})
-    assert sum(phases.values()) == pytest.approx(0.073)  # the two rounds' time, all of it
+                                    "transport": 0.0105})
+    assert sum(phases.values()) == pytest.approx(0.023)  # the two rounds' time, all of it
     counts = {p: metric(text, "ddtree_round_phase_seconds_count", phase=p) for p in PHASES}
     # draft and tree: drafted rounds
-    assert counts == {"draft": 1, "tree": 1, "verify": 2, "walk": 2, "server": 2, "transport": 2, "relay": 2}
+    assert counts == {"draft": 1, "tree": 1, "verify": 2, "walk": 2, "server": 2, "transport": 2}
 
 
 async def test_closing_a_stream_ends_both_sessions(target, backends, tokenizer) -> None:

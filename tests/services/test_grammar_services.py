@@ -1,8 +1,7 @@
 """Constrained trees through the real drafter and verifier on loopback (the demo pair): the gateway's clients send
-the grammar at the drafter's StartSession and each draft's committed tokens, one call at a time or in steps
-(DraftBatch), and the output equals the in-process round loop's with no drafter failure on the way. A grammar the
-drafter cannot compile, and committed tokens that do not continue the output, are INVALID_ARGUMENT; the session
-drafts on afterwards."""
+the grammar at the drafter's StartSession and each draft's committed tokens in steps (DraftBatch), and the output
+equals the in-process round loop's with no drafter failure on the way. A grammar the drafter cannot compile, and
+committed tokens that do not continue the output, are INVALID_ARGUMENT; the session drafts on afterwards."""
 
 from __future__ import annotations
 
@@ -17,15 +16,15 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.local import load_local
+from gateway.backends import DraftAsk
 from gateway.grpc_client import BackendError
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
-from gateway.steps import Steps
 from protos.types import SamplingParams
 from runtime.grammar import json_schema_grammar
 from runtime.models import read_eos_ids, resolve_pair
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, wait_serving
 
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
           "required": ["sky", "clear"]}
@@ -77,13 +76,11 @@ async def _generate(verifier, drafter, prompt: list[int], eos: list[int], fallba
     return [t async for r in loop for t in r.tokens]
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["alone", "steps"])
-def test_grammar_requests_through_the_services(stack, in_process, stepped: bool) -> None:
+def test_grammar_requests_through_the_services(stack, in_process) -> None:
     async def scenario() -> tuple[list[list[int]], list]:
-        steps = Steps(0.01) if stepped else None
         fallbacks: list = []
-        async with (GrpcVerifier(stack.verifier.address, steps=steps) as verifier,
-                    GrpcDrafter(stack.drafter.address, steps=steps) as drafter):
+        async with (GrpcVerifier(stack.verifier.address) as verifier,
+                    GrpcDrafter(stack.drafter.address) as drafter):
             await drafter.info()
             outputs = await asyncio.gather(*(_generate(verifier, drafter, p, stack.eos, fallbacks)
                                              for p in stack.prompts))
@@ -119,10 +116,12 @@ def test_bad_grammars_and_committed_tokens_are_invalid_argument(stack) -> None:
             await drafter.start_session(session, 64, json_schema_grammar(SCHEMA))
 
             def draft(root: int, position: int, committed: list[int]):  # the context reaches the root each time
-                return status(drafter.draft(session, features[: position - 8], root, position, 8, None, committed))
+                ask = DraftAsk(session, features[: position - 8], root, position, 8, None, committed)
+                return status(one(drafter.draft([ask])))
 
             n = len(key)
-            out["first"] = await status(drafter.draft(session, features[:8], opening[-1], 8, 8, None, opening))
+            out["first"] = await status(one(drafter.draft([DraftAsk(session, features[:8], opening[-1], 8, 8, None,
+                                                                    opening)])))
             out["no root"] = await draft(key[-1], 8 + n, key[:-1])
             out["gap"] = await draft(key[-1], 9 + n, key)
             out["refused"] = await draft(opening[0], 8 + n, key[:-1] + opening)

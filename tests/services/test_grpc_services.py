@@ -25,6 +25,7 @@ from protos.types import DraftTree, SamplingParams
 from draft_server import server as draft_server
 from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
+from gateway.backends import DraftAsk, VerifyAsk
 from gateway.grpc_client import BackendError
 from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
@@ -34,7 +35,10 @@ from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB, hf_greedy
-from tests.services import DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import (
+    DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session,
+    wait_serving,
+)
 
 PROMPT = [3, 17, 8, 25, 11, 40, 2]
 MAX_NEW = 24
@@ -96,9 +100,8 @@ async def _rounds(
 
 async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None,
                          prefill_chunk: int = 0):
-    """The round loop against the services; `opened` collects "RPC:KIND" for every connection a session's calls
-    open (Lane: the service's round lane, GrpcStream: a gRPC stream, UnaryCalls: unary calls, for the calls with
-    neither)."""
+    """The round loop against the services; `opened` collects "RPC:KIND" for every connection the clients' calls
+    open (Lane: the service's round lane, UnaryCalls: unary calls, without one)."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
                 GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
@@ -208,8 +211,9 @@ def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, serv
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
-    # without lanes the prompt's features (kept by the remote verifier) go in unary calls, having no stream form
-    assert {entry.split(":")[1] for entry in opened} == ({"Lane"} if lanes else {"GrpcStream", "UnaryCalls"})
+    # without lanes a step's batch calls and the prompt's features (kept by the remote verifier) go in unary calls,
+    # having no stream form
+    assert {entry.split(":")[1] for entry in opened} == ({"Lane"} if lanes else {"UnaryCalls"})
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
@@ -228,12 +232,11 @@ def test_a_chunked_prompts_features_travel_over_the_lanes_or_unary(lanes, servic
     assert fallbacks == [] and _tokens(remote) == hf_tokens
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
     if lanes:
-        assert {"TakeFeatures:Lane", "Append:Lane", "Draft:Lane", "Verify:Lane"} <= set(opened)
+        assert {"TakeFeatures:Lane", "Append:Lane", "DraftBatch:Lane", "VerifyBatch:Lane"} <= set(opened)
         assert not [entry for entry in opened if entry.endswith(":UnaryCalls")]
     else:
-        assert {entry for entry in opened if entry.endswith(":UnaryCalls")} == {"TakeFeatures:UnaryCalls",
-                                                                               "Append:UnaryCalls"}
-        assert "Append:GrpcStream" not in opened
+        assert set(opened) == {"TakeFeatures:UnaryCalls", "Append:UnaryCalls", "DraftBatch:UnaryCalls",
+                               "VerifyBatch:UnaryCalls"}
 
 
 def test_seeded_sampling_matches_in_process_loop(services, local):
@@ -274,7 +277,7 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
         async with GrpcVerifier(services.verifier.address) as verifier:
             stub = pb_grpc.VerifierStub(verifier._channel)
             session = uuid.uuid4().hex
-            await verifier.start_session(session, 64, SamplingParams(), [])
+            await start_verifier_session(verifier, session, 64)
             root = (await verifier.prefill(session, PROMPT)).tokens[-1]
             codes = {
                 name: await _status(stub.Verify(pb.VerifyRequest(session_id=session, tree=tree), timeout=30))
@@ -285,8 +288,8 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
                 tokens=torch.tensor([root, hf_tokens[1], (hf_tokens[1] + 1) % VOCAB, hf_tokens[2]]),
                 parents=torch.tensor([-1, 0, 0, 1]), depths=torch.tensor([0, 1, 1, 2]), max_depth=BLOCK - 1,
             )
-            verified = await verifier.verify(session, good)
-            decoded = await verifier.decode(session)
+            verified = await one(verifier.verify([VerifyAsk(session, good)]))
+            decoded = await one(verifier.verify([VerifyAsk(session, None)]))
             await verifier.end_session(session)
             return root, codes, verified.tokens, decoded.tokens
 
@@ -296,38 +299,16 @@ def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterward
     assert verified + decoded == hf_tokens[1:5]
 
 
-def test_a_decode_of_several_steps_answers_as_that_many_decodes(services, hf_tokens):
-    """A Decode with steps answers with a token a step, the target's own, as one-step Decodes on another session
-    do; steps past the verifier's limit are INVALID_ARGUMENT, the session untouched; 0 steps is one."""
-    async def scenario():
-        async with GrpcVerifier(services.verifier.address) as verifier:
-            stub = pb_grpc.VerifierStub(verifier._channel)
-            sessions = [uuid.uuid4().hex for _ in range(2)]
-            for session in sessions:
-                await verifier.start_session(session, 64, SamplingParams(), [])
-                await verifier.prefill(session, PROMPT)
-            many = (await verifier.decode(sessions[0], 6)).tokens
-            singles = [(await verifier.decode(sessions[1])).tokens for _ in range(6)]
-            refused = await _status(stub.Decode(pb.DecodeRequest(session_id=sessions[0], steps=33), timeout=30))
-            zero = (await stub.Decode(pb.DecodeRequest(session_id=sessions[0], steps=0), timeout=30)).tokens
-            for session in sessions:
-                await verifier.end_session(session)
-            return many, singles, refused, list(zero)
-
-    many, singles, refused, zero = asyncio.run(scenario())
-    assert many == [token for tokens in singles for token in tokens] == hf_tokens[1:7]
-    assert refused == INVALID
-    assert zero == hf_tokens[7:8]
-
-
 def test_unknown_sessions_are_not_found(services):
     async def scenario():
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
             codes = {
                 "prefill": await _status(verifier.prefill("nope", PROMPT)),
-                "decode": await _status(verifier.decode("nope")),
-                "verify": await _status(verifier.verify("nope", DraftTree(*map(torch.tensor, ([1], [-1], [0])), 0))),
-                "draft": await _status(drafter.draft("nope", torch.zeros(1, FEATURE_DIM), 1, 1, 4, None)),
+                "decode": await _status(one(verifier.verify([VerifyAsk("nope", None)]))),
+                "verify": await _status(one(verifier.verify([
+                    VerifyAsk("nope", DraftTree(*map(torch.tensor, ([1], [-1], [0])), 0))]))),
+                "draft": await _status(one(drafter.draft([
+                    DraftAsk("nope", torch.zeros(1, FEATURE_DIM), 1, 1, 4, None)]))),
             }
             await verifier.end_session("nope")  # ending what is not there is not an error
             await drafter.end_session("nope")
@@ -342,12 +323,14 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
             limit = (await verifier.info()).max_session_tokens
             session, greedy = uuid.uuid4().hex, SamplingParams()
             codes = {
-                "capacity beyond limit": await _status(verifier.start_session(session, limit + 1, greedy, [])),
-                "top_p > 1": await _status(verifier.start_session(session, 8, SamplingParams(1.0, 0, 1.5), [])),
-                "tap beyond layers": await _status(verifier.start_session(session, 8, greedy, [TARGET_LAYERS])),
-                "session id too long": await _status(verifier.start_session("x" * 129, 8, greedy, [])),
+                "capacity beyond limit": await _status(start_verifier_session(verifier, session, limit + 1, greedy)),
+                "top_p > 1": await _status(start_verifier_session(verifier, session, 8, SamplingParams(1.0, 0, 1.5))),
+                "tap beyond layers": await _status(start_verifier_session(verifier, session, 8, greedy,
+                                                                          [TARGET_LAYERS])),
+                "session id too long": await _status(start_verifier_session(verifier, "x" * 129, 8, greedy)),
             }
-            await verifier.start_session(session, len(PROMPT), greedy, [])  # prompt + first token: one slot short
+            # prompt + first token: one slot short
+            await start_verifier_session(verifier, session, len(PROMPT), greedy)
             codes["prompt beyond capacity"] = await _status(verifier.prefill(session, PROMPT))
             codes["token beyond vocab"] = await _status(verifier.prefill(session, PROMPT[:-1] + [VOCAB]))
             codes["empty prompt"] = await _status(verifier.prefill(session, []))
@@ -422,7 +405,7 @@ def test_prompt_features_past_the_message_limit_are_refused_before_any_work(tmp_
         async with GrpcVerifier(verifier.address) as client:
             info = await client.info()
             session, taps = uuid.uuid4().hex, list(range(info.num_layers))
-            await client.start_session(session, 300, SamplingParams(), taps)
+            await start_verifier_session(client, session, 300, SamplingParams(), taps)
             with pytest.raises(BackendError) as refused:
                 await client.prefill(session, [5] * 200)  # 200 x 6 x 384 x 4 B = 1.8 MB
             first = await client.prefill(session, [5] * 100)  # 0.9 MB: the same session, untouched, prefills
@@ -461,7 +444,7 @@ def test_bad_draft_requests_leave_the_session_usable(services, local):
                 name: await _status(stub.Draft(pb.DraftRequest(session_id=session, **{**good, **change}), timeout=30))
                 for name, change in bad.items()
             }
-            tree, _ = await drafter.draft(session, features, root, position, BUDGET, None)
+            tree, _ = await one(drafter.draft([DraftAsk(session, features, root, position, BUDGET, None)]))
             await drafter.end_session(session)
             starts = {  # a prompt for the prefix cache: tokens within the vocabulary, within the capacity
                 name: await _status(stub.StartSession(pb.DrafterStartSessionRequest(
@@ -497,7 +480,7 @@ def test_ended_sessions_are_gone_from_the_metrics(services):
 
     async def start_then_end(session: str, checkpoint):
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
-            await verifier.start_session(session, 64, SamplingParams(), [0])
+            await start_verifier_session(verifier, session, 64, SamplingParams(), [0])
             await drafter.start_session(session, 64)
             checkpoint.append(gauges())
             await verifier.end_session(session)
@@ -521,7 +504,7 @@ def test_idle_sessions_expire_after_the_ttl(services):
             await drafter.start_session("idle", 16)
             while service.metric("ddtree_draft_active_sessions") != 0:
                 await asyncio.sleep(0.1)
-            return await _status(drafter.draft("idle", torch.zeros(0, FEATURE_DIM), 1, 0, 4, None))
+            return await _status(one(drafter.draft([DraftAsk("idle", torch.zeros(0, FEATURE_DIM), 1, 0, 4, None)])))
 
     assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == NOT_FOUND
     assert service.metric("ddtree_draft_sessions_expired_total") == expired_before + 1

@@ -21,11 +21,10 @@ from gateway.config import GatewayConfig
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.health import Backends
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.types import SamplingParams
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from runtime.lane import HEADER, MAGIC
 from tests.gateway_support import events, make_chat_target
-from tests.services import VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
+from tests.services import VERIFIER_SERVICE, Service, free_ports, launch, start_verifier_session, wait_serving
 
 MAX_MESSAGE_BYTES = 2**30  # the verifier's --max-message-bytes
 TOKEN = "s3cret-token_for.tests"
@@ -129,7 +128,7 @@ def test_a_verifier_out_of_sessions_gets_503_with_retry_after(verifier, target) 
     async def scenario():
         async with (GrpcVerifier(verifier.address, auth_token=TOKEN) as holder,
                     GrpcVerifier(verifier.address, auth_token=TOKEN) as backend):
-            await holder.start_session("held", 16, SamplingParams(), [])
+            await start_verifier_session(holder, "held", 16)
             app = create_app(GatewayConfig(target=str(target), drafter="none", verifier=verifier.address,
                                            auth_token=TOKEN), Backends(backend, None))
             async with app.router.lifespan_context(app):

@@ -45,17 +45,12 @@ def cached_engine(target: Path, path: str, budget: int = BUDGET) -> VerifyEngine
 def run_rounds(engine: VerifyEngine, session: str, first: list[int], truth: list[int], seed: int,
                length: int) -> list[int]:
     """Verify rounds of deep oracle trees from the session's first token until `length` tokens: each round's
-    tokens checked against truth (the target's own continuation); on an engine that queues greedy rounds, every
-    other round queued and collected (its commit is the one the chained loop makes)."""
+    tokens checked against truth (the target's own continuation)."""
     rng = random.Random(seed)
     got = list(first)
     while len(got) < length:
         depth = rng.randint(2, 6)
-        tree = oracle_tree(rng, got[-1], truth[len(got):], depth, depth)
-        if len(got) % 2 and engine.can_launch(engine.sessions[session].params, tree.tokens.shape[0] - 1):
-            step = engine.collect(engine.launch(session, tree))
-        else:
-            step = engine.verify(session, tree)
+        step = engine.verify(session, oracle_tree(rng, got[-1], truth[len(got):], depth, depth))
         assert step.tokens == truth[len(got) : len(got) + len(step.tokens)]
         got += step.tokens
     return got

@@ -82,9 +82,9 @@ def test_seeded_sampling_gives_the_same_text_under_load(stack: ServeStack) -> No
     assert together == alone
 
 
-def test_ar_streams_with_decodes_a_step_ahead_each_equal_alone(stack: ServeStack) -> None:
-    """Speculation off: each request's Decodes go a step ahead of its answers (round_loops.pipelined_decodes), and
-    greedy and seeded sampled streams, some stopped early by a stop string, are each the text they are alone."""
+def test_ar_streams_each_equal_alone(stack: ServeStack) -> None:
+    """Speculation off: greedy and seeded sampled streams, some stopped early by a stop string, are each the text
+    they are alone."""
     off = {"speculation": {"mode": "off"}}
 
     async def one(client: openai.AsyncOpenAI, i: int) -> str:

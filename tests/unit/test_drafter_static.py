@@ -232,41 +232,6 @@ def test_graphs_match_eager_on_gpu(kind: str, drafter_dir: Path) -> None:
     assert len(static.static.graphs) == captured
 
 
-@pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_draft_after_a_round_in_flight_matches_the_host_draft(kind: str, drafter_dir: Path) -> None:
-    """draft_after appends all of a round's path rows and reads the block's position and root from the device;
-    the tree equals the eager engine's draft from the host's values (the real k+1 rows at the real position), and
-    the next draft, from the host, settles the context where that round ended."""
-    torch.manual_seed(0)
-    model = load_drafter(drafter_dir) if kind != "sliding" else sliding_drafter()
-    eager, static = engines(model)
-    block = static.block_size
-    features = torch.randn(80, FEATURE_DIM)
-    for engine in (eager, static):
-        engine.start_session("s", capacity=81)
-        engine.draft("s", features[:20], 3, 20, 8)
-    start = 20
-    for accepted, root in [(3, 7), (0, 2), (block - 1, 5), (1, 9)]:
-        path = features[start : start + block].clone()
-        path[accepted + 1 :] = 100.0  # rows past the accepted path are filler and must not matter
-        cursor = torch.tensor([start + accepted + 1, root])
-        got = static.draft_after("s", path, start, cursor, 8).tree
-        want = eager.draft("s", features[start : start + accepted + 1], root, start + accepted + 1, 8).tree
-        assert_same_tree(got, want)
-        start += accepted + 1
-    static.start_session("t", capacity=5 + block)  # the furthest the round could end leaves no room for a root
-    static.draft("t", features[:5], 1, 5, 8)
-    with pytest.raises(CapacityError):
-        static.draft_after("t", features[5 : 5 + block], 5, torch.tensor([6, 0]), 8)
-    with pytest.raises(SessionError, match="cannot take an append"):  # where the context ends is not known yet
-        static.append("s", features[:1])
-    with pytest.raises(SessionError, match="cannot start at"):  # the last round ended in [start+1, start+B]
-        static.draft("s", features[:1], 1, start + block + 1, 8)
-    got, want = (e.draft("s", features[start : start + 4], 4, start + 4, 8).tree for e in (static, eager))
-    assert_same_tree(got, want)  # the round ended at `start`: the next features begin there
-    assert static.session("s").length == static.session("s").length_max == start + 4
-
-
 def test_draft_inputs_share_one_buffer() -> None:
     """DraftInputs: the header's int64 scalars, the ids and the features are views of one byte buffer (one copy
     up per draft), the features aligned; `write` and `upload` fill them."""

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from protos.types import SamplingParams
-from ddtree.local import LocalDrafter, LocalVerifier, load_local
+from ddtree.local import LocalDrafter, load_local
 from gateway.rounds import Round, Speculation, run_rounds
+from protos.types import SamplingParams
 from tests.conftest import VOCAB, hf_greedy
 
 SPECS = [Speculation("ar"), Speculation("chain")] + [Speculation("ddtree", b) for b in (1, 4, 16, 64, 256)]
@@ -36,43 +36,25 @@ def generate(
     return asyncio.run(collect())
 
 
-class LoggedVerifier(LocalVerifier):
-    """Logs queued rounds, so a test can see that rounds were queued ahead of the host."""
-
-    def __init__(self, engine, log: list[str]) -> None:
-        super().__init__(engine, chain=True)
-        self.log = log
-
-    def launch(self, session_id, tree):
-        self.log.append("launch")
-        return super().launch(session_id, tree)
-
-    async def collect(self, queued):
-        self.log.append("collect")
-        return await super().collect(queued)
-
-
-def load(target: Path, drafter_dir: Path, path: str, log: list[str] | None = None):
-    """fused / hf as load_local makes them on the CPU; chained: the fused path's captured code (what the GPU
-    replays, forced on) with rounds queued on the device ahead of the host (gateway/round_loops.py chained_rounds)."""
+def load(target: Path, drafter_dir: Path, path: str):
+    """fused / hf as load_local makes them on the CPU; static: the fused path's captured code (what the GPU
+    replays, forced on)."""
     verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=path == "hf")
-    if path == "chained":
+    if path == "static":
         verifier.engine.fused.static = True
-        verifier = LoggedVerifier(verifier.engine, [] if log is None else log)
     return verifier, drafter
 
 
-@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+@pytest.mark.parametrize("path", ["fused", "hf", "static"])
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_greedy_equals_hf_generate(
     kind: str, path: str, qwen3_target: Path, llama_target: Path, drafter_dir: Path
 ) -> None:
     """Both verifier paths: our fused forward (static buffers, padded buckets) and the generic HF modules; and
-    the captured path with chained rounds."""
+    the captured path."""
     target = qwen3_target if kind == "qwen3" else llama_target
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    log: list[str] = []
-    verifier, drafter = load(target, drafter_dir, path, log)
+    verifier, drafter = load(target, drafter_dir, path)
     assert verifier.engine.path == ("hf" if path == "hf" else "fused")
     eos_stops = 0
     for i, prompt in enumerate(prompts()):
@@ -91,25 +73,10 @@ def test_greedy_equals_hf_generate(
             if spec.mode == "ddtree":
                 assert all(r.tree_size == min(spec.budget, 1000) for r in rounds[1:])
     assert eos_stops >= 6
-    if path == "chained":  # rounds really were queued before the one ahead of them was read
-        assert "launch,launch,collect" in ",".join(log)
-        assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
+    assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
 
 
-def test_chained_rounds_accept_what_unchained_rounds_accept(qwen3_target: Path, drafter_dir: Path) -> None:
-    """The drafts of chained rounds read each launched round's path features on the device, as the drafts of
-    unchained rounds (verify()) read them: every round's accepted count is the same. Wrong features would still
-    give the target's output (lossless), only shorter acceptance, so the exactness tests would not see them."""
-    verifier, drafter = load(qwen3_target, drafter_dir, "chained")
-    unchained = LocalVerifier(verifier.engine, chain=False)
-    for prompt in prompts(4):
-        for spec in (Speculation("chain"), Speculation("ddtree", 16)):
-            chained = [r.accepted for r in generate(verifier, drafter, prompt, spec, [])]
-            assert chained == [r.accepted for r in generate(unchained, drafter, prompt, spec, [])], (prompt, spec)
-    assert "launch,launch,collect" in ",".join(verifier.log)
-
-
-@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+@pytest.mark.parametrize("path", ["fused", "hf", "static"])
 @pytest.mark.parametrize("chunk", [0, 4])
 def test_tiny_vocab_large_budget_accepts_deeply(path: str, chunk: int, tmp_path: Path) -> None:
     """With 4 tokens, a near-uniform drafter and 256 nodes the tree holds every continuation 3 tokens deep and
@@ -131,7 +98,7 @@ def test_tiny_vocab_large_budget_accepts_deeply(path: str, chunk: int, tmp_path:
     assert max(accepted) >= 5
 
 
-@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+@pytest.mark.parametrize("path", ["fused", "hf", "static"])
 def test_chunked_prefill_rounds_equal_one_call_prefill(path: str, qwen3_target: Path, drafter_dir: Path) -> None:
     """A prompt prefilled in chunks (each chunk's features appended to the drafter's context while the next
     runs, the last chunk's with the first draft) gives the target's greedy output and, round for round, the
@@ -160,27 +127,19 @@ class TreeLog(LocalDrafter):
 
     trees: list[list[int]]
 
-    async def draft(self, *args):
-        return self._logged(await super().draft(*args))
-
-    async def draft_after(self, *args):
-        return self._logged(await super().draft_after(*args))
-
-    def _logged(self, drafted):
-        self.trees.append(drafted[0].tokens.tolist())
+    async def draft(self, asks):
+        drafted = await super().draft(asks)
+        self.trees += [outcome[0].tokens.tolist() for outcome in drafted]
         return drafted
 
 
 @pytest.mark.gpu(reason="CUDA graphs need a GPU")
-def test_chained_rounds_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir: Path) -> None:
-    """fp32 on the GPU: every round a graph replay queued before the host read the one ahead of it, the drafter
-    reading its root, position and features on the device. Prefilled in chunks, the prompt's features kept in
-    pinned host memory, taken and appended before the first draft: the same output."""
+def test_captured_steps_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir: Path) -> None:
+    """fp32 on the GPU: every step a graph replay. Prefilled in chunks, the prompt's features kept in pinned host
+    memory, taken and appended before the first draft: the same output."""
     hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cuda", torch.float32)
-    log: list[str] = []
-    verifier = LoggedVerifier(verifier.engine, log)
-    assert verifier.engine.path == "fused+graphs" and drafter.chains
+    assert verifier.engine.path == "fused+graphs"
     for i, prompt in enumerate(prompts(6)):
         reference = hf_greedy(hf, prompt, 40)
         eos = [reference[9]] if i % 2 else []
@@ -189,10 +148,6 @@ def test_chained_rounds_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir
         for spec in (Speculation("ar"), Speculation("chain"), Speculation("ddtree", 16), Speculation("ddtree", 64)):
             rounds = generate(verifier, drafter, prompt, spec, eos, max_new=40)
             assert [t for r in rounds for t in r.tokens] == reference, (i, spec)
-            # the drafts after launched rounds read the same features as those after verify()
-            unchained = generate(LocalVerifier(verifier.engine, chain=False), drafter, prompt, spec, eos, max_new=40)
-            assert [r.accepted for r in rounds] == [r.accepted for r in unchained], (i, spec)
             if spec.mode != "ar":
                 chunked = generate(verifier, drafter, prompt, spec, eos, max_new=40, chunk=5)
                 assert [t for r in chunked for t in r.tokens] == reference, (i, spec)
-    assert "launch,launch,collect" in ",".join(log)

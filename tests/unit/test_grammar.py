@@ -17,7 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ddtree.local import LocalDrafter, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from protos.types import DraftTree, SamplingParams
-from runtime.grammar import Grammars, json_object_grammar, json_schema_grammar, parse_grammar
+from runtime.grammar import (
+    Grammars,
+    json_object_grammar,
+    json_schema_grammar,
+    parse_grammar,
+)
 from runtime.models import read_eos_ids, resolve_pair
 from verify_server.grammar import TreeGrammar
 
@@ -34,9 +39,9 @@ class DraftLog(LocalDrafter):
 
     drafts: list[tuple[int, DraftTree]]
 
-    async def draft(self, session_id, features, root_token, root_position, *args):
-        drafted = await super().draft(session_id, features, root_token, root_position, *args)
-        self.drafts.append((root_position, drafted[0].cpu()))
+    async def draft(self, asks):
+        drafted = await super().draft(asks)
+        self.drafts += [(ask.root_position, outcome[0].cpu()) for ask, outcome in zip(asks, drafted)]
         return drafted
 
 

@@ -22,9 +22,13 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.health import Backends
 from gateway.service import GatewayService
-from protos.types import StepResult
 from tests.conftest import make_drafter
-from tests.gateway_support import ServiceVerifier, local_backends, make_chat_target, metric
+from tests.gateway_support import (
+    ServiceVerifier,
+    local_backends,
+    make_chat_target,
+    metric,
+)
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -40,9 +44,9 @@ class GatedVerifier(ServiceVerifier):
 
     gate: asyncio.Event
 
-    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
+    async def verify(self, asks):
         await self.gate.wait()
-        return await super().decode(session_id, steps)
+        return await super().verify(asks)
 
 
 @pytest.fixture(scope="module")

@@ -54,17 +54,16 @@ def test_bench_figure_draws_the_runs() -> None:
 
 
 def test_gateway_phases_are_stacked_as_they_come() -> None:
-    """A gateway bench's phases are its own (server, transport, relay besides the four of the models' device
-    work): none is dropped or renamed."""
+    """A gateway bench's phases are its own (server and transport besides the four of the models' device work):
+    none is dropped or renamed."""
     result = in_process_result()
     result["hardware"] = {"gateway": "http://127.0.0.1:8000"}
     result["model_pair"] = {"served_model": "demo"}
     for r in result["runs"]:
-        r["phases_ms"] = {"draft": 0.2, "tree": 0.02, "verify": 1.0, "walk": 0.01, "server": 0.1, "transport": 0.3,
-                          "relay": 0.0}
+        r["phases_ms"] = {"draft": 0.2, "tree": 0.02, "verify": 1.0, "walk": 0.01, "server": 0.1, "transport": 0.3}
     fig = bench_figure(result)
     legend = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
-    assert legend == ["draft", "tree", "verify", "walk", "server", "transport", "relay"]
+    assert legend == ["draft", "tree", "verify", "walk", "server", "transport"]
     assert fig.get_suptitle() == "http://127.0.0.1:8000 — demo"
     plt.close(fig)
 

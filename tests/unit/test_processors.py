@@ -22,10 +22,8 @@ from ddtree.local import load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from runtime.service import RequestError
 from tests.conftest import make_drafter, make_target
-from tests.unit.test_exactness import LoggedVerifier
 from tests.unit.test_sampling import P_THRESHOLD, p_value
 from verify_server.processors import TokenHistory, process_logits
-from verify_server.session import SessionError
 from verify_server.tree_attention import ancestor_matrix
 from verify_server.validate import check_sampling
 
@@ -105,16 +103,15 @@ def tiny(tmp_path_factory):
 
 
 def load(tiny, path: str):
-    """fused / hf as load_local makes them; chained: the captured code forced on, chaining where it may."""
+    """fused / hf as load_local makes them; static: the captured code forced on."""
     target, drafter_dir, _ = tiny
     verifier, drafter = load_local(str(target), str(drafter_dir), "cpu", torch.float32, eager=path == "hf")
-    if path == "chained":
+    if path == "static":
         verifier.engine.fused.static = True
-        verifier = LoggedVerifier(verifier.engine, [])
     return verifier, drafter
 
 
-@pytest.mark.parametrize("path", ["fused", "hf", "chained"])
+@pytest.mark.parametrize("path", ["fused", "hf", "static"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_with_processors_equals_hf_generate(tiny, path: str, case: str) -> None:
     """Token for token in every mode, the logprobs (chosen and top-k) allclose to HF's raw scores; a processor
@@ -148,9 +145,7 @@ def test_greedy_with_processors_equals_hf_generate(tiny, path: str, case: str) -
     assert changed or case == "logprobs"
     # paths several nodes deep, each node processed as its own sequence (the drafter guesses processed paths worse)
     assert max(accepted) >= 4 and sum(a >= 3 for a in accepted) >= 5
-    if path == "chained":  # these sessions are never queued on the captured path
-        assert "launch" not in verifier.log
-        assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
+    assert verifier.engine.sessions == {} and drafter.engine.sessions == {}
 
 
 def test_each_node_is_processed_as_the_sequence_of_its_path() -> None:
@@ -207,19 +202,26 @@ def test_batched_rounds_apply_each_sessions_processors(tiny, static: bool) -> No
 
 
 def test_processed_sessions_are_routed_off_the_captured_paths(tiny) -> None:
-    """The captured rounds take the raw argmax inside a graph: a session whose choice or output needs more is
-    declared unable to chain, and launching one is refused rather than run without its processors."""
+    """The captured greedy round takes the raw argmax inside a graph: a plain greedy session (min_p changes no
+    argmax) takes it, a session whose choice or output needs more never does (its round runs with its
+    processors)."""
     verifier, _ = load(tiny, "fused")
     engine = verifier.engine
     engine.fused.static = True
-    assert engine.can_launch(SamplingParams(), 16) and engine.can_launch(SamplingParams(min_p=0.3), 16)
-    for fields in CASES.values():
-        params = SamplingParams(**fields, stop_ids=(1,))
-        assert not params.raw_argmax and not engine.can_launch(params, 16)
+    greedy_round, captured = engine.fused.greedy_round, []
+
+    def counted(*args):  # the runner's greedy_round, counted
+        captured.append(args)
+        return greedy_round(*args)
+
+    engine.fused.greedy_round = counted
+    plain = [SamplingParams(stop_ids=(1,)), SamplingParams(min_p=0.3, stop_ids=(1,))]
+    for params in plain + [SamplingParams(**fields, stop_ids=(1,)) for fields in CASES.values()]:
         engine.start_session("s", 64, params, [])
         engine.prefill("s", [1, 2, 3])
-        with pytest.raises(SessionError, match="plain greedy"):
-            engine.launch("s", build_tree(torch.log_softmax(torch.randn(3, VOCAB_T), -1), engine.sessions["s"].root, 8))
+        captured.clear()
+        engine.verify("s", build_tree(torch.log_softmax(torch.randn(3, VOCAB_T), -1), engine.sessions["s"].root, 8))
+        assert len(captured) == params.raw_argmax == (params in plain), params
         engine.end_session("s")
 
 

@@ -14,9 +14,15 @@ import pytest
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.health import Backends
-from protos.types import DraftTree, StepResult
+from protos.types import StepResult
 from tests.conftest import make_drafter
-from tests.gateway_support import ServiceVerifier, events, local_backends, make_chat_target, metric
+from tests.gateway_support import (
+    ServiceVerifier,
+    events,
+    local_backends,
+    make_chat_target,
+    metric,
+)
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -37,10 +43,7 @@ class StalledVerifier(ServiceVerifier):
     held: list[tuple[int, int]]
     linger: asyncio.Event | None = None
 
-    async def verify(self, session_id: str, tree: DraftTree) -> StepResult:
-        return await self._stall()
-
-    async def decode(self, session_id: str, steps: int = 1, untap: bool = False) -> StepResult:
+    async def verify(self, asks):
         return await self._stall()
 
     async def _stall(self) -> StepResult:

@@ -212,64 +212,6 @@ def test_session_errors_leave_state_intact(path: str, qwen3_target: Path) -> Non
     assert len(engine.decode("s").tokens) == 1  # still usable after the rejected requests
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param(
-    "cuda", marks=pytest.mark.gpu(reason="CUDA graphs need a GPU"))])
-def test_two_sessions_chain_their_rounds_interleaved(device: str, qwen3_target: Path) -> None:
-    """Two sessions' chained rounds queued in turn, each round of the same shape as the other session's (one graph
-    replays both on a GPU): each session's next round starts where its own last one ended, and both get the
-    target's own tokens."""
-    engine = VerifyEngine.from_pretrained(qwen3_target, device=device) if device == "cuda" else make_engine(
-        qwen3_target, "fused-static")
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6, 5, 3]}
-    truths = {name: hf_greedy(model, prompt, 40) for name, prompt in prompts.items()}
-    got = {}
-    for name, prompt in prompts.items():
-        engine.start_session(name, 100, SamplingParams(), taps=[1])
-        got[name] = list(engine.prefill(name, prompt).tokens)
-    rng = random.Random(4)
-    for _ in range(3):
-        pending, ends = [], {}
-        for turn in range(2):  # a, b, then each one's second round after its first, still in flight
-            for name, truth in truths.items():
-                at = len(got[name]) + ends.get(name, 0)
-                tree = oracle_tree(rng, got[name][-1] if turn == 0 else 0, truth[at:], 3, 4)
-                tree = DraftTree(*(t.to(engine.device) for t in (tree.tokens, tree.parents, tree.depths)), 4)
-                pending.append((name, engine.launch(name, tree)))
-                ends[name] = ends.get(name, 0) + 4  # each oracle path is accepted whole: 3 nodes and the bonus
-        for name, round_ in pending:
-            step = engine.collect(round_)
-            assert step.tokens == truths[name][len(got[name]) : len(got[name]) + 4]
-            got[name] += step.tokens
-
-
-def test_queued_rounds_chain_on_the_device_and_are_collected_in_order(qwen3_target: Path) -> None:
-    """launch() queues a round whose start and root come from the round still in flight; collect() commits them
-    in order. The captured code path, forced on for the CPU."""
-    engine = make_engine(qwen3_target, "fused-static")
-    prompt = [3, 1, 4, 1, 5]
-    truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), prompt, 40)
-    engine.start_session("s", 100, SamplingParams(), taps=[1])
-    got = list(engine.prefill("s", prompt).tokens)
-    rng = random.Random(3)
-    # the second tree is built for where the first one's path will end (its root token is replaced on the device)
-    first = oracle_tree(rng, got[-1], truth[1:], 4, 5)
-    second = oracle_tree(rng, 0, truth[1 + 5 :], 3, 4)
-    a = engine.launch("s", first)
-    b = engine.launch("s", second)
-    with pytest.raises(SessionError, match="collect one first"):
-        engine.launch("s", second)
-    with pytest.raises(SessionError, match="queued rounds"):
-        engine.verify("s", second)
-    with pytest.raises(SessionError, match="order they were queued"):
-        engine.collect(b)
-    step_a, step_b = engine.collect(a), engine.collect(b)
-    assert step_a.tokens == truth[1:6] and step_a.features.shape == (5, 64)
-    assert step_b.tokens == truth[6:10]
-    assert engine.sessions["s"].cache.length == len(prompt) + 9
-    assert engine.decode("s").tokens == truth[10:11]  # the session goes on from the collected state
-
-
 def test_slots_of_other_sizes_give_way_with_their_graphs(qwen3_target: Path) -> None:
     """A session's cache grows with its prompt and output, from slot to larger slot. Once max_sessions cache slots
     exist, a session growing to a size none of them has takes the place of a free slot of another size: the slots

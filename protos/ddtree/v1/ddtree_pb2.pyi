@@ -275,14 +275,12 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "steps", "untap")
+    __slots__ = ("session_id", "untap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
     UNTAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    steps: int
     untap: bool
-    def __init__(self, session_id: _Optional[str] = ..., steps: _Optional[int] = ..., untap: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., untap: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("tokens", "features", "logprobs", "timings")

@@ -1,0 +1,463 @@
+"""The step loop: schedule -> draft -> verify -> commit -> stream, for every running generation at once.
+
+One task runs it. Each step, the scheduler (gateway/scheduler.py) says which sequences step and how; their drafts go
+to the drafter as one call and their trees and AR steps to the verifier as one call (gateway/backends.py); each
+sequence's outcome is committed, cut at its stops, and handed to its reader as a Round. Sequences are passive state
+(gateway/sequence.py): a request submits one and reads its rounds. A prompt runs as calls of its own, beside the
+steps (its session starts with it, the drafter's first), and its sequence joins the steps once its first token is
+chosen.
+
+A drafter's failure never fails a sequence: it goes on with AR steps, its output the same. A verifier call that runs
+short of KV memory (ABORTED) preempts the sequence where it can go on from its output (Engine._preempt); any other
+failure ends the sequence with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import replace
+
+import grpc
+
+from gateway.backends import (
+    DraftAsk,
+    DrafterClient,
+    SessionStart,
+    VerifierClient,
+    VerifyAsk,
+)
+from gateway.grpc_client import BackendError
+from gateway.scheduler import Scheduler, StepPlan
+from gateway.sequence import Phase, Round, Sequence, Speculation
+from protos.types import SamplingParams, StepResult
+from runtime.timing import DeferredTimings
+
+log = logging.getLogger("ddtree.engine")
+
+MAX_STEPS_OUT = 2  # steps launched and not committed at once: the one on the device and the one behind it
+
+
+class Engine:
+    def __init__(
+        self, verifier: VerifierClient, drafter: DrafterClient | None, prefill_chunk: int = 0,
+        on_fallback: Callable[[BaseException], None] | None = None,
+        keep_speculating: Callable[[], bool] | None = None,
+        on_step: Callable[[str, int], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
+    ) -> None:
+        """prefill_chunk: a prompt longer than this runs in chunks of as many tokens (0: in one call), so that the
+        verifier serves steps between them. on_fallback: told of a drafter failure (metrics, logs). keep_speculating:
+        asked each step while sequences draft: once it says no, they give their drafter up and go on AR (the load no
+        longer pays for speculation). on_step: (rpc, calls) of each batch call (metrics). on_resume: told of each
+        preemption's restart."""
+        self.verifier = verifier
+        self.drafter = drafter
+        self.prefill_chunk = prefill_chunk
+        self.on_fallback = on_fallback
+        self.keep_speculating = keep_speculating
+        self.on_step = on_step
+        self.on_resume = on_resume
+        self.scheduler = Scheduler()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's prefill in flight
+        self._ending: set[asyncio.Task] = set()  # sessions being ended
+        self._calls: list[tuple[list[Sequence], asyncio.Future]] = []  # the batch calls out, and for whom
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Ends the loop and every sequence (their sessions end too)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in self.scheduler.all():
+            self._end(seq, asyncio.CancelledError())
+        await asyncio.gather(*self._tasks.values(), *self._ending, return_exceptions=True)
+
+    async def _run(self) -> None:
+        steps: deque[tuple[StepPlan, asyncio.Task]] = deque()  # launched and not committed, oldest first
+        while True:
+            for seq in self.scheduler.admit():
+                self._tasks[seq] = asyncio.get_running_loop().create_task(self._prefill(seq))
+            if not steps:
+                plan = self.scheduler.plan()
+                if plan is None:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                steps.append((plan, self._launch(plan)))
+            if len(steps) < MAX_STEPS_OUT and (behind := self._behind(steps[-1][0])) is not None:
+                steps.append((behind, self._launch(behind)))
+            plan, task = steps.popleft()
+            try:
+                self._settle(plan, *await task)
+            except Exception as exc:  # a step's own bug fails its sequences, never the loop
+                log.error("a step failed", exc_info=exc)
+                for seq in plan.sequences:
+                    self._end(seq, exc)
+
+    def _behind(self, last: StepPlan) -> StepPlan | None:
+        """The next step, where it may go before `last` is answered: AR steps only (their roots are the steps'
+        before, which the verifier holds), to a remote verifier, which reads it while it runs the one before and
+        answers in order; every sequence with room for it past its steps in flight and no grammar (whose matcher
+        ends at the output's end). So the device goes from step to step while the host reads, detokenises and
+        streams the last one. A stop token wastes the step after it: the sequence ends there anyway."""
+        if not self.verifier.remote or last.drafts:
+            return None
+        plan = self.scheduler.plan()
+        if plan is None or plan.drafts:
+            return None
+        if any(seq.room - seq.ahead < 1 or seq.params.grammar for seq in plan.sequences):
+            return None
+        return plan
+
+    def _launch(self, plan: StepPlan) -> asyncio.Task:
+        for seq in plan.sequences:
+            seq.ahead += 1
+        return asyncio.get_running_loop().create_task(self._step(plan))
+
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, spec: Speculation, max_tokens: int, stop_ids: Iterable[int],
+    ) -> AsyncIterator[Round]:
+        """A sequence's rounds, one per step it takes part in (the first: its prompt's); its sessions end however
+        the iteration ends (a normal end waits for that, and raises the verifier's failure to end its session). A
+        request with min_tokens has its stop tokens held back until then."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if spec.mode != "ar" and self.drafter is None:
+            raise ValueError(f"mode {spec.mode!r} needs a drafter")
+        stops = frozenset(stop_ids)
+        if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
+            params = replace(params, stop_ids=tuple(sorted(stops)))
+        seq = Sequence(list(prompt), params, spec, max_tokens, stops)
+        self.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                item = await seq.rounds.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self.cancel(seq)
+        failure = await asyncio.shield(seq.ended)
+        if failure is not None:
+            raise failure
+
+    def submit(self, seq: Sequence) -> None:
+        """A new sequence: it starts at the next turn of the loop."""
+        self.scheduler.add(seq)
+        self._wake.set()
+        self.start()
+
+    def cancel(self, seq: Sequence, error: BaseException | None = None) -> None:
+        """Its reader has gone (or ends it with `error`, which the reader gets): it leaves the steps, and its sessions
+        end."""
+        if seq.phase is not Phase.DONE:
+            self._end(seq, error)
+
+    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], dict[Sequence, tuple], list, float, float, float]:
+        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one -> the
+        sequences verified (those not ended meanwhile), their trees, the verify outcomes and when the step began,
+        its drafts ended and it was answered."""
+        start = time.perf_counter()
+        trees: dict[Sequence, tuple] = {}
+        if plan.drafts:
+            trees = await self._draft(plan.drafts)
+        asks, live = [], [seq for seq in plan.sequences if seq.phase is Phase.RUNNING]  # (some ended meanwhile)
+        for seq in live:
+            untap, seq.untap = seq.untap, False
+            asks.append(VerifyAsk(seq.id, trees[seq][0] if seq in trees else None, untap))
+        drafted = time.perf_counter()
+        outcomes = await self._call("Verify", self.verifier.verify, asks, live) if asks else []
+        return live, trees, outcomes, start, drafted, time.perf_counter()
+
+    def _settle(self, plan: StepPlan, live: list[Sequence], trees: dict[Sequence, tuple], outcomes: list,
+                start: float, drafted: float, done: float) -> None:
+        """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
+        for seq in plan.sequences:
+            seq.ahead -= 1
+        for seq, outcome in zip(live, outcomes):
+            if seq.phase is not Phase.RUNNING:
+                continue  # cancelled, finished or preempted meanwhile
+            if isinstance(outcome, BaseException):
+                self._failed(seq, outcome)
+                continue
+            tree, draft_timings = trees.get(seq, (None, {}))
+            rpc = {"draft_rpc_s": drafted - start} if tree is not None else {}
+            self._commit(seq, outcome, 0 if tree is None else tree.num_nodes,
+                         round_timings(draft_timings, rpc, outcome, done - start))
+
+    async def _draft(self, seqs: list[Sequence]) -> dict[Sequence, tuple]:
+        """The drafts of `seqs`, in one call -> each sequence's (tree, timings) where it drafted; a sequence whose
+        draft failed (or its prompt's relay) goes on AR."""
+        asks, asking = [], []
+        for seq in seqs:
+            if seq.relay is not None:  # its prompt's features are in the drafter's context (Scheduler.plan)
+                relay, seq.relay = seq.relay, None
+                if relay.exception() is not None:  # a drafter failure degrades to AR
+                    self._fall_back(seq, relay.exception())
+                    continue
+            budget, top_k = seq.spec.tree_shape(self.drafter.block_size)
+            features, seq.features = seq.features, None
+            committed, seq.committed = seq.committed, []
+            asks.append(DraftAsk(seq.id, features, seq.root, seq.root_position, budget, top_k, committed))
+            asking.append(seq)
+        if not asks:
+            return {}
+        outcomes = await self._call("Draft", self.drafter.draft, asks, asking)
+        trees = {}
+        for seq, outcome in zip(asking, outcomes):
+            if seq.phase is not Phase.RUNNING:
+                continue  # ended meanwhile: its draft's failure (cancelled, session gone) is no drafter's
+            if isinstance(outcome, BaseException):
+                self._fall_back(seq, outcome)
+            else:
+                trees[seq] = outcome
+        return trees
+
+    async def _call(self, rpc: str, call: Callable, asks: list, seqs: list[Sequence]) -> list:
+        """A step's batch call for `seqs` -> each ask's outcome; a failure of the whole call is each ask's. Once
+        every one of `seqs` is done (their readers gone) the call is cancelled: nobody waits for it."""
+        if self.on_step is not None:
+            self.on_step(rpc, len(asks))
+        task = asyncio.ensure_future(call(asks))
+        entry = (seqs, task)
+        self._calls.append(entry)
+        try:
+            outcomes = await task
+            if len(outcomes) != len(asks):
+                raise RuntimeError(f"{rpc}: {len(outcomes)} outcomes for {len(asks)} calls")
+            return outcomes
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # the loop itself stops
+            return [asyncio.CancelledError()] * len(asks)
+        except Exception as exc:  # noqa: BLE001 - each ask fails with it
+            return [exc] * len(asks)
+        finally:
+            self._calls.remove(entry)
+
+    def _commit(self, seq: Sequence, step: StepResult, tree_size: int, timings: Mapping[str, float]) -> None:
+        """A step's outcome: its tokens cut at the sequence's stops, handed to the reader; the features its drafter
+        needs next; the end where it finished."""
+        tokens, logprobs, finish = seq.take(step)
+        if seq.drafting:
+            seq.features = step.features
+        seq.hand(Round(seq.index, tokens, tree_size, finish, timings, logprobs))
+        if finish is not None:
+            self._end(seq, None)
+        elif seq.drafting and not seq.params.grammar and self.keep_speculating is not None \
+                and not self.keep_speculating():
+            self._give_up_drafter(seq)  # AR from here: the load no longer pays for its trees
+
+    # ---- a sequence's start: sessions and prompt -----------------------------------------------------------
+
+    async def _prefill(self, seq: Sequence) -> None:
+        drafter = self.drafter if seq.spec.mode != "ar" else None
+        block = drafter.block_size if drafter else 1
+        start_time = time.perf_counter()
+        try:
+            if seq.prior is not None:  # a restart: its last sessions' memory first
+                prior, seq.prior = seq.prior, None
+                await asyncio.shield(prior)
+            reused = 0
+            if drafter is not None:
+                try:
+                    # the positions whose context the drafter's prefix cache restored: their features stay behind
+                    reused = await drafter.start_session(seq.id, len(seq.prompt) + seq.max_tokens, seq.params.grammar,
+                                                         seq.prompt)
+                    seq.drafting = True
+                except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR
+                    self._notify_fallback(exc)
+            taps = drafter.target_layer_ids if seq.drafting else []
+            capacity = len(seq.prompt) + seq.max_tokens + seq.spec.max_nodes(block) + 1
+            seq.verifying = True  # the caller ends the session however its first call goes
+            step = await self._prompt(seq, reused, SessionStart(capacity, seq.params, taps))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            self._tasks.pop(seq, None)
+            self._failed(seq, exc)
+            return
+        self._tasks.pop(seq, None)
+        if seq.phase is not Phase.PREFILLING:
+            return  # cancelled meanwhile
+        tokens, logprobs, finish = seq.take(step)
+        if seq.drafting and seq.relay is None:
+            seq.features = step.features  # an in-process prompt's, in its answer
+        timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - start_time}
+        seq.hand(Round(seq.index, tokens, 0, finish, timings, logprobs))
+        if finish is not None:
+            self._end(seq, None)
+        else:
+            self.scheduler.run(seq)
+            self._wake.set()
+
+    async def _prompt(self, seq: Sequence, skip: int, start: SessionStart) -> StepResult:
+        """The prompt's forward: in one call, or in chunks of prefill_chunk tokens, so that the verifier serves
+        other sequences' steps between them. The verifier keeps the prompt's features where a drafter needs them
+        and they would travel (a remote verifier, or chunks): then the calls carry only tokens, and the first token
+        waits for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps
+        them (_relay), and the sequence sits out steps until they are there (seq.relay, Scheduler.plan). skip: the
+        prompt positions whose context the drafter restored from its prefix cache: no features travel for them, and
+        a chunk wholly below it keeps none.
+        -> the last chunk's step, its forward_s the whole prompt's."""
+        prompt, chunk = seq.prompt, self.prefill_chunk
+        if not 0 < chunk < len(prompt):
+            chunk = len(prompt)
+        begins = range(0, len(prompt), chunk)
+        keep = seq.drafting and (len(begins) > 1 or self.verifier.remote)
+        featured = sum(begin + chunk > skip for begin in begins)  # the chunks with features past `skip`
+        kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
+        if keep and featured:
+            seq.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, seq.id, featured, kept))
+            seq.relay.add_done_callback(lambda _: self._wake.set())  # the sequence may step
+        forward_s = 0.0
+        for begin in begins:
+            more = begin + chunk < len(prompt)
+            keeps = keep and begin + chunk > skip
+            step = await self.verifier.prefill(seq.id, prompt[begin : begin + chunk], more=more, keep_features=keeps,
+                                               skip_features=skip, start=start if begin == 0 else None)
+            if keeps:
+                kept.release()
+            forward_s += step.forward_s
+        step.forward_s = forward_s
+        return step
+
+    # ---- a sequence's end ----------------------------------------------------------------------------------
+
+    def _failed(self, seq: Sequence, exc: BaseException) -> None:
+        """A verifier call failed for the sequence: preempted where it ran short of memory and can go on from its
+        output, else it ends with the failure."""
+        if isinstance(exc, BackendError) and exc.code == grpc.StatusCode.ABORTED and self.scheduler.preemptible(seq):
+            self._preempt(seq)
+        else:
+            self._end(seq, exc)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """vLLM's recompute preemption: the sequence's sessions end (their memory frees), and it waits to start
+        again from its prompt and its output so far (the prefix caches hold most of them), its rounds going on
+        where they stopped (Sequence.restart)."""
+        seq.prior = self._end_sessions(seq, final=False)
+        self.scheduler.preempt(seq)
+        if self.on_resume is not None:
+            self.on_resume()
+        self._wake.set()
+
+    def _end(self, seq: Sequence, exc: BaseException | None) -> None:
+        """The sequence is done: finished (exc None, its last round handed), failed (its reader gets `exc`) or
+        cancelled; it leaves the scheduler and its sessions end."""
+        if seq.phase is Phase.DONE:
+            return
+        task = self._tasks.pop(seq, None)
+        if task is not None:
+            task.cancel()
+        discard(seq.relay)
+        seq.relay = None
+        self.scheduler.remove(seq)
+        seq.phase = Phase.DONE
+        for seqs, call in self._calls:
+            if all(s.phase is Phase.DONE for s in seqs):
+                call.cancel()  # its step's call serves nobody any more
+        if exc is not None:
+            seq.rounds.put_nowait(exc)
+        self._end_sessions(seq, final=True)
+        self.scheduler.freed()  # a preempted sequence may go on
+        self._wake.set()
+
+    def _end_sessions(self, seq: Sequence, final: bool) -> asyncio.Task:
+        """Ends its sessions on both services, in a task of its own that outlives the reader; final: `seq.ended`
+        resolves once they have ended."""
+        ends, verified = [], seq.verifying
+        if seq.verifying:
+            seq.verifying = False
+            ends.append(self.verifier.end_session(seq.id))
+        if seq.drafting:
+            seq.drafting = False
+            ends.append(self.drafter.end_session(seq.id))
+        task = asyncio.get_running_loop().create_task(_gathered(ends, seq if final else None, verified))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+        return task
+
+    def _fall_back(self, seq: Sequence, exc: BaseException) -> None:
+        """The drafter failed for the sequence (down, timed out, erroring): it goes on with AR steps, its output
+        unchanged; its next step untaps its verifier session."""
+        self._notify_fallback(exc)
+        self._give_up_drafter(seq)
+
+    def _give_up_drafter(self, seq: Sequence) -> None:
+        seq.untap, seq.features, seq.committed = True, None, []
+        discard(seq.relay)
+        seq.relay = None
+        if seq.drafting:
+            seq.drafting = False
+            task = asyncio.get_running_loop().create_task(_quietly(self.drafter.end_session(seq.id)))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+        self.scheduler.to_ar(seq)
+
+    def _notify_fallback(self, exc: BaseException) -> None:
+        if self.on_fallback is not None:
+            self.on_fallback(exc)
+
+
+async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int,
+                 kept: asyncio.Semaphore) -> None:
+    """A prompt's kept features, verifier -> drafter, as the verifier keeps them, while the prompt's later chunks
+    run: each chunk's are taken while the chunk before is appended to the drafter's context."""
+    appending: asyncio.Future | None = None
+    try:
+        for _ in range(chunks):
+            await kept.acquire()
+            features = await verifier.take_features(session_id)
+            if appending is not None:
+                await appending
+            appending = asyncio.ensure_future(drafter.append(session_id, features))
+        await appending
+    finally:  # a failure or a cancel: nobody waits for the append any more
+        discard(appending)
+
+
+async def _gathered(ends: list, seq: Sequence | None, verified: bool) -> None:
+    """Awaits the session ends (the verifier's first); `seq.ended` (where given) resolves with the verifier's
+    failure, or None (a dead drafter's sessions die with it, or expire by TTL; the verifier's must not leak)."""
+    results = await asyncio.gather(*ends, return_exceptions=True)
+    if seq is not None and not seq.ended.done():
+        seq.ended.set_result(results[0] if verified and isinstance(results[0], Exception) else None)
+
+
+async def _quietly(call) -> None:
+    with contextlib.suppress(Exception):  # a dead drafter's sessions die with it (or expire by TTL)
+        await call
+
+
+def discard(future: asyncio.Future | None) -> None:
+    """A call nobody waits for any more: cancelled, or its failure retrieved (no error to anyone)."""
+    if future is None:
+        return
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
+def round_timings(
+    draft: Mapping[str, float], rpc: dict[str, float], step: StepResult, round_s: float
+) -> Mapping[str, float]:
+    verify, verify_s = step.timings, step.forward_s  # not the step: its features would live as long as the round
+    return DeferredTimings(lambda: {**draft, **rpc, **verify, "verify_s": verify_s, "round_s": round_s})
+
+

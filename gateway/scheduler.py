@@ -1,0 +1,103 @@
+"""Who runs: the sequences waiting to start, those preempted for memory, those whose prompt runs, and those that
+step; and each step's plan (StepPlan). The engine (gateway/engine.py) asks for both at every turn of its loop.
+
+A sequence preempted for KV memory goes before any new one, as vLLM puts a preempted request at the head of its
+queue: until it starts again, new sequences wait, or they would take the memory it waits for. It starts again once
+another sequence has ended (its memory freed), or at once where none other holds memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from gateway.sequence import Phase, Sequence
+
+
+@dataclass
+class StepPlan:
+    """One step: every sequence in `sequences` verifies (a tree where it is in `drafts`, else an AR step)."""
+
+    sequences: list[Sequence]
+    drafts: list[Sequence]
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.waiting: deque[Sequence] = deque()
+        self.preempted: deque[Sequence] = deque()
+        self.prefilling: set[Sequence] = set()
+        self.running: list[Sequence] = []
+        self._freed = False  # a sequence ended since the preempted ones last started
+
+    def all(self) -> list[Sequence]:
+        return [*self.waiting, *self.preempted, *self.prefilling, *self.running]
+
+    def add(self, seq: Sequence) -> None:
+        seq.phase = Phase.WAITING
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """The sequences whose sessions start now (the preempted first; while any waits for memory, no new one)."""
+        started = []
+        if self.preempted:
+            if not (self._freed or not (self.running or self.prefilling)):
+                return started
+            self._freed = False
+            started += self.preempted
+            self.preempted.clear()
+        started += self.waiting
+        self.waiting.clear()
+        for seq in started:
+            seq.phase = Phase.PREFILLING
+            self.prefilling.add(seq)
+        return started
+
+    def run(self, seq: Sequence) -> None:
+        """Its prompt has run: it steps from the next step on."""
+        self.prefilling.discard(seq)
+        seq.phase = Phase.RUNNING
+        self.running.append(seq)
+
+    def plan(self) -> StepPlan | None:
+        """The next step: every running sequence, those with a drafter session drafting; None: none runs. A
+        sequence whose prompt's features are still on their way to the drafter sits the step out (its first draft
+        needs them; the step does not wait for them)."""
+        stepping = [seq for seq in self.running if seq.relay is None or seq.relay.done()]
+        if not stepping:
+            return None
+        return StepPlan(stepping, [seq for seq in stepping if seq.drafting])
+
+    def to_ar(self, seq: Sequence) -> None:
+        """The sequence gave its drafter up: AR steps from the next plan on (plan reads `drafting`)."""
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.prefilling:
+            self.prefilling.discard(seq)
+        elif seq.phase is Phase.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.preempted:
+            self.preempted.remove(seq)
+
+    def preemptible(self, seq: Sequence) -> bool:
+        """Whether a sequence short of KV memory can wait and go on: its choices after a restart from its output
+        are those it would have made (no grammar, whose matcher is the output's; no penalties, which count the
+        output), and it did not run short alone twice with nothing done between (no memory will come free)."""
+        if seq.params.grammar or seq.params.penalized:
+            return False
+        alone = not any(other is not seq for other in (*self.running, *self.prefilling))
+        return not (alone and seq.stalled and not seq.output)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Its sessions are ending: it waits to start again, before any new sequence."""
+        self.remove(seq)
+        alone = not (self.running or self.prefilling)
+        seq.stalled = alone
+        seq.restart()
+        self.preempted.append(seq)
+
+    def freed(self) -> None:
+        """A sequence ended: its memory is free for the preempted."""
+        self._freed = True
