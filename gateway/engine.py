@@ -20,7 +20,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import replace
 
 import grpc
 
@@ -138,10 +137,7 @@ class Engine:
             raise ValueError("max_tokens must be >= 1")
         if spec.mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {spec.mode!r} needs a drafter")
-        stops = frozenset(stop_ids)
-        if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
-            params = replace(params, stop_ids=tuple(sorted(stops)))
-        seq = Sequence(list(prompt), params, spec, max_tokens, stops)
+        seq = Sequence.of(prompt, params, spec, max_tokens, stop_ids)
         self.submit(seq)
         finished = False
         try:
@@ -407,7 +403,6 @@ class Engine:
             task = asyncio.get_running_loop().create_task(_quietly(self.drafter.end_session(seq.id)))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
-        self.scheduler.to_ar(seq)
 
     def _notify_fallback(self, exc: BaseException) -> None:
         if self.on_fallback is not None:

@@ -68,9 +68,6 @@ class Scheduler:
             return None
         return StepPlan(stepping, [seq for seq in stepping if seq.drafting])
 
-    def to_ar(self, seq: Sequence) -> None:
-        """The sequence gave its drafter up: AR steps from the next plan on (plan reads `drafting`)."""
-
     def remove(self, seq: Sequence) -> None:
         if seq in self.prefilling:
             self.prefilling.discard(seq)

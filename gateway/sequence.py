@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -84,6 +84,15 @@ class Sequence:
     ended: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     prior: asyncio.Future | None = None  # a preempted sequence's last sessions' end, which its restart waits for
     stalled: bool = False  # preempted alone with no progress since its last start: a second time fails it
+
+    @classmethod
+    def of(cls, prompt: list[int], params: SamplingParams, spec: Speculation, max_tokens: int,
+           stop_ids: Iterable[int]) -> Sequence:
+        """A request's sequence; with min_tokens, what it holds back are this request's stop tokens."""
+        stops = frozenset(stop_ids)
+        if params.min_tokens:
+            params = replace(params, stop_ids=tuple(sorted(stops)))
+        return cls(list(prompt), params, spec, max_tokens, stops)
 
     @property
     def root_position(self) -> int:

@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -251,10 +250,7 @@ class GatewayService:
         """The request's deltas from its sequence's rounds; the sequence's `ended` is appended to `ended`. Past the
         `deadline` (event-loop time) the request ends as a drain ends it."""
         spec = req.spec if self._drafter_for(req) is not None else Speculation("ar", req.spec.budget)
-        params, stops = req.params, frozenset(req.stop_ids)
-        if params.min_tokens:  # what min_tokens holds back: this request's stop tokens
-            params = replace(params, stop_ids=tuple(sorted(stops)))
-        seq = Sequence(list(req.prompt), params, spec, req.max_tokens, stops)
+        seq = Sequence.of(req.prompt, req.params, spec, req.max_tokens, req.stop_ids)
         begun = time.perf_counter()
         self.metrics.queue_time.observe(begun - arrival)
         self.engine.submit(seq)
