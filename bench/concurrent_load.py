@@ -54,9 +54,15 @@ ERROR_SAMPLES = 5  # distinct failure messages kept per level
 SESSION_RPCS = ("StartSession", "Prefill", "EndSession", "TakeFeatures")  # the verifier's calls around the rounds
 
 
-def seed(mode: str, temperature: float, clients: int, client: int, request: int) -> str:
+def seed(mode: str, temperature: str, clients: int, client: int, request: int) -> str:
     """The prompt of a level's request (load_client.prompt)."""
-    return f"{mode}/{temperature:g}/{clients}/{client}/{request}"
+    return f"{mode}/{temperature}/{clients}/{client}/{request}"
+
+
+def sampling(temperature: str) -> dict:
+    """A --temperatures entry as the request's fields: `0.7` samples unseeded, `0.7s` with a seed of its own."""
+    value, seeded = temperature.removesuffix("s"), temperature.endswith("s")
+    return {"temperature": float(value), **({"seed": 1234} if seeded else {})}
 
 
 def speculation(mode: str) -> dict:
@@ -65,13 +71,13 @@ def speculation(mode: str) -> dict:
     return {"mode": name, **({"budget": int(budget)} if budget else {})}
 
 
-def body(model: str, key: str, mode: str, temperature: float, args: argparse.Namespace) -> dict:
+def body(model: str, key: str, mode: str, temperature: str, args: argparse.Namespace) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": prompt(key, args.prompt_words)}],
-            "max_tokens": args.max_tokens, "temperature": temperature, "speculation": speculation(mode),
+            "max_tokens": args.max_tokens, **sampling(temperature), "speculation": speculation(mode),
             **({"ignore_eos": True} if args.ignore_eos else {})}
 
 
-async def level(url: str, metrics: tuple[str | None, str | None], model: str, mode: str, temperature: float,
+async def level(url: str, metrics: tuple[str | None, str | None], model: str, mode: str, temperature: str,
                 clients: int, args: argparse.Namespace, counter: TokenCounter) -> dict:
     """One measurement: `clients` clients at once, each sending its requests back to back."""
 
@@ -92,7 +98,8 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
     ttft = [s.ttft_s for s in done if s.ttft_s is not None]
     drafts = gateway.get("ddtree_spec_drafts_total", 0.0)
     forwards = verifier.get("ddtree_verify_batch_size_count", 0.0)
-    r = {"gateway": url, "mode": mode, "temperature": temperature, "clients": clients,
+    r = {"gateway": url, "mode": mode, "temperature": sampling(temperature)["temperature"],
+         "seeded": temperature.endswith("s"), "clients": clients,
          "requests": clients * args.requests, "errors": len(failed),
          "error_samples": list(dict.fromkeys(failed))[:ERROR_SAMPLES], "tokens": tokens, "wall_s": wall,
          "tokens_per_s": tokens / wall, "ttft_s": ttft}
@@ -119,7 +126,7 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
               verifier, "ddtree_verify_request_duration_seconds", rpc=rpc)) is not None},
           "prefill_forward_ms": 1000 * ms if (ms := histogram_mean(
               verifier, "ddtree_verify_forward_duration_seconds", rpc="Prefill")) is not None else None}
-    if temperature == 0:  # greedy: [client][request], None where the request failed
+    if r["temperature"] == 0:  # greedy: [client][request], None where the request failed
         r["texts"] = [[None if s.error else s.text for s in per_client] for per_client in streams]
     return r
 
@@ -132,12 +139,12 @@ async def equal_alone(model: str, run: dict, args: argparse.Namespace) -> float:
         for c, texts in enumerate(run["texts"]):
             for r, text in enumerate(texts):
                 stream = await stream_chat(http, run["gateway"], body(
-                    model, seed(run["mode"], 0.0, run["clients"], c, r), args.alone_mode or run["mode"], 0.0, args))
+                    model, seed(run["mode"], "0", run["clients"], c, r), args.alone_mode or run["mode"], "0", args))
                 equal += text is not None and stream.error is None and stream.text == text
     return equal / run["requests"]
 
 
-async def warm_up(url: str, model: str, modes: list[str], temperatures: list[float], clients: int,
+async def warm_up(url: str, model: str, modes: list[str], temperatures: list[str], clients: int,
                   args: argparse.Namespace) -> list[str]:
     """One request per client, the modes and temperatures in turn; the failures' messages."""
     async with httpx.AsyncClient(timeout=args.timeout, limits=httpx.Limits(max_connections=clients + 1)) as http:
@@ -159,7 +166,8 @@ def report_line(r: dict) -> str:
         if r[key] is not None)
     parts = "".join(f", TTFT {part} {value:.1f} ms" for part, value in r["ttft_parts_ms"].items())
     parts += "".join(f", verifier {rpc} {value:.1f} ms" for rpc, value in r["verifier_rpc_ms"].items())
-    return (f"{r['gateway']} {r['mode']} T={r['temperature']:g} {r['clients']} clients: {r['tokens_per_s']:.1f} "
+    seeded = " seeded" if r["seeded"] else ""
+    return (f"{r['gateway']} {r['mode']} T={r['temperature']:g}{seeded} {r['clients']} clients: {r['tokens_per_s']:.1f} "
             f"tokens/s, TTFT p50/p99 {ms(r['ttft_p50_s'])}/{ms(r['ttft_p99_s'])} ms, ITL p50/p99 "
             f"{ms(r['itl_p50_s'])}/{ms(r['itl_p99_s'])} ms, errors {r['errors']}{extra}{parts}")
 
@@ -174,7 +182,7 @@ def main() -> None:
                    help="comma-separated speculation modes, each a request's speculation.mode: off (AR), chain, "
                         "ddtree; ddtree:N also sets the request's tree budget to N")
     p.add_argument("--temperatures", "--temperature", default="0",
-                   help="comma-separated temperatures; 0: greedy, above: sampled rounds")
+                   help="comma-separated temperatures; 0: greedy, above: sampled rounds; `0.7s`: sampled with a seed")
     p.add_argument("--requests", "--requests-per-client", type=int, default=3, help="requests each client sends")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens (vLLM's ignore_eos)")
@@ -197,8 +205,10 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := {m for m in modes if not re.fullmatch(r"off|chain|ddtree(:[1-9][0-9]*)?", m)}:
         p.error(f"--modes: unknown {sorted(unknown)}; choose from off, chain, ddtree, ddtree:BUDGET")
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    if args.check_alone and 0.0 not in temperatures:
+    temperatures = args.temperatures.split(",")
+    if unknown := [t for t in temperatures if not re.fullmatch(r"[0-9]+(\.[0-9]*)?s?", t)]:
+        p.error(f"--temperatures: {unknown} are no temperatures (a number, `s` after it: seeded)")
+    if args.check_alone and not any(float(t.removesuffix("s")) == 0 for t in temperatures):
         p.error("--check-alone compares greedy answers: --temperatures needs 0")
     if args.alone_mode and not args.check_alone:
         p.error("--alone-mode is the mode of --check-alone's requests: add --check-alone")

@@ -118,15 +118,16 @@ def load_figure(result: dict) -> Figure:
     per-token inter-token latency and the time to first token, each p50 (solid) and p99 (dashed) in ms."""
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[str, str, float], list[dict]] = {}
+    series: dict[tuple[str, str, float, bool], list[dict]] = {}
     for run in result["runs"]:
-        series.setdefault((run["gateway"], run["mode"], run["temperature"]), []).append(run)
-    gateways = len({gateway for gateway, _, _ in series})
+        series.setdefault((run["gateway"], run["mode"], run["temperature"], run.get("seeded", False)), []).append(run)
+    gateways = len({gateway for gateway, *_ in series})
     fig, (speed, itl, ttft) = plt.subplots(1, 3, figsize=(15, 4.5))
-    for i, ((gateway, mode, temperature), runs) in enumerate(series.items()):
+    for i, ((gateway, mode, temperature, seeded), runs) in enumerate(series.items()):
         runs = sorted(runs, key=lambda r: r["clients"])
         clients = [r["clients"] for r in runs]
-        label = f"{'ar' if mode == 'off' else mode} T={temperature:g}" + (f" {gateway}" if gateways > 1 else "")
+        label = (f"{'ar' if mode == 'off' else mode} T={temperature:g}{' seeded' if seeded else ''}"
+                 + (f" {gateway}" if gateways > 1 else ""))
         color = f"C{i % 10}"
         speed.plot(clients, [r["tokens_per_s"] for r in runs], marker="o", color=color, label=label)
         for ax, name in ((itl, "itl"), (ttft, "ttft")):

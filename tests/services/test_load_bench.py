@@ -23,7 +23,7 @@ from tests.services import REPO_ROOT, ServeStack, serve_stack
 matplotlib.use("Agg")
 SESSIONS = 4
 MODES = ("off", "ddtree:16")  # chain runs the same client code as ddtree; `:16` is the request's tree budget
-TEMPERATURES = (0.0, 0.7)
+TEMPERATURES = ("0", "0.7s")  # greedy; sampled with a seed
 CLIENTS = (1, 2)
 REQUESTS = 2
 
@@ -60,12 +60,12 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
     out = tmp_path / "load.json"
     _bench("concurrent_load.py", "--gateways", stack.url, "--verifier-metrics", stack.verifier_metrics,
            "--drafter-metrics", stack.drafter_metrics, "--clients", ",".join(map(str, CLIENTS)),
-           "--modes", ",".join(MODES), "--temperatures", ",".join(map(str, TEMPERATURES)),
+           "--modes", ",".join(MODES), "--temperatures", ",".join(TEMPERATURES),
            "--requests", str(REQUESTS), "--max-tokens", "8", "--check-alone", "--out", str(out))
     result = json.loads(out.read_text())
     runs = result["runs"]
-    assert [(r["mode"], r["temperature"], r["clients"]) for r in runs] == [
-        (m, t, c) for m in MODES for t in TEMPERATURES for c in CLIENTS]
+    assert [(r["mode"], r["temperature"], r["seeded"], r["clients"]) for r in runs] == [
+        (m, float(t.removesuffix("s")), t.endswith("s"), c) for m in MODES for t in TEMPERATURES for c in CLIENTS]
     for r in runs:
         assert r["gateway"] == stack.url and r["requests"] == r["clients"] * REQUESTS
         assert r["errors"] == 0 and r["error_samples"] == [], r["error_samples"]
@@ -99,7 +99,7 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
     assert png_size(out.with_suffix(".png"))[0] > 0
     speed = load_figure(result).axes[0]  # a line per mode and temperature, its points the levels' tokens/s
     assert [list(line.get_ydata()) for line in speed.lines] == [
-        [r["tokens_per_s"] for r in runs if (r["mode"], r["temperature"]) == (m, t)]
+        [r["tokens_per_s"] for r in runs if (r["mode"], r["temperature"]) == (m, float(t.removesuffix("s")))]
         for m in MODES for t in TEMPERATURES]
 
 
