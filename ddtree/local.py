@@ -9,9 +9,10 @@ import torch
 
 from draft_server.engine import DraftEngine
 from draft_server.session import DraftCall, DraftResult
-from gateway.backends import DraftAsk, SessionStart, VerifyAsk
+from gateway.backends import DraftAsk, MemoryShort, SessionStart, VerifyAsk
 from protos.types import DraftTree, StepResult
 from runtime.timing import DeferredTimings
+from verify_server.session import MemoryShortError
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 
 if TYPE_CHECKING:
@@ -30,7 +31,9 @@ class LocalDrafter:
         return self.engine.start_session(session_id, capacity, grammar, prompt)
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
-        results = self.engine.draft_batch([DraftCall(*ask) for ask in asks])
+        results = self.engine.draft_batch([
+            DraftCall(ask.session_id, ask.features, ask.root_token, ask.root_position, ask.budget, ask.top_k,
+                      ask.committed) for ask in asks])
         return [r if isinstance(r, Exception) else _handed(r) for r in results]
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:
@@ -58,9 +61,12 @@ class LocalVerifier:
         self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
         skip_features: int = 0, start: SessionStart | None = None,
     ) -> StepResult:
-        if start is not None:
-            self.engine.start_session(session_id, start.capacity, start.params, start.taps)
-        return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)
+        try:
+            if start is not None:
+                self.engine.start_session(session_id, start.capacity, start.params, start.taps)
+            return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)
+        except (MemoryShortError, torch.OutOfMemoryError) as exc:
+            raise MemoryShort(str(exc)) from exc
 
     async def take_features(self, session_id: str) -> torch.Tensor:
         return self.engine.take_features(session_id).features
@@ -69,11 +75,19 @@ class LocalVerifier:
         for ask in asks:
             if ask.untap:
                 self.engine.untap(ask.session_id)
-        return self.engine.verify_batch([(ask.session_id, ROOT_ONLY if ask.tree is None else ask.tree)
-                                         for ask in asks])
+        results = self.engine.verify_batch([(ask.session_id, ROOT_ONLY if ask.tree is None else ask.tree)
+                                            for ask in asks])
+        return [_short(r) if isinstance(r, (MemoryShortError, torch.OutOfMemoryError)) else r for r in results]
 
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
+
+
+def _short(exc: Exception) -> MemoryShort:
+    """The engine's memory shortage as the step engine reads it (as gRPC's ABORTED over the wire)."""
+    short = MemoryShort(str(exc))
+    short.__cause__ = exc
+    return short
 
 
 def load_local(

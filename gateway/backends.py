@@ -12,6 +12,11 @@ from typing import Any, NamedTuple, Protocol
 from protos.types import DraftTree, SamplingParams, StepResult
 
 
+class MemoryShort(RuntimeError):
+    """A verifier call found no KV memory for its session now, and changed nothing (gRPC's ABORTED, or the
+    in-process engine's own error): the engine preempts the sequence where it can go on from its output."""
+
+
 @dataclass(frozen=True)
 class SessionStart:
     """A verifier session's start, sent with its prompt's first prefill call: the KV slots it may take, how the

@@ -8,7 +8,7 @@ steps (its session starts with it, the drafter's first), and its sequence joins 
 chosen.
 
 A drafter's failure never fails a sequence: it goes on with AR steps, its output the same. A verifier call that runs
-short of KV memory (ABORTED) preempts the sequence where it can go on from its output (Engine._preempt); any other
+short of KV memory (backends.MemoryShort) preempts the sequence where it can go on from its output (Engine._preempt); any other
 failure ends the sequence with it.
 """
 
@@ -21,16 +21,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
-import grpc
-
 from gateway.backends import (
     DraftAsk,
     DrafterClient,
+    MemoryShort,
     SessionStart,
     VerifierClient,
     VerifyAsk,
 )
-from gateway.grpc_client import BackendError
 from gateway.scheduler import Scheduler, StepPlan
 from gateway.sequence import Phase, Round, Sequence, Speculation
 from protos.types import SamplingParams, StepResult
@@ -337,7 +335,7 @@ class Engine:
     def _failed(self, seq: Sequence, exc: BaseException) -> None:
         """A verifier call failed for the sequence: preempted where it ran short of memory and can go on from its
         output, else it ends with the failure."""
-        if isinstance(exc, BackendError) and exc.code == grpc.StatusCode.ABORTED and self.scheduler.preemptible(seq):
+        if isinstance(exc, MemoryShort) and self.scheduler.preemptible(seq):
             self._preempt(seq)
         else:
             self._end(seq, exc)

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
+from gateway.backends import MemoryShort
 from gateway.transports import SessionStream, UnaryCalls
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import CallFailed, Lane
@@ -41,7 +42,7 @@ _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 class BackendError(RuntimeError):
     """A drafter or verifier call failed; `code` is the gRPC status (INVALID_ARGUMENT, NOT_FOUND,
-    RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...)."""
+    RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ...). Built with `failed`."""
 
     def __init__(self, address: str, rpc: str, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{rpc} at {address} failed with {code.name}: {details}")
@@ -49,6 +50,16 @@ class BackendError(RuntimeError):
         self.rpc = rpc
         self.code = code
         self.details = details
+
+
+class MemoryShortBackendError(BackendError, MemoryShort):
+    """ABORTED: the verifier found no KV memory for the call, and changed nothing."""
+
+
+def failed(address: str, rpc: str, code: grpc.StatusCode, details: str) -> BackendError:
+    """A call's failure, as the engine reads it: ABORTED is a MemoryShort."""
+    kind = MemoryShortBackendError if code == grpc.StatusCode.ABORTED else BackendError
+    return kind(address, rpc, code, details)
 
 
 class GrpcClient:
@@ -105,7 +116,7 @@ class GrpcClient:
         try:
             return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise BackendError(self.address, f"{self._service}/{rpc}", exc.code(), exc.details() or "") from None
+            raise failed(self.address, f"{self._service}/{rpc}", exc.code(), exc.details() or "") from None
 
     async def _info(self) -> Any:
         """The service's Info answer; learns its round lane from it."""
@@ -146,7 +157,7 @@ class GrpcClient:
                 self._drop(key, stream)
             raise
         self._drop(key, stream)
-        raise BackendError(self.address, f"{self._service}/{rpc}", code, details)
+        raise failed(self.address, f"{self._service}/{rpc}", code, details)
 
     async def _open(self, rpc: str) -> Lane | UnaryCalls:
         """A new connection to the service's round lane, or, where it has none or it is unreachable (the port is
@@ -179,7 +190,7 @@ class GrpcClient:
                                f"{len(got)} outcomes for {expected} calls")
         call = rpc.removesuffix("Batch")
         return [answer(outcome) if not outcome.status.code else
-                BackendError(self.address, f"{self._service}/{call}",
+                failed(self.address, f"{self._service}/{call}",
                              _STATUS_CODES.get(outcome.status.code, grpc.StatusCode.UNKNOWN), outcome.status.details)
                 for outcome in got]
 

@@ -26,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
 from gateway.engine import Engine
 from gateway.generation import Delta, GenerationRequest, ModelInfo
+from gateway.backends import MemoryShort
 from gateway.grpc_client import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
@@ -181,7 +182,7 @@ class GatewayService:
         of sessions, else 500. Either names the call that failed."""
         if isinstance(exc, APIError):
             return exc
-        if isinstance(exc, BackendError) and exc.code in UNAVAILABLE_CODES:
+        if isinstance(exc, MemoryShort) or isinstance(exc, BackendError) and exc.code in UNAVAILABLE_CODES:
             log.warning("request failed: %s", exc)
             self.metrics.shed.labels("unavailable").inc()
             return APIError(503, f"the model is unavailable, retry later: {exc}", type="server_error",
