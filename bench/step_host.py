@@ -39,6 +39,7 @@ Reported per mode and client count, from the gateway's and the services' Prometh
 installs it in the gateway's process, SIGUSR1 turns it on and off around each level, and it is written at exit) and
 writes its top functions beside --out, as FILE.gateway_profile.txt (by own time, then by cumulative time); cProfile
 slows Python down, so that run's timings are not the unprofiled ones.
+--serve-args="..." appends more `ddtree serve` options (split as a shell would), e.g. --serve-args=--no-lanes.
 One JSON (--out) with a header (command, hardware, date, commit, settings) and a row per mode and client count.
 """
 
@@ -49,6 +50,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -143,7 +145,8 @@ class Stack:
     """`ddtree serve` on loopback (CPU, fp32) over the pair, with its metrics ports; stopped by stop()."""
 
     def __init__(self, target: Path, drafter: Path, sessions: int, budget: int, log_path: Path,
-                 profile: Path | None, device: str = "cpu", dtype: str = "float32") -> None:
+                 profile: Path | None, device: str = "cpu", dtype: str = "float32",
+                 extra: list[str] | None = None) -> None:
         port, verify_metrics, draft_metrics = free_ports(3)
         self.url = f"http://127.0.0.1:{port}"
         self.metrics = (self.url, f"http://127.0.0.1:{verify_metrics}", f"http://127.0.0.1:{draft_metrics}")
@@ -151,7 +154,7 @@ class Stack:
         self.flags = ["--device", device, "--dtype", dtype, "--max-sessions", str(sessions), "--max-running",
                       str(sessions), "--max-batch", str(sessions), "--draft-max-batch", str(sessions),
                       "--speculate-up-to", "0", "--budget", str(budget), "--health-interval", "1",
-                      "--shutdown-grace", "0"]
+                      "--shutdown-grace", "0", *(extra or [])]
         cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--target", str(target), "--drafter", str(drafter),
                "--port", str(port), "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port",
                str(draft_metrics), *self.flags]
@@ -366,6 +369,8 @@ def main() -> None:
     p.add_argument("--drafter", type=Path, help="the drafter for --target")
     p.add_argument("--device", default="cpu", help="the stack's device (cuda with --target)")
     p.add_argument("--dtype", default="float32", help="the stack's dtype")
+    p.add_argument("--serve-args", default="", help="more `ddtree serve` options, one string split as a shell "
+                                                    "would; give it with = (--serve-args=--no-lanes)")
     p.add_argument("--out", type=Path, required=True, help="the JSON")
     args = p.parse_args()
     if (args.target is None) != (args.drafter is None):
@@ -386,7 +391,8 @@ def main() -> None:
         root = Path(tmp)
         started = time.perf_counter()
         target, drafter = (args.target, args.drafter) if args.target else build_pair(root)
-        stack = Stack(target, drafter, max(counts), args.budget, root / "serve.log", profile, args.device, args.dtype)
+        stack = Stack(target, drafter, max(counts), args.budget, root / "serve.log", profile, args.device, args.dtype,
+                      shlex.split(args.serve_args))
         try:
             model = stack.wait_ready()
             print(f"stack ready in {time.perf_counter() - started:.1f} s (pids {stack.pids})", flush=True)
@@ -417,7 +423,7 @@ def main() -> None:
         "serve_flags": stack.flags, "env": {"OMP_NUM_THREADS": "1"},
         "settings": {"clients": counts, "modes": modes, "tokens": args.tokens, "requests": args.requests,
                      "budget": args.budget, "prompt_words": args.prompt_words, "smoke": args.smoke,
-                     "profile": args.profile},
+                     "profile": args.profile, "serve_args": args.serve_args},
         "rows": rows,
     }
     if profile is not None and profile.exists():
