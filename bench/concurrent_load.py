@@ -16,15 +16,14 @@ whose text equals the same request's alone (in --alone-mode off: the target's ow
 Reported per gateway, mode, temperature and client count: completion tokens (the streams' usage) / wall time, every
 request's TTFT and their p50 / p99, the per-token ITL p50 / p99 and the chunk gaps' (bench/load_client.py says how
 ITL is read), end-to-end p50 / p99, failed requests and a few of their messages; from the gateway's metrics τ,
-the mean requests' calls in a step's VerifyBatch (ddtree_step_batch_size), the tree sizes drafted
-(ddtree_spec_tree_size: mean and rounds by bucket) and those a step's verify cut them to (ddtree_step_tree_nodes,
-load-adaptive trees), the mean time a round spent in each phase (ddtree_round_phase_seconds) and the TTFT's two
-parts, the wait for a slot and the sessions' start and prefill (ddtree_request_{queue,prefill}_time_seconds); with
---verifier-metrics the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per second, its
-mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of its session
-calls (Prefill, whose first call starts a session, EndSession, TakeFeatures, and StartSession where a gateway calls
-it apart: queueing for the engine included) and of a Prefill's
-forward, and the CUDA graphs it captured during the
+the mean requests in a step's Step call (ddtree_step_batch_size), the tree sizes drafted (ddtree_spec_tree_size:
+mean and rounds by bucket), the mean time a round spent in each phase (ddtree_round_phase_seconds) and the TTFT's
+two parts, the wait for a slot and the sessions' start and prefill (ddtree_request_{queue,prefill}_time_seconds);
+with --verifier-metrics the sizes the verifier's load-adaptive fit cut a step's trees to (ddtree_step_tree_nodes:
+mean and steps by bucket), the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per
+second, its mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of its
+session calls (Prefill, whose first call starts a session, EndSession, and StartSession where a gateway calls it
+apart: queueing for the engine included) and of a Prefill's forward, and the CUDA graphs it captured during the
 level (ddtree_verify_cuda_graphs: steps that waited for a capture) and the batches of AR steps it launched behind a
 step still unread (ddtree_verify_decodes_launched_ahead_total), with --drafter-metrics the drafter's
 (ddtree_draft_batch_size). One JSON (--out) and its figure, a PNG of the same name (ddtree/plots.py load_figure).
@@ -51,7 +50,7 @@ from load_client import (Stream, TokenCounter, difference, histogram_counts, his
                          scrape, stream_chat)
 
 ERROR_SAMPLES = 5  # distinct failure messages kept per level
-SESSION_RPCS = ("StartSession", "Prefill", "EndSession", "TakeFeatures")  # the verifier's calls around the rounds
+SESSION_RPCS = ("StartSession", "Prefill", "EndSession")  # the verifier's calls around the rounds
 
 
 def seed(mode: str, temperature: str, clients: int, client: int, request: int) -> str:
@@ -107,11 +106,11 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
                          ("chunk_gap", [x for s in done for x in s.gaps_s]), ("e2e", [s.e2e_s for s in done])):
         r[f"{name}_p50_s"], r[f"{name}_p99_s"] = percentiles(values)
     r |= {"tau": 1 + gateway.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts if drafts else None,
-          "mean_step_batch": histogram_mean(gateway, "ddtree_step_batch_size", rpc="VerifyBatch"),
+          "mean_step_batch": histogram_mean(gateway, "ddtree_step_batch_size", rpc="Step"),
           "mean_tree_size": histogram_mean(gateway, "ddtree_spec_tree_size"),
           "tree_sizes": histogram_counts(gateway, "ddtree_spec_tree_size"),
-          "mean_fitted_tree_size": histogram_mean(gateway, "ddtree_step_tree_nodes"),
-          "fitted_tree_sizes": histogram_counts(gateway, "ddtree_step_tree_nodes"),
+          "mean_fitted_tree_size": histogram_mean(verifier, "ddtree_step_tree_nodes"),
+          "fitted_tree_sizes": histogram_counts(verifier, "ddtree_step_tree_nodes"),
           "mean_verify_batch": histogram_mean(verifier, "ddtree_verify_batch_size"),
           "mean_prefill_batch": histogram_mean(verifier, "ddtree_verify_prefill_batch_size"),
           "graphs_captured": verifier.get("ddtree_verify_cuda_graphs"),

@@ -1,8 +1,8 @@
 """Where a verifier step spends its time (torch.profiler, kernels sorted by device time), to explain the gap
 between a step and the weight-streaming bound.
 
-With --batch N, a step of N sessions' rounds in one VerifyBatch forward instead (VerifyEngine.verify_batch, as the
-verifier serves a step of the step scheduler): N decode steps (0 nodes) or N trees.
+With --batch N, a step of N sessions' rounds in one forward instead (VerifyEngine.verify_batch, as the verifier
+serves a Step call of the step scheduler): N decode steps (0 nodes) or N trees.
 
 With --prefill L --prompts N, N sessions' prompts of L tokens prefilled one by one, then in one forward
 (VerifyEngine.prefill_batch, as the verifier serves Prefill calls that wait together).

@@ -4,7 +4,7 @@ step costs outside the model forwards (the gateway's gather and hand-overs, the 
 services' batching, answers and walks) is what is left to see.
 
     python bench/step_host.py --clients 1,16,64 --modes ar,ddtree --tokens 64 --requests 3 --out FILE.json
-    python bench/step_host.py --smoke --out FILE.json          # CI size: 1 and 4 clients, 8 tokens, 2 requests
+    python bench/step_host.py --smoke --out FILE.json          # CI size: 1 and 4 clients, 24 tokens, 2 requests
     python bench/step_host.py --target P/target --drafter P/drafter --device cuda --dtype bfloat16 ...  # a real pair
 
 The pair is built in a temporary directory from seeded random weights and saved through the real formats: a
@@ -18,8 +18,9 @@ warm-up level at the largest count first, per mode.
 
 Reported per mode and client count, from the gateway's and the services' Prometheus metrics over the level:
 - `step_ms`: a request's round interval, what a step lasts as the requests see it: the gateway's
-  ddtree_inter_token_latency_seconds sum over its decode rounds (ddtree_round_phase_seconds count). In ddtree mode
-  a round is one DraftBatch step and one VerifyBatch step.
+  ddtree_inter_token_latency_seconds sum over its decode rounds (ddtree_round_phase_seconds count). A round is one
+  Step call to the verifier; in ddtree mode the verifier asks the drafter for the step's trees in it (one
+  DraftBatch) before its verify forward.
 - `forward_ms`: the model forwards of that round, the verifier's (phase `verify`) and the drafter's (phase `draft`):
   each call in a batch reports its batch's forward, so these are the batches' forwards weighted by their calls.
 - `host_ms` = step_ms - forward_ms: everything outside the forwards, split by the gateway's round phases into
@@ -28,8 +29,9 @@ Reported per mode and client count, from the gateway's and the services' Prometh
   call's wait behind the batch before it on the engine: an AR step sent behind the one in flight waits there) and
   `transport_ms` (the rest of the round: the gateway's gather and hand-overs, both ways over the round lane). The
   phases are means of per-round values clamped at 0, so they add up to about, not exactly, step_ms.
-- `wall_per_step_ms`: the level's wall time over its VerifyBatch steps (prefills, session starts and ends
-  included), tokens/s, steps/s, the mean calls a step (ddtree_step_batch_size).
+- `wall_per_step_ms`: the level's wall time over its Step calls (prefills, session starts and ends included),
+  tokens/s, steps/s, the mean requests a step (ddtree_step_batch_size); `draft_steps`: the drafter's forwards of
+  a step's drafts (ddtree_draft_batch_size), one a drafting step where --draft-max-batch holds every client.
 - CPU time by process over the level (from /proc): each service's and the load generator's (this process) CPU
   milliseconds a step, and each one's share of the machine (wall x cores): on a small machine the clients compete
   with the services for the cores, and `client_cpu_share` says how much; `other_cpu_share` (the machine's busy time
@@ -85,7 +87,7 @@ from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODES = {"ar": "off", "ddtree": "ddtree"}  # --modes names -> the request's speculation.mode
 FULL = {"clients": "1,16,64", "tokens": 64, "requests": 3}
-SMOKE = {"clients": "1,4", "tokens": 8, "requests": 2}
+SMOKE = {"clients": "1,4", "tokens": 24, "requests": 2}
 START_DEADLINE_S = 240.0
 STOP_DEADLINE_S = 60.0
 # ChatML specials first (ids 0-3), then single characters; the drafter's mask token last
@@ -276,14 +278,13 @@ def level(stack: Stack, model: str, mode: str, clients: int, args: argparse.Name
     gateway, verifier, drafter = (difference(scrape(u), b) for u, b in zip(stack.metrics, before))
     failed = [s.error for s in streams if s.error is not None]
     tokens = sum(s.completion_tokens for s in streams if s.error is None)
-    steps = gateway.get(sample_key("ddtree_step_batch_size_count", rpc="VerifyBatch"), 0.0)
-    draft_steps = gateway.get(sample_key("ddtree_step_batch_size_count", rpc="DraftBatch"), 0.0)
+    steps = gateway.get(sample_key("ddtree_step_batch_size_count", rpc="Step"), 0.0)
+    draft_steps = drafter.get("ddtree_draft_batch_size_count", 0.0)
     rounds = gateway.get(sample_key("ddtree_round_phase_seconds_count", phase="verify"), 0.0)
     step_ms = 1000 * gateway.get("ddtree_inter_token_latency_seconds_sum", 0.0) / rounds if rounds else None
     phases = {p: per_round(gateway, p) for p in PHASES}
     forward_ms = (phases["verify"] or 0.0) + (phases["draft"] or 0.0)
-    verify_rpc = "Verify" if mode == "ddtree" else "Decode"
-    verifier_forward = histogram_mean(verifier, "ddtree_verify_forward_duration_seconds", rpc=verify_rpc)
+    verifier_forward = histogram_mean(verifier, "ddtree_verify_forward_duration_seconds", rpc="Step")
     drafter_forward = histogram_mean(drafter, "ddtree_draft_forward_duration_seconds", rpc="Draft")
     cores = os.cpu_count() or 1
     row = {
@@ -291,13 +292,13 @@ def level(stack: Stack, model: str, mode: str, clients: int, args: argparse.Name
         "error_samples": list(dict.fromkeys(failed))[:5], "tokens": tokens,
         "expected_tokens": clients * args.requests * args.tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
         "steps": int(steps), "draft_steps": int(draft_steps), "steps_per_s": steps / wall, "rounds": int(rounds),
-        "mean_step_batch": histogram_mean(gateway, "ddtree_step_batch_size", rpc="VerifyBatch"),
+        "mean_step_batch": histogram_mean(gateway, "ddtree_step_batch_size", rpc="Step"),
         "mean_verify_batch": histogram_mean(verifier, "ddtree_verify_batch_size"),
         "mean_draft_batch": histogram_mean(drafter, "ddtree_draft_batch_size"),
         "tau": (1 + gateway.get("ddtree_spec_accepted_tokens_total", 0.0) / drafts
                 if (drafts := gateway.get("ddtree_spec_drafts_total", 0.0)) else None),
-        # the node count the load-adaptive fit cut each step's trees to (a request's budget is its ceiling)
-        "fit_nodes": histogram_mean(gateway, "ddtree_step_tree_nodes"),
+        # the node count the verifier's load-adaptive fit cut each step's trees to (a request's budget is its ceiling)
+        "fit_nodes": histogram_mean(verifier, "ddtree_step_tree_nodes"),
         "wall_per_step_ms": 1000 * wall / steps if steps else None,
         "step_ms": step_ms, "forward_ms": forward_ms,
         "host_ms": None if step_ms is None else step_ms - forward_ms,
@@ -334,7 +335,7 @@ def table(rows: list[dict]) -> str:
             f"{f(cpu.get('gateway')):>8}{f(cpu.get('verify')):>8}{f(cpu.get('draft')):>8}{f(cpu.get('client')):>8}"
             f"{f(100 * r['client_cpu_share'], 0):>8}{f(100 * r['other_cpu_share'], 0):>7}")
     lines.append("(ms per step; gw/ver/dr/cl cpu: the gateway's, verifier's, drafter's and load generator's CPU ms "
-                 "per VerifyBatch step; client%, other%: the load generator's and other processes' share of all cores)")
+                 "per Step call; client%, other%: the load generator's and other processes' share of all cores)")
     return "\n".join(lines)
 
 

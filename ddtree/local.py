@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from draft_server.engine import DraftEngine
 from draft_server.session import DraftCall, DraftResult
-from gateway.backends import DraftAsk, MemoryShort, SessionStart, VerifyAsk
-from protos.types import DraftTree, StepResult
+from gateway.backends import SessionStart
+from protos.types import DraftAsk, DraftTree, MemoryShort, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
 from verify_server.session import MemoryShortError
+from verify_server.step import Stepper
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 
 if TYPE_CHECKING:
@@ -20,7 +22,10 @@ if TYPE_CHECKING:
 
 
 class LocalDrafter:
-    """The draft engine as a DrafterClient (gateway/backends.py)."""
+    """The draft engine as the gateway's DrafterClient (gateway/backends.py) and the verifier's DrafterPort
+    (verify_server/step.py): features stay on the device."""
+
+    host_features = False
 
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
@@ -49,37 +54,55 @@ def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:
 
 
 class LocalVerifier:
-    """The verify engine (or a tensor-parallel group's rank 0) as a VerifierClient (gateway/backends.py)."""
+    """The verify engine (or a tensor-parallel group's rank 0) as a VerifierClient (gateway/backends.py): its steps
+    through the verifier's own Stepper (verify_server/step.py), its drafter in-process."""
 
     remote = False
 
-    def __init__(self, engine: VerifyEngine | TensorParallelEngine, close: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: VerifyEngine | TensorParallelEngine, drafter: LocalDrafter | None = None,
+                 close: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.stepper = Stepper(drafter, self._verify)
         self.close = close or (lambda: None)
 
     async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-        skip_features: int = 0, start: SessionStart | None = None,
+        self, session_id: str, prompt: list[int], more: bool = False, skip_features: int = 0,
+        start: SessionStart | None = None,
     ) -> StepResult:
         try:
             if start is not None:
+                if start.taps and self.stepper.drafter is None:
+                    raise ValueError("a session with taps needs the verifier's drafter (load_local's drafter)")
                 self.engine.start_session(session_id, start.capacity, start.params, start.taps)
-            return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)
+                self.stepper.start(session_id, start.params, bool(start.taps))
+            result = self.engine.prefill(session_id, prompt, more, False, skip_features)
         except (MemoryShortError, torch.OutOfMemoryError) as exc:
             raise MemoryShort(str(exc)) from exc
+        self.stepper.prompt(session_id, len(prompt), result)
+        await self.stepper.appended(session_id)  # in-process, a first draft waits for nothing
+        return replace(result, features=None)
 
-    async def take_features(self, session_id: str) -> torch.Tensor:
-        return self.engine.take_features(session_id).features
+    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
+        return await self.stepper.step(steps)
 
-    async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
-        for ask in asks:
-            if ask.untap:
-                self.engine.untap(ask.session_id)
-        results = self.engine.verify_batch([(ask.session_id, ROOT_ONLY if ask.tree is None else ask.tree)
-                                            for ask in asks])
-        return [_short(r) if isinstance(r, (MemoryShortError, torch.OutOfMemoryError)) else r for r in results]
+    async def _verify(self, items: list[tuple[str, DraftTree | None, bool]]) -> list[StepResult | Exception]:
+        outcomes: list[StepResult | Exception | None] = [None] * len(items)
+        calls, at = [], []
+        for i, (session_id, tree, untap) in enumerate(items):
+            try:
+                if untap and self.engine.session(session_id).taps:
+                    self.engine.untap(session_id)
+            except Exception as exc:  # noqa: BLE001 - this session's own failure
+                outcomes[i] = exc
+                continue
+            calls.append((session_id, ROOT_ONLY if tree is None else tree))
+            at.append(i)
+        for i, result in zip(at, self.engine.verify_batch(calls) if calls else []):
+            outcomes[i] = _short(result) if isinstance(result, (MemoryShortError, torch.OutOfMemoryError)) else result
+        return outcomes
 
     async def end_session(self, session_id: str) -> None:
+        self.stepper.end(session_id)
         self.engine.end_session(session_id)
 
 
@@ -103,19 +126,19 @@ def load_local(
     from draft_server.dflash import load_drafter
     from draft_server.target_head import TargetHead
 
+    close = None
     if tp > 1:
         from verify_server.tensor_parallel import TensorParallelGroup
 
         group = TensorParallelGroup(target, tp, device, dtype)
-        verifier = LocalVerifier(group.engine, close=group.close)
+        engine, close = group.engine, group.close
     else:
-        verifier = LocalVerifier(VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile,
-                                                              fused_rows=fused_rows, attention=attention))
-    if drafter is None:
-        return verifier, None
-    engine = verifier.engine
-    draft_engine = DraftEngine(
-        load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager, compile=compile,
-        target_path=target,
-    )
-    return verifier, LocalDrafter(draft_engine)
+        engine = VerifyEngine.from_pretrained(target, device, dtype, eager=eager, compile=compile,
+                                              fused_rows=fused_rows, attention=attention)
+    local = None
+    if drafter is not None:
+        local = LocalDrafter(DraftEngine(
+            load_drafter(drafter, engine.device, dtype), TargetHead.from_model(engine.model), eager=eager,
+            compile=compile, target_path=target,
+        ))
+    return LocalVerifier(engine, local, close), local

@@ -120,6 +120,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     VerifyServerConfig.add_flag(advanced, "prefill_batch_tokens", env=False, default=None)
     DraftServerConfig.add_flag(advanced, "max_batch", flag="--draft-max-batch", env=False, default=None)
     VerifyServerConfig.add_flag(advanced, "kv_cache_gib", env=False, default=None)
+    VerifyServerConfig.add_flag(advanced, "fit_trees", env=False, default=None)
     ServiceConfig.add_flag(advanced, "eager", env=False, default=None)
     ServiceConfig.add_flag(advanced, "compile", env=False, default=None)
     GatewayConfig.add_arguments(p, exclude=CHOSEN, advanced=advanced)
@@ -229,11 +230,13 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget,
     # as many trees at once as requests speculate)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
-    cmds["verify"] = [*ddtree, "verify", *model, "--port", str(verify_port),
+    asks = ["--drafter", f"{LOOPBACK}:{draft_port}"] if drafter is not None else []  # each step's trees
+    cmds["verify"] = [*ddtree, "verify", *model, *asks, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp), *shares["verify"],
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
                       "--warm-up-trees", str(args.speculate_up_to), *given(args, "max_batch"),
-                      *given(args, "prefill_batch_tokens"), *given(args, "deterministic"), *given(args, "kv_cache_gib")]
+                      *given(args, "prefill_batch_tokens"), *given(args, "deterministic"), *given(args, "kv_cache_gib"),
+                      *given(args, "fit_trees")]
     addresses = {"verifier": f"{LOOPBACK}:{verify_port}",
                  "drafter": f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"}
     try:  # the gateway would refuse them at each start, and be restarted forever

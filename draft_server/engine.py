@@ -247,8 +247,8 @@ class DraftEngine:
     @torch.inference_mode()
     def append(self, session_id: str, features: torch.Tensor) -> tuple[int, float]:
         """features [m, taps*hidden], m >= 1: target hidden states for positions [length, length+m) -> their
-        context K/V, nothing drafted: a prompt's features, chunk by chunk, as the verifier hands them out after
-        its prefill (TakeFeatures). -> (the context's length now, the append's device seconds: reading them waits
+        context K/V, nothing drafted: a prompt's features, chunk by chunk, as the verifier sends them after each
+        chunk of its prefill. -> (the context's length now, the append's device seconds: reading them waits
         for the append, which no round is waiting behind)."""
         sess = self.session(session_id)
         self._check_features(features)

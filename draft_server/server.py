@@ -16,7 +16,7 @@ import torch
 from prometheus_client import Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
-from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id, streamed
+from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id
 from runtime import memory
 from runtime.process import run_service, serve
 from protos.types import DrafterInfo
@@ -69,13 +69,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
         return await self.host.call("EndSession", context, end)
 
-    async def Draft(self, request: pb.DraftRequest, context: grpc.aio.ServicerContext) -> pb.DraftResponse:
-        return await self.drafts.call(self.host, "Draft", context, request, forward=True)
-
-    DraftStream = streamed(Draft)  # a session's rounds over one stream
-
     async def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.aio.ServicerContext) -> pb.DraftBatchResponse:
-        """One step's Draft calls of many sessions (the gateway's step scheduler), each answered as alone."""
+        """One step's drafts of many sessions (the verifier's Step), each answered as alone."""
         response = pb.DraftBatchResponse()
         await answer_all(context, self.host, self.drafts, [("Draft", draft) for draft in request.drafts],
                          response.outcomes, "draft")
@@ -89,9 +84,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call."""
-        return {"Draft": Route(pb.DraftRequest, self.Draft),
-                "DraftBatch": Route(pb.DraftBatchRequest, self.DraftBatch),
+        """The calls the round lane serves (runtime/lane.py): a step's drafts, and a prompt's features."""
+        return {"DraftBatch": Route(pb.DraftBatchRequest, self.DraftBatch),
                 "Append": Route(relay.AppendCall, self.Append)}
 
     def _info(self, engine: DraftEngine) -> pb.DrafterInfoResponse:

@@ -24,10 +24,9 @@ from runtime.event_loop import busy_poll_seconds
 from runtime.heap import freeze_startup_heap, keep_large_allocations, watch_collector
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.grpc_drafter import GrpcDrafter
+from runtime.drafter_client import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.health import Backends
-from gateway.tree_fit import TreeFit
 
 DRAIN_MARGIN_S = 2.0  # after the shutdown grace: for the requests ended then to send their last bytes
 
@@ -55,13 +54,12 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: GatewayConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """Serves until SIGINT/SIGTERM; requests in flight end (and end their sessions) before the channels close."""
-    tree_fit = TreeFit() if config.fit_trees else None
     settings = (config.rpc_timeout, config.max_message_bytes, config.lanes, config.auth_token)
-    verifier = GrpcVerifier(config.verifier, *settings, tree_fit=tree_fit)
+    verifier = GrpcVerifier(config.verifier, *settings)
     address = config.drafter_address
     drafter = GrpcDrafter(address, *settings) if address else None
     try:
-        app = create_app(config, Backends(verifier, drafter, tree_fit), tokenizer)
+        app = create_app(config, Backends(verifier, drafter), tokenizer)
         unwatch = watch_collector(app.state.service.metrics.registry, "ddtree")
         # One worker: the gateway's state (health, queue, metrics) lives in this process. The service ends what is
         # still in flight when the grace is over, so uvicorn's own limit, a little later, finds nothing to cut.

@@ -61,9 +61,6 @@ class GatewayConfig(FlagConfig):
                                     "sooner against slow calls (long prompts on a CPU) cut off")
     lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
                              "plain TCP): less per-step overhead than unary gRPC calls (off: gRPC only)")
-    fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens "
-                                 "per second at its load (the budget stays the ceiling): tokens/s under load "
-                                 "against the longest paths (off: trees as drafted)")
     speculate_up_to: int = knob(SPECULATE_UP_TO, "requests speculate only while at most this many decode, and again "
                                 "once at most half as many do (the output the same): speculation's speed at low load "
                                 "against AR's batched steps at high load (0: always speculate)")

@@ -1,14 +1,14 @@
 """The step loop: schedule -> draft -> verify -> commit -> stream, for every running generation at once.
 
-One task runs it. Each step, the scheduler (gateway/scheduler.py) says which sequences step and how; their drafts go
-to the drafter as one call and their trees and AR steps to the verifier as one call (gateway/backends.py); each
-sequence's outcome is committed, cut at its stops, and handed to its reader as a Round. Sequences are passive state
-(gateway/sequence.py): a request submits one and reads its rounds. A prompt runs as calls of its own, beside the
-steps (its session starts with it, the drafter's first), and its sequence joins the steps once its first token is
-chosen.
+One task runs it. Each step, the scheduler (gateway/scheduler.py) says which sequences step and how; the step goes
+to the verifier as one call (gateway/backends.py), which asks the drafter for its trees and verifies them with the
+AR steps in one forward; each sequence's outcome is committed, cut at its stops, and handed to its reader as a Round.
+Sequences are passive state (gateway/sequence.py): a request submits one and reads its rounds. A prompt runs as
+calls of its own, beside the steps (its session starts with it, the drafter's first), and its sequence joins the
+steps once its first token is chosen.
 
 A drafter's failure never fails a sequence: it goes on with AR steps, its output the same. A verifier call that runs
-short of KV memory (backends.MemoryShort) preempts the sequence where it can go on from its output (Engine._preempt); any other
+short of KV memory (protos.types.MemoryShort) preempts the sequence where it can go on from its output (Engine._preempt); any other
 failure ends the sequence with it.
 """
 
@@ -21,17 +21,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
-from gateway.backends import (
-    DraftAsk,
-    DrafterClient,
-    MemoryShort,
-    SessionStart,
-    VerifierClient,
-    VerifyAsk,
-)
+from gateway.backends import DrafterClient, SessionStart, VerifierClient
 from gateway.scheduler import Scheduler, StepPlan
 from gateway.sequence import Phase, Round, Sequence, Speculation
-from protos.types import SamplingParams, StepResult
+from protos.types import MemoryShort, SamplingParams, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
 
 log = logging.getLogger("ddtree.engine")
@@ -163,24 +156,23 @@ class Engine:
         if seq.phase is not Phase.DONE:
             self._end(seq, error)
 
-    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], dict[Sequence, tuple], list, float, float, float]:
-        """One step of the plan's sequences: their drafts in one call, then their trees and AR steps in one -> the
-        sequences verified (those not ended meanwhile), their trees, the verify outcomes and when the step began,
-        its drafts ended and it was answered."""
+    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], list, float, float]:
+        """One step of the plan's sequences, in one call to the verifier -> the sequences that stepped (those not
+        ended meanwhile), their outcomes, and when the step began and was answered."""
         start = time.perf_counter()
-        trees: dict[Sequence, tuple] = {}
-        if plan.drafts:
-            trees = await self._draft(plan.drafts)
-        asks, live = [], [seq for seq in plan.sequences if seq.phase is Phase.RUNNING]  # (some ended meanwhile)
+        live = [seq for seq in plan.sequences if seq.phase is Phase.RUNNING]  # (some ended meanwhile)
+        steps = []
         for seq in live:
             untap, seq.untap = seq.untap, False
-            asks.append(VerifyAsk(seq.id, trees[seq][0] if seq in trees else None, untap))
-        drafted = time.perf_counter()
-        outcomes = await self._call("Verify", self.verifier.verify, asks, live) if asks else []
-        return live, trees, outcomes, start, drafted, time.perf_counter()
+            if seq.drafting:
+                budget, top_k = seq.spec.tree_shape(self.drafter.block_size)
+                steps.append(SessionStep(seq.id, budget, top_k))
+            else:
+                steps.append(SessionStep(seq.id, 0, None, untap))
+        outcomes = await self._call("Step", self.verifier.step, steps, live) if steps else []
+        return live, outcomes, start, time.perf_counter()
 
-    def _settle(self, plan: StepPlan, live: list[Sequence], trees: dict[Sequence, tuple], outcomes: list,
-                start: float, drafted: float, done: float) -> None:
+    def _settle(self, plan: StepPlan, live: list[Sequence], outcomes: list, start: float, done: float) -> None:
         """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
         for seq in plan.sequences:
             seq.ahead -= 1
@@ -190,38 +182,12 @@ class Engine:
             if isinstance(outcome, BaseException):
                 self._failed(seq, outcome)
                 continue
-            tree, draft_timings = trees.get(seq, (None, {}))
-            rpc = {"draft_rpc_s": drafted - start} if tree is not None else {}
-            self._commit(seq, outcome, 0 if tree is None else tree.num_nodes,
-                         round_timings(draft_timings, rpc, outcome, done - start))
-
-    async def _draft(self, seqs: list[Sequence]) -> dict[Sequence, tuple]:
-        """The drafts of `seqs`, in one call -> each sequence's (tree, timings) where it drafted; a sequence whose
-        draft failed (or its prompt's relay) goes on AR."""
-        asks, asking = [], []
-        for seq in seqs:
-            if seq.relay is not None:  # its prompt's features are in the drafter's context (Scheduler.plan)
-                relay, seq.relay = seq.relay, None
-                if relay.exception() is not None:  # a drafter failure degrades to AR
-                    self._fall_back(seq, relay.exception())
-                    continue
-            budget, top_k = seq.spec.tree_shape(self.drafter.block_size)
-            features, seq.features = seq.features, None
-            committed, seq.committed = seq.committed, []
-            asks.append(DraftAsk(seq.id, features, seq.root, seq.root_position, budget, top_k, committed))
-            asking.append(seq)
-        if not asks:
-            return {}
-        outcomes = await self._call("Draft", self.drafter.draft, asks, asking)
-        trees = {}
-        for seq, outcome in zip(asking, outcomes):
-            if seq.phase is not Phase.RUNNING:
-                continue  # ended meanwhile: its draft's failure (cancelled, session gone) is no drafter's
-            if isinstance(outcome, BaseException):
-                self._fall_back(seq, outcome)
-            else:
-                trees[seq] = outcome
-        return trees
+            if outcome.draft_error is not None:  # it took an AR step instead, untapped
+                self._fall_back(seq, outcome.draft_error, untapped=True)
+            if isinstance(outcome.step, BaseException):
+                self._failed(seq, outcome.step)
+                continue
+            self._commit(seq, outcome.step, outcome.tree_size, round_timings(outcome, done - start))
 
     async def _call(self, rpc: str, call: Callable, asks: list, seqs: list[Sequence]) -> list:
         """A step's batch call for `seqs` -> each ask's outcome; a failure of the whole call is each ask's. Once
@@ -246,11 +212,9 @@ class Engine:
             self._calls.remove(entry)
 
     def _commit(self, seq: Sequence, step: StepResult, tree_size: int, timings: Mapping[str, float]) -> None:
-        """A step's outcome: its tokens cut at the sequence's stops, handed to the reader; the features its drafter
-        needs next; the end where it finished."""
+        """A step's outcome: its tokens cut at the sequence's stops, handed to the reader; the end where it
+        finished."""
         tokens, logprobs, finish = seq.take(step)
-        if seq.drafting:
-            seq.features = step.features
         seq.hand(Round(seq.index, tokens, tree_size, finish, timings, logprobs))
         if finish is not None:
             self._end(seq, None)
@@ -289,8 +253,6 @@ class Engine:
         if seq.phase is not Phase.PREFILLING:
             return  # cancelled meanwhile
         tokens, logprobs, finish = seq.take(step)
-        if seq.drafting and seq.relay is None:
-            seq.features = step.features  # an in-process prompt's, in its answer
         timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - start_time}
         seq.hand(Round(seq.index, tokens, 0, finish, timings, logprobs))
         if finish is not None:
@@ -301,31 +263,17 @@ class Engine:
 
     async def _prompt(self, seq: Sequence, skip: int, start: SessionStart) -> StepResult:
         """The prompt's forward: in one call, or in chunks of prefill_chunk tokens, so that the verifier serves
-        other sequences' steps between them. The verifier keeps the prompt's features where a drafter needs them
-        and they would travel (a remote verifier, or chunks): then the calls carry only tokens, and the first token
-        waits for the prompt's forwards alone. The features travel meanwhile, chunk by chunk as the verifier keeps
-        them (_relay), and the sequence sits out steps until they are there (seq.relay, Scheduler.plan). skip: the
-        prompt positions whose context the drafter restored from its prefix cache: no features travel for them, and
-        a chunk wholly below it keeps none.
+        other sequences' steps between them. The verifier sends each chunk's features to the drafter itself; the
+        sequence's steps draft once they are there (until then, AR steps). skip: the prompt positions whose context
+        the drafter restored from its prefix cache: no features go for them.
         -> the last chunk's step, its forward_s the whole prompt's."""
         prompt, chunk = seq.prompt, self.prefill_chunk
         if not 0 < chunk < len(prompt):
             chunk = len(prompt)
-        begins = range(0, len(prompt), chunk)
-        keep = seq.drafting and (len(begins) > 1 or self.verifier.remote)
-        featured = sum(begin + chunk > skip for begin in begins)  # the chunks with features past `skip`
-        kept = asyncio.Semaphore(0)  # one release per chunk the verifier keeps: a take never asks before its chunk
-        if keep and featured:
-            seq.relay = asyncio.ensure_future(_relay(self.verifier, self.drafter, seq.id, featured, kept))
-            seq.relay.add_done_callback(lambda _: self._wake.set())  # the sequence may step
         forward_s = 0.0
-        for begin in begins:
-            more = begin + chunk < len(prompt)
-            keeps = keep and begin + chunk > skip
-            step = await self.verifier.prefill(seq.id, prompt[begin : begin + chunk], more=more, keep_features=keeps,
+        for begin in range(0, len(prompt), chunk):
+            step = await self.verifier.prefill(seq.id, prompt[begin : begin + chunk], more=begin + chunk < len(prompt),
                                                skip_features=skip, start=start if begin == 0 else None)
-            if keeps:
-                kept.release()
             forward_s += step.forward_s
         step.forward_s = forward_s
         return step
@@ -358,8 +306,6 @@ class Engine:
         task = self._tasks.pop(seq, None)
         if task is not None:
             task.cancel()
-        discard(seq.relay)
-        seq.relay = None
         self.scheduler.remove(seq)
         seq.phase = Phase.DONE
         for seqs, call in self._calls:
@@ -386,16 +332,14 @@ class Engine:
         task.add_done_callback(self._ending.discard)
         return task
 
-    def _fall_back(self, seq: Sequence, exc: BaseException) -> None:
+    def _fall_back(self, seq: Sequence, exc: BaseException, untapped: bool = False) -> None:
         """The drafter failed for the sequence (down, timed out, erroring): it goes on with AR steps, its output
-        unchanged; its next step untaps its verifier session."""
+        unchanged; its next step untaps its verifier session (untapped: the verifier has done so)."""
         self._notify_fallback(exc)
-        self._give_up_drafter(seq)
+        self._give_up_drafter(seq, untap=not untapped)
 
-    def _give_up_drafter(self, seq: Sequence) -> None:
-        seq.untap, seq.features, seq.committed = True, None, []
-        discard(seq.relay)
-        seq.relay = None
+    def _give_up_drafter(self, seq: Sequence, untap: bool = True) -> None:
+        seq.untap = untap
         if seq.drafting:
             seq.drafting = False
             task = asyncio.get_running_loop().create_task(_quietly(self.drafter.end_session(seq.id)))
@@ -405,23 +349,6 @@ class Engine:
     def _notify_fallback(self, exc: BaseException) -> None:
         if self.on_fallback is not None:
             self.on_fallback(exc)
-
-
-async def _relay(verifier: VerifierClient, drafter: DrafterClient, session_id: str, chunks: int,
-                 kept: asyncio.Semaphore) -> None:
-    """A prompt's kept features, verifier -> drafter, as the verifier keeps them, while the prompt's later chunks
-    run: each chunk's are taken while the chunk before is appended to the drafter's context."""
-    appending: asyncio.Future | None = None
-    try:
-        for _ in range(chunks):
-            await kept.acquire()
-            features = await verifier.take_features(session_id)
-            if appending is not None:
-                await appending
-            appending = asyncio.ensure_future(drafter.append(session_id, features))
-        await appending
-    finally:  # a failure or a cancel: nobody waits for the append any more
-        discard(appending)
 
 
 async def _gathered(ends: list, seq: Sequence | None, verified: bool) -> None:
@@ -437,20 +364,9 @@ async def _quietly(call) -> None:
         await call
 
 
-def discard(future: asyncio.Future | None) -> None:
-    """A call nobody waits for any more: cancelled, or its failure retrieved (no error to anyone)."""
-    if future is None:
-        return
-    if not future.done():
-        future.cancel()
-    elif not future.cancelled():
-        future.exception()
-
-
-def round_timings(
-    draft: Mapping[str, float], rpc: dict[str, float], step: StepResult, round_s: float
-) -> Mapping[str, float]:
-    verify, verify_s = step.timings, step.forward_s  # not the step: its features would live as long as the round
-    return DeferredTimings(lambda: {**draft, **rpc, **verify, "verify_s": verify_s, "round_s": round_s})
+def round_timings(outcome: StepOutcome, round_s: float) -> Mapping[str, float]:
+    """A round's timings: its draft's (in-process, read lazily: they wait for the device), its verify's."""
+    draft, verify, verify_s = outcome.draft_timings, outcome.step.timings, outcome.step.forward_s
+    return DeferredTimings(lambda: {**draft, **verify, "verify_s": verify_s, "round_s": round_s})
 
 

@@ -8,7 +8,10 @@ from runtime.models import DrafterShape, TargetShape, misfit
 
 
 def info_misfit(verifier: VerifierInfo, drafter: DrafterInfo) -> str | None:
-    """Why the drafter does not fit the verifier's target, or None when it fits."""
+    """Why the drafter cannot draft for the verifier (its target, or a verifier that has no drafter to ask), or
+    None when it fits."""
+    if not verifier.drafts:
+        return "the verifier has no drafter to ask for trees (start it with --drafter, the drafter's address)"
     taps = tuple(drafter.target_layer_ids)
     # the drafter's features are its taps' hidden states side by side
     hidden = drafter.feature_dim // len(taps) if taps else drafter.feature_dim

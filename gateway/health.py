@@ -22,8 +22,7 @@ from protos.types import DrafterInfo, VerifierInfo
 from gateway.metrics import Metrics
 from gateway.backends import DrafterClient, VerifierClient
 from gateway.fit import info_misfit
-from gateway.grpc_client import BackendError
-from gateway.tree_fit import TreeFit
+from runtime.client import BackendError
 
 log = logging.getLogger("ddtree.gateway")
 T = TypeVar("T")
@@ -46,7 +45,6 @@ class DrafterBackend(DrafterClient, Protocol):
 class Backends:
     verifier: VerifierBackend
     drafter: DrafterBackend | None  # None: autoregressive only
-    tree_fit: TreeFit | None = None  # the verifier client's cut of each step's trees, whose sizes are metrics
 
 
 class BackendMonitor:

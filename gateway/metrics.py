@@ -67,11 +67,8 @@ class Metrics:
                                "decoding, host syncs, answer encoding), transport the rest (both ways over the round "
                                "lane or gRPC, and the gateway's orchestration)",
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
-        self.step_calls = Histogram("ddtree_step_batch_size", "Requests' round calls sent in one batch call of a step "
-                                    "(rpc DraftBatch or VerifyBatch; the step scheduler)", ["rpc"],
-                                    buckets=STEP_BUCKETS, registry=r)
-        self.fit_nodes = Histogram("ddtree_step_tree_nodes", "The nodes each tree of a step's verify was cut to "
-                                   "(load-adaptive trees, --fit-trees)", buckets=TREE_SIZE_BUCKETS, registry=r)
+        self.step_calls = Histogram("ddtree_step_batch_size", "Requests in one step (rpc Step: the verifier's call)",
+                                    ["rpc"], buckets=STEP_BUCKETS, registry=r)
         self.load_ar = Counter("ddtree_spec_skipped_by_load", "Requests that decoded autoregressively because more "
                                "requests were decoding than --speculate-up-to when they began", registry=r)
         self.load_yield = Counter("ddtree_spec_stopped_by_load", "Speculating requests that gave their drafter up "

@@ -60,13 +60,10 @@ class Scheduler:
         self.running.append(seq)
 
     def plan(self) -> StepPlan | None:
-        """The next step: every running sequence, those with a drafter session drafting; None: none runs. A
-        sequence whose prompt's features are still on their way to the drafter sits the step out (its first draft
-        needs them; the step does not wait for them)."""
-        stepping = [seq for seq in self.running if seq.relay is None or seq.relay.done()]
-        if not stepping:
+        """The next step: every running sequence, those with a drafter session drafting; None: none runs."""
+        if not self.running:
             return None
-        return StepPlan(stepping, [seq for seq in stepping if seq.drafting])
+        return StepPlan(list(self.running), [seq for seq in self.running if seq.drafting])
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.prefilling:

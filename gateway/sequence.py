@@ -9,7 +9,7 @@ import enum
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 from protos.types import SamplingParams, StepResult, TokenLogprobs
 
@@ -67,14 +67,7 @@ class Sequence:
     phase: Phase = Phase.WAITING
     generated: int = 0
     output: list[int] = field(default_factory=list)  # committed since this sequence's sessions started
-    root: int = -1  # the last committed token: the next step's root
-    # the drafter's state: a session there (drafting), the target's features of the positions since its last draft
-    # (relayed by the gateway), the prompt's features on their way there, and with a grammar the output since its
-    # last draft
-    drafting: bool = False
-    features: Any = None
-    relay: asyncio.Future | None = None
-    committed: list[int] = field(default_factory=list)
+    drafting: bool = False  # a drafter session is held (the verifier sends it the features and asks it for trees)
     untap: bool = False  # its next verify untaps its verifier session (its drafter has gone)
     verifying: bool = False  # a verifier session is held
     ahead: int = 0  # steps launched for it and not committed yet
@@ -95,11 +88,6 @@ class Sequence:
         return cls(list(prompt), params, spec, max_tokens, stops)
 
     @property
-    def root_position(self) -> int:
-        """The position of the last token committed: the next step's root."""
-        return len(self.prompt) + self.generated - 1
-
-    @property
     def room(self) -> int:
         """Tokens it may still commit."""
         return self.max_tokens - self.generated
@@ -110,9 +98,6 @@ class Sequence:
         tokens, finish = trim(step.tokens, self.stops, self.room)
         self.generated += len(tokens)
         self.output += tokens
-        self.root = tokens[-1] if tokens else self.root
-        if self.drafting and self.params.grammar:
-            self.committed += tokens
         return tokens, None if step.logprobs is None else step.logprobs.head(len(tokens)), finish
 
     def restart(self) -> None:
@@ -124,7 +109,6 @@ class Sequence:
         self.params = replace(self.params, min_tokens=max(0, self.params.min_tokens - self.generated))
         self.generated, self.output, self.id = 0, [], uuid.uuid4().hex
         self.drafting = self.verifying = self.untap = False
-        self.features, self.relay, self.committed = None, None, []
         self.phase = Phase.WAITING
 
     def hand(self, rnd: Round) -> None:

@@ -26,8 +26,8 @@ from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
 from gateway.engine import Engine
 from gateway.generation import Delta, GenerationRequest, ModelInfo
-from gateway.backends import MemoryShort
-from gateway.grpc_client import BackendError
+from protos.types import MemoryShort
+from runtime.client import BackendError
 from gateway.health import BackendMonitor, Backends, DrafterBackend
 from gateway.metrics import Metrics
 from gateway.openai_api import APIError
@@ -50,8 +50,6 @@ class GatewayService:
         self.chat_template = Path(config.chat_template).read_text() if config.chat_template else None
         warn_unrendered_tools(tokenizer, self.chat_template)
         self.metrics = Metrics()
-        if backends.tree_fit is not None:
-            backends.tree_fit.chosen = self.metrics.fit_nodes
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
         self._by_load = SpeculationByLoad(config.speculate_up_to)
@@ -312,8 +310,8 @@ class GatewayService:
                 for t, v, ids, values in zip(rnd.tokens, lp.logprobs, lp.top_ids, lp.top_logprobs)]
 
     def _observe_step(self, rpc: str, calls: int) -> None:
-        """A step's batch call (Draft or Verify) of `calls` sequences."""
-        self.metrics.step_calls.labels(f"{rpc}Batch").observe(calls)
+        """A step's call (Step) of `calls` sequences."""
+        self.metrics.step_calls.labels(rpc).observe(calls)
 
     def _observe_latency(self, rnd: Round, interval: float) -> None:
         if rnd.index == 0:

@@ -1,22 +1,18 @@
-"""torch tensors <-> `Tensor` messages, and the one place where wire messages <-> internal dataclasses convert (with
-runtime/relay.py, the wire forms of a prompt's features on their way to the drafter).
+"""torch tensors <-> `Tensor` messages, and the one place where wire messages <-> internal dataclasses convert.
 
 Servers and clients call only these functions, so a field added to the .proto is wired up here and nowhere else.
 Decoding never trusts the sender: a wrong dtype or byte count is a ValueError, which servers answer with
 INVALID_ARGUMENT. Decoding does not check trees against a session (verify_server/validate.py does).
 
-The gateway only carries features from the verifier to the drafter and trees from the drafter to the verifier, so
-its decoders (`wire=True`) keep them in their wire form: a `WireTensor` and a `WireDraftTree` hold the received
-message, decode only if something looks inside, and encode back to that very message. A round then makes no
-torch call and no copy in the gateway (each costs more there than its work: between rounds the models' forwards
-evict it from the caches).
+The verifier reads a drafted tree's size and nodes without torch (its tree fit), and checks and verifies it once:
+`draft_from_pb(wire=True)` keeps it a `WireDraftTree`, which holds the received message and decodes only when
+something looks inside as tensors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -42,55 +38,9 @@ _MAX_DIMS = 8
 NODE_BYTES = 12  # a DraftTree node on the wire: its token, parent and depth as int32
 
 
-class WireTensor:
-    """A tensor still in its wire form: `message` as received, decoded (once, by `tensor_from_pb`) only when used
-    as a tensor. torch functions and tensor attributes work on it through the decoded tensor; `tensor_to_pb`
-    returns `message` itself. Read-only by contract: it stands for the message, which it never changes."""
-
-    __slots__ = ("_tensor", "message")
-
-    def __init__(self, message: pb.Tensor) -> None:
-        self.message = message
-        self._tensor: torch.Tensor | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self.message.shape)
-
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
-            self._tensor = tensor_from_pb(self.message)
-        return self._tensor
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in WireTensor.__slots__:  # copy/pickle probes, a half-built instance
-            raise AttributeError(name)
-        return getattr(self.tensor(), name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def unwrap(x: Any) -> Any:
-            if isinstance(x, WireTensor):
-                return x.tensor()
-            if isinstance(x, (list, tuple)):
-                return type(x)(unwrap(y) for y in x)
-            return x
-
-        return func(*unwrap(args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-
-    def __repr__(self) -> str:
-        return f"WireTensor(dtype={self.message.dtype}, shape={list(self.message.shape)})"
-
-
-def tensor_to_pb(tensor: torch.Tensor | WireTensor, out: pb.Tensor | None = None) -> pb.Tensor:
+def tensor_to_pb(tensor: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
     """Any-device tensor -> raw bytes (one device-to-host copy); bf16 goes as its raw 2-byte words.
-    out: a (sub)message to fill in place (a submessage given to a constructor or CopyFrom is copied once more).
-    A WireTensor is already a message: it is returned as it came (or copied into `out`)."""
-    if isinstance(tensor, WireTensor):
-        if out is None:
-            return tensor.message
-        out.CopyFrom(tensor.message)
-        return out
+    out: a (sub)message to fill in place (a submessage given to a constructor or CopyFrom is copied once more)."""
     name = WIRE_NAMES.get(tensor.dtype)
     if name is None:
         raise ValueError(f"dtype {tensor.dtype} has no wire encoding (supported: {', '.join(WIRE_DTYPES)})")
@@ -243,7 +193,7 @@ def draft_to_pb(tree: DraftTree, forward_s: float, tree_s: float, nodes: torch.T
 
 def draft_from_pb(msg: pb.DraftResponse, wire: bool = False) -> tuple[DraftTree, dict[str, float]]:
     """-> the tree and the round loop's timing keys (those of the in-process drafter, plus the server total).
-    wire: the tree stays a WireDraftTree (the gateway passes it on to the verifier as it came)."""
+    wire: the tree stays a WireDraftTree (decoded when first looked inside)."""
     timings = {"draft_s": msg.timings.forward_s, **msg.timings.detail, "draft_server_s": msg.timings.total_s}
     return WireDraftTree(msg.tree) if wire else tree_from_pb(msg.tree), timings
 
@@ -275,11 +225,12 @@ def drafter_info_from_pb(msg: pb.DrafterInfoResponse) -> DrafterInfo:
 # ---- verifier responses -----------------------------------------------------------------------------------------
 
 
-def step_to_pb(result: StepResult) -> pb.StepResponse:
-    msg = pb.StepResponse(tokens=result.tokens)  # submessages filled in place rather than built and copied in
+def step_to_pb(result: StepResult, out: pb.StepResponse | None = None) -> pb.StepResponse:
+    """The committed tokens, timings and logprobs (features stay with the verifier). out: a (sub)message to fill in
+    place."""
+    msg = pb.StepResponse() if out is None else out
+    msg.tokens.extend(result.tokens)  # submessages filled in place rather than built and copied in
     timings_to_pb(result.forward_s, result.timings, out=msg.timings)
-    if result.features is not None:
-        tensor_to_pb(result.features, out=msg.features)
     if result.logprobs is not None:
         lp = result.logprobs
         msg.logprobs.SetInParent()  # present even for no tokens
@@ -289,14 +240,10 @@ def step_to_pb(result: StepResult) -> pb.StepResponse:
     return msg
 
 
-def step_from_pb(msg: pb.StepResponse, wire: bool = False) -> StepResult:
-    """wire: the features stay a WireTensor (the gateway passes them on to the drafter as they came)."""
-    features = None
-    if msg.HasField("features"):
-        features = WireTensor(msg.features) if wire else tensor_from_pb(msg.features)
+def step_from_pb(msg: pb.StepResponse) -> StepResult:
     timings = {**msg.timings.detail, "verify_server_s": msg.timings.total_s}
     logprobs = _logprobs_from_pb(msg.logprobs) if msg.HasField("logprobs") else None
-    return StepResult(list(msg.tokens), features, forward_s=msg.timings.forward_s, timings=timings, logprobs=logprobs)
+    return StepResult(list(msg.tokens), None, forward_s=msg.timings.forward_s, timings=timings, logprobs=logprobs)
 
 
 def _logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
@@ -320,6 +267,7 @@ def verifier_info_to_pb(info: VerifierInfo) -> pb.VerifierInfoResponse:
         max_tree_depth=info.max_tree_depth,
         max_session_tokens=info.max_session_tokens,
         max_sessions=info.max_sessions,
+        drafts=info.drafts,
     )
 
 
@@ -335,4 +283,5 @@ def verifier_info_from_pb(msg: pb.VerifierInfoResponse) -> VerifierInfo:
         max_tree_depth=msg.max_tree_depth,
         max_session_tokens=msg.max_session_tokens,
         max_sessions=msg.max_sessions,
+        drafts=msg.drafts,
     )

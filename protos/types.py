@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -181,3 +183,45 @@ class VerifierInfo:
     max_tree_depth: int
     max_session_tokens: int  # largest session capacity it accepts
     max_sessions: int = 0  # sessions it holds at once (0: no fixed limit)
+    drafts: bool = False  # it has a drafter: its sessions may tap layers and speculate
+
+
+class MemoryShort(RuntimeError):
+    """A verifier call found no KV memory for its session now, and changed nothing (gRPC's ABORTED, or the
+    in-process engine's own error): the gateway's engine preempts the sequence where it can go on from its output."""
+
+
+class DraftAsk(NamedTuple):
+    """One session's draft in a step (DraftRequest): the target's features of the positions since its last draft
+    (None: none), its root, and the tree's shape; committed: a session with a grammar's output since its last draft,
+    ending with the root (() none)."""
+
+    session_id: str
+    features: Any  # [m, taps * hidden] torch.Tensor, or None
+    root_token: int
+    root_position: int
+    budget: int
+    top_k: int | None
+    committed: Sequence[int] = ()
+
+
+class SessionStep(NamedTuple):
+    """A session's part in a step (SessionStep): budget 0 an AR step, else the tree's nodes; untap: the session
+    taps no features from this step on (its drafter has gone)."""
+
+    session_id: str
+    budget: int = 0
+    top_k: int | None = None
+    untap: bool = False
+
+
+@dataclass
+class StepOutcome:
+    """A session's outcome of a step (StepOutcome): its commit, or the error it failed with; the tree it verified
+    (0 nodes: an AR step); its drafter's failure, where it asked for a tree and took an AR step instead; the draft's
+    timings (draft_s, tree_s, draft_rpc_s; over the wire they come in the commit's timings)."""
+
+    step: StepResult | Exception
+    tree_size: int = 0
+    draft_error: Exception | None = None
+    draft_timings: Mapping[str, float] = field(default_factory=dict)

@@ -1,9 +1,10 @@
-"""The round lane: a session's round calls (Draft; Verify, Decode), and its prompt's features on their way to the
-drafter (TakeFeatures; Append), as the same protobuf messages over a plain TCP connection beside the gRPC port,
+"""The round lane: the step calls (the verifier's Step, the drafter's DraftBatch) and a prompt's features on their
+way to the drafter (Append), as the same protobuf messages over a plain TCP connection beside the gRPC port,
 answered with gRPC status codes, so a lane call and a gRPC call are interchangeable answer for answer.
 
 Why: gRPC Python spends much of every one-way hop in its own machinery (its poller thread hands each event to the
-event loop), and a round makes four hops; a prompt's features are tens of MB a chunk. Everything else (Info,
+event loop), and a step makes four hops; a prompt's features are tens of MB a chunk. Measured on loopback, a step
+over the lane takes 0.5-0.9x its time over unary gRPC calls (bench/README.md, "Host time a step"). Everything else (Info,
 sessions, prefill, health, reflection) stays on gRPC, and a service announces its lane's port in its Info answer
 (0: none), so a client without lanes, or a server without one, simply uses the gRPC streams (or unary calls).
 
@@ -59,13 +60,12 @@ class RequestParser(Protocol):
     def FromString(self, payload: memoryview) -> Any: ...  # noqa: N802 - protobuf's name
 
 
-# rpc name -> (request parser, the servicer's unary method: (request, context) -> response). A response that is no
-# message has a `lane_pieces()` method: it is written as the bytes that returns, in pieces.
+# rpc name -> (request parser, the servicer's unary method: (request, context) -> response message).
 class Route(NamedTuple):
     """A lane RPC: how its requests are read, the servicer method that answers each, and whether a connection's
     next request starts as soon as it is read, while the calls before it still run (overlapped; the answers still
     go in request order): for calls whose next one can begin its work before the last one is answered (the
-    verifier's VerifyBatch: a step launched behind the one on the device)."""
+    verifier's Step: a step launched behind the one on the device)."""
 
     parser: RequestParser
     handler: Callable[[Any, Any], Awaitable[Any]]
@@ -83,15 +83,13 @@ class CallFailed(Exception):
 
 class _Frames(asyncio.BufferedProtocol):
     """Cuts a connection's bytes into frames: the socket is read into one buffer, grown to the largest frame, and
-    each whole frame goes to `frame(tag, payload)` as a memoryview valid only during that call (`keep` makes it
-    outlive the call)."""
+    each whole frame goes to `frame(tag, payload)` as a memoryview valid only during that call."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray(_FIRST_BUFFER_BYTES)
         self._have = 0  # bytes of self._buffer filled
-        self._kept = False  # a frame of the buffer was kept: the next bytes go to a new one
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -122,12 +120,7 @@ class _Frames(asyncio.BufferedProtocol):
                     break
                 self.frame(tag, view[start + HEADER.size : end])
                 start = end
-        if self._kept:  # the kept frame's bytes stay where they are; the rest moves to a new buffer
-            self._kept = False
-            rest = self._buffer[start : self._have]
-            self._buffer, self._have = bytearray(max(_FIRST_BUFFER_BYTES, len(rest))), len(rest)
-            self._buffer[: self._have] = rest
-        elif start:  # keep the unfinished frame at the front
+        if start:  # keep the unfinished frame at the front
             self._buffer[: self._have - start] = self._buffer[start : self._have]
             self._have -= start
         needed = HEADER.size + HEADER.unpack_from(self._buffer)[0] if self._have >= HEADER.size else 0
@@ -143,14 +136,6 @@ class _Frames(asyncio.BufferedProtocol):
         grown = bytearray(size)
         grown[: self._have] = self._buffer[: self._have]
         self._buffer = grown
-
-    def keep(self, payload: memoryview) -> bytes | memoryview:
-        """A frame's payload that outlives frame(): a large one is the buffer's bytes themselves (the buffer is
-        given up, no copy: 84 MB of a prompt's features a chunk), a small one a copy."""
-        if len(payload) < _KEPT_BUFFER_BYTES:
-            return bytes(payload)
-        self._kept = True
-        return payload
 
     def send(self, tag: int, *payload: bytes | memoryview) -> None:
         """One frame, its payload in pieces (written as they are: no copy joins them)."""
@@ -313,8 +298,7 @@ class _ServerConnection(_Frames):
             return False
         if self.transport.is_closing():
             return False  # the client went away while its call ran
-        pieces = (response.SerializeToString(),) if isinstance(response, Message) else response.lane_pieces()
-        self.send(grpc.StatusCode.OK.value[0], *pieces)
+        self.send(grpc.StatusCode.OK.value[0], response.SerializeToString())
         return True
 
 
@@ -349,22 +333,21 @@ class LaneServer:
 
 
 class Lane(_Frames):
-    """The client end of one lane connection: one RPC of one session. Requests are messages or their bytes already
-    serialised, in pieces; answers are parsed as `response_cls`, or (None) handed over as their bytes (a large
-    answer's without a copy: a view of the buffer it was received into). The server answers in request order, one
+    """The client end of one lane connection: one RPC of one session. Requests are messages; answers are parsed as
+    `response_cls`. The server answers in request order, one
     at a time, so a request may follow the last one before it is answered (`request`): the server reads it while
     it runs the last one and starts it as soon as that one is answered."""
 
     pipelines = True  # requests may follow one another unanswered
 
-    def __init__(self, response_cls: type[Message] | None, max_bytes: int) -> None:
+    def __init__(self, response_cls: type[Message], max_bytes: int) -> None:
         super().__init__(max_bytes)
         self._response_cls = response_cls
         self._waiters: deque[asyncio.Future] = deque()  # the requests sent and not yet answered, oldest first
         self._lost: CallFailed | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message] | None, max_bytes: int,
+    async def open(cls, host: str, port: int, rpc: str, response_cls: type[Message], max_bytes: int,
                    token: str | None = None) -> Lane:
         """Connects (OSError when the port does not answer) and names the RPC (and the shared secret, if any)."""
         _, lane = await asyncio.get_running_loop().create_connection(lambda: cls(response_cls, max_bytes), host, port)
@@ -377,17 +360,17 @@ class Lane(_Frames):
         calls opens another."""
         return self._lost is not None
 
-    def request(self, request: Message | tuple[bytes | memoryview, ...]) -> asyncio.Future:
+    def request(self, request: Message) -> asyncio.Future:
         """Sends `request` -> the future of its answer, which fails with CallFailed (the server's status, or
         UNAVAILABLE when the connection is lost). Raises CallFailed at once on a lost connection."""
         if self._lost is not None:
             raise self._lost
         answer = asyncio.get_running_loop().create_future()
         self._waiters.append(answer)
-        self.send(0, *((request.SerializeToString(),) if isinstance(request, Message) else request))
+        self.send(0, request.SerializeToString())
         return answer
 
-    async def exchange(self, request: Message | tuple[bytes | memoryview, ...]) -> Message | bytes | memoryview:
+    async def exchange(self, request: Message) -> Message:
         """Sends `request` and returns its answer; CallFailed with the server's status otherwise."""
         return await self.request(request)
 
@@ -402,9 +385,6 @@ class Lane(_Frames):
             return  # an answer nobody waits for any more (the caller gave up; the lane is being closed)
         if status != grpc.StatusCode.OK:
             answer.set_exception(CallFailed(status, bytes(payload).decode(errors="replace")))
-            return
-        if self._response_cls is None:
-            answer.set_result(self.keep(payload))
             return
         try:
             answer.set_result(self._response_cls.FromString(payload))

@@ -23,7 +23,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     The handler gRPC is given has no deserializer, so the messages arrive as bytes and are parsed here. gRPC tells
     a streamed answer's two forms apart by the function (an async generator, or a coroutine that writes through the
     context) and so does this; a coroutine that reads a streamed request through the context keeps gRPC's parsing,
-    since its reads cannot be intercepted (none is served here: runtime.service.streamed's are generators)."""
+    since its reads cannot be intercepted (none is served here: none are generators)."""
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],

@@ -1,10 +1,6 @@
-"""A prompt's features on their way verifier -> gateway -> drafter (the relay, gateway/request.py `_relay`) in wire
-form: each hop handles the bytes as little as it can, since a 2048-token chunk at Qwen3-8B shapes is 84 MB.
-
-- The verifier writes a lane TakeFeatures answer straight from the features' host memory (`FeaturesAnswer`).
-- The gateway passes that answer on unparsed, as the drafter's AppendRequest (`WireFeatures`).
-- The drafter decodes a lane Append from the frame's bytes with one copy of the features (`AppendCall`), where the
-  protobuf parse, its bytes field and a writable buffer would make three.
+"""A prompt's features on their way verifier -> drafter in wire form: the drafter decodes a lane Append from the
+frame's bytes with one copy of the features (`AppendCall`), where the protobuf parse, its bytes field and a writable
+buffer would make three (a 2048-token chunk at Qwen3-8B shapes is 84 MB).
 """
 
 from __future__ import annotations
@@ -16,54 +12,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.tensors import WIRE_NAMES, tensor_from_parts, tensor_from_pb
+from protos.tensors import tensor_from_parts, tensor_from_pb
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5  # protobuf wire types (groups, 3 and 4, are never ours)
-
-
-class WireFeatures:
-    """A TakeFeatures answer's bytes (a StepResponse holding features and timings only), passed on unparsed: its
-    `features` field has AppendRequest's number, so these bytes followed by an AppendRequest holding only a session
-    id parse as that AppendRequest with these features (protobuf merges concatenated messages; StepResponse's
-    timings are a field AppendRequest does not have, kept unknown). A gateway relays a prompt's features so
-    without decoding or copying them."""
-
-    __slots__ = ("answer",)
-
-    def __init__(self, answer: bytes | memoryview) -> None:
-        self.answer = answer
-
-    def append_request(self, session_id: str) -> tuple[bytes | memoryview, bytes]:
-        """The bytes of the AppendRequest of these features for `session_id`, in two pieces."""
-        return self.answer, pb.AppendRequest(session_id=session_id).SerializeToString()
-
-    def __repr__(self) -> str:
-        return f"WireFeatures({len(self.answer)} bytes)"
-
-
-class FeaturesAnswer:
-    """A TakeFeatures answer (a StepResponse holding features and timings) that a lane writes straight from the
-    features' host memory: `lane_pieces` is its wire form in three pieces, the middle one the features' bytes
-    themselves, where `step_to_pb` and its serialisation copy 84 MB (a 2048-token chunk at Qwen3-8B shapes) three
-    times. `timings` is filled in like any answer's."""
-
-    def __init__(self, features: torch.Tensor) -> None:
-        if features.device.type != "cpu":
-            raise ValueError("a FeaturesAnswer's features are on the host")
-        self.features = features.contiguous()
-        self.timings = pb.Timings()
-
-    def lane_pieces(self) -> tuple[bytes, memoryview, bytes]:
-        # Fields may come in any order: the Tensor is its data field (tag and length written here, the bytes as
-        # they lie), then dtype and shape as protobuf writes them; the StepResponse's features field holds it and
-        # its timings follow.
-        features = self.features.view(torch.int16) if self.features.dtype == torch.bfloat16 else self.features
-        data = memoryview(features.reshape(-1).numpy()).cast("B") if features.numel() else memoryview(b"")
-        described = pb.Tensor(dtype=WIRE_NAMES[self.features.dtype], shape=self.features.shape).SerializeToString()
-        data_field = b"\x0a" + _varint(len(data))  # field 1, length-delimited
-        tensor_bytes = len(data_field) + len(data) + len(described)
-        head = b"\x12" + _varint(tensor_bytes) + data_field  # StepResponse field 2, length-delimited
-        return head, data, described + pb.StepResponse(timings=self.timings).SerializeToString()
 
 
 @dataclass
@@ -161,13 +112,3 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
         if byte < 0x80:
             return value, pos
-
-
-def _varint(n: int) -> bytes:
-    """n as a protobuf base-128 varint."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)

@@ -12,9 +12,8 @@ queues behind that work on the engine thread. Engines whose steps wait on other 
 keep every step on the engine thread, so the loop can still notice a dead rank.
 
 The session table is the engine's own `sessions` dict, so a session lives in exactly one place; the session
-gauges read it when scraped. Per-call metrics are recorded after the answer is on its way. `streamed` turns a unary
-servicer method into its stream form (the .proto's XStream); the round lane (runtime/lane.py) serves the same
-methods over plain TCP beside the gRPC port, and the gateway sends a session's rounds over it when announced.
+gauges read it when scraped. Per-call metrics are recorded after the answer is on its way. The round lane
+(runtime/lane.py) serves the step calls over plain TCP beside the gRPC port, and their clients use it when announced.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -120,19 +119,7 @@ class ServiceMetrics:
 
 
 # Steps of a decoding round: short, and on the critical path of every round (see the module docstring).
-ROUND_RPCS = frozenset({"Draft", "Verify", "Decode"})
-
-
-def streamed(unary: Callable[..., Awaitable[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """The stream form of a unary servicer method (the .proto's XStream for X): X once per request, answers in
-    order; the first failure (an abort) ends the stream with X's status. In a servicer: `XStream = streamed(X)`."""
-
-    async def stream(self: Any, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for request in requests:
-            yield await unary(self, request, context)
-
-    stream.__doc__ = f"{unary.__name__} once per message of the stream (see runtime.service.streamed)."
-    return stream
+ROUND_RPCS = frozenset({"Draft", "Step"})  # the drafter's drafts, the verifier's steps
 
 
 class EngineHost(Generic[E]):
@@ -157,6 +144,7 @@ class EngineHost(Generic[E]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._lock = threading.Lock()  # held by whichever thread is running the engine
         self._queued = 0  # engine-thread jobs submitted and not yet answered (counted on the event loop)
+        self.on_expired: Callable[[str], None] | None = None  # told of each session the TTL ended (on the loop)
         self._children: dict[tuple[str, str], Any] = {}  # _record's metrics children, by (rpc, status or series)
         # Computed when scraped, from a snapshot of the session table (a C-level copy, atomic under the GIL).
         metrics.active_sessions.set_function(lambda: len(self._sessions()))
@@ -268,6 +256,8 @@ class EngineHost(Generic[E]):
             await asyncio.sleep(interval)
             for session_id in await self.run(self._expire_idle):
                 log.info("session %s expired after %.0f s idle", session_id, self._ttl)
+                if self.on_expired is not None:
+                    self.on_expired(session_id)
 
     def _expire_idle(self) -> list[str]:
         cutoff = time.monotonic() - self._ttl

@@ -13,15 +13,9 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
-from gateway.backends import DraftAsk, VerifyAsk
 from gateway.health import Backends
 from gateway.rounds import Speculation, run_rounds
-from protos.types import (
-    DrafterInfo,
-    SamplingParams,
-    StepResult,
-    VerifierInfo,
-)
+from protos.types import DraftAsk, DrafterInfo, SamplingParams, SessionStep, StepOutcome, VerifierInfo
 from tests.conftest import VOCAB, make_target
 from training.demo.tokenizer import CHAT_TEMPLATE, save_tokenizer
 
@@ -54,16 +48,17 @@ class ServiceVerifier(LocalVerifier):
 
     healthy = True
 
-    async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
+    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
         await asyncio.sleep(0)
-        return await super().verify(asks)
+        return await super().step(steps)
 
     async def info(self) -> VerifierInfo:
         e = self.engine
         return VerifierInfo(model_name="tiny", vocab_size=e.vocab_size, max_context_length=MAX_CONTEXT,
                             eos_token_ids=[], num_layers=e.num_layers, hidden_size=e.hidden_size, max_tree_size=64,
                             max_tree_depth=16, max_session_tokens=MAX_CONTEXT + 65,
-                            max_sessions=e.fused.slots.max_sessions if e.fused is not None else 0)
+                            max_sessions=e.fused.slots.max_sessions if e.fused is not None else 0,
+                            drafts=self.stepper.drafter is not None)
 
     async def health(self) -> bool:
         return self.healthy
@@ -93,7 +88,8 @@ class ServiceDrafter(LocalDrafter):
 
 def local_backends(target: Path, drafter: Path) -> Backends:
     verifier, local_drafter = load_local(str(target), str(drafter), "cpu", torch.float32)
-    return Backends(ServiceVerifier(verifier.engine), ServiceDrafter(local_drafter.engine))
+    service_drafter = ServiceDrafter(local_drafter.engine)
+    return Backends(ServiceVerifier(verifier.engine, service_drafter), service_drafter)
 
 
 async def reference(backends: Backends, tokenizer, prompt: list[int], max_tokens: int,

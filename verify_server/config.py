@@ -22,6 +22,8 @@ class VerifyServerConfig(ServiceConfig):
                                       "cache (default: the bundled demo target)")
     model_name: str | None = option(None, "model name reported by Info (default: the target's hub id where it "
                                           "is named by one, else its directory's name)")
+    drafter: str | None = option(None, "the drafter service's HOST:PORT, which the verifier asks for each step's "
+                                       "trees and sends the target's features (none: AR steps only)")
     port: int = option(50062, "gRPC port (0: any free port, logged)")
     metrics_port: int = option(9462, "Prometheus metrics port (0: any free port, logged)")
     tp: int = option(1, "tensor-parallel ranks: the target is sharded over cuda:0..N-1 (or N CPU processes)")
@@ -39,9 +41,11 @@ class VerifyServerConfig(ServiceConfig):
         "cuBLAS on few rows and lose on many (0: none; -1: by the target's size)"
     )
     max_batch: int = knob(
-        16, "sessions' rounds (Verify and Decode calls waiting together) verified in one forward: tokens/s under "
-        "load against a longer step (1: one at a time)"
+        16, "sessions' steps verified in one forward: tokens/s under load against a longer step (1: one at a time)"
     )
+    fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens per second at its "
+                                 "load (the budget stays the ceiling): tokens/s under load against the longest "
+                                 "paths (off: trees as drafted)")
     prefill_batch_tokens: int = knob(
         1024, "waiting Prefill calls (a burst's prompts) share one forward, up to N prompt tokens and max_batch "
         "calls: fewer forwards for a burst, against running streams stalled longer (0: each alone)"

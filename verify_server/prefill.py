@@ -1,9 +1,8 @@
-"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill and take_features.
+"""A session's prompt run into its cache, whole or in chunks: VerifyEngine's prefill.
 
 Each call continues the context where the last one left it; the prefix cache (verify_server/prefix_cache.py)
 restores the chunk's first tokens where it holds them and is offered the blocks the chunk fills. The last call picks
-the first token (the new root). A call with keep_features leaves its features on the host until take_features
-hands them out.
+the first token (the new root).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ class PrefillCall:
     session_id: str
     prompt: list[int]
     more: bool = False
-    keep_features: bool = False
+    host_features: bool = False  # the chunk's features answered in host memory (they go to a remote drafter)
     skip_features: int = 0
 
 
@@ -57,19 +56,6 @@ class Chunk:
         return self.call.prompt[self.reused :]
 
 
-def _kept(features: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A prefill's features as a take hands them out: on the host, so that a take only sends them. From a GPU, a
-    copy to pinned memory queued behind the forward, and the event a take waits on: the prefill call itself does
-    not wait for it (a long chunk's features at a large target's width are tens of MB)."""
-    if features.device.type == "cpu":
-        return features, None
-    kept = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
-    kept.copy_(features, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-    return kept, copied
-
-
 def chain(tokens: list[int]) -> DraftTree:
     """A prompt chunk as a tree: node i's parent is node i - 1, so each token sees the ones before it."""
     order = torch.arange(len(tokens))
@@ -77,7 +63,7 @@ def chain(tokens: list[int]) -> DraftTree:
 
 
 class PromptPrefill:
-    """prefill and take_features over the engine's fused runner (None: every chunk through `forward`), timers,
+    """prefill over the engine's fused runner (None: every chunk through `forward`), timers,
     device and forward; begin, choose and finish are a chunk's steps before and after its forward, which
     PromptBatch shares."""
 
@@ -165,9 +151,8 @@ class PromptPrefill:
         skip = call.skip_features
         if features is not None and skip > start:  # [n - dropped, taps*hidden]; none left: None
             features = features[skip - start :] if skip < start + len(call.prompt) else None
-        if call.keep_features and features is not None:
-            sess.kept_features.append(_kept(features))
-            features = None
+        if call.host_features and features is not None:
+            features = features.cpu()
         forward_s, _ = chunk.timer.split()  # a chunk's kernels, not the copy after them
         return StepResult([] if call.more else [root], features, forward_s=forward_s, logprobs=logprobs)
 
@@ -187,13 +172,3 @@ class PromptPrefill:
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(prompt), device=self.device)
         return self.forward(sess, ids, positions, None, True)
-
-    @staticmethod
-    def take_features(session_id: str, sess: VerifySession) -> StepResult:
-        """VerifyEngine.take_features for the session `sess`."""
-        if not sess.kept_features:
-            raise SessionError(f"session {session_id!r} has no kept prompt features left to take")
-        features, copied = sess.kept_features.popleft()
-        if copied is not None:
-            copied.synchronize()
-        return StepResult([], features)

@@ -38,7 +38,7 @@ def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -
     outcomes: list[StepResult | Exception] = []
     for call in calls:
         try:
-            outcomes.append(prefill(call.session_id, call.prompt, call.more, call.keep_features, call.skip_features))
+            outcomes.append(prefill(call.session_id, call.prompt, call.more, call.host_features, call.skip_features))
         except Exception as exc:  # noqa: BLE001 - this call's own error
             outcomes.append(exc)
     return outcomes

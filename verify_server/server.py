@@ -7,41 +7,49 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import time
-from typing import Any
+from dataclasses import replace
 
 import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from runtime.call_batch import BATCH_BUCKETS, Batch, Deferred, answer_all, answered, checked
+from runtime.call_batch import BATCH_BUCKETS, MAX_BATCH_CALLS, Batch, Deferred, answered, checked
+from runtime.client import BackendError
+from runtime.drafter_client import GrpcDrafter
 from runtime.service import (
-    EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id, streamed,
+    EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id,
 )
 from runtime import memory
 from runtime.config import MAX_MESSAGE_BYTES
 from runtime.process import run_service, serve
-from protos.types import DraftTree, VerifierInfo
+from protos.types import DraftTree, SessionStep, StepOutcome, StepResult, VerifierInfo
 from protos import tensors
-from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from runtime.lane import CallFailed, Route
+from runtime.lane import Route
 from runtime.prefix_blocks import PrefixCacheMetrics
 from verify_server.cache_slots import KVCacheMetrics
 from verify_server.config import VerifyServerConfig
 from verify_server.prefill import PrefillCall
 from verify_server.session import CapacityError, MemoryShortError, UnknownSessionError, VerifySession
+from verify_server.step import DraftRejected, DrafterPort, Stepper
 from verify_server.step_attention import INVARIANT
+from verify_server.tree_fit import TreeFit
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
 from verify_server.verify import ROOT_ONLY, VerifyEngine
 from verify_server.warm_up import warm_up
 
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
-MESSAGE_SLACK_BYTES = 4096  # a prefill answer beside its features: the token, the tensor header, the timings
+MESSAGE_SLACK_BYTES = 4096  # an Append beside its features: the session id, the tensor header
+class NoDrafterError(RuntimeError):
+    """A session with taps on a verifier without a drafter (--drafter)."""
+
+
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (MemoryShortError, grpc.StatusCode.ABORTED),  # nothing changed: the caller may try again once memory frees
@@ -49,17 +57,21 @@ STATUSES = (
     # frees, on sessions started anew (whatever the failed step left in these ones goes with them)
     (torch.OutOfMemoryError, grpc.StatusCode.ABORTED),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoDrafterError, grpc.StatusCode.FAILED_PRECONDITION),
+    (DraftRejected, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, host: EngineHost[VerifyEngine], config: VerifyServerConfig) -> None:
+    def __init__(self, host: EngineHost[VerifyEngine], config: VerifyServerConfig,
+                 drafter: DrafterPort | None = None) -> None:
+        """drafter: where each step's trees come from and the features go (None: AR steps only)."""
         self.host = host
         self.config = config
-        sizes = Histogram("ddtree_verify_batch_size", "Sessions' rounds (Verify and Decode calls) verified in "
-                          "one forward", buckets=BATCH_BUCKETS, registry=host.metrics.registry)
-        # every session's Verify and Decode calls that wait for the engine at once share its next forward
-        self.rounds: Batch[VerifyEngine] = Batch("Verify", self._rounds, config.max_batch, sizes)
+        sizes = Histogram("ddtree_verify_batch_size", "Sessions' steps (trees and AR steps) verified in one forward",
+                          buckets=BATCH_BUCKETS, registry=host.metrics.registry)
+        # the steps that wait for the engine at once (a Step call's, and one behind it) share its next forward
+        self.rounds: Batch[VerifyEngine] = Batch("Step", self._rounds, config.max_batch, sizes)
         prompts = Histogram("ddtree_verify_prefill_batch_size", "Sessions' Prefill calls run in one forward",
                             buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # the Prefill calls that wait for the engine at once share its next forward, within a budget of tokens
@@ -73,6 +85,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.launched_ahead = Counter("ddtree_verify_decodes_launched_ahead", "Batches of AR steps launched behind "
                                       "a step still unread, before the host read it (VerifyEngine.launch_decodes)",
                                       registry=host.metrics.registry)
+        fit = None
+        if config.fit_trees:
+            fit = TreeFit(Histogram(
+                "ddtree_step_tree_nodes", "Nodes a step's trees were cut to (load-adaptive trees), per step with trees",
+                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
+        self.host_features = drafter is not None and drafter.host_features
+        self.stepper = Stepper(drafter, lambda items: self.rounds.submit_all(self.host, items), fit)
+        host.on_expired = self.stepper.end
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
         return session_capacity(engine, self.config)
@@ -83,7 +103,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def StartSession(
         self, request: pb.VerifierStartSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifierStartSessionResponse:
-        return await self.host.call("StartSession", context, lambda engine: self._start_session(engine, request))
+        answer = await self.host.call("StartSession", context, lambda engine: self._start_session(engine, request))
+        self._started(request)
+        return answer
 
     async def EndSession(
         self, request: pb.VerifierEndSessionRequest, context: grpc.aio.ServicerContext
@@ -91,49 +113,60 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         def end(engine: VerifyEngine) -> pb.VerifierEndSessionResponse:
             return pb.VerifierEndSessionResponse(existed=engine.end_session(request.session_id))
 
+        self.stepper.end(request.session_id)
         return await self.host.call("EndSession", context, end)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.prompts.call(self.host, "Prefill", context, request, forward=True)
+        async def respond() -> pb.StepResponse:
+            result = await self.prompts.submit(self.host, request)
+            if request.HasField("start"):
+                self._started(request.start)
+            self.stepper.prompt(request.session_id, len(request.prompt), result)  # its features to the drafter
+            return tensors.step_to_pb(replace(result, features=None))
 
-    async def TakeFeatures(self, request: pb.TakeFeaturesRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.host.call(
-            "TakeFeatures", context, lambda engine: tensors.step_to_pb(engine.take_features(request.session_id))
-        )
+        return await self.host.answer("Prefill", context, True, respond)
 
-    async def _lane_take_features(self, request: pb.TakeFeaturesRequest, context: Any) -> relay.FeaturesAnswer:
-        """TakeFeatures over the round lane: the answer goes out from the kept features' host memory as it lies,
-        with no protobuf copy of them and no encoding on the engine thread."""
-        def take(engine: VerifyEngine) -> relay.FeaturesAnswer:
-            return relay.FeaturesAnswer(engine.take_features(request.session_id).features)
-
-        return await self.host.call("TakeFeatures", context, take)
-
-    async def Verify(self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.rounds.call(self.host, "Verify", context, request, forward=True)
-
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.rounds.call(self.host, "Decode", context, request, forward=True)
-
-    VerifyStream = streamed(Verify)  # a session's rounds over one stream
-    DecodeStream = streamed(Decode)
-
-    async def VerifyBatch(
-        self, request: pb.VerifyBatchRequest, context: grpc.aio.ServicerContext
-    ) -> pb.VerifyBatchResponse:
-        """One step's round calls of many sessions (the gateway's step scheduler), each answered as alone."""
-        response = pb.VerifyBatchResponse()
-        await answer_all(context, self.host, self.rounds, [_round_call(call) for call in request.calls],
-                         response.outcomes, "step")
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepBatchResponse:
+        """One step of many sessions (the gateway's plan), each session's part answered as alone."""
+        if len(request.sessions) > MAX_BATCH_CALLS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a step carries at most {MAX_BATCH_CALLS} sessions, got {len(request.sessions)}")
+        start = time.perf_counter()
+        outcomes, steps = checked(list(request.sessions), self._session_step)
+        try:
+            results = iter(await self.stepper.step(steps)) if steps else iter(())
+        except asyncio.CancelledError:
+            self.host.record("Step", grpc.StatusCode.CANCELLED, start)  # the forward itself runs to completion
+            raise
+        response = pb.StepBatchResponse()
+        for part, refused in zip(request.sessions, outcomes):
+            answer = response.outcomes.add()
+            outcome = next(results) if refused is None else StepOutcome(refused)
+            if isinstance(outcome.step, Exception):
+                code, details = self.host.failure("Step", outcome.step)
+                answer.status.code, answer.status.details = code.value[0], details
+                self.host.record("Step", code, start)
+                if isinstance(outcome.step, UnknownSessionError):
+                    self.stepper.end(part.session_id)  # (expired, or ended meanwhile)
+                continue
+            tensors.step_to_pb(outcome.step, out=answer.step)
+            answer.step.timings.detail.update(outcome.draft_timings)
+            answer.step.timings.total_s = time.perf_counter() - start
+            answer.tree_size = outcome.tree_size
+            if (error := outcome.draft_error) is not None:
+                if isinstance(error, BackendError):  # the drafter's own status, passed on
+                    code, details = error.code, error.details
+                else:  # its tree refused here (DraftRejected: INVALID_ARGUMENT), or an unexpected failure
+                    code, details = self.host.failure("Draft", error)
+                answer.draft_status.code, answer.draft_status.details = code.value[0], details
+            self.host.record("Step", grpc.StatusCode.OK, start, outcome.step.forward_s)
         return response
 
     def lane_routes(self) -> dict[str, Route]:
-        """The calls the round lane serves (runtime/lane.py): the round calls, and the prompt features' call. A
-        VerifyBatch starts as it is read: the gateway sends a step of AR Decodes behind the one in flight, which
-        the Batch launches behind it on the device before the host reads the first (runtime/call_batch.py)."""
-        return {"Verify": Route(pb.VerifyRequest, self.Verify), "Decode": Route(pb.DecodeRequest, self.Decode),
-                "VerifyBatch": Route(pb.VerifyBatchRequest, self.VerifyBatch, overlapped=True),
-                "TakeFeatures": Route(pb.TakeFeaturesRequest, self._lane_take_features)}
+        """The calls the round lane serves (runtime/lane.py): the step. A Step starts as it is read: the gateway
+        sends a step of AR steps behind the one in flight, which the Batch launches behind it on the device before
+        the host reads the first (runtime/call_batch.py)."""
+        return {"Step": Route(pb.StepRequest, self.Step, overlapped=True)}
 
     def _info(self, engine: VerifyEngine) -> pb.VerifierInfoResponse:
         info = tensors.verifier_info_to_pb(
@@ -148,6 +181,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 max_tree_depth=self.config.max_tree_depth,
                 max_session_tokens=self.max_session_tokens(engine),
                 max_sessions=engine.fused.slots.max_sessions if engine.fused is not None else 0,
+                drafts=self.stepper.drafter is not None,
             )
         )
         info.lane_port = self.host.lane_port
@@ -160,23 +194,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         check_capacity(request.capacity, self.max_session_tokens(engine))
         params = tensors.sampling_from_pb(request.sampling)
         check_sampling(params, engine.vocab_size)
+        if request.tap_layers and self.stepper.drafter is None:
+            raise NoDrafterError("this verifier has no drafter (--drafter): a session with tap_layers has nowhere to "
+                                 "send its features")
         engine.start_session(request.session_id, request.capacity, params, list(request.tap_layers))
         return pb.VerifierStartSessionResponse()
 
-    def _prefills(self, engine: VerifyEngine, requests: list[pb.PrefillRequest]) -> list[pb.StepResponse | Exception]:
+    def _started(self, request: pb.VerifierStartSessionRequest) -> None:
+        """A session started: the stepper follows it (on the loop, after the engine's start)."""
+        self.stepper.start(request.session_id, tensors.sampling_from_pb(request.sampling), bool(request.tap_layers))
+
+    def _prefills(self, engine: VerifyEngine, requests: list[pb.PrefillRequest]) -> list[StepResult | Exception]:
         """Several sessions' Prefill calls, their chunks in one forward where they can share it
-        (VerifyEngine.prefill_batch) -> each call's answer, or the error it fails with. A call sends its prompt in one
-        call or in chunks (`more` on every call but the last): each answer holds its chunk's features (or the
-        verifier keeps them for TakeFeatures: `keep_features`), the last one the first token too. A chunk after the
-        prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session
-        untouched. A call with `start` starts its session first; where it fails, the session is ended again."""
+        (VerifyEngine.prefill_batch) -> each call's result, or the error it fails with. A call sends its prompt in one
+        call or in chunks (`more` on every call but the last): each result holds its chunk's features (in host
+        memory where the drafter takes them so), the last one the first token too. A chunk after the prompt is
+        complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session untouched. A
+        call with `start` starts its session first; where it fails, the session is ended again."""
         starts: list[bool] = []  # whether each valid call starts its session (PrefillRequest.start)
         outcomes, calls = checked(requests, lambda request: self._prefill_call(engine, request, starts))
         results = engine.prefill_batch(calls) if calls else []
         for call, start, result in zip(calls, starts, results):
             if start and isinstance(result, Exception):
                 engine.end_session(call.session_id)  # a failed call holds nothing
-        return answered(outcomes, results, tensors.step_to_pb)
+        return answered(outcomes, results, lambda result: result)
 
     def _prefill_call(self, engine: VerifyEngine, request: pb.PrefillRequest, starts: list[bool]) -> PrefillCall:
         """A Prefill call checked, its session started first where the call starts it (ended again where the call
@@ -191,17 +232,18 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             self._check_features_fit(engine, request)
             if request.skip_features < 0:
                 raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
+            tapped = bool(engine.session(request.session_id).taps)
         except BaseException:
             if request.HasField("start"):
                 engine.end_session(request.session_id)
             raise
         starts.append(request.HasField("start"))
-        return PrefillCall(request.session_id, list(request.prompt), request.more, request.keep_features,
+        return PrefillCall(request.session_id, list(request.prompt), request.more, tapped and self.host_features,
                            request.skip_features)
 
     def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
-        """A chunk's features go back in one message (its answer's or TakeFeatures'): a chunk whose features could
-        not be sent is refused before any work (else the answer would fail to leave, with the chunk committed)."""
+        """A chunk's features go to the drafter in one message (an Append): a chunk whose features could not be
+        sent is refused before any work (else its features would fail to leave, with the chunk committed)."""
         taps = len(engine.session(request.session_id).taps)
         size = len(request.prompt) * taps * engine.hidden_size * engine.dtype.itemsize
         if size + MESSAGE_SLACK_BYTES > self.config.max_message_bytes:
@@ -209,60 +251,55 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 f"a prompt chunk of {len(request.prompt)} tokens brings {size} bytes of features ({taps} taps x "
                 f"{engine.hidden_size} x {engine.dtype.itemsize} B a token), over this verifier's max_message_bytes "
                 f"{self.config.max_message_bytes}: send the prompt in smaller chunks (PrefillRequest.more), or raise "
-                f"--max-message-bytes on the verifier, the gateway and the drafter alike (at most {MAX_MESSAGE_BYTES})"
+                f"--max-message-bytes on the verifier and the drafter alike (at most {MAX_MESSAGE_BYTES})"
             )
 
+    def _session_step(self, part: pb.SessionStep) -> SessionStep:
+        """A session's part of a Step, checked (its session's state: the forward's run, _rounds)."""
+        if part.budget < 0 or part.budget > self.config.max_tree_size:
+            raise RequestError(f"budget must be in [0, {self.config.max_tree_size}], got {part.budget}")
+        if part.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {part.top_k}")
+        if part.untap and part.budget:
+            raise RequestError("untap is for an AR step (budget 0)")
+        return SessionStep(part.session_id, part.budget, part.top_k or None, part.untap)
+
     def _rounds(
-        self, engine: VerifyEngine, requests: list[pb.VerifyRequest | pb.DecodeRequest]
-    ) -> list[pb.StepResponse | Exception] | Deferred:
-        """Several sessions' Verify and Decode calls, those that pass their checks in one forward
-        (VerifyEngine.verify_batch) -> each call's answer, or the error it fails with. Where they are all one AR
-        step of sessions whose choices the graph makes, the step is launched behind the steps still on the device
-        and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
-        outcomes, calls = checked(requests, lambda request: self._call(engine, request))
+        self, engine: VerifyEngine, items: list[tuple[str, DraftTree | None, bool]]
+    ) -> list[StepResult | Exception] | Deferred:
+        """Several sessions' steps (session, its tree or None for an AR step, untap), those that pass their checks in
+        one forward (VerifyEngine.verify_batch) -> each one's result, or the error it fails with. Where they are all
+        one AR step of sessions whose choices the graph makes, the step is launched behind the steps still on the
+        device and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
+        outcomes, calls = checked(items, lambda item: self._call(engine, *item))
         if calls and all(tree is ROOT_ONLY for _, tree in calls):
             step = engine.launch_decodes([session_id for session_id, _ in calls])
             if step is not None:
                 if len(engine.ahead.unread) > 1:
                     self.launched_ahead.inc()
                 return Deferred(step.timer.done, lambda engine: answered(outcomes, engine.read_decodes(step),
-                                                                   tensors.step_to_pb))
-        results = engine.verify_batch(calls, True) if calls else []
-        return answered(outcomes, results, tensors.step_to_pb)
+                                                                   lambda result: result))
+        results = engine.verify_batch(calls, self.host_features) if calls else []
+        return answered(outcomes, results, lambda result: result)
 
-    def _call(
-        self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest
-    ) -> tuple[str, DraftTree]:
-        """A round call checked -> (session id, its tree). A Decode that asks for it untaps its session first
-        (DecodeRequest.untap)."""
-        if isinstance(request, pb.DecodeRequest) and request.untap:
-            engine.untap(request.session_id)
-        return request.session_id, self._tree(engine, request)
-
-    def _tree(self, engine: VerifyEngine, request: pb.VerifyRequest | pb.DecodeRequest) -> DraftTree:
-        """A Verify call's tree, decoded and checked; a Decode call's, the root alone."""
-        sess = engine.session(request.session_id)  # NOT_FOUND before any complaint about the tree
-        if isinstance(request, pb.DecodeRequest):
-            return ROOT_ONLY
+    def _call(self, engine: VerifyEngine, session_id: str, tree: DraftTree | None, untap: bool) -> tuple[str, DraftTree]:
+        """A session's step checked -> (session id, its tree: the root alone for an AR step). An untap comes first
+        (SessionStep.untap, or a drafter's failure). A drafter's tree is checked as a client's would be."""
+        sess = engine.session(session_id)  # NOT_FOUND before any complaint about the tree
+        if untap and sess.taps:
+            engine.untap(session_id)
+        if tree is None:
+            return session_id, ROOT_ONLY
         if sess.ahead:  # its root is the token of a step not read yet
             engine.settle()
-        root = sess.root
-        tree = tensors.tree_from_pb(request.tree)
-        check_tree(tree, root, self._tree_limits(engine))
-        return tree
+        try:
+            check_tree(tree, sess.root, self._tree_limits(engine))
+        except ValueError as exc:  # the drafter's bug: the session goes on AR, as on any drafter failure
+            raise DraftRejected(f"the drafter's tree was refused: {exc}") from None
+        return session_id, tree
 
     def _tree_limits(self, engine: VerifyEngine) -> TreeLimits:
         return TreeLimits(engine.vocab_size, self.config.max_tree_size, self.config.max_tree_depth)
-
-
-def _round_call(call: pb.RoundCall) -> tuple[str, pb.VerifyRequest | pb.DecodeRequest] | CallFailed:
-    """A VerifyBatch's call -> (its rpc, its request), or the failure an empty one is."""
-    kind = call.WhichOneof("call")
-    if kind == "verify":
-        return "Verify", call.verify
-    if kind == "decode":
-        return "Decode", call.decode
-    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, "a RoundCall holds a verify or a decode")
 
 
 def session_capacity(engine: VerifyEngine, config: VerifyServerConfig) -> int:
@@ -346,7 +383,10 @@ async def run_server(config: VerifyServerConfig) -> None:
     host: EngineHost[VerifyEngine] = EngineHost(metrics, STATUSES, kv_cache_bytes, config.session_ttl)
     host.metrics.registry.register(PrefixCacheMetrics(host, "K/V (and features)"))
     host.metrics.registry.register(KVCacheMetrics(host))
-    servicer = VerifierServicer(host, config)
+    # the drafter's calls carry the stack's secret too; its deadline is a step's (a stuck drafter: its sessions go AR)
+    drafter = None if config.drafter is None else GrpcDrafter(
+        config.drafter, max_message_bytes=config.max_message_bytes, auth_token=config.auth_token)
+    servicer = VerifierServicer(host, config, drafter)
     try:
         await serve(
             config,
@@ -359,6 +399,8 @@ async def run_server(config: VerifyServerConfig) -> None:
             alive=ranks_alive,
         )
     finally:
+        if drafter is not None:
+            await drafter.close()
         if host.engine is not None and config.tp > 1:
             host.engine.close()  # stop the other ranks with rank 0: they start and stop together
 

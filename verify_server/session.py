@@ -86,9 +86,6 @@ class VerifySession:
     rounds: int = 0  # rounds that took a ring slot so far (next_ring)
     # per ring slot, host memory for a host_features round's path features, flat
     host_features: list[PinnedReadback | None] = field(default_factory=list)
-    # features of the prefill calls made with keep_features and not taken yet, oldest first: [n_i, taps*hidden] each,
-    # on the host (pinned on a GPU, with the event that marks their copy done; None on a CPU)
-    kept_features: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = field(default_factory=deque)
 
     def check_room(self, start: int, new_tokens: int) -> None:
         """CapacityError unless a step writing new_tokens slots from slot `start` fits the session's capacity. The

@@ -151,19 +151,16 @@ class TensorParallelEngine:
         self.engine.untap(session_id)
 
     def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        self, session_id: str, prompt: list[int], more: bool = False, host_features: bool = False,
         skip_features: int = 0,
     ) -> StepResult:
         self.channel.send("prefill", {"id": session_id, "prompt": prompt, "more": more})
-        return self.engine.prefill(session_id, prompt, more, keep_features, skip_features)  # rank 0's features only
+        return self.engine.prefill(session_id, prompt, more, host_features, skip_features)  # rank 0's features only
 
     def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
         """Each call alone through prefill, in order (the sharded target has no fused path, hence no shared
         forward) -> its StepResult, or the exception it raised."""
         return prefill_each(self.prefill, calls)
-
-    def take_features(self, session_id: str) -> StepResult:
-        return self.engine.take_features(session_id)  # only rank 0's features leave the process
 
     def launch_decodes(self, session_ids: list[str]) -> None:
         """No AR step is launched ahead here (no fused path): verify_batch runs them."""

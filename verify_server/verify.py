@@ -63,7 +63,7 @@ def load_target(
 
 class VerifyEngine:
     """One target's verification for many sessions: the steps a service or an in-process step engine calls
-    (start_session, prefill, prefill_batch, take_features, verify, decode, verify_batch, launch_decodes /
+    (start_session, prefill, prefill_batch, verify, decode, verify_batch, launch_decodes /
     read_decodes, end_session)."""
 
     def __init__(
@@ -227,11 +227,10 @@ class VerifyEngine:
 
     def untap(self, session_id: str) -> None:
         """The session taps no features from now on: its drafter has gone (a speculating request gone on with AR
-        steps), so its steps batch with untapped sessions'. Its prompt features not taken are dropped, and the
-        prefix blocks it commits from now on are cached without features."""
+        steps), so its steps batch with untapped sessions'. The prefix blocks it commits from now on are cached
+        without features."""
         sess = self.session(session_id)
         sess.taps = []
-        sess.kept_features.clear()
         if sess.blocks is not None:
             sess.blocks.taps, sess.blocks.rows = (), []
 
@@ -247,17 +246,17 @@ class VerifyEngine:
 
     @torch.inference_mode()
     def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
+        self, session_id: str, prompt: list[int], more: bool = False, host_features: bool = False,
         skip_features: int = 0,
     ) -> StepResult:
         """Runs the prompt, whole or one chunk of it: each call continues the context where the last one left it
         (slot cache.length), and every call but the last sets `more`. -> the chunk's features [len(prompt),
-        taps*hidden] (None without taps, or kept on the host for take_features with `keep_features`) and, from
+        taps*hidden] (None without taps; in host memory with `host_features`) and, from
         the last call only, the first token (the new root). A `more` chunk picks no token: no host sync for one,
         and a sampled session draws nothing, so a chunked prompt samples what it would have in one
         call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
-        it are left out (the drafter restored their context); a chunk wholly below it has none, kept or not."""
-        call = PrefillCall(session_id, prompt, more, keep_features, skip_features)
+        it are left out (the drafter restored their context); a chunk wholly below it has none."""
+        call = PrefillCall(session_id, prompt, more, host_features, skip_features)
         return self.prompts.prefill(call, self.session(session_id), self.prefix)
 
     @torch.inference_mode()
@@ -275,10 +274,6 @@ class VerifyEngine:
         for (i, _), outcome in zip(found, self.prompt_batch.run([pair for _, pair in found], self.prefix)):
             outcomes[i] = outcome
         return outcomes
-
-    def take_features(self, session_id: str) -> StepResult:
-        """The features of the session's oldest prefill call made with keep_features and not taken yet."""
-        return self.prompts.take_features(session_id, self.session(session_id))
 
     @torch.inference_mode()
     def decode(self, session_id: str, host_features: bool = False) -> StepResult:

@@ -172,7 +172,7 @@ def warm_up(
 
 
 def fitted_node_counts(nodes: int) -> list[int]:
-    """The trees of `nodes` nodes as a step's load-adaptive fit (gateway/tree_fit.py) may cut them, one per query
+    """The trees of `nodes` nodes as a step's load-adaptive fit (verify_server/tree_fit.py) may cut them, one per query
     bucket below theirs: each bucket's largest tree, whose graph a cut to any size in that bucket replays."""
     top = bucket(nodes + 1)
     return [qb - 1 for qb in QUERY_BUCKETS if 1 < qb and top is not None and qb < top]

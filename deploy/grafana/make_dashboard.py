@@ -4,7 +4,8 @@
     python deploy/grafana/make_dashboard.py --check  # exit 1 when the JSON is not what this script writes
 
 Every query uses only metrics that the gateway (gateway/metrics.py) and the two model services (runtime/service.py,
-ServiceMetrics with prefixes ddtree_draft / ddtree_verify) export; tests/services/test_deploy.py checks that
+ServiceMetrics with prefixes ddtree_draft / ddtree_verify, and their servers' own: the verifier's tree fit exports
+ddtree_step_tree_nodes) export; tests/services/test_deploy.py checks that
 against live /metrics pages. Queries aggregate over instances (sum, sum by le), so several gateways or replicas just
 add up, and the datasource is a dashboard variable, so the JSON can be imported into any Grafana with a Prometheus
 datasource.
@@ -233,8 +234,8 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                           f"scalar(sum(increase(ddtree_spec_drafts_total[$__range])))", "depth {{depth}}",
                           instant=True)], "percentunit"), 8, 8),
         (timeseries("Tree size", "Draft tree nodes per drafted round (root excluded): the budget actually used; "
-                    "and the nodes a step's trees were cut to before their verify (load-adaptive trees): below "
-                    "the drafted size when the step's load makes rows cost.",
+                    "and the nodes the verifier cut a step's trees to before their verify (load-adaptive trees, "
+                    "--fit-trees): below the drafted size when the step's load makes rows cost.",
                     [target(f"{rate('ddtree_spec_draft_tokens_total')} / {rate('ddtree_spec_drafts_total')}",
                             "mean"),
                      target(quantile(0.5, "ddtree_spec_tree_size"), "p50"),
@@ -273,8 +274,9 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
         (timeseries("Round phase p90", "90th percentile of each phase's time per round.",
                     [target(quantile(0.9, "ddtree_round_phase_seconds", "phase"), "{{phase}} p90")], "s",
                     overrides=[color(f"{phase} p90", c) for phase, c in PHASE_COLORS]), 8, 8),
-        (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Prefill, Verify, Decode; "
-                    "drafter: Draft), median and p99.",
+        (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Prefill, Step; drafter: "
+                    "Draft, each session's draft in the verifier's DraftBatch, and Append, a prompt's features), "
+                    "median and p99.",
                     [target(quantile(0.5, "ddtree_verify_forward_duration_seconds", "rpc"), "verify {{rpc}} p50"),
                      target(quantile(0.99, "ddtree_verify_forward_duration_seconds", "rpc"), "verify {{rpc}} p99"),
                      target(quantile(0.5, "ddtree_draft_forward_duration_seconds", "rpc"), "draft {{rpc}} p50"),
@@ -286,7 +288,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     [target(rate("ddtree_verify_requests_total", "rpc"), "verify {{rpc}}"),
                      target(rate("ddtree_draft_requests_total", "rpc"), "draft {{rpc}}")], "reqps"), 8, 8),
         (timeseries("RPC errors / s", "RPCs answered with a gRPC status other than OK, by method and status "
-                    "(CANCELLED: the gateway gave up on the call; NOT_FOUND: session expired or unknown).",
+                    "(CANCELLED: the caller gave up on the call; NOT_FOUND: session expired or unknown).",
                     [target(rate("ddtree_verify_requests_total", "rpc, code", '{code!="OK"}'),
                             "verify {{rpc}} {{code}}"),
                      target(rate("ddtree_draft_requests_total", "rpc, code", '{code!="OK"}'),
@@ -295,12 +297,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     [target(quantile(0.99, "ddtree_verify_request_duration_seconds", "rpc"), "verify {{rpc}}"),
                      target(quantile(0.99, "ddtree_draft_request_duration_seconds", "rpc"), "draft {{rpc}}")],
                     "s"), 8, 8),
-        (timeseries("Batch sizes", "Sessions' rounds (Verify and Decode calls) the verifier ran in one forward, and "
-                    "sessions' blocks (Draft calls) the drafter ran in one, beside the requests' calls the gateway "
-                    "sent in one batch call of a step (its step scheduler). A step's batch near the running requests "
-                    "means every running request rides each step; a forward's batch below a step's means the "
-                    "service's --max-batch splits it. The verifier's prompt forwards: the Prefill calls each took "
-                    "(requests starting together).",
+        (timeseries("Batch sizes", "Sessions' steps (trees and AR steps of Step calls) the verifier ran in one "
+                    "forward, and sessions' blocks (the drafts of the verifier's DraftBatch calls) the drafter ran "
+                    "in one, beside the requests the gateway sent in one Step call (its step scheduler). A step's "
+                    "batch near the running requests means every running request rides each step; a forward's "
+                    "batch below a step's means the service's --max-batch splits it. The verifier's prompt "
+                    "forwards: the Prefill calls each took (requests starting together).",
                     [target(mean("ddtree_verify_batch_size"), "verifier mean"),
                      target(quantile(0.9, "ddtree_verify_batch_size"), "verifier p90"),
                      target(mean("ddtree_verify_prefill_batch_size"), "verifier prompts mean"),

@@ -157,17 +157,20 @@ def interrupt(process: subprocess.Popen) -> int:
 
 
 async def one(batch):
-    """The one answer of a gateway client's batch call of one (GrpcVerifier.verify, GrpcDrafter.draft): its
-    outcome, or the error it failed with, raised."""
+    """The one answer of a client's batch call of one (GrpcVerifier.step: its StepOutcome; GrpcDrafter.draft: its
+    (tree, timings)), or the error it failed with, raised (a StepOutcome's failed step's too)."""
     (answer,) = await batch
     if isinstance(answer, BaseException):
         raise answer
+    if isinstance(getattr(answer, "step", None), BaseException):
+        raise answer.step
     return answer
 
 
 async def start_verifier_session(client, session_id: str, capacity: int, params=None, taps=()) -> None:
     """A verifier session started by the server's StartSession RPC (the gateway's client starts one with its
-    prompt's first prefill instead), over the client's channel."""
+    prompt's first prefill instead), over the client's channel. A session with taps needs a verifier started with
+    --drafter (else FAILED_PRECONDITION)."""
     from protos import tensors
     from protos.ddtree.v1 import ddtree_pb2 as pb
     from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc

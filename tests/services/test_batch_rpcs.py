@@ -1,13 +1,15 @@
-"""The batch RPCs (DraftBatch, VerifyBatch) of the real drafter and verifier on loopback, and the gateway's step
-engine (gateway/engine.py) sending the step calls of concurrent requests through them, over the round lanes or gRPC.
+"""The step calls of the real verifier and drafter on loopback (Verifier.Step, with the verifier's own
+Drafter.DraftBatch and Append calls behind it), and the gateway's step engine (gateway/engine.py) sending the steps
+of concurrent requests through them, over the round lanes or gRPC.
 
-Each call in a batch is answered as it would be alone: the reference is the same sessions, set up the same way,
-called one call at a time. Nothing here measures time.
+Each session in a step is answered as it would be alone: the reference is the same sessions, set up the same way,
+called one session at a time. Nothing here measures time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -16,19 +18,19 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, Histogram
 
-from gateway.backends import VerifyAsk
-from gateway.grpc_drafter import GrpcDrafter
+from runtime.client import BackendError
+from runtime.drafter_client import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Round, Speculation, run_rounds
 from gateway.engine import Engine
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.types import DraftTree, SamplingParams
+from protos.types import DraftAsk, SamplingParams, SessionStep
 from runtime.call_batch import MAX_BATCH_CALLS
-from tests.conftest import BLOCK, HIDDEN, VOCAB
+from tests.conftest import HIDDEN, VOCAB
 from tests.services import (
-    DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session, wait_serving,
+    DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, start_verifier_session, wait_serving,
 )
 
 PROMPTS = [[3, 17, 8, 25, 11, 40, 2], [5, 9, 1, 30], [22, 4, 19, 7, 13, 13, 6, 1, 0], [44, 2, 31]]
@@ -38,12 +40,13 @@ MAX_NEW = 16
 BUDGET = 12
 OK, NOT_FOUND, INVALID = (grpc.StatusCode.OK.value[0], grpc.StatusCode.NOT_FOUND.value[0],
                           grpc.StatusCode.INVALID_ARGUMENT.value[0])
+WAIT_S = 30.0  # a deadline, not a measurement: how long a prompt's features may take to reach the drafter
 
 
 @dataclass
 class Services:
     drafter: Service
-    verifier: Service
+    verifier: Service  # its drafter is `drafter`
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +56,8 @@ def services(qwen3_target, drafter_dir, tmp_path_factory) -> Services:
     procs = Services(
         drafter=launch(DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter_dir), "--target",
                                          str(qwen3_target), "--max-batch", "8"], (ports[0], ports[1]), logs),
-        verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target)],
-                        (ports[2], ports[3]), logs),
+        verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--drafter",
+                                           f"127.0.0.1:{ports[0]}"], (ports[2], ports[3]), logs),
     )
     try:
         wait_serving(procs.drafter, procs.verifier)
@@ -69,88 +72,125 @@ def _shared_forwards(service: Service, histogram: str) -> float:
     return service.metric(f"{histogram}_count") - service.metric(f"{histogram}_bucket", le="1.0")
 
 
-def _chain(root: int, guesses: list[int]) -> pb.DraftTree:
-    """A chain tree from the root through `guesses`."""
-    n = len(guesses)
-    tree = DraftTree(tokens=torch.tensor([root, *guesses]), parents=torch.arange(-1, n),
-                     depths=torch.arange(n + 1), max_depth=BLOCK - 1)
-    return tensors.tree_to_pb(tree)
+def _appends(drafter: Service) -> float:
+    return drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0
 
 
-# ---- VerifyBatch ------------------------------------------------------------------------------------------------
+async def _appended(drafter: Service, count: float) -> None:
+    """Until the drafter has run `count` Append calls (each in its context before it is counted)."""
+    deadline = time.monotonic() + WAIT_S
+    while _appends(drafter) < count:
+        assert time.monotonic() < deadline, f"{_appends(drafter)} appends of {count} after {WAIT_S} s"
+        await asyncio.sleep(0.02)
 
 
-def test_verify_batch_answers_each_call_as_alone_with_its_own_status(services):
-    """Each prompt in two sessions. One decodes alone, call by call: the reference. The other goes through
-    VerifyBatch, among a call for an unknown session and an empty RoundCall, in three rounds: a decode, a verify of a
-    chain whose first k nodes are the reference's next tokens (k = 0, 1, 2: each session accepts its own number),
-    then a decode. Greedy, each answer is the reference's next tokens and features."""
+# ---- Step -------------------------------------------------------------------------------------------------------
+
+
+def test_a_step_answers_each_session_as_alone_with_its_own_status(services):
+    """Each prompt in two verifier sessions. One takes AR steps alone, a Step call each: the reference, the target's
+    greedy tokens. The other speculates (its taps, its drafter session) and steps with the others in one Step call a
+    step, among a part for an unknown session, a malformed part, and a speculating session whose drafter session was
+    never started: an AR step, then steps with trees until every speculating session has had one, then an AR step.
+    Each part has its own status; the session without a drafter session takes an AR step with its draft's failure
+    (the prompt features' Append found no session), then AR steps; every session's tokens are its reference's, and
+    each step ran as one forward of all its sessions."""
 
     async def scenario():
         async with (grpc.aio.insecure_channel(services.verifier.address) as channel,
-                    GrpcVerifier(services.verifier.address) as client):
+                    GrpcVerifier(services.verifier.address) as client,
+                    GrpcDrafter(services.drafter.address) as drafter):
             stub = pb_grpc.VerifierStub(channel)
             batched = [uuid.uuid4().hex for _ in PROMPTS]
             single = [uuid.uuid4().hex for _ in PROMPTS]
-            for session in batched + single:
-                await start_verifier_session(client, session, 64, SamplingParams(), TAPS)
-            roots, reference = [], []
+            orphan = uuid.uuid4().hex  # tapped, its drafter session never started: PROMPTS[0]'s
+            for session in batched:
+                await drafter.start_session(session, 128)
+            for session in [*batched, orphan]:
+                await start_verifier_session(client, session, 128, SamplingParams(), TAPS)
+            for session in single:
+                await start_verifier_session(client, session, 128)
+            reference = []
             for prompt, b, s in zip(PROMPTS, batched, single):
                 first = [(await client.prefill(session, prompt)).tokens for session in (b, s)]
                 assert first[0] == first[1]
-                roots.append(first[0][-1])
-                reference.append([await stub.Decode(pb.DecodeRequest(session_id=s), timeout=30) for _ in range(5)])
-            rounds = []
-            for verify in (False, True, False):
-                calls = []
-                for i, (b, root) in enumerate(zip(batched, roots)):
-                    if verify:
-                        accepted = [r.tokens[0] for r in reference[i][1 : 1 + i % 3]]
-                        miss = (reference[i][1 + i % 3].tokens[0] + 1) % VOCAB
-                        tree = _chain(root, [*accepted, miss])
-                        calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id=b, tree=tree)))
-                    else:
-                        calls.append(pb.RoundCall(decode=pb.DecodeRequest(session_id=b)))
-                calls.insert(1, pb.RoundCall(decode=pb.DecodeRequest(session_id="unknown-" + uuid.uuid4().hex)))
-                calls.insert(3, pb.RoundCall())
-                outcomes = list((await stub.VerifyBatch(pb.VerifyBatchRequest(calls=calls), timeout=30)).outcomes)
-                rounds.append(outcomes)
-                roots = [o.step.tokens[-1] for o in outcomes if o.status.code == OK]
-            for session in batched + single:
+                reference.append(list(first[1]))
+            assert (await client.prefill(orphan, PROMPTS[0])).tokens == reference[0]
+            for i, s in enumerate(single):  # the reference: one session a Step call
+                for _ in range(32):
+                    (outcome,) = (await stub.Step(pb.StepRequest(sessions=[pb.SessionStep(session_id=s)]),
+                                                  timeout=30)).outcomes
+                    assert outcome.status.code == OK
+                    reference[i] += outcome.step.tokens
+
+            async def step(budget: int) -> list[pb.StepOutcome]:
+                parts = [pb.SessionStep(session_id=b, budget=budget) for b in batched]
+                parts.insert(1, pb.SessionStep(session_id="unknown-" + uuid.uuid4().hex, budget=budget))
+                parts.insert(3, pb.SessionStep(session_id=uuid.uuid4().hex, budget=BUDGET, untap=True))
+                parts.insert(5, pb.SessionStep(session_id=orphan, budget=budget))
+                return list((await stub.Step(pb.StepRequest(sessions=parts), timeout=30)).outcomes)
+
+            rounds = [await step(0)]
+            deadline = time.monotonic() + WAIT_S
+            drafted = set()
+            while len(drafted) < len(batched):
+                assert time.monotonic() < deadline, f"{len(drafted)} sessions drafted in {WAIT_S} s"
+                rounds.append(await step(BUDGET))
+                drafted |= {i for i, o in enumerate(rounds[-1]) if o.tree_size}
+            rounds.append(await step(0))
+            for session in [*batched, *single, orphan]:
                 await client.end_session(session)
-            return rounds, reference
+            for session in batched:
+                await drafter.end_session(session)
+            return rounds, reference, orphan
 
     shared_before = _shared_forwards(services.verifier, "ddtree_verify_batch_size")
-    rounds, reference = asyncio.run(scenario())
-    # the reference went one call a run: only the batches shared a forward, each its own
+    drafts_shared_before = _shared_forwards(services.drafter, "ddtree_draft_batch_size")
+    rounds, reference, orphan = asyncio.run(scenario())
+    # the reference went one session a forward: only the steps of several sessions shared one, each its own
     assert _shared_forwards(services.verifier, "ddtree_verify_batch_size") - shared_before == len(rounds)
-    done = [0] * len(PROMPTS)  # the reference's answers each batched session has caught up with
-    for outcomes in rounds:
-        assert len(outcomes) == len(PROMPTS) + 2
-        unknown, empty = outcomes.pop(1), outcomes.pop(2)
+    done = [1] * len(PROMPTS)  # the reference's tokens each batched session has caught up with (its first)
+    orphan_done, orphan_failures, trees = 1, [], [[] for _ in PROMPTS]
+    for r, outcomes in enumerate(rounds):
+        assert len(outcomes) == len(PROMPTS) + 3
+        unknown, malformed, orphaned = outcomes.pop(1), outcomes.pop(2), outcomes.pop(3)
         assert unknown.status.code == NOT_FOUND and "unknown-" in unknown.status.details
-        assert empty.status.code == INVALID and "verify or a decode" in empty.status.details
-        assert [o.status.code for o in outcomes] == [OK] * len(PROMPTS)
+        assert malformed.status.code == INVALID and "untap" in malformed.status.details
+        assert [o.status.code for o in [*outcomes, orphaned]] == [OK] * (len(PROMPTS) + 1)
         for i, outcome in enumerate(outcomes):
-            wanted = reference[i][done[i] : done[i] + len(outcome.step.tokens)]
-            done[i] += len(wanted)
-            assert list(outcome.step.tokens) == [w.tokens[0] for w in wanted]
-            # [tokens, taps * hidden]; one forward over several sessions' rows rounds apart from one of a row
-            expected = torch.cat([tensors.tensor_from_pb(w.features) for w in wanted])
-            assert torch.allclose(tensors.tensor_from_pb(outcome.step.features), expected, atol=1e-4, rtol=1e-4)
-    assert done == [1 + 1 + i % 3 + 1 for i in range(len(PROMPTS))]  # each verify accepted its k, then its bonus
+            got = list(outcome.step.tokens)
+            assert got == reference[i][done[i] : done[i] + len(got)]
+            done[i] += len(got)
+            assert outcome.draft_status.code == OK
+            trees[i].append(outcome.tree_size)
+        assert orphaned.tree_size == 0
+        assert list(orphaned.step.tokens) == reference[0][orphan_done : orphan_done + 1]
+        orphan_done += 1
+        if orphaned.draft_status.code:
+            orphan_failures.append((r, orphaned.draft_status.code, orphaned.draft_status.details))
+    # AR steps first and last; in between, a session's steps are AR until its prompt's features are in its drafter's
+    # context, then each has a tree (cut to at most the budget by the load-adaptive fit)
+    for sizes in trees:
+        assert sizes[0] == sizes[-1] == 0
+        waited = next(i for i, size in enumerate(sizes[1:-1]) if size)
+        assert all(1 <= size <= BUDGET for size in sizes[1 + waited : -1])
+    # the orphan's draft failed once (its prompt's features found no drafter session), in a step with trees
+    ((failed_in, code, details),) = orphan_failures
+    assert 0 < failed_in < len(rounds) - 1 and code == NOT_FOUND and orphan in details
+    # each step's drafts went to the drafter in one DraftBatch, drafted in one forward where they were several
+    several = sum(sum(1 for sizes in trees if sizes[r]) > 1 for r in range(len(rounds)))
+    assert _shared_forwards(services.drafter, "ddtree_draft_batch_size") - drafts_shared_before == several > 0
 
 
-def test_a_batch_of_more_than_max_batch_calls_fails_whole(services):
+def test_a_step_or_a_draft_batch_of_more_than_max_batch_calls_fails_whole(services):
     async def scenario():
         async with grpc.aio.insecure_channel(services.verifier.address) as verifier_channel, \
                 grpc.aio.insecure_channel(services.drafter.address) as drafter_channel:
             codes = []
-            too_many_rounds = [pb.RoundCall(decode=pb.DecodeRequest(session_id="s"))] * (MAX_BATCH_CALLS + 1)
+            too_many_steps = [pb.SessionStep(session_id="s")] * (MAX_BATCH_CALLS + 1)
             too_many_drafts = [pb.DraftRequest(session_id="s")] * (MAX_BATCH_CALLS + 1)
             calls = [
-                pb_grpc.VerifierStub(verifier_channel).VerifyBatch(pb.VerifyBatchRequest(calls=too_many_rounds),
-                                                                    timeout=30),
+                pb_grpc.VerifierStub(verifier_channel).Step(pb.StepRequest(sessions=too_many_steps), timeout=30),
                 pb_grpc.DrafterStub(drafter_channel).DraftBatch(pb.DraftBatchRequest(drafts=too_many_drafts),
                                                                  timeout=30),
             ]
@@ -160,32 +200,48 @@ def test_a_batch_of_more_than_max_batch_calls_fails_whole(services):
                 codes.append((err.value.code(), err.value.details()))
             return codes
 
-    for code, details in asyncio.run(scenario()):
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"at most {MAX_BATCH_CALLS} calls" in details
+    (step_code, step_details), (draft_code, draft_details) = asyncio.run(scenario())
+    assert step_code == draft_code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {MAX_BATCH_CALLS} sessions" in step_details
+    assert f"at most {MAX_BATCH_CALLS} calls" in draft_details
 
 
-# ---- DraftBatch -------------------------------------------------------------------------------------------------
+# ---- DraftBatch and Append ----------------------------------------------------------------------------------------
 
 
-def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
-    """Each prompt's features in two drafter sessions: one drafted through DraftBatch (among a call for an unknown
-    session and one with a root beyond the vocabulary), the other through Draft, call by call, over two rounds of
-    budgets and context lengths of their own."""
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "unary"])
+def test_draft_batch_answers_each_call_as_alone_with_its_own_status(lanes, services):
+    """The drafter's calls as the verifier makes them (runtime/drafter_client.py), over the drafter's round lane or
+    unary calls. Each prompt's features in two drafter sessions: one appended (Append) and then drafted through
+    DraftBatch (among a call for an unknown session and one with a root beyond the vocabulary), the other sent with
+    its draft, one draft a DraftBatch call; two rounds of budgets and context lengths of their own. The trees are
+    the same."""
     generator = torch.Generator().manual_seed(0)
     # per session and round: the new features, the root token and the budget
     plan = [[(torch.randn(n, FEATURE_DIM, generator=generator), (7 * i + r) % VOCAB, 4 + 3 * i)
              for r, n in enumerate((len(prompt), 1 + i))] for i, prompt in enumerate(PROMPTS)]
 
+    def position(i: int, round_: int) -> int:
+        return sum(features.shape[0] for features, _, _ in plan[i][: round_ + 1])
+
     def request(session: str, i: int, round_: int) -> pb.DraftRequest:
-        position = sum(features.shape[0] for features, _, _ in plan[i][: round_ + 1])
         features, root, budget = plan[i][round_]
         return pb.DraftRequest(session_id=session, features=tensors.tensor_to_pb(features), root_token=root,
-                               root_position=position, budget=budget)
+                               root_position=position(i, round_), budget=budget)
+
+    opened: list[str] = []
 
     async def scenario():
         async with (grpc.aio.insecure_channel(services.drafter.address) as channel,
-                    GrpcDrafter(services.drafter.address) as client):
+                    GrpcDrafter(services.drafter.address, lanes=lanes) as client):
+            await client.info()
+
+            async def recorded(rpc: str, open_=client._open):
+                transport = await open_(rpc)
+                opened.append(f"{rpc}:{type(transport).__name__}")
+                return transport
+
+            client._open = recorded
             stub = pb_grpc.DrafterStub(channel)
             batched = [uuid.uuid4().hex for _ in PROMPTS]
             single = [uuid.uuid4().hex for _ in PROMPTS]
@@ -194,14 +250,25 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
                 await client.start_session(session, 64)
             rounds = []
             for round_ in range(2):
-                drafts = [request(b, i, round_) for i, b in enumerate(batched)]
-                drafts.insert(2, request("unknown-" + uuid.uuid4().hex, 0, round_))  # valid but for its session
-                bad_root = request(spare, 0, 0)
-                bad_root.root_token = VOCAB
-                drafts.append(bad_root)
-                answer = await stub.DraftBatch(pb.DraftBatchRequest(drafts=drafts), timeout=30)
-                wanted = [await stub.Draft(request(s, i, round_), timeout=30) for i, s in enumerate(single)]
-                rounds.append((list(answer.outcomes), wanted))
+                asks = []
+                for i, b in enumerate(batched):
+                    features, root, budget = plan[i][round_]
+                    if round_ == 0:  # the prompt's features go ahead of the first draft
+                        await client.append(b, features)
+                        features = None
+                    asks.append(DraftAsk(b, features, root, position(i, round_), budget, None))
+                features, root, budget = plan[0][round_]  # valid but for its session
+                asks.insert(2, DraftAsk("unknown-" + uuid.uuid4().hex, features, root, position(0, round_), budget,
+                                        None))
+                asks.append(DraftAsk(spare, plan[0][0][0], VOCAB, position(0, 0), 4, None))
+                answers = await client.draft(asks)
+                wanted = []
+                for i, s in enumerate(single):
+                    (outcome,) = (await stub.DraftBatch(pb.DraftBatchRequest(drafts=[request(s, i, round_)]),
+                                                        timeout=30)).outcomes
+                    assert outcome.status.code == OK
+                    wanted.append(outcome.draft)
+                rounds.append((answers, wanted))
             for session in [*batched, *single, spare]:
                 await client.end_session(session)
             return rounds
@@ -209,14 +276,17 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
     shared_before = _shared_forwards(services.drafter, "ddtree_draft_batch_size")
     rounds = asyncio.run(scenario())
     assert _shared_forwards(services.drafter, "ddtree_draft_batch_size") - shared_before == len(rounds)
-    for outcomes, wanted in rounds:
-        assert len(outcomes) == len(PROMPTS) + 2
-        unknown, bad_root = outcomes.pop(2), outcomes.pop()
-        assert unknown.status.code == NOT_FOUND and "unknown-" in unknown.status.details
-        assert bad_root.status.code == INVALID and "root" in bad_root.status.details
-        assert [o.status.code for o in outcomes] == [OK] * len(PROMPTS)
-        for outcome, want in zip(outcomes, wanted):
-            got, expected = tensors.tree_from_pb(outcome.draft.tree), tensors.tree_from_pb(want.tree)
+    transport = "Lane" if lanes else "UnaryCalls"  # one connection for the drafts, one a session for its appends
+    assert sorted(opened) == [f"Append:{transport}"] * len(PROMPTS) + [f"DraftBatch:{transport}"]
+    for answers, wanted in rounds:
+        assert len(answers) == len(PROMPTS) + 2
+        unknown, bad_root = answers.pop(2), answers.pop()
+        assert isinstance(unknown, BackendError) and unknown.code == grpc.StatusCode.NOT_FOUND
+        assert "unknown-" in unknown.details
+        assert isinstance(bad_root, BackendError) and bad_root.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "root" in bad_root.details
+        for (got, _), want in zip(answers, wanted):
+            expected = tensors.tree_from_pb(want.tree)
             for name in ("tokens", "parents", "depths"):
                 assert torch.equal(getattr(got, name), getattr(expected, name))
             assert got.num_nodes > 1
@@ -226,22 +296,22 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(services):
 
 
 def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
-    """A burst of prompts (each prompt in two sessions, tapped and not, one session's prompt in two chunks whose
-    features the verifier keeps), sent at once among a call for an unknown session and one with a token beyond the
-    vocabulary: the verifier runs the Prefill calls that wait together in one forward, and each answer (first
-    token, features, kept features taken later, its status) is what the same call gets alone, one call at a time.
-    Then each session decodes as its twin."""
+    """A burst of prompts (each prompt in two sessions, tapped and not, one tapped session's prompt in two chunks),
+    sent at once among a call for an unknown session and one with a token beyond the vocabulary: the verifier runs
+    the Prefill calls that wait together in one forward, and each answer (first token, status) is what the same call
+    gets alone, one call at a time. The tapped sessions' features reach the drafter, chunk by chunk, as alone: its
+    context then holds each whole prompt (a draft at the prompt's end, with no features, is answered) and drafts
+    the same tree from it. Then each session decodes as its twin."""
     prompts = [*PROMPTS, *PROMPTS]
     taps = [TAPS] * len(PROMPTS) + [[]] * len(PROMPTS)
 
-    def calls(sessions: list[str]) -> list[pb.PrefillRequest]:
+    def calls(sessions: list[str]) -> tuple[list[pb.PrefillRequest], pb.PrefillRequest]:
         requests = [pb.PrefillRequest(session_id=session, prompt=prompt) for session, prompt in zip(sessions, prompts)]
-        chunked = requests.pop(0)  # in two chunks, their features kept
-        requests += [pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[:3], more=True,
-                                       keep_features=True),
+        chunked = requests.pop(0)  # in two chunks
+        requests += [pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[:3], more=True),
                      pb.PrefillRequest(session_id="unknown-" + uuid.uuid4().hex, prompt=[1, 2]),
                      pb.PrefillRequest(session_id=sessions[1], prompt=[VOCAB + 5])]
-        return requests, pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[3:], keep_features=True)
+        return requests, pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[3:])
 
     async def answers(stub, requests: list[pb.PrefillRequest], at_once: bool) -> list[tuple[int, pb.StepResponse]]:
         async def answer(request):
@@ -256,40 +326,50 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
 
     async def scenario():
         async with (grpc.aio.insecure_channel(services.verifier.address) as channel,
-                    GrpcVerifier(services.verifier.address) as client):
+                    GrpcVerifier(services.verifier.address) as client,
+                    GrpcDrafter(services.drafter.address) as drafter):
             stub = pb_grpc.VerifierStub(channel)
             results = []
             for at_once in (False, True):  # the reference first: one call a run
                 sessions = [uuid.uuid4().hex for _ in prompts]
+                tapped = [session for session, session_taps in zip(sessions, taps) if session_taps]
+                for session in tapped:
+                    await drafter.start_session(session, 64)
                 for session, session_taps in zip(sessions, taps):
                     await start_verifier_session(client, session, 64, SamplingParams(), session_taps)
+                appends = _appends(services.drafter)
                 requests, last_chunk = calls(sessions)
                 got = await answers(stub, requests, at_once)
                 got += await answers(stub, [last_chunk], at_once)
-                kept = [await stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=last_chunk.session_id), timeout=30)
-                        for _ in range(2)]
-                decoded = [[(await one(client.verify([VerifyAsk(session, None)]))).tokens[0] for _ in range(4)]
+                await _appended(services.drafter, appends + len(tapped) + 1)  # the chunked prompt's two
+                firsts = {request.session_id: code_answer[1].tokens[-1]
+                          for request, code_answer in zip([*requests, last_chunk], got)
+                          if code_answer[0] == OK and not request.more}
+                trees = []
+                for session, prompt in zip(tapped, prompts):
+                    ((tree, _),) = await drafter.draft([DraftAsk(session, None, firsts[session], len(prompt), BUDGET,
+                                                                 None)])
+                    trees.append(tree)
+                decoded = [[(await client.step([SessionStep(session)]))[0].step.tokens[0] for _ in range(4)]
                            for session in sessions]
                 for session in sessions:
                     await client.end_session(session)
-                results.append((got, kept, decoded))
+                for session in tapped:
+                    await drafter.end_session(session)
+                results.append((got, trees, decoded))
             return results
 
     shared_before = _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size")
-    (alone, alone_kept, alone_decoded), (burst, burst_kept, burst_decoded) = asyncio.run(scenario())
+    (alone, alone_trees, alone_decoded), (burst, burst_trees, burst_decoded) = asyncio.run(scenario())
     assert _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size") - shared_before > 0
     assert [code for code, _ in burst] == [code for code, _ in alone] == [OK] * (len(prompts) - 1) + [
         OK, NOT_FOUND, INVALID, OK]
     assert "unknown-" in burst[-3][1] and "vocab" in burst[-2][1]
     for (_, got), (_, expected) in [(b, a) for b, a in zip(burst, alone) if b[0] == OK]:
         assert list(got.tokens) == list(expected.tokens)
-        assert got.HasField("features") == expected.HasField("features")
-        if expected.HasField("features"):
-            assert torch.allclose(tensors.tensor_from_pb(got.features), tensors.tensor_from_pb(expected.features),
-                                  atol=1e-4, rtol=1e-4)
-    for got, expected in zip(burst_kept, alone_kept):
-        assert torch.allclose(tensors.tensor_from_pb(got.features), tensors.tensor_from_pb(expected.features),
-                              atol=1e-4, rtol=1e-4)
+    for got, expected in zip(burst_trees, alone_trees):
+        for name in ("tokens", "parents", "depths"):
+            assert torch.equal(getattr(got, name), getattr(expected, name))
     assert burst_decoded == alone_decoded
 
 
@@ -324,12 +404,14 @@ def alone(services) -> list[list[int]]:
 
 @pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "grpc"])
 def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
-    """The prompts at once on one engine, their steps' calls over one connection per service (the round lane, or
-    unary gRPC calls without lanes): each output is the prompt's alone, and the steps carried several calls."""
+    """The prompts at once on one engine, their steps over one connection to the verifier (its round lane, or unary
+    gRPC calls without lanes): each output is the prompt's alone, the steps carried several sessions, and the
+    verifier asked the drafter for several sessions' trees in one forward."""
     registry = CollectorRegistry()
-    sizes = Histogram("step_batch_size", "calls per batch call", ["rpc"], buckets=(1, 2, 4, 8), registry=registry)
+    sizes = Histogram("step_batch_size", "sessions per step call", ["rpc"], buckets=(1, 2, 4, 8), registry=registry)
     opened: list[str] = []
     fallbacks: list[BaseException] = []
+    drafts_shared_before = _shared_forwards(services.drafter, "ddtree_draft_batch_size")
 
     async def scenario():
         async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
@@ -343,7 +425,7 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
 
                 client._open = recorded
             engine = Engine(verifier, drafter, on_fallback=fallbacks.append,
-                            on_step=lambda rpc, n: sizes.labels(f"{rpc}Batch").observe(n))
+                            on_step=lambda rpc, n: sizes.labels(rpc).observe(n))
             try:
                 return await asyncio.gather(*(_generate(verifier, drafter, prompt, engine) for prompt in PROMPTS))
             finally:
@@ -351,17 +433,11 @@ def test_concurrent_requests_in_steps_match_each_alone(lanes, services, alone):
 
     assert [len(tokens) for tokens in alone] == [MAX_NEW] * len(PROMPTS)
     assert asyncio.run(scenario()) == alone
-    # every round call went in a batch call, each service's over one connection
-    transport = "Lane" if lanes else "UnaryCalls"
-    round_calls = {"Draft", "Verify", "Decode", "DraftBatch", "VerifyBatch"}
-    assert sorted(entry for entry in opened if entry.split(":")[0] in round_calls) == [
-        f"DraftBatch:{transport}", f"VerifyBatch:{transport}"]
-
-    def several(rpc: str) -> float:
-        """Batch calls of rpc that carried more than one call."""
-        return (registry.get_sample_value("step_batch_size_count", {"rpc": rpc})
-                - registry.get_sample_value("step_batch_size_bucket", {"rpc": rpc, "le": "1.0"}))
-
-    assert several("VerifyBatch") > 0 and several("DraftBatch") > 0 and fallbacks == []
+    # every step went in one Step call, over one connection; no draft or feature passed through the gateway
+    assert opened == [f"Step:{'Lane' if lanes else 'UnaryCalls'}"]
+    several = (registry.get_sample_value("step_batch_size_count", {"rpc": "Step"})
+               - registry.get_sample_value("step_batch_size_bucket", {"rpc": "Step", "le": "1.0"}))
+    assert several > 0 and fallbacks == []
+    assert _shared_forwards(services.drafter, "ddtree_draft_batch_size") - drafts_shared_before > 0
     assert services.verifier.metric("ddtree_verify_active_sessions") == 0  # every session ended
     assert services.drafter.metric("ddtree_draft_active_sessions") == 0

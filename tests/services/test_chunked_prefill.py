@@ -1,12 +1,16 @@
 """Chunked prefill (PrefillRequest.more): a prompt sent in several calls leaves the session exactly as one call does
 (features, first token, every round after), on the fused and the generic path, for hybrid targets (whose chunks
-continue the committed recurrent state), through tensor parallelism and through the service. Features kept by the
-verifier (PrefillRequest.keep_features) are taken later, in call order, equal to those the answers would carry."""
+continue the committed recurrent state), through tensor parallelism and through the service. A chunk's features
+come in host memory where asked (host_features: they go to a remote drafter) and leave out the positions below
+skip_features; through the service they reach the verifier's drafter, an Append a chunk, equal to a one-call
+prefill's."""
 
 from __future__ import annotations
 
 import random
+import time
 import uuid
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -106,28 +110,28 @@ def test_chunked_prefill_equals_one_call(path: str, qwen3_target: Path) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_kept_features_are_taken_in_call_order(path: str, qwen3_target: Path) -> None:
-    """keep_features: the calls' answers carry no features; take_features hands them out oldest first, equal to
-    the features the calls would have answered, and refuses once none is left. Ending a session drops its kept
-    features."""
+def test_host_features_and_skipped_positions(path: str, qwen3_target: Path) -> None:
+    """host_features: each chunk's features come in host memory, equal to those the calls answer without it.
+    skip_features: the positions below it get none (a chunk wholly below it: None), the rest those of a call
+    without it. Neither changes the tokens, the first or any after."""
     engine = make_engine(qwen3_target, path)
-    prompt, sizes = make_prompt(30, seed=6), (7, 9)
-    for session in ("sent", "kept", "ended"):
+    prompt, sizes, skip = make_prompt(30, seed=6), (7, 9), 10
+    for session in ("sent", "host", "skipped"):
         engine.start_session(session, 64, SamplingParams(), TAPS)
     sent = prefill_chunks(engine, "sent", prompt, sizes)
-    kept = [engine.prefill("kept", prompt[:7], more=True, keep_features=True),
-            engine.prefill("kept", prompt[7:16], more=True, keep_features=True),
-            engine.prefill("kept", prompt[16:], keep_features=True)]
-    assert [r.features for r in kept] == [None] * 3 and kept[-1].tokens == sent[-1].tokens
-    taken = [engine.take_features("kept") for _ in kept]
-    assert_chunks_equal_one_call([StepResult([], t.features) for t in taken[:-1]] + [StepResult(kept[-1].tokens,
-                                 taken[-1].features)], StepResult(sent[-1].tokens, torch.cat([r.features for r in
-                                 sent])), sizes)
-    with pytest.raises(SessionError, match="no kept prompt features"):
-        engine.take_features("kept")
-    engine.prefill("ended", prompt, keep_features=True)
-    assert len(engine.sessions["ended"].kept_features) == 1 and engine.end_session("ended")
-    assert engine.decode("kept").tokens == engine.decode("sent").tokens
+    host = [engine.prefill("host", prompt[:7], more=True, host_features=True),
+            engine.prefill("host", prompt[7:16], more=True, host_features=True),
+            engine.prefill("host", prompt[16:], host_features=True)]
+    assert all(r.features.device.type == "cpu" for r in host)
+    assert_chunks_equal_one_call(host, StepResult(sent[-1].tokens, torch.cat([r.features for r in sent])), sizes)
+    skipped = [engine.prefill("skipped", prompt[:7], more=True, skip_features=skip),
+               engine.prefill("skipped", prompt[7:16], more=True, skip_features=skip),
+               engine.prefill("skipped", prompt[16:], skip_features=skip)]
+    assert skipped[0].features is None and [len(r.features) for r in skipped[1:]] == [16 - skip, 30 - 16]
+    assert_fp32_close(torch.cat([r.features for r in skipped[1:]]), torch.cat([r.features for r in sent])[skip:],
+                      DENSE_TOL)
+    assert host[-1].tokens == skipped[-1].tokens == sent[-1].tokens
+    assert engine.decode("host").tokens == engine.decode("skipped").tokens == engine.decode("sent").tokens
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -251,38 +255,69 @@ def test_tensor_parallel_chunks_equal_one_call(hybrid_targets: dict[str, Path]) 
         chunks = prefill_chunks(engine, "chunked", prompt, SPLITS[1])
         assert_chunks_equal_one_call(chunks, whole, SPLITS[1], HYBRID_TOL)
         assert_same_rounds(engine, ("whole", "chunked"), truth, seed=5, length=30, tol=HYBRID_TOL)
-        engine.start_session("kept", 200, SamplingParams(), TAPS)  # rank 0 keeps the features; the others do not
-        assert engine.prefill("kept", prompt, keep_features=True).features is None
-        assert_fp32_close(engine.take_features("kept").features, whole.features, HYBRID_TOL)
-        assert engine.decode("kept").tokens == truth[1:2]
+        engine.start_session("host", 200, SamplingParams(), TAPS)  # rank 0 answers the features; the others do not
+        host = engine.prefill("host", prompt, host_features=True)
+        assert host.features.device.type == "cpu" and host.tokens == truth[:1]
+        assert_fp32_close(host.features, whole.features, HYBRID_TOL)
+        assert engine.decode("host").tokens == truth[1:2]
     finally:
         group.close()
 
 
+class AppendRecorder(pb_grpc.DrafterServicer):
+    """The verifier's drafter (--drafter) on loopback, as far as a prompt concerns it: each Append's session and
+    features recorded as they come over the wire, answered with the rows it brought."""
+
+    def __init__(self) -> None:
+        self.appends: list[tuple[str, torch.Tensor]] = []
+
+    def Info(self, request, context) -> pb.DrafterInfoResponse:
+        return pb.DrafterInfoResponse()  # no round lane: the appends come as gRPC calls
+
+    def Append(self, request: pb.AppendRequest, context) -> pb.AppendResponse:
+        self.appends.append((request.session_id, tensors.tensor_from_pb(request.features)))
+        return pb.AppendResponse(context_length=request.features.shape[0])
+
+    def appended(self, session: str, calls: int) -> list[torch.Tensor]:
+        """The session's appended features, once `calls` have come (they follow the prompt's answers)."""
+        deadline = time.monotonic() + 30
+        while len(got := [f for s, f in self.appends if s == session]) < calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return got
+
+
 def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
-    """Through a verifier process: `more` answers carry their chunk's features and no token, the last call the
-    first token; together they equal a one-call prefill, and so do the features a session's TakeFeatures calls
-    take after chunks sent with keep_features. A chunk after the prompt ended, an empty chunk, a Decode before the
-    prompt ended and a take with nothing kept are INVALID_ARGUMENT, and the sessions go on alike."""
+    """Through a verifier process: the answers carry tokens only (`more` ones none, the last the first token);
+    each chunk's features go to the verifier's drafter as an Append, after the one before, past the positions
+    skip_features leaves out (a chunk wholly below it: none), and together they equal a one-call prefill's. A chunk
+    after the prompt ended, an empty chunk and a step before the prompt ended are INVALID_ARGUMENT, and the
+    sessions go on alike."""
+    drafter = AppendRecorder()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_DrafterServicer_to_server(drafter, server)
+    drafter_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
     ports = free_ports(2)
-    verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target)], (ports[0], ports[1]),
-                      tmp_path)
-    prompt, sizes = make_prompt(30, seed=5), (1, 12)
+    verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target),
+                                         "--drafter", f"127.0.0.1:{drafter_port}"], (ports[0], ports[1]), tmp_path)
+    prompt, sizes, skip = make_prompt(30, seed=5), (1, 12), 5
     try:
         wait_serving(verifier)
         with grpc.insecure_channel(verifier.address) as channel:
             stub = pb_grpc.VerifierStub(channel)
-            whole, chunked, kept = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
-            for session in (whole, chunked, kept):
+            whole, chunked, skipped = uuid.uuid4().hex, uuid.uuid4().hex, uuid.uuid4().hex
+            for session in (whole, chunked, skipped):
                 request = pb.VerifierStartSessionRequest(session_id=session, capacity=64, tap_layers=TAPS)
                 stub.StartSession(request, timeout=30)
 
-            def prefill(session: str, chunk: list[int], more: bool = False, keep: bool = False) -> pb.StepResponse:
-                request = pb.PrefillRequest(session_id=session, prompt=chunk, more=more, keep_features=keep)
+            def prefill(session: str, chunk: list[int], more: bool = False, skip_features: int = 0) -> pb.StepResponse:
+                request = pb.PrefillRequest(session_id=session, prompt=chunk, more=more, skip_features=skip_features)
                 return stub.Prefill(request, timeout=30)
 
-            def take() -> pb.StepResponse:
-                return stub.TakeFeatures(pb.TakeFeaturesRequest(session_id=kept), timeout=30)
+            def step(session: str) -> pb.StepOutcome:
+                request = pb.StepRequest(sessions=[pb.SessionStep(session_id=session)])
+                (outcome,) = stub.Step(request, timeout=30).outcomes
+                return outcome
 
             def refusal(call) -> tuple[grpc.StatusCode, str]:
                 with pytest.raises(grpc.RpcError) as err:
@@ -291,27 +326,33 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
 
             one_call = prefill(whole, prompt)
             answers = [prefill(chunked, prompt[:1], more=True)]
-            decode_early = refusal(lambda: stub.Decode(pb.DecodeRequest(session_id=chunked), timeout=30))
+            step_early = step(chunked).status
             answers += [prefill(chunked, prompt[1:13], more=True), prefill(chunked, prompt[13:])]
             after_end = refusal(lambda: prefill(chunked, [1], more=True))
             empty = refusal(lambda: prefill(chunked, []))
-            kept_answers = [prefill(kept, prompt[:1], more=True, keep=True),
-                            prefill(kept, prompt[1:13], more=True, keep=True), prefill(kept, prompt[13:], keep=True)]
-            taken = [take() for _ in kept_answers]
-            none_left = refusal(take)
-            decoded = [stub.Decode(pb.DecodeRequest(session_id=s), timeout=30).tokens for s in (whole, chunked, kept)]
+            skipped_answers = [prefill(skipped, prompt[:1], more=True, skip_features=skip),
+                               prefill(skipped, prompt[1:13], more=True, skip_features=skip),
+                               prefill(skipped, prompt[13:], skip_features=skip)]
+            appended = {session: drafter.appended(session, calls)
+                        for session, calls in ((whole, 1), (chunked, 3), (skipped, 2))}
+            decoded = [step(s).step.tokens for s in (whole, chunked, skipped)]
     finally:
         exit_code = verifier.stop()
+        server.stop(None)
     assert exit_code == 0
-    assert_chunks_equal_one_call([tensors.step_from_pb(a) for a in answers], tensors.step_from_pb(one_call), sizes)
-    assert decode_early[0] == grpc.StatusCode.INVALID_ARGUMENT and "must be prefilled" in decode_early[1]
+    assert [list(a.tokens) for a in answers] == [[], [], list(one_call.tokens)] and len(one_call.tokens) == 1
+    assert [list(a.tokens) for a in skipped_answers] == [[], [], list(one_call.tokens)]
+    assert step_early.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "must be prefilled" in step_early.details
     assert after_end[0] == grpc.StatusCode.INVALID_ARGUMENT and "already prefilled" in after_end[1]
     assert empty[0] == grpc.StatusCode.INVALID_ARGUMENT and "empty" in empty[1]
-    assert not any(a.HasField("features") for a in kept_answers) and kept_answers[-1].tokens == answers[-1].tokens
-    taken_steps = [tensors.step_from_pb(t) for t in taken]
-    taken_steps[-1].tokens = list(kept_answers[-1].tokens)
-    assert_chunks_equal_one_call(taken_steps, tensors.step_from_pb(one_call), sizes)
-    assert none_left[0] == grpc.StatusCode.INVALID_ARGUMENT and "no kept prompt features" in none_left[1]
+    (whole_features,) = appended[whole]
+    assert tuple(whole_features.shape) == (len(prompt), len(TAPS) * HIDDEN)
+    chunks = [StepResult([], features) for features in appended[chunked][:-1]] + [
+        StepResult(list(answers[-1].tokens), appended[chunked][-1])]
+    assert_chunks_equal_one_call(chunks, StepResult(list(one_call.tokens), whole_features), sizes)
+    assert [len(f) for f in appended[skipped]] == [13 - skip, len(prompt) - 13]  # the first chunk: none
+    assert_fp32_close(torch.cat(appended[skipped]), whole_features[skip:], DENSE_TOL)
+    assert len(drafter.appends) == 6  # nothing more: no session's step drafted
     assert decoded[0] == decoded[1] == decoded[2] and len(decoded[0]) == 1
 
 
@@ -336,20 +377,19 @@ def test_long_chunks_on_gpu_equal_one_call(dtype: torch.dtype, qwen3_target: Pat
         assert [engine.decode("whole").tokens for _ in range(8)] == [engine.decode("chunks").tokens for _ in range(8)]
 
 
-@pytest.mark.gpu(reason="the kept features' asynchronous copy needs a GPU")
-def test_kept_features_on_gpu_are_whole_when_taken(qwen3_target: Path) -> None:
-    """On a GPU a prefill call returns before its kept features' copy to pinned memory is done (the first token
-    does not wait for it); a take right after the calls waits for it: the taken features equal those the calls
-    answer without keeping them, bit for bit."""
+@pytest.mark.gpu(reason="features copied from the GPU to host memory need a GPU")
+def test_host_features_on_gpu_equal_the_devices(qwen3_target: Path) -> None:
+    """On a GPU, host_features answers each chunk's features in host memory: bit for bit those the same calls
+    answer on the device, and the same tokens."""
     engine = VerifyEngine.from_pretrained(qwen3_target, "cuda", torch.float32)
     prompt, sizes = make_prompt(900, seed=9), (600, 200)
-    for session in ("sent", "kept"):
+    for session in ("sent", "host"):
         engine.start_session(session, 1000, SamplingParams(), TAPS)
     sent = prefill_chunks(engine, "sent", prompt, sizes)
-    kept = [engine.prefill("kept", prompt[:600], more=True, keep_features=True),
-            engine.prefill("kept", prompt[600:800], more=True, keep_features=True),
-            engine.prefill("kept", prompt[800:], keep_features=True)]
-    taken = [engine.take_features("kept").features for _ in kept]
-    assert kept[-1].tokens == sent[-1].tokens
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in taken)
-    assert torch.equal(torch.cat(taken), torch.cat([r.features for r in sent]).cpu())
+    host = [engine.prefill("host", prompt[:600], more=True, host_features=True),
+            engine.prefill("host", prompt[600:800], more=True, host_features=True),
+            engine.prefill("host", prompt[800:], host_features=True)]
+    assert host[-1].tokens == sent[-1].tokens
+    assert all(r.features.device.type == "cpu" for r in host) and all(r.features.is_cuda for r in sent)
+    assert torch.equal(torch.cat([r.features for r in host]), torch.cat([r.features for r in sent]).cpu())
+    assert [engine.decode("host").tokens for _ in range(4)] == [engine.decode("sent").tokens for _ in range(4)]

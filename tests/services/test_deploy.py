@@ -282,8 +282,16 @@ def test_serve_hands_settings_and_switches_to_the_services() -> None:
     assert (verify.warm_up_taps, verify.warm_up_nodes, verify.warm_up_trees, draft.max_batch) == ("1,3,5", 24, 5, 4)
     with pytest.raises(SystemExit, match="--target needs --drafter"):  # never speculation silently off
         commands(build_parser().parse_args(["serve", "--target", "some/target"]))
+    # the verifier asks the gateway's drafter for each step's trees and cuts them to its load (--fit-trees)
+    gateway = build_parser().parse_args(services["gateway"][services["gateway"].index("gateway"):])
+    assert verify.drafter == gateway.drafter and verify.fit_trees
+    for flags, fit in (([], True), (["--no-fit-trees"], False), (["--fit-trees"], True)):
+        services = commands(build_parser().parse_args(["serve", *flags]))
+        assert build_parser().parse_args(services["verify"][services["verify"].index("verify"):]).fit_trees == fit
+        assert not [a for a in services["gateway"] if "fit-trees" in a]  # the verifier's option, not the gateway's
     services = commands(build_parser().parse_args(["serve", "--drafter", "none"]))
-    assert build_parser().parse_args(services["verify"][services["verify"].index("verify"):]).warm_up_taps == ""
+    verify = build_parser().parse_args(services["verify"][services["verify"].index("verify"):])
+    assert verify.warm_up_taps == "" and verify.drafter is None  # no drafter: AR steps only
 
 
 def test_service_commands_parse_with_the_real_cli() -> None:
@@ -314,6 +322,7 @@ def test_ports_agree_between_services_healthchecks_and_prometheus() -> None:
     draft, verify, gateway = (services[n]["command"] for n in ("draft", "verify", "gateway"))
     assert flag(gateway, "--drafter") == f"draft:{flag(draft, '--port')}"
     assert flag(gateway, "--verifier") == f"verify:{flag(verify, '--port')}"
+    assert flag(verify, "--drafter") == f"draft:{flag(draft, '--port')}"  # each step's trees, asked by the verifier
     for name, command in (("draft", draft), ("verify", verify)):
         ports = {flag(command, "--port"), flag(command, "--lane-port"), flag(command, "--metrics-port")}
         assert ports <= set(services[name]["expose"])

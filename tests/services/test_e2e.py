@@ -96,7 +96,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
             drafter=launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter", str(drafter),
                                              "--max-batch", "4", *dtype], (draft, draft_metrics), logs),
             verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", MODEL,
-                                               *dtype], (verify, verify_metrics), logs),
+                                               "--drafter", f"127.0.0.1:{draft}", *dtype], (verify, verify_metrics), logs),
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
@@ -132,7 +132,6 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     drafts = [metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total")]
     prefills = [services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK") or 0.0]
     appends = [services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0]
-    takes = [services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0]
     hits = [services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0]
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
@@ -140,18 +139,16 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     drafts.append(metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total"))
     prefills.append(services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK"))
     appends.append(services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0)
-    takes.append(services.verifier.metric("ddtree_verify_requests_total", rpc="TakeFeatures", code="OK") or 0.0)
     hits.append(services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0)
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
     chunks = -(-len(chat_ids(tokenizer, STORY)) // PREFILL_CHUNK)
     assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
     # the drafter's prefix cache restored the context of the prompt's first `reused` positions (the same story sent
-    # by an earlier test or mode): only the chunks reaching past them keep and send features
+    # by an earlier test or mode): the verifier appends the features of the chunks reaching past them to the drafter
     reused = hits[1] - hits[0]
     assert reused % BLOCK_TOKENS == 0 and (reused == 0 or mode != "off")
     featured = sum(begin + PREFILL_CHUNK > reused for begin in range(0, chunks * PREFILL_CHUNK, PREFILL_CHUNK))
-    assert takes[1] - takes[0] == (featured if mode != "off" else 0)
-    assert appends[1] - appends[0] == (featured if mode != "off" else 0)  # all of them before the first draft
+    assert appends[1] - appends[0] == (featured if mode != "off" else 0)
 
 
 def test_openai_client(services, expected) -> None:
@@ -192,7 +189,10 @@ def test_logprobs_and_logit_bias_through_the_openai_client(services, expected, t
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
     streamed = [entry for chunk in client.chat.completions.create(**request, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    # the same tokens; their log-probabilities to float rounding (a step's forward differs in shape between the two: a
+    # sequence takes AR steps while its prompt's features are on their way to the drafter)
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert [e.logprob for e in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
 
     completion = client.completions.create(model=MODEL, prompt="once upon", max_tokens=12, temperature=0, logprobs=2)
     legacy = completion.choices[0].logprobs

@@ -1,8 +1,8 @@
-"""Property-based fuzzing of the wire: random bytes and mutated valid protobuf messages sent to every unary gRPC
-method of the drafter and the verifier (real processes on loopback), as short streams to their streaming methods,
-and to their round lanes. Every answer is a
-status (OK or a client error such as INVALID_ARGUMENT), never INTERNAL, UNKNOWN or a dropped service; and the
-services still serve a valid call afterwards, and stop cleanly.
+"""Property-based fuzzing of the wire: random bytes and mutated valid protobuf messages sent to every gRPC method
+of the drafter and the verifier (real processes on loopback, the verifier asking the drafter for its trees), and to
+their round lanes. Every answer is a status (OK or a client error such as INVALID_ARGUMENT), never INTERNAL, UNKNOWN
+or a dropped service, and so is every session's status inside a step's answer (its step's, and its draft's where
+the verifier asked the drafter for one); and the services still serve a valid session afterwards, and stop cleanly.
 
 Hypothesis runs derandomized (the same cases on every run) and bounded, so CI sees one fixed, fast set of cases.
 """
@@ -10,6 +10,7 @@ Hypothesis runs derandomized (the same cases on every run) and bounded, so CI se
 from __future__ import annotations
 
 import socket
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.tensors import NODE_BYTES
 from runtime.lane import HEADER, MAGIC
 from tests.conftest import HIDDEN
 from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, wait_serving
@@ -42,24 +42,24 @@ VERIFIER_CALLS = {
     "Info": pb.VerifierInfoRequest(),
     "StartSession": pb.VerifierStartSessionRequest(session_id="other", capacity=64, tap_layers=[1, 2]),
     "EndSession": pb.VerifierEndSessionRequest(session_id="other"),
-    "Prefill": pb.PrefillRequest(session_id=SESSION, prompt=[3, 17, 8], keep_features=True),
-    "TakeFeatures": pb.TakeFeaturesRequest(session_id=SESSION),
-    "Verify": pb.VerifyRequest(session_id=SESSION, tree=pb.DraftTree(nodes=bytes(2 * NODE_BYTES), max_depth=1)),
-    "Decode": pb.DecodeRequest(session_id=SESSION),
+    "Prefill": pb.PrefillRequest(session_id=SESSION, prompt=[3, 17, 8], more=True, skip_features=1),
+    "Step": pb.StepRequest(sessions=[pb.SessionStep(session_id=SESSION, budget=4, top_k=2),
+                                     pb.SessionStep(session_id="other", untap=True)]),
 }
 DRAFTER_CALLS = {
     "Info": pb.DrafterInfoRequest(),
     "StartSession": pb.DrafterStartSessionRequest(session_id="other", capacity=64),
     "EndSession": pb.DrafterEndSessionRequest(session_id="other"),
-    "Draft": pb.DraftRequest(session_id=SESSION, features=FEATURES, root_token=3, root_position=3, budget=4, top_k=2),
+    "DraftBatch": pb.DraftBatchRequest(drafts=[
+        pb.DraftRequest(session_id=SESSION, features=FEATURES, root_token=3, root_position=3, budget=4, top_k=2,
+                        committed=[3]),
+        pb.DraftRequest(session_id="other", root_token=3, root_position=0, budget=1)]),
     "Append": pb.AppendRequest(session_id=SESSION, features=FEATURES),
 }
-# streaming method -> the unary method whose requests it streams
-VERIFIER_STREAMS = {"VerifyStream": "Verify", "DecodeStream": "Decode"}
-DRAFTER_STREAMS = {"DraftStream": "Draft"}
-STREAM_EXAMPLES = 60  # per service: streams of 1-3 messages, a few seconds in all
-VERIFIER_LANES = ("Verify", "Decode", "TakeFeatures")
-DRAFTER_LANES = ("Draft", "Append")
+VERIFIER_LANES = ("Step",)
+DRAFTER_LANES = ("DraftBatch", "Append")
+# the calls whose answer holds each session's status: their answer's message
+BATCHES = {"Step": pb.StepBatchResponse, "DraftBatch": pb.DraftBatchResponse}
 
 
 @dataclass
@@ -72,39 +72,45 @@ class Stack:
     drafter_lane: int
     answers: Counter[str]
 
-    def call(self, service: str, method: str, payload: bytes) -> grpc.StatusCode:
+    def call(self, service: str, method: str, payload: bytes) -> list[grpc.StatusCode]:
+        """-> the call's status, then each session's in its answer (_statuses)."""
         channel = self.verifier_channel if service == VERIFIER_SERVICE else self.drafter_channel
         call = channel.unary_unary(f"/{service}/{method}")  # no serializers: the bytes go as they are
         try:
-            call(payload, timeout=60)
-            code = grpc.StatusCode.OK
+            answer, code = call(payload, timeout=60), grpc.StatusCode.OK
         except grpc.RpcError as err:
-            code = err.code()
-        self.answers[f"grpc {code.name}"] += 1
-        return code
+            answer, code = b"", err.code()
+        return self._statuses("grpc", method, code, answer)
 
-    def stream_call(self, service: str, method: str, payloads: list[bytes]) -> grpc.StatusCode:
-        """One stream of the payloads; the status that ends it."""
-        channel = self.verifier_channel if service == VERIFIER_SERVICE else self.drafter_channel
-        call = channel.stream_stream(f"/{service}/{method}")
-        try:
-            for _ in call(iter(payloads), timeout=60):
-                pass
-            code = grpc.StatusCode.OK
-        except grpc.RpcError as err:
-            code = err.code()
-        self.answers[f"stream {code.name}"] += 1
-        return code
-
-    def lane_call(self, port: int, rpc: str, payload: bytes) -> grpc.StatusCode | None:
-        """One request over a fresh lane connection; its answer's status (None: the server closed without one)."""
+    def lane_exchange(self, port: int, rpc: str, payload: bytes) -> tuple[grpc.StatusCode | None, bytes]:
+        """One request over a fresh lane connection -> its answer's status (None: the server closed without one)
+        and body."""
         with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
             hello = MAGIC + rpc.encode()
             conn.sendall(HEADER.pack(len(hello), 0) + hello + HEADER.pack(len(payload), 0) + payload)
             head = _read(conn, HEADER.size)
-            code = None if len(head) < HEADER.size else CODES.get(HEADER.unpack(head)[1], grpc.StatusCode.UNKNOWN)
-        self.answers[f"lane {code.name if code else 'closed'}"] += 1
-        return code
+            if len(head) < HEADER.size:
+                return None, b""
+            size, tag = HEADER.unpack(head)
+            return CODES.get(tag, grpc.StatusCode.UNKNOWN), _read(conn, size)
+
+    def lane_call(self, port: int, rpc: str, payload: bytes) -> list[grpc.StatusCode | None]:
+        """-> the lane answer's status, then each session's in it (_statuses)."""
+        return self._statuses("lane", rpc, *self.lane_exchange(port, rpc, payload))
+
+    def _statuses(self, transport: str, method: str, code: grpc.StatusCode | None,
+                  answer: bytes) -> list[grpc.StatusCode | None]:
+        """The call's status; for a step call answered OK, each session's status in the answer too, and for a Step
+        each session's draft status."""
+        self.answers[f"{transport} {code.name if code else 'closed'}"] += 1
+        codes = [code]
+        if code == grpc.StatusCode.OK and method in BATCHES:
+            for outcome in BATCHES[method].FromString(answer).outcomes:
+                codes.append(CODES.get(outcome.status.code, grpc.StatusCode.UNKNOWN))
+                if method == "Step":
+                    codes.append(CODES.get(outcome.draft_status.code, grpc.StatusCode.UNKNOWN))
+            self.answers[f"{transport} {method} sessions"] += len(codes) - 1
+        return codes
 
 
 def _read(conn: socket.socket, size: int) -> bytes:
@@ -114,15 +120,15 @@ def _read(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def _start_sessions(stack: Stack) -> None:
-    """The live session on each service, the verifier's prefilled."""
-    verifier_calls = [("StartSession", pb.VerifierStartSessionRequest(session_id=SESSION, capacity=256,
-                                                                       tap_layers=[1, 2])),
-                      ("Prefill", pb.PrefillRequest(session_id=SESSION, prompt=[3, 17, 8, 25]))]
-    for method, request in verifier_calls:
-        assert stack.call(VERIFIER_SERVICE, method, request.SerializeToString()) == grpc.StatusCode.OK
-    start = pb.DrafterStartSessionRequest(session_id=SESSION, capacity=256)
-    assert stack.call(DRAFTER_SERVICE, "StartSession", start.SerializeToString()) == grpc.StatusCode.OK
+def _start_sessions(stack: Stack, session: str, capacity: int) -> None:
+    """The session on each service, the drafter's first (the verifier appends the prompt's features to it), the
+    verifier's tapped and prefilled."""
+    calls = [(DRAFTER_SERVICE, "StartSession", pb.DrafterStartSessionRequest(session_id=session, capacity=capacity)),
+             (VERIFIER_SERVICE, "StartSession", pb.VerifierStartSessionRequest(session_id=session, capacity=capacity,
+                                                                               tap_layers=[1, 2])),
+             (VERIFIER_SERVICE, "Prefill", pb.PrefillRequest(session_id=session, prompt=[3, 17, 8, 25]))]
+    for service, method, request in calls:
+        assert stack.call(service, method, request.SerializeToString()) == [grpc.StatusCode.OK]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +138,7 @@ def stack(qwen3_target, drafter_dir, tmp_path_factory) -> Iterator[Stack]:
     drafter = launch(DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter_dir), "--target",
                                        str(qwen3_target)], (ports[0], ports[1]), logs)
     verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--max-tree-size",
-                                         "16"], (ports[2], ports[3]), logs)
+                                         "16", "--drafter", f"127.0.0.1:{ports[0]}"], (ports[2], ports[3]), logs)
     try:
         wait_serving(drafter, verifier)
         with grpc.insecure_channel(verifier.address) as v_channel, grpc.insecure_channel(drafter.address) as d_channel:
@@ -141,7 +147,7 @@ def stack(qwen3_target, drafter_dir, tmp_path_factory) -> Iterator[Stack]:
                      pb.DrafterInfoResponse.FromString(d_channel.unary_unary(f"/{DRAFTER_SERVICE}/Info")(
                          b"", timeout=60)).lane_port]
             running = Stack(verifier, drafter, v_channel, d_channel, *lanes, Counter())
-            _start_sessions(running)
+            _start_sessions(running, SESSION, 256)
             yield running
             print(f"\nwire fuzzing: {running.answers.total()} calls, by answer {dict(sorted(running.answers.items()))}")
     finally:
@@ -173,63 +179,45 @@ def _mutated(seeds: dict[str, pb.Message]) -> st.SearchStrategy[tuple[str, bytes
     return st.one_of(mutations, mutations, mutations, random_bytes)
 
 
-def _streams(streams: dict[str, str], seeds: dict[str, pb.Message]) -> st.SearchStrategy[tuple[str, list[bytes]]]:
-    """(streaming method, 1-3 payloads), each a mutation of a valid request of the method's unary form."""
-
-    def payloads(method: str) -> st.SearchStrategy[tuple[str, list[bytes]]]:
-        one = _mutated({method: seeds[streams[method]]}).map(lambda call: call[1])
-        return st.tuples(st.just(method), st.lists(one, min_size=1, max_size=3))
-
-    return st.sampled_from(sorted(streams)).flatmap(payloads)
-
-
-def _assert_a_status(code: grpc.StatusCode | None, where: str) -> None:
-    assert code == grpc.StatusCode.OK or code in CLIENT_ERRORS, f"{where}: {code}"
+def _assert_statuses(codes: list[grpc.StatusCode | None], where: str) -> None:
+    assert all(code == grpc.StatusCode.OK or code in CLIENT_ERRORS for code in codes), f"{where}: {codes}"
 
 
 @FUZZ
 @given(call=_mutated(VERIFIER_CALLS))
 def test_verifier_grpc_answers_any_bytes_with_a_status(stack: Stack, call: tuple[str, bytes]) -> None:
     method, payload = call
-    _assert_a_status(stack.call(VERIFIER_SERVICE, method, payload), f"Verifier/{method} {payload!r}")
+    _assert_statuses(stack.call(VERIFIER_SERVICE, method, payload), f"Verifier/{method} {payload!r}")
 
 
 @FUZZ
 @given(call=_mutated(DRAFTER_CALLS))
 def test_drafter_grpc_answers_any_bytes_with_a_status(stack: Stack, call: tuple[str, bytes]) -> None:
     method, payload = call
-    _assert_a_status(stack.call(DRAFTER_SERVICE, method, payload), f"Drafter/{method} {payload!r}")
+    _assert_statuses(stack.call(DRAFTER_SERVICE, method, payload), f"Drafter/{method} {payload!r}")
 
 
-FUZZ_STREAMS = settings(FUZZ, max_examples=STREAM_EXAMPLES)
-
-
-@FUZZ_STREAMS
-@given(call=_streams(VERIFIER_STREAMS, VERIFIER_CALLS))
-def test_verifier_streams_answer_any_bytes_with_a_status(stack: Stack, call: tuple[str, list[bytes]]) -> None:
-    method, payloads = call
-    _assert_a_status(stack.stream_call(VERIFIER_SERVICE, method, payloads), f"Verifier/{method} {payloads!r}")
-
-
-@FUZZ_STREAMS
-@given(call=_streams(DRAFTER_STREAMS, DRAFTER_CALLS))
-def test_drafter_streams_answer_any_bytes_with_a_status(stack: Stack, call: tuple[str, list[bytes]]) -> None:
-    method, payloads = call
-    _assert_a_status(stack.stream_call(DRAFTER_SERVICE, method, payloads), f"Drafter/{method} {payloads!r}")
-
-
-def test_a_malformed_message_mid_stream_is_invalid_argument_after_the_answers_before_it(stack: Stack) -> None:
-    start = pb.VerifierStartSessionRequest(session_id="mid-stream", capacity=64, tap_layers=[1, 2])
-    prefill = pb.PrefillRequest(session_id="mid-stream", prompt=[3, 17, 8])
-    for method, request in (("StartSession", start), ("Prefill", prefill)):
-        assert stack.call(VERIFIER_SERVICE, method, request.SerializeToString()) == grpc.StatusCode.OK
-    valid = pb.DecodeRequest(session_id="mid-stream").SerializeToString()
-    call = stack.verifier_channel.stream_stream(f"/{VERIFIER_SERVICE}/DecodeStream",
-                                                response_deserializer=pb.StepResponse.FromString)
-    answers = call(iter([valid, b"\xff"]), timeout=60)
-    assert len(next(answers).tokens) == 1  # the valid request's answer comes before the failure
+def test_a_malformed_message_after_valid_ones_is_invalid_argument_after_their_answers(stack: Stack) -> None:
+    """On a lane connection, steps sent back to back and then bytes that are no StepRequest: the steps are answered,
+    in order, then INVALID_ARGUMENT naming the parse, and the connection ends. Over gRPC the same bytes are
+    INVALID_ARGUMENT too (a malformed request, not the service's fault)."""
+    _start_sessions(stack, "back-to-back", 64)
+    valid = pb.StepRequest(sessions=[pb.SessionStep(session_id="back-to-back")]).SerializeToString()
+    with socket.create_connection(("127.0.0.1", stack.verifier_lane), timeout=60) as conn:
+        hello = MAGIC + b"Step"
+        conn.sendall(b"".join(HEADER.pack(len(frame), 0) + frame for frame in (hello, valid, valid, b"\xff")))
+        answers = []
+        for _ in range(3):
+            size, tag = HEADER.unpack(_read(conn, HEADER.size))
+            answers.append((CODES[tag], _read(conn, size)))
+        closed = _read(conn, 1) == b""
+    steps = [pb.StepBatchResponse.FromString(body) for _, body in answers[:2]]
+    assert [code for code, _ in answers] == [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT]
+    assert [[(o.status.code, len(o.step.tokens)) for o in step.outcomes] for step in steps] == [[(0, 1)], [(0, 1)]]
+    assert answers[2][1].startswith(b"malformed StepRequest") and closed
+    call = stack.verifier_channel.unary_unary(f"/{VERIFIER_SERVICE}/Step")
     with pytest.raises(grpc.RpcError) as failure:
-        next(answers)
+        call(b"\xff", timeout=60)
     assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed request" in failure.value.details()
 
@@ -246,26 +234,30 @@ def test_a_malformed_health_watch_is_invalid_argument(stack: Stack) -> None:
 @given(call=_mutated({rpc: VERIFIER_CALLS[rpc] for rpc in VERIFIER_LANES}))
 def test_verifier_lane_answers_any_bytes_with_a_status(stack: Stack, call: tuple[str, bytes]) -> None:
     rpc, payload = call
-    _assert_a_status(stack.lane_call(stack.verifier_lane, rpc, payload), f"verifier lane {rpc} {payload!r}")
+    _assert_statuses(stack.lane_call(stack.verifier_lane, rpc, payload), f"verifier lane {rpc} {payload!r}")
 
 
 @FUZZ
 @given(call=_mutated({rpc: DRAFTER_CALLS[rpc] for rpc in DRAFTER_LANES}))
 def test_drafter_lane_answers_any_bytes_with_a_status(stack: Stack, call: tuple[str, bytes]) -> None:
     rpc, payload = call
-    _assert_a_status(stack.lane_call(stack.drafter_lane, rpc, payload), f"drafter lane {rpc} {payload!r}")
+    _assert_statuses(stack.lane_call(stack.drafter_lane, rpc, payload), f"drafter lane {rpc} {payload!r}")
 
 
 def test_the_services_still_serve_a_valid_session_after_the_fuzzing(stack: Stack) -> None:
-    """A fresh session on each service runs its calls, on gRPC and on the lanes."""
+    """A fresh session on both services runs its calls, on gRPC and on the lanes: its steps ask for trees, and
+    (once its prompt's features are in the drafter's context) have them, the verifier's drafts answered."""
     assert stack.verifier.process.poll() is None and stack.drafter.process.poll() is None
-    start = pb.VerifierStartSessionRequest(session_id="after", capacity=64, tap_layers=[1, 2])
-    prefill = pb.PrefillRequest(session_id="after", prompt=[3, 17, 8])
-    for method, request in (("StartSession", start), ("Prefill", prefill)):
-        assert stack.call(VERIFIER_SERVICE, method, request.SerializeToString()) == grpc.StatusCode.OK
-    decode = pb.DecodeRequest(session_id="after").SerializeToString()
-    assert stack.lane_call(stack.verifier_lane, "Decode", decode) == grpc.StatusCode.OK
-    draft_start = pb.DrafterStartSessionRequest(session_id="after", capacity=64)
-    assert stack.call(DRAFTER_SERVICE, "StartSession", draft_start.SerializeToString()) == grpc.StatusCode.OK
+    _start_sessions(stack, "after", 256)
+    step = pb.StepRequest(sessions=[pb.SessionStep(session_id="after", budget=4, top_k=2)]).SerializeToString()
+    deadline = time.monotonic() + 60
+    while True:
+        code, answer = stack.lane_exchange(stack.verifier_lane, "Step", step)
+        assert code == grpc.StatusCode.OK
+        (outcome,) = pb.StepBatchResponse.FromString(answer).outcomes
+        assert (outcome.status.code, outcome.draft_status.code) == (0, 0) and outcome.step.tokens
+        if outcome.tree_size:
+            break
+        assert time.monotonic() < deadline, "no step had a tree"
     append = pb.AppendRequest(session_id="after", features=FEATURES).SerializeToString()
-    assert stack.lane_call(stack.drafter_lane, "Append", append) == grpc.StatusCode.OK
+    assert stack.lane_call(stack.drafter_lane, "Append", append) == [grpc.StatusCode.OK]

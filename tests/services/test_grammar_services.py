@@ -1,7 +1,8 @@
-"""Constrained trees through the real drafter and verifier on loopback (the demo pair): the gateway's clients send
-the grammar at the drafter's StartSession and each draft's committed tokens in steps (DraftBatch), and the output
-equals the in-process round loop's with no drafter failure on the way. A grammar the drafter cannot compile, and
-committed tokens that do not continue the output, are INVALID_ARGUMENT; the session drafts on afterwards."""
+"""Constrained trees through the real drafter and verifier on loopback (the demo pair): the gateway's drafter client
+sends the grammar at the drafter's StartSession, the verifier each draft's committed tokens in its steps'
+DraftBatch calls, and the output equals the in-process round loop's, drafted trees and no drafter failure on the
+way. A grammar the drafter cannot compile, and committed tokens that do not continue the output, are
+INVALID_ARGUMENT; the session drafts on afterwards."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ import torch
 from transformers import AutoTokenizer
 
 from ddtree.local import load_local
-from gateway.backends import DraftAsk
-from gateway.grpc_client import BackendError
-from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
-from protos.types import SamplingParams
+from protos.types import DraftAsk, SamplingParams
+from runtime.client import BackendError
+from runtime.drafter_client import GrpcDrafter
 from runtime.grammar import json_schema_grammar
 from runtime.models import read_eos_ids, resolve_pair
 from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, wait_serving
@@ -51,8 +51,8 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     procs = (
         launch(DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter), "--target", str(target),
                                  "--dtype", "float32", "--warm-up-budgets", "16"], (ports[0], ports[1]), logs),
-        launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--dtype", "float32"],
-               (ports[2], ports[3]), logs),
+        launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--dtype", "float32",
+                                  "--drafter", f"127.0.0.1:{ports[0]}"], (ports[2], ports[3]), logs),
     )
     try:
         wait_serving(*procs)
@@ -67,27 +67,34 @@ def in_process(stack) -> list[list[int]]:
     """Each prompt's output through the in-process round loop: what the services must give."""
     target, drafter = resolve_pair(None, None)
     verifier, local = load_local(str(target), str(drafter), "cpu", torch.float32)
-    return [asyncio.run(_generate(verifier, local, prompt, stack.eos, [])) for prompt in stack.prompts]
+    return [asyncio.run(_generate(verifier, local, prompt, stack.eos, [], [])) for prompt in stack.prompts]
 
 
-async def _generate(verifier, drafter, prompt: list[int], eos: list[int], fallbacks: list) -> list[int]:
+async def _generate(verifier, drafter, prompt: list[int], eos: list[int], fallbacks: list, trees: list) -> list[int]:
+    """The request's tokens; its rounds' tree sizes are added to `trees`."""
     params = SamplingParams(grammar=json_schema_grammar(SCHEMA))
     loop = run_rounds(verifier, drafter, prompt, params, Speculation("ddtree", 16), MAX_NEW, eos, fallbacks.append)
-    return [t async for r in loop for t in r.tokens]
+    tokens = []
+    async for rnd in loop:
+        tokens += rnd.tokens
+        trees.append(rnd.tree_size)
+    return tokens
 
 
 def test_grammar_requests_through_the_services(stack, in_process) -> None:
-    async def scenario() -> tuple[list[list[int]], list]:
+    async def scenario() -> tuple[list[list[int]], list, list[int]]:
         fallbacks: list = []
+        trees: list[int] = []
         async with (GrpcVerifier(stack.verifier.address) as verifier,
                     GrpcDrafter(stack.drafter.address) as drafter):
             await drafter.info()
-            outputs = await asyncio.gather(*(_generate(verifier, drafter, p, stack.eos, fallbacks)
+            outputs = await asyncio.gather(*(_generate(verifier, drafter, p, stack.eos, fallbacks, trees)
                                              for p in stack.prompts))
-        return outputs, fallbacks
+        return outputs, fallbacks, trees
 
-    outputs, fallbacks = asyncio.run(scenario())
+    outputs, fallbacks, trees = asyncio.run(scenario())
     assert fallbacks == []  # the drafter took every draft's committed tokens
+    assert any(trees), "no step verified a tree"
     assert outputs == in_process
     assert stack.drafter.metric("ddtree_draft_active_sessions") == 0
 

@@ -1,13 +1,21 @@
-"""The drafter and verifier as real processes on loopback, driven through the gateway's gRPC clients.
+"""The drafter and verifier as real processes on loopback, driven through the gateway's gRPC clients: the gateway
+talks to the verifier alone for a step (Verifier.Step), and the verifier asks its drafter (--drafter) for the
+trees and sends it the target's features.
 
-The services start once for the module (plus a drafter with a short session TTL); nothing here measures time.
+The services start once for the module: a drafter and a verifier that asks it for its trees, a drafter with a short
+session TTL, and a verifier whose drafter is a scripted one in this process (ScriptedDrafter: what a drafter sends,
+malformed trees and failures included, as the test writes it). Nothing here measures time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent import futures
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -21,13 +29,12 @@ from transformers import AutoModelForCausalLM
 
 from runtime.service import EngineHost, ServiceMetrics
 from runtime.process import serve
-from protos.types import DraftTree, SamplingParams
+from protos.types import DraftAsk, SamplingParams, SessionStep, StepOutcome
 from draft_server import server as draft_server
 from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
-from gateway.backends import DraftAsk, VerifyAsk
-from gateway.grpc_client import BackendError
-from gateway.grpc_drafter import GrpcDrafter
+from runtime.client import BackendError
+from runtime.drafter_client import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
@@ -39,44 +46,126 @@ from tests.services import (
     DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session,
     wait_serving,
 )
+from verify_server import server as verify_server
+from verify_server.config import VerifyServerConfig
 
 PROMPT = [3, 17, 8, 25, 11, 40, 2]
 MAX_NEW = 24
 BUDGET = 12
-MAX_TREE = 16  # the verifier's --max-tree-size
-FEATURE_DIM = 2 * HIDDEN  # the test drafter taps two target layers
-INVALID, NOT_FOUND, EXHAUSTED = (
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
+MAX_TREE = 16  # the verifiers' --max-tree-size
+TAPS = [0, 2]  # the test drafter's target layers
+FEATURE_DIM = len(TAPS) * HIDDEN
+INVALID, NOT_FOUND, EXHAUSTED, UNAVAILABLE, PRECONDITION = (
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
 )
+WAIT_S = 30.0  # a deadline, not a measurement: how long an append may take to reach a drafter on a busy machine
+
+
+class ScriptedDrafter(pb_grpc.DrafterServicer):
+    """A drafter service whose trees the test writes, for the verifier's side of the drafter's contract: the real
+    drafter never sends a malformed tree, and fails only as its sessions make it. It records every Append and
+    DraftBatch request it gets; each draft is answered by the next entry scripted for its session (a function of the
+    DraftRequest -> its DraftOutcome), else with the chain of the target's own next two tokens (`sequence`: the
+    prompt and the target's greedy continuation, by position). `fail_call`, where set, fails a DraftBatch whole."""
+
+    def __init__(self) -> None:
+        self.sequence: list[int] = []
+        self.script: dict[str, deque[Callable[[pb.DraftRequest], pb.DraftOutcome]]] = {}
+        self.appends: list[tuple[str, list[int]]] = []  # (session, the features' shape)
+        self.drafts: list[list[pb.DraftRequest]] = []  # each DraftBatch's drafts
+        self.fail_call: tuple[grpc.StatusCode, str] | None = None
+        self.lock = threading.Lock()
+
+    def Info(self, request, context) -> pb.DrafterInfoResponse:  # lane_port 0: unary calls
+        return pb.DrafterInfoResponse(block_size=BLOCK, target_layer_ids=TAPS, feature_dim=FEATURE_DIM,
+                                      vocab_size=VOCAB, max_budget=MAX_TREE)
+
+    def Append(self, request: pb.AppendRequest, context) -> pb.AppendResponse:
+        with self.lock:
+            self.appends.append((request.session_id, list(request.features.shape)))
+        return pb.AppendResponse()
+
+    def DraftBatch(self, request: pb.DraftBatchRequest, context) -> pb.DraftBatchResponse:
+        with self.lock:
+            self.drafts.append(list(request.drafts))
+            if self.fail_call is not None:
+                context.abort(*self.fail_call)
+            answer = pb.DraftBatchResponse()
+            for draft in request.drafts:
+                scripted = self.script.get(draft.session_id)
+                answer.outcomes.add().CopyFrom(scripted.popleft()(draft) if scripted else self.chain(draft))
+            return answer
+
+    def chain(self, draft: pb.DraftRequest, wrong_sibling: bool = False) -> pb.DraftOutcome:
+        """The root, then the target's next two tokens (and, wrong_sibling, a sibling of the first the target would
+        not choose)."""
+        at = draft.root_position
+        assert self.sequence[at] == draft.root_token, "the root is not the target's token at its position"
+        first, second = self.sequence[at + 1 : at + 3]
+        if wrong_sibling:
+            nodes = [[draft.root_token, first, (first + 1) % VOCAB, second], [-1, 0, 0, 1], [0, 1, 1, 2]]
+        else:
+            nodes = [[draft.root_token, first, second], [-1, 0, 1], [0, 1, 2]]
+        return tree_outcome(nodes)
+
+    def received(self) -> list[list[str]]:
+        """Each DraftBatch's sessions, in order."""
+        with self.lock:
+            return [[draft.session_id for draft in drafts] for drafts in self.drafts]
+
+
+def tree_outcome(nodes, max_depth: int = BLOCK - 1) -> pb.DraftOutcome:
+    """A draft's answer: the tree of [tokens, parents, depths]."""
+    tree = pb.DraftTree(nodes=np.array(nodes, dtype=np.int32).tobytes(), max_depth=max_depth)
+    return pb.DraftOutcome(draft=pb.DraftResponse(tree=tree))
+
+
+@dataclass
+class Scripted:
+    drafter: ScriptedDrafter
+    address: str
 
 
 @dataclass
 class Services:
     drafter: Service
-    verifier: Service
+    verifier: Service  # its drafter is `drafter`
     short_ttl_drafter: Service  # --session-ttl 1
+    scripted: Scripted
+    scripted_verifier: Service  # its drafter is `scripted`
 
 
 @pytest.fixture(scope="module")
 def services(qwen3_target, drafter_dir, tmp_path_factory) -> Services:
     logs = tmp_path_factory.mktemp("service-logs")
-    ports = free_ports(6)
+    ports = free_ports(9)
+    scripted = Scripted(ScriptedDrafter(), f"127.0.0.1:{ports[8]}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
+                         options=[("grpc.max_receive_message_length", 2**24)])
+    pb_grpc.add_DrafterServicer_to_server(scripted.drafter, server)
+    server.add_insecure_port(scripted.address)
+    server.start()
     draft_cmd = ["draft_server.server", "--drafter", str(drafter_dir), "--target", str(qwen3_target)]
+    verify_cmd = ["ddtree.cli", "verify", "--target", str(qwen3_target), "--max-tree-size", str(MAX_TREE)]
     procs = Services(
         drafter=launch(DRAFTER_SERVICE, draft_cmd, (ports[0], ports[1]), logs),
-        verifier=launch(
-            VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--max-tree-size", str(MAX_TREE)],
-            (ports[2], ports[3]), logs,
-        ),
+        # trees as drafted (no load-adaptive cut), as the in-process loop's
+        verifier=launch(VERIFIER_SERVICE, [*verify_cmd, "--drafter", f"127.0.0.1:{ports[0]}", "--no-fit-trees"],
+                        (ports[2], ports[3]), logs),
         short_ttl_drafter=launch(DRAFTER_SERVICE, [*draft_cmd, "--session-ttl", "1"], (ports[4], ports[5]), logs),
+        scripted=scripted,
+        scripted_verifier=launch(VERIFIER_SERVICE, [*verify_cmd, "--drafter", scripted.address],
+                                 (ports[6], ports[7]), logs),
     )
-    everyone = (procs.drafter, procs.verifier, procs.short_ttl_drafter)
+    everyone = (procs.drafter, procs.verifier, procs.short_ttl_drafter, procs.scripted_verifier)
     try:
         wait_serving(*everyone)
         yield procs
     finally:
         exit_codes = [s.stop() for s in everyone]
-    assert exit_codes == [0, 0, 0], "a service did not shut down cleanly on SIGTERM"
+        server.stop(0)
+    assert exit_codes == [0, 0, 0, 0], "a service did not shut down cleanly on SIGTERM"
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +189,8 @@ async def _rounds(
 
 async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None,
                          prefill_chunk: int = 0):
-    """The round loop against the services; `opened` collects "RPC:KIND" for every connection the clients' calls
-    open (Lane: the service's round lane, UnaryCalls: unary calls, without one)."""
+    """The round loop against the services; `opened` collects "RPC:KIND" for every connection the gateway's
+    clients open (Lane: the service's round lane, UnaryCalls: unary calls, without one)."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
                 GrpcDrafter(services.drafter.address, lanes=lanes) as drafter):
         await drafter.info()
@@ -116,6 +205,52 @@ async def _remote_rounds(services: Services, mode: str, params: SamplingParams, 
         return await _rounds(verifier, drafter, mode, params, prefill_chunk)
 
 
+class _Replayed:
+    """The in-process verifier taking AR steps where a remote one did: its first `ar_steps` steps, which the remote
+    verifier took while the prompt's features were still on their way to its drafter (its sessions draft once they
+    are in the drafter's context; in-process they are there when the prefill returns)."""
+
+    remote = False
+
+    def __init__(self, verifier: LocalVerifier, ar_steps: int) -> None:
+        self.verifier = verifier
+        self.ar_steps = ar_steps
+
+    async def prefill(self, *args, **kwargs):
+        return await self.verifier.prefill(*args, **kwargs)
+
+    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
+        if self.ar_steps:
+            self.ar_steps -= 1
+            steps = [SessionStep(step.session_id, 0, None, step.untap) for step in steps]
+        return await self.verifier.step(steps)
+
+    async def end_session(self, session_id: str) -> None:
+        await self.verifier.end_session(session_id)
+
+
+def _waiting_for_the_drafter(rounds: list[Round], mode: str) -> int:
+    """The AR steps a speculating generation took after its prompt, before its first tree; every step after them
+    has its tree."""
+    if mode == "ar":
+        return 0
+    steps = rounds[1:]
+    waited = next((i for i, r in enumerate(steps) if r.tree_size), len(steps))
+    assert waited < len(steps), "no step had a tree"
+    expected = BLOCK - 1 if mode == "chain" else BUDGET
+    assert [r.tree_size for r in steps[waited:]] == [expected] * (len(steps) - waited)
+    return waited
+
+
+def _in_process_as(remote: list[Round], local, mode: str, params: SamplingParams) -> list[Round]:
+    """The in-process loop's rounds, its AR steps where the remote loop's were."""
+    verifier, drafter = local
+    rounds, fallbacks = asyncio.run(_rounds(_Replayed(verifier, _waiting_for_the_drafter(remote, mode)), drafter,
+                                            mode, params))
+    assert fallbacks == []
+    return rounds
+
+
 def _tokens(rounds: list[Round]) -> list[int]:
     return [t for r in rounds for t in r.tokens]
 
@@ -125,6 +260,22 @@ async def _status(call) -> grpc.StatusCode:
     with pytest.raises((BackendError, grpc.aio.AioRpcError)) as err:
         await call
     return err.value.code if isinstance(err.value, BackendError) else err.value.code()
+
+
+async def _step(verifier: GrpcVerifier, step: SessionStep) -> StepOutcome:
+    """One session's step, alone in its Step call: its outcome, or the error it failed with, raised."""
+    (outcome,) = await verifier.step([step])
+    if isinstance(outcome.step, BaseException):
+        raise outcome.step
+    return outcome
+
+
+async def _appended(drafter: ScriptedDrafter, count: int) -> None:
+    """Until the scripted drafter has had `count` Append calls."""
+    deadline = time.monotonic() + WAIT_S
+    while len(drafter.appends) < count:
+        assert time.monotonic() < deadline, f"{len(drafter.appends)} appends of {count} after {WAIT_S} s"
+        await asyncio.sleep(0.01)
 
 
 # ---- health, info, reflection -----------------------------------------------------------------------------------
@@ -147,7 +298,7 @@ def test_serving_after_warm_up_with_info_and_reflection(services):
     assert (verifier_info.max_context_length, verifier_info.eos_token_ids) == (1024, [])
     assert verifier_info.max_tree_size == MAX_TREE
     assert verifier_info.max_sessions == drafter_info.max_sessions == 64  # their --max-sessions default
-    assert (drafter_info.block_size, drafter_info.target_layer_ids) == (BLOCK, [0, 2])
+    assert (drafter_info.block_size, drafter_info.target_layer_ids) == (BLOCK, TAPS)
     assert (drafter_info.feature_dim, drafter_info.vocab_size) == (FEATURE_DIM, VOCAB)
     with grpc.insecure_channel(services.verifier.address) as channel:
         listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
@@ -206,46 +357,106 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
 
 
 @pytest.mark.parametrize("mode, lanes", [(mode, True) for mode in MODES] + [("ddtree", False)],
-                         ids=[*MODES, "ddtree-grpc-streams"])
+                         ids=[*MODES, "ddtree-unary"])
 def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, services, local, hf_tokens):
+    """Each mode's output is the target's greedy one, and each step drafts the tree the in-process loop drafts and
+    accepts its path; the gateway opens one connection, for its steps (over the verifier's lane, or unary calls
+    without lanes): no draft and no feature passes through it."""
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
-    in_process, _ = asyncio.run(_rounds(*local, mode, SamplingParams()))
-    # without lanes a step's batch calls and the prompt's features (kept by the remote verifier) go in unary calls,
-    # having no stream form
-    assert {entry.split(":")[1] for entry in opened} == ({"Lane"} if lanes else {"UnaryCalls"})
+    in_process = _in_process_as(remote, local, mode, SamplingParams())
+    assert opened == ["Step:Lane" if lanes else "Step:UnaryCalls"]
     assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
-    expected_tree = {"ar": 0, "chain": BLOCK - 1, "ddtree": BUDGET}[mode]
-    assert {r.tree_size for r in remote[1:]} == {expected_tree}
 
 
-@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "no-lanes"])
-def test_a_chunked_prompts_features_travel_over_the_lanes_or_unary(lanes, services, local, hf_tokens):
-    """The prompt in chunks of 3: its features taken from the verifier and appended to the drafter over their
-    round lanes, or in unary calls without lanes (neither call has a gRPC stream form); the output is the same."""
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "unary"])
+def test_a_chunked_prompts_features_reach_the_drafter_chunk_by_chunk(lanes, services, local, hf_tokens):
+    """The prompt in chunks of 3: the verifier appends each chunk's features to the drafter (one Append a chunk,
+    over the drafter's round lane) while the gateway's calls go over the verifier's lane or unary calls; the output,
+    trees and paths are the in-process loop's on the whole prompt."""
+    drafter = services.drafter
+
+    def calls(rpc: str) -> float:
+        return drafter.metric("ddtree_draft_requests_total", rpc=rpc, code="OK") or 0.0
+
+    appends, drafts = calls("Append"), calls("Draft")
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", SamplingParams(), lanes, opened, 3))
-    in_process, _ = asyncio.run(_rounds(*local, "ddtree", SamplingParams()))
+    in_process = _in_process_as(remote, local, "ddtree", SamplingParams())
     assert fallbacks == [] and _tokens(remote) == hf_tokens
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]
-    if lanes:
-        assert {"TakeFeatures:Lane", "Append:Lane", "DraftBatch:Lane", "VerifyBatch:Lane"} <= set(opened)
-        assert not [entry for entry in opened if entry.endswith(":UnaryCalls")]
-    else:
-        assert set(opened) == {"TakeFeatures:UnaryCalls", "Append:UnaryCalls", "DraftBatch:UnaryCalls",
-                               "VerifyBatch:UnaryCalls"}
+    assert opened == ["Step:Lane" if lanes else "Step:UnaryCalls"]
+    assert calls("Append") - appends == 3  # 3 + 3 + 1 tokens
+    assert calls("Draft") - drafts == sum(1 for r in remote if r.tree_size)  # a draft a step with a tree
+    lane_port = asyncio.run(_drafter_lane_port(drafter.address))
+    assert f"round calls over its round lane at 127.0.0.1:{lane_port}" in services.verifier.log()
+
+
+async def _drafter_lane_port(address: str) -> int:
+    async with GrpcDrafter(address) as client:
+        await client.info()
+        return client._lane_port
 
 
 def test_seeded_sampling_matches_in_process_loop(services, local):
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=1234)
     remote, fallbacks = asyncio.run(_remote_rounds(services, "ddtree", params))
-    in_process, _ = asyncio.run(_rounds(*local, "ddtree", params))
+    in_process = _in_process_as(remote, local, "ddtree", params)
     assert fallbacks == []
     assert _tokens(remote) == _tokens(in_process)
     assert len(_tokens(remote)) == MAX_NEW
+
+
+def test_a_verifier_without_a_drafter_refuses_tapped_sessions_and_steps_ar(qwen3_target, hf_tokens):
+    """In-process, a verifier without --drafter: a session with tap layers (by StartSession, or by its prompt's first
+    Prefill, which then holds nothing) is FAILED_PRECONDITION; a session without taps asking for trees takes AR
+    steps, the target's greedy tokens."""
+    grpc_port, metrics_port = free_ports(2)
+    address = f"127.0.0.1:{grpc_port}"
+    config = VerifyServerConfig(host="127.0.0.1", port=grpc_port, metrics_port=metrics_port, device="cpu",
+                                target=str(qwen3_target), max_tree_size=MAX_TREE)
+
+    async def scenario():
+        metrics = ServiceMetrics("ddtree_verify", "kv_cache_bytes", "test", torch.device("cpu"))
+        host = EngineHost(metrics, verify_server.STATUSES, verify_server.kv_cache_bytes, config.session_ttl)
+        servicer = verify_server.VerifierServicer(host, config)
+        add = lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server)  # noqa: E731
+        serving = asyncio.create_task(serve(config, host, VERIFIER_SERVICE, add,
+                                            lambda: verify_server.load_engine(config),
+                                            lambda engine: verify_server.prepare(engine, config),
+                                            servicer.lane_routes()))
+        try:
+            async with GrpcVerifier(address, timeout_s=10) as client:
+                while not await client.health():
+                    await asyncio.sleep(0.05)
+                session = uuid.uuid4().hex
+                tapped = pb.VerifierStartSessionRequest(session_id=session, capacity=64, tap_layers=TAPS)
+                stub = pb_grpc.VerifierStub(client._channel)
+                codes = {
+                    "StartSession": await _status(stub.StartSession(tapped, timeout=30)),
+                    "Prefill": await _status(stub.Prefill(pb.PrefillRequest(session_id=session, prompt=PROMPT,
+                                                                            start=tapped), timeout=30)),
+                }
+                await start_verifier_session(client, session, 64)  # the same id: nothing was left of the refusals
+                tokens = list((await client.prefill(session, PROMPT)).tokens)
+                sizes = []
+                for _ in range(4):
+                    outcome = await _step(client, SessionStep(session, BUDGET))
+                    tokens += outcome.step.tokens
+                    sizes.append(outcome.tree_size)
+                await client.end_session(session)
+                return codes, tokens, sizes
+        finally:
+            serving.cancel()
+            with suppress(asyncio.CancelledError):
+                await serving
+
+    codes, tokens, sizes = asyncio.run(scenario())
+    assert codes == dict.fromkeys(["StartSession", "Prefill"], PRECONDITION)
+    assert tokens == hf_tokens[:5] and sizes == [0] * 4
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------
@@ -272,31 +483,118 @@ def _bad_trees(root: int) -> dict[str, pb.DraftTree]:
     }
 
 
-def test_malformed_trees_are_invalid_argument_and_the_session_verifies_afterwards(services, hf_tokens):
-    async def scenario():
-        async with GrpcVerifier(services.verifier.address) as verifier:
-            stub = pb_grpc.VerifierStub(verifier._channel)
-            session = uuid.uuid4().hex
-            await start_verifier_session(verifier, session, 64)
-            root = (await verifier.prefill(session, PROMPT)).tokens[-1]
-            codes = {
-                name: await _status(stub.Verify(pb.VerifyRequest(session_id=session, tree=tree), timeout=30))
-                for name, tree in _bad_trees(root).items()
-            }
-            # the target's own next two tokens, plus a wrong sibling: an intact session accepts both
-            good = DraftTree(
-                tokens=torch.tensor([root, hf_tokens[1], (hf_tokens[1] + 1) % VOCAB, hf_tokens[2]]),
-                parents=torch.tensor([-1, 0, 0, 1]), depths=torch.tensor([0, 1, 1, 2]), max_depth=BLOCK - 1,
-            )
-            verified = await one(verifier.verify([VerifyAsk(session, good)]))
-            decoded = await one(verifier.verify([VerifyAsk(session, None)]))
-            await verifier.end_session(session)
-            return root, codes, verified.tokens, decoded.tokens
+async def _drafted(verifier: GrpcVerifier, drafter: ScriptedDrafter, session: str, budget: int = 4) -> StepOutcome:
+    """The session's next step with a tree (or the error it failed with, raised): the steps before it, taken while
+    its prompt's features were still on their way to the drafter, were AR steps (no draft asked for)."""
+    asked = len(drafter.received())
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        (outcome,) = await verifier.step([SessionStep(session, budget)])
+        if len(drafter.received()) > asked:
+            if isinstance(outcome.step, BaseException):
+                raise outcome.step
+            return outcome
+        assert not isinstance(outcome.step, BaseException) and outcome.tree_size == 0, outcome
+        assert time.monotonic() < deadline, f"no draft asked for in {WAIT_S} s"
 
-    root, codes, verified, decoded = asyncio.run(scenario())
-    assert codes == dict.fromkeys(codes, INVALID) and len(codes) == 12
-    assert root == hf_tokens[0]
-    assert verified + decoded == hf_tokens[1:5]
+
+def test_a_malformed_tree_from_the_drafter_sends_its_session_on_ar_and_a_good_one_verifies(services, hf_tokens):
+    """The verifier checks a drafter's tree as a client's: a malformed one is refused (INVALID_ARGUMENT in the
+    session's draft_status), and the session takes that step as an AR step instead, untapped, asking for no more
+    drafts, its tokens the target's own; a good tree on a session beside them is verified."""
+    drafter = services.scripted.drafter
+    drafter.sequence = PROMPT + hf_tokens
+
+    async def scenario():
+        async with GrpcVerifier(services.scripted_verifier.address) as verifier:
+            refused = {}
+            for name in _bad_trees(0):
+                session = uuid.uuid4().hex
+                await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
+                await verifier.prefill(session, PROMPT)
+                drafter.script[session] = deque([lambda draft, name=name: pb.DraftOutcome(
+                    draft=pb.DraftResponse(tree=_bad_trees(draft.root_token)[name]))])
+                outcome = await _drafted(verifier, drafter, session)
+                asked = len(drafter.received())
+                at = drafter.drafts[-1][0].root_position  # the refused tree's root: the step's token comes after it
+                tokens = list(outcome.step.tokens)
+                for _ in range(2):  # AR from here: no draft asked for
+                    tokens += (await _step(verifier, SessionStep(session, 4))).step.tokens
+                refused[name] = (outcome.tree_size, outcome.draft_error.code, len(drafter.received()) - asked,
+                                 tokens, at - len(PROMPT) + 1)
+                await verifier.end_session(session)
+            session = uuid.uuid4().hex
+            await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
+            await verifier.prefill(session, PROMPT)
+            drafter.script[session] = deque([lambda draft: drafter.chain(draft, wrong_sibling=True)])
+            verified = await _drafted(verifier, drafter, session)
+            decoded = await _step(verifier, SessionStep(session))
+            await verifier.end_session(session)
+            asked = [drafts[0] for drafts in drafter.drafts if drafts[0].session_id == session]
+            return refused, verified, decoded.step.tokens, asked[-1]
+
+    refused, verified, decoded, asked = asyncio.run(scenario())
+    assert len(refused) == 12
+    for name, (size, code, asked_after, tokens, first) in refused.items():
+        assert (size, code, asked_after) == (0, INVALID, 0), name
+        assert tokens == hf_tokens[first : first + 3], name
+    # the target's own next two tokens, beside a wrong sibling: both accepted, then the bonus token
+    assert verified.tree_size == 3 and verified.draft_error is None
+    first = asked.root_position - len(PROMPT) + 1
+    assert verified.step.tokens + decoded == hf_tokens[first : first + 4]
+
+
+def test_a_drafters_failure_is_its_sessions_alone_which_go_on_with_ar_steps(services, hf_tokens):
+    """Two speculating sessions step together. A draft the drafter fails (its status in the DraftBatch answer) makes
+    its session take an AR step, the failure in its draft_status, and draft no more; the other session's tree is
+    verified in the same step. A DraftBatch that fails whole does the same to every session in it. Every token is
+    the target's greedy one."""
+    drafter = services.scripted.drafter
+    drafter.sequence = PROMPT + hf_tokens
+
+    async def scenario():
+        async with GrpcVerifier(services.scripted_verifier.address) as verifier:
+            sessions = [uuid.uuid4().hex for _ in range(2)]
+            tokens = {session: [] for session in sessions}
+            for session in sessions:
+                await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
+                tokens[session] += (await verifier.prefill(session, PROMPT)).tokens
+
+            async def step() -> list[StepOutcome]:
+                outcomes = await verifier.step([SessionStep(session, 4) for session in sessions])
+                for session, outcome in zip(sessions, outcomes):
+                    tokens[session] += outcome.step.tokens
+                return outcomes
+
+            deadline = time.monotonic() + WAIT_S
+            while [o.tree_size for o in await step()] != [2, 2]:  # until both sessions' features are there
+                assert time.monotonic() < deadline, f"the sessions did not draft in {WAIT_S} s"
+            before = len(drafter.received())
+            failing = pb.DraftOutcome(status=pb.CallStatus(code=UNAVAILABLE.value[0], details="scripted failure"))
+            drafter.script[sessions[0]] = deque([lambda draft: failing])
+            one_failed = await step()
+            drafter.fail_call = (UNAVAILABLE, "scripted call failure")
+            try:
+                call_failed = await step()
+            finally:
+                drafter.fail_call = None
+            untapped = await step()
+            for session in sessions:
+                await verifier.end_session(session)
+            return sessions, tokens, one_failed, call_failed, untapped, drafter.received()[before:]
+
+    sessions, tokens, one_failed, call_failed, untapped, received = asyncio.run(scenario())
+    first, second = one_failed
+    assert (first.tree_size, second.tree_size) == (0, 2)
+    assert (first.draft_error.code, first.draft_error.details) == (UNAVAILABLE, "scripted failure")
+    assert second.draft_error is None and len(first.step.tokens) == 1
+    assert call_failed[0].draft_error is None and call_failed[0].tree_size == 0  # it drafts no more
+    assert call_failed[1].draft_error.code == UNAVAILABLE and call_failed[1].tree_size == 0
+    assert call_failed[1].draft_error.details == "scripted call failure"
+    assert [(o.tree_size, o.draft_error) for o in untapped] == [(0, None), (0, None)]
+    assert received == [sessions, sessions[1:]]  # drafts asked for: both, then the second alone, then none
+    for session_tokens in tokens.values():
+        assert session_tokens == hf_tokens[: len(session_tokens)]
 
 
 def test_unknown_sessions_are_not_found(services):
@@ -304,17 +602,18 @@ def test_unknown_sessions_are_not_found(services):
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
             codes = {
                 "prefill": await _status(verifier.prefill("nope", PROMPT)),
-                "decode": await _status(one(verifier.verify([VerifyAsk("nope", None)]))),
-                "verify": await _status(one(verifier.verify([
-                    VerifyAsk("nope", DraftTree(*map(torch.tensor, ([1], [-1], [0])), 0))]))),
+                "AR step": await _status(_step(verifier, SessionStep("nope"))),
+                "step with a tree": await _status(_step(verifier, SessionStep("nope", BUDGET))),
                 "draft": await _status(one(drafter.draft([
                     DraftAsk("nope", torch.zeros(1, FEATURE_DIM), 1, 1, 4, None)]))),
+                "append": await _status(drafter.append("nope", torch.zeros(1, FEATURE_DIM))),
             }
             await verifier.end_session("nope")  # ending what is not there is not an error
             await drafter.end_session("nope")
             return codes
 
-    assert asyncio.run(scenario()) == dict.fromkeys(["prefill", "decode", "verify", "draft"], NOT_FOUND)
+    assert asyncio.run(scenario()) == dict.fromkeys(["prefill", "AR step", "step with a tree", "draft", "append"],
+                                                    NOT_FOUND)
 
 
 def test_bad_verifier_requests_leave_the_session_usable(services):
@@ -334,14 +633,24 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
             codes["prompt beyond capacity"] = await _status(verifier.prefill(session, PROMPT))
             codes["token beyond vocab"] = await _status(verifier.prefill(session, PROMPT[:-1] + [VOCAB]))
             codes["empty prompt"] = await _status(verifier.prefill(session, []))
+            codes["step before the prompt"] = await _status(_step(verifier, SessionStep(session)))
             first = await verifier.prefill(session, PROMPT[:-1])
+            steps = {
+                "budget beyond max tree size": SessionStep(session, MAX_TREE + 1),
+                "negative budget": SessionStep(session, -1),
+                "negative top_k": SessionStep(session, BUDGET, -1),
+                "untap with a budget": SessionStep(session, BUDGET, None, True),
+            }
+            for name, step in steps.items():
+                codes[name] = await _status(_step(verifier, step))
+            second = await _step(verifier, SessionStep(session))  # the last slot
             await verifier.end_session(session)
-            return codes, first.tokens
+            return codes, first.tokens, second.step.tokens
 
-    codes, first = asyncio.run(scenario())
+    codes, first, second = asyncio.run(scenario())
     exhausted = {"capacity beyond limit", "prompt beyond capacity"}
-    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 7
-    assert len(first) == 1 and 0 <= first[0] < VOCAB
+    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 12
+    assert len(first) == len(second) == 1 and 0 <= first[0] < VOCAB and 0 <= second[0] < VOCAB
 
 
 def test_a_prefill_that_starts_its_session_holds_nothing_when_it_fails(services, hf_tokens):
@@ -391,34 +700,53 @@ def test_a_prefill_that_starts_its_session_holds_nothing_when_it_fails(services,
     assert sessions() == before
 
 
-def test_prompt_features_past_the_message_limit_are_refused_before_any_work(tmp_path):
-    """A prompt's features go back in one message: past --max-message-bytes the verifier refuses the prefill up front
-    (RESOURCE_EXHAUSTED, naming the flag), where the answer used to fail on its way out with the session prefilled.
+def test_prompt_features_past_the_message_limit_are_refused_before_any_work(services, tmp_path):
+    """A prompt chunk's features go to the drafter in one message (an Append): past --max-message-bytes the verifier
+    refuses the prefill up front (RESOURCE_EXHAUSTED, naming the flag), before its forward, the session untouched.
     The demo target (6 layers of 384, fp32 here: 9 KiB of features a token with every tap) reaches 1 MiB at ~114
-    tokens; the test target's whole context stays below it."""
+    tokens; the test target's whole context stays below it. A chunk below the limit prefills, and its features reach
+    the drafter whole."""
+    drafter = services.scripted.drafter
     ports = free_ports(2)
     command = ["ddtree.cli", "verify", "--target", str(REPO_ROOT / "models" / "demo" / "target"),
-               "--max-message-bytes", str(2**20)]
+               "--max-message-bytes", str(2**20), "--drafter", services.scripted.address]
     verifier = launch(VERIFIER_SERVICE, command, (ports[0], ports[1]), tmp_path)
 
-    async def scenario() -> tuple[BackendError, list[int]]:
+    async def scenario():
         async with GrpcVerifier(verifier.address) as client:
             info = await client.info()
             session, taps = uuid.uuid4().hex, list(range(info.num_layers))
             await start_verifier_session(client, session, 300, SamplingParams(), taps)
+            appends = len(drafter.appends)
             with pytest.raises(BackendError) as refused:
                 await client.prefill(session, [5] * 200)  # 200 x 6 x 384 x 4 B = 1.8 MB
             first = await client.prefill(session, [5] * 100)  # 0.9 MB: the same session, untouched, prefills
+            await _appended(drafter, appends + 1)
             await client.end_session(session)
-            return refused.value, first.tokens
+            expected = (session, [100, len(taps) * info.hidden_size])
+            return refused.value, first.tokens, drafter.appends[appends:], expected
 
     try:
         wait_serving(verifier)
-        refused, first = asyncio.run(scenario())
+        refused, first, appended, expected = asyncio.run(scenario())
     finally:
         verifier.stop()
     assert refused.code == EXHAUSTED and "--max-message-bytes" in refused.details and "200 tokens" in refused.details
     assert len(first) == 1
+    assert appended == [expected]
+
+
+def _draft_outcome(stub, request: pb.DraftRequest):
+    """A DraftBatch of the one draft -> its answer, or the status it failed with."""
+    async def call():
+        (outcome,) = (await stub.DraftBatch(pb.DraftBatchRequest(drafts=[request]), timeout=30)).outcomes
+        if outcome.status.code:
+            raise BackendError("drafter", "Drafter/Draft",
+                               next(c for c in grpc.StatusCode if c.value[0] == outcome.status.code),
+                               outcome.status.details)
+        return outcome.draft
+
+    return call()
 
 
 def test_bad_draft_requests_leave_the_session_usable(services, local):
@@ -441,7 +769,7 @@ def test_bad_draft_requests_leave_the_session_usable(services, local):
             session = uuid.uuid4().hex
             await drafter.start_session(session, 32)
             codes = {
-                name: await _status(stub.Draft(pb.DraftRequest(session_id=session, **{**good, **change}), timeout=30))
+                name: await _status(_draft_outcome(stub, pb.DraftRequest(session_id=session, **{**good, **change})))
                 for name, change in bad.items()
             }
             tree, _ = await one(drafter.draft([DraftAsk(session, features, root, position, BUDGET, None)]))

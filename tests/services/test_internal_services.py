@@ -30,6 +30,7 @@ MAX_MESSAGE_BYTES = 2**30  # the verifier's --max-message-bytes
 TOKEN = "s3cret-token_for.tests"
 NOT_FOUND, EXHAUSTED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+NOBODYS_STEP = pb.StepRequest(sessions=[pb.SessionStep(session_id="nobody")]).SerializeToString()  # no such session
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,18 @@ def _answer(sock: socket.socket) -> tuple[grpc.StatusCode, bytes, bool]:
     return next(c for c in grpc.StatusCode if c.value[0] == code), body, sock.recv(1) == b""
 
 
+def _session_status(sock: socket.socket) -> grpc.StatusCode:
+    """The status of the one session's part in the next Step answer (NOBODYS_STEP): the call itself is OK, and the
+    connection stays open for the next one."""
+    size, code = HEADER.unpack(_read(sock, HEADER.size))
+    assert code == grpc.StatusCode.OK.value[0]
+    (outcome,) = pb.StepBatchResponse.FromString(_read(sock, size)).outcomes
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing more, and not closed
+        sock.recv(1)
+    return next(c for c in grpc.StatusCode if c.value[0] == outcome.status.code)
+
+
 def _read(sock: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
@@ -98,10 +111,10 @@ def test_lane_headers_claiming_large_bodies_cost_nothing_and_oversized_ones_are_
     port = _lane_port(verifier)
     before = _rss_bytes(verifier.process.pid)
     # within the limit: the connection waits for the body, buffering only what came
-    claimed = _lane(port, "Decode")
+    claimed = _lane(port, "Step")
     claimed.sendall(HEADER.pack(MAX_MESSAGE_BYTES - 1, 0) + b"\x0a")
     # past the limit: refused and closed before anything is read or allocated
-    oversized = _lane(port, "Decode")
+    oversized = _lane(port, "Step")
     oversized.sendall(HEADER.pack(2**32 - 1, 0))
     status, details, closed = _answer(oversized)
     oversized.close()
@@ -110,9 +123,9 @@ def test_lane_headers_claiming_large_bodies_cost_nothing_and_oversized_ones_are_
     # both headers have been read (the refusal came after the claim was sent, on the same event loop)
     assert _rss_bytes(verifier.process.pid) - before < MAX_MESSAGE_BYTES // 4
     # others are unharmed: a new lane connection and gRPC answer as ever
-    other = _lane(port, "Decode")
-    other.sendall(_frame(0, pb.DecodeRequest(session_id="nobody").SerializeToString()))
-    assert _answer(other)[0] == NOT_FOUND
+    other = _lane(port, "Step")
+    other.sendall(_frame(0, NOBODYS_STEP))
+    assert _session_status(other) == NOT_FOUND
     other.close()
     claimed.close()
     assert _lane_port(verifier) == port
@@ -165,13 +178,13 @@ def test_without_the_token_every_call_but_health_is_unauthenticated(verifier) ->
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     port = _lane_port(verifier)
     for token in (None, "wrong"):
-        stranger = _lane(port, "Decode", token)
+        stranger = _lane(port, "Step", token)
         status, details, closed = _answer(stranger)
         stranger.close()
         assert status == UNAUTHENTICATED and closed and b"--auth-token" in details
-    member = _lane(port, "Decode")  # the same lane with the token: served
-    member.sendall(_frame(0, pb.DecodeRequest(session_id="nobody").SerializeToString()))
-    assert _answer(member)[0] == NOT_FOUND
+    member = _lane(port, "Step")  # the same lane with the token: served
+    member.sendall(_frame(0, NOBODYS_STEP))
+    assert _session_status(member) == NOT_FOUND
     member.close()
     assert "refused /ddtree.v1.Verifier/Info: no token" in verifier.log()
 

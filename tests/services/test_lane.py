@@ -1,6 +1,6 @@
 """The round lane's wire protocol (runtime/lane.py) on loopback: answers and statuses as gRPC's, every malformed
 input answered or refused without taking the server down, and a shutdown that does not wait for idle clients; and
-the gateway's calls over a lane that takes requests before their answers (GrpcClient._session_call)."""
+a client's calls over a lane that takes requests before their answers (GrpcClient._session_call)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import random
 import grpc
 import pytest
 
-from gateway.grpc_client import STEP_KEY, BackendError
+from runtime.client import STEP_KEY, BackendError
 from gateway.grpc_verifier import GrpcVerifier
-from gateway.transports import SessionStream
+from runtime.transports import SessionStream
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import HEADER, MAGIC, CallFailed, Lane, LaneServer, Route, _Frames
 
@@ -31,11 +31,9 @@ async def _draft(request: pb.DraftRequest, context) -> pb.DraftResponse:
     return response
 
 
-async def _echo(request: pb.DraftRequest, context) -> pb.StepResponse:
-    """The request's features back, as a verifier's answer carries them."""
-    response = pb.StepResponse(tokens=[request.root_token])
-    response.features.CopyFrom(request.features)
-    return response
+async def _echo(request: pb.DraftRequest, context) -> pb.DraftRequest:
+    """The request back, its features (of any size: a prompt chunk's, as an Append carries them) included."""
+    return request
 
 
 async def _with_lane(scenario, max_bytes: int = MAX_BYTES):
@@ -126,7 +124,7 @@ def test_a_failure_answer_ends_the_connection():
     [
         (HELLO, HEADER.pack(MAX_BYTES + 1, 0), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (HELLO, _frame(b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT),
-        (_frame(MAGIC + b"Verify"), b"", grpc.StatusCode.UNIMPLEMENTED),
+        (_frame(MAGIC + b"Prefill"), b"", grpc.StatusCode.UNIMPLEMENTED),  # an RPC without a lane
         (b"GET / HTTP/1.1\r\n\r\n", b"", None),  # not a lane client: closed without an answer
         (_frame(b"hello"), _frame(b"x"), None),
         (HEADER.pack(1000, 0), b"", None),  # a first frame longer than any hello: never buffered
@@ -175,13 +173,13 @@ def test_messages_of_any_size_and_frames_back_to_back_arrive_whole():
     written in one go, answered one by one in order."""
 
     async def scenario(port: int):
-        lane = await Lane.open("127.0.0.1", port, "Echo", pb.StepResponse, 2**24)
+        lane = await Lane.open("127.0.0.1", port, "Echo", pb.DraftRequest, 2**24)
         echoed = []
         for size in (1, 100_000, 5_000_000, 10, 700_000):  # past the kept buffer size, and back
             request = pb.DraftRequest(root_token=size)
             request.features.data = os.urandom(size)
             answer = await lane.exchange(request)
-            echoed.append(answer.tokens == [size] and answer.features.data == request.features.data)
+            echoed.append(answer.root_token == size and answer.features.data == request.features.data)
         lane.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_frame(MAGIC + b"Echo") + b"".join(_frame(pb.DraftRequest(root_token=t).SerializeToString())
@@ -189,53 +187,12 @@ def test_messages_of_any_size_and_frames_back_to_back_arrive_whole():
         tokens = []
         for _ in range(3):
             size, code = HEADER.unpack(await reader.readexactly(HEADER.size))
-            tokens += pb.StepResponse.FromString(await reader.readexactly(size)).tokens
+            tokens.append(pb.DraftRequest.FromString(await reader.readexactly(size)).root_token)
         writer.close()
         return echoed, tokens
 
     echoed, tokens = asyncio.run(_with_lane(scenario, max_bytes=2**24))
     assert echoed == [True] * 5 and tokens == [7, 8, 9]
-
-
-def test_a_request_in_pieces_and_an_unparsed_answer():
-    """A request already serialised, in pieces (a prompt's features relayed unparsed), arrives as one message; a
-    lane opened without a response class hands each answer over as its bytes."""
-
-    async def scenario(port: int):
-        lane = await Lane.open("127.0.0.1", port, "Echo", None, 2**24)
-        request = pb.DraftRequest(root_token=4)
-        request.features.data = os.urandom(3_000_000)
-        whole = request.SerializeToString()
-        answer = await lane.exchange((whole[:1000], whole[1000:2_000_000], whole[2_000_000:]))
-        lane.close()
-        return request, answer
-
-    request, answer = asyncio.run(_with_lane(scenario, max_bytes=2**24))
-    assert isinstance(answer, bytes)
-    parsed = pb.StepResponse.FromString(answer)
-    assert parsed.tokens == [4] and parsed.features.data == request.features.data
-
-
-def test_a_large_unparsed_answer_is_handed_over_without_a_copy():
-    """An answer of several MB (a chunk of a prompt's features) comes as a view of the buffer the lane received it
-    into, which the lane then gives up: later answers on the connection leave it as it was."""
-
-    async def scenario(port: int):
-        lane = await Lane.open("127.0.0.1", port, "Echo", None, 2**25)
-        answers = []
-        for size in (9_000_000, 10, 5_000_000, 20):
-            request = pb.DraftRequest(root_token=size)
-            request.features.data = os.urandom(size)
-            answers.append((request, await lane.exchange(request)))
-        lane.close()
-        return answers
-
-    answers = asyncio.run(_with_lane(scenario, max_bytes=2**25))
-    for request, answer in answers:
-        large = len(request.features.data) > 1_000_000
-        assert isinstance(answer, memoryview if large else bytes)
-        parsed = pb.StepResponse.FromString(answer)
-        assert parsed.tokens == [request.root_token] and parsed.features.data == request.features.data
 
 
 class _Recorder(_Frames):
@@ -293,13 +250,13 @@ def test_a_client_call_follows_the_last_one_unanswered_and_one_cancelled_before_
     async def scenario():
         client = GrpcVerifier("127.0.0.1:1")
         lane = _HeldLane()
-        stream = client._streams[("VerifyBatch", STEP_KEY)] = SessionStream(transport=lane)
-        first = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "one"))
-        second = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "two"))
+        stream = client._streams[("Step", STEP_KEY)] = SessionStream(transport=lane)
+        first = asyncio.ensure_future(client._session_call("Step", STEP_KEY, "one"))
+        second = asyncio.ensure_future(client._session_call("Step", STEP_KEY, "two"))
         await asyncio.sleep(0)
         sent_unanswered = len(lane.answers)
         await stream.lock.acquire()  # the connection's turn is taken: the next call waits for it
-        waiting = asyncio.ensure_future(client._session_call("VerifyBatch", STEP_KEY, "three"))
+        waiting = asyncio.ensure_future(client._session_call("Step", STEP_KEY, "three"))
         await asyncio.sleep(0)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):

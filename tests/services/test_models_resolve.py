@@ -123,11 +123,12 @@ def test_commands_refuse_a_drafter_that_does_not_fit(tmp_path) -> None:
 
 
 def test_gateway_decodes_autoregressively_past_a_drafter_that_does_not_fit(tmp_path) -> None:
-    """The verifier serves a 2-layer target; the drafter service taps layer 2 of the 4-layer target it was made for."""
+    """The verifier serves a 2-layer target; the drafter service (the verifier's too) taps layer 2 of the 4-layer
+    target it was made for."""
     chat_target = make_chat_target(tmp_path / "chat")
     drafter = local_backends(chat_target, make_drafter(tmp_path / "drafter")).drafter
     short = make_target("qwen3", tmp_path / "short", layers=2)
-    backends = Backends(ServiceVerifier(VerifyEngine.from_pretrained(short)), drafter)
+    backends = Backends(ServiceVerifier(VerifyEngine.from_pretrained(short), drafter), drafter)
     request = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12,
                "temperature": 0}
 

@@ -123,7 +123,7 @@ def setup(tmp_path_factory) -> Iterator[Setup]:
     services = [launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter", str(drafter),
                                          *dtype], (draft, draft_metrics), logs),
                 launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", MODEL,
-                                          *dtype], (verify, verify_metrics), logs)]
+                                          "--drafter", f"127.0.0.1:{draft}", *dtype], (verify, verify_metrics), logs)]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DDTREE_GATEWAY_API_KEY", KEY)
         with open(logs / "gateway.log", "w") as log:

@@ -210,7 +210,7 @@ def test_services_share_a_system_prompt(tmp_path: Path) -> None:
     drafter_service = launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter",
                                                str(drafter), *dtype], (draft, draft_metrics), logs)
     verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", "tiny",
-                                                 *dtype],
+                                         "--drafter", f"127.0.0.1:{draft}", *dtype],
                       (verify, verify_metrics), logs)
     with open(logs / "gateway.log", "w") as log:
         gateway = subprocess.Popen(

@@ -1,11 +1,12 @@
 """What keeps a round's overhead low through the services, without changing what a round does: per-round steps run
 on the service's event loop when the engine is idle (EngineHost), and metrics are recorded after the answer; the
-gateway's step engine (gateway/engine.py) steps every running sequence at once, in one draft call and one verify call
-a step, sends an AR step to a remote verifier behind the one in flight, relays a prompt's features to the drafter
-while the prompt runs (the sequence sits the steps out until they are there), cancels the calls nobody waits for any
-more and degrades a drafter's failure to AR decoding; and a session's calls (Append, TakeFeatures) go over one
-connection per session and call, a step's batch calls over one per client, to the service's round lane or as unary
-gRPC calls, with the same answers and statuses."""
+gateway's step engine (gateway/engine.py) steps every running sequence at once, in one call to the verifier a step,
+runs a prompt's chunks beside the steps, sends an AR step to a remote verifier behind the one in flight, cancels the
+calls nobody waits for any more, degrades a drafter's failure to AR decoding and preempts a sequence short of KV
+memory; the verifier's step (verify_server/step.py) sends a prompt's features to the drafter chunk by chunk while
+the session takes AR steps, and turns a drafter's failure into an AR step with the same output; and a session's
+Append calls go over one connection per session, a step's calls over one per client, to the service's round lane
+or as unary gRPC calls, with the same answers and statuses."""
 
 from __future__ import annotations
 
@@ -13,26 +14,33 @@ import asyncio
 import contextlib
 import socket
 import threading
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from gateway.backends import DraftAsk, SessionStart, VerifyAsk
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
+from gateway.backends import SessionStart
 from gateway.engine import Engine
-from gateway.grpc_client import STEP_KEY, BackendError
-from gateway.grpc_drafter import GrpcDrafter
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.types import DraftTree, SamplingParams, StepResult
+from protos.types import DraftAsk, DraftTree, MemoryShort, SamplingParams, SessionStep, StepOutcome, StepResult
+from runtime.client import STEP_KEY, BackendError
+from runtime.drafter_client import GrpcDrafter
 from runtime.lane import AbortContext as LaneContext
 from runtime.lane import LaneServer, Route
 from runtime.process import use_device
 from runtime.service import EngineHost, RequestError, ServiceMetrics
+from tests.conftest import VOCAB, hf_greedy
+from verify_server.step import Stepper
+from verify_server.verify import VerifyEngine
 
 # ---- EngineHost: where engine calls run ------------------------------------------------------------------------
 
@@ -84,19 +92,20 @@ async def _loaded(host: EngineHost, engine: FakeEngine) -> None:
 
 
 def test_round_steps_run_on_the_event_loop_and_the_rest_on_the_engine_thread():
+    """A step's runs (the drafter's drafts, the verifier's Step) go on the event loop while the engine is idle."""
     host, engine = _host(), FakeEngine()
 
     async def scenario():
         await _loaded(host, engine)
         loop_thread = threading.current_thread().name
-        for rpc in ("Draft", "Verify", "Decode", "Prefill", "StartSession"):
+        for rpc in ("Draft", "Step", "Prefill", "StartSession"):
             response = await host.call(rpc, AbortContext(), lambda e: e.step(), forward=True)
             assert response.timings.total_s > 0
         return loop_thread
 
     loop_thread = asyncio.run(scenario())
-    assert engine.threads[:3] == [loop_thread] * 3
-    assert all(name.startswith("engine") for name in engine.threads[3:])
+    assert engine.threads[:2] == [loop_thread] * 2
+    assert all(name.startswith("engine") for name in engine.threads[2:])
 
 
 def test_an_indexed_cuda_device_is_made_current_on_the_loop_and_the_engine_thread(monkeypatch):
@@ -128,22 +137,22 @@ def test_a_round_step_queues_behind_work_on_the_engine_thread():
         order.append("prefill")
         return e.step()
 
-    def verify(e: FakeEngine) -> pb.StepResponse:
-        order.append("verify")
+    def step(e: FakeEngine) -> pb.StepResponse:
+        order.append("step")
         return e.step()
 
     async def scenario():
         await _loaded(host, engine)
         prefill = asyncio.create_task(host.call("Prefill", AbortContext(), long_prefill))
         await asyncio.sleep(0.05)  # the prefill holds the engine thread
-        verifying = asyncio.create_task(host.call("Verify", AbortContext(), verify))
+        stepping = asyncio.create_task(host.call("Step", AbortContext(), step))
         await asyncio.sleep(0.05)
         assert order == []  # not run on the loop while the engine is busy
         release.set()
-        await asyncio.gather(prefill, verifying)
+        await asyncio.gather(prefill, stepping)
 
     asyncio.run(scenario())
-    assert order == ["prefill", "verify"]
+    assert order == ["prefill", "step"]
     assert all(name.startswith("engine") for name in engine.threads)
 
 
@@ -152,7 +161,7 @@ def test_tensor_parallel_engines_keep_every_step_on_the_engine_thread():
 
     async def scenario():
         await _loaded(host, engine)
-        await host.call("Verify", AbortContext(), lambda e: e.step())
+        await host.call("Step", AbortContext(), lambda e: e.step())
 
     asyncio.run(scenario())
     assert host.inline_rpcs == frozenset()
@@ -168,27 +177,27 @@ def test_metrics_are_recorded_once_answered_and_gauges_read_the_sessions_when_sc
     async def scenario():
         assert _sample(host, "test_active_sessions") == 0  # before the engine exists
         await _loaded(host, engine)
-        await host.call("Verify", AbortContext(), lambda e: e.step(0.25), forward=True)
+        await host.call("Step", AbortContext(), lambda e: e.step(0.25), forward=True)
         context = AbortContext()
         with pytest.raises(RuntimeError, match="aborted"):
-            await host.call("Verify", context, failing, forward=True)
+            await host.call("Step", context, failing, forward=True)
         await asyncio.sleep(0)  # the loop's next turn records them
         return context.aborted
 
     aborted = asyncio.run(scenario())
     assert aborted == (grpc.StatusCode.INVALID_ARGUMENT, "bad tree")
-    assert _sample(host, "test_requests_total", rpc="Verify", code="OK") == 1
-    assert _sample(host, "test_requests_total", rpc="Verify", code="INVALID_ARGUMENT") == 1
-    assert _sample(host, "test_forward_duration_seconds_count", rpc="Verify") == 1
-    assert _sample(host, "test_forward_duration_seconds_sum", rpc="Verify") == 0.25
-    assert _sample(host, "test_request_duration_seconds_count", rpc="Verify") == 2
+    assert _sample(host, "test_requests_total", rpc="Step", code="OK") == 1
+    assert _sample(host, "test_requests_total", rpc="Step", code="INVALID_ARGUMENT") == 1
+    assert _sample(host, "test_forward_duration_seconds_count", rpc="Step") == 1
+    assert _sample(host, "test_forward_duration_seconds_sum", rpc="Step") == 0.25
+    assert _sample(host, "test_request_duration_seconds_count", rpc="Step") == 2
     engine.sessions.update(a=FakeSession(100), b=FakeSession(20))
     assert _sample(host, "test_active_sessions") == 2 and _sample(host, "test_cache_bytes") == 120
     engine.end_session("a")
     assert _sample(host, "test_active_sessions") == 1 and _sample(host, "test_cache_bytes") == 20
 
 
-# ---- the step engine: a prompt's relay, batched steps, a step behind the one in flight ----------------------------
+# ---- the step engine: one call a step, a step behind the one in flight, a drafter's failure, preemption ------------
 
 
 class FakeBackend:
@@ -231,120 +240,124 @@ class FakeBackend:
         self.ended.append(session_id)
 
 
+class FakeDrafter(FakeBackend):
+    """The gateway's view of a drafter: its sessions (their trees are the verifier's business). `reused`: the prompt
+    positions its prefix cache restores; fail_start: its StartSession fails."""
+
+    NAME = "drafter"
+    block_size = 4
+
+    def __init__(self, log: list[str], reused: int = 0, fail_start: bool = False) -> None:
+        super().__init__(log)
+        self.target_layer_ids = [0]
+        self.reused = reused
+        self.fail_start = fail_start
+
+    async def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt=()) -> int:
+        if self.fail_start:
+            raise ConnectionError("drafter down")
+        self.sessions.add(session_id)
+        return self.reused
+
+
 class FakeVerifier(FakeBackend):
-    """A verifier (remote: in another process). A prompt's token is 7; a tree's step accepts its node (5) and a bonus
-    token (6); an AR step commits 8, or the stop token 2 at its `stop_at`th AR step (counted over all sessions)."""
+    """A verifier (remote: in another process) that drafts a step's trees through `drafter`'s sessions. A prompt's
+    token is 7, or 8 for a prompt that continues one prefilled before (a preempted sequence's restart: its output
+    after it, as the step after would have gone on); a tree accepts its node (5) and a bonus token (6); an AR step
+    commits 8, or the stop token 2 at its `stop_at`th AR step (counted over all sessions).
+
+    A session that asks for a tree takes an AR step instead where its drafter fails (fail_draft, or its drafter
+    session gone: NOT_FOUND): the outcome tells the failure, and the session is untapped (no tree from then on). Its
+    first `ar_first` steps that ask for a tree are AR steps too, with no failure (its prompt's features still on
+    their way to the drafter). The step call numbered `short_at` (0-based) is short of KV memory for every session in
+    it."""
 
     NAME = "verifier"
 
-    def __init__(self, log: list[str], remote: bool = True, fail_chunk: int | None = None, fail_take: bool = False,
-                 stop_at: int | None = None, together: int = 1) -> None:
+    def __init__(self, log: list[str], remote: bool = True, drafter: FakeDrafter | None = None,
+                 fail_chunk: int | None = None, fail_draft: bool = False, stop_at: int | None = None,
+                 together: int = 1, ar_first: int = 0, short_at: int | None = None) -> None:
         super().__init__(log)
         self.remote = remote
+        self.drafter = drafter
         self.fail_chunk = fail_chunk  # the prefill call (0-based) that fails
-        self.fail_take = fail_take
+        self.fail_draft = fail_draft
         self.stop_at = stop_at
+        self.ar_first = ar_first
+        self.short_at = short_at
         self.ar_steps = 0
-        self.prompts: dict[str, list[int]] = {}  # session -> its prompt
-        self.kept: list[torch.Tensor] = []  # prefill calls' features kept for take_features, oldest first
-        self.batches: list[list[VerifyAsk]] = []  # each verify call's asks
+        self.prompts: dict[str, list[int]] = {}  # session -> its prompt's first call's tokens
+        self.prefills: list[tuple[str, list[int], bool, int, SessionStart | None]] = []  # each prefill call's
+        self.steps: list[list[SessionStep]] = []  # each step call's
+        self.lost: list[str] = []  # the sessions whose drafts failed, in order
+        self._first: dict[str, int] = {}  # session -> its prompt's token
+        self._untapped: set[str] = set()
+        self._waiting: dict[str, int] = {}  # session -> its tree steps still answered AR
         self._together = together  # the first prefill calls wait until as many have come (they then run as one)
         self._started: asyncio.Event | None = None
-        self._device = asyncio.Lock()  # verify calls run in order, as the service runs a step behind another
+        self._device = asyncio.Lock()  # step calls run in order, as the service runs a step behind another
 
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False, keep_features: bool = False,
-                      skip_features: int = 0, start: SessionStart | None = None) -> StepResult:
+    async def prefill(self, session_id: str, prompt: list[int], more: bool = False, skip_features: int = 0,
+                      start: SessionStart | None = None) -> StepResult:
+        self.prefills.append((session_id, list(prompt), more, skip_features, start))
         if start is not None:
+            restart = any(len(p) < len(prompt) and prompt[:len(p)] == p for p in self.prompts.values())
+            self._first[session_id] = 8 if restart else 7
             self.sessions.add(session_id)
-            self.prompts[session_id] = prompt
+            self.prompts[session_id] = list(prompt)
+            self._waiting[session_id] = self.ar_first
             if self._started is None:
                 self._started = asyncio.Event()
             if len(self.prompts) >= self._together:
                 self._started.set()
             await self._started.wait()
         chunk = self.log.count("prefill sent")
-        if chunk == self.fail_chunk:
-            await self._answer("prefill")
-            raise ConnectionError("verifier down")
-        features = torch.full((len(prompt), 2), float(chunk))  # which chunk they are
         await self._answer("prefill")
-        if keep_features:  # kept once the chunk's forward is done
-            self.kept.append(features)
-        return StepResult([] if more else [7], None if keep_features else features)
+        if chunk == self.fail_chunk:
+            raise ConnectionError("verifier down")
+        return StepResult([] if more else [self._first[session_id]], None)
 
-    async def take_features(self, session_id: str) -> torch.Tensor:
-        if not self.kept:
-            raise AssertionError("a take before its chunk was kept")  # the verifier would refuse it
-        await self._answer("take", 0.03)  # a chunk's features: longer on their way than its prefill call
-        if self.fail_take:
-            raise ConnectionError("verifier refused")
-        return self.kept.pop(0)
+    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
+        call = len(self.steps)
+        self.steps.append(list(steps))
+        await self._answer("step", device=self._device)
+        if call == self.short_at:
+            return [StepOutcome(MemoryShort("no KV memory for the step")) for _ in steps]
+        return [self._outcome(step) for step in steps]
 
-    async def verify(self, asks: list[VerifyAsk]) -> list[StepResult | Exception]:
-        self.batches.append(list(asks))
-        await self._answer("verify", device=self._device)
-        return [self._missing("Verify", ask.session_id) or self._step(ask) for ask in asks]
-
-    def _step(self, ask: VerifyAsk) -> StepResult:
-        if ask.tree is not None:
-            return StepResult([5, 6], torch.zeros(2, 2))
+    def _outcome(self, step: SessionStep) -> StepOutcome:
+        session = step.session_id
+        if step.untap:
+            self._untapped.add(session)
+        lost = None
+        if step.budget and session not in self._untapped:
+            lost = ConnectionError("drafter down") if self.fail_draft else self.drafter._missing("DraftBatch", session)
+            if lost is not None:
+                self.lost.append(session)
+                self._untapped.add(session)
+            elif self._waiting[session]:
+                self._waiting[session] -= 1
+            elif not self._missing("Step", session):
+                return StepOutcome(StepResult([5, 6], None), tree_size=1)
+        if missing := self._missing("Step", session):
+            return StepOutcome(missing, draft_error=lost)
         self.ar_steps += 1
-        return StepResult([2 if self.ar_steps == self.stop_at else 8], torch.zeros(1, 2))
+        return StepOutcome(StepResult([2 if self.ar_steps == self.stop_at else 8], None), draft_error=lost)
 
 
-class FakeDrafter(FakeBackend):
-    """A drafter whose trees are one node (5) under the root. fail_draft "call": its draft calls fail whole; "ask":
-    each ask in them fails alone."""
-
-    NAME = "drafter"
-    block_size = 4
-
-    def __init__(self, log: list[str], fail_draft: str | None = None, fail_append: bool = False) -> None:
-        super().__init__(log)
-        self.target_layer_ids = [0]
-        self.fail_draft = fail_draft
-        self.fail_append = fail_append
-        self.appended: list[torch.Tensor] = []
-        self.batches: list[list[DraftAsk]] = []  # each draft call's asks
-        self.drafted: list[torch.Tensor | None] = []  # the features each ask brought
-
-    async def start_session(self, session_id: str, capacity: int, grammar: str = "", prompt=()) -> int:
-        self.sessions.add(session_id)
-        return 0  # no prompt position restored
-
-    async def append(self, session_id: str, features: torch.Tensor) -> None:
-        await self._answer("append", 0.05)
-        if self.fail_append:
-            raise ConnectionError("drafter down")
-        if missing := self._missing("Append", session_id):
-            raise missing
-        self.appended.append(features)
-
-    async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, dict] | Exception]:
-        self.batches.append(list(asks))
-        self.drafted += [ask.features for ask in asks]
-        if self.fail_draft == "call":
-            self.log.append("draft sent")
-            raise ConnectionError("drafter down")
-        await self._answer("draft")
-        return [ConnectionError("drafter down") if self.fail_draft == "ask" else
-                self._missing("Draft", ask.session_id) or (_tree(ask.root_token), {"draft_s": 0.0, "tree_s": 0.0})
-                for ask in asks]
-
-
-def _tree(root: int) -> DraftTree:
-    return DraftTree(torch.tensor([root, 5]), torch.tensor([-1, 0]), torch.tensor([0, 1]), max_depth=1)
-
-
-async def _read(rounds, log: list[str], stop_after: int | None, name: str = "", turn_s: float = 0.0) -> list[int]:
+async def _read(rounds, log: list[str], stop_after: int | None, name: str = "", turn_s: float = 0.0,
+                sizes: list[int] | None = None) -> list[int]:
     """Reads a generation's rounds as the gateway does (each handled in a turn of the caller's own, `turn_s` long)
-    and logs when each is handled; stops after round `stop_after` (None: reads to the end)."""
+    and logs when each is handled; stops after round `stop_after` (None: reads to the end). sizes: gets each round's
+    tree size."""
     tokens = []
     async with contextlib.aclosing(rounds) as loop:
         async for rnd in loop:
             await asyncio.sleep(turn_s)  # the caller's own turn: detokenising, metrics, streaming
             log.append(f"{name}round {rnd.index} handled")
             tokens += rnd.tokens
+            if sizes is not None:
+                sizes.append(rnd.tree_size)
             if stop_after is not None and rnd.index == stop_after:
                 break
     return tokens
@@ -352,27 +365,31 @@ async def _read(rounds, log: list[str], stop_after: int | None, name: str = "", 
 
 def _handled(verifier: FakeVerifier, drafter: FakeDrafter | None, mode: str, max_new: int,
              stop_after: int | None = None, fallbacks: list | None = None, prompt: tuple[int, ...] = (1, 2, 3),
-             prefill_chunk: int = 0, grammar: str = "", turn_s: float = 0.0) -> list[int]:
+             prefill_chunk: int = 0, grammar: str = "", turn_s: float = 0.0, sizes: list[int] | None = None
+             ) -> list[int]:
     """One generation on an engine of its own (run_rounds)."""
+    verifier.drafter = drafter
     params = SamplingParams(grammar=grammar)
     rounds = run_rounds(verifier, drafter, list(prompt), params, Speculation(mode, 1), max_new, [2],
                         None if fallbacks is None else fallbacks.append, prefill_chunk)
-    return asyncio.run(_read(rounds, verifier.log, stop_after, turn_s=turn_s))
+    return asyncio.run(_read(rounds, verifier.log, stop_after, turn_s=turn_s, sizes=sizes))
 
 
 def _together(verifier: FakeVerifier, drafter: FakeDrafter | None, requests: list[tuple[str, int]],
-              stop_after: dict[int, int] | None = None, fallbacks: list | None = None,
-              turn_s: float = 0.0) -> list[list[int]]:
-    """Several generations on one engine, request i (mode, max_new) with prompt [10 + i]; request i's caller stops
-    after its round stop_after[i]. The engine serves on a while after its callers are done, as the gateway's does."""
-    stop_after = stop_after or {}
+              stop_after: dict[int, int] | None = None, fallbacks: list | None = None, turn_s: float = 0.0,
+              prompts: dict[int, list[int]] | None = None, prefill_chunk: int = 0) -> list[list[int]]:
+    """Several generations on one engine, request i (mode, max_new) with prompt [10 + i] (or prompts[i]); request i's
+    caller stops after its round stop_after[i]. The engine serves on a while after its callers are done, as the
+    gateway's does."""
+    verifier.drafter = drafter
+    stop_after, prompts = stop_after or {}, prompts or {}
 
     async def run() -> list[list[int]]:
-        engine = Engine(verifier, drafter, on_fallback=None if fallbacks is None else fallbacks.append)
+        engine = Engine(verifier, drafter, prefill_chunk, on_fallback=None if fallbacks is None else fallbacks.append)
         try:
             return await asyncio.gather(*(
-                _read(engine.generate([10 + i], SamplingParams(), Speculation(mode, 1), max_new, [2]), verifier.log,
-                      stop_after.get(i), f"{i}: ", turn_s)
+                _read(engine.generate(prompts.get(i, [10 + i]), SamplingParams(), Speculation(mode, 1), max_new, [2]),
+                      verifier.log, stop_after.get(i), f"{i}: ", turn_s)
                 for i, (mode, max_new) in enumerate(requests)))
         finally:
             await asyncio.sleep(0.1)
@@ -381,67 +398,75 @@ def _together(verifier: FakeVerifier, drafter: FakeDrafter | None, requests: lis
     return asyncio.run(run())
 
 
-def _requests(verifier: FakeVerifier, batches: list[list[DraftAsk | VerifyAsk]]) -> list[list[int]]:
-    """Each call's requests (their numbers in _together), sorted."""
-    return [sorted(verifier.prompts[ask.session_id][0] - 10 for ask in batch) for batch in batches]
+def _requests(verifier: FakeVerifier, calls: list[list[SessionStep]]) -> list[list[int]]:
+    """Each step call's requests (their numbers in _together: a prompt's first token less 10), sorted."""
+    return [sorted(verifier.prompts[step.session_id][0] - 10 for step in call) for call in calls]
 
 
-def test_a_chunked_prefill_sends_tokens_only_and_relays_the_features_while_the_prompt_runs():
-    """Ten prompt tokens in chunks of 4: three prefill calls back to back, whose features the verifier keeps; each
-    chunk's features are taken as soon as it is kept, while later chunks run, and appended to the drafter while the
-    next chunk's are taken; the first token is handed over without waiting for them, and the first draft, after the
-    last append, brings none."""
+def _at(log: list[str], entry: str) -> list[int]:
+    return [i for i, logged in enumerate(log) if logged == entry]
+
+
+def test_a_chunked_prompt_goes_in_calls_back_to_back_and_its_sequence_then_asks_for_trees():
+    """Ten prompt tokens in chunks of 4: three prefill calls, each sent once the one before is answered, the first
+    starting the session (tapped for the drafter's layers), every one skipping the positions the drafter's prefix
+    cache restored, every one but the last with `more`. The first token comes with the last; the sequence's steps
+    then ask the verifier for trees (its features are the verifier's to send to the drafter: none passes here)."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
-    verifier, drafter = FakeVerifier(log), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log), FakeDrafter(log, reused=3)
     tokens = _handled(verifier, drafter, "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
                       prefill_chunk=4)
     assert tokens == [7, 5, 6] and fallbacks == []
-
-    def at(entry: str) -> list[int]:
-        return [i for i, logged in enumerate(log) if logged == entry]
-
-    prefilled, taken, appended = at("prefill done"), at("take done"), at("append done")
-    assert len(prefilled) == 3 and len(taken) == 3 and len(appended) == 3 and verifier.kept == []
-    assert all(p < t for p, t in zip(prefilled, at("take sent")))  # a chunk is taken once the verifier keeps it
-    assert at("take sent")[0] < prefilled[1]  # ... while the prompt's later chunks run
-    assert prefilled[2] < log.index("round 0 handled") < appended[0]  # the first token waits for no append
-    assert at("take sent")[1] < appended[0] and at("take sent")[2] < appended[1]  # a take beside each append
-    assert appended[2] < log.index("draft sent")
-    assert [int(f[0, 0]) for f in drafter.appended] == [0, 1, 2] and [len(f) for f in drafter.appended] == [4, 4, 2]
-    assert drafter.drafted[0] is None  # the first draft brings no features: they are all in the context
+    assert [(prompt, more, skip) for _, prompt, more, skip, _ in verifier.prefills] == [
+        ([0, 1, 2, 3], True, 3), ([4, 5, 6, 7], True, 3), ([8, 9], False, 3)]
+    start = verifier.prefills[0][4]
+    assert [call[4] is None for call in verifier.prefills] == [False, True, True]
+    assert start.taps == drafter.target_layer_ids and start.capacity == 10 + 3 + 1 + 1  # prompt, tokens, a tree, root
+    assert [e for e in log if e.startswith("prefill")] == ["prefill sent", "prefill done"] * 3
+    assert _at(log, "prefill done")[2] < log.index("round 0 handled") and _at(log, "prefill done")[2] < log.index(
+        "step sent")
+    assert [[(step.budget, step.untap) for step in call] for call in verifier.steps] == [[(1, False)]]
 
 
-@pytest.mark.parametrize("remote", [True, False])
-def test_a_one_call_prefill_keeps_its_features_where_they_travel(remote):
-    """A remote verifier keeps a one-call prefill's features too (the first token goes without them; they are
-    taken and appended before the first draft); in-process they come with the prefill's step, on the device, and
-    with the first draft."""
+def test_a_chunked_prompt_runs_while_other_sequences_step():
+    """Request 1's prompt runs in three chunks while request 0, already running, steps on: steps go between its
+    chunks, without it; once its first token is chosen it joins them. Each output is as alone."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, remote=remote), FakeDrafter(log)
-    assert _handled(verifier, drafter, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=10) == [7, 5, 6]
-    assert log.count("prefill sent") == 1
-    if remote:
-        assert log.index("round 0 handled") < log.index("take done") < log.index("append done")
-        assert log.index("append done") < log.index("draft sent") and drafter.drafted[0] is None
-        assert [len(f) for f in drafter.appended] == [10]
-    else:
-        assert "take sent" not in log and "append sent" not in log and len(drafter.drafted[0]) == 10
+    verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
+    long = list(range(11, 21))  # request 1's (its first token: 11)
+    outputs = _together(verifier, drafter, [("ar", 20), ("ddtree", 5)], prompts={1: long}, prefill_chunk=4)
+    assert outputs == [[7] + [8] * 19, [7, 5, 6, 5, 6]]
+    chunks = [i for i, (session, *_) in enumerate(verifier.prefills) if verifier.prompts[session][0] == 11]
+    assert len(chunks) == 3
+    sent = _at(log, "prefill sent")
+    first_chunk, last_chunk = sent[chunks[0]], sent[chunks[2]]
+    assert any(first_chunk < i < last_chunk for i in _at(log, "step sent"))  # steps went on between its chunks
+    joined = next(i for i, call in enumerate(_requests(verifier, verifier.steps)) if 1 in call)
+    assert joined >= 1 and all(call == [0] for call in _requests(verifier, verifier.steps[:joined]))
+    assert [(verifier.prompts[s.session_id][0], s.budget) for s in verifier.steps[joined]] == [(10, 0), (11, 1)]
 
 
-@pytest.mark.parametrize("failing", ["append", "take"])
-def test_a_failed_relay_falls_back_to_decoding(failing):
-    """The first draft waits for the relay: where it failed, the sequence goes on AR (the on_fallback told once),
-    its drafter session ends, and its first AR step untaps its verifier session."""
+@pytest.mark.parametrize("where", ["draft", "start"])
+def test_a_drafter_failure_goes_on_ar_with_the_same_output(where):
+    """draft: the verifier's drafter fails the sequence's first tree: the verifier answers an AR step instead and
+    says why (StepOutcome.draft_error); start: the drafter refuses the session. Either way the sequence goes on AR
+    with the output its AR steps give (the on_fallback told once), its drafter session ending at once; the verifier
+    untaps the session itself (the gateway sends no untap), or it never tapped."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
-    verifier, drafter = FakeVerifier(log, fail_take=failing == "take"), FakeDrafter(log, fail_append=failing == "append")
-    tokens = _handled(verifier, drafter, "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
-                      prefill_chunk=4)
-    assert tokens == [7, 8, 8] and "draft sent" not in log and log.count("prefill sent") == 3
+    verifier = FakeVerifier(log, fail_draft=where == "draft")
+    drafter = FakeDrafter(log, fail_start=where == "start")
+    tokens = _handled(verifier, drafter, "ddtree", max_new=3, fallbacks=fallbacks)
+    assert tokens == _handled(FakeVerifier([]), None, "ar", max_new=3) == [7, 8, 8]
     assert len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
-    assert [[(ask.tree, ask.untap) for ask in batch] for batch in verifier.batches] == [[(None, True)], [(None, False)]]
-    assert log.index("drafter end") < log.index("verify sent")  # it gave its drafter up at once
+    budgets = [[(step.budget, step.untap) for step in call] for call in verifier.steps]
+    if where == "draft":
+        assert budgets == [[(1, False)], [(0, False)]] and verifier.lost == [*verifier.prompts]
+        assert drafter.ended == [*verifier.prompts] and log.index("drafter end") < _at(log, "step sent")[1]
+    else:
+        assert budgets == [[(0, False)], [(0, False)]] and verifier.prefills[0][4].taps == []
+        assert "drafter end" not in log
 
 
 def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions():
@@ -449,97 +474,69 @@ def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions():
     verifier, drafter = FakeVerifier(log, fail_chunk=2), FakeDrafter(log)
     with pytest.raises(ConnectionError, match="verifier down"):
         _handled(verifier, drafter, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=4)
-    assert log.count("prefill sent") == 3 and "append done" not in log and "draft sent" not in log
+    assert log.count("prefill sent") == 3 and "step sent" not in log
     assert sorted(entry for entry in log if entry.endswith("end")) == ["drafter end", "verifier end"]
-    assert verifier.cancelled == 1 and log.index("take cancelled") < log.index("verifier end")  # the relay's take
 
 
 @pytest.mark.parametrize("max_new, stop_after", [(1, None), (20, 0)])
-def test_a_request_that_ends_with_its_first_token_cancels_the_relay(max_new, stop_after, recwarn):
-    """Ended by its token limit or by a caller that stops at the first token, with the relay's take in flight."""
+def test_a_request_that_ends_with_its_first_token_takes_no_step(max_new, stop_after, recwarn):
+    """Ended by its token limit or by a caller that stops at the first token: no step goes for it, and both its
+    sessions end."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=max_new, stop_after=stop_after, prompt=tuple(range(10)),
                       prefill_chunk=4)
-    assert tokens == [7] and "append done" not in log and "draft sent" not in log and "verify sent" not in log
+    assert tokens == [7] and "step sent" not in log and verifier.steps == []
     assert sorted(verifier.ended + drafter.ended) == [*verifier.prompts] * 2
-    assert verifier.cancelled >= 1 and drafter.appended == []
     assert not [w for w in recwarn if "never retrieved" in str(w.message)]
 
 
-def test_a_caller_that_stops_while_its_relay_is_on_its_way_cancels_it():
-    """The first round's caller takes its time (5 ms) and stops, with the prompt's features on their way to the
-    drafter (the sequence sitting out the steps meanwhile): their take is cancelled, nothing is appended, drafted
-    or verified for the sequence, and no drafter failure is told."""
-    log: list[str] = []
-    fallbacks: list[BaseException] = []
-    verifier, drafter = FakeVerifier(log), FakeDrafter(log)
-    assert _together(verifier, drafter, [("ddtree", 20)], stop_after={0: 0}, fallbacks=fallbacks, turn_s=0.005) == [[7]]
-    assert log.index("0: round 0 handled") < log.index("verifier end")
-    assert fallbacks == [] and "append sent" not in log and verifier.batches == [] and verifier.cancelled == 1
-
-
 def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
-    """Its next step's draft went out as its round was handed over: nobody waits for it any more."""
+    """Its next step went out as its round was handed over: nobody waits for it any more."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=20, stop_after=1, turn_s=0.005)
     assert tokens == [7, 5, 6]
-    assert log.index("draft sent") < log.index("round 1 handled") < log.index("draft cancelled")
-    assert drafter.cancelled == 1 and len(drafter.batches) == 2
+    assert _at(log, "step sent")[1] < log.index("round 1 handled") < log.index("step cancelled")
+    assert verifier.cancelled == 1 and len(verifier.steps) == 2
     assert sorted(verifier.ended + drafter.ended) == [*verifier.prompts] * 2
 
 
-@pytest.mark.parametrize("fail_draft", ["call", "ask"])
-def test_a_draft_that_fails_falls_back_to_decoding(fail_draft, recwarn):
-    log: list[str] = []
-    fallbacks: list[BaseException] = []
-    verifier, drafter = FakeVerifier(log), FakeDrafter(log, fail_draft=fail_draft)
-    tokens = _handled(verifier, drafter, "ddtree", max_new=3, fallbacks=fallbacks)
-    assert tokens == [7, 8, 8] and len(fallbacks) == 1 and isinstance(fallbacks[0], ConnectionError)
-    assert len(drafter.batches) == 1 and drafter.ended == [*verifier.prompts]  # its drafter session ends at once
-    assert [ask.untap for batch in verifier.batches for ask in batch] == [True, False]
-    assert not [w for w in recwarn if "never retrieved" in str(w.message)]
-
-
 def test_sequences_on_one_engine_step_together():
-    """Three sequences whose prompts run at once (in-process: their features come with their prompts' steps): each
-    step drafts them in one call and verifies them in one call, each sequence's output as alone."""
+    """Three sequences whose prompts run at once: each step goes as one call for all three, each asking for a tree,
+    each sequence's output as alone."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log, remote=False, together=3), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 7)] * 3)
     assert outputs == [[7, 5, 6, 5, 6, 5, 6]] * 3
-    assert _requests(verifier, drafter.batches) == _requests(verifier, verifier.batches) == [[0, 1, 2]] * 3
-    assert all(ask.tree is not None for batch in verifier.batches for ask in batch)
-    steps = [entry for entry in log if entry in ("draft sent", "verify sent")]
-    assert steps == ["draft sent", "verify sent"] * 3  # a step's verify after its drafts
+    assert _requests(verifier, verifier.steps) == [[0, 1, 2]] * 3
+    assert all(step.budget == 1 and not step.untap for call in verifier.steps for step in call)
+    assert [entry for entry in log if entry.startswith("step")] == ["step sent", "step done"] * 3
     assert sorted(verifier.ended) == sorted(drafter.ended) == sorted(verifier.prompts)
 
 
-def test_ar_steps_and_trees_share_a_steps_verify_call():
-    """In-process (the prompts' features come with their steps: no relay), so all three step from the first step."""
+def test_ar_steps_and_trees_share_a_step():
     log: list[str] = []
     verifier, drafter = FakeVerifier(log, remote=False, together=3), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 5), ("ar", 3), ("ddtree", 5)])
     assert outputs == [[7, 5, 6, 5, 6], [7, 8, 8], [7, 5, 6, 5, 6]]
-    assert _requests(verifier, drafter.batches) == [[0, 2]] * 2
-    assert _requests(verifier, verifier.batches) == [[0, 1, 2]] * 2
-    assert [sorted((verifier.prompts[ask.session_id][0], ask.tree is None) for ask in batch)
-            for batch in verifier.batches] == [[(10, False), (11, True), (12, False)]] * 2
+    assert [sorted((verifier.prompts[step.session_id][0], step.budget) for step in call)
+            for call in verifier.steps] == [[(10, 1), (11, 0), (12, 1)]] * 2
+    assert sorted(len(start.taps) for *_, start in verifier.prefills) == [0, 1, 1]
     assert len(drafter.ended) == 2  # an AR request starts no drafter session
 
 
-def test_a_sequence_sits_the_steps_out_until_its_prompts_features_reach_the_drafter():
-    """Request 0's prompt features go to the drafter (a take, then an append: 80 ms) after its first token; request
-    1, AR, steps meanwhile without waiting for them, and request 0 joins its steps once they are there."""
+def test_a_sequence_whose_tree_steps_come_back_ar_goes_on_asking_for_trees():
+    """A speculating sequence's first steps come back AR steps (no tree: its prompt's features are still on their
+    way to the drafter): they are no drafter failure, and it asks for a tree each step until one comes."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, together=2), FakeDrafter(log)
-    outputs = _together(verifier, drafter, [("ddtree", 5), ("ar", 20)])
-    assert outputs == [[7, 5, 6, 5, 6], [7] + [8] * 19]
-    before = log[:log.index("append done")].count("verify sent")
-    assert before >= 3 and _requests(verifier, verifier.batches[:before]) == [[1]] * before
-    assert log.index("append done") < log.index("draft sent") and drafter.drafted[0] is None
-    assert _requests(verifier, drafter.batches) == [[0]] * 2 and [0, 1] in _requests(verifier, verifier.batches)
+    fallbacks: list[BaseException] = []
+    sizes: list[int] = []
+    verifier, drafter = FakeVerifier(log, ar_first=2), FakeDrafter(log)
+    tokens = _handled(verifier, drafter, "ddtree", max_new=5, fallbacks=fallbacks, sizes=sizes)
+    assert tokens == [7, 8, 8, 5, 6] and sizes == [0, 0, 0, 1] and fallbacks == []
+    assert [[step.budget for step in call] for call in verifier.steps] == [[1]] * 3
+    assert verifier.most_out == 1  # a tree step goes behind none
 
 
 @pytest.mark.parametrize("mode, remote, max_new, grammar, most_out", [
@@ -547,7 +544,7 @@ def test_a_sequence_sits_the_steps_out_until_its_prompts_features_reach_the_draf
     ("ar", True, 2, "", 1),  # one token left: no room for a step behind
     ("ar", True, 5, '{"type": "object"}', 1),  # a grammar's matcher ends at the output's end
     ("ar", False, 5, "", 1),  # in-process: the device queues the steps anyway
-    ("ddtree", True, 5, "", 1),  # a draft's root is its last step's outcome
+    ("ddtree", True, 5, "", 1),  # a tree's root is its last step's outcome
 ])
 def test_an_ar_step_goes_behind_the_one_in_flight_only_to_a_remote_verifier_with_room(mode, remote, max_new, grammar,
                                                                                         most_out):
@@ -555,10 +552,10 @@ def test_an_ar_step_goes_behind_the_one_in_flight_only_to_a_remote_verifier_with
     verifier, drafter = FakeVerifier(log, remote=remote), FakeDrafter(log)
     tokens = _handled(verifier, drafter, mode, max_new=max_new, grammar=grammar)
     assert tokens == ([7] + [8] * (max_new - 1) if mode == "ar" else [7, 5, 6, 5, 6])
-    assert verifier.most_out == most_out and drafter.most_out <= 1
+    assert verifier.most_out == most_out
     if most_out == 2:  # the second step went before the first was answered
-        assert [e for e in log if e.startswith("verify")][:3] == ["verify sent", "verify sent", "verify done"]
-    assert len(verifier.batches) == len(tokens) - (1 if mode == "ar" else 3)  # none past the token limit
+        assert [e for e in log if e.startswith("step")][:3] == ["step sent", "step sent", "step done"]
+    assert len(verifier.steps) == len(tokens) - (1 if mode == "ar" else 3)  # none past the token limit
     assert verifier.cancelled == 0
 
 
@@ -568,8 +565,8 @@ def test_a_stop_token_cancels_the_step_behind_it():
     verifier = FakeVerifier(log, stop_at=3)
     tokens = _handled(verifier, None, "ar", max_new=20)
     assert tokens == [7, 8, 8, 2]
-    assert len(verifier.batches) == 4 and verifier.cancelled == 1  # the fourth step, sent behind the third
-    assert log.index("verify cancelled") < log.index("verifier end") and log.count("verify done") == 3
+    assert len(verifier.steps) == 4 and verifier.cancelled == 1  # the fourth step, sent behind the third
+    assert log.index("step cancelled") < log.index("verifier end") and log.count("step done") == 3
 
 
 def test_a_sequence_cancelled_while_its_step_is_in_flight_is_passed_over_and_its_sessions_end():
@@ -579,9 +576,9 @@ def test_a_sequence_cancelled_while_its_step_is_in_flight_is_passed_over_and_its
     verifier, drafter = FakeVerifier(log, remote=False, together=2), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 20), ("ddtree", 7)], stop_after={0: 1})
     assert outputs == [[7, 5, 6], [7, 5, 6, 5, 6, 5, 6]]
-    assert _requests(verifier, drafter.batches) == [[0, 1], [0, 1], [1]]
+    assert _requests(verifier, verifier.steps) == [[0, 1], [0, 1], [1]]
     assert log.index("0: round 1 handled") < log.index("drafter end")
-    assert verifier.cancelled == drafter.cancelled == 0
+    assert verifier.cancelled == 0
     assert sorted(verifier.ended) == sorted(drafter.ended) == sorted(verifier.prompts)
 
 
@@ -594,14 +591,14 @@ def test_a_call_in_flight_is_cancelled_once_every_sequence_in_it_is(stop_after, 
     outputs = _together(verifier, None, [("ar", 6), ("ar", 6)], stop_after=stop_after, turn_s=0.005)
     assert outputs == [[7, 8], [7, 8] if 1 in stop_after else [7, 8, 8, 8, 8, 8]]
     assert verifier.cancelled == cancelled and sorted(verifier.ended) == sorted(verifier.prompts)
-    assert _requests(verifier, verifier.batches) == [[0, 1]] * 3 + ([] if 1 in stop_after else [[1]] * 2)
+    assert _requests(verifier, verifier.steps) == [[0, 1]] * 3 + ([] if 1 in stop_after else [[1]] * 2)
 
 
 @pytest.mark.parametrize("requests", [[("ddtree", 20)], [("ddtree", 20), ("ddtree", 7)]])
-def test_a_caller_that_stops_with_its_draft_in_flight_is_no_drafter_failure(requests):
-    """Request 0's caller stops after its round 1 with its step 2's draft in flight: alone in the call, the call is
-    cancelled; beside request 1, the drafter answers NOT_FOUND for its ended session. Neither is the drafter's
-    failure, and no step verifies request 0 any more."""
+def test_a_caller_that_stops_with_its_tree_step_in_flight_is_no_drafter_failure(requests):
+    """Request 0's caller stops after its round 1 with its step 2 in flight: alone in the call, the call is
+    cancelled; beside request 1, the verifier answers it after its sessions ended, its draft NOT_FOUND at the
+    drafter. Neither is the drafter's failure, and no step carries request 0 any more."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
     verifier, drafter = FakeVerifier(log, remote=False, together=len(requests)), FakeDrafter(log)
@@ -609,7 +606,253 @@ def test_a_caller_that_stops_with_its_draft_in_flight_is_no_drafter_failure(requ
     assert outputs[0] == [7, 5, 6] and outputs[1:] in ([], [[7, 5, 6, 5, 6, 5, 6]])
     assert verifier.ended and log.index("0: round 1 handled") < log.index("drafter end")
     assert fallbacks == []
-    assert _requests(verifier, verifier.batches)[1:] == [[1]] * (len(requests) - 1) * 2
+    assert _requests(verifier, verifier.steps) == [list(range(len(requests)))] * 2 + [[1]] * (len(requests) - 1)
+    assert verifier.cancelled == (1 if len(requests) == 1 else 0)
+    assert verifier.lost == ([] if len(requests) == 1 else [verifier.ended[0]])
+
+
+def test_a_step_short_of_memory_preempts_its_sequence_which_goes_on_from_its_output():
+    """The verifier answers a step short of KV memory (MemoryShort): the sequence's sessions end, and once they
+    have it starts again on new ones from its prompt and its output so far; its rounds go on where they stopped,
+    its output the one it gets unpreempted."""
+    log: list[str] = []
+    resumed: list[int] = []
+    verifier = FakeVerifier(log, remote=False, short_at=1)
+
+    async def run() -> list[int]:
+        engine = Engine(verifier, None, on_resume=lambda: resumed.append(1))
+        try:
+            return await _read(engine.generate([1, 2, 3], SamplingParams(), Speculation("ar", 1), 5, [2]), log, None)
+        finally:
+            await engine.stop()
+
+    tokens = asyncio.run(run())
+    assert tokens == _handled(FakeVerifier([]), None, "ar", max_new=5) == [7, 8, 8, 8, 8] and resumed == [1]
+    first, second = verifier.prompts
+    assert list(verifier.prompts.values()) == [[1, 2, 3], [1, 2, 3, 7, 8]]
+    assert verifier.ended == [first, second]
+    assert log.index("verifier end") < _at(log, "prefill sent")[1]  # its memory freed before it starts again
+    assert [[step.session_id for step in call] for call in verifier.steps] == [[first]] * 2 + [[second]] * 2
+
+
+# ---- the verifier's step: its drafter's trees, a prompt's features on their way to the drafter -------------------
+
+PROMPT = [(5 * i + 3) % (VOCAB - 1) for i in range(30)]
+NEW = 24  # tokens each session commits at least
+CAPACITY = 100  # the prompt, its tokens and a tree's scratch slots
+
+
+@pytest.fixture(scope="module")
+def pair(qwen3_target: Path, drafter_dir: Path) -> tuple[VerifyEngine, LocalDrafter]:
+    verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+    return verifier.engine, drafter
+
+
+@pytest.fixture(scope="module")
+def truth(qwen3_target: Path) -> list[int]:
+    """PROMPT's continuation by the target alone (HF generate): what every session below must commit."""
+    return hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), PROMPT, NEW + 10)
+
+
+class Port:
+    """The verifier's drafter (verify_server.step.DrafterPort) for these tests: the in-process drafter behind each
+    call, the calls recorded. An append waits for `gate` to open (a prompt's features on their way). fail: "append"
+    the session `failing`'s appends fail; "call" every draft call fails whole; "ask" the session `failing`'s drafts
+    fail alone."""
+
+    host_features = False
+
+    def __init__(self, drafter: LocalDrafter | None, fail: str | None = None, failing: str = "") -> None:
+        self.drafter = drafter
+        self.fail, self.failing = fail, failing
+        self.gate = asyncio.Event()
+        self.sent: list[int] = []  # each append's rows, as it starts
+        self.appended: list[tuple[str, torch.Tensor]] = []
+        self.asks: list[list[DraftAsk]] = []  # each draft call's
+        self.cancelled = 0
+
+    async def append(self, session_id: str, features: torch.Tensor) -> None:
+        self.sent.append(len(features))
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.fail == "append" and session_id == self.failing:
+            raise ConnectionError("drafter down")
+        await self.drafter.append(session_id, features)
+        self.appended.append((session_id, features))
+
+    async def draft(self, asks: list[DraftAsk]) -> list:
+        self.asks.append(list(asks))
+        if self.fail == "call":
+            raise ConnectionError("drafter down")
+        outcomes = await self.drafter.draft(asks)
+        return [ConnectionError("drafter down") if self.fail == "ask" and ask.session_id == self.failing else outcome
+                for ask, outcome in zip(asks, outcomes)]
+
+
+async def _prompted(verifier: LocalVerifier, drafter: LocalDrafter, session: str, chunk: int
+                    ) -> tuple[list[torch.Tensor], list[int]]:
+    """A session started on both sides (tapped at the drafter's layers) and PROMPT run in chunks of `chunk` tokens
+    as the verifier's Prefill calls run them: each chunk's result handed to the stepper, which sends its features on
+    to the drafter, and the call answered without waiting for them -> each chunk's features, and the first token."""
+    await drafter.start_session(session, CAPACITY)
+    verifier.engine.start_session(session, CAPACITY, SamplingParams(), drafter.target_layer_ids)
+    verifier.stepper.start(session, SamplingParams(), True)
+    features = []
+    for begin in range(0, len(PROMPT), chunk):
+        part = PROMPT[begin : begin + chunk]
+        result = verifier.engine.prefill(session, part, more=begin + chunk < len(PROMPT))
+        verifier.stepper.prompt(session, len(part), result)
+        features.append(result.features)
+    return features, list(result.tokens)
+
+
+async def _ended(verifier: LocalVerifier, drafter: LocalDrafter, *sessions: str) -> None:
+    """Both sides' sessions end (those that started)."""
+    for session in sessions:
+        await verifier.end_session(session)
+        await drafter.end_session(session)
+
+
+def test_a_prompts_features_reach_the_drafter_chunk_by_chunk_and_its_session_steps_ar_until_they_are_there(
+    pair, truth
+):
+    """The verifier sends each prompt chunk's features to the drafter as the chunks run, an Append a chunk, each
+    after the one before; the prompt's calls wait for none of them. Until they are all in the drafter's context the
+    session's steps are AR steps, though it asks for trees, and no draft is asked for; then its first draft brings
+    the features of the positions those steps committed, and trees follow. Its output is the target's own."""
+    engine, drafter = pair
+    port = Port(drafter)
+    verifier = LocalVerifier(engine, port)
+    session = uuid.uuid4().hex
+
+    async def scenario():
+        try:
+            chunks, tokens = await _prompted(verifier, drafter, session, 8)
+            await asyncio.sleep(0.01)
+            started = list(port.sent)
+            early = [(await verifier.step([SessionStep(session, 8)]))[0] for _ in range(3)]
+            asked_early = len(port.asks)
+            tokens += [t for outcome in early for t in outcome.step.tokens]
+            root = tokens[-1]
+            port.gate.set()
+            await verifier.stepper.appended(session)
+            context = drafter.engine.session(session).length
+            later = []
+            while len(tokens) < NEW:
+                (outcome,) = await verifier.step([SessionStep(session, 8)])
+                later.append(outcome)
+                tokens += outcome.step.tokens
+            return chunks, started, early, asked_early, root, context, later, tokens
+        finally:
+            await _ended(verifier, drafter, session)
+
+    chunks, started, early, asked_early, root, context, later, tokens = asyncio.run(scenario())
+    assert started == [8]  # the first chunk's append; the others wait for it
+    assert [(o.tree_size, o.draft_error, len(o.step.tokens)) for o in early] == [(0, None, 1)] * 3 and asked_early == 0
+    assert [len(features) for _, features in port.appended] == [8, 8, 8, 6]
+    assert all(torch.equal(sent, chunk) for (_, sent), chunk in zip(port.appended, chunks))
+    assert context == len(PROMPT)
+    first = port.asks[0][0]
+    assert first.features.shape[0] == 3 and first.root_position == len(PROMPT) + 3 and first.root_token == root
+    assert later and all(o.tree_size == 8 and o.draft_error is None for o in later)
+    assert len(port.asks) == len(later) and tokens == truth[: len(tokens)]
+
+
+@pytest.mark.parametrize("fail", ["append", "call", "ask"])
+def test_a_drafter_failure_makes_an_ar_step_untapped_and_the_output_the_same(fail, pair, truth):
+    """Sessions a and b speculate; the drafter fails a: its prompt's append (reported by a's first draft, which is
+    not asked for), the step's draft call whole (a's and b's), or a's draft alone. Each session it failed takes an AR
+    step instead, its outcome saying why, and is untapped (b's tree, where its draft came, is verified beside it);
+    no tree is drafted for it from then on, though it asks, and its output is the target's own."""
+    engine, drafter = pair
+    port = Port(drafter, fail, failing="a")
+    port.gate.set()
+    verifier = LocalVerifier(engine, port)
+
+    async def scenario():
+        try:
+            tokens = {}
+            for session in "ab":
+                tokens[session] = (await _prompted(verifier, drafter, session, 16))[1]
+                await verifier.stepper.appended(session)
+            firsts = await verifier.step([SessionStep("a", 8), SessionStep("b", 8)])
+            taps = {session: list(engine.session(session).taps) for session in "ab"}
+            outcomes: dict[str, list[StepOutcome]] = {"a": [firsts[0]], "b": [firsts[1]]}
+            while going := [s for s in "ab" if len(tokens[s]) + sum(len(o.step.tokens) for o in outcomes[s]) < NEW]:
+                for session, outcome in zip(going, await verifier.step([SessionStep(s, 8) for s in going])):
+                    outcomes[session].append(outcome)
+            return {s: tokens[s] + [t for o in outcomes[s] for t in o.step.tokens] for s in "ab"}, outcomes, taps
+        finally:
+            await _ended(verifier, drafter, "a", "b")
+
+    tokens, outcomes, taps = asyncio.run(scenario())
+    lost = ["a", "b"] if fail == "call" else ["a"]
+    for session in "ab":
+        first, *rest = outcomes[session]
+        assert tokens[session] == truth[: len(tokens[session])]
+        if session in lost:
+            assert isinstance(first.draft_error, ConnectionError) and first.tree_size == 0
+            assert len(first.step.tokens) == 1 and taps[session] == []
+            assert all(o.draft_error is None and o.tree_size == 0 for o in rest)  # told once
+        else:
+            assert first.draft_error is None and all(o.tree_size == 8 for o in outcomes[session])
+            assert taps[session] == drafter.target_layer_ids
+    asked = [[ask.session_id for ask in call] for call in port.asks]
+    assert asked[0] == (["b"] if fail == "append" else ["a", "b"])
+    assert all(call == ["b"] for call in asked[1:]) and (len(asked) == 1) == (fail == "call")
+
+
+def test_a_sessions_end_cancels_its_prompts_features_on_their_way(recwarn):
+    """A session that ends with its prompt's features still on their way to the drafter (its caller stopped at the
+    first token): the append in flight is cancelled, and the ones behind it never start."""
+    port = Port(None)
+
+    async def unused(items):
+        raise AssertionError("no step runs")
+
+    async def scenario() -> tuple[list[int], int]:
+        stepper = Stepper(port, unused)
+        stepper.start("s", SamplingParams(), True)
+        stepper.prompt("s", 4, StepResult([], torch.zeros(4, 2)))
+        stepper.prompt("s", 2, StepResult([7], torch.zeros(2, 2)))
+        await asyncio.sleep(0.01)
+        started = list(port.sent)
+        stepper.end("s")
+        await asyncio.sleep(0.01)
+        await stepper.appended("s")  # a session gone: nothing to wait for
+        return started, port.cancelled
+
+    assert asyncio.run(scenario()) == ([4], 1)
+    assert port.sent == [4] and port.appended == []
+    assert not [w for w in recwarn if "never retrieved" in str(w.message) or "never awaited" in str(w.message)]
+
+
+def test_in_process_the_first_token_comes_once_the_prompts_features_are_in_the_drafters_context(pair, truth):
+    """In-process (ddtree/local.py) a chunked prompt's last call answers once the drafter has its features: the
+    sequence's first step is a tree's, and its output the target's own."""
+    engine, drafter = pair
+    port = Port(drafter)
+    verifier = LocalVerifier(engine, port)
+    sessions = len(engine.sessions), len(drafter.engine.sessions)
+
+    async def scenario() -> tuple[list[tuple[list[int], int]], int]:
+        asyncio.get_running_loop().call_later(0.05, port.gate.set)  # the appends take 50 ms
+        loop = run_rounds(verifier, drafter, PROMPT, SamplingParams(), Speculation("ddtree", 8), NEW, [],
+                          prefill_chunk=8)
+        rounds, appended = [], 0
+        async for rnd in loop:
+            if not rounds:
+                appended = len(port.appended)  # when the first token came
+            rounds.append((rnd.tokens, rnd.tree_size))
+        return rounds, appended
+
+    rounds, appended = asyncio.run(scenario())
+    assert appended == 4 and [size for _, size in rounds][1:] == [8] * (len(rounds) - 1)
+    assert [t for tokens, _ in rounds for t in tokens] == truth[:NEW]
+    assert (len(engine.sessions), len(drafter.engine.sessions)) == sessions  # both ended
 
 
 # ---- a session's calls over one connection, a step's over one per client -------------------------------------------
@@ -807,25 +1050,56 @@ def test_a_steps_drafts_go_over_one_connection_per_client(lane, transport):
 
 
 class StepVerifier(pb_grpc.VerifierServicer):
-    """Answers a VerifyBatch's AR steps with token 8 each, `delay` seconds after the batch before it (the device runs
-    the steps in order); a lane's VerifyBatch starts as it is read, as the verifier's does."""
+    """Answers a Step `delay` seconds after the Step before it (the device runs the steps in order); a lane's Step
+    starts as it is read, as the verifier's does. Each session's part is answered by its name: "tree" a tree of as
+    many nodes as it asked for, accepting [5, 6]; "lost" an AR step whose draft failed (UNAVAILABLE); "gone"
+    NOT_FOUND; "short" ABORTED (no KV memory); any other an AR step of token 8. Records each Step's parts."""
 
     def __init__(self, delay: float, lane: bool) -> None:
         self.delay = delay
         self.lane = lane
         self.lane_port = 0
+        self.parts: list[list[tuple[str, int, int, bool]]] = []  # (session, budget, top_k, untap) per Step
         self._device = asyncio.Lock()
 
     async def Info(self, request, context) -> pb.VerifierInfoResponse:
         return pb.VerifierInfoResponse(lane_port=self.lane_port)
 
-    async def VerifyBatch(self, request: pb.VerifyBatchRequest, context) -> pb.VerifyBatchResponse:
+    async def Step(self, request: pb.StepRequest, context) -> pb.StepBatchResponse:
+        self.parts.append([(s.session_id, s.budget, s.top_k, s.untap) for s in request.sessions])
         async with self._device:
             await asyncio.sleep(self.delay)
-        response = pb.VerifyBatchResponse()
-        for _ in request.calls:
-            response.outcomes.add().step.tokens.append(8)
+        response = pb.StepBatchResponse()
+        for part in request.sessions:
+            outcome = response.outcomes.add()
+            if part.session_id in ("gone", "short"):
+                code = grpc.StatusCode.NOT_FOUND if part.session_id == "gone" else grpc.StatusCode.ABORTED
+                outcome.status.code, outcome.status.details = code.value[0], f"{part.session_id}: no"
+            elif part.session_id == "tree":
+                outcome.step.tokens.extend([5, 6])
+                outcome.tree_size = part.budget
+            else:
+                outcome.step.tokens.append(8)
+                if part.session_id == "lost":
+                    outcome.draft_status.code = grpc.StatusCode.UNAVAILABLE.value[0]
+                    outcome.draft_status.details = "drafter restarting"
         return response
+
+
+async def _with_verifier(servicer: StepVerifier, scenario):
+    server = grpc.aio.server()
+    pb_grpc.add_VerifierServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    lanes = LaneServer({"Step": Route(pb.StepRequest, servicer.Step, overlapped=True)}, 2**20)
+    if servicer.lane:
+        servicer.lane_port = await lanes.start("127.0.0.1", 0)
+    try:
+        async with GrpcVerifier(f"127.0.0.1:{port}", timeout_s=5) as client:
+            return await scenario(client)
+    finally:
+        await lanes.close()
+        await server.stop(None)
 
 
 @pytest.mark.parametrize("lane", [False, True])
@@ -834,26 +1108,35 @@ def test_a_step_call_cancelled_leaves_the_step_behind_it_to_its_answer(lane):
     sequences have ended (their callers gone); the step behind it carries one more, which has just joined."""
     servicer = StepVerifier(delay=0.1, lane=lane)
 
-    async def scenario() -> list[list[int]]:
-        server = grpc.aio.server()
-        pb_grpc.add_VerifierServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        lanes = LaneServer({"VerifyBatch": Route(pb.VerifyBatchRequest, servicer.VerifyBatch, overlapped=True)}, 2**20)
-        if lane:
-            servicer.lane_port = await lanes.start("127.0.0.1", 0)
-        try:
-            async with GrpcVerifier(f"127.0.0.1:{port}", timeout_s=5) as client:
-                ahead = asyncio.create_task(client.verify([VerifyAsk("a", None)]))
-                await asyncio.sleep(0.02)
-                behind = asyncio.create_task(client.verify([VerifyAsk("a", None), VerifyAsk("c", None)]))
-                await asyncio.sleep(0.02)
-                ahead.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ahead
-                return [step.tokens for step in await behind]
-        finally:
-            await lanes.close()
-            await server.stop(None)
+    async def scenario(client: GrpcVerifier) -> list[list[int]]:
+        ahead = asyncio.create_task(client.step([SessionStep("a")]))
+        await asyncio.sleep(0.02)
+        behind = asyncio.create_task(client.step([SessionStep("a"), SessionStep("c")]))
+        await asyncio.sleep(0.02)
+        ahead.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ahead
+        return [outcome.step.tokens for outcome in await behind]
 
-    assert asyncio.run(scenario()) == [[8], [8]]
+    assert asyncio.run(_with_verifier(servicer, scenario)) == [[8], [8]]
+
+
+@pytest.mark.parametrize("lane", [False, True])
+def test_a_steps_sessions_are_answered_each_with_its_own_outcome(lane):
+    """A Step's parts go as asked (budget, top_k, untap), and each comes back alone: its commit and its tree's size,
+    its draft's failure beside the AR step taken instead (a BackendError naming the drafter's call), or its own
+    failure (ABORTED as MemoryShort, which the engine preempts on)."""
+    servicer = StepVerifier(delay=0.0, lane=lane)
+    steps = [SessionStep("tree", 6, 2), SessionStep("ar", 0, None, True), SessionStep("lost", 6), SessionStep("gone"),
+             SessionStep("short")]
+    tree, ar, lost, gone, short = asyncio.run(_with_verifier(servicer, lambda client: client.step(steps)))
+    assert servicer.parts == [[("tree", 6, 2, False), ("ar", 0, 0, True), ("lost", 6, 0, False), ("gone", 0, 0, False),
+                               ("short", 0, 0, False)]]
+    assert (tree.step.tokens, tree.tree_size, tree.draft_error) == ([5, 6], 6, None)
+    assert (ar.step.tokens, ar.tree_size, ar.draft_error) == ([8], 0, None)
+    assert lost.step.tokens == [8] and lost.tree_size == 0 and isinstance(lost.draft_error, BackendError)
+    assert lost.draft_error.code == grpc.StatusCode.UNAVAILABLE and lost.draft_error.details == "drafter restarting"
+    assert "DraftBatch" in lost.draft_error.rpc
+    assert isinstance(gone.step, BackendError) and gone.step.code == grpc.StatusCode.NOT_FOUND
+    assert not isinstance(gone.step, MemoryShort) and gone.step.rpc == "ddtree.v1.Verifier/Step"
+    assert isinstance(short.step, MemoryShort) and short.step.code == grpc.StatusCode.ABORTED

@@ -157,7 +157,7 @@ def test_a_dead_verifier_ends_its_streams_cleanly_and_is_taken_back(stacks) -> N
     chunks = _stream_events(a, 4, lambda: os.kill(a.pid("verify"), signal.SIGKILL))
     assert chunks[-1] == "[DONE]"
     error = chunks[-2]["error"]
-    assert re.search(r"Verifier/(Verify|Decode)", error["message"]) and "EndSession" not in error["message"]
+    assert re.search(r"Verifier/Step\b", error["message"]) and "EndSession" not in error["message"]
     assert error["code"] == "service_unavailable"
     assert all("error" not in c for c in chunks[:-2])  # one error event
     # the verifier is still down (it starts again after a backoff): new requests get 503 with Retry-After
@@ -249,11 +249,14 @@ def test_serve_picks_free_internal_ports_and_takes_the_model_positionally() -> N
         assert (service.host, service.metrics_port, service.lane_port) == ("127.0.0.1", 0, 0)  # theirs to pick
         assert address == f"127.0.0.1:{service.port}" and service.port != 0
     assert gateway.drafter != gateway.verifier and gateway.port == 8000  # the API's port stays as given
+    verify = build_parser().parse_args(cmds["verify"][cmds["verify"].index("verify"):])
+    assert verify.drafter == gateway.drafter  # the verifier asks the drafter for each step's trees itself
     given = commands(parsed("--draft-port", "7001", "--verify-port", "7002"))
     assert "127.0.0.1:7001" in given["gateway"] and "127.0.0.1:7002" in given["gateway"]
     demo_target = cmds["verify"][cmds["verify"].index("--target") + 1]
     positional = commands(parsed(demo_target, "--drafter", "none"))
     assert positional["verify"][positional["verify"].index("--target") + 1] == demo_target
+    assert "--drafter" not in positional["verify"]  # no drafter: AR steps only
     with pytest.raises(SystemExit, match="two targets"):
         commands(parsed(demo_target, "--target", "elsewhere", "--drafter", "none"))
     assert [backoff(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMOKE_CLIENTS = [1, 4]  # the script's --smoke defaults
-SMOKE_TOKENS, SMOKE_REQUESTS = 8, 2
+SMOKE_TOKENS, SMOKE_REQUESTS = 24, 2  # enough steps to draft once the prompts' features are there
 MODES = ["ar", "ddtree"]
 
 

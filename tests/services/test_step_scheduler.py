@@ -1,6 +1,6 @@
 """Many users through `ddtree serve` on the bundled demo pair (CPU, fp32), with the step scheduler on (the default):
 64 concurrent streaming requests all complete, each with the text the same request gets alone, and 16 streams at
-once are verified in batches of (almost) all of them, one VerifyBatch per step."""
+once are verified in batches of (almost) all of them, one Step call per step."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def test_64_concurrent_streams_complete_each_as_alone(stack: ServeStack) -> None
         alone = [await _streamed(client, prompt, 24) for prompt in PROMPTS]
         together = await asyncio.gather(*(_streamed(client, PROMPTS[i % len(PROMPTS)], 24) for i in range(64)))
         async with httpx.AsyncClient() as http:
-            gateway = (await http.get(f"{stack.url}/metrics")).text
-        return alone, together, gateway
+            verifier = (await http.get(f"{stack.verifier_metrics}/metrics")).text  # the verifier fits the trees
+        return alone, together, verifier
 
-    alone, together, gateway = asyncio.run(scenario())
+    alone, together, verifier = asyncio.run(scenario())
     assert all(alone), "every request produced text"
     assert together == [alone[i % len(PROMPTS)] for i in range(64)]
-    steps = metric(gateway, "ddtree_step_tree_nodes_count")
-    cut = metric(gateway, "ddtree_step_tree_nodes_bucket", le="16.0")
+    steps = metric(verifier, "ddtree_step_tree_nodes_count")
+    cut = metric(verifier, "ddtree_step_tree_nodes_bucket", le="16.0")
     print(f"steps {steps:.0f}, cut to <= 16 nodes {cut:.0f}, mean size "
-          f"{metric(gateway, 'ddtree_step_tree_nodes_sum') / steps:.1f}")
+          f"{metric(verifier, 'ddtree_step_tree_nodes_sum') / steps:.1f}")
     assert cut > 0, f"no step of {steps:.0f} cut its trees below the budget"
 
 
@@ -120,7 +120,7 @@ def test_a_steady_load_is_verified_in_steps_of_every_client(stack: ServeStack) -
                 return 0.0
 
         return (count(verifier, "ddtree_verify_batch_size_count"), count(verifier, "ddtree_verify_batch_size_sum"),
-                count(gateway, "ddtree_step_batch_size_count", rpc="VerifyBatch"))
+                count(gateway, "ddtree_step_batch_size_count", rpc="Step"))
 
     async def stream(client: openai.AsyncOpenAI, prompt: str, started: asyncio.Event) -> str:
         chunks = await client.chat.completions.create(

@@ -81,11 +81,11 @@ def test_structured_and_tool_requests_after_the_fit_has_warmed_up(stack: ServeSt
                         return kind, exc
 
             answers = await asyncio.gather(*(one(kind) for kind in range(REQUESTS)))
-            async with httpx.AsyncClient() as http:
-                return answers, (await http.get(f"{stack.url}/metrics")).text
+            async with httpx.AsyncClient() as http:  # the fit is the verifier's
+                return answers, (await http.get(f"{stack.verifier_metrics}/metrics")).text
 
-    answers, gateway = asyncio.run(scenario())
-    assert metric(gateway, "ddtree_step_tree_nodes_bucket", le="16.0") > 0, "the fit never cut a step's trees"
+    answers, verifier = asyncio.run(scenario())
+    assert metric(verifier, "ddtree_step_tree_nodes_bucket", le="16.0") > 0, "the fit never cut a step's trees"
     failed = [(kind, exc) for kind, exc in answers if isinstance(exc, Exception)]
     assert not failed, failed[:3]
     complete = {choice: 0 for choice in range(6)}  # answers that ended of themselves, by kind

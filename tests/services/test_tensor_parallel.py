@@ -140,15 +140,16 @@ def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_targ
     import os
     import signal
 
-    from gateway.grpc_drafter import GrpcDrafter
+    from runtime.drafter_client import GrpcDrafter
     from gateway.grpc_verifier import GrpcVerifier
     from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, free_ports, launch, wait_serving
 
     ports = free_ports(4)
-    verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--tp", "2"], (ports[0], ports[1]), tmp_path)
     drafter = launch(
         DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter_dir), "--target", str(qwen3_target)], (ports[2], ports[3]), tmp_path
     )
+    verifier = launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--tp", "2",
+                                         "--drafter", f"127.0.0.1:{ports[2]}"], (ports[0], ports[1]), tmp_path)
     try:
         wait_serving(verifier, drafter)
         prompt = [2, 7, 1, 8, 2, 8]
@@ -162,6 +163,7 @@ def test_verify_service_tp2_serves_exactly_and_stops_when_a_rank_dies(qwen3_targ
         for spec in (Speculation("ar"), Speculation("ddtree", 16)):
             assert asyncio.run(remote(spec)) == reference, spec
         assert verifier.metric("ddtree_verify_active_sessions") == 0
+        assert drafter.metric("ddtree_draft_requests_total", rpc="Draft", code="OK") > 0  # the verifier's drafts
 
         rank1 = _children(verifier.process.pid)
         assert rank1, "the verifier started no other rank"

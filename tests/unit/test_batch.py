@@ -13,13 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draft_server.config import DraftServerConfig
+from draft_server.server import DrafterServicer
+from protos.types import SamplingParams
 from runtime.call_batch import Batch
 from runtime.service import ROUND_RPCS, EngineHost, ServiceMetrics
-from protos.types import SamplingParams
-from verify_server.session import CapacityError, SessionError, UnknownSessionError
-from verify_server.verify import ROOT_ONLY, VerifyEngine
 from tests.conftest import VOCAB, hf_greedy
 from tests.unit.test_verify import make_engine, oracle_tree
+from verify_server.config import VerifyServerConfig
+from verify_server.server import VerifierServicer
+from verify_server.session import CapacityError, SessionError, UnknownSessionError
+from verify_server.verify import ROOT_ONLY, VerifyEngine
 
 PROMPTS = ([3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2], [7, 7, 7], [1, 2], [4, 4, 8, 1], [5, 3, 5],
            [2, 7, 1, 8, 2, 8])
@@ -212,7 +216,7 @@ def test_batch_gathers_the_calls_that_wait_together(inline: bool) -> None:
     metrics = ServiceMetrics("test", "bytes", "help", torch.device("cpu"))
     host = EngineHost(metrics, (), lambda s: 0, 60.0, inline_rpcs=ROUND_RPCS if inline else frozenset())
     host.engine = engine
-    batch = Batch("Verify", lambda e, items: e.run(items), max_size=3)
+    batch = Batch("Step", lambda e, items: e.run(items), max_size=3)
 
     async def scenario() -> list:
         first = [asyncio.ensure_future(batch.submit(host, i)) for i in (0, 2, 4, 6)]  # one turn: 3 + 1
@@ -231,13 +235,24 @@ def test_batch_gathers_the_calls_that_wait_together(inline: bool) -> None:
         assert engine.ran_in == [None] * 3
 
 
+def test_the_services_step_batches_run_inline_by_default() -> None:
+    """The batches on every step's path, the verifier's steps and the drafter's drafts, run on the event loop where
+    the engine is idle (a service's EngineHost as it makes it)."""
+    verifier = EngineHost(ServiceMetrics("ddtree_verify", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
+    drafter = EngineHost(ServiceMetrics("ddtree_draft", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
+    steps = VerifierServicer(verifier, VerifyServerConfig(target="unused")).rounds
+    drafts = DrafterServicer(drafter, DraftServerConfig(drafter="unused", target="unused")).drafts
+    assert steps.rpc == "Step" and drafts.rpc == "Draft"
+    assert verifier.inline_rpcs == ROUND_RPCS and {steps.rpc, drafts.rpc} <= ROUND_RPCS
+
+
 def test_batch_leader_cancelled_in_its_turn_leaves_the_others_served() -> None:
     """The first call of a group is cancelled while it waits for the others to join: it never runs, and the calls
     that joined it still run, together, with their own outcomes."""
     engine = Recorder()
     host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0)
     host.engine = engine
-    batch = Batch("Verify", lambda e, items: e.run(items), max_size=8)
+    batch = Batch("Step", lambda e, items: e.run(items), max_size=8)
 
     async def scenario() -> list:
         calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (2, 4, 6)]
@@ -298,7 +313,7 @@ def test_batch_skips_callers_gone_and_fails_a_failed_run_for_all() -> None:
             raise RuntimeError("the forward failed")
         return e.run(items)
 
-    batch = Batch("Verify", run, max_size=8)
+    batch = Batch("Step", run, max_size=8)
 
     async def scenario() -> list:
         calls = [asyncio.ensure_future(batch.submit(host, i)) for i in (2, 4, 13)]
@@ -321,7 +336,7 @@ def test_a_batch_messages_calls_join_the_batch_at_once(inline: bool) -> None:
     host = EngineHost(ServiceMetrics("test", "bytes", "help", torch.device("cpu")), (), lambda s: 0, 60.0,
                       inline_rpcs=ROUND_RPCS if inline else frozenset())
     host.engine = engine
-    batch = Batch("Verify", lambda e, items: e.run(items), max_size=4)
+    batch = Batch("Step", lambda e, items: e.run(items), max_size=4)
 
     async def scenario() -> tuple[list, list, list]:
         lone = asyncio.ensure_future(batch.submit(host, 2))

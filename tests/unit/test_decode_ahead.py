@@ -49,7 +49,7 @@ def prompts(n: int, seed: int = 0) -> dict[str, list[int]]:
 def greedy_sessions(
     engine: VerifyEngine, target: Path, n: int, seed: int, new_tokens: int, tapped: str = ""
 ) -> tuple[dict[str, list[int]], dict[str, list[int]], dict[str, list[int]]]:
-    """n greedy sessions started and prefilled (`tapped` with taps, its prompt's features kept) -> (their prompts,
+    """n greedy sessions started and prefilled (`tapped` with taps) -> (their prompts,
     the target's greedy continuations by HF generate, the tokens each has so far: its prefill's)."""
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     asked = prompts(n, seed)
@@ -57,7 +57,7 @@ def greedy_sessions(
     got = {}
     for name, prompt in asked.items():
         engine.start_session(name, 1024, SamplingParams(), [1, 2] if name == tapped else [])
-        got[name] = list(engine.prefill(name, prompt, keep_features=name == tapped).tokens)
+        got[name] = list(engine.prefill(name, prompt).tokens)
     return asked, truth, got
 
 
@@ -176,10 +176,10 @@ def test_what_one_launch_cannot_take_runs_the_ordinary_way(qwen3_target: Path) -
 
 
 def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path) -> None:
-    """The verifier's Batch over a real engine: Decode batches submitted a step ahead (as the gateway's step
-    behind sends them) are launched behind the unread step, each call answered with the target's token; a batch
-    with a bad call answers it with its status and launches the rest. A tapped session (a speculating request's)
-    whose first Decode untaps it joins them."""
+    """The verifier's Step calls over a real engine: steps of AR steps submitted a step ahead (as the gateway's step
+    behind sends them) are launched behind the unread step, each session answered with the target's token; a step
+    with a bad session answers it with its status and launches the rest. A tapped session (a speculating request's)
+    whose first AR step untaps it joins them."""
     engine = make_engine(qwen3_target, "fused-static")
     asked, truth, got = greedy_sessions(engine, qwen3_target, 3, 3, 24, tapped="s0")
     assert engine.launch_decodes(list(asked)) is None  # s0 taps features
@@ -202,10 +202,10 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
         answers = []
         pending = None
         for k in range(20):
-            calls = [pb.DecodeRequest(session_id=name, untap=k == 0 and name == "s0") for name in asked]
+            parts = [pb.SessionStep(session_id=name, untap=k == 0 and name == "s0") for name in asked]
             if k == 7:
-                calls.append(pb.DecodeRequest(session_id="nobody"))
-            submitted = asyncio.ensure_future(servicer.rounds.submit_all(host, calls))
+                parts.append(pb.SessionStep(session_id="nobody"))
+            submitted = asyncio.ensure_future(servicer.Step(pb.StepRequest(sessions=parts), None))
             await asyncio.sleep(0)  # its run leads and launches; the next batch comes before the first is read
             if pending is not None:
                 answers.append(await pending)
@@ -214,17 +214,20 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
         return answers
 
     answers = asyncio.run(scenario())
-    for k, outcomes in enumerate(answers):
+    for k, answer in enumerate(answers):
+        outcomes = answer.outcomes
+        assert len(outcomes) == len(asked) + (k == 7)
         for name, outcome in zip(asked, outcomes):
-            got[name] += list(outcome.tokens)
+            assert outcome.status.code == 0 and outcome.tree_size == 0, (k, name)
+            got[name] += list(outcome.step.tokens)
         if k == 7:
-            assert host.failure("Decode", outcomes[-1])[0] == grpc.StatusCode.NOT_FOUND
+            assert outcomes[-1].status.code == grpc.StatusCode.NOT_FOUND.value[0] and not outcomes[-1].step.tokens
     for name in asked:
         assert got[name] == truth[name][: len(got[name])] and len(got[name]) == 21, name
     assert most_unread == MAX_UNREAD
     assert host.metrics.registry.get_sample_value("ddtree_verify_decodes_launched_ahead_total") >= 10
     untapped = engine.session("s0")
-    assert untapped.taps == [] and not untapped.kept_features
+    assert untapped.taps == []
 
 
 def test_a_batch_launches_while_a_deferred_run_is_on_the_device() -> None:
@@ -247,7 +250,7 @@ def test_a_batch_launches_while_a_deferred_run_is_on_the_device() -> None:
 
     host = EngineHost(ServiceMetrics("ddtree_test", "bytes", "bytes", torch.device("cpu")), (), lambda s: 0, 600.0)
     host.engine = object()
-    batch = Batch("Decode", run, 8)
+    batch = Batch("Step", run, 8)
 
     async def scenario() -> list[list[str]]:
         first = asyncio.ensure_future(batch.submit_all(host, [1, 2]))

@@ -13,7 +13,6 @@ import torch
 from draft_server.engine import DraftEngine
 from draft_server.session import SessionError
 from protos.types import SamplingParams
-from verify_server.session import SessionError as VerifySessionError
 from runtime.prefix_blocks import BLOCK_TOKENS
 from tests.unit.test_drafter_static import FEATURE_DIM, assert_same_tree, engines, sliding_drafter
 from tests.unit.test_verify import make_engine
@@ -96,7 +95,7 @@ def test_short_prompts_and_bad_ones(drafters: dict[str, DraftEngine]) -> None:
 
 def test_verifier_leaves_skipped_features_out(qwen3_target: Path) -> None:
     """skip_features: a prefill's features start at that position, in one call or in chunks (a chunk wholly below
-    it has none, kept or answered); the rest of the answer is the prefill's without it, chunked alike (in fp32 a
+    it has none, in host memory or not); the rest of the answer is the prefill's without it, chunked alike (in fp32 a
     chunk's rows need not equal the same rows of the whole prompt's forward to the last bit: other matmul shapes)."""
     engine = make_engine(qwen3_target, "fused")
     prompt = list(range(3, 3 + 2 * BLOCK_TOKENS + 7))
@@ -107,12 +106,11 @@ def test_verifier_leaves_skipped_features_out(qwen3_target: Path) -> None:
     skipped = engine.prefill("skipped", prompt, skip_features=skip)
     assert skipped.tokens == whole.tokens and torch.equal(skipped.features, whole.features[skip:])
     chunks = [prompt[:BLOCK_TOKENS], prompt[BLOCK_TOKENS : skip + 3], prompt[skip + 3 :]]
-    first = engine.prefill("chunked", chunks[0], more=True, keep_features=True, skip_features=skip)
-    middle = engine.prefill("chunked", chunks[1], more=True, skip_features=skip)
+    first = engine.prefill("chunked", chunks[0], more=True, host_features=True, skip_features=skip)
+    middle = engine.prefill("chunked", chunks[1], more=True, host_features=True, skip_features=skip)
     last = engine.prefill("chunked", chunks[2], skip_features=skip)
-    assert first.features is None  # nothing past the skip: nothing kept either
-    with pytest.raises(VerifySessionError, match="no kept prompt features"):
-        engine.take_features("chunked")
+    assert first.features is None  # nothing past the skip, in host memory or not
+    assert middle.features.device.type == "cpu" and len(middle.features) == 3
     every = [engine.prefill("chunked-all", chunk, more=i < 2) for i, chunk in enumerate(chunks)]
     assert torch.equal(torch.cat((middle.features, last.features)),
                        torch.cat((every[1].features[skip - BLOCK_TOKENS :], every[2].features)))

@@ -119,14 +119,14 @@ def test_after_its_window_it_waits_out_the_whole_timeout(counted) -> None:
 
 def test_lane_exchange_on_a_polling_loop() -> None:
     async def main() -> list[bytes]:
-        async def echo(request: pb.DraftRequest, _context) -> pb.StepResponse:
-            response = pb.StepResponse()
+        async def echo(request: pb.DraftRequest, _context) -> pb.AppendRequest:
+            response = pb.AppendRequest()
             response.features.data = request.features.data[::-1]
             return response
 
         server = LaneServer({"Echo": Route(pb.DraftRequest, echo)}, 2**20)
         port = await server.start("127.0.0.1", 0)
-        lane = await Lane.open("127.0.0.1", port, "Echo", pb.StepResponse, 2**20)
+        lane = await Lane.open("127.0.0.1", port, "Echo", pb.AppendRequest, 2**20)
         answers = []
         for size in (1, 1000, 100_000):
             request = pb.DraftRequest()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ddtree.local import LocalDrafter, load_local
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from protos.types import SamplingParams
 from tests.conftest import VOCAB, hf_greedy
@@ -100,19 +100,21 @@ def test_tiny_vocab_large_budget_accepts_deeply(path: str, chunk: int, tmp_path:
 
 @pytest.mark.parametrize("path", ["fused", "hf", "static"])
 def test_chunked_prefill_rounds_equal_one_call_prefill(path: str, qwen3_target: Path, drafter_dir: Path) -> None:
-    """A prompt prefilled in chunks (each chunk's features appended to the drafter's context while the next
-    runs, the last chunk's with the first draft) gives the target's greedy output and, round for round, the
-    acceptance of the one-call prefill: a drafter context missing or misplacing a chunk would draft worse trees,
-    which exactness alone would not show."""
+    """A prompt prefilled in chunks (each chunk's features appended to the drafter's context by the verifier as the
+    chunk runs) gives the target's greedy output and, round for round, the acceptance and the trees of the one-call
+    prefill: a drafter context missing or misplacing a chunk would draft worse trees, which exactness alone would
+    not show."""
     hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    verifier, local = load(qwen3_target, drafter_dir, path)
-    drafter = TreeLog(local.engine)
+    loaded, local = load(qwen3_target, drafter_dir, path)
+    drafter = TreeLog(local.engine)  # the verifier's drafter, and the gateway's for the sessions
+    verifier = LocalVerifier(loaded.engine, drafter)
     for prompt in prompts(12)[2::2]:  # 3 to 120 tokens
         reference = hf_greedy(hf, prompt, MAX_NEW)
         for spec in (Speculation("chain"), Speculation("ddtree", 16)):
             drafter.trees = []
             whole = [r.accepted for r in generate(verifier, drafter, prompt, spec, [])]
             trees = drafter.trees
+            assert len(trees) == len(whole) - 1  # a tree for every step after the prompt's
             for chunk in (1, 4, 16):
                 drafter.trees = []
                 rounds = generate(verifier, drafter, prompt, spec, [], chunk=chunk)
@@ -135,8 +137,8 @@ class TreeLog(LocalDrafter):
 
 @pytest.mark.gpu(reason="CUDA graphs need a GPU")
 def test_captured_steps_on_gpu_equal_hf_generate(qwen3_target: Path, drafter_dir: Path) -> None:
-    """fp32 on the GPU: every step a graph replay. Prefilled in chunks, the prompt's features kept in pinned host
-    memory, taken and appended before the first draft: the same output."""
+    """fp32 on the GPU: every step a graph replay. Prefilled in chunks, each chunk's features appended to the
+    drafter's context on the device: the same output."""
     hf = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cuda", torch.float32)
     assert verifier.engine.path == "fused+graphs"

@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddtree.local import LocalDrafter, load_local
+from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import Round, Speculation, run_rounds
 from protos.types import DraftTree, SamplingParams
 from runtime.grammar import (
@@ -51,8 +51,9 @@ def demo():
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
     verifier, local_drafter = load_local(str(target), str(drafter), "cpu", torch.float32)
+    log = DraftLog(local_drafter.engine)  # the verifier's drafter, and the gateway's for the sessions
     prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return target, tokenizer, model, verifier, DraftLog(local_drafter.engine), prompt["input_ids"]
+    return target, tokenizer, model, LocalVerifier(verifier.engine, log), log, prompt["input_ids"]
 
 
 def matcher(demo, grammar: str) -> xgr.GrammarMatcher:

@@ -44,9 +44,9 @@ class GatedVerifier(ServiceVerifier):
 
     gate: asyncio.Event
 
-    async def verify(self, asks):
+    async def step(self, steps):
         await self.gate.wait()
-        return await super().verify(asks)
+        return await super().step(steps)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def backends(target: Path, tmp_path_factory) -> Backends:
     local = local_backends(target, make_drafter(tmp_path_factory.mktemp("shed_drafter")))
-    return Backends(GatedVerifier(local.verifier.engine), local.drafter)
+    return Backends(GatedVerifier(local.verifier.engine, local.drafter), local.drafter)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Several sessions' Prefill calls in one forward (VerifyEngine.prefill_batch; the verifier service's Prefill calls
 that wait for the engine at once): each call's answer is what prefill gives it alone, on the fused path (whose
 chunks share a forward) and the generic one (each alone), with every kind of session a request brings: tapped or
-not, greedy, sampled, with processors and logprobs, features answered or kept, a chunk after committed rows, a
+not, greedy, sampled, with processors and logprobs, features answered on the device or in host memory, a chunk after committed rows, a
 prefix restored from the prefix cache, a session's two calls in one batch, and calls that fail. The reference is a
 second engine, the same calls one at a time; after the prompts, every session goes on as its twin does (greedy
 ones as the target's own greedy continuation, through deep trees). Nothing here measures time."""
@@ -9,6 +9,7 @@ ones as the target's own greedy continuation, through deep trees). Nothing here 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,7 @@ def assert_same_outcomes(got: list, expected: list) -> None:
         assert a.tokens == b.tokens
         assert (a.features is None) == (b.features is None)
         if b.features is not None:
+            assert a.features.device == b.features.device
             assert_fp32_close(a.features, b.features, DENSE_TOL)
         assert (a.logprobs is None) == (b.logprobs is None)
         if b.logprobs is not None:
@@ -80,15 +82,10 @@ def assert_same_outcomes(got: list, expected: list) -> None:
 def assert_same_continuations(
     engines: tuple[VerifyEngine, VerifyEngine], session_ids: list[str], steps: int = 8
 ) -> dict[str, list[int]]:
-    """Each session's kept features taken alike, then `steps` decode steps alike in both engines -> each session's
-    decoded tokens."""
+    """`steps` decode steps alike in both engines -> each session's decoded tokens."""
     batched, alone = engines
     decoded: dict[str, list[int]] = {}
     for session_id in session_ids:
-        while batched.session(session_id).kept_features:
-            assert_fp32_close(batched.take_features(session_id).features, alone.take_features(session_id).features,
-                              DENSE_TOL)
-        assert not alone.session(session_id).kept_features
         for _ in range(steps):
             a, b = batched.decode(session_id), alone.decode(session_id)
             assert a.tokens == b.tokens
@@ -105,7 +102,7 @@ def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path
     batched, alone = make_engine(qwen3_target, path), make_engine(qwen3_target, path)
     forwards = SharedForwards(batched)
     sessions = {
-        "greedy-tapped": (SamplingParams(), TAPS), "greedy-kept": (SamplingParams(), TAPS),
+        "greedy-tapped": (SamplingParams(), TAPS), "greedy-host": (SamplingParams(), TAPS),
         "sampled": (SAMPLED, TAPS), "processed": (PROCESSED, TAPS), "skipping": (SamplingParams(), TAPS),
         "two-calls": (SamplingParams(), TAPS), "chunked": (SamplingParams(), TAPS),
         "untapped": (SamplingParams(), []), "untapped-sampled": (SAMPLED, []), "done": (SamplingParams(), []),
@@ -119,17 +116,17 @@ def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path
         engine.session("too-long").capacity = 20  # asked for 20 tokens: its prompt does not fit
     calls = [
         PrefillCall("greedy-tapped", prompts["greedy-tapped"]),
-        PrefillCall("greedy-kept", prompts["greedy-kept"], keep_features=True),
+        PrefillCall("greedy-host", prompts["greedy-host"], host_features=True),
         PrefillCall("sampled", prompts["sampled"]),
         PrefillCall("unknown", [1, 2, 3]),
         PrefillCall("processed", prompts["processed"]),
         PrefillCall("skipping", prompts["skipping"], skip_features=7),
-        PrefillCall("two-calls", prompts["two-calls"][:6], more=True, keep_features=True),
+        PrefillCall("two-calls", prompts["two-calls"][:6], more=True, host_features=True),
         PrefillCall("chunked", prompts["chunked"][9:]),
         PrefillCall("untapped", prompts["untapped"]),
         PrefillCall("done", [4, 5]),
         PrefillCall("untapped-sampled", prompts["untapped-sampled"]),
-        PrefillCall("two-calls", prompts["two-calls"][6:], keep_features=True),  # after its first, alone
+        PrefillCall("two-calls", prompts["two-calls"][6:], host_features=True),  # after its first, alone
         PrefillCall("too-long", make_prompt(30, seed=99)),
         PrefillCall("empty", []),
     ]
@@ -142,7 +139,7 @@ def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path
     decoded = assert_same_continuations((batched, alone), [s for s in sessions if s not in failed])
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     first = {call.session_id: outcome.tokens for call, outcome in zip(calls, outcomes) if call.session_id not in failed}
-    for session_id in ("greedy-tapped", "greedy-kept", "untapped"):
+    for session_id in ("greedy-tapped", "greedy-host", "untapped"):
         truth = hf_greedy(model, prompts[session_id], TRUTH_TOKENS + 8)
         assert first[session_id] + decoded[session_id] == truth[:9]
         assert_deep_rounds_follow_the_target(batched, session_id, truth)
@@ -177,7 +174,7 @@ def test_shared_prefill_restores_cached_prefixes(path: str, qwen3_target: Path) 
         engine.end_session("first")
     hits = batched.prefix.stats.hit_tokens
     calls = [PrefillCall("tapped", shared[:35] + make_prompt(6, seed=6)),
-             PrefillCall("also-tapped", shared + make_prompt(3, seed=7), keep_features=True),
+             PrefillCall("also-tapped", shared + make_prompt(3, seed=7), host_features=True),
              PrefillCall("untapped", shared[:33])]
     assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
     assert batched.prefix.stats.hit_tokens - hits == alone.prefix.stats.hit_tokens - hits > 0
@@ -207,8 +204,8 @@ def test_a_batch_of_chunks_that_end_no_prompt(path: str, qwen3_target: Path) -> 
     forwards = SharedForwards(batched)
     start((batched, alone), {"a": (SamplingParams(), TAPS), "b": (SAMPLED, TAPS), "c": (SamplingParams(), TAPS)})
     prompts = {name: make_prompt(20 + 7 * i, seed=30 + i) for i, name in enumerate("abc")}
-    for calls in ([PrefillCall(n, prompts[n][:9], more=True, keep_features=n == "a") for n in "abc"],
-                  [PrefillCall(n, prompts[n][9:], keep_features=n == "a") for n in "abc"]):
+    for calls in ([PrefillCall(n, prompts[n][:9], more=True, host_features=n == "a") for n in "abc"],
+                  [PrefillCall(n, prompts[n][9:], host_features=n == "a") for n in "abc"]):
         assert_same_outcomes(batched.prefill_batch(calls), one_by_one(alone, calls))
     assert forwards.chunks == [3, 3]
     assert_same_continuations((batched, alone), list("abc"))
@@ -237,20 +234,20 @@ def test_shared_prefill_on_the_captured_path(qwen3_target: Path) -> None:
     """The code path CUDA graphs replay (fused-static): chunks whose padding to one query bucket and a power of two of
     trees at most doubles their rows (or stays within SMALL_PROMPT_BATCH rows) run through the batched rounds'
     captured scores step, each call of every kind
-    (greedy, sampled, processed with logprobs, kept features, a chunk after committed rows, one with more to come)
+    (greedy, sampled, processed with logprobs, features in host memory, a chunk after committed rows, one with more to come)
     answered as alone and going on as alone, greedy ones as the target's own continuation through deep trees; a
     batch that would pad past that runs uncaptured, answered as alone too."""
     batched, alone = make_engine(qwen3_target, "fused-static"), make_engine(qwen3_target, "fused-static")
     captured = CapturedForwards(batched)
     sessions = {"greedy": (SamplingParams(), TAPS), "sampled": (SAMPLED, TAPS), "processed": (PROCESSED, TAPS),
-                "kept": (SamplingParams(), TAPS), "chunked": (SamplingParams(), TAPS), "more": (SamplingParams(), TAPS)}
+                "host": (SamplingParams(), TAPS), "chunked": (SamplingParams(), TAPS), "more": (SamplingParams(), TAPS)}
     start((batched, alone), sessions)
     prompts = {session_id: make_prompt(56 + 2 * i, seed=40 + i) for i, session_id in enumerate(sessions)}
     for engine in (batched, alone):
         engine.prefill("chunked", prompts["chunked"][:9], more=True)  # its batched chunk starts after 9 rows
     first_calls = [PrefillCall("greedy", prompts["greedy"]), PrefillCall("sampled", prompts["sampled"]),
                    PrefillCall("processed", prompts["processed"]),
-                   PrefillCall("kept", prompts["kept"], keep_features=True),
+                   PrefillCall("host", prompts["host"], host_features=True),
                    PrefillCall("chunked", prompts["chunked"][9:]), PrefillCall("more", prompts["more"][:60], more=True)]
     # 55 to 62 tokens a chunk: 8 trees of 64 rows for 351 tokens, within twice theirs
     firsts = batched.prefill_batch(first_calls)
@@ -265,7 +262,7 @@ def test_shared_prefill_on_the_captured_path(qwen3_target: Path) -> None:
     assert (captured.captured, captured.uncaptured) == (1, 1)
     decoded = assert_same_continuations((batched, alone), [*sessions, "late", "short"])
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    for session_id in ("greedy", "kept", "chunked"):
+    for session_id in ("greedy", "host", "chunked"):
         truth = hf_greedy(model, prompts[session_id], TRUTH_TOKENS + 8)
         first = next(step for call, step in zip(first_calls, firsts) if call.session_id == session_id)
         assert first.tokens + decoded[session_id] == truth[:9]
@@ -278,7 +275,8 @@ def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target
     """The service's configuration on a GPU (graphs, the flash batch kernel over the chains, compiled steps): prompts
     of 5 to 400 tokens, tapped and untapped, one a chunk after committed rows, answered as one by one (features
     within the dtype's rounding; the first tokens equal, in bf16 but where the one-by-one logits' top two are within
-    its rounding) and, in fp32, the same decode steps after; with a chunk past MAX_SHARED_CHUNK beside them."""
+    its rounding) and, in fp32, the same decode steps after; with a chunk past MAX_SHARED_CHUNK beside them. A call
+    with host_features answers its features in host memory, equal to those the device holds."""
     # The other dtype's compiles of the same (fullgraph) layer functions would count toward dynamo's recompile limit,
     # past which a compiled call fails; a server compiles one dtype.
     torch._dynamo.reset()
@@ -290,15 +288,17 @@ def test_shared_prefill_on_gpu_answers_as_alone(dtype: torch.dtype, qwen3_target
             engine.start_session(session_id, 600, params, taps)
         engine.prefill("e", make_prompt(40, seed=9), more=True)
     calls = [PrefillCall(name, make_prompt(n, seed=i)) for i, (name, n) in enumerate(lengths.items())]
-    got, expected = batched.prefill_batch(calls), one_by_one(alone, calls)
+    hosted = [replace(call, host_features=call.session_id in ("c", "e")) for call in calls]  # where a drafter is remote
+    got, expected = batched.prefill_batch(hosted), one_by_one(alone, calls)
     tol = DENSE_TOL * 25 if dtype == torch.float32 else 3e-2
-    for a, b in zip(got, expected):
+    for call, a, b in zip(hosted, got, expected):
         assert isinstance(a, StepResult)
         if a.tokens != b.tokens:  # a near tie of a random model's flat logits, which bf16 rounding may flip
             (top, second), ids = b.logprobs.top_logprobs[0], b.logprobs.top_ids[0]
             assert dtype == torch.bfloat16 and {*a.tokens, *b.tokens} == {*ids} and top - second < BF16_TIE, (a, b)
         if b.features is not None:
-            assert_fp32_close(a.features.float(), b.features.float(), tol)
+            assert b.features.is_cuda and a.features.device.type == ("cpu" if call.host_features else "cuda")
+            assert_fp32_close(a.features.float().cpu(), b.features.float().cpu(), tol)
     if dtype == torch.float32:
         for name in lengths:
             assert [batched.decode(name).tokens for _ in range(8)] == [alone.decode(name).tokens for _ in range(8)]

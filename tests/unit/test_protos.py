@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from google.protobuf.message import DecodeError
@@ -111,14 +110,20 @@ def test_step_round_trip_with_logprobs():
     assert tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([3], None)))).logprobs is None
 
 
-def test_step_round_trip_with_and_without_features():
+def test_step_answers_carry_no_features():
+    """A step's features stay with the verifier (it sends them to its drafter itself): its answer holds the tokens
+    and timings only."""
+    assert "features" not in pb.StepResponse.DESCRIPTOR.fields_by_name
     features = torch.randn(3, 128).to(torch.bfloat16)
     step = StepResult([4, 9, 1], features, forward_s=0.25, timings={"walk_s": 0.01})
     msg = tensors.step_to_pb(step)
     msg.timings.total_s = 0.5  # what the server adds once it answers
     back = tensors.step_from_pb(_wire(msg))
-    assert back.tokens == [4, 9, 1] and torch.equal(back.features, features)
+    assert back.tokens == [4, 9, 1] and back.features is None
     assert back.forward_s == 0.25 and back.timings == {"walk_s": 0.01, "verify_server_s": 0.5}
+    without = tensors.step_to_pb(StepResult([4, 9, 1], None, forward_s=0.25, timings={"walk_s": 0.01}))
+    without.timings.total_s = 0.5
+    assert msg.SerializeToString() == without.SerializeToString()  # the features wrote nothing
     bare = tensors.step_from_pb(_wire(tensors.step_to_pb(StepResult([7], None))))
     assert bare.tokens == [7] and bare.features is None
 
@@ -139,60 +144,12 @@ def test_info_round_trips():
     assert tensors.verifier_info_from_pb(_wire(tensors.verifier_info_to_pb(verifier))) == verifier
 
 
-# ---- the gateway's pass-through (wire=True) --------------------------------------------------------------------
+# ---- a drafted tree at the verifier (wire=True) ----------------------------------------------------------------
 
 
-def test_features_pass_through_the_gateway_as_the_same_message():
-    features = torch.randn(3, 16).to(torch.bfloat16)
-    received = _wire(tensors.step_to_pb(StepResult([4, 9, 1], features, forward_s=0.25)))
-    step = tensors.step_from_pb(received, wire=True)
-    assert isinstance(step.features, tensors.WireTensor) and step.features._tensor is None  # nothing decoded
-    assert tensors.tensor_to_pb(step.features) is received.features  # handed on as it came: no copy, no re-encoding
-    request = pb.DraftRequest()
-    tensors.tensor_to_pb(step.features, out=request.features)
-    assert _wire(request).features == received.features
-    # used as a tensor, it is one: shape without decoding, everything else through the decoded tensor
-    assert step.features.shape == (3, 16) and step.features._tensor is None
-    assert step.features.dtype == torch.bfloat16 and step.features.ndim == 2
-    assert torch.equal(step.features, features) and torch.equal(torch.cat([step.features]), features)
-    assert torch.equal(step.features.to("cpu", torch.float32)[None][0], features.float())
-
-
-def test_a_take_features_answer_passes_on_as_an_append_request_unparsed():
-    """The verifier's TakeFeatures answer (features and timings) followed by an AppendRequest holding the session's
-    id is that AppendRequest with the answer's features, equal to the bit: the gateway never decodes them."""
-    features = torch.randn(5, 6).to(torch.bfloat16)
-    answer = tensors.step_to_pb(StepResult([], features, forward_s=0.5))
-    answer.timings.total_s = 0.25  # as the service fills it in
-    relayed = relay.WireFeatures(answer.SerializeToString())
-    request = pb.AppendRequest.FromString(b"".join(relayed.append_request("session-1")))
-    assert request.session_id == "session-1"
-    assert torch.equal(tensors.tensor_from_pb(request.features), features)
-    number = pb.StepResponse.DESCRIPTOR.fields_by_name["features"].number
-    assert pb.AppendRequest.DESCRIPTOR.fields_by_name["features"].number == number
-    timings = pb.StepResponse.DESCRIPTOR.fields_by_name["timings"].number
-    assert pb.AppendRequest.DESCRIPTOR.fields_by_number.get(timings) is None
-
-
-@pytest.mark.parametrize("dtype, shape", [(torch.bfloat16, (7, 12)), (torch.float32, (3, 5)), (torch.bfloat16, (0, 4)),
-                                          (torch.float32, (1, 70000))])
-def test_a_features_answer_is_written_from_the_features_memory(dtype, shape):
-    """FeaturesAnswer's pieces are the StepResponse step_to_pb builds (timings included), its middle piece the
-    features' own memory: nothing copied them."""
-    features = torch.randn(shape).to(dtype)
-    answer = relay.FeaturesAnswer(features)
-    answer.timings.total_s, answer.timings.forward_s = 0.25, 0.125
-    pieces = answer.lane_pieces()
-    expected = tensors.step_to_pb(StepResult([], features, forward_s=0.125))
-    expected.timings.total_s = 0.25
-    assert pb.StepResponse.FromString(b"".join(pieces)) == expected
-    if features.numel():
-        assert np.frombuffer(pieces[1], dtype=np.uint8).ctypes.data == features.data_ptr()
-    with pytest.raises(ValueError, match="on the host"):
-        relay.FeaturesAnswer(torch.empty(1, 2, device="meta"))
-
-
-def test_trees_pass_through_the_gateway_as_the_same_message():
+def test_a_drafted_tree_reaches_the_verifier_undecoded():
+    """The verifier's drafter client keeps a DraftBatch answer's trees as they came: size and depth without decoding
+    (the tree fit reads them so), the tensors decoded on first use, and the same message where one is written."""
     torch.manual_seed(0)
     tree = build_tree(torch.log_softmax(torch.randn(7, 48), -1), root_token=5, budget=20)
     received = _wire(tensors.draft_to_pb(tree, forward_s=0.125, tree_s=0.0625))
@@ -203,9 +160,9 @@ def test_trees_pass_through_the_gateway_as_the_same_message():
     assert timings == {"draft_s": 0.125, "tree_s": 0.0625, "draft_server_s": 0.0}
     for name in ("tokens", "parents", "depths"):  # decoded on first use
         assert torch.equal(getattr(wire_tree, name), getattr(tree, name))
-    verify = pb.VerifyRequest()
-    tensors.tree_to_pb(wire_tree, out=verify.tree)
-    assert verify.tree == received.tree
+    answer = pb.DraftResponse()
+    tensors.tree_to_pb(wire_tree, out=answer.tree)
+    assert answer.tree == received.tree
 
 
 def test_trees_that_are_no_int32_node_array_are_refused_both_ways():
@@ -221,12 +178,23 @@ def test_trees_that_are_no_int32_node_array_are_refused_both_ways():
     assert empty.tokens.shape == empty.parents.shape == empty.depths.shape == (0,)
 
 
-def test_step_features_are_written_in_place_and_decode_writable():
+def test_append_features_are_written_in_place_and_decode_writable():
     features = torch.randn(5, 4)
-    msg = tensors.step_to_pb(StepResult([1], features.t()))  # non-contiguous: sent in row-major order
-    back = tensors.step_from_pb(_wire(msg)).features
+    request = pb.AppendRequest(session_id="s")
+    tensors.tensor_to_pb(features.t(), out=request.features)  # non-contiguous: sent in row-major order
+    back = tensors.tensor_from_pb(_wire(request).features)
     assert torch.equal(back, features.t())
     back += 1  # owns writable memory
+
+
+def _varint(n: int) -> bytes:
+    """n as a protobuf base-128 varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def _unpacked_tensor(features: torch.Tensor) -> bytes:
@@ -234,25 +202,21 @@ def _unpacked_tensor(features: torch.Tensor) -> bytes:
     words = features.view(torch.int16) if features.dtype == torch.bfloat16 else features
     data = words.numpy().tobytes()
     name = str(features.dtype).removeprefix("torch.").encode()
-    dims = b"".join(b"\x18" + relay._varint(d) for d in features.shape)  # field 3, varint
-    return dims + b"\x0a" + relay._varint(len(data)) + data + b"\x12" + relay._varint(len(name)) + name
+    dims = b"".join(b"\x18" + _varint(d) for d in features.shape)  # field 3, varint
+    return dims + b"\x0a" + _varint(len(data)) + data + b"\x12" + _varint(len(name)) + name
 
 
 def _appends(features: torch.Tensor) -> dict[str, bytes]:
     """One AppendRequest for `features` and session "s", in each encoding a drafter's lane can receive."""
     plain = pb.AppendRequest(session_id="s")
     tensors.tensor_to_pb(features, out=plain.features)
-    answer = relay.FeaturesAnswer(features)
-    answer.timings.total_s = 0.5
-    relayed = relay.WireFeatures(b"".join(answer.lane_pieces())).append_request("s")
     tensor = _unpacked_tensor(features)
     # the features field twice, which protobuf merges: its description first, its data after
     described = pb.AppendRequest(features=pb.Tensor(dtype=plain.features.dtype, shape=plain.features.shape))
     data = pb.AppendRequest(session_id="s", features=pb.Tensor(data=plain.features.data))
     return {
         "protobuf's": plain.SerializeToString(),
-        "relayed by a gateway": b"".join(relayed),
-        "fields reordered and unpacked": b"\x12" + relay._varint(len(tensor)) + tensor + b"\x0a\x01s",
+        "fields reordered and unpacked": b"\x12" + _varint(len(tensor)) + tensor + b"\x0a\x01s",
         "features in two pieces": described.SerializeToString() + data.SerializeToString(),
     }
 

@@ -14,7 +14,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.health import Backends
-from protos.types import StepResult
+from protos.types import StepOutcome
 from tests.conftest import make_drafter
 from tests.gateway_support import (
     ServiceVerifier,
@@ -36,17 +36,17 @@ def anyio_backend() -> str:
 
 
 class StalledVerifier(ServiceVerifier):
-    """The in-process verifier whose rounds never finish; each records the sessions held on both services when it
+    """The in-process verifier whose steps never finish; each records the sessions held on both services when it
     stalled, so a test sees they were live before the deadline. With `linger` set, a cancelled round ends only once
     that event is set: its request keeps its decoding slot meanwhile."""
 
     held: list[tuple[int, int]]
     linger: asyncio.Event | None = None
 
-    async def verify(self, asks):
+    async def step(self, steps):
         return await self._stall()
 
-    async def _stall(self) -> StepResult:
+    async def _stall(self) -> list[StepOutcome]:
         self.held.append((len(self.engine.sessions), len(self.drafter_sessions)))
         try:
             await asyncio.Event().wait()
@@ -65,7 +65,7 @@ def target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def backends(target: Path, tmp_path_factory) -> Backends:
     local = local_backends(target, make_drafter(tmp_path_factory.mktemp("timeout_drafter")))
-    verifier = StalledVerifier(local.verifier.engine)
+    verifier = StalledVerifier(local.verifier.engine, local.drafter)
     verifier.drafter_sessions = local.drafter.engine.sessions
     return Backends(verifier, local.drafter)
 

@@ -85,8 +85,9 @@ def test_training_lowers_loss_and_the_drafter_then_accepts_deeply(qwen3_target: 
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
 
     drafter.eval()
-    verifier = LocalVerifier(VerifyEngine.from_pretrained(qwen3_target))
-    local = LocalDrafter(DraftEngine(drafter, TargetHead.from_model(verifier.engine.model)))
+    engine = VerifyEngine.from_pretrained(qwen3_target)
+    local = LocalDrafter(DraftEngine(drafter, TargetHead.from_model(engine.model)))
+    verifier = LocalVerifier(engine, local)
     accepted = []
     for p in prompts[:6].tolist():
         async def collect():

@@ -1,7 +1,9 @@
-"""Load-adaptive trees (gateway/tree_fit.py): a drafted tree's prefix is the best smaller tree, a round's accepted
-path read back as node ranks, the cost curve, and the size chosen for a step by its load."""
+"""Load-adaptive trees (verify_server/tree_fit.py): a drafted tree's prefix is the best smaller tree, a round's
+accepted path read back as node ranks, the cost curve, and the size chosen for a step by its load."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -11,41 +13,57 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
 from draft_server.tree import build_tree
-from gateway import tree_fit
-from gateway.tree_fit import TreeFit, cut, path_ranks, sampling_class, tree_arrays
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.types import SamplingParams
+from protos.types import DraftTree, SamplingParams, StepResult
+from verify_server import tree_fit
+from verify_server.tree_fit import TreeFit, cut, path_ranks, sampling_class, tree_arrays
 
 
-def drafted(budget: int, seed: int = 0, depths: int = 7, vocab: int = 50) -> pb.DraftTree:
-    """A tree as the drafter builds it from random per-depth log-probs, in its wire form."""
+def drafted(budget: int, seed: int = 0, depths: int = 7, vocab: int = 50, wire: bool = True) -> DraftTree:
+    """A tree as the drafter builds it from random per-depth log-probs: as the verifier receives it from a drafter
+    service (a WireDraftTree), or as an in-process drafter hands it over (torch tensors)."""
     generator = torch.Generator().manual_seed(seed)
     logprobs = torch.randn(depths, vocab, generator=generator).log_softmax(-1)
-    return tensors.tree_to_pb(build_tree(logprobs, 3, budget))
+    tree = build_tree(logprobs, 3, budget)
+    return tensors.WireDraftTree(tensors.tree_to_pb(tree)) if wire else tree
 
 
+def nodes_of(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree's tokens, parents and depths, read back through its wire form (which also checks it is well formed)."""
+    back = tensors.tree_from_pb(tensors.tree_to_pb(tree))
+    return back.tokens, back.parents, back.depths
+
+
+@pytest.mark.parametrize("wire", [True, False], ids=["wire", "torch"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_trees_first_k_nodes_are_the_best_tree_of_k_nodes(seed):
+def test_a_trees_first_k_nodes_are_the_best_tree_of_k_nodes(seed, wire):
     """What makes a cut free: the drafter's tree of budget k is the first k nodes of its larger tree."""
-    full = drafted(48, seed)
+    full = drafted(48, seed, wire=wire)
+    before = tree_arrays(full).copy()
     for k in (1, 2, 5, 16, 31, 47):
-        small = tensors.tree_from_pb(drafted(k, seed))
-        cut_tree = pb.DraftTree()
-        cut_tree.CopyFrom(full)
-        cut(cut_tree, k)
-        got = tensors.tree_from_pb(cut_tree)  # also checks it is a well-formed wire tree
-        assert got.num_nodes == k
-        for name in ("tokens", "parents", "depths"):
-            assert torch.equal(getattr(got, name), getattr(small, name)), (k, name)
+        small = drafted(k, seed, wire=False)
+        got = cut(full, k)
+        assert type(got) is type(full) and got.num_nodes == k and got.max_depth == full.max_depth
+        for name, value in zip(("tokens", "parents", "depths"), nodes_of(got)):
+            assert torch.equal(value, getattr(small, name)), (k, name)
+            assert torch.equal(getattr(got, name).cpu(), getattr(small, name)), (k, name)
+        assert np.array_equal(tree_arrays(got), tree_arrays(small))
         assert (got.parents[1:] < torch.arange(1, k + 1)).all()  # every parent kept, before its child
+    assert np.array_equal(tree_arrays(full), before)  # the drafted tree itself is left as it was
 
 
-def test_cut_leaves_a_smaller_tree_alone():
-    tree = drafted(8)
-    before = tree.nodes
-    cut(tree, 20)
-    assert tree.nodes == before
+@pytest.mark.parametrize("wire", [True, False], ids=["wire", "torch"])
+def test_cut_leaves_a_smaller_tree_alone(wire):
+    tree = drafted(8, wire=wire)
+    assert cut(tree, 20) is tree and cut(tree, 8) is tree
+
+
+def test_tree_arrays_read_both_forms_alike():
+    tree = drafted(32, seed=5, wire=False)
+    wire = tensors.WireDraftTree(tensors.tree_to_pb(tree))
+    assert np.array_equal(tree_arrays(wire), tree_arrays(tree))
+    assert tree_arrays(wire).shape == (3, 33) and wire._decoded is None  # read from its bytes, nothing decoded
 
 
 def test_path_ranks_follow_the_accepted_tokens_through_the_tree():
@@ -116,6 +134,22 @@ def test_measurements_from_rounds_and_batches():
     assert fit.overhead_s == pytest.approx(0.004)
 
 
+def test_a_step_measures_its_sessions_rounds_and_its_forward():
+    """observe_step: the round of each session that committed, in its own class (a session that failed counts no
+    round), and the forward's seconds at the step's rows."""
+    fit = TreeFit()
+    trees = [drafted(8, seed=2), drafted(8, seed=2, wire=False), drafted(8, seed=3)]
+    arrays = tree_arrays(trees[0])
+    child = int(np.flatnonzero(arrays[1] == 0)[0])
+    accepted = StepResult([int(arrays[0][child]), 5], None)
+    sent = time.perf_counter()
+    fit.observe_step(trees, [accepted, accepted, RuntimeError("its own failure")], [0.0, 0.7, 0.0], 30, sent)
+    assert fit.failures == 0 and fit.pooled.rounds == 2
+    assert fit.classes[0.0].rounds == 1 and fit.classes[0.7].rounds == 1
+    assert fit.pooled.rates()[child] == pytest.approx(1.0) and fit.classes[0.7].rates()[child] == pytest.approx(1.0)
+    assert list(fit.costs) == [32] and 0 < fit.costs[32] < time.perf_counter() - sent
+
+
 def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
     """A verify batch 10 times its row count's usual time (it waited for a graph's capture, or behind a prompt
     forward) counts as OUTLIER times the mean; a cost that truly rises is still followed within some samples."""
@@ -128,29 +162,43 @@ def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
     assert fit.costs[16] == pytest.approx(0.030, rel=0.01)
 
 
-def test_fit_cuts_the_verify_calls_trees_and_reports_the_size():
+def test_fit_cuts_the_steps_trees_and_reports_the_size():
     chosen = Histogram("chosen", "test", buckets=(1, 4, 8, 16, 32), registry=CollectorRegistry())
     fit = TreeFit(chosen)
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)  # rows cost, ranks > 2 never pay
-    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=drafted(32, seed=i)))
-             for i, s in enumerate("abc")]
-    calls.append(pb.RoundCall(decode=pb.DecodeRequest(session_id="d")))
-    fit.fit(calls)
-    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls[:3]]
+    trees = [drafted(32, seed=i, wire=i != 1) for i in range(3)]  # a step's trees, whichever drafter drew them
+    before = [tree_arrays(tree).copy() for tree in trees]
+    got = fit.fit(trees, [0.0] * 3, other_rows=1)  # beside one AR step
+    sizes = [tree.num_nodes for tree in got]
     assert len(set(sizes)) == 1 and sizes[0] < 32
-    assert calls[3].HasField("decode")
+    assert sizes[0] == fit.size([32] * 3, 1, [0.0] * 3)
+    for tree, cut_tree, arrays in zip(trees, got, before):
+        assert type(cut_tree) is type(tree)
+        assert np.array_equal(tree_arrays(cut_tree), arrays[:, : sizes[0] + 1])
+        assert np.array_equal(tree_arrays(tree), arrays)  # the drafted trees are left as they were
     reported = {sample.name: sample.value for sample in chosen.collect()[0].samples}
     assert reported["chosen_count"] == 1 and reported["chosen_sum"] == sizes[0]  # one step, its size
+
+
+def test_a_steps_other_rows_count_in_its_cost():
+    """AR steps beside the trees are rows of the same forward: where they take the step past the cost curve's knee,
+    its trees' rows cost and are cut shorter."""
+    fit = TreeFit()
+    measured(fit, [0.9 * 0.85**i for i in range(32)], {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3)
+    trees = [drafted(32, seed=i) for i in range(4)]
+    alone = fit.fit(trees, [0.0] * 4, other_rows=0)[0].num_nodes
+    beside = fit.fit(trees, [0.0] * 4, other_rows=64)[0].num_nodes
+    assert beside < alone
+    assert (alone, beside) == (fit.size([32] * 4, 0), fit.size([32] * 4, 64))
 
 
 def test_seeded_sessions_trees_are_cut_like_any_other():
     """A seeded session's numbers are its positions', not its trees' nodes': its trees are cut with the others'."""
     fit = TreeFit()
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
-    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=drafted(32, seed=i)))
-             for i, s in enumerate("abc")]
-    fit.fit(calls, {"b": sampling_class(SamplingParams(temperature=0.8, seed=1))})
-    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
+    trees = [drafted(32, seed=i) for i in range(3)]
+    classes = [0.0, sampling_class(SamplingParams(temperature=0.8, seed=1)), 0.0]
+    sizes = [tree.num_nodes for tree in fit.fit(trees, classes, 0)]
     assert sizes[0] == sizes[1] == sizes[2] < 32
 
 
@@ -179,47 +227,50 @@ def test_each_sampling_class_counts_its_own_rates():
     assert fit.size([16] * 16, kinds=[sampled] * 16) < fit.size([16] * 16, kinds=[greedy] * 16)
 
 
-def wire_tree(nodes: int, seed: int) -> pb.DraftTree:
-    """A wire tree of `nodes` nodes (0: the root alone, as a grammar that leaves one choice drafts it)."""
+def step_tree(nodes: int, seed: int, wire: bool = True) -> DraftTree:
+    """A tree of `nodes` nodes (0: the root alone, as a grammar that leaves one choice drafts it)."""
     if nodes == 0:
-        empty = pb.DraftTree()
-        empty.CopyFrom(drafted(1, seed))
-        cut(empty, 0)
-        return empty
-    return drafted(nodes, seed, depths=8, vocab=max(8, nodes))
+        return cut(drafted(1, seed, wire=wire), 0)
+    return drafted(nodes, seed, depths=8, vocab=max(8, nodes), wire=wire)
 
 
-def test_steps_of_trees_without_nodes_keep_them_as_drafted():
+@pytest.mark.parametrize("wire", [True, False], ids=["wire", "torch"])
+def test_steps_of_trees_without_nodes_keep_them_as_drafted(wire):
     """A grammar that leaves one token drafts a root alone: a step of such trees, or of such trees beside full
     ones, after the fit has warmed up."""
     fit = TreeFit()
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     assert fit.size([0, 0, 0]) == 0 and fit.size([]) == 0
-    calls = [pb.RoundCall(verify=pb.VerifyRequest(session_id=s, tree=wire_tree(0, i))) for i, s in enumerate("ab")]
-    fit.fit(calls)
-    assert [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls] == [0, 0]
-    calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id="c", tree=wire_tree(32, 3))))
-    fit.fit(calls)
-    sizes = [tensors.tree_from_pb(call.verify.tree).num_nodes for call in calls]
+    roots = [step_tree(0, i, wire) for i in range(2)]
+    assert [tree.num_nodes for tree in roots] == [0, 0]
+    assert [tree.num_nodes for tree in fit.fit(roots, [0.0, 0.0], 0)] == [0, 0]
+    sizes = [tree.num_nodes for tree in fit.fit(roots + [step_tree(32, 3, wire)], [0.0] * 3, 0)]
     assert sizes[:2] == [0, 0] and 1 <= sizes[2] < 32
     assert fit.failures == 0
 
 
 def test_a_fit_that_fails_leaves_the_trees_as_drafted(caplog):
     fit = TreeFit()
-    measured(fit, [0.5] * 32, {16: 1e-3}, overhead_s=1e-3)
-    good = pb.RoundCall(verify=pb.VerifyRequest(session_id="a", tree=drafted(32)))
-    bad = pb.RoundCall(verify=pb.VerifyRequest(session_id="b", tree=pb.DraftTree(nodes=b"\0" * 20)))
-    before = good.verify.tree.nodes
-    fit.fit([good, bad])  # a tree's bytes that no [3, N+1] array holds: the verifier refuses that call alone
-    fit.observe_step([good, bad], [pb.StepResponse(tokens=[1, 2]), pb.StepResponse(tokens=[3])], 0.0, whole=True)
-    assert good.verify.tree.nodes == before and fit.failures == 2
-    assert "trees as drafted" in caplog.text
+    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
+    good = drafted(32)
+    # bytes that no [3, N+1] array holds (the verifier refuses that session's tree alone), yet 39 nodes by their count
+    bad = tensors.WireDraftTree(pb.DraftTree(nodes=b"\0" * (12 * 40 + 4), max_depth=7))
+    assert fit.size([32, 39]) < 32  # the step would be cut: the bad tree's cut raises
+    before = tree_arrays(good).copy()
+    got = fit.fit([good, bad], [0.0, 0.0], 0)
+    assert got[0] is good and got[1] is bad and fit.failures == 1
+    assert np.array_equal(tree_arrays(good), before)
+    rounds = fit.pooled.rounds
+    fit.observe_step([good, bad], [StepResult([1, 2], None), StepResult([3], None)], [0.0, 0.0], 73,
+                     time.perf_counter())
+    assert fit.failures == 2 and "trees as drafted" in caplog.text
+    assert fit.pooled.rounds == rounds + 1  # the good tree's round, measured before the bad one raised
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    trees=st.lists(st.tuples(st.integers(0, 48), st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.booleans()),
+    trees=st.lists(st.tuples(st.integers(0, 48), st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.booleans(),
+                             st.booleans()),
                    min_size=1, max_size=12),
     decodes=st.integers(0, 8),
     rates=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=64),
@@ -228,30 +279,31 @@ def test_a_fit_that_fails_leaves_the_trees_as_drafted(caplog):
     rounds=st.integers(0, 2 * tree_fit.WARM_ROUNDS),
 )
 def test_the_fit_handles_every_step(trees, decodes, rates, costs, overhead_s, rounds):
-    """Arbitrary tree sizes (none included), sampling classes, seeded sessions, acceptance rates, cost curves and
-    warm-up states: the fit never raises, cuts every tree it may to one size of at least one node within the
-    largest (a tree with no nodes stays so), and every cut tree is its own first nodes."""
+    """Arbitrary tree sizes (none included) in either form, sampling classes, seeded sessions, AR steps beside them,
+    acceptance rates, cost curves and warm-up states: the fit never raises, cuts every tree it may to one size of at
+    least one node within the largest (a tree with no nodes stays so), and every cut tree is its own first nodes, in
+    its own form."""
     fit = TreeFit()
     fit.pooled.hits[1 : len(rates) + 1] = rates
     fit.pooled.trials[1 : len(rates) + 1] = 1.0
     fit.pooled.rounds = rounds
     fit.costs = {int(tree_fit._quantum(rows)): seconds for rows, seconds in costs.items()}
     fit.overhead_s = overhead_s
-    sessions, calls = {}, []
-    for i, (nodes, temperature, seeded) in enumerate(trees):
-        params = SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)
-        sessions[f"s{i}"] = sampling_class(params)
-        calls.append(pb.RoundCall(verify=pb.VerifyRequest(session_id=f"s{i}", tree=wire_tree(nodes, i))))
-    calls += [pb.RoundCall(decode=pb.DecodeRequest(session_id=f"d{i}")) for i in range(decodes)]
-    drafted_trees = [pb.DraftTree(nodes=call.verify.tree.nodes) for call in calls[: len(trees)]]
-    fit.fit(calls, sessions)
-    assert fit.failures == 0
-    after = [tensors.tree_from_pb(call.verify.tree) for call in calls[: len(trees)]]
-    cut_to = {got.num_nodes for (nodes, _, _), got in zip(trees, after) if got.num_nodes < nodes}
+    classes, step = [], []
+    for i, (nodes, temperature, seeded, wire) in enumerate(trees):
+        classes.append(sampling_class(SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)))
+        step.append(step_tree(nodes, i, wire))
+    drafted_arrays = [tree_arrays(tree).copy() for tree in step]
+    after = fit.fit(step, classes, decodes)
+    assert fit.failures == 0 and len(after) == len(step)
+    cut_to = {got.num_nodes for (nodes, _, _, _), got in zip(trees, after) if got.num_nodes < nodes}
     assert len(cut_to) <= 1 and all(k >= 1 for k in cut_to)
-    for (nodes, _, _), got, call, before in zip(trees, after, calls, drafted_trees):
+    for (nodes, _, _, _), got, tree, before in zip(trees, after, step, drafted_arrays):
+        assert type(got) is type(tree) and got.num_nodes <= nodes
         if nodes == 0:
             assert got.num_nodes == nodes
-        assert np.array_equal(tree_arrays(call.verify.tree), tree_arrays(before)[:, : got.num_nodes + 1])
-    fit.observe_step(calls, [pb.StepResponse(tokens=[1, 2])] * len(calls), 0.0, whole=True, sessions=sessions)
-    assert fit.failures == 0
+        assert np.array_equal(tree_arrays(got), before[:, : got.num_nodes + 1])
+        assert np.array_equal(tree_arrays(tree), before)
+    rows = decodes + len(after) + sum(tree.num_nodes for tree in after)
+    fit.observe_step(after, [StepResult([1, 2], None)] * len(after), classes, rows, time.perf_counter())
+    assert fit.failures == 0 and fit.pooled.rounds == rounds + len(after)

@@ -185,7 +185,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "max_tree_size", "max_tree_depth", "max_session_tokens", "lane_port", "max_sessions", "timings")
+    __slots__ = ("model_name", "vocab_size", "max_context_length", "eos_token_ids", "num_layers", "hidden_size", "max_tree_size", "max_tree_depth", "max_session_tokens", "lane_port", "max_sessions", "drafts", "timings")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class VerifierInfoResponse(_message.Message):
     MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LANE_PORT_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
@@ -209,8 +210,9 @@ class VerifierInfoResponse(_message.Message):
     max_session_tokens: int
     lane_port: int
     max_sessions: int
+    drafts: bool
     timings: Timings
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_tree_size: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., max_tree_size: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., lane_port: _Optional[int] = ..., max_sessions: _Optional[int] = ..., drafts: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class VerifierStartSessionRequest(_message.Message):
     __slots__ = ("session_id", "capacity", "sampling", "tap_layers")
@@ -245,54 +247,46 @@ class VerifierEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "more", "keep_features", "skip_features", "start")
+    __slots__ = ("session_id", "prompt", "more", "skip_features", "start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
-    KEEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
     more: bool
-    keep_features: bool
     skip_features: int
     start: VerifierStartSessionRequest
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., keep_features: _Optional[bool] = ..., skip_features: _Optional[int] = ..., start: _Optional[_Union[VerifierStartSessionRequest, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., skip_features: _Optional[int] = ..., start: _Optional[_Union[VerifierStartSessionRequest, _Mapping]] = ...) -> None: ...
 
-class TakeFeaturesRequest(_message.Message):
-    __slots__ = ("session_id",)
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+class StepRequest(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStep]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ...) -> None: ...
 
-class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "tree")
+class SessionStep(_message.Message):
+    __slots__ = ("session_id", "budget", "top_k", "untap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    tree: DraftTree
-    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
-
-class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "untap")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     UNTAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
+    budget: int
+    top_k: int
     untap: bool
-    def __init__(self, session_id: _Optional[str] = ..., untap: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., untap: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("tokens", "features", "logprobs", "timings")
+    __slots__ = ("tokens", "logprobs", "timings")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    features: Tensor
     logprobs: TokenLogprobs
     timings: Timings
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprobs", "top_ids", "top_logprobs")
@@ -332,30 +326,20 @@ class DraftOutcome(_message.Message):
     status: CallStatus
     def __init__(self, draft: _Optional[_Union[DraftResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
 
-class VerifyBatchRequest(_message.Message):
-    __slots__ = ("calls",)
-    CALLS_FIELD_NUMBER: _ClassVar[int]
-    calls: _containers.RepeatedCompositeFieldContainer[RoundCall]
-    def __init__(self, calls: _Optional[_Iterable[_Union[RoundCall, _Mapping]]] = ...) -> None: ...
-
-class RoundCall(_message.Message):
-    __slots__ = ("verify", "decode")
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
-    DECODE_FIELD_NUMBER: _ClassVar[int]
-    verify: VerifyRequest
-    decode: DecodeRequest
-    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
-
-class VerifyBatchResponse(_message.Message):
+class StepBatchResponse(_message.Message):
     __slots__ = ("outcomes",)
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[StepOutcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[StepOutcome, _Mapping]]] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("step", "status")
+    __slots__ = ("step", "status", "tree_size", "draft_status")
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STATUS_FIELD_NUMBER: _ClassVar[int]
     step: StepResponse
     status: CallStatus
-    def __init__(self, step: _Optional[_Union[StepResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+    tree_size: int
+    draft_status: CallStatus
+    def __init__(self, step: _Optional[_Union[StepResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ..., tree_size: _Optional[int] = ..., draft_status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...

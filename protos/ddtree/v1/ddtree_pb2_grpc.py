@@ -51,20 +51,10 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterEndSessionRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterEndSessionResponse.FromString,
                 _registered_method=True)
-        self.Draft = channel.unary_unary(
-                '/ddtree.v1.Drafter/Draft',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
-                _registered_method=True)
         self.Append = channel.unary_unary(
                 '/ddtree.v1.Drafter/Append',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.FromString,
-                _registered_method=True)
-        self.DraftStream = channel.stream_stream(
-                '/ddtree.v1.Drafter/DraftStream',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
                 _registered_method=True)
         self.DraftBatch = channel.unary_unary(
                 '/ddtree.v1.Drafter/DraftBatch',
@@ -99,30 +89,17 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Draft(self, request, context):
-        """Appends new target features to the context, drafts one block from the root and returns its DDTree.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Append(self, request, context):
         """Appends target features to the context without drafting: a prompt's features, chunk by chunk, as the
-        verifier's TakeFeatures calls return them.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DraftStream(self, request_iterator, context):
-        """Draft over one stream, for the rounds of a session: see "Streams" above.
+        verifier's Prefill calls run them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DraftBatch(self, request, context):
-        """Draft for many sessions at once: see "Batches" above.
+        """One step's drafts of many sessions (the verifier's, for its Step): each appends the session's new target
+        features to its context, drafts one block from its root and builds its DDTree. See "Batches" above.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,20 +123,10 @@ def add_DrafterServicer_to_server(servicer, server):
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterEndSessionRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DrafterEndSessionResponse.SerializeToString,
             ),
-            'Draft': grpc.unary_unary_rpc_method_handler(
-                    servicer.Draft,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
-            ),
             'Append': grpc.unary_unary_rpc_method_handler(
                     servicer.Append,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.SerializeToString,
-            ),
-            'DraftStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.DraftStream,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.SerializeToString,
             ),
             'DraftBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.DraftBatch,
@@ -261,33 +228,6 @@ class Drafter:
             _registered_method=True)
 
     @staticmethod
-    def Draft(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ddtree.v1.Drafter/Draft',
-            ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Append(request,
             target,
             options=(),
@@ -304,33 +244,6 @@ class Drafter:
             '/ddtree.v1.Drafter/Append',
             ddtree_dot_v1_dot_ddtree__pb2.AppendRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.AppendResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DraftStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/ddtree.v1.Drafter/DraftStream',
-            ddtree_dot_v1_dot_ddtree__pb2.DraftRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.DraftResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -400,35 +313,10 @@ class VerifierStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
                 _registered_method=True)
-        self.TakeFeatures = channel.unary_unary(
-                '/ddtree.v1.Verifier/TakeFeatures',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
-        self.Verify = channel.unary_unary(
-                '/ddtree.v1.Verifier/Verify',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_unary(
-                '/ddtree.v1.Verifier/Decode',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
-        self.VerifyStream = channel.stream_stream(
-                '/ddtree.v1.Verifier/VerifyStream',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
-        self.DecodeStream = channel.stream_stream(
-                '/ddtree.v1.Verifier/DecodeStream',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
-        self.VerifyBatch = channel.unary_unary(
-                '/ddtree.v1.Verifier/VerifyBatch',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/ddtree.v1.Verifier/Step',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepRequest.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepBatchResponse.FromString,
                 _registered_method=True)
 
 
@@ -460,49 +348,17 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """Runs the prompt and commits the target's first token; returns the features of every prompt position.
+        """Runs the prompt (or a chunk of it) and, with its last chunk, commits the target's first token. A session with
+        tap layers has its prompt's features appended to the drafter's context by the verifier (Drafter.Append).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def TakeFeatures(self, request, context):
-        """The features of the oldest Prefill call made with `keep_features` whose features are not taken yet.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Verify(self, request, context):
-        """Scores a draft tree in one forward, commits the longest path the target agrees with plus a bonus token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """One plain autoregressive step (a tree holding only the root).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def VerifyStream(self, request_iterator, context):
-        """Verify over one stream, for the rounds of a session: see "Streams" above.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DecodeStream(self, request_iterator, context):
-        """Decode over one stream, for the rounds of a session: see "Streams" above.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def VerifyBatch(self, request, context):
-        """Verify and Decode for many sessions at once: see "Batches" above.
+    def Step(self, request, context):
+        """One step of many sessions: the speculating sessions' trees from the drafter (Drafter.DraftBatch), then every
+        tree and AR step in one forward, each committing the longest path the target agrees with plus a bonus token.
+        See "Batches" above.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -531,35 +387,10 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
             ),
-            'TakeFeatures': grpc.unary_unary_rpc_method_handler(
-                    servicer.TakeFeatures,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
-            ),
-            'Verify': grpc.unary_unary_rpc_method_handler(
-                    servicer.Verify,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
-            ),
-            'VerifyStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.VerifyStream,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
-            ),
-            'DecodeStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.DecodeStream,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
-            ),
-            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.VerifyBatch,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepRequest.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -683,7 +514,7 @@ class Verifier:
             _registered_method=True)
 
     @staticmethod
-    def TakeFeatures(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -696,144 +527,9 @@ class Verifier:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/ddtree.v1.Verifier/TakeFeatures',
-            ddtree_dot_v1_dot_ddtree__pb2.TakeFeaturesRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Verify(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ddtree.v1.Verifier/Verify',
-            ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ddtree.v1.Verifier/Decode',
-            ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def VerifyStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/ddtree.v1.Verifier/VerifyStream',
-            ddtree_dot_v1_dot_ddtree__pb2.VerifyRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DecodeStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/ddtree.v1.Verifier/DecodeStream',
-            ddtree_dot_v1_dot_ddtree__pb2.DecodeRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def VerifyBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ddtree.v1.Verifier/VerifyBatch',
-            ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.VerifyBatchResponse.FromString,
+            '/ddtree.v1.Verifier/Step',
+            ddtree_dot_v1_dot_ddtree__pb2.StepRequest.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.StepBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+import torch
 from prometheus_client import Histogram
 
+from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.types import SamplingParams
+from protos.types import DraftTree, SamplingParams, StepResult
 
-log = logging.getLogger("ddtree.gateway")
+log = logging.getLogger("verify_server")
 ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
 MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
 WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
@@ -46,17 +48,23 @@ OUTLIER = 2.0
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
 
-def tree_arrays(tree: pb.DraftTree) -> np.ndarray:
-    """A wire tree's nodes -> [3, N+1] int32 view (tokens, parents, depths; the root first)."""
-    nodes = np.frombuffer(tree.nodes, dtype=np.int32)
-    return nodes.reshape(3, -1)
+def tree_arrays(tree: DraftTree) -> np.ndarray:
+    """A tree's nodes -> [3, N+1] (tokens, parents, depths; the root first): a wire tree's as a view of its bytes."""
+    if isinstance(tree, tensors.WireDraftTree):
+        return np.frombuffer(tree.message.nodes, dtype=np.int32).reshape(3, -1)
+    return torch.stack((tree.tokens, tree.parents, tree.depths)).cpu().numpy()
 
 
-def cut(tree: pb.DraftTree, nodes: int) -> None:
-    """Keeps the tree's first `nodes` nodes (and its root), in place: the best tree of that size."""
-    arrays = tree_arrays(tree)
-    if arrays.shape[1] - 1 > nodes:
-        tree.nodes = np.ascontiguousarray(arrays[:, : nodes + 1]).tobytes()
+def cut(tree: DraftTree, nodes: int) -> DraftTree:
+    """The tree's first `nodes` nodes (and its root): the best tree of that size."""
+    if tree.num_nodes <= nodes:
+        return tree
+    if isinstance(tree, tensors.WireDraftTree):
+        arrays = tree_arrays(tree)
+        return tensors.WireDraftTree(pb.DraftTree(nodes=np.ascontiguousarray(arrays[:, : nodes + 1]).tobytes(),
+                                                  max_depth=tree.max_depth))
+    n = nodes + 1
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.max_depth)
 
 
 def sampling_class(params: SamplingParams) -> float:
@@ -174,53 +182,33 @@ class TreeFit:
             return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def fit(self, calls: Sequence[pb.RoundCall], sessions: Mapping[str, float] | None = None) -> None:
-        """Cuts the trees of a step's verify calls to the chosen size, in place. sessions: each one's sampling
-        class (sampling_class; absent: greedy). The cut is an
-        optimisation: should choosing it fail, the step goes with its trees as drafted, never fails."""
+    def fit(self, trees: list[DraftTree], classes: Sequence[float], other_rows: int) -> list[DraftTree]:
+        """A step's trees cut to the chosen size. classes: each tree's session's sampling class (sampling_class);
+        other_rows: the step's other rows (AR steps). The cut is an optimisation: should choosing it fail, the step
+        goes with its trees as drafted, never fails."""
         try:
-            self._fit(calls, sessions or {})
+            nodes = self.size([tree.num_nodes for tree in trees], other_rows, classes)
+            if nodes < 1:
+                return trees  # trees without nodes: nothing was chosen
+            if self.chosen is not None:
+                self.chosen.observe(nodes)
+            return [cut(tree, nodes) for tree in trees]
         except Exception:
             self._failed("cut a step's trees")
+            return trees
 
-    def observe_step(self, calls: Sequence[pb.RoundCall], answers: Sequence[object], sent: float, whole: bool,
-                     sessions: Mapping[str, float] | None = None) -> None:
-        """A verify batch's calls and their answers (a StepResponse each, or the call's own error), sent at `sent`
-        (perf_counter): each verified round's accepted path, and, where `whole` (the batch ran as one forward, not
-        behind another), the forward's cost at its rows. Never fails: the answers are the
-        step's whatever the measurements make of them."""
+    def observe_step(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
+                     classes: Sequence[float], rows: int, sent: float) -> None:
+        """A step's verified trees and their outcomes (a StepResult each, or the session's own error), and its
+        verify of `rows` rows called at `sent` (perf_counter): each round's accepted path and the forward's cost at
+        its rows. Never fails: the outcomes are the step's whatever the measurements make of them."""
         try:
-            known, rows = sessions or {}, 0
-            for call, answer in zip(calls, answers):
-                if not call.HasField("verify"):
-                    rows += 1
-                    continue
-                tree = tree_arrays(call.verify.tree)
-                rows += tree.shape[1]
-                if isinstance(answer, pb.StepResponse):
-                    self.observe_round(tree, answer.tokens, known.get(call.verify.session_id, 0.0))
-            if whole:
-                self.observe_batch(rows, time.perf_counter() - sent, sent)
+            for tree, result, kind in zip(trees, results, classes):
+                if isinstance(result, StepResult):
+                    self.observe_round(tree_arrays(tree), result.tokens, kind)
+            self.observe_batch(rows, time.perf_counter() - sent, sent)
         except Exception:
             self._failed("measure a step")
-
-    def _fit(self, calls: Sequence[pb.RoundCall], known: Mapping[str, float]) -> None:
-        cut_calls = [call.verify for call in calls if call.HasField("verify")]
-        if not cut_calls:
-            return
-        trees = [call.tree for call in cut_calls]
-        # (a tree of another shape fails here, before any cut; one without even a root, the verifier refuses)
-        sizes = [max(0, tree_arrays(tree).shape[1] - 1) for tree in trees]
-        rows = sum(len(call.verify.tree.nodes) // (3 * 4) if call.HasField("verify") else 1 for call in calls)
-        classes = [known.get(call.session_id, 0.0) for call in cut_calls]
-        nodes = self.size(sizes, other_rows=rows - sum(sizes) - len(sizes), kinds=classes)
-        if nodes < 1:
-            return  # trees without nodes: nothing was chosen
-        if self.chosen is not None:
-            self.chosen.observe(nodes)
-        for tree, size in zip(trees, sizes):
-            if size > nodes:
-                cut(tree, nodes)
 
     def _failed(self, what: str) -> None:
         """A measurement or a cut that raised: logged with its trace the first time (it would repeat every step)."""

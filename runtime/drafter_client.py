@@ -1,4 +1,5 @@
-"""The step engine's DrafterClient over gRPC (gateway/grpc_client.py): a step's drafts go as one DraftBatch call.
+"""The drafter's gRPC client (runtime/client.py): the gateway starts and ends its sessions; the verifier sends it a
+step's drafts as one DraftBatch call and a prompt's features as Append calls.
 
     drafter = GrpcDrafter("drafter:50061")
     await drafter.info()        # block_size and target_layer_ids come from the server
@@ -9,21 +10,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from protos.types import DrafterInfo, DraftTree
-from gateway.backends import DraftAsk
-from gateway.grpc_client import GrpcClient
+import torch
+
 from protos import tensors
-from runtime import relay
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
+from protos.types import DraftAsk, DrafterInfo, DraftTree
+from runtime.client import GrpcClient
 
 
 class GrpcDrafter(GrpcClient):
     STREAMED = {"Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
+    host_features = True  # features go out of host memory
     _known: DrafterInfo | None = None  # info(), once asked
 
     @property
@@ -56,18 +57,15 @@ class GrpcDrafter(GrpcClient):
                                       root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
                                       committed=ask.committed)
             if ask.features is not None:
-                tensors.tensor_to_pb(ask.features, out=request.features)  # the verifier's features pass on as they came
+                tensors.tensor_to_pb(ask.features, out=request.features)
             requests.append(request)
         answers = await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
                                     lambda outcome: outcome.draft, len(requests))
         return [a if isinstance(a, Exception) else tensors.draft_from_pb(a, wire=True) for a in answers]
 
-    async def append(self, session_id: str, features: Any) -> None:
-        if isinstance(features, relay.WireFeatures):  # a TakeFeatures answer: passed on as it came, unparsed
-            request = features.append_request(session_id)
-        else:
-            request = pb.AppendRequest(session_id=session_id)
-            tensors.tensor_to_pb(features, out=request.features)
+    async def append(self, session_id: str, features: torch.Tensor) -> None:
+        request = pb.AppendRequest(session_id=session_id)
+        tensors.tensor_to_pb(features, out=request.features)
         await self._session_call("Append", session_id, request)
 
     async def end_session(self, session_id: str) -> None:

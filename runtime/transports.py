@@ -1,6 +1,6 @@
 """The transports of the gateway's step and feature calls: a connection to the service's round lane
 (runtime/lane.py Lane) and, where the service has none, unary gRPC calls (UnaryCalls). Each exchanges one request
-for one answer, in order; gateway/grpc_client.py picks one per session (or step) and call."""
+for one answer, in order; runtime/client.py picks one per session (or step) and call."""
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
-"""The base of the step engine's DrafterClient and VerifierClient over gRPC (grpc.aio): one channel to one service.
-Its subclasses, GrpcDrafter (gateway/grpc_drafter.py) and GrpcVerifier (gateway/grpc_verifier.py), have the same
-signatures as the in-process backends of ddtree/local.py, so the engine (gateway/engine.py) cannot tell them apart.
+"""The base of the services' gRPC clients (grpc.aio): one channel to one service. Its subclasses are GrpcVerifier
+(gateway/grpc_verifier.py: the gateway's steps and prompts) and GrpcDrafter (runtime/drafter_client.py: the
+gateway's drafter sessions, the verifier's drafts and appends); they have the signatures of the in-process backends
+of ddtree/local.py, so their callers cannot tell them apart.
 
-Every call has a deadline; every failure is a BackendError carrying the gRPC status code. The engine falls back to
-AR decoding on any drafter exception. Cancelling the awaiting task cancels the RPC.
+Every call has a deadline; every failure is a BackendError carrying the gRPC status code (`failed`: ABORTED, a
+verifier short of KV memory, is a protos.types.MemoryShort too). Cancelling the awaiting task cancels the RPC.
 
-A step's calls and a prompt's features (the calls in a client's STREAMED) go over one connection per session (a
+A step's call and a prompt's features (the calls in a client's STREAMED) go over one connection per session (a
 step's: per client) and call, each answer within the deadline of a call: to the service's round lane
 (runtime/lane.py; the port comes from its Info answer) where it has one and the client's `lanes` is on, else as
-unary calls, their requests in pieces and their answers unparsed where they pass on. A step's calls go as one batch
-call (`_batch`). Features and trees come back in their wire form (protos/tensors.py WireTensor, WireDraftTree): the
-gateway only hands them from one service to the other, so they are never decoded to torch tensors here.
+unary calls. A step's sessions go as one batch call (`_batch`), each answered with its own status.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.auth import call_metadata
 from runtime.config import MAX_MESSAGE_BYTES
-from gateway.backends import MemoryShort
-from gateway.transports import SessionStream, UnaryCalls
+from protos.types import MemoryShort
+from runtime.transports import SessionStream, UnaryCalls
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from runtime.lane import CallFailed, Lane
 
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 MAX_RECONNECT_BACKOFF_MS = 1000
 STEP_KEY = ""  # the key of a client's batch calls among its sessions' streams (no session id is empty)
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class BackendError(RuntimeError):
@@ -66,9 +65,8 @@ class GrpcClient:
     """One channel to one service, with deadlines, message limits, status mapping and per-session streams."""
 
     remote = True  # the round loop starts a round's first call before handing the previous round over
-    # calls made over a lane (or unary) -> their response type (None: the answer's bytes, unparsed); their
-    # requests are messages or bytes in pieces (WireFeatures)
-    STREAMED: dict[str, type[Message] | None] = {}
+    # calls made over a lane (or unary) -> their response type
+    STREAMED: dict[str, type[Message]] = {}
     INFO_REQUEST: type[Message]
     SERVICE: str  # the service's name in ddtree.proto
     STUB: Callable[[grpc.aio.Channel], Any]  # its generated stub class
@@ -100,9 +98,9 @@ class GrpcClient:
         )
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stub = self.STUB(self._channel)
-        self._unary = {  # the calls' unary forms, for requests in pieces and unparsed answers
+        self._unary = {  # the calls' unary forms, without a lane
             rpc: self._channel.unary_unary(f"/{service}/{rpc}", request_serializer=_serialized,
-                                           response_deserializer=self.STREAMED[rpc] and self.STREAMED[rpc].FromString)
+                                           response_deserializer=self.STREAMED[rpc].FromString)
             for rpc in self.STREAMED
         }
         self._streams: dict[tuple[str, str], SessionStream] = {}  # (rpc, session id) -> that session's calls of rpc
@@ -191,7 +189,7 @@ class GrpcClient:
         call = rpc.removesuffix("Batch")
         return [answer(outcome) if not outcome.status.code else
                 failed(self.address, f"{self._service}/{call}",
-                             _STATUS_CODES.get(outcome.status.code, grpc.StatusCode.UNKNOWN), outcome.status.details)
+                             STATUS_CODES.get(outcome.status.code, grpc.StatusCode.UNKNOWN), outcome.status.details)
                 for outcome in got]
 
     def _drop(self, key: tuple[str, str], stream: SessionStream) -> None:
@@ -229,5 +227,5 @@ class GrpcClient:
         await self.close()
 
 
-def _serialized(request: Message | tuple[bytes | memoryview, ...]) -> bytes:
-    return request.SerializeToString() if isinstance(request, Message) else b"".join(request)
+def _serialized(request: Message) -> bytes:
+    return request.SerializeToString()
