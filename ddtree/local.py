@@ -77,7 +77,7 @@ class LocalVerifier:
                 self.stepper.start(session_id, start.params, bool(start.taps))
             result = self.engine.prefill(session_id, prompt, more, False, skip_features)
         except (MemoryShortError, torch.OutOfMemoryError) as exc:
-            raise MemoryShort(str(exc)) from exc
+            raise _short(exc) from exc
         self.stepper.prompt(session_id, len(prompt), result)
         await self.stepper.appended(session_id)  # in-process, a first draft waits for nothing
         return replace(result, features=None)

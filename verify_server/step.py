@@ -17,11 +17,11 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from protos.types import DraftAsk, DraftTree, SessionStep, StepOutcome, StepResult
+from protos.types import DraftAsk, DraftTree, SamplingParams, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
 from verify_server.tree_fit import TreeFit, sampling_class
 
@@ -90,7 +90,7 @@ class Stepper:
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
-    def start(self, session_id: str, params: Any, tapped: bool) -> None:
+    def start(self, session_id: str, params: SamplingParams, tapped: bool) -> None:
         """A session starts (its SamplingParams); tapped: its features go to the drafter."""
         if not params.greedy:
             self.classes[session_id] = sampling_class(params)
