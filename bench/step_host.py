@@ -10,11 +10,12 @@ services' batching, answers and walks) is what is left to see.
 The pair is built in a temporary directory from seeded random weights and saved through the real formats: a
 1-layer Qwen3 target (hidden 32, fp32) with a character-level tokenizer of 44 tokens and the ChatML template, and a
 1-layer DFlash drafter tapping it (block 8). The stack runs with room for every client at once (`--max-sessions`,
-`--max-running`, `--max-batch`, `--draft-max-batch` at the largest client count), every request speculating in
-ddtree mode whatever the load (`--speculate-up-to 0`), and one torch thread per service (OMP_NUM_THREADS=1: tiny
-forwards are fastest so, and the services then take one core at a time). Each client sends --requests requests of
---tokens tokens (`ignore_eos`) back to back, all clients starting at once, each request a prompt of its own; one
-warm-up level at the largest count first, per mode.
+`--max-running`, `--max-batch`, `--draft-max-batch` at the largest client count), every ddtree step drafting its
+full trees (`--no-fit-trees`: this pair's random drafter has nothing accepted, so the verifier's choice would run
+every step AR; with --target, a real pair, the verifier chooses), and one torch thread per service
+(OMP_NUM_THREADS=1: tiny forwards are fastest so, and the services then take one core at a time). Each client sends --requests requests of --tokens tokens
+(`ignore_eos`) back to back, all clients starting at once, each request a prompt of its own; one warm-up level at
+the largest count first, per mode.
 
 Reported per mode and client count, from the gateway's and the services' Prometheus metrics over the level:
 - `step_ms`: a request's round interval, what a step lasts as the requests see it: the gateway's
@@ -155,7 +156,7 @@ class Stack:
         self.log_path = log_path
         self.flags = ["--device", device, "--dtype", dtype, "--max-sessions", str(sessions), "--max-running",
                       str(sessions), "--max-batch", str(sessions), "--draft-max-batch", str(sessions),
-                      "--speculate-up-to", "0", "--budget", str(budget), "--health-interval", "1",
+                      "--budget", str(budget), "--health-interval", "1",
                       "--shutdown-grace", "0", *(extra or [])]
         cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--target", str(target), "--drafter", str(drafter),
                "--port", str(port), "--verify-metrics-port", str(verify_metrics), "--draft-metrics-port",
@@ -392,8 +393,9 @@ def main() -> None:
         root = Path(tmp)
         started = time.perf_counter()
         target, drafter = (args.target, args.drafter) if args.target else build_pair(root)
+        extra = ([] if args.target else ["--no-fit-trees"]) + shlex.split(args.serve_args)
         stack = Stack(target, drafter, max(counts), args.budget, root / "serve.log", profile, args.device, args.dtype,
-                      shlex.split(args.serve_args))
+                      extra)
         try:
             model = stack.wait_ready()
             print(f"stack ready in {time.perf_counter() - started:.1f} s (pids {stack.pids})", flush=True)

@@ -65,8 +65,7 @@ def main() -> None:
     loaded = time.perf_counter() - start
     print(f"[warm-up-time] load {loaded:.1f} s", flush=True)
     start = time.perf_counter()
-    warm_up_module.warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
-                           config.warm_up_trees)
+    warm_up_module.warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size))
     result = {"device": str(engine.device), "load_s": round(loaded, 3),
               "warm_up_s": round(time.perf_counter() - start, 3),
               "graphs": len(engine.fused.graphs) if engine.fused is not None else 0,

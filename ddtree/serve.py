@@ -227,16 +227,14 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
                          "--metrics-port", str(args.draft_metrics_port), *shares["draft"],
                          "--warm-up-budgets", str(args.budget), *given(args, "draft_max_batch", "--max-batch")]
-    # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget,
-    # as many trees at once as requests speculate)
+    # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     asks = ["--drafter", f"{LOOPBACK}:{draft_port}"] if drafter is not None else []  # each step's trees
     cmds["verify"] = [*ddtree, "verify", *model, *asks, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp), *shares["verify"],
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
-                      "--warm-up-trees", str(args.speculate_up_to), *given(args, "max_batch"),
-                      *given(args, "prefill_batch_tokens"), *given(args, "deterministic"), *given(args, "kv_cache_gib"),
-                      *given(args, "fit_trees")]
+                      *given(args, "max_batch"), *given(args, "prefill_batch_tokens"), *given(args, "deterministic"),
+                      *given(args, "kv_cache_gib"), *given(args, "fit_trees")]
     addresses = {"verifier": f"{LOOPBACK}:{verify_port}",
                  "drafter": f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"}
     try:  # the gateway would refuse them at each start, and be restarted forever

@@ -1,5 +1,5 @@
 """How many requests decode at once: the gateway's admission limit, which its backends can lower, shared fairly
-between clients; and whether a request that begins at that load speculates (SpeculationByLoad)."""
+between clients."""
 
 from __future__ import annotations
 
@@ -106,22 +106,3 @@ class RunningLimit:
         if not queue:
             del self._queues[client]
 
-
-class SpeculationByLoad:
-    """Whether a request that begins now speculates, from the requests holding decoding slots (itself included):
-    not once more than `up_to` hold one, and again only once at most half of `up_to` do (at least one). The gap keeps
-    a load near the limit from flipping with every request that ends and begins: each flip leaves speculating and AR
-    requests stepping together, whose steps alternate drafts, trees and decodes and commit less than either kind
-    alone. up_to 0: always."""
-
-    def __init__(self, up_to: int) -> None:
-        self.up_to = up_to
-        self._on = True
-
-    def speculates(self, held: int) -> bool:
-        if self.up_to:
-            if held > self.up_to:
-                self._on = False
-            elif held <= max(1, self.up_to // 2):
-                self._on = True
-        return self._on

@@ -17,7 +17,6 @@ from runtime.auth import check_token
 from runtime.config import AUTH_TOKEN_HELP, BUSY_POLL_HELP, MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP, FlagConfig, knob, option
 
 SPEC_MODES = ("ddtree", "chain", "off")
-SPECULATE_UP_TO = 8  # where speculation stops paying at Qwen3-8B shapes on one H200 (bench/README.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +60,6 @@ class GatewayConfig(FlagConfig):
                                     "sooner against slow calls (long prompts on a CPU) cut off")
     lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
                              "plain TCP): less per-step overhead than unary gRPC calls (off: gRPC only)")
-    speculate_up_to: int = knob(SPECULATE_UP_TO, "requests speculate only while at most this many decode, and again "
-                                "once at most half as many do (the output the same): speculation's speed at low load "
-                                "against AR's batched steps at high load (0: always speculate)")
     prefill_chunk: int = knob(2048, "prompt tokens per verifier Prefill call: other requests' rounds run between a "
                                     "long prompt's chunks, against more calls a prompt (0: every prompt in one call)")
     max_request_bytes: int = knob(4 * 2**20, "largest HTTP request body, in bytes, a larger one refused 413 before "
@@ -100,8 +96,6 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
-        if self.speculate_up_to < 0:
-            raise ValueError(f"speculate_up_to must be >= 0, got {self.speculate_up_to}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         check_busy_poll_us(self.busy_poll_us)  # (the automatic value is worked out once, when serving)

@@ -36,20 +36,16 @@ class Engine:
     def __init__(
         self, verifier: VerifierClient, drafter: DrafterClient | None, prefill_chunk: int = 0,
         on_fallback: Callable[[BaseException], None] | None = None,
-        keep_speculating: Callable[[], bool] | None = None,
         on_step: Callable[[str, int], None] | None = None,
         on_resume: Callable[[], None] | None = None,
     ) -> None:
         """prefill_chunk: a prompt longer than this runs in chunks of as many tokens (0: in one call), so that the
-        verifier serves steps between them. on_fallback: told of a drafter failure (metrics, logs). keep_speculating:
-        asked each step while sequences draft: once it says no, they give their drafter up and go on AR (the load no
-        longer pays for speculation). on_step: (rpc, calls) of each batch call (metrics). on_resume: told of each
-        preemption's restart."""
+        verifier serves steps between them. on_fallback: told of a drafter failure (metrics, logs). on_step: (rpc,
+        calls) of each batch call (metrics). on_resume: told of each preemption's restart."""
         self.verifier = verifier
         self.drafter = drafter
         self.prefill_chunk = prefill_chunk
         self.on_fallback = on_fallback
-        self.keep_speculating = keep_speculating
         self.on_step = on_step
         self.on_resume = on_resume
         self.scheduler = Scheduler()
@@ -58,6 +54,7 @@ class Engine:
         self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's prefill in flight
         self._ending: set[asyncio.Task] = set()  # sessions being ended
         self._calls: list[tuple[list[Sequence], asyncio.Future]] = []  # the batch calls out, and for whom
+        self._ar = False  # the last step answered drafted no tree (the verifier chose AR steps, or none asked)
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
@@ -88,7 +85,7 @@ class Engine:
                     await self._wake.wait()
                     continue
                 steps.append((plan, self._launch(plan)))
-            if len(steps) < MAX_STEPS_OUT and (behind := self._behind(steps[-1][0])) is not None:
+            if len(steps) < MAX_STEPS_OUT and (behind := self._behind()) is not None:
                 steps.append((behind, self._launch(behind)))
             plan, task = steps.popleft()
             try:
@@ -98,16 +95,18 @@ class Engine:
                 for seq in plan.sequences:
                     self._end(seq, exc)
 
-    def _behind(self, last: StepPlan) -> StepPlan | None:
-        """The next step, where it may go before `last` is answered: AR steps only (their roots are the steps'
-        before, which the verifier holds), to a remote verifier, which reads it while it runs the one before and
-        answers in order; every sequence with room for it past its steps in flight and no grammar (whose matcher
-        ends at the output's end). So the device goes from step to step while the host reads, detokenises and
-        streams the last one. A stop token wastes the step after it: the sequence ends there anyway."""
-        if not self.verifier.remote or last.drafts:
+    def _behind(self) -> StepPlan | None:
+        """The next step, where it may go before the one in flight is answered: to a remote verifier, which reads
+        it while it runs the one before, launches it behind that one where both are AR steps, and answers in order
+        (verify_server/step.py); where none of its sequences drafts, or the verifier's last answered step drafted no
+        tree (it chooses each step's speculation, and under load it goes AR); every sequence with room for it past
+        its steps in flight and no grammar (whose matcher ends at the output's end). So the device goes from step to
+        step while the host reads, detokenises and streams the last one. A stop token wastes the step after it: the
+        sequence ends there anyway."""
+        if not self.verifier.remote:
             return None
         plan = self.scheduler.plan()
-        if plan is None or plan.drafts:
+        if plan is None or not (self._ar or not any(seq.drafting for seq in plan.sequences)):
             return None
         if any(seq.room - seq.ahead < 1 or seq.params.grammar for seq in plan.sequences):
             return None
@@ -176,6 +175,7 @@ class Engine:
         """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
         for seq in plan.sequences:
             seq.ahead -= 1
+        self._ar = not any(isinstance(outcome, StepOutcome) and outcome.tree_size for outcome in outcomes)
         for seq, outcome in zip(live, outcomes):
             if seq.phase is not Phase.RUNNING:
                 continue  # cancelled, finished or preempted meanwhile
@@ -218,9 +218,6 @@ class Engine:
         seq.hand(Round(seq.index, tokens, tree_size, finish, timings, logprobs))
         if finish is not None:
             self._end(seq, None)
-        elif seq.drafting and not seq.params.grammar and self.keep_speculating is not None \
-                and not self.keep_speculating():
-            self._give_up_drafter(seq)  # AR from here: the load no longer pays for its trees
 
     # ---- a sequence's start: sessions and prompt -----------------------------------------------------------
 
@@ -336,10 +333,7 @@ class Engine:
         """The drafter failed for the sequence (down, timed out, erroring): it goes on with AR steps, its output
         unchanged; its next step untaps its verifier session (untapped: the verifier has done so)."""
         self._notify_fallback(exc)
-        self._give_up_drafter(seq, untap=not untapped)
-
-    def _give_up_drafter(self, seq: Sequence, untap: bool = True) -> None:
-        seq.untap = untap
+        seq.untap = not untapped
         if seq.drafting:
             seq.drafting = False
             task = asyncio.get_running_loop().create_task(_quietly(self.drafter.end_session(seq.id)))

@@ -69,11 +69,6 @@ class Metrics:
                                ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.step_calls = Histogram("ddtree_step_batch_size", "Requests in one step (rpc Step: the verifier's call)",
                                     ["rpc"], buckets=STEP_BUCKETS, registry=r)
-        self.load_ar = Counter("ddtree_spec_skipped_by_load", "Requests that decoded autoregressively because more "
-                               "requests were decoding than --speculate-up-to when they began", registry=r)
-        self.load_yield = Counter("ddtree_spec_stopped_by_load", "Speculating requests that gave their drafter up "
-                                  "and went on autoregressively because more requests came to be decoding than "
-                                  "--speculate-up-to", registry=r)
         self.resumed = Counter("ddtree_requests_resumed", "Times a request's verifier session ran short of KV memory "
                                "and the request was resumed from its output so far once memory freed",
                                registry=r)

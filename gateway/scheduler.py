@@ -16,10 +16,10 @@ from gateway.sequence import Phase, Sequence
 
 @dataclass
 class StepPlan:
-    """One step: every sequence in `sequences` verifies (a tree where it is in `drafts`, else an AR step)."""
+    """One step: every sequence in `sequences` verifies; those with a drafter session ask for their trees (the
+    verifier chooses, step by step, how much of them to draft and verify: verify_server/tree_fit.py)."""
 
     sequences: list[Sequence]
-    drafts: list[Sequence]
 
 
 class Scheduler:
@@ -60,10 +60,10 @@ class Scheduler:
         self.running.append(seq)
 
     def plan(self) -> StepPlan | None:
-        """The next step: every running sequence, those with a drafter session drafting; None: none runs."""
+        """The next step: every running sequence; None: none runs."""
         if not self.running:
             return None
-        return StepPlan(list(self.running), [seq for seq in self.running if seq.drafting])
+        return StepPlan(list(self.running))
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.prefilling:

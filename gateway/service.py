@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from transformers import PreTrainedTokenizerBase
 
-from gateway.admission import RETRY_AFTER_S, RunningLimit, SpeculationByLoad
+from gateway.admission import RETRY_AFTER_S, RunningLimit
 from gateway.chat import ChatTemplateArgs, render, warn_unrendered_tools
 from gateway.config import GatewayConfig
 from gateway.detokenize import TextStream
@@ -52,9 +52,8 @@ class GatewayService:
         self.metrics = Metrics()
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
-        self._by_load = SpeculationByLoad(config.speculate_up_to)
         self.engine = Engine(backends.verifier, backends.drafter, config.prefill_chunk, self.monitor.drafter_failed,
-                             self._keep_speculating, self._observe_step, self.metrics.resumed.inc)
+                             self._observe_step, self.metrics.resumed.inc)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
         self._decoding: set[Sequence] = set()  # the running requests' sequences, for the end of a drain
@@ -233,7 +232,7 @@ class GatewayService:
     def _running_limit(self) -> int:
         """max_running, lowered to the sessions the verifier holds at once (as its Info reports them): a request
         past those would fail its StartSession rather than wait. Not the drafter's: a request that finds its
-        sessions all held decodes AR (Engine._prefill), and past --speculate-up-to requests do anyway."""
+        sessions all held decodes AR (Engine._prefill)."""
         info = self.monitor.verifier_info
         limit = self.config.max_running
         if info is not None and info.max_sessions > 0:
@@ -323,27 +322,15 @@ class GatewayService:
 
     def _drafter_for(self, req: GenerationRequest) -> DrafterBackend | None:
         """The drafter, unless the request decodes AR: by choice, because the drafter is known to be down (the
-        request would otherwise pay a failed call first), because the request exceeds the drafter's limits, or
-        because more requests hold a decoding slot than speculation pays for (--speculate-up-to: SpeculationByLoad;
-        the slots count a burst's requests before their loops begin). Its text is the same either way, a seeded
-        sampled one's too: a seed's number at each position is the position's alone."""
+        request would otherwise pay a failed call first), or because the request exceeds the drafter's limits.
+        Its text is the same either way, a seeded sampled one's too: a seed's number at each position is the
+        position's alone."""
         info = self.monitor.drafter_info
         if req.spec.mode == "ar" or not self.monitor.drafter_up or info is None:
-            return None
-        if not self._by_load.speculates(self._slots.held):
-            self.metrics.load_ar.inc()
             return None
         fits = len(req.prompt) + req.max_tokens <= info.max_session_tokens
         return self.backends.drafter if fits and req.spec.tree_shape(info.block_size)[0] <= info.max_budget else None
 
-    def _keep_speculating(self) -> bool:
-        """Whether a running speculating request goes on speculating (SpeculationByLoad, as a request that begins
-        now): no once more requests hold a decoding slot than --speculate-up-to, and the request then goes on AR
-        (Engine._commit)."""
-        if self._by_load.speculates(self._slots.held):
-            return True
-        self.metrics.load_yield.inc()
-        return False
 
 def _ticket(gen: GenerationRequest) -> int:
     """An admitted choice's reservation (RunningLimit.reserve). By identity, unique while the choice lives: a

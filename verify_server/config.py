@@ -44,8 +44,8 @@ class VerifyServerConfig(ServiceConfig):
         16, "sessions' steps verified in one forward: tokens/s under load against a longer step (1: one at a time)"
     )
     fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens per second at its "
-                                 "load (the budget stays the ceiling): tokens/s under load against the longest "
-                                 "paths (off: trees as drafted)")
+                                 "load, or run the step AR where no tree pays for its draft (the budget stays the "
+                                 "ceiling): tokens/s under load against the longest paths (off: trees as drafted)")
     prefill_batch_tokens: int = knob(
         1024, "waiting Prefill calls (a burst's prompts) share one forward, up to N prompt tokens and max_batch "
         "calls: fewer forwards for a burst, against running streams stalled longer (0: each alone)"
@@ -57,10 +57,6 @@ class VerifyServerConfig(ServiceConfig):
     )
     warm_up_nodes: int = knob(32, "the tree size requests ask for most (the gateway's --budget): its rounds are "
                                   "captured in warm-up, for a longer start (at most max_tree_size)")
-    warm_up_trees: int = knob(
-        0, "the most trees a step verifies at once (the gateway's --speculate-up-to): the warm-up captures tree "
-        "batches up to it, fewer graphs and a shorter start than max_batch (0: max_batch; ddtree serve passes it)"
-    )
     prefix_cache_gib: float | None = knob(
         None, "device memory (GiB) for the prefix cache of committed tokens' K/V and drafter features: a prompt that "
         "begins as an earlier one skips that part of its prefill, against memory for sessions (default 4 on a GPU, "
@@ -96,8 +92,6 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"prefix_cache_gib must be >= 0, got {self.prefix_cache_gib}")
         if self.warm_up_nodes < 0:
             raise ValueError(f"warm_up_nodes must be >= 0, got {self.warm_up_nodes}")
-        if self.warm_up_trees < 0:
-            raise ValueError(f"warm_up_trees must be >= 0, got {self.warm_up_trees}")
         if self.deterministic and (self.tp > 1 or self.eager or self.compile):
             given = "--tp > 1" if self.tp > 1 else "--eager" if self.eager else "--compile"
             raise ValueError(f"--deterministic runs the fused path on one GPU, uncompiled: not with {given}")

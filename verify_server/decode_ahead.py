@@ -7,7 +7,8 @@ messages: at 64 sessions of an 8B target, a third of a step). An AR step needs n
 its root is the token of the step before, which lies on the device. So a batch of Decodes whose choices are made
 in the graph (greedy, or sampled with temperature and min-p alone) is launched and read later (`launch`, `read`),
 and the next batch, once it has come in, is launched behind it on the device, each root taken from the tokens of
-the step still unread (BatchTree.root). The host reads a step while the device runs the next.
+the step still unread (BatchTree.root). The host reads a step while the device runs the next. A tapped session's
+step keeps its features at launch, as a round does at its end (the graph's next replay rewrites them).
 
 A session's steps launched and not read are its `ahead` (VerifySession.ahead): its next step starts that far past
 its committed length, and its slot keeps that many rows more when it grows. Anything else the engine runs on a
@@ -23,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.device_copies import copy_together
 from kernels.readback import PinnedReadback
 from protos.types import StepResult
 from runtime.timing import TimerEvents
@@ -57,10 +59,10 @@ class DecodesAhead:
         self._launched = 0
 
     def launchable(self, session_ids: list[str]) -> list[VerifySession] | None:
-        """The sessions, where one launch can take a step of each: all known and prefilled, untapped, with their
-        choices made in the graph and all of one kind (greedy, or sampled), none twice, each with room for its step,
-        and those with a step unread all in the last step launched; else None (the caller runs the calls the
-        ordinary way)."""
+        """The sessions, where one launch can take a step of each: all known and prefilled, all with the same taps
+        (none, or the same layers: one graph), with their choices made in the graph and all of one kind (greedy, or
+        sampled), none twice, each with room for its step, and those with a step unread all in the last step
+        launched; else None (the caller runs the calls the ordinary way)."""
         if not self.fused.batches_static or len(self.unread) >= MAX_AHEAD or not session_ids:
             return None
         if len(session_ids) > self.fused.slots.max_sessions or len(set(session_ids)) < len(session_ids):
@@ -69,21 +71,24 @@ class DecodesAhead:
         found = []
         for session_id in session_ids:
             sess = self.sessions.get(session_id)
-            if (sess is None or sess.root is None or sess.taps
-                    or not (sess.params.raw_argmax or sess.params.plain_sample)):
+            if sess is None or sess.root is None or not (sess.params.raw_argmax or sess.params.plain_sample):
                 return None
             if sess.ahead and sess.ahead[-1][0] is not last:
                 return None
             found.append(sess)
-        if len({sess.params.raw_argmax for sess in found}) > 1:
+        if len({sess.params.raw_argmax for sess in found}) > 1 or len({tuple(sess.taps) for sess in found}) > 1:
             return None
         if not all(sess.has_room(sess.cache.length + len(sess.ahead) + 1) for sess in found):
             return None  # (the call that has no room gets its error the ordinary way)
         return found
 
-    def launch(self, session_ids: list[str], sessions: list[VerifySession]) -> AheadStep | None:
+    def launch(
+        self, session_ids: list[str], sessions: list[VerifySession], host_features: bool
+    ) -> AheadStep | None:
         """One AR step of each session (`launchable`'s answer) in one replay, queued behind the steps unread ->
-        the step, unread; None where it cannot run (out of device memory: nothing is launched)."""
+        the step, unread; None where it cannot run (out of device memory: nothing is launched). Tapped sessions'
+        root rows of features are kept at launch, in host memory where host_features, as a round's are
+        (VerifySession.kept_rows)."""
         last = self.unread[-1] if self.unread else None
         items = []
         for sess in sessions:
@@ -92,18 +97,28 @@ class DecodesAhead:
                 root = -(sess.ahead[-1][1] + 1)
             items.append(BatchTree(sess.cache, ROOT_ONLY, root, len(sess.ahead)))
         roots_from = None if last is None else last.tokens
+        taps = tuple(sessions[0].taps)
         timer = self.timers.timer()
         greedy = sessions[0].params.raw_argmax
         try:
-            captured = (self.fused.batch_round(items, (), roots_from) if greedy
-                        else self.fused.sampled_round(items, (), session_draws(sessions, items), roots_from))
+            captured = (self.fused.batch_round(items, taps, roots_from) if greedy
+                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), roots_from))
             if captured is None:
                 raise RuntimeError("a batch of AR steps on the static path was not captured")
             timer.mark()
-            tokens = captured[0][:, 1].clone()  # [trees] the bonus tokens: the graph's next replay rewrites its own
+            packed, features = captured  # [trees, 2 + 1], [trees, 1, taps*hidden] or None: the graph's outputs
+            tokens = packed[:, 1].clone()  # [trees] the bonus tokens: the graph's next replay rewrites its own
             ring = self._readback[self._launched % len(self._readback)]
             stored, host = ring.target(tokens[: len(sessions)])
-            stored.copy_(tokens[: len(sessions)])
+            copies, kept = [(stored, tokens[: len(sessions)])], None
+            if features is not None:
+                kept = []
+                for b, sess in enumerate(sessions):
+                    rows = features[b, :1]  # [1, taps*hidden] the root's row: the step's one committed position
+                    dst, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
+                    copies.append((dst, rows))
+                    kept.append(rows_kept)
+            copy_together(copies)
         except torch.OutOfMemoryError:
             log.warning("a batch of %d AR steps launched ahead ran out of memory; stepping them as they come",
                         len(sessions))
@@ -111,7 +126,7 @@ class DecodesAhead:
         timer.end()
         self._launched += 1
         now = time.monotonic()
-        step = AheadStep(list(zip(session_ids, sessions)), tokens, host, timer)
+        step = AheadStep(list(zip(session_ids, sessions)), tokens, host, timer, kept)
         for i, sess in enumerate(sessions):
             sess.last_used = now
             sess.ahead.append((step, i))
@@ -127,7 +142,8 @@ class DecodesAhead:
             self.unread.pop(0)
             for session_id, sess in oldest.sessions:
                 sess.ahead.popleft()
-            results = timed([StepResult([token], None) for token in host], oldest.timer)
+            results = timed([StepResult([token], None if oldest.features is None else oldest.features[i])
+                             for i, token in enumerate(host)], oldest.timer)
             for (session_id, sess), result in zip(oldest.sessions, results):
                 if self.sessions.get(session_id) is sess:
                     sess.cache.length += 1

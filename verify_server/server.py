@@ -88,8 +88,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         fit = None
         if config.fit_trees:
             fit = TreeFit(Histogram(
-                "ddtree_step_tree_nodes", "Nodes a step's trees were cut to (load-adaptive trees), per step with trees",
-                buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
+                "ddtree_step_tree_nodes", "Nodes a step's trees were cut to, per step with speculating sessions, 0 "
+                "where no tree paid for its draft and the step went AR (speculation chosen per step)",
+                buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
         self.host_features = drafter is not None and drafter.host_features
         self.stepper = Stepper(drafter, lambda items: self.rounds.submit_all(self.host, items), fit)
         host.on_expired = self.stepper.end
@@ -273,7 +274,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         device and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
         outcomes, calls = checked(items, lambda item: self._call(engine, *item))
         if calls and all(tree is ROOT_ONLY for _, tree in calls):
-            step = engine.launch_decodes([session_id for session_id, _ in calls])
+            step = engine.launch_decodes([session_id for session_id, _ in calls], self.host_features)
             if step is not None:
                 if len(engine.ahead.unread) > 1:
                     self.launched_ahead.inc()
@@ -317,7 +318,7 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     """The warm-up, then the caches: sized from the device memory the warm-up's largest steps left in this
     service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
     run every step shape whole and leave nothing cached."""
-    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size), config.warm_up_trees,
+    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
             config.prefill_batch_tokens)
     kv, prefix = config.kv_cache_bytes, config.prefix_cache_bytes
     if prefix and config.tp > 1:

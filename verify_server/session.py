@@ -23,9 +23,11 @@ from verify_server.processors import TokenHistory
 from verify_server.sampling import Draws
 from verify_server.state_cache import StateCache
 
-# The size of a session's ring of host buffers for its rounds' path features (VerifySession.kept_rows): the round
-# after next reuses a round's, by which time its caller has sent them.
-FEATURE_RING = 2
+# The size of a session's ring of host buffers for its rounds' path features (VerifySession.kept_rows): a round's
+# rows are rewritten three rounds later. AR steps launched ahead take their slots at launch, and the service's Stepper
+# keeps a step's rows until it takes the next step's (Feed.took); the gateway sends a step once the step two before it
+# is answered, so step s + 3, which rewrites step s's slot, launches once step s + 1's rows are taken.
+FEATURE_RING = 3
 
 
 class SessionError(ValueError):
@@ -52,7 +54,10 @@ class AheadStep:
     sessions  each call's (session id, session), in the batch's order
     tokens    [trees] on the device: the token each tree's step chose (rows past the sessions: fillers)
     host      [len(sessions)] host view (pinned on a GPU) that the device stores the tokens into after the step
-    timer     the step's StepTimer: its end is recorded once the tokens are stored (done(): reading waits for nothing)
+    timer     the step's StepTimer: its end is recorded once the tokens and features are stored (done(): reading
+              waits for nothing)
+    features  each session's features [1, taps*hidden] (its root's row), kept (VerifySession.kept_rows) in host
+              memory or on the device as asked; None where the sessions tap none
     results   each call's StepResult, once read
     """
 
@@ -60,6 +65,7 @@ class AheadStep:
     tokens: torch.Tensor
     host: torch.Tensor
     timer: StepTimer
+    features: list[torch.Tensor] | None = None
     results: list[StepResult] | None = None
 
 
@@ -126,7 +132,7 @@ class VerifySession:
         if not host_features:
             kept = torch.empty_like(rows)
             return kept, kept
-        # grown on need, not allocated a round: the rows stay valid until the round after next
+        # grown on need, not allocated a round: the rows stay valid until the ring comes round to them (FEATURE_RING)
         buf = self.host_features[ring]
         if buf is None or buf.capacity < rows.numel() or buf.host.dtype != rows.dtype:
             buf = self.host_features[ring] = PinnedReadback(rows.numel(), rows.dtype, rows.device)

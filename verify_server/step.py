@@ -44,6 +44,9 @@ class DrafterPort(Protocol):
     async def append(self, session_id: str, features: torch.Tensor) -> None: ...
 
 
+OWED_MAX = 256  # positions of features a session holds for its drafter before they go by an Append of their own
+
+
 @dataclass
 class Feed:
     """What a tapped session's drafter has not been sent yet: the features of its positions since its last draft
@@ -52,41 +55,62 @@ class Feed:
     grammar: bool
     position: int = 0  # the root's position once the prompt is complete; until then the prompt's length so far
     root: int | None = None  # None until the prompt is complete
-    owed: torch.Tensor | None = None  # [m, taps * hidden]
+    owed: list[torch.Tensor] = field(default_factory=list)  # each [m_i, taps * hidden], oldest first
+    owed_rows: int = 0  # sum of m_i
+    shared: bool = False  # owed[-1] lies in rows a later round reuses (the session's FEATURE_RING), not a copy
     committed: list[int] = field(default_factory=list)
-    appending: asyncio.Future | None = None  # the prompt's appends, each after the one before
+    appending: asyncio.Future | None = None  # the appends to the drafter's context, each after the one before
 
     def ready(self) -> bool:
-        """Its prompt is complete and in the drafter's context."""
+        """Its prompt is complete and every append has reached the drafter's context."""
         return self.root is not None and (self.appending is None or self.appending.done())
 
     def ask(self, step: SessionStep) -> DraftAsk:
-        features, committed, self.owed, self.committed = self.owed, self.committed, None, []
-        return DraftAsk(step.session_id, features, self.root, self.position, step.budget, step.top_k,
+        committed, self.committed = self.committed, []
+        return DraftAsk(step.session_id, self.take_owed(), self.root, self.position, step.budget, step.top_k,
                         committed if self.grammar else ())
+
+    def take_owed(self, own: bool = False) -> torch.Tensor | None:
+        """[m, taps * hidden] every feature owed, in order (None: none), and none owed after; own: in memory of its
+        own (for a call that may read it after a later round has reused the rows it lies in)."""
+        owed, shared = self.owed, self.shared
+        self.owed, self.owed_rows, self.shared = [], 0, False
+        if not owed:
+            return None
+        if len(owed) > 1:
+            return torch.cat(owed)
+        return owed[0].clone() if own and shared else owed[0]
 
     def took(self, result: StepResult) -> None:
         """A step's commit: its kept positions' features, its tokens."""
         if result.features is not None:
-            # a step's features may lie in host rows the session's round after next reuses (FEATURE_RING): those of
-            # several steps (AR steps while its prompt's features are on their way) are kept as a copy of their own
-            owed = result.features
-            self.owed = owed if self.owed is None else torch.cat((self.owed, owed))
+            # a step's features lie in host rows a later round of its session reuses (FEATURE_RING): one step's are
+            # kept as they lie until the next step's come, then copied, so that no step waits on a copy
+            if self.shared:
+                self.owed[-1] = self.owed[-1].clone()
+            self.owed.append(result.features)
+            self.owed_rows += len(result.features)
+            self.shared = True
         self.position += len(result.tokens)
         self.root = result.tokens[-1]
         if self.grammar:
             self.committed += result.tokens
 
+    def chain(self, call: Awaitable[None]) -> None:
+        """An append to the drafter's context, after those before it."""
+        self.appending = asyncio.ensure_future(_after(self.appending, call))
+
 
 class Stepper:
     def __init__(self, drafter: DrafterPort | None, verify: Verify, fit: TreeFit | None = None) -> None:
         """drafter: None, every step AR (a session with taps is refused at its start). verify: the step's forward.
-        fit: cuts a step's trees to the size its measurements favour (None: trees go as drafted)."""
+        fit: chooses each step's speculation from its measurements (None: every step drafts full trees)."""
         self.drafter = drafter
         self.verify = verify
         self.fit = fit
         self.feeds: dict[str, Feed] = {}
         self.classes: dict[str, float] = {}  # session -> its sampling class (tree_fit.sampling_class), not greedy
+        self._last: _Turn | None = None  # the last step's progress: steps go to the device and commit in order
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
@@ -111,16 +135,14 @@ class Stepper:
             return
         feed.position += length
         if result.features is not None and len(result.features):
-            feed.appending = asyncio.ensure_future(
-                _after(feed.appending, self.drafter.append(session_id, result.features)))
+            feed.chain(self.drafter.append(session_id, result.features))
         if result.tokens:
             feed.root = result.tokens[-1]
             if feed.grammar:
                 feed.committed = [feed.root]
 
     async def appended(self, session_id: str) -> None:
-        """Once the session's prompt features are in the drafter's context (or their append failed: its first
-        draft says so)."""
+        """Once the session's appends are in the drafter's context (or one failed: its next draft says so)."""
         feed = self.feeds.get(session_id)
         if feed is None or feed.appending is None:
             return
@@ -130,35 +152,49 @@ class Stepper:
         except asyncio.CancelledError:
             if not appending.cancelled():
                 raise  # the caller's own
-        except Exception:  # noqa: BLE001 - the session's first draft reports it
+        except Exception:  # noqa: BLE001 - the session's next draft reports it
             pass
 
     # ---- the step --------------------------------------------------------------------------------------------
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        """A step of the sessions in `steps` (at most one each) -> each one's outcome, in order."""
+        """A step of the sessions in `steps` (at most one each) -> each one's outcome, in order. A step that comes
+        while the one before is still on its way follows it on the device at once where both are all AR (the
+        verifier launches it behind that one, verify_server/decode_ahead.py), and otherwise once that one has ended
+        (its roots and features are the drafts' inputs, and a refused tree's AR step again comes after it)."""
+        before, turn = self._last, _Turn(asyncio.get_running_loop())
+        self._last = turn
+        try:
+            return await self._step(steps, before, turn)
+        finally:
+            turn.close()
+
+    async def _step(self, steps: list[SessionStep], before: _Turn | None, turn: _Turn) -> list[StepOutcome]:
         lost: dict[int, Exception] = {}  # index -> its drafter's failure
-        drafting: list[int] = []
+        asking: list[int] = []  # the tapped sessions that ask for a tree and can draft
         for i, step in enumerate(steps):
             feed = self.feeds.get(step.session_id)
             if step.untap or feed is None:
                 self.feeds.pop(step.session_id, None)
-                continue
-            if step.budget and feed.ready():
-                if feed.appending is not None and (failure := _failure(feed.appending)) is not None:
-                    lost[i] = failure
-                else:
-                    drafting.append(i)
-        trees, timings = await self._draft(steps, drafting, lost)
+            elif feed.appending is not None and feed.appending.done() and (failure := _failure(feed.appending)):
+                lost[i] = failure
+            elif step.budget and feed.ready():
+                asking.append(i)
+        nodes = self._choose(steps, asking)
+        turn.ar.set_result(not nodes)
+        if before is not None:
+            await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
+        drafting = [i for i in asking if nodes and steps[i].session_id in self.feeds]
+        trees, timings, drafted_s = await self._draft(steps, drafting, lost)
         for i in lost:
             self.feeds.pop(steps[i].session_id, None)
         if self.fit is not None and trees:
-            order = list(trees)
-            classes = [self.classes.get(steps[i].session_id, 0.0) for i in order]
-            cut = self.fit.fit([trees[i] for i in order], classes, len(steps) - len(order))
-            trees = dict(zip(order, cut))
+            trees = dict(zip(trees, self.fit.fit(list(trees.values()), nodes)))
         sent = time.perf_counter()
-        results = await self.verify([(s.session_id, trees.get(i), s.untap or i in lost) for i, s in enumerate(steps)])
+        verifying = asyncio.ensure_future(
+            self.verify([(s.session_id, trees.get(i), s.untap or i in lost) for i, s in enumerate(steps)]))
+        turn.submitted.set_result(None)  # (a task runs in the order it was made: the next step's verify goes after)
+        results = await verifying
         if rejected := [i for i, result in enumerate(results) if isinstance(result, DraftRejected)]:
             for i in rejected:  # (its session untouched: the step again, AR and untapped)
                 lost[i] = results[i]
@@ -167,24 +203,37 @@ class Stepper:
             again = await self.verify([(steps[i].session_id, None, True) for i in rejected])
             for i, result in zip(rejected, again):
                 results[i] = result
-        for step, result in zip(steps, results):
+        if before is not None:
+            await asyncio.shield(before.ended)  # its features are taken before this step's
+        for i, (step, result) in enumerate(zip(steps, results)):
             feed = self.feeds.get(step.session_id)
             if feed is not None and isinstance(result, StepResult):
                 feed.took(result)
-        if self.fit is not None and trees:
+                if i not in trees and feed.owed_rows >= OWED_MAX and feed.ready():
+                    # AR steps for long (the load): their features go on ahead, so that none piles up here
+                    feed.chain(self.drafter.append(step.session_id, feed.take_owed(own=True)))
+        if self.fit is not None:
             order = list(trees)
             rows = len(steps) + sum(tree.num_nodes for tree in trees.values())
             self.fit.observe_step([trees[i] for i in order], [results[i] for i in order],
-                                  [self.classes.get(steps[i].session_id, 0.0) for i in order], rows, sent)
+                                  [self.classes.get(steps[i].session_id, 0.0) for i in order], rows, sent, drafted_s)
         return [StepOutcome(result, trees[i].num_nodes if i in trees else 0, lost.get(i), timings.get(i, {}))
                 for i, result in enumerate(results)]
 
+    def _choose(self, steps: list[SessionStep], asking: list[int]) -> int:
+        """The step's speculation for the sessions in `asking`: 0 (AR), else the nodes their trees are cut to."""
+        budgets = [steps[i].budget for i in asking]
+        if self.fit is None or not budgets:
+            return max(budgets, default=0)
+        return self.fit.choose(budgets, [self.classes.get(steps[i].session_id, 0.0) for i in asking],
+                               len(steps) - len(asking))
+
     async def _draft(self, steps: list[SessionStep], drafting: list[int], lost: dict[int, Exception]
-                     ) -> tuple[dict[int, DraftTree], dict[int, Mapping[str, float]]]:
-        """The drafts of steps[i] for i in `drafting`, in one call -> each one's tree and timings; a failure (its
-        own, or the call's) goes into `lost`."""
+                     ) -> tuple[dict[int, DraftTree], dict[int, Mapping[str, float]], float]:
+        """The drafts of steps[i] for i in `drafting`, in one call -> each one's tree and timings, and the call's
+        seconds; a failure (its own, or the call's) goes into `lost`."""
         if not drafting:
-            return {}, {}
+            return {}, {}, 0.0
         asks = [self.feeds[steps[i].session_id].ask(steps[i]) for i in drafting]
         start = time.perf_counter()
         try:
@@ -196,6 +245,8 @@ class Stepper:
         except Exception as exc:  # noqa: BLE001 - each draft fails with it
             outcomes = [exc] * len(asks)
         rpc_s = time.perf_counter() - start
+        if self.fit is not None and not any(isinstance(outcome, Exception) for outcome in outcomes):
+            self.fit.observe_draft(len(asks), rpc_s)
         trees, timings = {}, {}
         for i, outcome in zip(drafting, outcomes):
             if isinstance(outcome, Exception):
@@ -203,7 +254,22 @@ class Stepper:
             else:
                 trees[i], draft_timings = outcome
                 timings[i] = _with_call(draft_timings, rpc_s)
-        return trees, timings
+        return trees, timings, rpc_s
+
+
+class _Turn:
+    """A step's progress, which the step after it follows: whether it is all AR, its verify submitted, its end."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.ar: asyncio.Future[bool] = loop.create_future()
+        self.submitted: asyncio.Future[None] = loop.create_future()
+        self.ended: asyncio.Future[None] = loop.create_future()
+
+    def close(self) -> None:
+        """The step has ended, however: whatever it had not reached yet is settled."""
+        for future, value in ((self.ar, False), (self.submitted, None), (self.ended, None)):
+            if not future.done():
+                future.set_result(value)
 
 
 def _with_call(timings: Mapping[str, float], rpc_s: float) -> Mapping[str, float]:
@@ -224,6 +290,7 @@ async def _after(before: asyncio.Future | None, call: Awaitable[None]) -> None:
 
 
 def _failure(future: asyncio.Future) -> Exception | None:
+    """A finished append's failure (None: it went through)."""
     if future.cancelled():
         return RuntimeError("the prompt's features were not appended (cancelled)")
     exc = future.exception()

@@ -162,7 +162,7 @@ class TensorParallelEngine:
         forward) -> its StepResult, or the exception it raised."""
         return prefill_each(self.prefill, calls)
 
-    def launch_decodes(self, session_ids: list[str]) -> None:
+    def launch_decodes(self, session_ids: list[str], host_features: bool = False) -> None:
         """No AR step is launched ahead here (no fused path): verify_batch runs them."""
         return None
 

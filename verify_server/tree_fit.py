@@ -1,6 +1,7 @@
-"""Load-adaptive trees: each step's trees cut to the size that commits the most tokens per second for the whole step,
-from two live measurements: how likely each node of a tree is to be accepted, by its rank, and what a verify
-forward of N rows costs (the cost curve).
+"""Speculation chosen per step: each step, before its drafts, whether its speculating sessions draft at all and to
+how many nodes their trees are cut, whichever commits the most tokens per second for the whole step, from live
+measurements: how likely each node of a tree is to be accepted, by its rank; what a verify forward of N rows costs
+(the cost curve); what the drafter's call for n trees costs; and the rest of a step.
 
 A drafter's tree lists its nodes best first (draft_server/tree.py: by path score, parents before children), so its
 first k nodes are the best tree of k nodes, and cutting a tree to k nodes is taking a prefix. A verified tree tells
@@ -9,11 +10,15 @@ nodes keeps exactly the path's nodes of rank <= k. So the acceptance rate by ran
 round, and a prefix of k nodes is expected to commit 1 + a(1) + ... + a(k) tokens (the 1: the target's own token
 after the path).
 
-A step of n trees cut to k nodes each then commits n * (1 + A(k)) tokens in F + V(rows(k)): V is the verify batch's
-time at that many rows (measured per row count, interpolated between the counts seen), F the rest of a step (the
-drafts, the hosts' work), measured as the time from one verify batch's answer to the next one's call. With few
-requests V is nearly flat and the full trees win; with many, the rows cost and smaller trees win. A request's own
-budget stays its ceiling: a tree is only ever cut.
+A step of n trees cut to k nodes each, beside m AR steps, then commits m + n * (1 + A(k)) tokens in
+F + D(n) + V(rows(k)); k = 0 is no draft at all, m + n tokens in F + V(m + n). V is the verify batch's time at that
+many rows (measured per row count, interpolated between the counts seen), D the drafter's call for n trees
+(likewise by n), F the rest of a step (the hosts' work), measured as the time from one verify batch's answer to the
+next one's call, less the draft call in between. With few requests V is nearly flat and the full trees win; with
+many, the rows cost, smaller trees win, and past some load no tree pays for its draft: the step goes AR. The choice
+is made again every step, so speculation comes back as the load falls (the sessions stay tapped meanwhile: their
+features go to the drafter with their next draft, verify_server/step.py). A request's own budget stays its ceiling:
+a tree is only ever cut.
 
 Acceptance depends on how a request samples (a greedy round accepts more of a tree than one at T = 1), so the rates
 are counted per sampling class (sampling_class: greedy, or the temperature to a tenth) as well as over all rounds,
@@ -37,6 +42,7 @@ from protos.types import DraftTree, SamplingParams, StepResult
 
 log = logging.getLogger("verify_server")
 ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
+TREE_QUANTUM = 8  # the draft cost's resolution in trees a call
 MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
 WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
 DECAY = 1 - 1 / 4096  # per counted round: the acceptance rates follow a workload that changes
@@ -45,6 +51,9 @@ COST_WEIGHT = 0.2  # weight of a new measurement in a row count's (or the overhe
 # (a graph's capture, a prompt forward ahead of it on the verifier, a collector pause) must not move the mean as much
 # as a slower forward would; a mean that truly rises still follows, by up to COST_WEIGHT * (OUTLIER - 1) a sample.
 OUTLIER = 2.0
+# A step in this many that the fit would run AR drafts anyway: its rounds keep the acceptance rates the workload's (an
+# AR step measures none), so that a workload whose drafts came to pay is seen to.
+EXPLORE_EVERY = 64
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
 
@@ -113,18 +122,20 @@ def path_ranks(tree: np.ndarray, accepted: Sequence[int]) -> list[int]:
 
 
 class TreeFit:
-    """The acceptance rate by rank and the verify cost curve, measured from the steps that go by, and the tree size
-    each step is cut to."""
+    """The acceptance rate by rank, the verify and draft cost curves, measured from the steps that go by, and each
+    step's choice: AR, or trees cut to k nodes."""
 
     def __init__(self, chosen: Histogram | None = None) -> None:
-        """chosen: where each step's chosen size is reported (the gateway's metrics)."""
+        """chosen: where each step's chosen size is reported (0: AR; the verifier's metrics)."""
         self.chosen = chosen
         self.pooled = AcceptanceRates()  # every round's
         self.classes: dict[float, AcceptanceRates] = {}  # sampling_class -> its rounds'
         self.costs: dict[int, float] = {}  # rows (a multiple of ROW_QUANTUM) -> running mean of a verify batch's s
-        self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch
+        self.draft_costs: dict[int, float] = {}  # trees (a multiple of TREE_QUANTUM) -> running mean of a call's s
+        self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch and its draft
         self._answered: float | None = None  # when the last verify batch's answer came
-        self.failures = 0  # cuts and measurements that raised (their steps went as drafted)
+        self._ar_steps = 0  # steps in a row chosen AR
+        self.failures = 0  # choices and measurements that raised (their steps went with full trees)
 
     # ---- measurements ---------------------------------------------------------------------------------------
 
@@ -134,13 +145,37 @@ class TreeFit:
         self.pooled.observe(size, ranks)
         self.classes.setdefault(kind, AcceptanceRates()).observe(size, ranks)
 
-    def observe_batch(self, rows: int, seconds: float, sent: float) -> None:
-        """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer."""
+    def observe_draft(self, trees: int, seconds: float) -> None:
+        """A drafter's call for `trees` trees took `seconds`."""
+        key = int(_quantum(trees, TREE_QUANTUM))
+        self.draft_costs[key] = _running_mean(self.draft_costs.get(key), seconds)
+
+    def observe_batch(self, rows: int, seconds: float, sent: float, drafted_s: float = 0.0) -> None:
+        """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer; its
+        step's draft call took `drafted_s` of the time before the call. A batch called before the one before it was
+        answered (launched behind it on the device) counts from that answer: its wait is the other batch's time."""
+        now = time.perf_counter()
+        if self._answered is not None and sent < self._answered:
+            seconds = min(seconds, now - self._answered)
         key = int(_quantum(rows))
         self.costs[key] = _running_mean(self.costs.get(key), seconds)
         if self._answered is not None and 0 <= sent - self._answered < STALE_GAP_S:
-            self.overhead_s = _running_mean(self.overhead_s, sent - self._answered)
-        self._answered = time.perf_counter()
+            self.overhead_s = _running_mean(self.overhead_s, max(0.0, sent - self._answered - drafted_s))
+        self._answered = now
+
+    def observe_step(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
+                     classes: Sequence[float], rows: int, sent: float, drafted_s: float = 0.0) -> None:
+        """A step's verified trees and their outcomes (a StepResult each, or the session's own error), and its
+        verify of `rows` rows called at `sent` (perf_counter), `drafted_s` after its draft call began: each round's
+        accepted path and the forward's cost at its rows. Never fails: the outcomes are the step's whatever the
+        measurements make of them."""
+        try:
+            for tree, result, kind in zip(trees, results, classes):
+                if isinstance(result, StepResult):
+                    self.observe_round(tree_arrays(tree), result.tokens, kind)
+            self.observe_batch(rows, time.perf_counter() - sent, sent, drafted_s)
+        except Exception:
+            self._failed("measure a step")
 
     # ---- the choice -----------------------------------------------------------------------------------------
 
@@ -151,18 +186,19 @@ class TreeFit:
         return (own if own is not None and own.rounds >= WARM_ROUNDS else self.pooled).rates()
 
     def cost(self, rows: np.ndarray) -> np.ndarray:
-        """[m] row counts -> [m] a verify batch's expected seconds at each: the measured mean at that count, else
-        linear between the nearest counts measured; below the least one its cost (a forward costs no less with
-        fewer rows than its weights' reading), above the largest one its cost per row."""
-        keys = _quantum(rows)
-        known = np.array(sorted(self.costs))
-        means = np.array([self.costs[k] for k in known])
-        return np.where(keys > known[-1], means[-1] * keys / known[-1], np.interp(keys, known, means))
+        """[m] row counts -> [m] a verify batch's expected seconds at each (_curve)."""
+        return _curve(self.costs, _quantum(rows))
 
-    def size(self, trees: Sequence[int], other_rows: int = 0, kinds: Sequence[float] | None = None) -> int:
+    def draft_cost(self, trees: int) -> float:
+        """A drafter's call for `trees` trees: its expected seconds (_curve)."""
+        return float(_curve(self.draft_costs, _quantum(np.array([trees]), TREE_QUANTUM))[0])
+
+    def size(self, trees: Sequence[int], other_rows: int = 0, kinds: Sequence[float] | None = None,
+             ar: bool = True) -> int:
         """The nodes to cut each tree of a step to, given its trees' sizes (and their requests' sampling classes,
-        default greedy) and the rows of its other calls (AR steps): the size that commits the most tokens per
-        second (the largest such); the largest tree's size (no cut) until enough is measured."""
+        default greedy) and its AR steps' rows: the size that commits the most tokens per second (the largest such),
+        0 where no tree pays for its draft (once a draft's cost is measured, and where `ar`); the largest tree's size
+        (no cut) until enough is measured."""
         largest = max(trees, default=0)
         if (largest < 1 or self.pooled.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None
                 or largest > MAX_RANK):
@@ -174,47 +210,58 @@ class TreeFit:
         # [classes, largest+1] A(k) of each class, A(0) = 0; each tree's class is a row of it
         gains = np.stack([np.concatenate(([0.0], np.cumsum(self.rates(kind)[1 : largest + 1]))) for kind in order])
         row_of = np.array([order.index(kind) for kind in kinds])  # [n]
-        kept = np.minimum(np.asarray(trees)[None, :], np.arange(1, largest + 1)[:, None])  # [largest, n] nodes
-        rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest]: each tree's nodes and its root
-        tokens = len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest] expected tokens the step commits
-        rate = tokens / (self.overhead_s + self.cost(rows))
-        if not np.isfinite(rate).all():  # a step measured as taking no time: no basis for a cut
+        kept = np.minimum(np.asarray(trees)[None, :], np.arange(largest + 1)[:, None])  # [largest+1, n] nodes
+        rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest+1]: each tree's nodes and its root
+        tokens = other_rows + len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest+1] the step commits
+        seconds = self.overhead_s + self.cost(rows)  # [largest+1]
+        seconds[1:] += self.draft_cost(len(trees)) if self.draft_costs else 0.0
+        rate = tokens / seconds
+        if not (self.draft_costs and ar):
+            rate[0] = -np.inf  # (what a draft costs is not known yet: no ground for going AR)
+        if not np.isfinite(rate[1:]).all():  # a step measured as taking no time: no basis for a choice
             return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def fit(self, trees: list[DraftTree], classes: Sequence[float], other_rows: int) -> list[DraftTree]:
-        """A step's trees cut to the chosen size. classes: each tree's session's sampling class (sampling_class);
-        other_rows: the step's other rows (AR steps). The cut is an optimisation: should choosing it fail, the step
-        goes with its trees as drafted, never fails."""
+    def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> int:
+        """A step's choice before its drafts, given its speculating sessions' budgets and sampling classes
+        (sampling_class) and its AR steps' rows: 0 (every session AR), else the nodes to cut each tree to; one step in
+        EXPLORE_EVERY of a run of AR ones drafts anyway. An optimisation: should choosing fail, the step drafts its
+        full trees, never fails."""
         try:
-            nodes = self.size([tree.num_nodes for tree in trees], other_rows, classes)
-            if nodes < 1:
-                return trees  # trees without nodes: nothing was chosen
-            if self.chosen is not None:
-                self.chosen.observe(nodes)
+            nodes = self.size(budgets, other_rows, classes)
+            self._ar_steps = self._ar_steps + 1 if nodes == 0 else 0
+            if self._ar_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                nodes = self.size(budgets, other_rows, classes, ar=False)
+        except Exception:
+            self._failed("choose a step's speculation")
+            return max(budgets, default=0)
+        if self.chosen is not None:
+            self.chosen.observe(nodes)
+        return nodes
+
+    def fit(self, trees: list[DraftTree], nodes: int) -> list[DraftTree]:
+        """A step's trees cut to `nodes` (choose's); should a cut fail, the trees as drafted."""
+        try:
             return [cut(tree, nodes) for tree in trees]
         except Exception:
             self._failed("cut a step's trees")
             return trees
 
-    def observe_step(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
-                     classes: Sequence[float], rows: int, sent: float) -> None:
-        """A step's verified trees and their outcomes (a StepResult each, or the session's own error), and its
-        verify of `rows` rows called at `sent` (perf_counter): each round's accepted path and the forward's cost at
-        its rows. Never fails: the outcomes are the step's whatever the measurements make of them."""
-        try:
-            for tree, result, kind in zip(trees, results, classes):
-                if isinstance(result, StepResult):
-                    self.observe_round(tree_arrays(tree), result.tokens, kind)
-            self.observe_batch(rows, time.perf_counter() - sent, sent)
-        except Exception:
-            self._failed("measure a step")
-
     def _failed(self, what: str) -> None:
-        """A measurement or a cut that raised: logged with its trace the first time (it would repeat every step)."""
+        """A measurement or a choice that raised: logged with its trace the first time (it would repeat every
+        step)."""
         self.failures += 1
         if self.failures == 1:
             log.warning("the tree fit could not %s; its steps go with their trees as drafted", what, exc_info=True)
+
+
+def _curve(means: dict[int, float], keys: np.ndarray) -> np.ndarray:
+    """[m] keys (rounded to their quantum) -> [m] expected seconds from the running means by key: the measured mean at
+    that key, else linear between the nearest keys measured; below the least one its cost (a forward costs no less
+    with fewer rows than its weights' reading), above the largest one its cost per unit."""
+    known = np.array(sorted(means))
+    values = np.array([means[k] for k in known])
+    return np.where(keys > known[-1], values[-1] * keys / known[-1], np.interp(keys, known, values))
 
 
 def _running_mean(mean: float | None, sample: float) -> float:
@@ -224,6 +271,6 @@ def _running_mean(mean: float | None, sample: float) -> float:
     return mean + COST_WEIGHT * (min(sample, OUTLIER * mean) - mean)
 
 
-def _quantum(rows: np.ndarray | int) -> np.ndarray | int:
-    """Row counts rounded up to the cost curve's resolution."""
-    return np.maximum(ROW_QUANTUM, -(-rows // ROW_QUANTUM) * ROW_QUANTUM)
+def _quantum(count: np.ndarray | int, quantum: int = ROW_QUANTUM) -> np.ndarray | int:
+    """Counts rounded up to a curve's resolution (rows: ROW_QUANTUM; trees: TREE_QUANTUM)."""
+    return np.maximum(quantum, -(-count // quantum) * quantum)

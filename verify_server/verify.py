@@ -289,20 +289,21 @@ class VerifyEngine:
     # ---- AR steps launched ahead ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch_decodes(self, session_ids: list[str]) -> AheadStep | None:
+    def launch_decodes(self, session_ids: list[str], host_features: bool = False) -> AheadStep | None:
         """One AR step of each session in one replay, launched behind the steps launched before and not read, its
         roots taken from theirs on the device (verify_server/decode_ahead.py); read_decodes reads it. None where
         one launch cannot take them all (DecodesAhead.launchable): nothing is launched, and verify_batch runs
-        them."""
+        them. host_features: tapped sessions' features come back in host memory, as decode's."""
         if self.ahead is None:
             return None
         sessions = self.ahead.launchable(session_ids)
-        return None if sessions is None else self.ahead.launch(session_ids, sessions)
+        return None if sessions is None else self.ahead.launch(session_ids, sessions, host_features)
 
     @torch.inference_mode()
     def read_decodes(self, step: AheadStep) -> list[StepResult]:
-        """A launched step's results, one per session in its order: waits for it, and commits it and the steps
-        launched before it (once: a step read already answers from its results)."""
+        """A launched step's results, one per session in its order (a tapped session's with its step's features [1,
+        taps*hidden]): waits for it, and commits it and the steps launched before it (once: a step read already
+        answers from its results)."""
         return self.ahead.read(step)
 
     def settle(self) -> None:
@@ -326,8 +327,8 @@ class VerifyEngine:
         the host or on any device (a co-located drafter's stays on the GPU); its root token is replaced by the
         session's. host_features: the round queues the path's features' copy to host memory before its sync, so a
         caller that sends them on (the service) waits for no copy after the round's one sync, into a buffer of the
-        session's that the round after next reuses; otherwise they stay on the device, where an in-process drafter
-        reads them."""
+        session's that a later round reuses (FEATURE_RING); otherwise they stay on the device, where an in-process
+        drafter reads them."""
         sess = self.session(session_id)
         if sess.root is None:
             raise SessionError(f"session {session_id!r} must be prefilled before verify/decode")

@@ -91,7 +91,7 @@ def _batches(engine: VerifyEngine) -> bool:
 
 
 def warm_up(
-    engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, trees: int = 0, prompt_tokens: int = 0
+    engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, prompt_tokens: int = 0
 ) -> None:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
@@ -100,9 +100,8 @@ def warm_up(
     (tests/unit/test_warm_up.py). Its rounds hand their features over as the service's do (host_features). Then, where
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
     taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
-    they serve every slot, of prompts of every captured bucket (capture_prompts); trees: the most sessions' trees a
-    step verifies (0: as many as a batch takes); prompt_tokens: the most prompt tokens a shared prompt forward takes
-    (the service's --prefill-batch-tokens; 0: none share one)."""
+    they serve every slot, of prompts of every captured bucket (capture_prompts); prompt_tokens: the most prompt
+    tokens a shared prompt forward takes (the service's --prefill-batch-tokens; 0: none share one)."""
     start = time.perf_counter()
     if taps and max(taps) >= engine.num_layers:
         log.warning("warm-up taps %s are not layers of this %d-layer target: warming up untapped rounds only",
@@ -164,7 +163,7 @@ def warm_up(
         for tapped in ([], *([list(taps)] if taps else [])):
             # requests without a drafter tap nothing, and where the drafter's taps are known verify no trees (a
             # speculating request untaps as it goes on AR)
-            capture_rounds(engine, tapped, nodes if tapped or not taps else 0, trees=trees)
+            capture_rounds(engine, tapped, nodes if tapped or not taps else 0)
             capture_prompts(engine, tapped)
             capture_prompt_batches(engine, tapped, prompt_tokens)
         log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
@@ -186,16 +185,14 @@ def _node_counts(taps: list[int], nodes: int) -> tuple[int, ...]:
     return (0, nodes, *(fitted_node_counts(nodes) if taps else ()))
 
 
-def capture_rounds(
-    engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS, trees: int = 0
-) -> None:
+def capture_rounds(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int = WARM_UP_KEYS) -> None:
     """The round graphs of sessions tapping `taps`, greedy and of both sampled kinds, alone, two at once and in larger
-    batches (trees: of up to that many trees, 0: as many as a batch takes; AR steps always), for AR steps and trees
-    of `nodes` nodes (0: AR steps alone), over every key bucket up to most_keys (within the target's context): a
-    graph is captured the first time its shape is met (verify_server/tree_steps.py), which the first requests of a
-    fresh service would otherwise wait for, bucket by bucket as their contexts grow. Tapped sessions' trees (a
-    drafter's) also as the gateway's load-adaptive fit cuts them (fitted_node_counts: a capture in the middle of a
-    loaded step costs that step tens of milliseconds at 8B shapes, and its time misleads the fit's cost curve)."""
+    batches up to as many as a batch takes, for AR steps and trees of `nodes` nodes (0: AR steps alone), over every
+    key bucket up to most_keys (within the target's context): a graph is captured the first time its shape is met
+    (verify_server/tree_steps.py), which the first requests of a fresh service would otherwise wait for, bucket by
+    bucket as their contexts grow. Tapped sessions' trees (a drafter's) also as the verifier's load-adaptive fit cuts
+    them (fitted_node_counts: a capture in the middle of a loaded step costs that step tens of milliseconds at 8B
+    shapes, and its time misleads the fit's cost curve)."""
     for node_count in _node_counts(taps, nodes):
         qb = bucket(node_count + 1)
         if qb is None:
@@ -219,7 +216,7 @@ def capture_rounds(
                     for step in engine.verify_batch(calls, host_features=True):
                         if isinstance(step, Exception):
                             raise step
-    _capture_larger_batches(engine, taps, nodes, most_keys, trees)
+    _capture_larger_batches(engine, taps, nodes, most_keys)
 
 
 def capture_prompts(engine: VerifyEngine, taps: list[int]) -> None:
@@ -255,15 +252,14 @@ def capture_prompt_batches(engine: VerifyEngine, taps: list[int], tokens: int) -
         _prompt_batches(engine, tuple(taps), batches, capture=True)
 
 
-def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int, trees: int) -> None:
-    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once; tree rounds up to
-    `trees`, 0: as many), straight through the runner: their trees all in one warm-up slot, whose rows are scratch
-    (no session reads past its length), at the lengths that make each key bucket; no prefill, no session, nothing
-    committed. A batch of n trees shares the graph of the power of two above n."""
+def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, most_keys: int) -> None:
+    """capture_rounds' graphs for batches of 4, 8, ... trees (up to the most that can run at once), straight through
+    the runner: their trees all in one warm-up slot, whose rows are scratch (no session reads past its length), at the
+    lengths that make each key bucket; no prefill, no session, nothing committed. A batch of n trees shares the graph
+    of the power of two above n."""
     fused = engine.fused
     most = min(fused.max_batch, fused.slots.max_sessions)
     sizes = [1 << i for i in range(2, (most - 1).bit_length() + 1)]  # 4, 8, ...: 1 and 2 ran as sessions above
-    most_trees = 1 << (min(trees or most, most) - 1).bit_length()  # the graph a batch of that many trees runs
     if not sizes:
         return
     limit = min(most_keys, engine.model.config.max_position_embeddings)
@@ -274,7 +270,7 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
                 qb = bucket(node_count + 1)
                 for keys in (k for k in key_buckets(limit) if qb is not None and k > qb):
                     cache.length = keys - qb  # a round's start plus its bucket is this key bucket
-                    for count in (n for n in sizes if node_count == 0 or n <= most_trees):
+                    for count in sizes:
                         items = [BatchTree(cache, _chain(0, node_count), 0)] * count
                         fused.batch_round(items, tuple(taps))  # greedy: forward, walks and compactions
                         # sampled with temperature alone: the same, the choices drawn; any other sampled: the forward

@@ -235,7 +235,8 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                           instant=True)], "percentunit"), 8, 8),
         (timeseries("Tree size", "Draft tree nodes per drafted round (root excluded): the budget actually used; "
                     "and the nodes the verifier cut a step's trees to before their verify (load-adaptive trees, "
-                    "--fit-trees): below the drafted size when the step's load makes rows cost.",
+                    "--fit-trees): below the drafted size when the step's load makes rows cost, 0 where the "
+                    "step went AR.",
                     [target(f"{rate('ddtree_spec_draft_tokens_total')} / {rate('ddtree_spec_drafts_total')}",
                             "mean"),
                      target(quantile(0.5, "ddtree_spec_tree_size"), "p50"),
@@ -247,14 +248,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                             f"{rate('ddtree_spec_draft_tokens_total')}", "accepted / proposed")],
                     "percentunit"), 8, 8),
         (timeseries("Rounds and AR fallbacks", "Drafted rounds per second, requests that fell back to "
-                    "autoregressive decoding because the drafter failed, requests that decoded "
-                    "autoregressively because more requests were decoding than --speculate-up-to (from their start, "
-                    "or giving their drafter up mid-way), and requests resumed after the verifier ran short of KV "
-                    "memory (per interval).",
+                    "autoregressive decoding because the drafter failed, steps the verifier decoded "
+                    "autoregressively because at their load no tree paid for its draft (--fit-trees), and requests "
+                    "resumed after the verifier ran short of KV memory (per interval).",
                     [target(rate("ddtree_spec_drafts_total"), "drafted rounds / s"),
                      target("sum(increase(ddtree_fallbacks_total" + RI + "))", "AR fallbacks"),
-                     target("sum(increase(ddtree_spec_skipped_by_load_total" + RI + "))", "AR by load"),
-                     target("sum(increase(ddtree_spec_stopped_by_load_total" + RI + "))", "went AR by load"),
+                     target('sum(increase(ddtree_step_tree_nodes_bucket{le="0.0"}' + RI + "))", "steps gone AR (load)"),
                      target("sum(increase(ddtree_requests_resumed_total" + RI + "))", "resumed for KV memory")],
                     "short", overrides=[color("AR fallbacks", "red"),
                                         {"matcher": {"id": "byName", "options": "AR fallbacks"},

@@ -56,8 +56,10 @@ def services(qwen3_target, drafter_dir, tmp_path_factory) -> Services:
     procs = Services(
         drafter=launch(DRAFTER_SERVICE, ["draft_server.server", "--drafter", str(drafter_dir), "--target",
                                          str(qwen3_target), "--max-batch", "8"], (ports[0], ports[1]), logs),
+        # every step drafts its trees in full: these tests count the drafter's shared forwards, which the verifier's
+        # choice of each step's speculation (by this machine's timings) may skip
         verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(qwen3_target), "--drafter",
-                                           f"127.0.0.1:{ports[0]}"], (ports[2], ports[3]), logs),
+                                           f"127.0.0.1:{ports[0]}", "--no-fit-trees"], (ports[2], ports[3]), logs),
     )
     try:
         wait_serving(procs.drafter, procs.verifier)
@@ -169,14 +171,15 @@ def test_a_step_answers_each_session_as_alone_with_its_own_status(services):
         if orphaned.draft_status.code:
             orphan_failures.append((r, orphaned.draft_status.code, orphaned.draft_status.details))
     # AR steps first and last; in between, a session's steps are AR until its prompt's features are in its drafter's
-    # context, then each has a tree (cut to at most the budget by the load-adaptive fit)
+    # context, then each has a tree
     for sizes in trees:
         assert sizes[0] == sizes[-1] == 0
         waited = next(i for i, size in enumerate(sizes[1:-1]) if size)
         assert all(1 <= size <= BUDGET for size in sizes[1 + waited : -1])
-    # the orphan's draft failed once (its prompt's features found no drafter session), in a step with trees
+    # the orphan's drafter failed once (its prompt's features found no drafter session), said in its first step once
+    # the append had failed, whatever that step asked (from then on it is untapped)
     ((failed_in, code, details),) = orphan_failures
-    assert 0 < failed_in < len(rounds) - 1 and code == NOT_FOUND and orphan in details
+    assert failed_in < len(rounds) - 1 and code == NOT_FOUND and orphan in details
     # each step's drafts went to the drafter in one DraftBatch, drafted in one forward where they were several
     several = sum(sum(1 for sizes in trees if sizes[r]) > 1 for r in range(len(rounds)))
     assert _shared_forwards(services.drafter, "ddtree_draft_batch_size") - drafts_shared_before == several > 0

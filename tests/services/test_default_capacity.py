@@ -53,7 +53,7 @@ def test_requests_past_the_drafters_sessions_decode_ar_and_the_drafter_stays_up(
     memory may hold fewer than the verifier's), the requests that find it held decode AR with the same text, and the
     drafter is not taken for down: the next request speculates."""
     monkeypatch.setenv("DDTREE_DRAFT_MAX_SESSIONS", "1")
-    with serve_stack(tmp_path, "--speculate-up-to", "0") as stack:
+    with serve_stack(tmp_path) as stack:
         async def scenario() -> tuple[list[str], str, str]:
             async with _client(stack) as client:
                 model = (await client.models.list()).data[0].id

@@ -95,8 +95,11 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
         svc = Services(
             drafter=launch(DRAFTER_SERVICE, ["ddtree.cli", "draft", "--target", str(target), "--drafter", str(drafter),
                                              "--max-batch", "4", *dtype], (draft, draft_metrics), logs),
+            # every step drafts its full trees: these tests read what speculation does, which the verifier's choice of
+            # each step's speculation (by this machine's timings) may skip
             verifier=launch(VERIFIER_SERVICE, ["ddtree.cli", "verify", "--target", str(target), "--model-name", MODEL,
-                                               "--drafter", f"127.0.0.1:{draft}", *dtype], (verify, verify_metrics), logs),
+                                               "--drafter", f"127.0.0.1:{draft}", "--no-fit-trees", *dtype],
+                            (verify, verify_metrics), logs),
             gateway=start("gateway", [*DDTREE, "gateway", "--target", str(target), "--host", "127.0.0.1",
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",

@@ -311,35 +311,6 @@ async def test_concurrent_requests_keep_their_own_sessions(target, backends, tok
     assert [streamed, replies[1].json()["choices"][0]["message"]["content"]] == expected
 
 
-async def test_requests_beyond_speculate_up_to_decode_ar_with_the_same_text(target, backends, tokenizer) -> None:
-    """--speculate-up-to 1: of three requests at once, at most the first speculates; the others, which begin with
-    more than one request decoding, decode AR (counted), each with the text it gets alone, a seeded sampled one
-    among them too. Alone again, a request speculates."""
-    conversations = [HELLO, [{"role": "user", "content": "what is one plus one?"}],
-                     [{"role": "user", "content": "name a colour"}]]
-    expected = [(await reference(backends, tokenizer, chat_ids(tokenizer, m), 30))[0] for m in conversations]
-    params = SamplingParams(temperature=0.9, seed=11)
-    seeded, _, _ = await reference(backends, tokenizer, chat_ids(tokenizer, HELLO), 30, Speculation("ddtree", 8),
-                                   params)
-    async with gateway(target, backends, speculate_up_to=1) as client:
-        replies = await asyncio.gather(*(client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": m, "max_tokens": 30, "temperature": 0}) for m in conversations),
-            client.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": HELLO, "max_tokens": 30, "temperature": 0.9, "seed": 11,
-                "speculation": {"mode": "ddtree", "budget": 8}}))
-        busy = (await client.get("/metrics")).text
-        alone = await client.post("/v1/chat/completions", json={
-            "model": "tiny", "messages": HELLO, "max_tokens": 30, "temperature": 0})
-        after = (await client.get("/metrics")).text
-    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == [*expected, seeded]
-    assert 3 <= metric(busy, "ddtree_spec_skipped_by_load_total") <= 4
-    assert metric(after, "ddtree_spec_skipped_by_load_total") == metric(busy, "ddtree_spec_skipped_by_load_total")
-    assert metric(after, "ddtree_spec_drafts_total") > metric(busy, "ddtree_spec_drafts_total")
-    assert alone.json()["choices"][0]["message"]["content"] == expected[0]
-    with pytest.raises(ValueError, match="speculate_up_to"):
-        GatewayConfig(target=str(target), speculate_up_to=-1)
-
-
 class SlowlyEnding(ServiceVerifier):
     """A verifier whose sessions end a while after they are asked to, as a remote EndSession does."""
 

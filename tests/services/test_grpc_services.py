@@ -155,7 +155,8 @@ def services(qwen3_target, drafter_dir, tmp_path_factory) -> Services:
                         (ports[2], ports[3]), logs),
         short_ttl_drafter=launch(DRAFTER_SERVICE, [*draft_cmd, "--session-ttl", "1"], (ports[4], ports[5]), logs),
         scripted=scripted,
-        scripted_verifier=launch(VERIFIER_SERVICE, [*verify_cmd, "--drafter", scripted.address],
+        # every step drafts, its tree verified as the script drew it (no cut that could drop a malformed part)
+        scripted_verifier=launch(VERIFIER_SERVICE, [*verify_cmd, "--drafter", scripted.address, "--no-fit-trees"],
                                  (ports[6], ports[7]), logs),
     )
     everyone = (procs.drafter, procs.verifier, procs.short_ttl_drafter, procs.scripted_verifier)

@@ -528,15 +528,17 @@ def test_ar_steps_and_trees_share_a_step():
 
 def test_a_sequence_whose_tree_steps_come_back_ar_goes_on_asking_for_trees():
     """A speculating sequence's first steps come back AR steps (no tree: its prompt's features are still on their
-    way to the drafter): they are no drafter failure, and it asks for a tree each step until one comes."""
+    way to the drafter): they are no drafter failure, and it asks for a tree each step until one comes; while its
+    steps come back AR, the next goes before the last is answered (the verifier runs it behind, as AR or after it)."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
     sizes: list[int] = []
     verifier, drafter = FakeVerifier(log, ar_first=2), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=5, fallbacks=fallbacks, sizes=sizes)
     assert tokens == [7, 8, 8, 5, 6] and sizes == [0, 0, 0, 1] and fallbacks == []
-    assert [[step.budget for step in call] for call in verifier.steps] == [[1]] * 3
-    assert verifier.most_out == 1  # a tree step goes behind none
+    # (the fourth call went behind the third, the step before that having come back AR: the output ended before it)
+    assert [[step.budget for step in call] for call in verifier.steps] == [[1]] * 4
+    assert verifier.most_out == 2
 
 
 @pytest.mark.parametrize("mode, remote, max_new, grammar, most_out", [

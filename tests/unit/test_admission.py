@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from gateway.admission import RunningLimit, SpeculationByLoad
+from gateway.admission import RunningLimit
 from gateway.client_limit import ClientLimit
 
 
@@ -249,14 +249,3 @@ def test_a_client_past_its_limit_gets_429_while_other_clients_are_served() -> No
 
     asyncio.run(scenario())
 
-
-def test_speculation_stops_past_its_load_and_resumes_only_at_half_of_it() -> None:
-    """SpeculationByLoad: off once more than up_to requests hold a slot, on again only at up_to // 2 (at least 1), so
-    a load that hovers at the limit does not flip with every request; up_to 0 never turns it off."""
-    gate = SpeculationByLoad(8)
-    loads = [1, 8, 9, 8, 6, 5, 4, 7, 8, 9, 3]
-    assert [gate.speculates(held) for held in loads] == [
-        True, True, False, False, False, False, True, True, True, False, True]
-    alone = SpeculationByLoad(1)
-    assert [alone.speculates(held) for held in (1, 2, 1)] == [True, False, True]
-    assert all(SpeculationByLoad(0).speculates(held) for held in (1, 100, 1000))

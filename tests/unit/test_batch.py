@@ -76,7 +76,7 @@ def test_batched_rounds_equal_each_session_alone(path: str, host_features: bool,
     features are those of each call alone (the sampled ones drawn from the same seeds), the greedy ones the target's
     own continuation, with deep acceptance; the sessions' caches end as long as what they committed. host_features:
     the features in host memory, each session's own (a captured greedy batch writes them to its ring of buffers,
-    which the round after next reuses)."""
+    which a later round reuses)."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]

@@ -3,7 +3,8 @@ that launches the next run while the host reads the last (runtime/call_batch.py 
 
 Each session's tokens stay the target's own (greedy) or the same draws' (sampled) whatever the launches: sessions
 that join and leave between steps, two steps unread at once, growth of the cache past its size class with steps
-unread, a session ended with its step on the device, and any other call on a session reading its steps first."""
+unread, a session ended with its step on the device, and any other call on a session reading its steps first. A
+tapped session's features are the ordinary path's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.types import SamplingParams
+from protos.types import SamplingParams, StepResult
 from runtime.call_batch import MAX_UNREAD, Batch, Deferred
 from runtime.service import EngineHost, ServiceMetrics
 from tests.conftest import VOCAB, hf_greedy
@@ -126,6 +127,92 @@ def test_sampled_steps_launched_ahead_draw_as_one_by_one(qwen3_target: Path, pat
     assert len(set(map(tuple, ahead.values()))) == len(asked)
 
 
+@pytest.mark.parametrize("host_features", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("n", [1, 3])
+def test_tapped_steps_launched_ahead_give_the_ordinary_tokens_and_features(
+    qwen3_target: Path, n: int, sampled: bool, host_features: bool
+) -> None:
+    """Tapped sessions (speculating requests', on AR steps): steps launched ahead, two unread at once, give the
+    tokens and features [1, taps*hidden] of the ordinary path's steps one at a time (verify_batch: a lone session's
+    call is decode()'s; several sessions' replay the launch's graph, so the same sums). Each read step's features
+    are taken only after the step after next has launched, as the service's Stepper may take them (FEATURE_RING)."""
+    engine = make_engine(qwen3_target, "fused-static")
+    asked = prompts(n, seed=11)
+    width = 2 * engine.hidden_size
+
+    def run(ahead: bool) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        got: dict[str, list[tuple[int, torch.Tensor]]] = {name: [] for name in asked}
+        for i, (name, prompt) in enumerate(asked.items()):
+            params = SamplingParams(temperature=0.7, seed=60 + i) if sampled else SamplingParams()
+            engine.start_session(name, 1024, params, [1, 2])
+            engine.prefill(name, prompt)
+
+        def take(name: str, result: StepResult) -> None:
+            assert result.features.shape == (1, width)
+            got[name].append((result.tokens[0], result.features.clone()))
+
+        unread, taken = [], []
+        for _ in range(30):
+            if ahead:
+                unread.append(engine.launch_decodes(list(asked), host_features))
+                assert unread[-1] is not None
+                for name, result in taken:
+                    take(name, result)
+                taken = []
+                if len(unread) == MAX_AHEAD:
+                    taken = list(zip(asked, engine.read_decodes(unread.pop(0))))
+            else:
+                for name, result in zip(asked, engine.verify_batch([(name, ROOT_ONLY) for name in asked],
+                                                                   host_features)):
+                    take(name, result)
+        for step in unread:
+            taken += zip(asked, engine.read_decodes(step))
+        for name, result in taken:
+            take(name, result)
+        for name in asked:
+            assert engine.session(name).cache.room > MIN_SLOT_TOKENS  # the steps carried it past its first size class
+            engine.end_session(name)
+        return got
+
+    alone, ahead = run(False), run(True)
+    for name in asked:
+        assert len(ahead[name]) == len(alone[name]) == 30
+        for (token, features), (alone_token, alone_features) in zip(ahead[name], alone[name]):
+            assert token == alone_token and torch.equal(features, alone_features), name
+
+
+def test_a_launch_of_tapped_and_untapped_sessions_runs_the_ordinary_way(qwen3_target: Path) -> None:
+    """Sessions of other taps (none, or other layers) take other graphs: one launch takes none of them together,
+    and the calls, run as a batch, give the target's tokens, the tapped sessions' features with them."""
+    engine = make_engine(qwen3_target, "fused-static")
+    taps = {"s0": [1, 2], "s1": [1, 2], "s2": [], "s3": [0]}
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    asked = prompts(len(taps), seed=13)
+    truth = {name: hf_greedy(model, prompt, 12) for name, prompt in asked.items()}
+    got = {}
+    for name, prompt in asked.items():
+        engine.start_session(name, 1024, SamplingParams(), taps[name])
+        got[name] = list(engine.prefill(name, prompt).tokens)
+    for ids in (["s0", "s2"], ["s2", "s0"], ["s0", "s3"], list(asked)):
+        assert engine.launch_decodes(ids) is None, ids
+    assert not engine.ahead.unread
+    for _ in range(10):
+        calls = [(name, ROOT_ONLY) for name in asked]
+        assert engine.launch_decodes([name for name, _ in calls], True) is None
+        for (name, _), result in zip(calls, engine.verify_batch(calls, True)):
+            width = len(taps[name]) * engine.hidden_size
+            assert (None if result.features is None else result.features.shape) == ((1, width) if width else None)
+            got[name] += result.tokens
+    step = engine.launch_decodes(["s0", "s1"])  # alike taps: one launch
+    assert step is not None
+    for name, result in zip(["s0", "s1"], engine.read_decodes(step)):
+        assert result.features.shape == (1, 2 * engine.hidden_size)
+        got[name] += result.tokens
+    for name in asked:
+        assert got[name] == truth[name][: len(got[name])] and len(got[name]) >= 11, name
+
+
 def test_other_calls_read_the_steps_unread_first(qwen3_target: Path) -> None:
     """A tree, a decode, a batch: each finds the session where its steps took it, and the launched steps' callers
     still read their own tokens. A session ended with its step unread is not committed to; the others go on."""
@@ -182,7 +269,7 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     whose first AR step untaps it joins them."""
     engine = make_engine(qwen3_target, "fused-static")
     asked, truth, got = greedy_sessions(engine, qwen3_target, 3, 3, 24, tapped="s0")
-    assert engine.launch_decodes(list(asked)) is None  # s0 taps features
+    assert engine.launch_decodes(list(asked)) is None  # s0 taps features, the others none
     host = EngineHost(ServiceMetrics("ddtree_verify", "kv_cache_bytes", "KV", engine.device), STATUSES,
                       kv_cache_bytes, 600.0)
     host.engine = engine
@@ -190,9 +277,9 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     most_unread = 0
     launch = engine.launch_decodes
 
-    def counted(session_ids: list[str]):
+    def counted(session_ids: list[str], host_features: bool):
         nonlocal most_unread
-        step = launch(session_ids)
+        step = launch(session_ids, host_features)
         most_unread = max(most_unread, len(engine.ahead.unread))
         return step
 

@@ -1,5 +1,6 @@
-"""Load-adaptive trees (verify_server/tree_fit.py): a drafted tree's prefix is the best smaller tree, a round's
-accepted path read back as node ranks, the cost curve, and the size chosen for a step by its load."""
+"""Speculation chosen per step (verify_server/tree_fit.py): a drafted tree's prefix is the best smaller tree, a
+round's accepted path read back as node ranks, the cost curves, and each step's choice by its load: trees cut to k
+nodes, or AR where no tree pays for its draft."""
 
 from __future__ import annotations
 
@@ -82,13 +83,15 @@ def test_path_ranks_follow_the_accepted_tokens_through_the_tree():
     assert path_ranks(tree, [9999]) == []  # the target's own token right away: nothing accepted
 
 
-def measured(fit: TreeFit, rates: list[float], cost_of: dict[int, float], overhead_s: float) -> None:
-    """Puts known acceptance rates by rank and a known cost curve into `fit`."""
+def measured(fit: TreeFit, rates: list[float], cost_of: dict[int, float], overhead_s: float,
+             draft_of: dict[int, float] | None = None) -> None:
+    """Puts known acceptance rates by rank, a known cost curve and (draft_of) a draft's known costs into `fit`."""
     fit.pooled.hits[1 : len(rates) + 1] = rates
     fit.pooled.trials[1 : len(rates) + 1] = 1.0
     fit.pooled.rounds = tree_fit.WARM_ROUNDS
     fit.costs = dict(cost_of)
     fit.overhead_s = overhead_s
+    fit.draft_costs = dict(draft_of or {})
 
 
 def test_few_requests_keep_their_trees_many_get_them_cut():
@@ -126,7 +129,7 @@ def test_measurements_from_rounds_and_batches():
     assert rates[child] == pytest.approx(1.0)
     assert rates[1 : 9].sum() == pytest.approx(1.0)  # one node of the 8 on every path
     assert rates[9:].sum() == 0  # ranks no tree had
-    fit.observe_batch(40, 0.010, sent=0.0)
+    fit.observe_batch(40, 0.010, sent=time.perf_counter())
     assert fit.costs == {48: 0.010} and fit.overhead_s is None  # no step before it: no gap yet
     answered = fit._answered
     fit.observe_batch(40, 0.020, sent=answered + 0.004)
@@ -154,24 +157,25 @@ def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
     """A verify batch 10 times its row count's usual time (it waited for a graph's capture, or behind a prompt
     forward) counts as OUTLIER times the mean; a cost that truly rises is still followed within some samples."""
     fit = TreeFit()
-    fit.observe_batch(16, 0.010, sent=0.0)
-    fit.observe_batch(16, 0.100, sent=0.0)
+    fit.observe_batch(16, 0.010, sent=time.perf_counter())
+    fit.observe_batch(16, 0.100, sent=time.perf_counter())
     assert fit.costs[16] == pytest.approx(0.010 + tree_fit.COST_WEIGHT * (tree_fit.OUTLIER - 1) * 0.010)
     for _ in range(30):
-        fit.observe_batch(16, 0.030, sent=0.0)
+        fit.observe_batch(16, 0.030, sent=time.perf_counter())
     assert fit.costs[16] == pytest.approx(0.030, rel=0.01)
 
 
 def test_fit_cuts_the_steps_trees_and_reports_the_size():
-    chosen = Histogram("chosen", "test", buckets=(1, 4, 8, 16, 32), registry=CollectorRegistry())
+    chosen = Histogram("chosen", "test", buckets=(0, 1, 4, 8, 16, 32), registry=CollectorRegistry())
     fit = TreeFit(chosen)
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)  # rows cost, ranks > 2 never pay
     trees = [drafted(32, seed=i, wire=i != 1) for i in range(3)]  # a step's trees, whichever drafter drew them
     before = [tree_arrays(tree).copy() for tree in trees]
-    got = fit.fit(trees, [0.0] * 3, other_rows=1)  # beside one AR step
+    nodes = fit.choose([32] * 3, [0.0] * 3, other_rows=1)  # beside one AR step
+    got = fit.fit(trees, nodes)
     sizes = [tree.num_nodes for tree in got]
-    assert len(set(sizes)) == 1 and sizes[0] < 32
-    assert sizes[0] == fit.size([32] * 3, 1, [0.0] * 3)
+    assert len(set(sizes)) == 1 and 0 < sizes[0] < 32
+    assert sizes[0] == nodes == fit.size([32] * 3, 1, [0.0] * 3)
     for tree, cut_tree, arrays in zip(trees, got, before):
         assert type(cut_tree) is type(tree)
         assert np.array_equal(tree_arrays(cut_tree), arrays[:, : sizes[0] + 1])
@@ -185,10 +189,9 @@ def test_a_steps_other_rows_count_in_its_cost():
     its trees' rows cost and are cut shorter."""
     fit = TreeFit()
     measured(fit, [0.9 * 0.85**i for i in range(32)], {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3)
-    trees = [drafted(32, seed=i) for i in range(4)]
-    alone = fit.fit(trees, [0.0] * 4, other_rows=0)[0].num_nodes
-    beside = fit.fit(trees, [0.0] * 4, other_rows=64)[0].num_nodes
-    assert beside < alone
+    alone = fit.choose([32] * 4, [0.0] * 4, other_rows=0)
+    beside = fit.choose([32] * 4, [0.0] * 4, other_rows=64)
+    assert 0 < beside < alone
     assert (alone, beside) == (fit.size([32] * 4, 0), fit.size([32] * 4, 64))
 
 
@@ -198,7 +201,7 @@ def test_seeded_sessions_trees_are_cut_like_any_other():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     trees = [drafted(32, seed=i) for i in range(3)]
     classes = [0.0, sampling_class(SamplingParams(temperature=0.8, seed=1)), 0.0]
-    sizes = [tree.num_nodes for tree in fit.fit(trees, classes, 0)]
+    sizes = [tree.num_nodes for tree in fit.fit(trees, fit.choose([32] * 3, classes, 0))]
     assert sizes[0] == sizes[1] == sizes[2] < 32
 
 
@@ -235,70 +238,126 @@ def step_tree(nodes: int, seed: int, wire: bool = True) -> DraftTree:
 
 
 @pytest.mark.parametrize("wire", [True, False], ids=["wire", "torch"])
-def test_steps_of_trees_without_nodes_keep_them_as_drafted(wire):
-    """A grammar that leaves one token drafts a root alone: a step of such trees, or of such trees beside full
-    ones, after the fit has warmed up."""
+def test_trees_without_nodes_stay_so(wire):
+    """A grammar that leaves one token drafts a root alone: cut to any size, it stays the root alone, beside a full
+    tree cut to the step's size."""
     fit = TreeFit()
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
-    assert fit.size([0, 0, 0]) == 0 and fit.size([]) == 0
+    assert fit.size([]) == 0
     roots = [step_tree(0, i, wire) for i in range(2)]
     assert [tree.num_nodes for tree in roots] == [0, 0]
-    assert [tree.num_nodes for tree in fit.fit(roots, [0.0, 0.0], 0)] == [0, 0]
-    sizes = [tree.num_nodes for tree in fit.fit(roots + [step_tree(32, 3, wire)], [0.0] * 3, 0)]
-    assert sizes[:2] == [0, 0] and 1 <= sizes[2] < 32
+    nodes = fit.choose([32] * 3, [0.0] * 3, 0)
+    sizes = [tree.num_nodes for tree in fit.fit(roots + [step_tree(32, 3, wire)], nodes)]
+    assert sizes[:2] == [0, 0] and sizes[2] == nodes and 1 <= nodes < 32
     assert fit.failures == 0
 
 
-def test_a_fit_that_fails_leaves_the_trees_as_drafted(caplog):
+def test_a_step_goes_ar_where_no_tree_pays_for_its_draft_and_speculates_again_as_the_load_falls():
+    """A draft that costs as much as a forward: few sessions still speculate (their trees commit more than the draft
+    costs), many go AR (their AR rows cost next to nothing more, a draft a step's time); and as sessions leave, the
+    same measurements choose trees again. Until a draft's cost is measured, no step goes AR."""
     fit = TreeFit()
-    measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
-    good = drafted(32)
-    # bytes that no [3, N+1] array holds (the verifier refuses that session's tree alone), yet 39 nodes by their count
-    bad = tensors.WireDraftTree(pb.DraftTree(nodes=b"\0" * (12 * 40 + 4), max_depth=7))
-    assert fit.size([32, 39]) < 32  # the step would be cut: the bad tree's cut raises
-    before = tree_arrays(good).copy()
-    got = fit.fit([good, bad], [0.0, 0.0], 0)
-    assert got[0] is good and got[1] is bad and fit.failures == 1
-    assert np.array_equal(tree_arrays(good), before)
-    rounds = fit.pooled.rounds
-    fit.observe_step([good, bad], [StepResult([1, 2], None), StepResult([3], None)], [0.0, 0.0], 73,
-                     time.perf_counter())
-    assert fit.failures == 2 and "trees as drafted" in caplog.text
-    assert fit.pooled.rounds == rounds + 1  # the good tree's round, measured before the bad one raised
+    rates = [0.6 * 0.9**i for i in range(32)]
+    costs = {16: 5.0e-3, 64: 5.5e-3, 128: 7e-3, 512: 25e-3, 2048: 100e-3}
+    measured(fit, rates, costs, overhead_s=1e-3)
+    assert fit.size([32] * 64) > 0  # no draft measured: no ground for AR
+    measured(fit, rates, costs, overhead_s=1e-3, draft_of={8: 6e-3, 64: 8e-3})
+    one, many = fit.size([32]), fit.size([32] * 64)
+    assert one > 0 and many == 0
+    # the choice is the best on the model: AR's rate above every tree size's
+    k = np.arange(0, 33)
+    gain = np.concatenate(([0.0], np.cumsum(rates)))
+    seconds = 1e-3 + fit.cost(64 * (k + 1)) + np.where(k > 0, fit.draft_cost(64), 0.0)
+    rate = 64 * (1 + gain) / seconds
+    assert rate[0] == rate.max()
+    assert fit.size([32] * 2) > 0  # the load falls: trees again
+    chosen = Histogram("chosen", "test", buckets=(0, 1, 32), registry=CollectorRegistry())
+    fit.chosen = chosen
+    assert fit.choose([32] * 64, [0.0] * 64, 0) == 0
+    assert [s.value for s in chosen.collect()[0].samples if s.name == "chosen_bucket"][0] == 1  # (le=0)
+    # a run of AR steps drafts one step in EXPLORE_EVERY (its rounds measure the acceptance), the best tree there
+    picks = [fit.choose([32] * 64, [0.0] * 64, 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
+    drafted = [i for i, nodes in enumerate(picks) if nodes]
+    assert len(drafted) == 3 and all(picks[i] == fit.size([32] * 64, ar=False) > 0 for i in drafted)
+
+
+def test_a_steps_ar_rows_commit_their_tokens_too():
+    """The AR steps beside a step's trees commit a token each whatever the trees: counted in the step's tokens, they
+    make the step's time matter less per tree, so trees are cut no shorter than the same step's trees alone would
+    be at the same rows' cost."""
+    fit = TreeFit()
+    measured(fit, [0.9 * 0.85**i for i in range(32)], {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3,
+             draft_of={8: 2e-3})
+    k = np.arange(0, 33)
+    gain = np.concatenate(([0.0], np.cumsum([0.9 * 0.85**i for i in range(32)])))
+    rows = 4 * (k + 1) + 60
+    rate = (60 + 4 * (1 + gain)) / (10e-3 + fit.cost(rows) + np.where(k > 0, 2e-3, 0.0))
+    assert fit.size([32] * 4, 60) == len(rate) - 1 - int(np.argmax(rate[::-1]))
+
+
+def test_a_batch_launched_behind_another_counts_from_that_ones_answer():
+    """An AR step sent while the one before it is on the device waits for it there: its cost is its time past that
+    one's answer, not the wait."""
+    fit = TreeFit()
+    sent = time.perf_counter()
+    fit.observe_batch(16, 0.010, sent=sent)
+    fit.observe_batch(16, 0.500, sent=sent)  # called with the first, answered after it
+    assert fit.costs[16] < 0.010 + tree_fit.COST_WEIGHT * 0.010
+
+
+def test_draft_costs_by_trees_a_call():
+    fit = TreeFit()
+    fit.observe_draft(3, 0.004)
+    fit.observe_draft(20, 0.008)
+    assert fit.draft_costs == {8: 0.004, 24: 0.008}
+    assert fit.draft_cost(1) == pytest.approx(0.004) and fit.draft_cost(16) == pytest.approx(0.006)
+    assert fit.draft_cost(48) == pytest.approx(0.016)  # past the largest measured: its cost per tree
+    answered = time.perf_counter()
+    fit._answered = answered
+    fit.observe_batch(16, 0.010, sent=answered + 0.007, drafted_s=0.005)
+    assert fit.overhead_s == pytest.approx(0.002)  # the gap less the draft call in it
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     trees=st.lists(st.tuples(st.integers(0, 48), st.sampled_from([0.0, 0.3, 0.7, 1.0]), st.booleans(),
-                             st.booleans()),
+                             st.booleans(), st.integers(1, 48)),
                    min_size=1, max_size=12),
     decodes=st.integers(0, 8),
     rates=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=64),
     costs=st.dictionaries(st.integers(1, 2048), st.floats(1e-6, 1.0), max_size=6),
+    draft_costs=st.dictionaries(st.integers(1, 64), st.floats(0.0, 1.0), max_size=3),
     overhead_s=st.one_of(st.none(), st.floats(0.0, 0.1)),
     rounds=st.integers(0, 2 * tree_fit.WARM_ROUNDS),
 )
-def test_the_fit_handles_every_step(trees, decodes, rates, costs, overhead_s, rounds):
-    """Arbitrary tree sizes (none included) in either form, sampling classes, seeded sessions, AR steps beside them,
-    acceptance rates, cost curves and warm-up states: the fit never raises, cuts every tree it may to one size of at
-    least one node within the largest (a tree with no nodes stays so), and every cut tree is its own first nodes, in
-    its own form."""
+def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, overhead_s, rounds):
+    """Arbitrary budgets and drafted tree sizes (none included) in either form, sampling classes, seeded sessions, AR
+    steps beside them, acceptance rates, cost curves and warm-up states: the choice never raises and lies within the
+    largest budget, AR only once a draft's cost is known; a cut never raises, leaves every tree at most the chosen
+    size (a tree with no nodes stays so), and every cut tree is its own first nodes, in its own form."""
     fit = TreeFit()
     fit.pooled.hits[1 : len(rates) + 1] = rates
     fit.pooled.trials[1 : len(rates) + 1] = 1.0
     fit.pooled.rounds = rounds
     fit.costs = {int(tree_fit._quantum(rows)): seconds for rows, seconds in costs.items()}
+    fit.draft_costs = {int(tree_fit._quantum(n, tree_fit.TREE_QUANTUM)): seconds for n, seconds in draft_costs.items()}
     fit.overhead_s = overhead_s
     classes, step = [], []
-    for i, (nodes, temperature, seeded, wire) in enumerate(trees):
+    for i, (nodes, temperature, seeded, wire, _) in enumerate(trees):
         classes.append(sampling_class(SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)))
         step.append(step_tree(nodes, i, wire))
+    budgets = [budget for *_, budget in trees]
+    chosen = fit.choose(budgets, classes, decodes)
+    assert fit.failures == 0 and 0 <= chosen <= max(budgets)
+    assert chosen or fit.draft_costs
+    if not chosen:
+        return
     drafted_arrays = [tree_arrays(tree).copy() for tree in step]
-    after = fit.fit(step, classes, decodes)
+    after = fit.fit(step, chosen)
     assert fit.failures == 0 and len(after) == len(step)
-    cut_to = {got.num_nodes for (nodes, _, _, _), got in zip(trees, after) if got.num_nodes < nodes}
-    assert len(cut_to) <= 1 and all(k >= 1 for k in cut_to)
-    for (nodes, _, _, _), got, tree, before in zip(trees, after, step, drafted_arrays):
+    assert all(got.num_nodes <= min(chosen, nodes) or got.num_nodes == nodes == 0
+               for (nodes, *_), got in zip(trees, after))
+    for (nodes, *_), got, tree, before in zip(trees, after, step, drafted_arrays):
         assert type(got) is type(tree) and got.num_nodes <= nodes
         if nodes == 0:
             assert got.num_nodes == nodes

@@ -1,12 +1,14 @@
 """The verifier's step (verify_server/step.py) in-process: a session drafts with every target feature since its last
-draft, takes AR steps while its prompt's features are on their way to the drafter, and goes on AR, untapped, when
-its drafter fails; its tokens are the target's greedy ones throughout."""
+draft, takes AR steps while its prompt's features are on their way to the drafter or while the verifier's choice
+under load is AR, and goes on AR, untapped, when its drafter fails; its tokens are the target's greedy ones
+throughout."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -14,6 +16,9 @@ from ddtree.local import LocalDrafter, load_local
 from gateway.backends import SessionStart
 from protos.types import DraftAsk, SamplingParams, SessionStep
 from tests.conftest import hf_greedy
+from verify_server import step as step_module
+from verify_server import tree_fit
+from verify_server.tree_fit import TreeFit
 
 PROMPT = [5, 9, 2, 17, 3, 30, 11, 8, 21, 4]
 STEPS = 8
@@ -119,3 +124,84 @@ def test_a_session_steps_ar_until_its_prompt_features_are_there(qwen3_target: Pa
     (first_ask, *_) = drafter.asks
     assert first_ask.features.shape[0] == 3  # the three AR steps' roots, after the prompt's appended features
     assert first_ask.root_position == len(PROMPT) + 3
+
+
+class FrozenFit(TreeFit):
+    """The verifier's choice on fixed measurements (a step's timings and rounds, which no test relies on, are not
+    counted):
+    every rank accepted at 0.2, a verify of up to 16 rows 1 ms and of 32 rows 30 ms, a draft call 2 ms, the rest of a
+    step 1 ms. One session's tree of 8 then pays for its draft; three sessions' trees do not (AR commits more a
+    second), whatever their size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooled.hits[1:33] = 0.2
+        self.pooled.trials[1:33] = 1.0
+        self.pooled.rounds = tree_fit.WARM_ROUNDS
+        self.costs, self.draft_costs, self.overhead_s = {16: 1e-3, 32: 30e-3}, {8: 2e-3}, 1e-3
+
+    def observe_step(self, *measured: object) -> None:
+        pass
+
+    def observe_draft(self, trees: int, seconds: float) -> None:
+        pass
+
+
+def test_steps_go_ar_under_load_and_draft_again_as_it_falls(
+    qwen3_target: Path, drafter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three sessions: the verifier's choice is AR, their features kept (and sent ahead by an Append of their own once
+    OWED_MAX positions are owed); two of them end, and the one left drafts again, its first draft bringing every
+    feature still owed, so that the drafter's context reaches its root. Two steps called at once go to the device in
+    order. Every token is the target's greedy one."""
+    monkeypatch.setattr(step_module, "OWED_MAX", 3)
+    verifier, local = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+    drafter = GatedDrafter(local)
+    drafter.gate.set()
+    appends: list[tuple[str, int]] = []
+    append = drafter.append
+
+    async def recorded(session_id: str, features: torch.Tensor) -> None:
+        appends.append((session_id, features.shape[0]))
+        await append(session_id, features)
+
+    drafter.append = recorded
+    verifier.stepper.drafter = drafter
+    verifier.stepper.fit = FrozenFit()
+    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truth = {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
+
+    async def run() -> tuple[dict[str, list[int]], list[list[int]]]:
+        tokens: dict[str, list[int]] = {}
+        for sid, prompt in prompts.items():
+            await drafter.start_session(sid, 1024)
+            start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
+            tokens[sid] = list((await verifier.prefill(sid, prompt, start=start)).tokens)
+        appends.clear()
+        sizes = []
+        for _ in range(4):  # all three: AR
+            outcomes = await verifier.step([SessionStep(sid, 8) for sid in "abc"])
+            sizes.append([outcome.tree_size for outcome in outcomes])
+            for sid, outcome in zip("abc", outcomes):
+                assert outcome.draft_error is None
+                tokens[sid] += outcome.step.tokens
+        for sid in "bc":
+            await verifier.end_session(sid)
+        for _ in range(2):  # "a" alone, two steps called at once: trees, the second after the first
+            pair = await asyncio.gather(verifier.step([SessionStep("a", 8)]), verifier.step([SessionStep("a", 8)]))
+            for (outcome,) in pair:
+                sizes.append([outcome.tree_size])
+                tokens["a"] += outcome.step.tokens
+        return tokens, sizes
+
+    tokens, sizes = asyncio.run(run())
+    for sid in "abc":
+        assert tokens[sid] == truth[sid][: len(tokens[sid])]
+    assert sizes[:4] == [[0, 0, 0]] * 4 and all(size[0] > 0 for size in sizes[4:])
+    assert sorted(appends) == [(sid, 3) for sid in "abc"]  # three AR steps' features, sent ahead
+    (first, *rest) = [ask for ask in drafter.asks if ask.session_id == "a"]
+    assert first.features.shape[0] == 1  # the fourth AR step's, still owed
+    assert first.root_position == len(prompts["a"]) + 4
+    assert len(rest) == 3
+    assert drafter.engine.session("a").length == rest[-1].root_position

@@ -139,7 +139,7 @@ def test_host_features_equal_device_features(device: str, qwen3_target: Path) ->
         engine.start_session(session, 100, SamplingParams(), taps=[1, 3])
         engine.prefill(session, prompt)
     got = [truth[0]]
-    previous = None  # the round before's host features and a copy: its buffer is reused only the round after next
+    previous = None  # the round before's host features and a copy: its buffer is reused only rounds later (FEATURE_RING)
     while len(got) < 30:
         depth = rng.randint(0, 6)
         tree = oracle_tree(rng, got[-1], truth[len(got):], depth, 6) if depth else None
