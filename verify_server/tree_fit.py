@@ -51,8 +51,9 @@ COST_WEIGHT = 0.2  # weight of a new measurement in a row count's (or the overhe
 # (a graph's capture, a prompt forward ahead of it on the verifier, a collector pause) must not move the mean as much
 # as a slower forward would; a mean that truly rises still follows, by up to COST_WEIGHT * (OUTLIER - 1) a sample.
 OUTLIER = 2.0
-# A step in this many that the fit would run AR drafts anyway: its rounds keep the acceptance rates the workload's (an
-# AR step measures none), so that a workload whose drafts came to pay is seen to.
+# A step in this many takes the other choice than the fit's: a draft where it would go AR (an AR step measures no
+# acceptance), AR where it would draft (a tree step measures no AR step's cost), so that both sides' measurements
+# follow the workload and the load, and a choice made on stale ones is seen to be wrong.
 EXPLORE_EVERY = 64
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
@@ -134,7 +135,7 @@ class TreeFit:
         self.draft_costs: dict[int, float] = {}  # trees (a multiple of TREE_QUANTUM) -> running mean of a call's s
         self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch and its draft
         self._answered: float | None = None  # when the last verify batch's answer came
-        self._ar_steps = 0  # steps in a row chosen AR
+        self._steps = 0  # steps chosen
         self.failures = 0  # choices and measurements that raised (their steps went with full trees)
 
     # ---- measurements ---------------------------------------------------------------------------------------
@@ -225,13 +226,13 @@ class TreeFit:
     def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> int:
         """A step's choice before its drafts, given its speculating sessions' budgets and sampling classes
         (sampling_class) and its AR steps' rows: 0 (every session AR), else the nodes to cut each tree to; one step in
-        EXPLORE_EVERY of a run of AR ones drafts anyway. An optimisation: should choosing fail, the step drafts its
-        full trees, never fails."""
+        EXPLORE_EVERY takes the other choice (once a draft's cost is known). An optimisation: should choosing fail,
+        the step drafts its full trees, never fails."""
         try:
             nodes = self.size(budgets, other_rows, classes)
-            self._ar_steps = self._ar_steps + 1 if nodes == 0 else 0
-            if self._ar_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-                nodes = self.size(budgets, other_rows, classes, ar=False)
+            self._steps += 1
+            if self._steps % EXPLORE_EVERY == 0 and self.draft_costs:
+                nodes = self.size(budgets, other_rows, classes, ar=False) if nodes == 0 else 0
         except Exception:
             self._failed("choose a step's speculation")
             return max(budgets, default=0)

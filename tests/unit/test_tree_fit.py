@@ -275,10 +275,13 @@ def test_a_step_goes_ar_where_no_tree_pays_for_its_draft_and_speculates_again_as
     fit.chosen = chosen
     assert fit.choose([32] * 64, [0.0] * 64, 0) == 0
     assert [s.value for s in chosen.collect()[0].samples if s.name == "chosen_bucket"][0] == 1  # (le=0)
-    # a run of AR steps drafts one step in EXPLORE_EVERY (its rounds measure the acceptance), the best tree there
+    # one step in EXPLORE_EVERY takes the other choice: the best tree among AR steps (its rounds measure the
+    # acceptance), AR among tree steps (it measures an AR step's cost)
     picks = [fit.choose([32] * 64, [0.0] * 64, 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
     drafted = [i for i, nodes in enumerate(picks) if nodes]
     assert len(drafted) == 3 and all(picks[i] == fit.size([32] * 64, ar=False) > 0 for i in drafted)
+    picks = [fit.choose([32], [0.0], 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
+    assert picks.count(0) == 3 and set(picks) == {0, fit.size([32])}
 
 
 def test_a_steps_ar_rows_commit_their_tokens_too():
