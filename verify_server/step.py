@@ -110,7 +110,8 @@ class Stepper:
         self.fit = fit
         self.feeds: dict[str, Feed] = {}
         self.classes: dict[str, float] = {}  # session -> its sampling class (tree_fit.sampling_class), not greedy
-        self._last: _Turn | None = None  # the last step's progress: steps go to the device and commit in order
+        # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
+        self._turns: dict[str, _Turn] = {}
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
@@ -159,17 +160,23 @@ class Stepper:
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
         """A step of the sessions in `steps` (at most one each) -> each one's outcome, in order. A step that comes
-        while the one before is still on its way follows it on the device at once where both are all AR (the
-        verifier launches it behind that one, verify_server/decode_ahead.py), and otherwise once that one has ended
-        (its roots and features are the drafts' inputs, and a refused tree's AR step again comes after it)."""
-        before, turn = self._last, _Turn(asyncio.get_running_loop())
-        self._last = turn
+        while a step of some of its sessions is still on its way follows that one on the device at once where both
+        are all AR (the verifier launches it behind that one, verify_server/decode_ahead.py), and otherwise once that
+        one has ended (its roots and features are the drafts' inputs, and a refused tree's AR step again comes after
+        it); a step of other sessions goes its own way (its draft while the other verifies)."""
+        turn = _Turn(asyncio.get_running_loop())
+        befores = {self._turns[s.session_id] for s in steps if s.session_id in self._turns}
+        for step in steps:
+            self._turns[step.session_id] = turn
         try:
-            return await self._step(steps, before, turn)
+            return await self._step(steps, befores, turn)
         finally:
             turn.close()
+            for step in steps:
+                if self._turns.get(step.session_id) is turn:
+                    del self._turns[step.session_id]
 
-    async def _step(self, steps: list[SessionStep], before: _Turn | None, turn: _Turn) -> list[StepOutcome]:
+    async def _step(self, steps: list[SessionStep], befores: set[_Turn], turn: _Turn) -> list[StepOutcome]:
         lost: dict[int, Exception] = {}  # index -> its drafter's failure
         asking: list[int] = []  # the tapped sessions that ask for a tree and can draft
         for i, step in enumerate(steps):
@@ -182,7 +189,7 @@ class Stepper:
                 asking.append(i)
         nodes = self._choose(steps, asking)
         turn.ar.set_result(not nodes)
-        if before is not None:
+        for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
         drafting = [i for i in asking if nodes and steps[i].session_id in self.feeds]
         trees, timings, drafted_s = await self._draft(steps, drafting, lost)
@@ -203,7 +210,7 @@ class Stepper:
             again = await self.verify([(steps[i].session_id, None, True) for i in rejected])
             for i, result in zip(rejected, again):
                 results[i] = result
-        if before is not None:
+        for before in befores:
             await asyncio.shield(before.ended)  # its features are taken before this step's
         for i, (step, result) in enumerate(zip(steps, results)):
             feed = self.feeds.get(step.session_id)

@@ -205,3 +205,35 @@ def test_steps_go_ar_under_load_and_draft_again_as_it_falls(
     assert first.root_position == len(prompts["a"]) + 4
     assert len(rest) == 3
     assert drafter.engine.session("a").length == rest[-1].root_position
+
+
+def test_steps_of_other_sessions_go_their_own_way_and_a_sessions_steps_in_order(
+    qwen3_target: Path, drafter_dir: Path
+) -> None:
+    """Steps called at once, some of one session and some of another: each session's steps draft, verify and commit
+    in the order called (the second waits for the first's roots and features), the other session's beside them;
+    every token is the target's greedy one and every step has its tree."""
+    verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+    prompts = {"a": PROMPT, "b": PROMPT[3:] + PROMPT[:3]}
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truth = {sid: hf_greedy(model, prompt, 96) for sid, prompt in prompts.items()}
+
+    async def run() -> tuple[dict[str, list[int]], list[int]]:
+        tokens: dict[str, list[int]] = {}
+        for sid, prompt in prompts.items():
+            await drafter.start_session(sid, 1024)
+            start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
+            tokens[sid] = list((await verifier.prefill(sid, prompt, start=start)).tokens)
+        sizes = []
+        for _ in range(3):
+            order = ["a", "b", "a", "b"]
+            outcomes = await asyncio.gather(*(verifier.step([SessionStep(sid, 8)]) for sid in order))
+            for sid, (outcome,) in zip(order, outcomes):
+                tokens[sid] += outcome.step.tokens
+                sizes.append(outcome.tree_size)
+        return tokens, sizes
+
+    tokens, sizes = asyncio.run(run())
+    for sid in prompts:
+        assert tokens[sid] == truth[sid][: len(tokens[sid])]
+    assert all(size > 0 for size in sizes) and not verifier.stepper._turns
