@@ -191,7 +191,8 @@ class Stepper:
         turn.ar.set_result(not nodes)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
-        drafting = [i for i in asking if nodes and steps[i].session_id in self.feeds]
+        # (the steps waited for may have ended a session, or sent its features ahead by an append still on its way)
+        drafting = [i for i in asking if nodes and (feed := self.feeds.get(steps[i].session_id)) and feed.ready()]
         trees, timings, drafted_s = await self._draft(steps, drafting, lost)
         for i in lost:
             self.feeds.pop(steps[i].session_id, None)
