@@ -49,10 +49,12 @@ OWED_MAX = 256  # positions of features a session holds for its drafter before t
 
 @dataclass
 class Feed:
-    """What a tapped session's drafter has not been sent yet: the features of its positions since its last draft
-    (oldest first), and with a grammar its committed tokens since then, ending with the root."""
+    """A tapped session's side of its drafter: what the drafter has not been sent yet (the features of its positions
+    since its last draft, oldest first, and with a grammar its committed tokens since then, ending with the root),
+    and the sampling class its trees' acceptance counts in (tree_fit.sampling_class)."""
 
     grammar: bool
+    kind: float = 0.0
     position: int = 0  # the root's position once the prompt is complete; until then the prompt's length so far
     root: int | None = None  # None until the prompt is complete
     owed: list[torch.Tensor] = field(default_factory=list)  # each [m_i, taps * hidden], oldest first
@@ -109,21 +111,18 @@ class Stepper:
         self.verify = verify
         self.fit = fit
         self.feeds: dict[str, Feed] = {}
-        self.classes: dict[str, float] = {}  # session -> its sampling class (tree_fit.sampling_class), not greedy
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
         self._turns: dict[str, _Turn] = {}
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
     def start(self, session_id: str, params: SamplingParams, tapped: bool) -> None:
-        """A session starts (its SamplingParams); tapped: its features go to the drafter."""
-        if not params.greedy:
-            self.classes[session_id] = sampling_class(params)
+        """A session starts (its SamplingParams); tapped: its features go to the drafter (an untapped one drafts
+        nothing: the step has nothing to keep of it)."""
         if tapped:
-            self.feeds[session_id] = Feed(bool(params.grammar))
+            self.feeds[session_id] = Feed(bool(params.grammar), sampling_class(params))
 
     def end(self, session_id: str) -> None:
-        self.classes.pop(session_id, None)
         feed = self.feeds.pop(session_id, None)
         if feed is not None and feed.appending is not None and not feed.appending.done():
             feed.appending.cancel()
@@ -187,7 +186,8 @@ class Stepper:
                 lost[i] = failure
             elif step.budget and feed.ready():
                 asking.append(i)
-        nodes = self._choose(steps, asking)
+        kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
+        nodes = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(steps) - len(asking))
         turn.ar.set_result(not nodes)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
@@ -224,17 +224,16 @@ class Stepper:
             order = list(trees)
             rows = len(steps) + sum(tree.num_nodes for tree in trees.values())
             self.fit.observe_step([trees[i] for i in order], [results[i] for i in order],
-                                  [self.classes.get(steps[i].session_id, 0.0) for i in order], rows, sent, drafted_s)
+                                  [kinds[i] for i in order], rows, sent, drafted_s)
         return [StepOutcome(result, trees[i].num_nodes if i in trees else 0, lost.get(i), timings.get(i, {}))
                 for i, result in enumerate(results)]
 
-    def _choose(self, steps: list[SessionStep], asking: list[int]) -> int:
-        """The step's speculation for the sessions in `asking`: 0 (AR), else the nodes their trees are cut to."""
-        budgets = [steps[i].budget for i in asking]
+    def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> int:
+        """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
+        `other_rows` AR steps: 0 (AR), else the nodes their trees are cut to."""
         if self.fit is None or not budgets:
             return max(budgets, default=0)
-        return self.fit.choose(budgets, [self.classes.get(steps[i].session_id, 0.0) for i in asking],
-                               len(steps) - len(asking))
+        return self.fit.choose(budgets, kinds, other_rows)
 
     async def _draft(self, steps: list[SessionStep], drafting: list[int], lost: dict[int, Exception]
                      ) -> tuple[dict[int, DraftTree], dict[int, Mapping[str, float]], float]:
