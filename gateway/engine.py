@@ -106,7 +106,7 @@ class Engine:
         if not self.verifier.remote:
             return None
         plan = self.scheduler.plan()
-        if plan is None or not (self._ar or not any(seq.drafting for seq in plan.sequences)):
+        if plan is None or (not self._ar and any(seq.drafting for seq in plan.sequences)):
             return None
         if any(seq.room - seq.ahead < 1 or seq.params.grammar for seq in plan.sequences):
             return None
