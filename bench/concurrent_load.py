@@ -21,9 +21,9 @@ mean and rounds by bucket), the mean time a round spent in each phase (ddtree_ro
 two parts, the wait for a slot and the sessions' start and prefill (ddtree_request_{queue,prefill}_time_seconds);
 with --verifier-metrics the sizes the verifier's load-adaptive fit cut a step's trees to (ddtree_step_tree_nodes:
 mean and steps by bucket), the verifier's mean batch a forward (ddtree_verify_batch_size) and its forwards per
-second, its mean Prefill calls a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of its
-session calls (Prefill, whose first call starts a session, EndSession, and StartSession where a gateway calls it
-apart: queueing for the engine included) and of a Prefill's forward, and the CUDA graphs it captured during the
+second, its mean prompt chunks a prompt forward (ddtree_verify_prefill_batch_size), the mean server-side time of
+its session calls (EndSession, and StartSession where a client calls it apart from a prompt's first chunk: queueing
+for the engine included), and the CUDA graphs it captured during the
 level (ddtree_verify_cuda_graphs: steps that waited for a capture) and the batches of AR steps it launched behind a
 step still unread (ddtree_verify_decodes_launched_ahead_total), with --drafter-metrics the drafter's
 (ddtree_draft_batch_size). One JSON (--out) and its figure, a PNG of the same name (ddtree/plots.py load_figure).
@@ -50,7 +50,7 @@ from load_client import (Stream, TokenCounter, difference, histogram_counts, his
                          scrape, stream_chat)
 
 ERROR_SAMPLES = 5  # distinct failure messages kept per level
-SESSION_RPCS = ("StartSession", "Prefill", "EndSession")  # the verifier's calls around the rounds
+SESSION_RPCS = ("StartSession", "EndSession")  # the verifier's calls around the steps
 
 
 def seed(mode: str, temperature: str, clients: int, client: int, request: int) -> str:
@@ -122,9 +122,7 @@ async def level(url: str, metrics: tuple[str | None, str | None], model: str, mo
           "ttft_parts_ms": {part: 1000 * ms for part in ("queue", "prefill")
                             if (ms := histogram_mean(gateway, f"ddtree_request_{part}_time_seconds")) is not None},
           "verifier_rpc_ms": {rpc: 1000 * ms for rpc in SESSION_RPCS if (ms := histogram_mean(
-              verifier, "ddtree_verify_request_duration_seconds", rpc=rpc)) is not None},
-          "prefill_forward_ms": 1000 * ms if (ms := histogram_mean(
-              verifier, "ddtree_verify_forward_duration_seconds", rpc="Prefill")) is not None else None}
+              verifier, "ddtree_verify_request_duration_seconds", rpc=rpc)) is not None}}
     if r["temperature"] == 0:  # greedy: [client][request], None where the request failed
         r["texts"] = [[None if s.error else s.text for s in per_client] for per_client in streams]
     return r

@@ -1,5 +1,5 @@
 """Long prompts through running gateways, side by side: time to the first token and to the last of a few, per
-gateway (e.g. two gateways in front of the same services, one with `--prefill-chunk 0`, one chunked).
+gateway (e.g. two gateways in front of the same services, with different `--max-step-tokens`).
 
     python bench/long_prompt_ttft.py --gateways http://127.0.0.1:8011,http://127.0.0.1:8012 \
         --lengths 1800,7000 --repeat 3 --max-tokens 8 --out long_prompt_ttft.json
@@ -7,8 +7,8 @@ gateway (e.g. two gateways in front of the same services, one with `--prefill-ch
 Requests alternate between the gateways (one at a time, greedy, ddtree mode), so both see the same machine
 state. Each prompt is a fresh text (no prefix in common with the last: nothing cached could help) of about
 the asked length; its exact token count comes from the gateway's usage. The first token waits for the whole
-prefill (a one-call prefill's answer brings the prompt's features too, a chunked one's only tokens); the second
-for the drafter's context too (all the prompt's features), so both are reported, with where the rounds' time went.
+prefill (its chunks over as many steps); the second for the drafter's context too (all the prompt's features), so
+both are reported, with where the rounds' time went.
 Each gateway's first request of a length is reported apart (`first_of_its_length`, not in the medians): it may
 size caches or capture graphs for the longer context.
 """

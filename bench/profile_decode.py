@@ -5,7 +5,7 @@ With --batch N, a step of N sessions' rounds in one forward instead (VerifyEngin
 serves a Step call of the step scheduler): N decode steps (0 nodes) or N trees.
 
 With --prefill L --prompts N, N sessions' prompts of L tokens prefilled one by one, then in one forward
-(VerifyEngine.prefill_batch, as the verifier serves Prefill calls that wait together).
+(VerifyEngine.prefill_batch, as the verifier serves a step's prompt chunks).
 
 Usage: python bench/profile_decode.py TARGET [--nodes 0,63] [--prefill 64 [--prompts 16]] [--compile]
        [--attention grouped] [--eager] [--batch 16] [--temperature 0.7 [--top-p 0.9]]

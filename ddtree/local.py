@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from draft_server.engine import DraftEngine
 from draft_server.session import DraftCall, DraftResult
-from gateway.backends import SessionStart
-from protos.types import DraftAsk, DraftTree, MemoryShort, SessionStep, StepOutcome, StepResult
+from protos.types import DraftAsk, DraftTree, MemoryShort, PromptChunk, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
+from verify_server.prefill import PrefillCall
 from verify_server.session import MemoryShortError
 from verify_server.step import Stepper
 from verify_server.verify import ROOT_ONLY, VerifyEngine
@@ -26,6 +25,7 @@ class LocalDrafter:
     (verify_server/step.py): features stay on the device."""
 
     host_features = False
+    local = True
 
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
@@ -62,25 +62,8 @@ class LocalVerifier:
     def __init__(self, engine: VerifyEngine | TensorParallelEngine, drafter: LocalDrafter | None = None,
                  close: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.stepper = Stepper(drafter, self._verify)
+        self.stepper = Stepper(drafter, self._verify, self._prefill)
         self.close = close or (lambda: None)
-
-    async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, skip_features: int = 0,
-        start: SessionStart | None = None,
-    ) -> StepResult:
-        try:
-            if start is not None:
-                if start.taps and self.stepper.drafter is None:
-                    raise ValueError("a session with taps needs the verifier's drafter (load_local's drafter)")
-                self.engine.start_session(session_id, start.capacity, start.params, start.taps)
-                self.stepper.start(session_id, start.params, bool(start.taps))
-            result = self.engine.prefill(session_id, prompt, more, False, skip_features)
-        except (MemoryShortError, torch.OutOfMemoryError) as exc:
-            raise _short(exc) from exc
-        self.stepper.prompt(session_id, len(prompt), result)
-        await self.stepper.appended(session_id)  # in-process, a first draft waits for nothing
-        return replace(result, features=None)
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
         return await self.stepper.step(steps)
@@ -99,6 +82,31 @@ class LocalVerifier:
             at.append(i)
         for i, result in zip(at, self.engine.verify_batch(calls) if calls else []):
             outcomes[i] = _short(result) if isinstance(result, (MemoryShortError, torch.OutOfMemoryError)) else result
+        return outcomes
+
+    async def _prefill(self, items: list[tuple[str, PromptChunk]]) -> list[StepResult | Exception]:
+        """A step's prompt chunks, each one's session started first where it starts it (and ended again where it
+        fails), their forwards shared where they can be (VerifyEngine.prefill_batch)."""
+        outcomes: list[StepResult | Exception | None] = [None] * len(items)
+        calls, at = [], []
+        for i, (session_id, chunk) in enumerate(items):
+            if (start := chunk.start) is not None:
+                try:
+                    if start.taps and self.stepper.drafter is None:
+                        raise ValueError("a session with taps needs the verifier's drafter (load_local's drafter)")
+                    self.engine.start_session(session_id, start.capacity, start.params, list(start.taps))
+                except Exception as exc:  # noqa: BLE001 - this chunk's own failure
+                    outcomes[i] = _short(exc) if isinstance(exc, (MemoryShortError, torch.OutOfMemoryError)) else exc
+                    continue
+            calls.append(PrefillCall(session_id, list(chunk.tokens), chunk.more, False, chunk.skip_features))
+            at.append(i)
+        for i, result in zip(at, self.engine.prefill_batch(calls) if calls else []):
+            if isinstance(result, Exception):
+                if items[i][1].start is not None:
+                    self.engine.end_session(items[i][0])  # a failed chunk holds nothing
+                if isinstance(result, (MemoryShortError, torch.OutOfMemoryError)):
+                    result = _short(result)
+            outcomes[i] = result
         return outcomes
 
     async def end_session(self, session_id: str) -> None:

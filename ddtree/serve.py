@@ -117,7 +117,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         config.add_flag(advanced, name, flag=f"--{service}-{name.replace('_', '-')}", env=False, default=0,
                         help=f"{what}: a fixed port against a clash between stacks on one host (0: a free one)")
     VerifyServerConfig.add_flag(advanced, "max_batch", env=False, default=None)
-    VerifyServerConfig.add_flag(advanced, "prefill_batch_tokens", env=False, default=None)
     DraftServerConfig.add_flag(advanced, "max_batch", flag="--draft-max-batch", env=False, default=None)
     VerifyServerConfig.add_flag(advanced, "kv_cache_gib", env=False, default=None)
     VerifyServerConfig.add_flag(advanced, "fit_trees", env=False, default=None)
@@ -202,8 +201,6 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         raise SystemExit(f"ddtree serve: --max-sessions must be >= 1, got {args.max_sessions}")
     if args.max_session_tokens is not None and args.max_session_tokens < 2:
         raise SystemExit(f"ddtree serve: --max-session-tokens must be >= 2, got {args.max_session_tokens}")
-    if args.prefill_batch_tokens is not None and args.prefill_batch_tokens < 0:
-        raise SystemExit(f"ddtree serve: --prefill-batch-tokens must be >= 0, got {args.prefill_batch_tokens}")
     if args.kv_cache_gib is not None and args.kv_cache_gib <= 0:
         # the verifier would refuse it at each start, and be restarted forever
         raise SystemExit(f"ddtree serve: --kv-cache-gib must be > 0, got {args.kv_cache_gib}")
@@ -233,7 +230,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     cmds["verify"] = [*ddtree, "verify", *model, *asks, "--port", str(verify_port),
                       "--metrics-port", str(args.verify_metrics_port), "--tp", str(args.tp), *shares["verify"],
                       "--warm-up-taps", taps, "--warm-up-nodes", str(args.budget),
-                      *given(args, "max_batch"), *given(args, "prefill_batch_tokens"), *given(args, "deterministic"),
+                      *given(args, "max_batch"), *given(args, "max_step_tokens"), *given(args, "deterministic"),
                       *given(args, "kv_cache_gib"), *given(args, "fit_trees")]
     addresses = {"verifier": f"{LOOPBACK}:{verify_port}",
                  "drafter": f"{LOOPBACK}:{draft_port}" if drafter is not None else "none"}

@@ -7,7 +7,7 @@ A prompt is cut into blocks named by chain hashes, as the verifier's prefix cach
 on the tokens up to p alone: a block's rows stand for its whole prefix. The gateway sends a new session its prompt
 (DrafterStartSessionRequest.prompt); the drafter restores the longest run of cached blocks it begins with and says
 how many positions it restored, and the verifier's prefill then leaves those positions' features out
-(PrefillRequest.skip_features). A session's prompt blocks are offered to the cache once its context covers them.
+(SessionStep.skip_features). A session's prompt blocks are offered to the cache once its context covers them.
 The cache is an LRU over a byte budget; a session that ends touches its chain deepest block first, so that eviction
 takes chains from their ends.
 """

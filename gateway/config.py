@@ -60,8 +60,9 @@ class GatewayConfig(FlagConfig):
                                     "sooner against slow calls (long prompts on a CPU) cut off")
     lanes: bool = knob(True, "round calls over a backend's round lane when it announces one (gRPC's messages over "
                              "plain TCP): less per-step overhead than unary gRPC calls (off: gRPC only)")
-    prefill_chunk: int = knob(2048, "prompt tokens per verifier Prefill call: other requests' rounds run between a "
-                                    "long prompt's chunks, against more calls a prompt (0: every prompt in one call)")
+    max_step_tokens: int = knob(2048, "prompt tokens a step carries at most: a longer prompt runs in chunks over "
+                                      "several steps, the running streams' steps between them, against more steps "
+                                      "for its first token")
     max_request_bytes: int = knob(4 * 2**20, "largest HTTP request body, in bytes, a larger one refused 413 before "
                                              "it is parsed: longer prompts against the memory one request may take")
     max_message_bytes: int = knob(MAX_MESSAGE_BYTES, MAX_MESSAGE_HELP)
@@ -92,8 +93,8 @@ class GatewayConfig(FlagConfig):
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_client_requests < 0:
             raise ValueError(f"max_client_requests must be >= 0, got {self.max_client_requests}")
-        if self.prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
+        if self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.request_timeout < 0:
             raise ValueError(f"request_timeout must be >= 0, got {self.request_timeout}")
         if self.shutdown_grace < 0:

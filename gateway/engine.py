@@ -1,11 +1,11 @@
 """The step loop: schedule -> draft -> verify -> commit -> stream, for every running generation at once.
 
-One task runs it. Each step, the scheduler (gateway/scheduler.py) says which sequences step and how; the step goes
-to the verifier as one call (gateway/backends.py), which asks the drafter for its trees and verifies them with the
-AR steps in one forward; each sequence's outcome is committed, cut at its stops, and handed to its reader as a Round.
-Sequences are passive state (gateway/sequence.py): a request submits one and reads its rounds. A prompt runs as
-calls of its own, beside the steps (its session starts with it, the drafter's first), and its sequence joins the
-steps once its first token is chosen.
+One task runs it. Each step, the scheduler (gateway/scheduler.py) plans which sequences decode and which prompt
+chunks join; the step goes to the verifier as one call (gateway/backends.py), which asks the drafter for its trees
+and verifies them with the AR steps in one forward, and runs the chunks; each sequence's outcome is committed, cut
+at its stops, and handed to its reader as a Round. Sequences are passive state (gateway/sequence.py): a request
+submits one and reads its rounds. A prompt's first chunk starts its verifier session (its drafter session started
+first, where it speculates), its last chunk's answer is its first token, and it decodes from the next step on.
 
 A drafter's failure never fails a sequence: it goes on with AR steps, its output the same. A verifier call that runs
 short of KV memory (protos.types.MemoryShort) preempts the sequence where it can go on from its output (Engine._preempt); any other
@@ -21,10 +21,10 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 
-from gateway.backends import DrafterClient, SessionStart, VerifierClient
-from gateway.scheduler import Scheduler, StepPlan
+from gateway.backends import DrafterClient, VerifierClient
+from gateway.scheduler import PromptPart, Scheduler, StepPlan
 from gateway.sequence import Phase, Round, Sequence, Speculation
-from protos.types import MemoryShort, SamplingParams, SessionStep, StepOutcome, StepResult
+from protos.types import MemoryShort, PromptChunk, SamplingParams, SessionStart, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
 
 log = logging.getLogger("ddtree.engine")
@@ -34,24 +34,23 @@ MAX_STEPS_OUT = 2  # steps launched and not committed at once: the one on the de
 
 class Engine:
     def __init__(
-        self, verifier: VerifierClient, drafter: DrafterClient | None, prefill_chunk: int = 0,
+        self, verifier: VerifierClient, drafter: DrafterClient | None, max_step_tokens: int = 0,
         on_fallback: Callable[[BaseException], None] | None = None,
         on_step: Callable[[str, int], None] | None = None,
         on_resume: Callable[[], None] | None = None,
     ) -> None:
-        """prefill_chunk: a prompt longer than this runs in chunks of as many tokens (0: in one call), so that the
-        verifier serves steps between them. on_fallback: told of a drafter failure (metrics, logs). on_step: (rpc,
-        calls) of each batch call (metrics). on_resume: told of each preemption's restart."""
+        """max_step_tokens: the prompt tokens a step carries at most (0: any); a longer prompt runs in chunks over
+        several steps. on_fallback: told of a drafter failure (metrics, logs). on_step: (rpc, calls) of each batch
+        call (metrics). on_resume: told of each preemption's restart."""
         self.verifier = verifier
         self.drafter = drafter
-        self.prefill_chunk = prefill_chunk
         self.on_fallback = on_fallback
         self.on_step = on_step
         self.on_resume = on_resume
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(max_step_tokens)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's prefill in flight
+        self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's opening in flight (Engine._open)
         self._ending: set[asyncio.Task] = set()  # sessions being ended
         self._calls: list[tuple[list[Sequence], asyncio.Future]] = []  # the batch calls out, and for whom
         self._ar = False  # the last step answered drafted no tree (the verifier chose AR steps, or none asked)
@@ -77,7 +76,7 @@ class Engine:
         steps: deque[tuple[StepPlan, asyncio.Task]] = deque()  # launched and not committed, oldest first
         while True:
             for seq in self.scheduler.admit():
-                self._tasks[seq] = asyncio.get_running_loop().create_task(self._prefill(seq))
+                self._open(seq)
             if not steps:
                 plan = self.scheduler.plan()
                 if plan is None:
@@ -92,7 +91,7 @@ class Engine:
                 self._settle(plan, *await task)
             except Exception as exc:  # a step's own bug fails its sequences, never the loop
                 log.error("a step failed", exc_info=exc)
-                for seq in plan.sequences:
+                for seq in plan.sequences + [part.seq for part in plan.prompts]:
                     self._end(seq, exc)
 
     def _behind(self) -> StepPlan | None:
@@ -115,6 +114,9 @@ class Engine:
     def _launch(self, plan: StepPlan) -> asyncio.Task:
         for seq in plan.sequences:
             seq.ahead += 1
+        for part in plan.prompts:
+            part.seq.ahead += 1
+            part.seq.prefilled = part.end
         return asyncio.get_running_loop().create_task(self._step(plan))
 
     async def generate(
@@ -155,11 +157,13 @@ class Engine:
         if seq.phase is not Phase.DONE:
             self._end(seq, error)
 
-    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], list, float, float]:
-        """One step of the plan's sequences, in one call to the verifier -> the sequences that stepped (those not
-        ended meanwhile), their outcomes, and when the step began and was answered."""
+    async def _step(self, plan: StepPlan) -> tuple[list[Sequence], list[PromptPart], list, float, float]:
+        """One step of the plan's sequences and prompt chunks, in one call to the verifier -> the sequences that
+        decoded and the chunks that ran (those of sequences not ended meanwhile), their outcomes in that order, and
+        when the step began and was answered."""
         start = time.perf_counter()
         live = [seq for seq in plan.sequences if seq.phase is Phase.RUNNING]  # (some ended meanwhile)
+        prompts = [part for part in plan.prompts if part.seq.phase is Phase.PREFILLING]
         steps = []
         for seq in live:
             untap, seq.untap = seq.untap, False
@@ -168,14 +172,34 @@ class Engine:
                 steps.append(SessionStep(seq.id, budget, top_k))
             else:
                 steps.append(SessionStep(seq.id, 0, None, untap))
-        outcomes = await self._call("Step", self.verifier.step, steps, live) if steps else []
-        return live, outcomes, start, time.perf_counter()
+        steps += [SessionStep(part.seq.id, prompt=self._chunk(part)) for part in prompts]
+        seqs = live + [part.seq for part in prompts]
+        outcomes = await self._call("Step", self.verifier.step, steps, seqs) if steps else []
+        return live, prompts, outcomes, start, time.perf_counter()
 
-    def _settle(self, plan: StepPlan, live: list[Sequence], outcomes: list, start: float, done: float) -> None:
+    def _chunk(self, part: PromptPart) -> PromptChunk:
+        """A prompt chunk as the verifier takes it; the first starts the sequence's verifier session (whose end the
+        engine sends however the chunk goes)."""
+        seq, start = part.seq, None
+        if part.begin == 0:
+            block = self.drafter.block_size if seq.drafting else 1
+            capacity = len(seq.prompt) + seq.max_tokens + seq.spec.max_nodes(block) + 1
+            taps = self.drafter.target_layer_ids if seq.drafting else ()
+            start, seq.verifying = SessionStart(capacity, seq.params, tuple(taps)), True
+        return PromptChunk(seq.prompt[part.begin : part.end], not part.last, seq.reused, start)
+
+    def _settle(self, plan: StepPlan, live: list[Sequence], prompts: list[PromptPart], outcomes: list, start: float,
+                done: float) -> None:
         """A step's outcomes, each committed to its sequence (those done meanwhile are passed over)."""
         for seq in plan.sequences:
             seq.ahead -= 1
-        self._ar = not any(isinstance(outcome, StepOutcome) and outcome.tree_size for outcome in outcomes)
+        for part in plan.prompts:
+            part.seq.ahead -= 1
+        if live:  # (a step of prompt chunks alone says nothing of the verifier's speculation)
+            self._ar = not any(isinstance(outcome, StepOutcome) and outcome.tree_size
+                               for outcome in outcomes[:len(live)])
+        for part, outcome in zip(prompts, outcomes[len(live):]):
+            self._prompted(part, outcome)
         for seq, outcome in zip(live, outcomes):
             if seq.phase is not Phase.RUNNING:
                 continue  # cancelled, finished or preempted meanwhile
@@ -221,59 +245,54 @@ class Engine:
 
     # ---- a sequence's start: sessions and prompt -----------------------------------------------------------
 
-    async def _prefill(self, seq: Sequence) -> None:
-        drafter = self.drafter if seq.spec.mode != "ar" else None
-        block = drafter.block_size if drafter else 1
-        start_time = time.perf_counter()
+    def _open(self, seq: Sequence) -> None:
+        """A sequence starts: its prompt's chunks may go once its drafter session has started, where it speculates
+        (in a task: the drafter's prefix cache says which prompt positions it restored), and a restart's last
+        sessions have ended (their memory first)."""
+        seq.began = time.perf_counter()
+        if seq.prior is None and (self.drafter is None or seq.spec.mode == "ar"):
+            seq.opened = True
+        else:
+            self._tasks[seq] = asyncio.get_running_loop().create_task(self._start_drafter(seq))
+
+    async def _start_drafter(self, seq: Sequence) -> None:
         try:
-            if seq.prior is not None:  # a restart: its last sessions' memory first
+            if seq.prior is not None:
                 prior, seq.prior = seq.prior, None
                 await asyncio.shield(prior)
-            reused = 0
-            if drafter is not None:
+            if self.drafter is not None and seq.spec.mode != "ar":
                 try:
-                    # the positions whose context the drafter's prefix cache restored: their features stay behind
-                    reused = await drafter.start_session(seq.id, len(seq.prompt) + seq.max_tokens, seq.params.grammar,
-                                                         seq.prompt)
+                    seq.reused = await self.drafter.start_session(
+                        seq.id, len(seq.prompt) + seq.max_tokens, seq.params.grammar, seq.prompt)
                     seq.drafting = True
                 except Exception as exc:  # noqa: BLE001 - any drafter failure degrades to AR
                     self._notify_fallback(exc)
-            taps = drafter.target_layer_ids if seq.drafting else []
-            capacity = len(seq.prompt) + seq.max_tokens + seq.spec.max_nodes(block) + 1
-            seq.verifying = True  # the caller ends the session however its first call goes
-            step = await self._prompt(seq, reused, SessionStart(capacity, seq.params, taps))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
+        finally:
             self._tasks.pop(seq, None)
-            self._failed(seq, exc)
-            return
-        self._tasks.pop(seq, None)
+        if seq.phase is Phase.PREFILLING:  # (not cancelled meanwhile)
+            seq.opened = True
+            self._wake.set()
+
+    def _prompted(self, part: PromptPart, outcome: StepOutcome | BaseException) -> None:
+        """A prompt chunk's outcome: the prompt's first token where it was the last, handed to the reader as the
+        first round; the sequence decodes from the next step on."""
+        seq = part.seq
         if seq.phase is not Phase.PREFILLING:
             return  # cancelled meanwhile
+        step = outcome if isinstance(outcome, BaseException) else outcome.step
+        if isinstance(step, BaseException):
+            self._failed(seq, step)
+            return
+        seq.prompt_s += step.forward_s
+        if not part.last:
+            return
         tokens, logprobs, finish = seq.take(step)
-        timings = {"verify_s": step.forward_s, "round_s": time.perf_counter() - start_time}
+        timings = {"verify_s": seq.prompt_s, "round_s": time.perf_counter() - seq.began}
         seq.hand(Round(seq.index, tokens, 0, finish, timings, logprobs))
         if finish is not None:
             self._end(seq, None)
         else:
             self.scheduler.run(seq)
-            self._wake.set()
-
-    async def _prompt(self, seq: Sequence, skip: int, start: SessionStart) -> StepResult:
-        """The prompt's forward: in one call, or in chunks of prefill_chunk tokens, so that the verifier serves
-        other sequences' steps between them. The verifier sends each chunk's features to the drafter itself; the
-        sequence's steps draft once they are there (until then, AR steps). skip: the prompt positions whose context
-        the drafter restored from its prefix cache: no features go for them.
-        -> the last chunk's step, its forward_s the whole prompt's."""
-        prompt, chunk = seq.prompt, self.prefill_chunk
-        if not 0 < chunk < len(prompt):
-            chunk = len(prompt)
-        forward_s = 0.0
-        for begin in range(0, len(prompt), chunk):
-            step = await self.verifier.prefill(seq.id, prompt[begin : begin + chunk], more=begin + chunk < len(prompt),
-                                               skip_features=skip, start=start if begin == 0 else None)
-            forward_s += step.forward_s
-        step.forward_s = forward_s
-        return step
 
     # ---- a sequence's end ----------------------------------------------------------------------------------
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from gateway.backends import SessionStart
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.types import SessionStep, StepOutcome, StepResult, VerifierInfo
+from protos.types import SessionStep, StepOutcome, VerifierInfo
 from runtime.client import STATUS_CODES, GrpcClient, failed
 
 
@@ -18,8 +17,9 @@ class GrpcVerifier(GrpcClient):
     SERVICE, STUB = "Verifier", pb_grpc.VerifierStub
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        request = pb.StepRequest(sessions=[
-            pb.SessionStep(session_id=s.session_id, budget=s.budget, top_k=s.top_k or 0, untap=s.untap) for s in steps])
+        request = pb.StepRequest()
+        for step in steps:
+            tensors.session_step_to_pb(step, request.sessions.add())
         answers = await self._batch("Step", request, lambda r: r.outcomes, lambda outcome: outcome, len(steps))
         return [StepOutcome(answer) if isinstance(answer, Exception) else self._outcome(answer) for answer in answers]
 
@@ -34,17 +34,6 @@ class GrpcVerifier(GrpcClient):
 
     async def info(self) -> VerifierInfo:
         return tensors.verifier_info_from_pb(await self._info())
-
-    async def prefill(
-        self, session_id: str, prompt: list[int], more: bool = False, skip_features: int = 0,
-        start: SessionStart | None = None,
-    ) -> StepResult:
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt, more=more, skip_features=skip_features)
-        if start is not None:
-            request.start.CopyFrom(pb.VerifierStartSessionRequest(
-                session_id=session_id, capacity=start.capacity, sampling=tensors.sampling_to_pb(start.params),
-                tap_layers=start.taps))
-        return tensors.step_from_pb(await self._call("Prefill", self._stub.Prefill, request))
 
     async def end_session(self, session_id: str) -> None:
         await self._end_streams(session_id)

@@ -51,7 +51,7 @@ class Round:
 
 class Phase(enum.Enum):
     WAITING = "waiting"  # submitted, no session yet
-    PREFILLING = "prefilling"  # its sessions start, its prompt runs
+    PREFILLING = "prefilling"  # its drafter session starts (opened), then its prompt's chunks run in steps
     RUNNING = "running"  # steps
     DONE = "done"  # finished, failed or cancelled: its sessions end
 
@@ -71,6 +71,11 @@ class Sequence:
     untap: bool = False  # its next verify untaps its verifier session (its drafter has gone)
     verifying: bool = False  # a verifier session is held
     ahead: int = 0  # steps launched for it and not committed yet
+    opened: bool = False  # its prompt's chunks may go: its drafter session has started (or it has none)
+    reused: int = 0  # the prompt positions whose context the drafter's prefix cache restored (no features for them)
+    prefilled: int = 0  # the prompt's tokens in the chunks launched
+    prompt_s: float = 0.0  # the verifier's forward seconds of its prompt's chunks answered
+    began: float = 0.0  # perf_counter at its sessions' start
     index: int = 0  # rounds handed to the reader
     rounds: asyncio.Queue[Round | BaseException] = field(default_factory=asyncio.Queue)
     # resolves once its sessions have ended for good (with the failure ending them, if any)
@@ -108,7 +113,9 @@ class Sequence:
         self.max_tokens -= self.generated
         self.params = replace(self.params, min_tokens=max(0, self.params.min_tokens - self.generated))
         self.generated, self.output, self.id = 0, [], uuid.uuid4().hex
-        self.drafting = self.verifying = self.untap = False
+        self.drafting = self.verifying = self.untap = self.opened = False
+        self.reused = self.prefilled = 0
+        self.prompt_s = 0.0
         self.phase = Phase.WAITING
 
     def hand(self, rnd: Round) -> None:

@@ -52,7 +52,7 @@ class GatewayService:
         self.metrics = Metrics()
         self.monitor = BackendMonitor(backends, config.health_interval, self.metrics)
         self._slots = RunningLimit(config.max_running)
-        self.engine = Engine(backends.verifier, backends.drafter, config.prefill_chunk, self.monitor.drafter_failed,
+        self.engine = Engine(backends.verifier, backends.drafter, config.max_step_tokens, self.monitor.drafter_failed,
                              self._observe_step, self.metrics.resumed.inc)
         self._closing: APIError | None = None  # set once shutdown has begun: what new requests are answered
         self._drain: asyncio.Task | None = None
@@ -232,7 +232,7 @@ class GatewayService:
     def _running_limit(self) -> int:
         """max_running, lowered to the sessions the verifier holds at once (as its Info reports them): a request
         past those would fail its StartSession rather than wait. Not the drafter's: a request that finds its
-        sessions all held decodes AR (Engine._prefill)."""
+        sessions all held decodes AR (Engine._start_drafter)."""
         info = self.monitor.verifier_info
         limit = self.config.max_running
         if info is not None and info.max_sessions > 0:

@@ -17,7 +17,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from protos.types import DrafterInfo, DraftTree, SamplingParams, StepResult, TokenLogprobs, VerifierInfo
+from protos.types import (
+    DrafterInfo, DraftTree, PromptChunk, SamplingParams, SessionStart, SessionStep, StepResult, TokenLogprobs,
+    VerifierInfo,
+)
 from protos.ddtree.v1 import ddtree_pb2 as pb
 
 # Wire dtype names are torch's without the prefix; bytes are little-endian (every supported host is).
@@ -223,6 +226,33 @@ def drafter_info_from_pb(msg: pb.DrafterInfoResponse) -> DrafterInfo:
 
 
 # ---- verifier responses -----------------------------------------------------------------------------------------
+
+
+def session_step_to_pb(step: SessionStep, out: pb.SessionStep) -> None:
+    """A session's part of a step, filled into `out` (a StepRequest's repeated field's new element)."""
+    out.session_id, out.budget, out.top_k, out.untap = step.session_id, step.budget, step.top_k or 0, step.untap
+    if (chunk := step.prompt) is not None:
+        if not chunk.tokens:  # (on the wire an empty chunk would read as a decode)
+            raise ValueError(f"session {step.session_id!r}: a prompt chunk holds at least one token")
+        out.prompt.extend(chunk.tokens)
+        out.more, out.skip_features = chunk.more, chunk.skip_features
+        if chunk.start is not None:
+            out.start.CopyFrom(start_to_pb(step.session_id, chunk.start))
+
+
+def start_to_pb(session_id: str, start: SessionStart) -> pb.VerifierStartSessionRequest:
+    return pb.VerifierStartSessionRequest(session_id=session_id, capacity=start.capacity,
+                                          sampling=sampling_to_pb(start.params), tap_layers=start.taps)
+
+
+def start_from_pb(msg: pb.VerifierStartSessionRequest) -> SessionStart:
+    return SessionStart(msg.capacity, sampling_from_pb(msg.sampling), tuple(msg.tap_layers))
+
+
+def chunk_from_pb(msg: pb.SessionStep) -> PromptChunk:
+    """A part's prompt chunk (its other fields checked by the verifier)."""
+    return PromptChunk(list(msg.prompt), msg.more, msg.skip_features,
+                       start_from_pb(msg.start) if msg.HasField("start") else None)
 
 
 def step_to_pb(result: StepResult, out: pb.StepResponse | None = None) -> pb.StepResponse:

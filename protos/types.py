@@ -205,14 +205,38 @@ class DraftAsk(NamedTuple):
     committed: Sequence[int] = ()
 
 
+@dataclass(frozen=True)
+class SessionStart:
+    """A verifier session's start, carried by its prompt's first chunk: the KV slots it may take, how the target
+    picks its tokens, the layers it taps for the drafter."""
+
+    capacity: int
+    params: SamplingParams
+    taps: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A session's prompt, or a chunk of it, in a step: `more` says another chunk follows (no token is chosen then;
+    the last one chooses the first). skip_features: the prompt positions below it send no features to the drafter
+    (its prefix cache restored their context); start: the session starts with this chunk, its first (a request's
+    first token waits for one call, not two)."""
+
+    tokens: Sequence[int]
+    more: bool = False
+    skip_features: int = 0
+    start: SessionStart | None = None
+
+
 class SessionStep(NamedTuple):
-    """A session's part in a step (SessionStep): budget 0 an AR step, else the tree's nodes; untap: the session
-    taps no features from this step on (its drafter has gone)."""
+    """A session's part in a step (SessionStep): a prompt chunk, or a decode: budget 0 an AR step, else the tree's
+    nodes; untap: the session taps no features from this step on (its drafter has gone)."""
 
     session_id: str
     budget: int = 0
     top_k: int | None = None
     untap: bool = False
+    prompt: PromptChunk | None = None
 
 
 @dataclass

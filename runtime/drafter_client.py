@@ -25,6 +25,7 @@ class GrpcDrafter(GrpcClient):
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
     host_features = True  # features go out of host memory
+    local = False
     _known: DrafterInfo | None = None  # info(), once asked
 
     @property

@@ -46,9 +46,9 @@ class VerifyServerConfig(ServiceConfig):
     fit_trees: bool = knob(True, "cut each step's trees to the size that commits the most tokens per second at its "
                                  "load, or run the step AR where no tree pays for its draft (the budget stays the "
                                  "ceiling): tokens/s under load against the longest paths (off: trees as drafted)")
-    prefill_batch_tokens: int = knob(
-        1024, "waiting Prefill calls (a burst's prompts) share one forward, up to N prompt tokens and max_batch "
-        "calls: fewer forwards for a burst, against running streams stalled longer (0: each alone)"
+    max_step_tokens: int = knob(
+        2048, "prompt tokens a step carries at most (the gateway's --max-step-tokens; ddtree serve passes it): the "
+        "chunks waiting at once share one forward up to it, which the warm-up captures"
     )
     warm_up_taps: str = knob(
         "", "the target layers the drafter in front taps (its target_layer_ids, comma-separated): the warm-up "
@@ -76,8 +76,8 @@ class VerifyServerConfig(ServiceConfig):
             raise ValueError(f"fused_rows must be >= -1, got {self.fused_rows}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.prefill_batch_tokens < 0:
-            raise ValueError(f"prefill_batch_tokens must be >= 0, got {self.prefill_batch_tokens}")
+        if self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         try:

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import sys
 import time
-from dataclasses import replace
 
 import grpc
 import torch
@@ -26,7 +25,7 @@ from runtime.service import (
 from runtime import memory
 from runtime.config import MAX_MESSAGE_BYTES
 from runtime.process import run_service, serve
-from protos.types import DraftTree, SessionStep, StepOutcome, StepResult, VerifierInfo
+from protos.types import DraftTree, PromptChunk, SessionStart, SessionStep, StepOutcome, StepResult, VerifierInfo
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
@@ -72,12 +71,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                           buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # the steps that wait for the engine at once (a Step call's, and one behind it) share its next forward
         self.rounds: Batch[VerifyEngine] = Batch("Step", self._rounds, config.max_batch, sizes)
-        prompts = Histogram("ddtree_verify_prefill_batch_size", "Sessions' Prefill calls run in one forward",
+        prompts = Histogram("ddtree_verify_prefill_batch_size", "Sessions' prompt chunks run in one forward",
                             buckets=BATCH_BUCKETS, registry=host.metrics.registry)
-        # the Prefill calls that wait for the engine at once share its next forward, within a budget of tokens
+        # the prompt chunks that wait for the engine at once (a step's, and those of steps beside it) share its
+        # next forward, within the step's budget of tokens
         self.prompts: Batch[VerifyEngine] = Batch(
-            "Prefill", self._prefills, config.max_batch if config.prefill_batch_tokens else 1, prompts,
-            cost=lambda request: len(request.prompt), budget=config.prefill_batch_tokens)
+            "Prefill", self._prefills, config.max_batch, prompts, cost=lambda item: len(item[1].tokens),
+            budget=config.max_step_tokens)
         graphs = Gauge("ddtree_verify_cuda_graphs", "CUDA graphs the verifier holds (rounds and prompts by shape): "
                        "a rise while serving is a step that met a shape the warm-up did not capture, and waited for "
                        "its capture", registry=host.metrics.registry)
@@ -92,7 +92,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 "where no tree paid for its draft and the step went AR (speculation chosen per step)",
                 buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
         self.host_features = drafter is not None and drafter.host_features
-        self.stepper = Stepper(drafter, lambda items: self.rounds.submit_all(self.host, items), fit)
+        self.stepper = Stepper(drafter, lambda items: self.rounds.submit_all(self.host, items),
+                               lambda items: self.prompts.submit_all(self.host, items), fit)
         host.on_expired = self.stepper.end
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
@@ -104,9 +105,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     async def StartSession(
         self, request: pb.VerifierStartSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifierStartSessionResponse:
-        answer = await self.host.call("StartSession", context, lambda engine: self._start_session(engine, request))
-        self._started(request)
-        return answer
+        start = tensors.start_from_pb(request)
+
+        def started(engine: VerifyEngine) -> pb.VerifierStartSessionResponse:
+            self._start_session(engine, request.session_id, start)
+            return pb.VerifierStartSessionResponse()  # (host.call fills in its timings)
+
+        response = await self.host.call("StartSession", context, started)
+        self.stepper.start(request.session_id, start.params, bool(start.taps))
+        return response
 
     async def EndSession(
         self, request: pb.VerifierEndSessionRequest, context: grpc.aio.ServicerContext
@@ -117,21 +124,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.stepper.end(request.session_id)
         return await self.host.call("EndSession", context, end)
 
-    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        async def respond() -> pb.StepResponse:
-            result = await self.prompts.submit(self.host, request)
-            if request.HasField("start"):
-                self._started(request.start)
-            self.stepper.prompt(request.session_id, len(request.prompt), result)  # its features to the drafter
-            return tensors.step_to_pb(replace(result, features=None))
-
-        return await self.host.answer("Prefill", context, True, respond)
-
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepBatchResponse:
         """One step of many sessions (the gateway's plan), each session's part answered as alone."""
         if len(request.sessions) > MAX_BATCH_CALLS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a step carries at most {MAX_BATCH_CALLS} sessions, got {len(request.sessions)}")
+        if len({part.session_id for part in request.sessions}) < len(request.sessions):
+            # (a session's parts would race each other: its chunks, its decode after its prompt)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a step carries at most one part per session")
         start = time.perf_counter()
         outcomes, steps = checked(list(request.sessions), self._session_step)
         try:
@@ -188,75 +188,73 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         info.lane_port = self.host.lane_port
         return info
 
-    def _start_session(
-        self, engine: VerifyEngine, request: pb.VerifierStartSessionRequest
-    ) -> pb.VerifierStartSessionResponse:
-        check_session_id(request.session_id)
-        check_capacity(request.capacity, self.max_session_tokens(engine))
-        params = tensors.sampling_from_pb(request.sampling)
-        check_sampling(params, engine.vocab_size)
-        if request.tap_layers and self.stepper.drafter is None:
+    def _start_session(self, engine: VerifyEngine, session_id: str, start: SessionStart) -> None:
+        check_session_id(session_id)
+        check_capacity(start.capacity, self.max_session_tokens(engine))
+        check_sampling(start.params, engine.vocab_size)
+        if start.taps and self.stepper.drafter is None:
             raise NoDrafterError("this verifier has no drafter (--drafter): a session with tap_layers has nowhere to "
                                  "send its features")
-        engine.start_session(request.session_id, request.capacity, params, list(request.tap_layers))
-        return pb.VerifierStartSessionResponse()
+        engine.start_session(session_id, start.capacity, start.params, list(start.taps))
 
-    def _started(self, request: pb.VerifierStartSessionRequest) -> None:
-        """A session started: the stepper follows it (on the loop, after the engine's start)."""
-        self.stepper.start(request.session_id, tensors.sampling_from_pb(request.sampling), bool(request.tap_layers))
-
-    def _prefills(self, engine: VerifyEngine, requests: list[pb.PrefillRequest]) -> list[StepResult | Exception]:
-        """Several sessions' Prefill calls, their chunks in one forward where they can share it
-        (VerifyEngine.prefill_batch) -> each call's result, or the error it fails with. A call sends its prompt in one
-        call or in chunks (`more` on every call but the last): each result holds its chunk's features (in host
-        memory where the drafter takes them so), the last one the first token too. A chunk after the prompt is
-        complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session untouched. A
-        call with `start` starts its session first; where it fails, the session is ended again."""
-        starts: list[bool] = []  # whether each valid call starts its session (PrefillRequest.start)
-        outcomes, calls = checked(requests, lambda request: self._prefill_call(engine, request, starts))
+    def _prefills(self, engine: VerifyEngine, items: list[tuple[str, PromptChunk]]) -> list[StepResult | Exception]:
+        """Several sessions' prompt chunks (a step's, and those of steps beside it), in one forward where they can
+        share it (VerifyEngine.prefill_batch) -> each chunk's result, or the error it fails with: its features (in
+        host memory where the drafter takes them so), and with a prompt's last chunk the first token. A chunk after
+        the prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session
+        untouched. A chunk that starts its session starts it first; where it fails, the session is ended again."""
+        starts: list[bool] = []  # whether each valid chunk starts its session
+        outcomes, calls = checked(items, lambda item: self._prefill_call(engine, *item, starts))
         results = engine.prefill_batch(calls) if calls else []
         for call, start, result in zip(calls, starts, results):
             if start and isinstance(result, Exception):
-                engine.end_session(call.session_id)  # a failed call holds nothing
+                engine.end_session(call.session_id)  # a failed chunk holds nothing
         return answered(outcomes, results, lambda result: result)
 
-    def _prefill_call(self, engine: VerifyEngine, request: pb.PrefillRequest, starts: list[bool]) -> PrefillCall:
-        """A Prefill call checked, its session started first where the call starts it (ended again where the call
-        fails its checks); whether it does is added to `starts`."""
-        if request.HasField("start"):
-            if request.start.session_id != request.session_id:
-                raise RequestError(f"start.session_id {request.start.session_id!r} is not the call's session_id "
-                                   f"{request.session_id!r}")
-            self._start_session(engine, request.start)
+    def _prefill_call(self, engine: VerifyEngine, session_id: str, chunk: PromptChunk, starts: list[bool]
+                      ) -> PrefillCall:
+        """A chunk checked, its session started first where the chunk starts it (ended again where the chunk fails
+        its checks); whether it does is added to `starts`."""
+        if chunk.start is not None:
+            self._start_session(engine, session_id, chunk.start)
         try:
-            check_prompt(request.prompt, engine.vocab_size)
-            self._check_features_fit(engine, request)
-            if request.skip_features < 0:
-                raise RequestError(f"skip_features must be >= 0, got {request.skip_features}")
-            tapped = bool(engine.session(request.session_id).taps)
+            check_prompt(chunk.tokens, engine.vocab_size)
+            self._check_features_fit(engine, session_id, len(chunk.tokens))
+            if chunk.skip_features < 0:
+                raise RequestError(f"skip_features must be >= 0, got {chunk.skip_features}")
+            tapped = bool(engine.session(session_id).taps)
         except BaseException:
-            if request.HasField("start"):
-                engine.end_session(request.session_id)
+            if chunk.start is not None:
+                engine.end_session(session_id)
             raise
-        starts.append(request.HasField("start"))
-        return PrefillCall(request.session_id, list(request.prompt), request.more, tapped and self.host_features,
-                           request.skip_features)
+        starts.append(chunk.start is not None)
+        return PrefillCall(session_id, list(chunk.tokens), chunk.more, tapped and self.host_features,
+                           chunk.skip_features)
 
-    def _check_features_fit(self, engine: VerifyEngine, request: pb.PrefillRequest) -> None:
+    def _check_features_fit(self, engine: VerifyEngine, session_id: str, tokens: int) -> None:
         """A chunk's features go to the drafter in one message (an Append): a chunk whose features could not be
         sent is refused before any work (else its features would fail to leave, with the chunk committed)."""
-        taps = len(engine.session(request.session_id).taps)
-        size = len(request.prompt) * taps * engine.hidden_size * engine.dtype.itemsize
+        taps = len(engine.session(session_id).taps)
+        size = tokens * taps * engine.hidden_size * engine.dtype.itemsize
         if size + MESSAGE_SLACK_BYTES > self.config.max_message_bytes:
             raise LimitError(
-                f"a prompt chunk of {len(request.prompt)} tokens brings {size} bytes of features ({taps} taps x "
+                f"a prompt chunk of {tokens} tokens brings {size} bytes of features ({taps} taps x "
                 f"{engine.hidden_size} x {engine.dtype.itemsize} B a token), over this verifier's max_message_bytes "
-                f"{self.config.max_message_bytes}: send the prompt in smaller chunks (PrefillRequest.more), or raise "
+                f"{self.config.max_message_bytes}: send the prompt in smaller chunks (SessionStep.more), or raise "
                 f"--max-message-bytes on the verifier and the drafter alike (at most {MAX_MESSAGE_BYTES})"
             )
 
     def _session_step(self, part: pb.SessionStep) -> SessionStep:
-        """A session's part of a Step, checked (its session's state: the forward's run, _rounds)."""
+        """A session's part of a Step, checked (its session's state: the forward's run, _rounds and _prefills)."""
+        if part.prompt:
+            if part.budget or part.top_k or part.untap:
+                raise RequestError("a prompt chunk takes no budget, top_k or untap")
+            if part.HasField("start") and part.start.session_id != part.session_id:
+                raise RequestError(f"start.session_id {part.start.session_id!r} is not the part's session_id "
+                                   f"{part.session_id!r}")
+            return SessionStep(part.session_id, prompt=tensors.chunk_from_pb(part))
+        if part.more or part.skip_features or part.HasField("start"):
+            raise RequestError("more, skip_features and start are for a prompt chunk (an empty prompt is none)")
         if part.budget < 0 or part.budget > self.config.max_tree_size:
             raise RequestError(f"budget must be in [0, {self.config.max_tree_size}], got {part.budget}")
         if part.top_k < 0:
@@ -319,7 +317,7 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
     service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
     run every step shape whole and leave nothing cached."""
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
-            config.prefill_batch_tokens)
+            config.max_step_tokens)
     kv, prefix = config.kv_cache_bytes, config.prefix_cache_bytes
     if prefix and config.tp > 1:
         # every rank would have to restore its own shard of a prefix in lockstep with rank 0's lookups

@@ -1,9 +1,9 @@
 """The verifier's step: one call for a step of many sessions (Verifier.Step). The speculating sessions' trees come
 from the verifier's drafter in one call (a DrafterPort: runtime/drafter_client.py over gRPC, ddtree/local.py
 in-process), each sent the target features of its positions since its last draft, which the verifier holds; then
-every tree and AR step is verified in one forward. A prompt's features go to the drafter's context as its chunks
-run (Stepper.prompt). So no tree or feature leaves the two model services: the gateway plans the step and reads each
-session's committed tokens.
+every tree and AR step is verified in one forward. The step's prompt chunks run beside them (their own forward, for
+now, after the verify's), each chunk's features going to the drafter's context as it runs. So no tree or feature
+leaves the two model services: the gateway plans the step and reads each session's committed tokens.
 
 A session whose prompt features are still on their way to the drafter takes AR steps meanwhile (their features
 follow with its first draft); a session whose drafter fails takes an AR step and taps no features from then on, its
@@ -13,20 +13,23 @@ outcome saying why (StepOutcome.draft_error). Either way its output is the same.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 
-from protos.types import DraftAsk, DraftTree, SamplingParams, SessionStep, StepOutcome, StepResult
+from protos.types import DraftAsk, DraftTree, PromptChunk, SamplingParams, SessionStep, StepOutcome, StepResult
 from runtime.timing import DeferredTimings
+from verify_server.feed import Feed
 from verify_server.tree_fit import TreeFit, sampling_class
 
 # (session id, its tree or None for an AR step, untap) -> each one's result or error, in order: the verify forward
 Verify = Callable[[list[tuple[str, DraftTree | None, bool]]], Awaitable[list[StepResult | Exception]]]
+# (session id, its prompt chunk) -> each one's result or error, in order: the chunks' forward, each chunk's session
+# started first where the chunk starts it (and ended again where the chunk fails)
+Prefill = Callable[[list[tuple[str, PromptChunk]]], Awaitable[list[StepResult | Exception]]]
 
 
 class DraftRejected(ValueError):
@@ -38,6 +41,9 @@ class DrafterPort(Protocol):
     """The verifier's drafter: a step's drafts in one call, a prompt's features appended to a session's context."""
 
     host_features: bool  # it takes features in host memory (over the wire), else on the device
+    # in this process: an append costs no wait, so a prompt's last chunk answers once its features are in (the
+    # session's first step drafts); across processes the first steps go AR while the features travel
+    local: bool
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]: ...
 
@@ -47,68 +53,15 @@ class DrafterPort(Protocol):
 OWED_MAX = 256  # positions of features a session holds for its drafter before they go by an Append of their own
 
 
-@dataclass
-class Feed:
-    """A tapped session's side of its drafter: what the drafter has not been sent yet (the features of its positions
-    since its last draft, oldest first, and with a grammar its committed tokens since then, ending with the root),
-    and the sampling class its trees' acceptance counts in (tree_fit.sampling_class)."""
-
-    grammar: bool
-    kind: float = 0.0
-    position: int = 0  # the root's position once the prompt is complete; until then the prompt's length so far
-    root: int | None = None  # None until the prompt is complete
-    owed: list[torch.Tensor] = field(default_factory=list)  # each [m_i, taps * hidden], oldest first
-    owed_rows: int = 0  # sum of m_i
-    shared: bool = False  # owed[-1] lies in rows a later round reuses (the session's FEATURE_RING), not a copy
-    committed: list[int] = field(default_factory=list)
-    appending: asyncio.Future | None = None  # the appends to the drafter's context, each after the one before
-
-    def ready(self) -> bool:
-        """Its prompt is complete and every append has reached the drafter's context."""
-        return self.root is not None and (self.appending is None or self.appending.done())
-
-    def ask(self, step: SessionStep) -> DraftAsk:
-        committed, self.committed = self.committed, []
-        return DraftAsk(step.session_id, self.take_owed(), self.root, self.position, step.budget, step.top_k,
-                        committed if self.grammar else ())
-
-    def take_owed(self, own: bool = False) -> torch.Tensor | None:
-        """[m, taps * hidden] every feature owed, in order (None: none), and none owed after; own: in memory of its
-        own (for a call that may read it after a later round has reused the rows it lies in)."""
-        owed, shared = self.owed, self.shared
-        self.owed, self.owed_rows, self.shared = [], 0, False
-        if not owed:
-            return None
-        if len(owed) > 1:
-            return torch.cat(owed)
-        return owed[0].clone() if own and shared else owed[0]
-
-    def took(self, result: StepResult) -> None:
-        """A step's commit: its kept positions' features, its tokens."""
-        if result.features is not None:
-            # a step's features lie in host rows a later round of its session reuses (FEATURE_RING): one step's are
-            # kept as they lie until the next step's come, then copied, so that no step waits on a copy
-            if self.shared:
-                self.owed[-1] = self.owed[-1].clone()
-            self.owed.append(result.features)
-            self.owed_rows += len(result.features)
-            self.shared = True
-        self.position += len(result.tokens)
-        self.root = result.tokens[-1]
-        if self.grammar:
-            self.committed += result.tokens
-
-    def chain(self, call: Awaitable[None]) -> None:
-        """An append to the drafter's context, after those before it."""
-        self.appending = asyncio.ensure_future(_after(self.appending, call))
-
-
 class Stepper:
-    def __init__(self, drafter: DrafterPort | None, verify: Verify, fit: TreeFit | None = None) -> None:
-        """drafter: None, every step AR (a session with taps is refused at its start). verify: the step's forward.
-        fit: chooses each step's speculation from its measurements (None: every step drafts full trees)."""
+    def __init__(self, drafter: DrafterPort | None, verify: Verify, prefill: Prefill, fit: TreeFit | None = None
+                 ) -> None:
+        """drafter: None, every step AR (a session with taps is refused at its start). verify: the step's forward;
+        prefill: its prompt chunks'. fit: chooses each step's speculation from its measurements (None: every step
+        drafts full trees)."""
         self.drafter = drafter
         self.verify = verify
+        self.prefill = prefill
         self.fit = fit
         self.feeds: dict[str, Feed] = {}
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
@@ -127,12 +80,16 @@ class Stepper:
         if feed is not None and feed.appending is not None and not feed.appending.done():
             feed.appending.cancel()
 
-    def prompt(self, session_id: str, length: int, result: StepResult) -> None:
-        """A prompt chunk of `length` tokens ran: its features (positions the drafter did not restore) go to the
-        drafter's context after the chunks before; the last chunk's token is the session's first root."""
+    def _prompted(self, session_id: str, chunk: PromptChunk, result: StepResult) -> None:
+        """A prompt chunk ran (its session started with it where the chunk starts it): its features (positions the
+        drafter did not restore) go to the drafter's context after the chunks before; the last chunk's token is the
+        session's first root."""
+        if chunk.start is not None:
+            self.start(session_id, chunk.start.params, bool(chunk.start.taps))
         feed = self.feeds.get(session_id)
         if feed is None:
             return
+        length = len(chunk.tokens)
         feed.position += length
         if result.features is not None and len(result.features):
             feed.chain(self.drafter.append(session_id, result.features))
@@ -158,11 +115,12 @@ class Stepper:
     # ---- the step --------------------------------------------------------------------------------------------
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        """A step of the sessions in `steps` (at most one each) -> each one's outcome, in order. A step that comes
-        while a step of some of its sessions is still on its way follows that one on the device at once where both
-        are all AR (the verifier launches it behind that one, verify_server/decode_ahead.py), and otherwise once that
-        one has ended (its roots and features are the drafts' inputs, and a refused tree's AR step again comes after
-        it); a step of other sessions goes its own way (its draft while the other verifies)."""
+        """A step of the sessions in `steps` (at most one part each: a prompt chunk or a decode) -> each one's
+        outcome, in order. A step that comes while a step of some of its sessions is still on its way follows that
+        one on the device at once where both are all AR (the verifier launches it behind that one,
+        verify_server/decode_ahead.py), and otherwise once that one has ended (its roots and features are the drafts'
+        inputs, a refused tree's AR step again comes after it, and a prompt's next chunk or first decode after its
+        chunk); a step of other sessions goes its own way (its draft while the other verifies)."""
         turn = _Turn(asyncio.get_running_loop())
         befores = {self._turns[s.session_id] for s in steps if s.session_id in self._turns}
         for step in steps:
@@ -176,19 +134,21 @@ class Stepper:
                     del self._turns[step.session_id]
 
     async def _step(self, steps: list[SessionStep], befores: set[_Turn], turn: _Turn) -> list[StepOutcome]:
+        chunks = [i for i, step in enumerate(steps) if step.prompt is not None]
+        decodes = [i for i, step in enumerate(steps) if step.prompt is None]
         lost: dict[int, Exception] = {}  # index -> its drafter's failure
         asking: list[int] = []  # the tapped sessions that ask for a tree and can draft
-        for i, step in enumerate(steps):
-            feed = self.feeds.get(step.session_id)
+        for i in decodes:
+            step, feed = steps[i], self.feeds.get(steps[i].session_id)
             if step.untap or feed is None:
                 self.feeds.pop(step.session_id, None)
-            elif feed.appending is not None and feed.appending.done() and (failure := _failure(feed.appending)):
+            elif failure := feed.append_failure():
                 lost[i] = failure
             elif step.budget and feed.ready():
                 asking.append(i)
         kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
-        nodes = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(steps) - len(asking))
-        turn.ar.set_result(not nodes)
+        nodes = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(decodes) - len(asking))
+        turn.ar.set_result(not nodes and not chunks)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
         # (the steps waited for may have ended a session, or sent its features ahead by an append still on its way)
@@ -199,11 +159,16 @@ class Stepper:
         if self.fit is not None and trees:
             trees = dict(zip(trees, self.fit.fit(list(trees.values()), nodes)))
         sent = time.perf_counter()
-        verifying = asyncio.ensure_future(
-            self.verify([(s.session_id, trees.get(i), s.untap or i in lost) for i, s in enumerate(steps)]))
+        verifying = asyncio.ensure_future(self.verify(
+            [(steps[i].session_id, trees.get(i), steps[i].untap or i in lost) for i in decodes])) if decodes else None
+        prompting = asyncio.ensure_future(self.prefill(
+            [(steps[i].session_id, steps[i].prompt) for i in chunks])) if chunks else None
         turn.submitted.set_result(None)  # (a task runs in the order it was made: the next step's verify goes after)
-        results = await verifying
-        if rejected := [i for i, result in enumerate(results) if isinstance(result, DraftRejected)]:
+        results: list[StepResult | Exception | None] = [None] * len(steps)
+        if verifying is not None:
+            for i, result in zip(decodes, await verifying):
+                results[i] = result
+        if rejected := [i for i in decodes if isinstance(results[i], DraftRejected)]:
             for i in rejected:  # (its session untouched: the step again, AR and untapped)
                 lost[i] = results[i]
                 self.feeds.pop(steps[i].session_id, None)
@@ -213,20 +178,36 @@ class Stepper:
                 results[i] = result
         for before in befores:
             await asyncio.shield(before.ended)  # its features are taken before this step's
-        for i, (step, result) in enumerate(zip(steps, results)):
-            feed = self.feeds.get(step.session_id)
+        for i in decodes:
+            feed, result = self.feeds.get(steps[i].session_id), results[i]
             if feed is not None and isinstance(result, StepResult):
                 feed.took(result)
                 if i not in trees and feed.owed_rows >= OWED_MAX and feed.ready():
                     # AR steps for long (the load): their features go on ahead, so that none piles up here
-                    feed.chain(self.drafter.append(step.session_id, feed.take_owed(own=True)))
-        if self.fit is not None:
+                    feed.chain(self.drafter.append(steps[i].session_id, feed.take_owed(own=True)))
+        if self.fit is not None and decodes:
             order = list(trees)
-            rows = len(steps) + sum(tree.num_nodes for tree in trees.values())
+            rows = len(decodes) + sum(tree.num_nodes for tree in trees.values())
             self.fit.observe_step([trees[i] for i in order], [results[i] for i in order],
                                   [kinds[i] for i in order], rows, sent, drafted_s)
+        if prompting is not None:
+            await self._prompts(steps, chunks, await prompting, results)
         return [StepOutcome(result, trees[i].num_nodes if i in trees else 0, lost.get(i), timings.get(i, {}))
                 for i, result in enumerate(results)]
+
+    async def _prompts(self, steps: list[SessionStep], chunks: list[int], answers: list[StepResult | Exception],
+                       results: list[StepResult | Exception | None]) -> None:
+        """The step's prompt chunks' answers, each one's features sent on to the drafter, into `results`; in this
+        process once they are in the drafter's context (DrafterPort.local)."""
+        for i, answer in zip(chunks, answers):
+            if isinstance(answer, StepResult):
+                self._prompted(steps[i].session_id, steps[i].prompt, answer)
+                answer = replace(answer, features=None)
+            results[i] = answer
+        if self.drafter is not None and self.drafter.local:
+            for i in chunks:
+                if not steps[i].prompt.more:
+                    await self.appended(steps[i].session_id)
 
     def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> int:
         """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
@@ -282,23 +263,3 @@ class _Turn:
 def _with_call(timings: Mapping[str, float], rpc_s: float) -> Mapping[str, float]:
     """A draft's timings (read lazily: in-process they wait for the device) and its call's wall time."""
     return DeferredTimings(lambda: {**timings, "draft_rpc_s": rpc_s})
-
-
-async def _after(before: asyncio.Future | None, call: Awaitable[None]) -> None:
-    """`call` once `before` is done (its failure is this one's: a context with a gap takes no more)."""
-    if before is not None:
-        try:
-            await before
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                call.close()  # never awaited
-            raise
-    await call
-
-
-def _failure(future: asyncio.Future) -> Exception | None:
-    """A finished append's failure (None: it went through)."""
-    if future.cancelled():
-        return RuntimeError("the prompt's features were not appended (cancelled)")
-    exc = future.exception()
-    return exc if isinstance(exc, Exception) else None

@@ -273,7 +273,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
         (timeseries("Round phase p90", "90th percentile of each phase's time per round.",
                     [target(quantile(0.9, "ddtree_round_phase_seconds", "phase"), "{{phase}} p90")], "s",
                     overrides=[color(f"{phase} p90", c) for phase, c in PHASE_COLORS]), 8, 8),
-        (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Prefill, Step; drafter: "
+        (timeseries("Model forward time", "Server-side model forward per RPC (verifier: Step; drafter: "
                     "Draft, each session's draft in the verifier's DraftBatch, and Append, a prompt's features), "
                     "median and p99.",
                     [target(quantile(0.5, "ddtree_verify_forward_duration_seconds", "rpc"), "verify {{rpc}} p50"),
@@ -301,7 +301,7 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     "in one, beside the requests the gateway sent in one Step call (its step scheduler). A step's "
                     "batch near the running requests means every running request rides each step; a forward's "
                     "batch below a step's means the service's --max-batch splits it. The verifier's prompt "
-                    "forwards: the Prefill calls each took (requests starting together).",
+                    "forwards: the prompt chunks each took (requests starting together).",
                     [target(mean("ddtree_verify_batch_size"), "verifier mean"),
                      target(quantile(0.9, "ddtree_verify_batch_size"), "verifier p90"),
                      target(mean("ddtree_verify_prefill_batch_size"), "verifier prompts mean"),

@@ -26,7 +26,7 @@ from gateway.engine import Engine
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.types import DraftAsk, SamplingParams, SessionStep
+from protos.types import DraftAsk, PromptChunk, SamplingParams, SessionStep
 from runtime.call_batch import MAX_BATCH_CALLS
 from tests.conftest import HIDDEN, VOCAB
 from tests.services import (
@@ -86,6 +86,14 @@ async def _appended(drafter: Service, count: float) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _prefill(client: GrpcVerifier, session: str, prompt: list[int]) -> list[int]:
+    """A session's whole prompt, alone in a Step call -> its first token (the part's failure, raised)."""
+    (outcome,) = await client.step([SessionStep(session, prompt=PromptChunk(prompt))])
+    if isinstance(outcome.step, BaseException):
+        raise outcome.step
+    return list(outcome.step.tokens)
+
+
 # ---- Step -------------------------------------------------------------------------------------------------------
 
 
@@ -114,10 +122,10 @@ def test_a_step_answers_each_session_as_alone_with_its_own_status(services):
                 await start_verifier_session(client, session, 128)
             reference = []
             for prompt, b, s in zip(PROMPTS, batched, single):
-                first = [(await client.prefill(session, prompt)).tokens for session in (b, s)]
+                first = [await _prefill(client, session, prompt) for session in (b, s)]
                 assert first[0] == first[1]
                 reference.append(list(first[1]))
-            assert (await client.prefill(orphan, PROMPTS[0])).tokens == reference[0]
+            assert await _prefill(client, orphan, PROMPTS[0]) == reference[0]
             for i, s in enumerate(single):  # the reference: one session a Step call
                 for _ in range(32):
                     (outcome,) = (await stub.Step(pb.StepRequest(sessions=[pb.SessionStep(session_id=s)]),
@@ -295,37 +303,44 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(lanes, servi
             assert got.num_nodes > 1
 
 
-# ---- Prefill ----------------------------------------------------------------------------------------------------
+# ---- prompt chunks in a Step ---------------------------------------------------------------------------------------
 
 
-def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
+def _answer(outcome: pb.StepOutcome) -> tuple[int, pb.StepResponse | str]:
+    """A part's status code, and its answer (its details where it failed)."""
+    return outcome.status.code, outcome.step if outcome.status.code == OK else outcome.status.details
+
+
+def test_prompt_chunks_in_one_step_share_a_forward_each_answered_as_alone(services):
     """A burst of prompts (each prompt in two sessions, tapped and not, one tapped session's prompt in two chunks),
-    sent at once among a call for an unknown session and one with a token beyond the vocabulary: the verifier runs
-    the Prefill calls that wait together in one forward, and each answer (first token, status) is what the same call
-    gets alone, one call at a time. The tapped sessions' features reach the drafter, chunk by chunk, as alone: its
-    context then holds each whole prompt (a draft at the prompt's end, with no features, is answered) and drafts
-    the same tree from it. Then each session decodes as its twin."""
+    sent as the parts of one Step among a part for an unknown session and one with a token beyond the vocabulary
+    (of a spare session); then a second Step carries the chunked prompt's last chunk and the spare's prompt. The
+    verifier runs each Step's chunks in one forward, and each part's answer (first token, none for a chunk with
+    `more`; its status) is what the same part gets alone, one part a Step call. The refused part leaves the spare
+    untouched. The tapped sessions' features reach the drafter, chunk by chunk, as alone: its context then holds each
+    whole prompt (a draft at the prompt's end, with no features, is answered) and drafts the same tree from it. Then
+    each session decodes as its twin."""
     prompts = [*PROMPTS, *PROMPTS]
     taps = [TAPS] * len(PROMPTS) + [[]] * len(PROMPTS)
 
-    def calls(sessions: list[str]) -> tuple[list[pb.PrefillRequest], pb.PrefillRequest]:
-        requests = [pb.PrefillRequest(session_id=session, prompt=prompt) for session, prompt in zip(sessions, prompts)]
-        chunked = requests.pop(0)  # in two chunks
-        requests += [pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[:3], more=True),
-                     pb.PrefillRequest(session_id="unknown-" + uuid.uuid4().hex, prompt=[1, 2]),
-                     pb.PrefillRequest(session_id=sessions[1], prompt=[VOCAB + 5])]
-        return requests, pb.PrefillRequest(session_id=chunked.session_id, prompt=chunked.prompt[3:])
+    def parts(sessions: list[str], spare: str) -> tuple[list[pb.SessionStep], list[pb.SessionStep]]:
+        """The two Steps' parts (at most one a session in each)."""
+        first = [pb.SessionStep(session_id=session, prompt=prompt) for session, prompt in zip(sessions, prompts)]
+        chunked = first.pop(0)  # in two chunks
+        first += [pb.SessionStep(session_id=chunked.session_id, prompt=chunked.prompt[:3], more=True),
+                  pb.SessionStep(session_id="unknown-" + uuid.uuid4().hex, prompt=[1, 2]),
+                  pb.SessionStep(session_id=spare, prompt=[VOCAB + 5])]
+        second = [pb.SessionStep(session_id=chunked.session_id, prompt=chunked.prompt[3:]),
+                  pb.SessionStep(session_id=spare, prompt=PROMPTS[1])]
+        return first, second
 
-    async def answers(stub, requests: list[pb.PrefillRequest], at_once: bool) -> list[tuple[int, pb.StepResponse]]:
-        async def answer(request):
-            try:
-                return OK, await stub.Prefill(request, timeout=30)
-            except grpc.aio.AioRpcError as err:
-                return err.code().value[0], err.details()
-
-        if at_once:
-            return list(await asyncio.gather(*(answer(request) for request in requests)))
-        return [await answer(request) for request in requests]
+    async def answers(stub, steps: list[pb.SessionStep], together: bool) -> list[tuple[int, pb.StepResponse | str]]:
+        if together:
+            outcomes = (await stub.Step(pb.StepRequest(sessions=steps), timeout=30)).outcomes
+            assert len(outcomes) == len(steps)
+            return [_answer(outcome) for outcome in outcomes]
+        return [_answer(one) for step in steps
+                for one in (await stub.Step(pb.StepRequest(sessions=[step]), timeout=30)).outcomes]
 
     async def scenario():
         async with (grpc.aio.insecure_channel(services.verifier.address) as channel,
@@ -333,29 +348,29 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
                     GrpcDrafter(services.drafter.address) as drafter):
             stub = pb_grpc.VerifierStub(channel)
             results = []
-            for at_once in (False, True):  # the reference first: one call a run
+            for together in (False, True):  # the reference first: one part a Step call
                 sessions = [uuid.uuid4().hex for _ in prompts]
+                spare = uuid.uuid4().hex
                 tapped = [session for session, session_taps in zip(sessions, taps) if session_taps]
                 for session in tapped:
                     await drafter.start_session(session, 64)
-                for session, session_taps in zip(sessions, taps):
+                for session, session_taps in zip([*sessions, spare], [*taps, []]):
                     await start_verifier_session(client, session, 64, SamplingParams(), session_taps)
                 appends = _appends(services.drafter)
-                requests, last_chunk = calls(sessions)
-                got = await answers(stub, requests, at_once)
-                got += await answers(stub, [last_chunk], at_once)
+                first, second = parts(sessions, spare)
+                got = await answers(stub, first, together)
+                got += await answers(stub, second, together)
                 await _appended(services.drafter, appends + len(tapped) + 1)  # the chunked prompt's two
-                firsts = {request.session_id: code_answer[1].tokens[-1]
-                          for request, code_answer in zip([*requests, last_chunk], got)
-                          if code_answer[0] == OK and not request.more}
+                firsts = {step.session_id: answer.tokens[-1] for step, (code, answer) in zip([*first, *second], got)
+                          if code == OK and not step.more}
                 trees = []
                 for session, prompt in zip(tapped, prompts):
                     ((tree, _),) = await drafter.draft([DraftAsk(session, None, firsts[session], len(prompt), BUDGET,
                                                                  None)])
                     trees.append(tree)
                 decoded = [[(await client.step([SessionStep(session)]))[0].step.tokens[0] for _ in range(4)]
-                           for session in sessions]
-                for session in sessions:
+                           for session in [*sessions, spare]]
+                for session in [*sessions, spare]:
                     await client.end_session(session)
                 for session in tapped:
                     await drafter.end_session(session)
@@ -364,12 +379,15 @@ def test_prefills_sent_at_once_share_forwards_each_answered_as_alone(services):
 
     shared_before = _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size")
     (alone, alone_trees, alone_decoded), (burst, burst_trees, burst_decoded) = asyncio.run(scenario())
-    assert _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size") - shared_before > 0
+    # the reference went one chunk a forward: only the burst's two Steps shared one, each its own
+    assert _shared_forwards(services.verifier, "ddtree_verify_prefill_batch_size") - shared_before == 2
     assert [code for code, _ in burst] == [code for code, _ in alone] == [OK] * (len(prompts) - 1) + [
-        OK, NOT_FOUND, INVALID, OK]
-    assert "unknown-" in burst[-3][1] and "vocab" in burst[-2][1]
+        OK, NOT_FOUND, INVALID, OK, OK]
+    assert "unknown-" in burst[-4][1] and "vocab" in burst[-3][1]
+    assert list(burst[-5][1].tokens) == list(alone[-5][1].tokens) == []  # the chunk with `more`: no token yet
     for (_, got), (_, expected) in [(b, a) for b, a in zip(burst, alone) if b[0] == OK]:
         assert list(got.tokens) == list(expected.tokens)
+    assert list(burst[-1][1].tokens) == list(burst[0][1].tokens) and len(burst[0][1].tokens) == 1  # PROMPTS[1]'s
     for got, expected in zip(burst_trees, alone_trees):
         for name in ("tokens", "parents", "depths"):
             assert torch.equal(getattr(got, name), getattr(expected, name))

@@ -1,9 +1,9 @@
-"""Chunked prefill (PrefillRequest.more): a prompt sent in several calls leaves the session exactly as one call does
+"""Chunked prefill (SessionStep.more): a prompt sent in several chunks leaves the session exactly as one call does
 (features, first token, every round after), on the fused and the generic path, for hybrid targets (whose chunks
-continue the committed recurrent state), through tensor parallelism and through the service. A chunk's features
-come in host memory where asked (host_features: they go to a remote drafter) and leave out the positions below
-skip_features; through the service they reach the verifier's drafter, an Append a chunk, equal to a one-call
-prefill's."""
+continue the committed recurrent state), through tensor parallelism and through the service (a chunk a Step
+call). A chunk's features come in host memory where asked (host_features: they go to a remote drafter) and leave
+out the positions below skip_features; through the service they reach the verifier's drafter, an Append a chunk,
+equal to a one-call prefill's."""
 
 from __future__ import annotations
 
@@ -287,11 +287,11 @@ class AppendRecorder(pb_grpc.DrafterServicer):
 
 
 def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
-    """Through a verifier process: the answers carry tokens only (`more` ones none, the last the first token);
-    each chunk's features go to the verifier's drafter as an Append, after the one before, past the positions
-    skip_features leaves out (a chunk wholly below it: none), and together they equal a one-call prefill's. A chunk
-    after the prompt ended, an empty chunk and a step before the prompt ended are INVALID_ARGUMENT, and the
-    sessions go on alike."""
+    """Through a verifier process, each chunk a prompt part of its own Step call: the answers carry tokens only
+    (`more` ones none, the last the first token); each chunk's features go to the verifier's drafter as an Append,
+    after the one before, past the positions skip_features leaves out (a chunk wholly below it: none), and together
+    they equal a one-chunk prefill's. A chunk after the prompt ended, an empty chunk (`more` with no prompt) and a
+    step before the prompt ended are INVALID_ARGUMENT (the part's status), and the sessions go on alike."""
     drafter = AppendRecorder()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_DrafterServicer_to_server(drafter, server)
@@ -310,26 +310,32 @@ def test_service_prefills_in_chunks(qwen3_target: Path, tmp_path: Path) -> None:
                 request = pb.VerifierStartSessionRequest(session_id=session, capacity=64, tap_layers=TAPS)
                 stub.StartSession(request, timeout=30)
 
+            def chunk_outcome(session: str, chunk: list[int], more: bool = False, skip_features: int = 0
+                              ) -> pb.StepOutcome:
+                part = pb.SessionStep(session_id=session, prompt=chunk, more=more, skip_features=skip_features)
+                (outcome,) = stub.Step(pb.StepRequest(sessions=[part]), timeout=30).outcomes
+                return outcome
+
             def prefill(session: str, chunk: list[int], more: bool = False, skip_features: int = 0) -> pb.StepResponse:
-                request = pb.PrefillRequest(session_id=session, prompt=chunk, more=more, skip_features=skip_features)
-                return stub.Prefill(request, timeout=30)
+                outcome = chunk_outcome(session, chunk, more, skip_features)
+                assert outcome.status.code == 0, outcome.status
+                return outcome.step
 
             def step(session: str) -> pb.StepOutcome:
                 request = pb.StepRequest(sessions=[pb.SessionStep(session_id=session)])
                 (outcome,) = stub.Step(request, timeout=30).outcomes
                 return outcome
 
-            def refusal(call) -> tuple[grpc.StatusCode, str]:
-                with pytest.raises(grpc.RpcError) as err:
-                    call()
-                return err.value.code(), err.value.details()
+            def refusal(outcome: pb.StepOutcome) -> tuple[grpc.StatusCode, str]:
+                code = next(code for code in grpc.StatusCode if code.value[0] == outcome.status.code)
+                return code, outcome.status.details
 
             one_call = prefill(whole, prompt)
             answers = [prefill(chunked, prompt[:1], more=True)]
             step_early = step(chunked).status
             answers += [prefill(chunked, prompt[1:13], more=True), prefill(chunked, prompt[13:])]
-            after_end = refusal(lambda: prefill(chunked, [1], more=True))
-            empty = refusal(lambda: prefill(chunked, []))
+            after_end = refusal(chunk_outcome(chunked, [1], more=True))
+            empty = refusal(chunk_outcome(chunked, [], more=True))  # (no prompt and no `more`: an AR step)
             skipped_answers = [prefill(skipped, prompt[:1], more=True, skip_features=skip),
                                prefill(skipped, prompt[1:13], more=True, skip_features=skip),
                                prefill(skipped, prompt[13:], skip_features=skip)]

@@ -28,10 +28,10 @@ from tests.services import (DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_por
 STORY = [{"role": "user", "content": "tell me a story"}]  # its greedy reply runs 600 tokens without EOS
 LONG = 600
 MODEL = "tiny"
-# the gateway prefills in chunks of this many tokens (every prompt here is longer): against the in-process loop's
-# one-call prefill (`expected`), through the verifier's Prefill with `more` and `keep_features`, its TakeFeatures
-# and the drafter's Append
-PREFILL_CHUNK = 7
+# the gateway plans prompts in chunks of this many tokens a step (every prompt here is longer): against the
+# in-process loop's one-step prefill (`expected`), through the verifier's Step with prompt chunks (`more`) and the
+# drafter's Append of each chunk's features
+STEP_TOKENS = 7
 DDTREE = [sys.executable, "-m", "ddtree.cli"]
 
 
@@ -104,7 +104,7 @@ def services(models, tmp_path_factory) -> Iterator[Services]:
                                       "--port", str(http), "--verifier", f"127.0.0.1:{verify}",
                                       "--drafter", f"127.0.0.1:{draft}", "--health-interval", "0.5",
                                       "--busy-poll-us", "3000",
-                                      "--prefill-chunk", str(PREFILL_CHUNK)], logs),
+                                      "--max-step-tokens", str(STEP_TOKENS)], logs),
             url=f"http://127.0.0.1:{http}", logs=logs,
         )
     try:
@@ -133,24 +133,24 @@ def test_streamed_chat_equals_in_process_loop(services, expected, tokenizer, mod
     request = {"model": MODEL, "messages": STORY, "max_tokens": 120, "temperature": 0, "stream": True,
                "speculation": {"mode": mode}}
     drafts = [metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total")]
-    prefills = [services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK") or 0.0]
+    prefills = [services.verifier.metric("ddtree_verify_prefill_batch_size_sum") or 0.0]
     appends = [services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0]
     hits = [services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0]
     with httpx.stream("POST", f"{services.url}/v1/chat/completions", json=request, timeout=60) as r:
         assert r.status_code == 200
         assert stream_text(r.iter_lines()) == (text, finish)
     drafts.append(metric(httpx.get(f"{services.url}/metrics").text, "ddtree_spec_drafts_total"))
-    prefills.append(services.verifier.metric("ddtree_verify_requests_total", rpc="Prefill", code="OK"))
+    prefills.append(services.verifier.metric("ddtree_verify_prefill_batch_size_sum"))
     appends.append(services.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0)
     hits.append(services.drafter.metric("ddtree_draft_prefix_cache_hit_tokens_total") or 0.0)
     assert (drafts[1] > drafts[0]) == (mode != "off")  # speculation ran through the drafter service, or not
-    chunks = -(-len(chat_ids(tokenizer, STORY)) // PREFILL_CHUNK)
-    assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a chunked prefill
+    chunks = -(-len(chat_ids(tokenizer, STORY)) // STEP_TOKENS)
+    assert chunks >= 3 and prefills[1] - prefills[0] == chunks  # a prefill in chunks, one a step
     # the drafter's prefix cache restored the context of the prompt's first `reused` positions (the same story sent
     # by an earlier test or mode): the verifier appends the features of the chunks reaching past them to the drafter
     reused = hits[1] - hits[0]
     assert reused % BLOCK_TOKENS == 0 and (reused == 0 or mode != "off")
-    featured = sum(begin + PREFILL_CHUNK > reused for begin in range(0, chunks * PREFILL_CHUNK, PREFILL_CHUNK))
+    featured = sum(begin + STEP_TOKENS > reused for begin in range(0, chunks * STEP_TOKENS, STEP_TOKENS))
     assert appends[1] - appends[0] == (featured if mode != "off" else 0)
 
 

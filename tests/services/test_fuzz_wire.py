@@ -37,14 +37,19 @@ SESSION = "fuzzed"  # a live session on each service, so mutated calls reach pas
 FEATURE_DIM = 2 * HIDDEN  # the test drafter taps two target layers
 FEATURES = pb.Tensor(data=np.zeros((1, FEATURE_DIM), np.float32).tobytes(), dtype="float32", shape=[1, FEATURE_DIM])
 
-# method -> a valid request, the seed of its mutations
+# method (and after a space, which of its seeds) -> a valid request, the seed of its mutations
 VERIFIER_CALLS = {
     "Info": pb.VerifierInfoRequest(),
     "StartSession": pb.VerifierStartSessionRequest(session_id="other", capacity=64, tap_layers=[1, 2]),
     "EndSession": pb.VerifierEndSessionRequest(session_id="other"),
-    "Prefill": pb.PrefillRequest(session_id=SESSION, prompt=[3, 17, 8], more=True, skip_features=1),
     "Step": pb.StepRequest(sessions=[pb.SessionStep(session_id=SESSION, budget=4, top_k=2),
                                      pb.SessionStep(session_id="other", untap=True)]),
+    # prompt chunks: one more of the live session's (its prompt then goes on), one starting a session, beside a decode
+    "Step prompts": pb.StepRequest(sessions=[
+        pb.SessionStep(session_id=SESSION, prompt=[3, 17, 8], more=True, skip_features=1),
+        pb.SessionStep(session_id="third", prompt=[5, 9], start=pb.VerifierStartSessionRequest(
+            session_id="third", capacity=64, tap_layers=[1, 2])),
+        pb.SessionStep(session_id="other")]),
 }
 DRAFTER_CALLS = {
     "Info": pb.DrafterInfoRequest(),
@@ -56,7 +61,7 @@ DRAFTER_CALLS = {
         pb.DraftRequest(session_id="other", root_token=3, root_position=0, budget=1)]),
     "Append": pb.AppendRequest(session_id=SESSION, features=FEATURES),
 }
-VERIFIER_LANES = ("Step",)
+VERIFIER_LANES = ("Step", "Step prompts")
 DRAFTER_LANES = ("DraftBatch", "Append")
 # the calls whose answer holds each session's status: their answer's message
 BATCHES = {"Step": pb.StepBatchResponse, "DraftBatch": pb.DraftBatchResponse}
@@ -123,12 +128,14 @@ def _read(conn: socket.socket, size: int) -> bytes:
 def _start_sessions(stack: Stack, session: str, capacity: int) -> None:
     """The session on each service, the drafter's first (the verifier appends the prompt's features to it), the
     verifier's tapped and prefilled."""
+    start = pb.VerifierStartSessionRequest(session_id=session, capacity=capacity, tap_layers=[1, 2])
     calls = [(DRAFTER_SERVICE, "StartSession", pb.DrafterStartSessionRequest(session_id=session, capacity=capacity)),
-             (VERIFIER_SERVICE, "StartSession", pb.VerifierStartSessionRequest(session_id=session, capacity=capacity,
-                                                                               tap_layers=[1, 2])),
-             (VERIFIER_SERVICE, "Prefill", pb.PrefillRequest(session_id=session, prompt=[3, 17, 8, 25]))]
+             # the verifier's started by its prompt's chunk: the call's status, the part's, its draft's
+             (VERIFIER_SERVICE, "Step", pb.StepRequest(sessions=[
+                 pb.SessionStep(session_id=session, prompt=[3, 17, 8, 25], start=start)]))]
     for service, method, request in calls:
-        assert stack.call(service, method, request.SerializeToString()) == [grpc.StatusCode.OK]
+        codes = stack.call(service, method, request.SerializeToString())
+        assert codes == [grpc.StatusCode.OK] * (3 if method == "Step" else 1), (method, codes)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +165,8 @@ def stack(qwen3_target, drafter_dir, tmp_path_factory) -> Iterator[Stack]:
 def _mutated(seeds: dict[str, pb.Message]) -> st.SearchStrategy[tuple[str, bytes]]:
     """(method, payload): a valid request with bytes flipped, cut, inserted or overwritten; or random bytes."""
 
-    def mutate(data: st.DataObject, method: str) -> tuple[str, bytes]:
-        payload = bytearray(seeds[method].SerializeToString())
+    def mutate(data: st.DataObject, seed: str) -> tuple[str, bytes]:
+        method, payload = seed.split()[0], bytearray(seeds[seed].SerializeToString())
         for _ in range(data.draw(st.integers(0, 4))):
             at = data.draw(st.integers(0, len(payload)))
             kind = data.draw(st.sampled_from(["flip", "cut", "insert", "overwrite"]))
@@ -175,7 +182,7 @@ def _mutated(seeds: dict[str, pb.Message]) -> st.SearchStrategy[tuple[str, bytes
         return method, bytes(payload)
 
     mutations = st.builds(mutate, st.data(), st.sampled_from(sorted(seeds)))
-    random_bytes = st.tuples(st.sampled_from(sorted(seeds)), st.binary(max_size=64))
+    random_bytes = st.tuples(st.sampled_from(sorted({seed.split()[0] for seed in seeds})), st.binary(max_size=64))
     return st.one_of(mutations, mutations, mutations, random_bytes)
 
 

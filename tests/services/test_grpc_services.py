@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime.service import EngineHost, ServiceMetrics
 from runtime.process import serve
-from protos.types import DraftAsk, SamplingParams, SessionStep, StepOutcome
+from protos.types import DraftAsk, PromptChunk, SamplingParams, SessionStart, SessionStep, StepOutcome, StepResult
 from draft_server import server as draft_server
 from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
@@ -180,16 +180,16 @@ def hf_tokens(qwen3_target) -> list[int]:
 
 
 async def _rounds(
-    verifier, drafter, mode: str, params: SamplingParams, prefill_chunk: int = 0
+    verifier, drafter, mode: str, params: SamplingParams, max_step_tokens: int = 0
 ) -> tuple[list[Round], list[BaseException]]:
     fallbacks: list[BaseException] = []
     loop = run_rounds(verifier, drafter, PROMPT, params, Speculation(mode, BUDGET), MAX_NEW, [], fallbacks.append,
-                      prefill_chunk)
+                      max_step_tokens)
     return [r async for r in loop], fallbacks
 
 
 async def _remote_rounds(services: Services, mode: str, params: SamplingParams, lanes: bool = True, opened=None,
-                         prefill_chunk: int = 0):
+                         max_step_tokens: int = 0):
     """The round loop against the services; `opened` collects "RPC:KIND" for every connection the gateway's
     clients open (Lane: the service's round lane, UnaryCalls: unary calls, without one)."""
     async with (GrpcVerifier(services.verifier.address, lanes=lanes) as verifier,
@@ -203,13 +203,14 @@ async def _remote_rounds(services: Services, mode: str, params: SamplingParams, 
                 return transport
 
             client._open = recorded
-        return await _rounds(verifier, drafter, mode, params, prefill_chunk)
+        return await _rounds(verifier, drafter, mode, params, max_step_tokens)
 
 
 class _Replayed:
     """The in-process verifier taking AR steps where a remote one did: its first `ar_steps` steps, which the remote
     verifier took while the prompt's features were still on their way to its drafter (its sessions draft once they
-    are in the drafter's context; in-process they are there when the prefill returns)."""
+    are in the drafter's context; in-process they are there when the prompt's last step returns). A step of prompt
+    chunks alone goes as it is, and counts for none."""
 
     remote = False
 
@@ -217,13 +218,11 @@ class _Replayed:
         self.verifier = verifier
         self.ar_steps = ar_steps
 
-    async def prefill(self, *args, **kwargs):
-        return await self.verifier.prefill(*args, **kwargs)
-
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        if self.ar_steps:
+        if self.ar_steps and any(step.prompt is None for step in steps):
             self.ar_steps -= 1
-            steps = [SessionStep(step.session_id, 0, None, step.untap) for step in steps]
+            steps = [step if step.prompt is not None else SessionStep(step.session_id, 0, None, step.untap)
+                     for step in steps]
         return await self.verifier.step(steps)
 
     async def end_session(self, session_id: str) -> None:
@@ -269,6 +268,23 @@ async def _step(verifier: GrpcVerifier, step: SessionStep) -> StepOutcome:
     if isinstance(outcome.step, BaseException):
         raise outcome.step
     return outcome
+
+
+def prompt_part(session_id: str, tokens: list[int], more: bool = False, skip: int = 0,
+                start: SessionStart | None = None) -> SessionStep:
+    """A session's prompt chunk as a part of a step."""
+    return SessionStep(session_id, prompt=PromptChunk(list(tokens), more, skip, start))
+
+
+async def _prefill(verifier: GrpcVerifier, session: str, prompt: list[int], more: bool = False) -> StepResult:
+    """A prompt chunk of a session started before, alone in its Step call -> its result (the first token, where it
+    ends the prompt), or its failure, raised."""
+    return (await _step(verifier, prompt_part(session, prompt, more))).step
+
+
+def _code(outcome: pb.StepOutcome) -> grpc.StatusCode:
+    """A part's status in a StepBatchResponse."""
+    return next(code for code in grpc.StatusCode if code.value[0] == outcome.status.code)
 
 
 async def _appended(drafter: ScriptedDrafter, count: int) -> None:
@@ -413,8 +429,8 @@ def test_seeded_sampling_matches_in_process_loop(services, local):
 
 def test_a_verifier_without_a_drafter_refuses_tapped_sessions_and_steps_ar(qwen3_target, hf_tokens):
     """In-process, a verifier without --drafter: a session with tap layers (by StartSession, or by its prompt's first
-    Prefill, which then holds nothing) is FAILED_PRECONDITION; a session without taps asking for trees takes AR
-    steps, the target's greedy tokens."""
+    chunk in a Step, which then holds nothing) is FAILED_PRECONDITION (the call's status, or the part's); a session
+    without taps asking for trees takes AR steps, the target's greedy tokens."""
     grpc_port, metrics_port = free_ports(2)
     address = f"127.0.0.1:{grpc_port}"
     config = VerifyServerConfig(host="127.0.0.1", port=grpc_port, metrics_port=metrics_port, device="cpu",
@@ -436,13 +452,14 @@ def test_a_verifier_without_a_drafter_refuses_tapped_sessions_and_steps_ar(qwen3
                 session = uuid.uuid4().hex
                 tapped = pb.VerifierStartSessionRequest(session_id=session, capacity=64, tap_layers=TAPS)
                 stub = pb_grpc.VerifierStub(client._channel)
+                part = pb.SessionStep(session_id=session, prompt=PROMPT, start=tapped)
+                (refused,) = (await stub.Step(pb.StepRequest(sessions=[part]), timeout=30)).outcomes
                 codes = {
                     "StartSession": await _status(stub.StartSession(tapped, timeout=30)),
-                    "Prefill": await _status(stub.Prefill(pb.PrefillRequest(session_id=session, prompt=PROMPT,
-                                                                            start=tapped), timeout=30)),
+                    "Step with start": _code(refused),
                 }
                 await start_verifier_session(client, session, 64)  # the same id: nothing was left of the refusals
-                tokens = list((await client.prefill(session, PROMPT)).tokens)
+                tokens = list((await _prefill(client, session, PROMPT)).tokens)
                 sizes = []
                 for _ in range(4):
                     outcome = await _step(client, SessionStep(session, BUDGET))
@@ -456,7 +473,7 @@ def test_a_verifier_without_a_drafter_refuses_tapped_sessions_and_steps_ar(qwen3
                 await serving
 
     codes, tokens, sizes = asyncio.run(scenario())
-    assert codes == dict.fromkeys(["StartSession", "Prefill"], PRECONDITION)
+    assert codes == dict.fromkeys(["StartSession", "Step with start"], PRECONDITION)
     assert tokens == hf_tokens[:5] and sizes == [0] * 4
 
 
@@ -512,7 +529,7 @@ def test_a_malformed_tree_from_the_drafter_sends_its_session_on_ar_and_a_good_on
             for name in _bad_trees(0):
                 session = uuid.uuid4().hex
                 await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
-                await verifier.prefill(session, PROMPT)
+                await _prefill(verifier, session, PROMPT)
                 drafter.script[session] = deque([lambda draft, name=name: pb.DraftOutcome(
                     draft=pb.DraftResponse(tree=_bad_trees(draft.root_token)[name]))])
                 outcome = await _drafted(verifier, drafter, session)
@@ -526,7 +543,7 @@ def test_a_malformed_tree_from_the_drafter_sends_its_session_on_ar_and_a_good_on
                 await verifier.end_session(session)
             session = uuid.uuid4().hex
             await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
-            await verifier.prefill(session, PROMPT)
+            await _prefill(verifier, session, PROMPT)
             drafter.script[session] = deque([lambda draft: drafter.chain(draft, wrong_sibling=True)])
             verified = await _drafted(verifier, drafter, session)
             decoded = await _step(verifier, SessionStep(session))
@@ -559,7 +576,7 @@ def test_a_drafters_failure_is_its_sessions_alone_which_go_on_with_ar_steps(serv
             tokens = {session: [] for session in sessions}
             for session in sessions:
                 await start_verifier_session(verifier, session, 64, SamplingParams(), TAPS)
-                tokens[session] += (await verifier.prefill(session, PROMPT)).tokens
+                tokens[session] += (await _prefill(verifier, session, PROMPT)).tokens
 
             async def step() -> list[StepOutcome]:
                 outcomes = await verifier.step([SessionStep(session, 4) for session in sessions])
@@ -602,7 +619,7 @@ def test_unknown_sessions_are_not_found(services):
     async def scenario():
         async with GrpcVerifier(services.verifier.address) as verifier, GrpcDrafter(services.drafter.address) as drafter:
             codes = {
-                "prefill": await _status(verifier.prefill("nope", PROMPT)),
+                "prompt chunk": await _status(_prefill(verifier, "nope", PROMPT)),
                 "AR step": await _status(_step(verifier, SessionStep("nope"))),
                 "step with a tree": await _status(_step(verifier, SessionStep("nope", BUDGET))),
                 "draft": await _status(one(drafter.draft([
@@ -613,7 +630,7 @@ def test_unknown_sessions_are_not_found(services):
             await drafter.end_session("nope")
             return codes
 
-    assert asyncio.run(scenario()) == dict.fromkeys(["prefill", "AR step", "step with a tree", "draft", "append"],
+    assert asyncio.run(scenario()) == dict.fromkeys(["prompt chunk", "AR step", "step with a tree", "draft", "append"],
                                                     NOT_FOUND)
 
 
@@ -631,11 +648,13 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
             }
             # prompt + first token: one slot short
             await start_verifier_session(verifier, session, len(PROMPT), greedy)
-            codes["prompt beyond capacity"] = await _status(verifier.prefill(session, PROMPT))
-            codes["token beyond vocab"] = await _status(verifier.prefill(session, PROMPT[:-1] + [VOCAB]))
-            codes["empty prompt"] = await _status(verifier.prefill(session, []))
+            codes["prompt beyond capacity"] = await _status(_prefill(verifier, session, PROMPT))
+            codes["token beyond vocab"] = await _status(_prefill(verifier, session, PROMPT[:-1] + [VOCAB]))
+            # (an empty prompt without `more` is an AR step on the wire: "step before the prompt")
+            codes["empty prompt with more"] = await _status(_prefill(verifier, session, [], more=True))
             codes["step before the prompt"] = await _status(_step(verifier, SessionStep(session)))
-            first = await verifier.prefill(session, PROMPT[:-1])
+            first = await _prefill(verifier, session, PROMPT[:-1])
+            codes["chunk after the prompt"] = await _status(_prefill(verifier, session, [1]))
             steps = {
                 "budget beyond max tree size": SessionStep(session, MAX_TREE + 1),
                 "negative budget": SessionStep(session, -1),
@@ -650,31 +669,37 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
 
     codes, first, second = asyncio.run(scenario())
     exhausted = {"capacity beyond limit", "prompt beyond capacity"}
-    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 12
+    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 13
     assert len(first) == len(second) == 1 and 0 <= first[0] < VOCAB and 0 <= second[0] < VOCAB
 
 
-def test_a_prefill_that_starts_its_session_holds_nothing_when_it_fails(services, hf_tokens):
-    """PrefillRequest.start: the session starts with its prompt's first call, whose first token is the target's
-    greedy one, as after a StartSession. A start refused (capacity past the limit, an id other than the call's), or
-    a call that then fails its checks (a token past the vocabulary, an empty prompt) or its forward's room (a prompt
-    past the capacity), fails alone and holds nothing: the sessions gauge is where it was, and the same session
-    then starts with a good call. A start of a session that exists is refused, that session untouched."""
+def test_a_prompt_chunk_that_starts_its_session_holds_nothing_when_it_fails(services, hf_tokens):
+    """SessionStep.start: the session starts with its prompt's first chunk, in a Step, whose first token is the
+    target's greedy one, as after a StartSession. A start refused (capacity past the limit, an id other than the
+    part's), or a chunk that then fails its checks (a token past the vocabulary; a start with an empty prompt) or its
+    forward's room (a prompt past the capacity), fails alone (its part's status, the call answered) and holds
+    nothing: the sessions gauge is where it was, and the same session then starts with a good chunk. A start of a
+    session that exists is refused, that session untouched; a step with two parts of one session, whole."""
     session, other = uuid.uuid4().hex, uuid.uuid4().hex
 
     def start(session_id: str, capacity: int = 64) -> pb.VerifierStartSessionRequest:
         return pb.VerifierStartSessionRequest(session_id=session_id, capacity=capacity)
 
-    def prefill(session_id: str, prompt: list[int], starting: pb.VerifierStartSessionRequest | None = None):
-        request = pb.PrefillRequest(session_id=session_id, prompt=prompt)
+    def prefill(session_id: str, prompt: list[int], starting: pb.VerifierStartSessionRequest | None = None
+                ) -> pb.StepOutcome:
+        part = pb.SessionStep(session_id=session_id, prompt=prompt)
         if starting is not None:
-            request.start.CopyFrom(starting)
-        return stub.Prefill(request, timeout=30)
+            part.start.CopyFrom(starting)
+        (outcome,) = stub.Step(pb.StepRequest(sessions=[part]), timeout=30).outcomes
+        return outcome
 
-    def code(call) -> grpc.StatusCode:
-        with pytest.raises(grpc.RpcError) as err:
-            call()
-        return err.value.code()
+    def code(outcome: pb.StepOutcome) -> grpc.StatusCode:
+        assert not outcome.step.tokens
+        return _code(outcome)
+
+    def tokens(outcome: pb.StepOutcome) -> list[int]:
+        assert outcome.status.code == 0, outcome.status
+        return list(outcome.step.tokens)
 
     sessions = lambda: services.verifier.metric("ddtree_verify_active_sessions")  # noqa: E731
     before = sessions()
@@ -682,28 +707,33 @@ def test_a_prefill_that_starts_its_session_holds_nothing_when_it_fails(services,
         stub = pb_grpc.VerifierStub(channel)
         stub.StartSession(start(other), timeout=30)
         codes = {
-            "capacity beyond limit": code(lambda: prefill(session, PROMPT, start(session, 10**9))),
-            "another session's id": code(lambda: prefill(session, PROMPT, start(other))),
-            "token beyond vocab": code(lambda: prefill(session, PROMPT[:-1] + [VOCAB], start(session))),
-            "empty prompt": code(lambda: prefill(session, [], start(session))),
-            "prompt beyond capacity": code(lambda: prefill(session, PROMPT, start(session, len(PROMPT)))),
-            "session that exists": code(lambda: prefill(other, PROMPT, start(other))),
+            "capacity beyond limit": code(prefill(session, PROMPT, start(session, 10**9))),
+            "another session's id": code(prefill(session, PROMPT, start(other))),
+            "token beyond vocab": code(prefill(session, PROMPT[:-1] + [VOCAB], start(session))),
+            "empty prompt": code(prefill(session, [], start(session))),
+            "prompt beyond capacity": code(prefill(session, PROMPT, start(session, len(PROMPT)))),
+            "session that exists": code(prefill(other, PROMPT, start(other))),
         }
         held = sessions()
-        first = prefill(session, PROMPT, start(session)).tokens
-        other_first = prefill(other, PROMPT).tokens  # untouched by the start that named it: not prefilled yet
+        twice = pb.StepRequest(sessions=[pb.SessionStep(session_id=session, prompt=PROMPT, start=start(session)),
+                                         pb.SessionStep(session_id=session, prompt=PROMPT)])
+        with pytest.raises(grpc.RpcError) as refused:  # one part per session: a step with two is refused whole
+            stub.Step(twice, timeout=30)
+        assert refused.value.code() == INVALID and "one part per session" in refused.value.details()
+        first = tokens(prefill(session, PROMPT, start(session)))
+        other_first = tokens(prefill(other, PROMPT))  # untouched by the start that named it: not prefilled yet
         for session_id in (session, other):
             stub.EndSession(pb.VerifierEndSessionRequest(session_id=session_id), timeout=30)
     exhausted = {"capacity beyond limit", "prompt beyond capacity"}
     assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes}
     assert held == before + 1  # `other` alone
-    assert list(first) == list(other_first) == hf_tokens[:1]
+    assert first == other_first == hf_tokens[:1]
     assert sessions() == before
 
 
 def test_prompt_features_past_the_message_limit_are_refused_before_any_work(services, tmp_path):
     """A prompt chunk's features go to the drafter in one message (an Append): past --max-message-bytes the verifier
-    refuses the prefill up front (RESOURCE_EXHAUSTED, naming the flag), before its forward, the session untouched.
+    refuses the chunk up front (RESOURCE_EXHAUSTED, naming the flag), before its forward, the session untouched.
     The demo target (6 layers of 384, fp32 here: 9 KiB of features a token with every tap) reaches 1 MiB at ~114
     tokens; the test target's whole context stays below it. A chunk below the limit prefills, and its features reach
     the drafter whole."""
@@ -720,8 +750,8 @@ def test_prompt_features_past_the_message_limit_are_refused_before_any_work(serv
             await start_verifier_session(client, session, 300, SamplingParams(), taps)
             appends = len(drafter.appends)
             with pytest.raises(BackendError) as refused:
-                await client.prefill(session, [5] * 200)  # 200 x 6 x 384 x 4 B = 1.8 MB
-            first = await client.prefill(session, [5] * 100)  # 0.9 MB: the same session, untouched, prefills
+                await _prefill(client, session, [5] * 200)  # 200 x 6 x 384 x 4 B = 1.8 MB
+            first = await _prefill(client, session, [5] * 100)  # 0.9 MB: the same session, untouched, prefills
             await _appended(drafter, appends + 1)
             await client.end_session(session)
             expected = (session, [100, len(taps) * info.hidden_size])

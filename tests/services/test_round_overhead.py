@@ -24,14 +24,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
-from gateway.backends import SessionStart
 from gateway.engine import Engine
 from gateway.grpc_verifier import GrpcVerifier
 from gateway.rounds import Speculation, run_rounds
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
-from protos.types import DraftAsk, DraftTree, MemoryShort, SamplingParams, SessionStep, StepOutcome, StepResult
+from protos.types import (
+    DraftAsk, DraftTree, MemoryShort, PromptChunk, SamplingParams, SessionStart, SessionStep, StepOutcome, StepResult,
+)
 from runtime.client import STEP_KEY, BackendError
 from runtime.drafter_client import GrpcDrafter
 from runtime.lane import AbortContext as LaneContext
@@ -262,68 +263,86 @@ class FakeDrafter(FakeBackend):
 
 class FakeVerifier(FakeBackend):
     """A verifier (remote: in another process) that drafts a step's trees through `drafter`'s sessions. A prompt's
-    token is 7, or 8 for a prompt that continues one prefilled before (a preempted sequence's restart: its output
-    after it, as the step after would have gone on); a tree accepts its node (5) and a bonus token (6); an AR step
-    commits 8, or the stop token 2 at its `stop_at`th AR step (counted over all sessions).
+    token is 7, or 8 for a prompt that continues one run before (a preempted sequence's restart: its output after
+    it, as the step after would have gone on); a tree accepts its node (5) and a bonus token (6); an AR step commits
+    8, or the stop token 2 at its `stop_at`th AR step (counted over all sessions).
+
+    A step call's parts are prompt chunks (SessionStep.prompt: the first one starts its session) and decodes, each
+    answered as alone, in order. The log names a call by what it carries: "prefill" (chunks only), "step" (decodes
+    only) or "step+prefill" (both). Calls run one at a time, in order (as the service's device runs a step behind
+    another).
 
     A session that asks for a tree takes an AR step instead where its drafter fails (fail_draft, or its drafter
     session gone: NOT_FOUND): the outcome tells the failure, and the session is untapped (no tree from then on). Its
     first `ar_first` steps that ask for a tree are AR steps too, with no failure (its prompt's features still on
-    their way to the drafter). The step call numbered `short_at` (0-based) is short of KV memory for every session in
-    it."""
+    their way to the drafter). The call with decodes numbered `short_at` (0-based, over such calls) is short of KV
+    memory for every part in it. The prompt chunk numbered `fail_chunk` (0-based, over all chunks) fails: its own
+    part's outcome where fail_call is off, else the whole call it is in raises."""
 
     NAME = "verifier"
 
     def __init__(self, log: list[str], remote: bool = True, drafter: FakeDrafter | None = None,
-                 fail_chunk: int | None = None, fail_draft: bool = False, stop_at: int | None = None,
-                 together: int = 1, ar_first: int = 0, short_at: int | None = None) -> None:
+                 fail_chunk: int | None = None, fail_call: bool = False, fail_draft: bool = False,
+                 stop_at: int | None = None, ar_first: int = 0, short_at: int | None = None) -> None:
         super().__init__(log)
         self.remote = remote
         self.drafter = drafter
-        self.fail_chunk = fail_chunk  # the prefill call (0-based) that fails
+        self.fail_chunk = fail_chunk
+        self.fail_call = fail_call
         self.fail_draft = fail_draft
         self.stop_at = stop_at
         self.ar_first = ar_first
         self.short_at = short_at
         self.ar_steps = 0
-        self.prompts: dict[str, list[int]] = {}  # session -> its prompt's first call's tokens
-        self.prefills: list[tuple[str, list[int], bool, int, SessionStart | None]] = []  # each prefill call's
-        self.steps: list[list[SessionStep]] = []  # each step call's
+        self.prompts: dict[str, list[int]] = {}  # session -> its prompt's first chunk's tokens
+        self.prefills: list[tuple[str, list[int], bool, int, SessionStart | None]] = []  # each prompt chunk's
+        self.calls: list[list[SessionStep]] = []  # each call's parts, in order
+        self.steps: list[list[SessionStep]] = []  # each call's decode parts (calls with none left out)
         self.lost: list[str] = []  # the sessions whose drafts failed, in order
         self._first: dict[str, int] = {}  # session -> its prompt's token
         self._untapped: set[str] = set()
         self._waiting: dict[str, int] = {}  # session -> its tree steps still answered AR
-        self._together = together  # the first prefill calls wait until as many have come (they then run as one)
-        self._started: asyncio.Event | None = None
-        self._device = asyncio.Lock()  # step calls run in order, as the service runs a step behind another
-
-    async def prefill(self, session_id: str, prompt: list[int], more: bool = False, skip_features: int = 0,
-                      start: SessionStart | None = None) -> StepResult:
-        self.prefills.append((session_id, list(prompt), more, skip_features, start))
-        if start is not None:
-            restart = any(len(p) < len(prompt) and prompt[:len(p)] == p for p in self.prompts.values())
-            self._first[session_id] = 8 if restart else 7
-            self.sessions.add(session_id)
-            self.prompts[session_id] = list(prompt)
-            self._waiting[session_id] = self.ar_first
-            if self._started is None:
-                self._started = asyncio.Event()
-            if len(self.prompts) >= self._together:
-                self._started.set()
-            await self._started.wait()
-        chunk = self.log.count("prefill sent")
-        await self._answer("prefill")
-        if chunk == self.fail_chunk:
-            raise ConnectionError("verifier down")
-        return StepResult([] if more else [self._first[session_id]], None)
+        self._device = asyncio.Lock()  # calls run in order, as the service runs a step behind another
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        call = len(self.steps)
-        self.steps.append(list(steps))
-        await self._answer("step", device=self._device)
-        if call == self.short_at:
+        self.calls.append(list(steps))
+        decodes = [step for step in steps if step.prompt is None]
+        call = len(self.steps) if decodes else None
+        if decodes:
+            self.steps.append(decodes)
+        failing = None  # the index of the failing chunk in this call
+        for i, step in enumerate(steps):
+            if step.prompt is not None:
+                if len(self.prefills) == self.fail_chunk:
+                    failing = i
+                self._chunk(step)
+        chunks = len(steps) > len(decodes)
+        await self._answer("step+prefill" if decodes and chunks else "step" if decodes else "prefill",
+                           device=self._device)
+        if failing is not None and self.fail_call:
+            raise ConnectionError("verifier down")
+        if call is not None and call == self.short_at:
             return [StepOutcome(MemoryShort("no KV memory for the step")) for _ in steps]
-        return [self._outcome(step) for step in steps]
+        return [StepOutcome(ConnectionError("verifier down")) if i == failing
+                else self._prompted(step) if step.prompt is not None else self._outcome(step)
+                for i, step in enumerate(steps)]
+
+    def _chunk(self, step: SessionStep) -> None:
+        """A prompt chunk as it comes (the first, with `start`, starts its session)."""
+        session, chunk = step.session_id, step.prompt
+        self.prefills.append((session, list(chunk.tokens), chunk.more, chunk.skip_features, chunk.start))
+        if chunk.start is not None:
+            prompt = list(chunk.tokens)
+            restart = any(len(p) < len(prompt) and prompt[:len(p)] == p for p in self.prompts.values())
+            self._first[session] = 8 if restart else 7
+            self.sessions.add(session)
+            self.prompts[session] = prompt
+            self._waiting[session] = self.ar_first
+
+    def _prompted(self, step: SessionStep) -> StepOutcome:
+        if missing := self._missing("Step", step.session_id):
+            return StepOutcome(missing)
+        return StepOutcome(StepResult([] if step.prompt.more else [self._first[step.session_id]], None))
 
     def _outcome(self, step: SessionStep) -> StepOutcome:
         session = step.session_id
@@ -365,19 +384,19 @@ async def _read(rounds, log: list[str], stop_after: int | None, name: str = "", 
 
 def _handled(verifier: FakeVerifier, drafter: FakeDrafter | None, mode: str, max_new: int,
              stop_after: int | None = None, fallbacks: list | None = None, prompt: tuple[int, ...] = (1, 2, 3),
-             prefill_chunk: int = 0, grammar: str = "", turn_s: float = 0.0, sizes: list[int] | None = None
+             max_step_tokens: int = 0, grammar: str = "", turn_s: float = 0.0, sizes: list[int] | None = None
              ) -> list[int]:
     """One generation on an engine of its own (run_rounds)."""
     verifier.drafter = drafter
     params = SamplingParams(grammar=grammar)
     rounds = run_rounds(verifier, drafter, list(prompt), params, Speculation(mode, 1), max_new, [2],
-                        None if fallbacks is None else fallbacks.append, prefill_chunk)
+                        None if fallbacks is None else fallbacks.append, max_step_tokens)
     return asyncio.run(_read(rounds, verifier.log, stop_after, turn_s=turn_s, sizes=sizes))
 
 
 def _together(verifier: FakeVerifier, drafter: FakeDrafter | None, requests: list[tuple[str, int]],
               stop_after: dict[int, int] | None = None, fallbacks: list | None = None, turn_s: float = 0.0,
-              prompts: dict[int, list[int]] | None = None, prefill_chunk: int = 0) -> list[list[int]]:
+              prompts: dict[int, list[int]] | None = None, max_step_tokens: int = 0) -> list[list[int]]:
     """Several generations on one engine, request i (mode, max_new) with prompt [10 + i] (or prompts[i]); request i's
     caller stops after its round stop_after[i]. The engine serves on a while after its callers are done, as the
     gateway's does."""
@@ -385,7 +404,7 @@ def _together(verifier: FakeVerifier, drafter: FakeDrafter | None, requests: lis
     stop_after, prompts = stop_after or {}, prompts or {}
 
     async def run() -> list[list[int]]:
-        engine = Engine(verifier, drafter, prefill_chunk, on_fallback=None if fallbacks is None else fallbacks.append)
+        engine = Engine(verifier, drafter, max_step_tokens, on_fallback=None if fallbacks is None else fallbacks.append)
         try:
             return await asyncio.gather(*(
                 _read(engine.generate(prompts.get(i, [10 + i]), SamplingParams(), Speculation(mode, 1), max_new, [2]),
@@ -403,48 +422,61 @@ def _requests(verifier: FakeVerifier, calls: list[list[SessionStep]]) -> list[li
     return [sorted(verifier.prompts[step.session_id][0] - 10 for step in call) for call in calls]
 
 
+def _parts(verifier: FakeVerifier, calls: list[list[SessionStep]]) -> list[list[tuple[int, int | str]]]:
+    """Each call's parts in order: (its request, as in _requests; "prompt" for a prompt chunk, else its budget)."""
+    return [[(verifier.prompts[step.session_id][0] - 10, "prompt" if step.prompt is not None else step.budget)
+             for step in call] for call in calls]
+
+
 def _at(log: list[str], entry: str) -> list[int]:
     return [i for i, logged in enumerate(log) if logged == entry]
 
 
-def test_a_chunked_prompt_goes_in_calls_back_to_back_and_its_sequence_then_asks_for_trees():
-    """Ten prompt tokens in chunks of 4: three prefill calls, each sent once the one before is answered, the first
-    starting the session (tapped for the drafter's layers), every one skipping the positions the drafter's prefix
-    cache restored, every one but the last with `more`. The first token comes with the last; the sequence's steps
-    then ask the verifier for trees (its features are the verifier's to send to the drafter: none passes here)."""
+def test_a_chunked_prompt_goes_in_steps_back_to_back_and_its_sequence_then_asks_for_trees():
+    """Ten prompt tokens, a step carrying 4 at most: three steps carry a chunk each, each sent once the one before is
+    answered, the first chunk starting the session (tapped for the drafter's layers), every one skipping the
+    positions the drafter's prefix cache restored, every one but the last with `more`. The first token comes with
+    the last; the sequence's steps then ask the verifier for trees (its features are the verifier's to send to the
+    drafter: none passes here)."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log, reused=3)
     tokens = _handled(verifier, drafter, "ddtree", max_new=3, fallbacks=fallbacks, prompt=tuple(range(10)),
-                      prefill_chunk=4)
+                      max_step_tokens=4)
     assert tokens == [7, 5, 6] and fallbacks == []
     assert [(prompt, more, skip) for _, prompt, more, skip, _ in verifier.prefills] == [
         ([0, 1, 2, 3], True, 3), ([4, 5, 6, 7], True, 3), ([8, 9], False, 3)]
     start = verifier.prefills[0][4]
     assert [call[4] is None for call in verifier.prefills] == [False, True, True]
-    assert start.taps == drafter.target_layer_ids and start.capacity == 10 + 3 + 1 + 1  # prompt, tokens, a tree, root
-    assert [e for e in log if e.startswith("prefill")] == ["prefill sent", "prefill done"] * 3
-    assert _at(log, "prefill done")[2] < log.index("round 0 handled") and _at(log, "prefill done")[2] < log.index(
-        "step sent")
+    assert list(start.taps) == drafter.target_layer_ids
+    assert start.capacity == 10 + 3 + 1 + 1  # prompt, tokens, a tree, root
+    assert [["prompt" if step.prompt else step.budget for step in call] for call in verifier.calls] == [
+        ["prompt"]] * 3 + [[1]]
+    assert [e for e in log if e.startswith(("prefill", "step"))] == ["prefill sent", "prefill done"] * 3 + [
+        "step sent", "step done"]
+    assert _at(log, "prefill done")[2] < log.index("round 0 handled") < log.index("step sent")
     assert [[(step.budget, step.untap) for step in call] for call in verifier.steps] == [[(1, False)]]
 
 
-def test_a_chunked_prompt_runs_while_other_sequences_step():
-    """Request 1's prompt runs in three chunks while request 0, already running, steps on: steps go between its
-    chunks, without it; once its first token is chosen it joins them. Each output is as alone."""
+def test_a_chunked_prompt_rides_in_the_steps_of_the_sequences_running():
+    """Request 1's prompt runs in three chunks while request 0, already running, steps on: each chunk rides in one of
+    request 0's steps, beside its AR step, in three steps back to back (request 0 loses no step to them, and no step
+    goes without a chunk until the prompt is done); the step after the last chunk's carries request 1's first tree
+    ask beside request 0's AR step. Each output is as alone."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
     long = list(range(11, 21))  # request 1's (its first token: 11)
-    outputs = _together(verifier, drafter, [("ar", 20), ("ddtree", 5)], prompts={1: long}, prefill_chunk=4)
+    outputs = _together(verifier, drafter, [("ar", 20), ("ddtree", 5)], prompts={1: long}, max_step_tokens=4)
     assert outputs == [[7] + [8] * 19, [7, 5, 6, 5, 6]]
-    chunks = [i for i, (session, *_) in enumerate(verifier.prefills) if verifier.prompts[session][0] == 11]
-    assert len(chunks) == 3
-    sent = _at(log, "prefill sent")
-    first_chunk, last_chunk = sent[chunks[0]], sent[chunks[2]]
-    assert any(first_chunk < i < last_chunk for i in _at(log, "step sent"))  # steps went on between its chunks
-    joined = next(i for i, call in enumerate(_requests(verifier, verifier.steps)) if 1 in call)
-    assert joined >= 1 and all(call == [0] for call in _requests(verifier, verifier.steps[:joined]))
-    assert [(verifier.prompts[s.session_id][0], s.budget) for s in verifier.steps[joined]] == [(10, 0), (11, 1)]
+    chunks = [(prompt, more) for session, prompt, more, *_ in verifier.prefills if verifier.prompts[session][0] == 11]
+    assert chunks == [([11, 12, 13, 14], True), ([15, 16, 17, 18], True), ([19, 20], False)]
+    parts = _parts(verifier, verifier.calls)
+    assert parts[0] == [(0, "prompt")]  # request 0's prompt (request 1's drafter session was still starting)
+    carrying = [i for i, call in enumerate(parts) if (1, "prompt") in call]
+    assert carrying == [1, 2, 3] and all(parts[i] == [(0, 0), (1, "prompt")] for i in carrying)
+    assert parts[4] == [(0, 0), (1, 1)]
+    assert all(call[0] == (0, 0) for call in parts[1:20]) and len(parts) == 20  # request 0's 19 AR steps
+    assert log.count("step+prefill sent") == 3 and log.count("prefill sent") == 1
 
 
 @pytest.mark.parametrize("where", ["draft", "start"])
@@ -465,16 +497,19 @@ def test_a_drafter_failure_goes_on_ar_with_the_same_output(where):
         assert budgets == [[(1, False)], [(0, False)]] and verifier.lost == [*verifier.prompts]
         assert drafter.ended == [*verifier.prompts] and log.index("drafter end") < _at(log, "step sent")[1]
     else:
-        assert budgets == [[(0, False)], [(0, False)]] and verifier.prefills[0][4].taps == []
+        assert budgets == [[(0, False)], [(0, False)]] and list(verifier.prefills[0][4].taps) == []
         assert "drafter end" not in log
 
 
-def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions():
+@pytest.mark.parametrize("fail_call", [False, True])
+def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions(fail_call):
+    """The prompt's third chunk fails: its own part of the step (the verifier's answer for it), or the whole step
+    call it is in (the verifier unreachable). The request fails with it, no decode goes, and both sessions end."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, fail_chunk=2), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log, fail_chunk=2, fail_call=fail_call), FakeDrafter(log)
     with pytest.raises(ConnectionError, match="verifier down"):
-        _handled(verifier, drafter, "ddtree", max_new=3, prompt=tuple(range(10)), prefill_chunk=4)
-    assert log.count("prefill sent") == 3 and "step sent" not in log
+        _handled(verifier, drafter, "ddtree", max_new=3, prompt=tuple(range(10)), max_step_tokens=4)
+    assert log.count("prefill sent") == 3 and len(verifier.prefills) == 3 and verifier.steps == []
     assert sorted(entry for entry in log if entry.endswith("end")) == ["drafter end", "verifier end"]
 
 
@@ -485,7 +520,7 @@ def test_a_request_that_ends_with_its_first_token_takes_no_step(max_new, stop_af
     log: list[str] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=max_new, stop_after=stop_after, prompt=tuple(range(10)),
-                      prefill_chunk=4)
+                      max_step_tokens=4)
     assert tokens == [7] and "step sent" not in log and verifier.steps == []
     assert sorted(verifier.ended + drafter.ended) == [*verifier.prompts] * 2
     assert not [w for w in recwarn if "never retrieved" in str(w.message)]
@@ -503,25 +538,30 @@ def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
 
 
 def test_sequences_on_one_engine_step_together():
-    """Three sequences whose prompts run at once: each step goes as one call for all three, each asking for a tree,
-    each sequence's output as alone."""
+    """Three sequences that come at once: their prompts go in one step, and each step after goes as one call for all
+    three, each asking for a tree, each sequence's output as alone."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, remote=False, together=3), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 7)] * 3)
     assert outputs == [[7, 5, 6, 5, 6, 5, 6]] * 3
+    assert _parts(verifier, verifier.calls[:1]) == [[(0, "prompt"), (1, "prompt"), (2, "prompt")]]
+    assert [entry for entry in log if entry.startswith("prefill")] == ["prefill sent", "prefill done"]
     assert _requests(verifier, verifier.steps) == [[0, 1, 2]] * 3
     assert all(step.budget == 1 and not step.untap for call in verifier.steps for step in call)
     assert [entry for entry in log if entry.startswith("step")] == ["step sent", "step done"] * 3
     assert sorted(verifier.ended) == sorted(drafter.ended) == sorted(verifier.prompts)
 
 
-def test_ar_steps_and_trees_share_a_step():
+def test_ar_steps_trees_and_prompt_chunks_share_a_step():
+    """The AR request's prompt goes first, alone (the others' drafter sessions are still starting); its first AR step
+    carries the other two prompts beside it, and the step after it both trees: every step is one call, whatever its
+    parts, each output as alone."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, remote=False, together=3), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 5), ("ar", 3), ("ddtree", 5)])
     assert outputs == [[7, 5, 6, 5, 6], [7, 8, 8], [7, 5, 6, 5, 6]]
-    assert [sorted((verifier.prompts[step.session_id][0], step.budget) for step in call)
-            for call in verifier.steps] == [[(10, 1), (11, 0), (12, 1)]] * 2
+    assert [sorted(call, key=str) for call in _parts(verifier, verifier.calls)] == [
+        [(1, "prompt")], [(0, "prompt"), (1, 0), (2, "prompt")], [(0, 1), (1, 0), (2, 1)], [(0, 1), (2, 1)]]
     assert sorted(len(start.taps) for *_, start in verifier.prefills) == [0, 1, 1]
     assert len(drafter.ended) == 2  # an AR request starts no drafter session
 
@@ -575,7 +615,7 @@ def test_a_sequence_cancelled_while_its_step_is_in_flight_is_passed_over_and_its
     """Request 0's caller stops with a step of both requests in flight: the call goes on for request 1, whose
     output is as alone; request 0 takes part in no later step, and its sessions end."""
     log: list[str] = []
-    verifier, drafter = FakeVerifier(log, remote=False, together=2), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
     outputs = _together(verifier, drafter, [("ddtree", 20), ("ddtree", 7)], stop_after={0: 1})
     assert outputs == [[7, 5, 6], [7, 5, 6, 5, 6, 5, 6]]
     assert _requests(verifier, verifier.steps) == [[0, 1], [0, 1], [1]]
@@ -589,7 +629,7 @@ def test_a_call_in_flight_is_cancelled_once_every_sequence_in_it_is(stop_after, 
     """Two AR requests, a step of both on the device and one behind it as their callers read their round 1: where
     one stops, both calls go on for the other; where both do, both calls are cancelled."""
     log: list[str] = []
-    verifier = FakeVerifier(log, together=2)
+    verifier = FakeVerifier(log)
     outputs = _together(verifier, None, [("ar", 6), ("ar", 6)], stop_after=stop_after, turn_s=0.005)
     assert outputs == [[7, 8], [7, 8] if 1 in stop_after else [7, 8, 8, 8, 8, 8]]
     assert verifier.cancelled == cancelled and sorted(verifier.ended) == sorted(verifier.prompts)
@@ -603,7 +643,7 @@ def test_a_caller_that_stops_with_its_tree_step_in_flight_is_no_drafter_failure(
     drafter. Neither is the drafter's failure, and no step carries request 0 any more."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
-    verifier, drafter = FakeVerifier(log, remote=False, together=len(requests)), FakeDrafter(log)
+    verifier, drafter = FakeVerifier(log, remote=False), FakeDrafter(log)
     outputs = _together(verifier, drafter, requests, stop_after={0: 1}, fallbacks=fallbacks, turn_s=0.005)
     assert outputs[0] == [7, 5, 6] and outputs[1:] in ([], [[7, 5, 6, 5, 6, 5, 6]])
     assert verifier.ended and log.index("0: round 1 handled") < log.index("drafter end")
@@ -660,12 +700,15 @@ class Port:
     """The verifier's drafter (verify_server.step.DrafterPort) for these tests: the in-process drafter behind each
     call, the calls recorded. An append waits for `gate` to open (a prompt's features on their way). fail: "append"
     the session `failing`'s appends fail; "call" every draft call fails whole; "ask" the session `failing`'s drafts
-    fail alone."""
+    fail alone. local: the verifier reads it as in its own process (a prompt's last chunk answers once its features
+    are in), else as across processes (its chunks answer without waiting for their features)."""
 
     host_features = False
 
-    def __init__(self, drafter: LocalDrafter | None, fail: str | None = None, failing: str = "") -> None:
+    def __init__(self, drafter: LocalDrafter | None, fail: str | None = None, failing: str = "",
+                 local: bool = False) -> None:
         self.drafter = drafter
+        self.local = local
         self.fail, self.failing = fail, failing
         self.gate = asyncio.Event()
         self.sent: list[int] = []  # each append's rows, as it starts
@@ -696,19 +739,31 @@ class Port:
 
 async def _prompted(verifier: LocalVerifier, drafter: LocalDrafter, session: str, chunk: int
                     ) -> tuple[list[torch.Tensor], list[int]]:
-    """A session started on both sides (tapped at the drafter's layers) and PROMPT run in chunks of `chunk` tokens
-    as the verifier's Prefill calls run them: each chunk's result handed to the stepper, which sends its features on
-    to the drafter, and the call answered without waiting for them -> each chunk's features, and the first token."""
+    """A session started at the drafter, then PROMPT run in steps of one chunk of `chunk` tokens each (the first
+    starting the verifier's session, tapped at the drafter's layers), as the verifier's Step runs them: each chunk's
+    features sent on to the drafter by the stepper, and the step answered without waiting for them -> each chunk's
+    features (as its forward gave them), and the first token."""
     await drafter.start_session(session, CAPACITY)
-    verifier.engine.start_session(session, CAPACITY, SamplingParams(), drafter.target_layer_ids)
-    verifier.stepper.start(session, SamplingParams(), True)
-    features = []
-    for begin in range(0, len(PROMPT), chunk):
-        part = PROMPT[begin : begin + chunk]
-        result = verifier.engine.prefill(session, part, more=begin + chunk < len(PROMPT))
-        verifier.stepper.prompt(session, len(part), result)
-        features.append(result.features)
-    return features, list(result.tokens)
+    features: list[torch.Tensor] = []
+    prefill = verifier.stepper.prefill
+
+    async def recorded(items):
+        results = await prefill(items)
+        features.extend(result.features for result in results)
+        return results
+
+    verifier.stepper.prefill = recorded
+    try:
+        start = SessionStart(CAPACITY, SamplingParams(), tuple(drafter.target_layer_ids))
+        for begin in range(0, len(PROMPT), chunk):
+            part = PromptChunk(PROMPT[begin : begin + chunk], begin + chunk < len(PROMPT),
+                               start=start if begin == 0 else None)
+            (outcome,) = await verifier.step([SessionStep(session, prompt=part)])
+            assert outcome.step.features is None and outcome.tree_size == 0  # (the features stay with the verifier)
+            assert len(outcome.step.tokens) == (0 if part.more else 1)
+    finally:
+        verifier.stepper.prefill = prefill
+    return features, list(outcome.step.tokens)
 
 
 async def _ended(verifier: LocalVerifier, drafter: LocalDrafter, *sessions: str) -> None:
@@ -813,13 +868,17 @@ def test_a_sessions_end_cancels_its_prompts_features_on_their_way(recwarn):
     port = Port(None)
 
     async def unused(items):
-        raise AssertionError("no step runs")
+        raise AssertionError("no decode runs")
+
+    async def prefill(items: list[tuple[str, PromptChunk]]) -> list[StepResult]:
+        return [StepResult([] if chunk.more else [7], torch.zeros(len(chunk.tokens), 2)) for _, chunk in items]
 
     async def scenario() -> tuple[list[int], int]:
-        stepper = Stepper(port, unused)
-        stepper.start("s", SamplingParams(), True)
-        stepper.prompt("s", 4, StepResult([], torch.zeros(4, 2)))
-        stepper.prompt("s", 2, StepResult([7], torch.zeros(2, 2)))
+        stepper = Stepper(port, unused, prefill)
+        start = SessionStart(CAPACITY, SamplingParams(), (0,))
+        first = await stepper.step([SessionStep("s", prompt=PromptChunk([1, 2, 3, 4], True, start=start))])
+        last = await stepper.step([SessionStep("s", prompt=PromptChunk([5, 6]))])
+        assert [outcome.step.tokens for outcome in first + last] == [[], [7]]  # answered, the features still going
         await asyncio.sleep(0.01)
         started = list(port.sent)
         stepper.end("s")
@@ -833,17 +892,17 @@ def test_a_sessions_end_cancels_its_prompts_features_on_their_way(recwarn):
 
 
 def test_in_process_the_first_token_comes_once_the_prompts_features_are_in_the_drafters_context(pair, truth):
-    """In-process (ddtree/local.py) a chunked prompt's last call answers once the drafter has its features: the
+    """In-process (ddtree/local.py) a chunked prompt's last step answers once the drafter has its features: the
     sequence's first step is a tree's, and its output the target's own."""
     engine, drafter = pair
-    port = Port(drafter)
+    port = Port(drafter, local=True)
     verifier = LocalVerifier(engine, port)
     sessions = len(engine.sessions), len(drafter.engine.sessions)
 
     async def scenario() -> tuple[list[tuple[list[int], int]], int]:
         asyncio.get_running_loop().call_later(0.05, port.gate.set)  # the appends take 50 ms
         loop = run_rounds(verifier, drafter, PROMPT, SamplingParams(), Speculation("ddtree", 8), NEW, [],
-                          prefill_chunk=8)
+                          max_step_tokens=8)
         rounds, appended = [], 0
         async for rnd in loop:
             if not rounds:

@@ -31,7 +31,7 @@ def generate(
 ) -> list[Round]:
     async def collect() -> list[Round]:
         return [r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, max_new, eos,
-                                            prefill_chunk=chunk)]
+                                            max_step_tokens=chunk)]
 
     return asyncio.run(collect())
 

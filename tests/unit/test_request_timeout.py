@@ -36,14 +36,17 @@ def anyio_backend() -> str:
 
 
 class StalledVerifier(ServiceVerifier):
-    """The in-process verifier whose steps never finish; each records the sessions held on both services when it
-    stalled, so a test sees they were live before the deadline. With `linger` set, a cancelled round ends only once
-    that event is set: its request keeps its decoding slot meanwhile."""
+    """The in-process verifier whose decoding steps never finish (a prompt's steps run: the sessions start); each
+    records the sessions held on both services when it stalled, so a test sees they were live before the deadline.
+    With `linger` set, a cancelled round ends only once that event is set: its request keeps its decoding slot
+    meanwhile."""
 
     held: list[tuple[int, int]]
     linger: asyncio.Event | None = None
 
     async def step(self, steps):
+        if all(step.prompt is not None for step in steps):
+            return await super().step(steps)
         return await self._stall()
 
     async def _stall(self) -> list[StepOutcome]:

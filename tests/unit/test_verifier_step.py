@@ -13,8 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ddtree.local import LocalDrafter, load_local
-from gateway.backends import SessionStart
-from protos.types import DraftAsk, SamplingParams, SessionStep
+from protos.types import DraftAsk, PromptChunk, SamplingParams, SessionStart, SessionStep
 from tests.conftest import hf_greedy
 from verify_server import step as step_module
 from verify_server import tree_fit
@@ -22,6 +21,11 @@ from verify_server.tree_fit import TreeFit
 
 PROMPT = [5, 9, 2, 17, 3, 30, 11, 8, 21, 4]
 STEPS = 8
+
+
+def prompt_step(session_id: str, prompt: list[int], taps: list[int]) -> SessionStep:
+    """A step's part that starts a tapped session with its whole prompt."""
+    return SessionStep(session_id, prompt=PromptChunk(prompt, start=SessionStart(1024, SamplingParams(), taps)))
 
 
 class GatedDrafter(LocalDrafter):
@@ -58,12 +62,12 @@ def test_drafts_wait_for_the_prompts_features_and_a_failed_drafter_goes_on_ar(
         trees: dict[str, list[int]] = {"a": [], "b": []}
         for sid in ("a", "b"):
             await drafter.start_session(sid, 1024)
-            start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
-            prefill = asyncio.ensure_future(verifier.prefill(sid, PROMPT, start=start))
-            await asyncio.sleep(0)  # the prefill ran; its append waits at the gate
+            prefill = asyncio.ensure_future(verifier.step([prompt_step(sid, PROMPT, drafter.target_layer_ids)]))
+            for _ in range(3):
+                await asyncio.sleep(0)  # the prefill ran; its append waits at the gate
             assert not prefill.done()  # (in-process, the first token waits for the append)
             drafter.gate.set()
-            tokens[sid] = list((await prefill).tokens)
+            tokens[sid] = list((await prefill)[0].step.tokens)
             drafter.gate.clear()
         drafter.gate.set()
         drafter.failing.add("b")
@@ -98,17 +102,14 @@ def test_a_session_steps_ar_until_its_prompt_features_are_there(qwen3_target: Pa
     AR, their features kept and sent with its first draft, in order."""
     verifier, local = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
     drafter = GatedDrafter(local)
+    drafter.local = False  # as over the wire: the prompt's answer waits for no append
     verifier.stepper.drafter = drafter
     truth = hf_greedy(AutoModelForCausalLM.from_pretrained(qwen3_target).eval(), PROMPT, 64)
 
     async def run() -> tuple[list[int], list[int]]:
         await drafter.start_session("s", 1024)
-        start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
-        verifier.engine.start_session("s", start.capacity, start.params, start.taps)
-        verifier.stepper.start("s", start.params, True)
-        first = verifier.engine.prefill("s", PROMPT)
-        verifier.stepper.prompt("s", len(PROMPT), first)  # as the service does: the append goes on its own
-        tokens, trees = list(first.tokens), []
+        (first,) = await verifier.step([prompt_step("s", PROMPT, drafter.target_layer_ids)])
+        tokens, trees = list(first.step.tokens), []
         for i in range(5):
             if i == 3:
                 drafter.gate.set()
@@ -173,11 +174,11 @@ def test_steps_go_ar_under_load_and_draft_again_as_it_falls(
     truth = {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
 
     async def run() -> tuple[dict[str, list[int]], list[list[int]]]:
-        tokens: dict[str, list[int]] = {}
-        for sid, prompt in prompts.items():
+        for sid in prompts:
             await drafter.start_session(sid, 1024)
-            start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
-            tokens[sid] = list((await verifier.prefill(sid, prompt, start=start)).tokens)
+        firsts = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)
+                                      for sid, prompt in prompts.items()])  # three prompts in one step
+        tokens = {sid: list(first.step.tokens) for sid, first in zip(prompts, firsts)}
         appends.clear()
         sizes = []
         for _ in range(4):  # all three: AR
@@ -222,8 +223,8 @@ def test_steps_of_other_sessions_go_their_own_way_and_a_sessions_steps_in_order(
         tokens: dict[str, list[int]] = {}
         for sid, prompt in prompts.items():
             await drafter.start_session(sid, 1024)
-            start = SessionStart(1024, SamplingParams(), list(drafter.target_layer_ids))
-            tokens[sid] = list((await verifier.prefill(sid, prompt, start=start)).tokens)
+            (first,) = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)])
+            tokens[sid] = list(first.step.tokens)
         sizes = []
         for _ in range(3):
             order = ["a", "b", "a", "b"]

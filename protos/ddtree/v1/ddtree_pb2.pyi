@@ -246,20 +246,6 @@ class VerifierEndSessionResponse(_message.Message):
     timings: Timings
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
-class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "more", "skip_features", "start")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
-    MORE_FIELD_NUMBER: _ClassVar[int]
-    SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
-    START_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    prompt: _containers.RepeatedScalarFieldContainer[int]
-    more: bool
-    skip_features: int
-    start: VerifierStartSessionRequest
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., skip_features: _Optional[int] = ..., start: _Optional[_Union[VerifierStartSessionRequest, _Mapping]] = ...) -> None: ...
-
 class StepRequest(_message.Message):
     __slots__ = ("sessions",)
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -267,16 +253,24 @@ class StepRequest(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStep, _Mapping]]] = ...) -> None: ...
 
 class SessionStep(_message.Message):
-    __slots__ = ("session_id", "budget", "top_k", "untap")
+    __slots__ = ("session_id", "budget", "top_k", "untap", "prompt", "more", "skip_features", "start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     UNTAP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     budget: int
     top_k: int
     untap: bool
-    def __init__(self, session_id: _Optional[str] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., untap: _Optional[bool] = ...) -> None: ...
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    more: bool
+    skip_features: int
+    start: VerifierStartSessionRequest
+    def __init__(self, session_id: _Optional[str] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., untap: _Optional[bool] = ..., prompt: _Optional[_Iterable[int]] = ..., more: _Optional[bool] = ..., skip_features: _Optional[int] = ..., start: _Optional[_Union[VerifierStartSessionRequest, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("tokens", "logprobs", "timings")

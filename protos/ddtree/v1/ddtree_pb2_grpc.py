@@ -91,7 +91,7 @@ class DrafterServicer:
 
     def Append(self, request, context):
         """Appends target features to the context without drafting: a prompt's features, chunk by chunk, as the
-        verifier's Prefill calls run them.
+        verifier's steps run them; and a session's features past the verifier's hold while its steps go AR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -308,11 +308,6 @@ class VerifierStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/ddtree.v1.Verifier/Prefill',
-                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
-                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/ddtree.v1.Verifier/Step',
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepRequest.SerializeToString,
@@ -333,8 +328,8 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StartSession(self, request, context):
-        """Allocates a session's KV cache and fixes its sampling parameters and tapped layers (or PrefillRequest.start,
-        with the session's first prompt call).
+        """Allocates a session's KV cache and fixes its sampling parameters and tapped layers (or SessionStep.start,
+        with the session's first prompt chunk).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,18 +342,12 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Runs the prompt (or a chunk of it) and, with its last chunk, commits the target's first token. A session with
-        tap layers has its prompt's features appended to the drafter's context by the verifier (Drafter.Append).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Step(self, request, context):
         """One step of many sessions: the speculating sessions' trees from the drafter (Drafter.DraftBatch), then every
-        tree and AR step in one forward, each committing the longest path the target agrees with plus a bonus token.
-        See "Batches" above.
+        tree and AR step in one forward, each committing the longest path the target agrees with plus a bonus token;
+        and the prompt chunks of the sessions starting, the last chunk of a prompt committing the target's first
+        token (a session with tap layers has its prompt's features appended to the drafter's context by the
+        verifier: Drafter.Append). See "Batches" above.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -381,11 +370,6 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionResponse.SerializeToString,
-            ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.FromString,
-                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.StepResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -476,33 +460,6 @@ class Verifier:
             '/ddtree.v1.Verifier/EndSession',
             ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.VerifierEndSessionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ddtree.v1.Verifier/Prefill',
-            ddtree_dot_v1_dot_ddtree__pb2.PrefillRequest.SerializeToString,
-            ddtree_dot_v1_dot_ddtree__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,
