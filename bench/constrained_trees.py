@@ -130,7 +130,7 @@ def main() -> None:
         for b in args.budgets.split(",") for on in (True, False)]
 
     def run_arm(spec: Speculation, constrained: bool) -> dict[str, Any]:
-        drafter.engine.grammars.constrained = constrained  # read when each request's drafter session starts
+        drafter.engine.table.grammars.constrained = constrained  # read when each request's drafter session starts
         return measure(verifier, drafter, work, spec, args.max_new_tokens, eos, sync)
 
     for _, spec, on in arms:  # untimed: graphs and compiles of every shape the timed runs meet

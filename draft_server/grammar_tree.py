@@ -9,7 +9,12 @@ them), except that a candidate the grammar forbids after its parent's path is sk
 place, as the sibling or the first child pushed. Each push tests candidates with the grammar's matcher moved onto the
 parent's path (accept a token, roll it back, where a bitmask per node would take a pass over the whole vocabulary).
 Where the grammar has terminated on a path, only stop tokens may follow. Nodes come in pop order, so every parent
-precedes its children, as build_tree's do."""
+precedes its children, as build_tree's do.
+
+Where the grammar forces what comes next (a schema's keys, braces and quotes), the tree carries the forced tokens as
+a chain under the node, drafted by no one, at the node's score (their probability under the grammar is 1): the
+drafter's candidates then go on under the chain's end, one depth further per forced token, and beside the chain's
+first token under the node (the target may tokenize the forced text otherwise than xgrammar's longest match)."""
 
 from __future__ import annotations
 
@@ -107,10 +112,12 @@ class _PathWalk:
                 raise RuntimeError(f"the grammar refused token {self.tokens[n]}, which it allowed when drafted")
         self.path = target
 
-    def first_allowed(self, ids: np.ndarray, start: int) -> int | None:
-        """The first rank >= start whose token (ids [K], one depth's) the grammar allows where the walk stands."""
+    def first_allowed(self, ids: np.ndarray, start: int, besides: int | None = None) -> int | None:
+        """The first rank >= start whose token (ids [K], one depth's) the grammar allows where the walk stands, but
+        `besides` (a forced token the node already has as a child)."""
         for rank in range(start, ids.shape[0]):
-            if self.grammar.allows(int(ids[rank])):
+            token = int(ids[rank])
+            if token != besides and self.grammar.allows(token):
                 return rank
         return None
 
@@ -132,16 +139,37 @@ def constrained_tree(
     depths = [0]
     # entries (-score, depth, parent, rank): the heap pops build_tree's order
     heap: list[tuple[float, int, int, int]] = []
+    forced_first: dict[int, int] = {}  # node -> the first token of the forced chain under it
 
     def push(parent: int, depth: int, start: int) -> None:
         """The first allowed candidate of rank >= start at `depth` under `parent` (the walk stands at the parent)."""
-        rank = walk.first_allowed(ids[depth - 1], start)
+        rank = walk.first_allowed(ids[depth - 1], start, forced_first.get(parent))
         if rank is not None:
             score = scores[parent] + vals[depth - 1, rank]
             heapq.heappush(heap, (-float(score), depth, parent, rank))
 
+    def grow(node: int, depth: int) -> None:
+        """A new node's children (the walk stands at it): the chain of tokens the grammar forces after it, as far
+        as the budget and the block's depths reach, then the first candidates under the chain's end and under the
+        node."""
+        end, end_depth = node, depth
+        for token in grammar.forced():
+            if end_depth >= num_depths or len(walk.tokens) > budget:
+                break
+            forced = walk.add(token, end)
+            forced_first.setdefault(node, token)
+            scores.append(scores[end])
+            depths.append(end_depth + 1)
+            walk.go(forced)
+            end, end_depth = forced, end_depth + 1
+        if end_depth < num_depths:
+            push(end, end_depth + 1, 0)  # the chain's end's first child (the node's, where nothing is forced)
+        if end != node:
+            walk.go(node)
+            push(node, depth + 1, 0)  # beside the chain's first token
+
     try:
-        push(0, 1, 0)
+        grow(0, 0)
         while heap and len(walk.tokens) <= budget:
             neg_score, depth, parent, rank = heapq.heappop(heap)
             walk.go(parent)
@@ -151,7 +179,7 @@ def constrained_tree(
             push(parent, depth, rank + 1)  # its next sibling
             if depth < num_depths:
                 walk.go(node)
-                push(node, depth + 1, 0)  # its first child
+                grow(node, depth)
     finally:
         walk.back()
     return DraftTree(

@@ -140,6 +140,14 @@ class GrammarState:
         self.matcher.rollback(1)
         return True
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next where the matcher stands, [] where none is (or it has completed):
+        xgrammar's jump-forward tokens, its longest-match tokenization of the text every continuation begins with,
+        which the target may tokenize otherwise. The matcher stays where it was."""
+        if self.matcher.is_terminated():
+            return []
+        return list(self.matcher.find_jump_forward_tokens())
+
     def commit(self, tokens: Iterable[int]) -> None:
         """Moves the committed state past a step's committed tokens (each one the grammar allowed where it was
         chosen). Tokens after the grammar's completion (EOS again, where the generation goes on) are not fed. A

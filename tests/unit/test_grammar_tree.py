@@ -1,8 +1,8 @@
 """Constrained trees (draft_server/grammar_tree.py) on the demo pair's vocabulary: where the grammar allows every
 candidate the tree is build_tree's, ties included; under a grammar that forbids some, every node is one the grammar
 allows after its path (checked with a matcher of xgrammar's own), the tree is the best `budget` of the allowed
-candidates in pop order, and the session's matcher ends where it began; past the grammar's completion only stop
-tokens are drafted. The engine: a grammar session's committed tokens are checked, and its tree is the same drafted
+candidates in pop order, with the tokens the grammar forces carried as chains at their parent's score, and the
+session's matcher ends where it began; past the grammar's completion only stop tokens are drafted. The engine: a grammar session's committed tokens are checked, and its tree is the same drafted
 alone, in a batch of blocks beside sessions without one, or on the eager path."""
 
 from __future__ import annotations
@@ -80,6 +80,16 @@ def allowed_children(demo, at: xgr.GrammarMatcher, path: list[int], tokens) -> l
     return out
 
 
+def forced_after(at: xgr.GrammarMatcher, path: list[int]) -> list[int]:
+    """The tokens the grammar forces after `path` from the oracle's state (xgrammar's jump-forward tokens)."""
+    matcher = at.fork()
+    for t in path:
+        if matcher.is_terminated():
+            return []
+        assert matcher.accept_token(t)
+    return [] if matcher.is_terminated() else list(matcher.find_jump_forward_tokens())
+
+
 def path_of(tree: DraftTree, node: int) -> list[int]:
     path = []
     while node > 0:
@@ -90,23 +100,40 @@ def path_of(tree: DraftTree, node: int) -> list[int]:
 
 def check_tree(demo, tree: DraftTree, oracle_at: xgr.GrammarMatcher, vals: np.ndarray, ids: np.ndarray,
                budget: int) -> None:
-    """Every node allowed after its path; parents first; scores never rise in node order; and no allowed candidate
-    under a drafted node was left out for a worse one (nor at all, where the tree is short of its budget)."""
+    """Every node allowed after its path; parents first; scores never rise in node order; the tokens the grammar
+    forces after a node (the root included) follow it as a chain, each its first child, at its score (as far as the
+    budget and the depths reach); and no allowed candidate under a drafted node or a chain's end was left out for a
+    worse one (nor at all, where the tree is short of its budget)."""
     n = tree.num_nodes
     assert n <= budget
     scores = [np.float32(0.0)]
+    chained: set[int] = set()  # the nodes whose first child continues a forced chain
+    owed: dict[int, list[int]] = {0: forced_after(oracle_at, [])}  # node -> the forced tokens still to follow it
     for node in range(1, n + 1):
         parent, depth = int(tree.parents[node]), int(tree.depths[node])
         assert 0 <= parent < node and depth == int(tree.depths[parent]) + 1
-        rank = list(ids[depth - 1]).index(int(tree.tokens[node]))
-        scores.append(scores[parent] + vals[depth - 1, rank])
+        token = int(tree.tokens[node])
+        if parent not in chained and owed.get(parent):  # the parent's first child: the forced chain
+            assert token == owed[parent][0], (node, owed[parent])
+            chained.add(parent)
+            scores.append(scores[parent])
+            owed[node] = owed[parent][1:]
+        else:
+            rank = list(ids[depth - 1]).index(token)
+            scores.append(scores[parent] + vals[depth - 1, rank])
+            if depth < ids.shape[0]:
+                owed[node] = forced_after(oracle_at, path_of(tree, node))
         assert allowed_children(demo, oracle_at, path_of(tree, parent), [tree.tokens[node]]) == [True], node
+    for node, left in owed.items():
+        if left and node not in chained:  # a chain cut short: only by the budget or the block's depths
+            assert n == budget or int(tree.depths[node]) == ids.shape[0], node
     assert all(a >= b for a, b in zip(scores[1:], scores[2:]))
     worst = min(scores[1:]) if n else np.float32(0.0)
     for node in range(n + 1):
         depth = int(tree.depths[node])
-        if depth == ids.shape[0]:
-            continue
+        if depth == ids.shape[0] or (node in chained and node > 0 and int(tree.tokens[node]) in
+                                     forced_after(oracle_at, path_of(tree, int(tree.parents[node])))):
+            continue  # (inside a chain no candidate is drafted)
         drafted = {int(tree.tokens[c]) for c in range(1, n + 1) if int(tree.parents[c]) == node}
         allowed = allowed_children(demo, oracle_at, path_of(tree, node), ids[depth])
         for rank, ok in enumerate(allowed):
@@ -157,6 +184,26 @@ def test_constrained_tree_keeps_to_the_grammar(demo, schema: bool, prefix: str) 
         before.fill_next_token_bitmask(expected)
         assert torch.equal(mask, expected)
     assert sizes[0] > 4  # paths several tokens deep through the grammar
+
+
+def test_forced_tokens_come_as_a_chain_from_any_candidates(demo) -> None:
+    """A schema whose answer is one text: whatever the drafter's candidates (here none the grammar allows), the tree
+    carries the forced answer from the root, one token a depth, as far as the block's depths reach; and a commit of
+    part of it leaves the rest forced. A budget smaller than the chain cuts it."""
+    grammar = json_schema_grammar({"type": "object", "properties": {"ok": {"const": True}}, "required": ["ok"],
+                                   "additionalProperties": False})
+    state = demo[3].start(grammar)
+    answer = forced_after(oracle(demo, grammar, []), [])
+    assert len(answer) >= 4, answer
+    lp = logprobs_over(encode(demo, "xyz"), demo[4], 0)
+    for done in (0, 3):  # at the start, and once part of the answer is committed
+        state.commit(answer[:done] if done else [])
+        chain = answer[done:][:DEPTHS]
+        tree = constrained_tree(*candidates(lp, 32, None), 5, 32, state)
+        assert tree.tokens[1:1 + len(chain)].tolist() == chain
+        assert tree.parents[1:1 + len(chain)].tolist() == list(range(len(chain)))
+    vals, ids = candidates(lp, 4, None)
+    check_tree(demo, constrained_tree(vals, ids, answer[2], 4, state), oracle(demo, grammar, answer[:3]), vals, ids, 4)
 
 
 def test_past_completion_only_stop_tokens(demo) -> None:
