@@ -7,6 +7,9 @@ to read the keys and values once.
 Each case: `batch` sessions' slots of `context` committed keys, each with a tree of `nodes` rows (1: a decode
 step), heads and head_dim of --shape; every plan is flash_tree.plan at one of --targets thread blocks, with the
 warps and stages of --warps / --stages (default: the plan's own); the chosen plan's time is marked.
+
+The kernel is CUDA-only (Triton, timed in CUDA graphs): without a CUDA device it says so, lists each case's plans
+untimed and exits cleanly.
 """
 
 from __future__ import annotations
@@ -73,12 +76,14 @@ def main() -> None:
     shape = SHAPES[args.shape]
     heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape["head_dim"]
+    timing = torch.cuda.is_available()
+    if not timing:
+        print("no CUDA device: the batched tree attention is a CUDA kernel; its plans are listed, not timed")
     device = torch.device("cuda")
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     for batch in ints(args.batches):
         for nodes in ints(args.nodes):
             for context in ints(args.contexts):
-                slots, inputs = case(batch, nodes, context, heads, kv_heads, d, device)
                 kv_bytes = batch * 2 * kv_heads * (context + nodes) * d * 2
                 keys = key_bucket(context + nodes, 1 << 20)  # what a captured step sizes its key chunks by
                 chosen = batch_plan(nodes, heads, kv_heads, keys, d, batch)
@@ -89,6 +94,13 @@ def main() -> None:
                         for s in ints(args.stages) or [base.stages]:
                             plans.add(replace(base, warps=w, stages=s))
                 print(f"== batch {batch}, {nodes} rows a tree, context {context}: K/V {kv_bytes / 1e6:.1f} MB")
+                if not timing:
+                    for each in sorted(plans, key=lambda x: (x.splits, x.warps, x.stages)):
+                        mark = "  <- batch_plan" if each == chosen else ""
+                        print(f"   splits {each.splits:3d} chunk {each.chunk:5d} block_m {each.block_m:3d} "
+                              f"warps {each.warps} stages {each.stages}: not timed{mark}")
+                    continue
+                slots, inputs = case(batch, nodes, context, heads, kv_heads, d, device)
                 for each in sorted(plans, key=lambda x: (x.splits, x.warps, x.stages)):
                     ms = timed(lambda: launch_batch(*inputs, d ** -0.5, each), args.reps)
                     mark = "  <- batch_plan" if each == chosen else ""

@@ -3,6 +3,9 @@ shape's weights and several row counts: microseconds per call and the weight's s
 the kernel's own (TILE) show what another fixed tile would give; any one of them keeps rows invariant, since a
 call's tile never depends on its rows.
 
+The kernels are CUDA-only here (Triton against cuBLAS, timed with CUDA events): without a CUDA device it says so,
+lists each weight's K splits per tile untimed and exits cleanly.
+
     python bench/profile_invariant.py qwen3-8b --rows 1,16,64,256 [--tiles 16x64x128w4s4,16x32x64w4s2]
 """
 
@@ -56,6 +59,13 @@ def main() -> None:
     }
     tiles = [TILE, *[t for t in args.tiles if t != TILE]]
     rows = [int(r) for r in args.rows.split(",")]
+    if not torch.cuda.is_available():
+        print(f"no CUDA device: the projections are CUDA kernels; {args.shape}'s weights and each tile's K splits "
+              f"are listed, not timed; TILE = {TILE}")
+        for name, (n, k) in weights.items():
+            print(f"{name:8s} [{n}, {k}]: " + " | ".join(f"{t.m}x{t.n}x{t.k}w{t.warps}s{t.stages} (splits "
+                                                           f"{k_splits(n, k, t)})" for t in tiles))
+        return
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{args.shape}, bf16, {torch.cuda.get_device_name()}; us per call (GB/s of the weight); TILE = {TILE}")
     totals: dict[tuple[str, int], float] = {}

@@ -2,7 +2,7 @@
 build and the verifier's round, each replayed on its own so that its kernels can be counted and timed.
 
 Usage: python bench/profile_round.py [--target DIR --drafter DIR] [--budget 32] [--dtype float32] [--compile]
-       [--host-rounds TOKENS] [--census TOKENS]
+       [--host-rounds TOKENS] [--census TOKENS] [--device cpu]
 
 --census: the kernels a round of whole generations runs as the bench runs them (ar, chain, ddtree; in-process),
 glue outside the captured steps included: a generation's kernels less those of a one-token generation (its
@@ -10,6 +10,9 @@ prefill), per round.
 
 For a small pair every part is bound by how many kernels run one after another (each costs a few microseconds
 whatever its size), so the table reports kernels per call next to the wall time of a call.
+
+--device cpu (a smoke run without a GPU): the same parts and census, with the profiler's CPU operators (aten ops,
+nested ones included) counted and timed in the kernels' place.
 """
 
 from __future__ import annotations
@@ -30,29 +33,57 @@ from ddtree.local import load_local
 from gateway.rounds import Speculation, run_rounds
 
 CALLS = 50
+# what the profiler counts: the CUDA kernels on a GPU; with --device cpu, the CPU operators (set in main)
+ON_GPU = True
+
+
+def sync() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def profiled(events) -> list:
+    """The profiler's kernels (on the CPU: its operators), each with `count`, `key` and its time (self_time)."""
+    kind = torch.autograd.DeviceType.CUDA if ON_GPU else torch.autograd.DeviceType.CPU
+    return [e for e in events.key_averages() if e.device_type == kind]
+
+
+def self_time(e) -> float:
+    return e.self_device_time_total if ON_GPU else e.self_cpu_time_total
+
+
+def activities() -> list[ProfilerActivity]:
+    return [ProfilerActivity.CUDA if ON_GPU else ProfilerActivity.CPU]
 
 
 def measure(name: str, fn: Callable[[], object], rows: int) -> None:
     """Wall time per call (synced) and the kernels a call runs."""
+    if not ON_GPU:  # the engines' parts called bare run eagerly here (no graph replays): keep autograd out, as they do
+        with torch.inference_mode():
+            return _measure(name, fn, rows)
+    return _measure(name, fn, rows)
+
+
+def _measure(name: str, fn: Callable[[], object], rows: int) -> None:
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(CALLS):
         fn()
-        torch.cuda.synchronize()
+        sync()
     wall_ms = (time.perf_counter() - start) / CALLS * 1000
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities()) as prof:
         for _ in range(10):
             fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        sync()
+    kernels = profiled(prof)
     count = sum(e.count for e in kernels) / 10
-    device_ms = sum(e.self_device_time_total for e in kernels) / 10 / 1000
+    device_ms = sum(self_time(e) for e in kernels) / 10 / 1000
     print(f"\n=== {name}: {wall_ms:.3f} ms wall per call, {count:.0f} kernels ({device_ms:.3f} ms of kernels) ===")
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
+    top = sorted(kernels, key=lambda e: -self_time(e))[:rows]
     for e in top:
-        print(f"{e.count / 10:6.1f} x {e.self_device_time_total / e.count:7.2f} us  {e.key[:100]}")
+        print(f"{e.count / 10:6.1f} x {self_time(e) / e.count:7.2f} us  {e.key[:100]}")
 
 
 def main() -> None:
@@ -68,9 +99,12 @@ def main() -> None:
                    help="also profile the host side of a generation of TOKENS tokens (cProfile)")
     p.add_argument("--census", type=int, default=0, metavar="TOKENS",
                    help="also count the kernels a round of generations of TOKENS tokens runs, per mode")
+    p.add_argument("--device", default="cuda", help="cuda; cpu: a smoke run (CPU operators in the kernels' place)")
     args = p.parse_args()
+    global ON_GPU
+    ON_GPU = torch.device(args.device).type == "cuda"
     target, drafter_dir = resolve_pair(args.target, args.drafter)
-    verifier, drafter = load_local(target, drafter_dir, "cuda", getattr(torch, args.dtype), compile=args.compile)
+    verifier, drafter = load_local(target, drafter_dir, args.device, getattr(torch, args.dtype), compile=args.compile)
     v, d = verifier.engine, drafter.engine
     prompt = torch.randint(10, v.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     capacity = min(v.model.config.max_position_embeddings, d.static.max_context) - 8
@@ -111,14 +145,13 @@ def census(verifier, drafter, prompt: list[int], spec: Speculation, tokens: int,
             return len([r async for r in run_rounds(verifier, drafter, prompt, SamplingParams(), spec, new, [])])
 
         count = asyncio.run(rounds())
-        torch.cuda.synchronize()
+        sync()
         return count
 
     def kernels(new: int) -> tuple[int, dict[str, tuple[int, float]]]:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=activities()) as prof:
             count = generate(new)
-        table = {e.key: (e.count, e.self_device_time_total) for e in prof.key_averages()
-                 if e.device_type == torch.autograd.DeviceType.CUDA}
+        table = {e.key: (e.count, self_time(e)) for e in profiled(prof)}
         return count, table
 
     generate(tokens)  # warm-up: graphs for this prompt's buckets

@@ -650,8 +650,8 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
             await start_verifier_session(verifier, session, len(PROMPT), greedy)
             codes["prompt beyond capacity"] = await _status(_prefill(verifier, session, PROMPT))
             codes["token beyond vocab"] = await _status(_prefill(verifier, session, PROMPT[:-1] + [VOCAB]))
-            # (an empty prompt without `more` is an AR step on the wire: "step before the prompt")
-            codes["empty prompt with more"] = await _status(_prefill(verifier, session, [], more=True))
+            with pytest.raises(ValueError, match="at least one token"):  # (on the wire it would read as a decode)
+                await _prefill(verifier, session, [], more=True)
             codes["step before the prompt"] = await _status(_step(verifier, SessionStep(session)))
             first = await _prefill(verifier, session, PROMPT[:-1])
             codes["chunk after the prompt"] = await _status(_prefill(verifier, session, [1]))
@@ -669,7 +669,7 @@ def test_bad_verifier_requests_leave_the_session_usable(services):
 
     codes, first, second = asyncio.run(scenario())
     exhausted = {"capacity beyond limit", "prompt beyond capacity"}
-    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 13
+    assert codes == {name: EXHAUSTED if name in exhausted else INVALID for name in codes} and len(codes) == 12
     assert len(first) == len(second) == 1 and 0 <= first[0] < VOCAB and 0 <= second[0] < VOCAB
 
 
