@@ -200,17 +200,26 @@ def default_session_tokens(config: DraftServerConfig) -> int | None:
     return tokens
 
 
+def slots_first(caches: int, slot_bytes: int, sessions: int, prefix: int) -> tuple[int, int]:
+    """The sessions' context slots and the prefix cache in `caches` bytes: every one of `sessions` slots (and the
+    scratch slot) first, since a request the drafter holds no slot for decodes AR, untapped, and a step mixing
+    tapped and untapped sessions is not launched ahead; the prefix cache takes what they leave, up to `prefix` bytes
+    -> (the slots that fit, at most `sessions`; the prefix cache's bytes)."""
+    prefix = max(0, min(prefix, caches - (sessions + 1) * slot_bytes))
+    return min(sessions, (caches - prefix) // slot_bytes - 1), prefix
+
+
 def prepare(engine: DraftEngine, config: DraftServerConfig) -> None:
     """The warm-up, then the caches: the sessions' context slots the device memory the warm-up's largest steps left
-    in this service's share holds (as many sessions as fit, within --max-sessions), reserved (runtime/memory.py);
-    then the prefix cache, after the warm-up so that its sessions leave nothing cached."""
+    in this service's share holds (as many sessions as fit, within --max-sessions, before the prefix cache:
+    slots_first), reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its sessions leave
+    nothing cached."""
     warm_up(engine, config.warm_up_budget_list, config.max_budget)
     prefix, share, static = config.prefix_cache_bytes, config.memory_share, engine.static
     if share is not None and static is not None:
         device = config.torch_device()
         budget = memory.measure(device, share, static.slots.allocated_bytes, "drafter")
-        prefix = min(prefix, budget.caches // 4)
-        fit = (budget.caches - prefix) // static.slots.slot_bytes - 1  # (the scratch slot's)
+        fit, prefix = slots_first(budget.caches, static.slots.slot_bytes, static.slots.max_sessions, prefix)
         if fit < 1:
             raise memory.MemoryMisfit(
                 f"the drafter's share ({budget.describe()}) holds no session's context slot of {static.max_context} "

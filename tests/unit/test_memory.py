@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from draft_server.config import DraftServerConfig
+from draft_server.server import slots_first
 from runtime import memory
 from runtime.models import resolve_pair
 from runtime.service import EngineHost, ServiceMetrics
@@ -30,6 +31,16 @@ def test_session_tokens_fit_the_sessions_within_the_context() -> None:
     assert memory.session_tokens(64 * 1000 * 10**6, sessions, per_token, 40960) == 40960  # the context bounds it
     with pytest.raises(memory.MemoryMisfit, match="--gpu-memory-utilization"):
         memory.session_tokens(64 * 1000 * 255, sessions, per_token, 40960)
+
+
+def test_the_drafters_sessions_come_before_its_prefix_cache() -> None:
+    """Every session's slot (and the scratch slot) first, the prefix cache what they leave, up to its size; short of
+    room for the slots, as many as fit and no prefix cache."""
+    slot, sessions = 90, 64
+    assert slots_first(100 * slot, slot, sessions, 40 * slot) == (64, 35 * slot)  # the cache cut to what is left
+    assert slots_first(100 * slot, slot, sessions, 10 * slot) == (64, 10 * slot)  # its whole size
+    assert slots_first(65 * slot, slot, sessions, 10 * slot) == (64, 0)
+    assert slots_first(60 * slot + 7, slot, sessions, 10 * slot) == (59, 0)  # short: as many as fit
 
 
 def test_the_configurations_arithmetic_is_what_the_engine_allocates() -> None:
