@@ -21,7 +21,7 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, commit_captured, session_draws, walk_and_commit
+from verify_server.walk import TreeRows, commit_captured, session_draws, shared_taps, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class BatchedRounds:
     ) -> list[StepResult | Exception]:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. The calls that can share a forward (sessions on the fused path,
-        prefilled, whose tree fits, with the same tapped layers; plain greedy rounds, rounds sampled with
+        prefilled, whose tree fits, those with taps tapping the same layers, untapped ones beside them; plain greedy
+        rounds, rounds sampled with
         temperature and min-p alone, and the others apart; on an engine with static buffers, each of the first two
         kinds captured in one graph with its choices) in one; the others (and a session's second call in one batch,
         which comes after its first) alone, in order, after it."""
@@ -63,13 +64,17 @@ class BatchedRounds:
         groups: dict[tuple, list[int]] = {}
         batched: dict[str, VerifySession] = {}
         seen: set[str] = set()
+        joining: list[tuple[int, VerifySession]] = []
         for i, (session_id, tree) in enumerate(calls):
             sess = self._batchable(session_id, tree, seen)
             seen.add(session_id)
-            if sess is not None:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
+            if sess is not None:
                 batched[session_id] = sess
-                params = sess.params
-                groups.setdefault((tuple(sess.taps), params.raw_argmax, params.plain_sample), []).append(i)
+                joining.append((i, sess))
+        common = shared_taps([sess for _, sess in joining])  # (an untapped session joins the tapped ones' forward)
+        for i, sess in joining:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
+            params = sess.params
+            groups.setdefault((tuple(sess.taps) or common, params.raw_argmax, params.plain_sample), []).append(i)
         for members in groups.values():
             if len(members) > 1:
                 group = [calls[i] for i in members]
@@ -113,7 +118,7 @@ class BatchedRounds:
     def _run_together(
         self, sessions: list[VerifySession], items: list[BatchTree], host_features: bool
     ) -> list[StepResult] | None:
-        taps = tuple(sessions[0].taps)
+        taps = shared_taps(sessions)
         q_lens = [item.tree.tokens.shape[0] for item in items]
         timer = self.timers.timer()
         if not self.fused.static:
@@ -122,7 +127,8 @@ class BatchedRounds:
             for b, q in enumerate(q_lens):
                 rows = batch.tree_rows(b)
                 trees.append(TreeRows(ids[rows], parents[rows], depths[rows], batch.anc[b, :q, :q], logits[rows],
-                                      None if features is None else features[rows], items[b].tree.max_depth))
+                                      None if features is None or not sessions[b].taps else features[rows],
+                                      items[b].tree.max_depth))
             return walk_and_commit(sessions, trees, timer, host_features)
         params = sessions[0].params
         if params.raw_argmax or params.plain_sample:  # forward, choices, walks and compactions in one replay
@@ -134,6 +140,7 @@ class BatchedRounds:
             return None
         logits, features, xs, qb = scored
         trees = [TreeRows(x.ids[:q], x.parents[:q], x.depths[:q], x.anc[:q, :q], logits[b * qb : b * qb + q],
-                          None if features is None else features[b * qb : b * qb + q], item.tree.max_depth)
-                 for b, (x, q, item) in enumerate(zip(xs, q_lens, items))]
+                          None if features is None or not sess.taps else features[b * qb : b * qb + q],
+                          item.tree.max_depth)
+                 for b, (x, q, item, sess) in enumerate(zip(xs, q_lens, items, sessions))]
         return walk_and_commit(sessions, trees, timer, host_features)

@@ -32,7 +32,7 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.session import AheadStep, VerifySession
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import session_draws, timed
+from verify_server.walk import session_draws, shared_taps, timed
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ class DecodesAhead:
         self._launched = 0
 
     def launchable(self, session_ids: list[str]) -> list[VerifySession] | None:
-        """The sessions, where one launch can take a step of each: all known and prefilled, all with the same taps
-        (none, or the same layers: one graph), with their choices made in the graph and all of one kind (greedy, or
-        sampled), none twice, each with room for its step, and those with a step unread all in the last step
-        launched; else None (the caller runs the calls the ordinary way)."""
+        """The sessions, where one launch can take a step of each: all known and prefilled, those with taps all
+        tapping the same layers (one graph, whose features the untapped ones leave), with their choices made in the
+        graph and all of one kind (greedy, or sampled), none twice, each with room for its step, and those with a
+        step unread all in the last step launched; else None (the caller runs the calls the ordinary way)."""
         if not self.fused.batches_static or len(self.unread) >= MAX_AHEAD or not session_ids:
             return None
         if len(session_ids) > self.fused.slots.max_sessions or len(set(session_ids)) < len(session_ids):
@@ -76,7 +76,7 @@ class DecodesAhead:
             if sess.ahead and sess.ahead[-1][0] is not last:
                 return None
             found.append(sess)
-        if len({sess.params.raw_argmax for sess in found}) > 1 or len({tuple(sess.taps) for sess in found}) > 1:
+        if len({sess.params.raw_argmax for sess in found}) > 1 or len({tuple(s.taps) for s in found if s.taps}) > 1:
             return None
         if not all(sess.has_room(sess.cache.length + len(sess.ahead) + 1) for sess in found):
             return None  # (the call that has no room gets its error the ordinary way)
@@ -97,7 +97,7 @@ class DecodesAhead:
                 root = -(sess.ahead[-1][1] + 1)
             items.append(BatchTree(sess.cache, ROOT_ONLY, root, len(sess.ahead)))
         roots_from = None if last is None else last.tokens
-        taps = tuple(sessions[0].taps)
+        taps = shared_taps(sessions)
         timer = self.timers.timer()
         greedy = sessions[0].params.raw_argmax
         try:
@@ -114,6 +114,9 @@ class DecodesAhead:
             if features is not None:
                 kept = []
                 for b, sess in enumerate(sessions):
+                    if not sess.taps:  # (an untapped session in a tapped graph: its features go nowhere)
+                        kept.append(None)
+                        continue
                     rows = features[b, :1]  # [1, taps*hidden] the root's row: the step's one committed position
                     dst, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
                     copies.append((dst, rows))

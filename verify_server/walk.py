@@ -97,6 +97,8 @@ def walk_and_commit(
             stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, True)
             copies.append((stored, rows))
             kept.append(rows_kept)
+        else:
+            kept.append(None)
     copy_together(copies)
     host = timer.sync((packed[0] if len(packed) == 1 else torch.cat(packed)).tolist)  # the single host sync
     results, at = [], 0
@@ -115,7 +117,7 @@ def walk_and_commit(
             sess.history.add_output(tokens)
         if sess.grammar is not None:
             sess.grammar.commit(tokens)
-        features = kept[i][: k + 1] if kept else None if tree.features is None else tree.features[keep]
+        features = kept[i][: k + 1] if kept[i] is not None else None if tree.features is None else tree.features[keep]
         logprobs = None if scored[i] is None else scored[i].read(k + 1)
         results.append(StepResult(tokens, features, logprobs=logprobs))
     return timed(results, timer)
@@ -133,6 +135,9 @@ def commit_captured(
     kept, copies = [], []
     if features is not None:
         for b, (sess, item) in enumerate(zip(sessions, items)):
+            if not sess.taps:  # (an untapped session in a tapped graph: its features go nowhere)
+                kept.append(None)
+                continue
             rows = features[b, : min(item.tree.max_depth + 1, features.shape[1])]  # [advance, taps*hidden]
             stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
             copies.append((stored, rows))
@@ -144,8 +149,15 @@ def commit_captured(
         k, bonus = host[b][0], host[b][1]
         sess.cache.length += k + 1
         sess.root = bonus
-        results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept else None))
+        results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept and kept[b] is not None
+                                  else None))
     return timed(results, timer)
+
+
+def shared_taps(sessions: list[VerifySession]) -> tuple[int, ...]:
+    """The layers a batch of sessions taps: those its tapped sessions share (one graph for all, whose features the
+    untapped ones leave); none where none taps."""
+    return next((tuple(sess.taps) for sess in sessions if sess.taps), ())
 
 
 def session_draws(sessions: list[VerifySession], items: list[BatchTree]) -> Callable[[], list[TreeDraws]]:

@@ -34,18 +34,19 @@ SAMPLED = (SamplingParams(temperature=0.8, top_k=20, seed=11), SamplingParams(te
 
 
 def run_rounds(
-    engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int, host_features: bool = False
+    engines: list[VerifyEngine], truths: list[list[int]], rounds: int, seed: int, host_features: bool = False,
+    untapped: frozenset[int] = frozenset(),
 ) -> list[list[int]]:
     """The same rounds on every engine: engines[0] verifies each round's calls together (verify_batch; its features
     handed over in host memory with host_features, as the service asks), the others one by one (verify / decode).
     Greedy sessions get oracle trees (the truth to a random depth among decoys) or a decode; the sampling sessions
-    get random trees. -> each session's tokens."""
+    get random trees; the sessions numbered in `untapped` tap no layers. -> each session's tokens."""
     rng = random.Random(seed)
     got = [[] for _ in truths]
     for engine in engines:
         for i, prompt in enumerate(PROMPTS):
             params = SAMPLED[i - GREEDY] if i >= GREEDY else SamplingParams()
-            engine.start_session(f"s{i}", 300, params, taps=[1, 3])
+            engine.start_session(f"s{i}", 300, params, taps=[] if i in untapped else [1, 3])
             first = engine.prefill(f"s{i}", prompt).tokens
             got[i] = list(first)
     for _ in range(rounds):
@@ -61,6 +62,9 @@ def run_rounds(
             for (session_id, tree), step in zip(calls, together):
                 alone = other.verify(session_id, tree)
                 assert alone.tokens == step.tokens
+                if alone.features is None:  # (an untapped session's, its batch's forward tapped for the others)
+                    assert step.features is None
+                    continue
                 assert step.features.device.type == ("cpu" if host_features else alone.features.device.type)
                 torch.testing.assert_close(alone.features, step.features.to(alone.features.device), atol=1e-4,
                                            rtol=1e-4)
@@ -69,18 +73,28 @@ def run_rounds(
     return got
 
 
-@pytest.mark.parametrize("path,host_features", [("fused", False), ("fused-static", False), ("fused-static", True)])
-def test_batched_rounds_equal_each_session_alone(path: str, host_features: bool, qwen3_target: Path) -> None:
+@pytest.mark.parametrize("path,host_features,untapped", [
+    ("fused", False, frozenset()), ("fused-static", False, frozenset()), ("fused-static", True, frozenset()),
+    ("fused", True, frozenset({1, 4})), ("fused-static", True, frozenset({0, 2, 5}))])
+def test_batched_rounds_equal_each_session_alone(
+    path: str, host_features: bool, untapped: frozenset[int], qwen3_target: Path
+) -> None:
     """Seven sessions a round (three greedy at different contexts, two sampling with top-k or top-p, two with
     temperature and min-p alone: a batch of each), trees of every size and AR steps mixed: the batch's tokens and
     features are those of each call alone (the sampled ones drawn from the same seeds), the greedy ones the target's
     own continuation, with deep acceptance; the sessions' caches end as long as what they committed. host_features:
     the features in host memory, each session's own (a captured greedy batch writes them to its ring of buffers,
-    which a later round reuses)."""
+    which a later round reuses). Untapped sessions share the tapped ones' forwards (one a kind of choice, whatever
+    the taps), and get no features."""
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     truths = [hf_greedy(model, prompt, 120) for prompt in PROMPTS[:GREEDY]] + [[]] * (len(PROMPTS) - GREEDY)
     engines = [make_engine(qwen3_target, path), make_engine(qwen3_target, path)]
-    got = run_rounds(engines, truths, rounds=14, seed=3, host_features=host_features)
+    forwards = []
+    together = engines[0].batched._verify_together
+    engines[0].batched._verify_together = lambda calls, *rest: forwards.append(len(calls)) or together(calls, *rest)
+    got = run_rounds(engines, truths, rounds=14, seed=3, host_features=host_features, untapped=untapped)
+    # a round's forwards: the greedy trees', the plain samples', the filtered samples' (a kind has 2-3 sessions)
+    assert len(forwards) == 14 * 3 and sum(forwards) == 14 * len(PROMPTS)
     for tokens, truth in zip(got[:GREEDY], truths):
         assert tokens == truth[: len(tokens)]
     steps = sum(len(tokens) for tokens in got[:GREEDY]) - GREEDY

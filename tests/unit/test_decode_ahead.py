@@ -182,19 +182,20 @@ def test_tapped_steps_launched_ahead_give_the_ordinary_tokens_and_features(
             assert token == alone_token and torch.equal(features, alone_features), name
 
 
-def test_a_launch_of_tapped_and_untapped_sessions_runs_the_ordinary_way(qwen3_target: Path) -> None:
-    """Sessions of other taps (none, or other layers) take other graphs: one launch takes none of them together,
-    and the calls, run as a batch, give the target's tokens, the tapped sessions' features with them."""
+def test_untapped_sessions_join_a_tapped_launch_and_sessions_of_other_layers_do_not(qwen3_target: Path) -> None:
+    """An untapped session rides in the tapped sessions' graph (its features go nowhere); sessions tapping other
+    layers take other graphs: one launch takes none of them together. The calls, run as a batch, give the target's
+    tokens, each tapped session's features with them, an untapped one's none."""
     engine = make_engine(qwen3_target, "fused-static")
     taps = {"s0": [1, 2], "s1": [1, 2], "s2": [], "s3": [0]}
     model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
     asked = prompts(len(taps), seed=13)
-    truth = {name: hf_greedy(model, prompt, 12) for name, prompt in asked.items()}
+    truth = {name: hf_greedy(model, prompt, 14) for name, prompt in asked.items()}
     got = {}
     for name, prompt in asked.items():
         engine.start_session(name, 1024, SamplingParams(), taps[name])
         got[name] = list(engine.prefill(name, prompt).tokens)
-    for ids in (["s0", "s2"], ["s2", "s0"], ["s0", "s3"], list(asked)):
+    for ids in (["s0", "s3"], ["s3", "s2", "s1"], list(asked)):
         assert engine.launch_decodes(ids) is None, ids
     assert not engine.ahead.unread
     for _ in range(10):
@@ -204,11 +205,13 @@ def test_a_launch_of_tapped_and_untapped_sessions_runs_the_ordinary_way(qwen3_ta
             width = len(taps[name]) * engine.hidden_size
             assert (None if result.features is None else result.features.shape) == ((1, width) if width else None)
             got[name] += result.tokens
-    step = engine.launch_decodes(["s0", "s1"])  # alike taps: one launch
-    assert step is not None
-    for name, result in zip(["s0", "s1"], engine.read_decodes(step)):
-        assert result.features.shape == (1, 2 * engine.hidden_size)
-        got[name] += result.tokens
+    for ids in (["s0", "s1"], ["s2", "s0", "s1"]):  # alike taps, and an untapped session beside them: one launch
+        step = engine.launch_decodes(ids)
+        assert step is not None
+        for name, result in zip(ids, engine.read_decodes(step)):
+            assert (None if result.features is None else result.features.shape) == (
+                None if name == "s2" else (1, 2 * engine.hidden_size))
+            got[name] += result.tokens
     for name in asked:
         assert got[name] == truth[name][: len(got[name])] and len(got[name]) >= 11, name
 
@@ -252,8 +255,8 @@ def test_what_one_launch_cannot_take_runs_the_ordinary_way(qwen3_target: Path) -
         engine.start_session(name, 512, p, [1] if name == "tapped" else [])
         engine.prefill(name, [5, 6, 7, 8])
     engine.start_session("unfilled", 512, SamplingParams(), [])
-    for ids in (["plain", "tapped"], ["plain", "biased"], ["plain", "hot"], ["topk"], ["plain", "plain"],
-                ["plain", "gone"], ["unfilled"], []):
+    for ids in (["plain", "biased"], ["plain", "hot"], ["topk"], ["plain", "plain"], ["plain", "gone"], ["unfilled"],
+                []):
         assert engine.launch_decodes(ids) is None, ids
     assert not engine.ahead.unread
     assert engine.launch_decodes(["plain"]) is not None and engine.launch_decodes(["hot"]) is not None
@@ -269,7 +272,7 @@ def test_the_service_launches_a_step_before_it_reads_the_last(qwen3_target: Path
     whose first AR step untaps it joins them."""
     engine = make_engine(qwen3_target, "fused-static")
     asked, truth, got = greedy_sessions(engine, qwen3_target, 3, 3, 24, tapped="s0")
-    assert engine.launch_decodes(list(asked)) is None  # s0 taps features, the others none
+    assert engine.ahead.launchable(list(asked)) is not None  # s0 taps features, the others none: one launch
     host = EngineHost(ServiceMetrics("ddtree_verify", "kv_cache_bytes", "KV", engine.device), STATUSES,
                       kv_cache_bytes, 600.0)
     host.engine = engine
