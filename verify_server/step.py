@@ -66,6 +66,7 @@ class Stepper:
         self.feeds: dict[str, Feed] = {}
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
         self._turns: dict[str, _Turn] = {}
+        self._turned = 0  # the sessions a step that explores drafts: the next few of its asking ones
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
@@ -146,8 +147,12 @@ class Stepper:
                 lost[i] = failure
             elif step.budget and feed.ready():
                 asking.append(i)
+        nodes, count = self._choose([steps[i].budget for i in asking], [self.feeds[steps[i].session_id].kind
+                                                                        for i in asking], len(decodes) - len(asking))
+        if count < len(asking):  # a step that explores drafts a few, the next few each time
+            start, self._turned = self._turned, self._turned + count
+            asking = sorted(asking[(start + j) % len(asking)] for j in range(count))
         kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
-        nodes = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(decodes) - len(asking))
         turn.ar.set_result(not nodes and not chunks)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
@@ -209,11 +214,11 @@ class Stepper:
                 if not steps[i].prompt.more:
                     await self.appended(steps[i].session_id)
 
-    def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> int:
+    def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> tuple[int, int]:
         """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
-        `other_rows` AR steps: 0 (AR), else the nodes their trees are cut to."""
+        `other_rows` AR steps: (0: AR, else the nodes their trees are cut to; how many of them draft, the first)."""
         if self.fit is None or not budgets:
-            return max(budgets, default=0)
+            return max(budgets, default=0), len(budgets)
         return self.fit.choose(budgets, kinds, other_rows)
 
     async def _draft(self, steps: list[SessionStep], drafting: list[int], lost: dict[int, Exception]

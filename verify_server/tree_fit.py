@@ -55,6 +55,9 @@ OUTLIER = 2.0
 # acceptance), AR where it would draft (a tree step measures no AR step's cost), so that both sides' measurements
 # follow the workload and the load, and a choice made on stale ones is seen to be wrong.
 EXPLORE_EVERY = 64
+# A step that explores trees among AR steps drafts this many sessions' trees, the others AR: enough rounds to
+# measure the acceptance and the draft's cost by, not a full tree step at the load that made AR the choice.
+EXPLORE_TREES = 4
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
 
@@ -223,22 +226,28 @@ class TreeFit:
             return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> int:
+    def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> tuple[int, int]:
         """A step's choice before its drafts, given its speculating sessions' budgets and sampling classes
-        (sampling_class) and its AR steps' rows: 0 (every session AR), else the nodes to cut each tree to; one step in
-        EXPLORE_EVERY takes the other choice (once a draft's cost is known). An optimisation: should choosing fail,
-        the step drafts its full trees, never fails."""
+        (sampling_class) and its AR steps' rows -> (0: every session AR, else the nodes to cut each tree to; how many
+        of the sessions draft, the others AR). One step in EXPLORE_EVERY takes the other choice (once a draft's cost
+        is known): where the fit goes AR, EXPLORE_TREES sessions' trees. An optimisation: should choosing fail, the
+        step drafts its full trees, never fails."""
+        trees = len(budgets)
         try:
             nodes = self.size(budgets, other_rows, classes)
             self._steps += 1
             if self._steps % EXPLORE_EVERY == 0 and self.draft_costs:
-                nodes = self.size(budgets, other_rows, classes, ar=False) if nodes == 0 else 0
+                if nodes:
+                    nodes = 0
+                else:
+                    trees = min(trees, EXPLORE_TREES)
+                    nodes = self.size(budgets[:trees], other_rows + len(budgets) - trees, classes[:trees], ar=False)
         except Exception:
             self._failed("choose a step's speculation")
-            return max(budgets, default=0)
+            return max(budgets, default=0), len(budgets)
         if self.chosen is not None:
             self.chosen.observe(nodes)
-        return nodes
+        return nodes, trees
 
     def fit(self, trees: list[DraftTree], nodes: int) -> list[DraftTree]:
         """A step's trees cut to `nodes` (choose's); should a cut fail, the trees as drafted."""

@@ -171,7 +171,8 @@ def test_fit_cuts_the_steps_trees_and_reports_the_size():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)  # rows cost, ranks > 2 never pay
     trees = [drafted(32, seed=i, wire=i != 1) for i in range(3)]  # a step's trees, whichever drafter drew them
     before = [tree_arrays(tree).copy() for tree in trees]
-    nodes = fit.choose([32] * 3, [0.0] * 3, other_rows=1)  # beside one AR step
+    nodes, trees_drafted = fit.choose([32] * 3, [0.0] * 3, other_rows=1)  # beside one AR step
+    assert trees_drafted == 3
     got = fit.fit(trees, nodes)
     sizes = [tree.num_nodes for tree in got]
     assert len(set(sizes)) == 1 and 0 < sizes[0] < 32
@@ -189,8 +190,8 @@ def test_a_steps_other_rows_count_in_its_cost():
     its trees' rows cost and are cut shorter."""
     fit = TreeFit()
     measured(fit, [0.9 * 0.85**i for i in range(32)], {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3)
-    alone = fit.choose([32] * 4, [0.0] * 4, other_rows=0)
-    beside = fit.choose([32] * 4, [0.0] * 4, other_rows=64)
+    (alone, _), (beside, _) = (fit.choose([32] * 4, [0.0] * 4, other_rows=0),
+                               fit.choose([32] * 4, [0.0] * 4, other_rows=64))
     assert 0 < beside < alone
     assert (alone, beside) == (fit.size([32] * 4, 0), fit.size([32] * 4, 64))
 
@@ -201,7 +202,7 @@ def test_seeded_sessions_trees_are_cut_like_any_other():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     trees = [drafted(32, seed=i) for i in range(3)]
     classes = [0.0, sampling_class(SamplingParams(temperature=0.8, seed=1)), 0.0]
-    sizes = [tree.num_nodes for tree in fit.fit(trees, fit.choose([32] * 3, classes, 0))]
+    sizes = [tree.num_nodes for tree in fit.fit(trees, fit.choose([32] * 3, classes, 0)[0])]
     assert sizes[0] == sizes[1] == sizes[2] < 32
 
 
@@ -246,7 +247,7 @@ def test_trees_without_nodes_stay_so(wire):
     assert fit.size([]) == 0
     roots = [step_tree(0, i, wire) for i in range(2)]
     assert [tree.num_nodes for tree in roots] == [0, 0]
-    nodes = fit.choose([32] * 3, [0.0] * 3, 0)
+    nodes, _ = fit.choose([32] * 3, [0.0] * 3, 0)
     sizes = [tree.num_nodes for tree in fit.fit(roots + [step_tree(32, 3, wire)], nodes)]
     assert sizes[:2] == [0, 0] and sizes[2] == nodes and 1 <= nodes < 32
     assert fit.failures == 0
@@ -273,15 +274,18 @@ def test_a_step_goes_ar_where_no_tree_pays_for_its_draft_and_speculates_again_as
     assert fit.size([32] * 2) > 0  # the load falls: trees again
     chosen = Histogram("chosen", "test", buckets=(0, 1, 32), registry=CollectorRegistry())
     fit.chosen = chosen
-    assert fit.choose([32] * 64, [0.0] * 64, 0) == 0
+    assert fit.choose([32] * 64, [0.0] * 64, 0) == (0, 64)
     assert [s.value for s in chosen.collect()[0].samples if s.name == "chosen_bucket"][0] == 1  # (le=0)
-    # one step in EXPLORE_EVERY takes the other choice: the best tree among AR steps (its rounds measure the
-    # acceptance), AR among tree steps (it measures an AR step's cost)
+    # one step in EXPLORE_EVERY takes the other choice: among AR steps, a few sessions' best tree beside the others'
+    # AR steps (its rounds measure the acceptance), AR among tree steps (it measures an AR step's cost)
+    few = tree_fit.EXPLORE_TREES
     picks = [fit.choose([32] * 64, [0.0] * 64, 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
-    drafted = [i for i, nodes in enumerate(picks) if nodes]
-    assert len(drafted) == 3 and all(picks[i] == fit.size([32] * 64, ar=False) > 0 for i in drafted)
+    drafted = [i for i, (nodes, _) in enumerate(picks) if nodes]
+    explored = (fit.size([32] * few, 64 - few, ar=False), few)
+    assert len(drafted) == 3 and all(picks[i] == explored and explored[0] > 0 for i in drafted)
+    assert all(pick == (0, 64) for i, pick in enumerate(picks) if i not in drafted)
     picks = [fit.choose([32], [0.0], 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
-    assert picks.count(0) == 3 and set(picks) == {0, fit.size([32])}
+    assert picks.count((0, 1)) == 3 and set(picks) == {(0, 1), (fit.size([32]), 1)}
 
 
 def test_a_steps_ar_rows_commit_their_tokens_too():
@@ -350,8 +354,8 @@ def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, o
         classes.append(sampling_class(SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)))
         step.append(step_tree(nodes, i, wire))
     budgets = [budget for *_, budget in trees]
-    chosen = fit.choose(budgets, classes, decodes)
-    assert fit.failures == 0 and 0 <= chosen <= max(budgets)
+    chosen, drafting = fit.choose(budgets, classes, decodes)
+    assert fit.failures == 0 and 0 <= chosen <= max(budgets) and 1 <= drafting <= len(budgets)
     assert chosen or fit.draft_costs
     if not chosen:
         return

@@ -238,3 +238,38 @@ def test_steps_of_other_sessions_go_their_own_way_and_a_sessions_steps_in_order(
     for sid in prompts:
         assert tokens[sid] == truth[sid][: len(tokens[sid])]
     assert all(size > 0 for size in sizes) and not verifier.stepper._turns
+
+
+def test_a_step_that_explores_trees_under_load_drafts_a_few_sessions_in_turn(
+    qwen3_target: Path, drafter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the choice is AR, the step in EXPLORE_EVERY that explores drafts EXPLORE_TREES sessions' trees (the
+    others AR beside them), the next ones each time; every token is the target's greedy one."""
+    monkeypatch.setattr(tree_fit, "EXPLORE_EVERY", 2)
+    monkeypatch.setattr(tree_fit, "EXPLORE_TREES", 1)
+    verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+    verifier.stepper.fit = FrozenFit()
+    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
+    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
+    truth = {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
+
+    async def run() -> tuple[dict[str, list[int]], list[list[int]]]:
+        for sid in prompts:
+            await drafter.start_session(sid, 1024)
+        firsts = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)
+                                      for sid, prompt in prompts.items()])
+        tokens = {sid: list(first.step.tokens) for sid, first in zip(prompts, firsts)}
+        sizes = []
+        for _ in range(6):
+            outcomes = await verifier.step([SessionStep(sid, 8) for sid in "abc"])
+            sizes.append([outcome.tree_size for outcome in outcomes])
+            for sid, outcome in zip("abc", outcomes):
+                tokens[sid] += outcome.step.tokens
+        return tokens, sizes
+
+    tokens, sizes = asyncio.run(run())
+    for sid in "abc":
+        assert tokens[sid] == truth[sid][: len(tokens[sid])]
+    assert sizes[0::2] == [[0, 0, 0]] * 3
+    explored = [[i for i, size in enumerate(step) if size] for step in sizes[1::2]]
+    assert explored == [[0], [1], [2]]  # one session's tree a time, in turn
