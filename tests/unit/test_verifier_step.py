@@ -28,6 +28,22 @@ def prompt_step(session_id: str, prompt: list[int], taps: list[int]) -> SessionS
     return SessionStep(session_id, prompt=PromptChunk(prompt, start=SessionStart(1024, SamplingParams(), taps)))
 
 
+def three_prompts(target: Path) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Sessions a, b and c's prompts (PROMPT turned) and the target's greedy continuations of them."""
+    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    return prompts, {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
+
+
+async def started(verifier, drafter, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The sessions started on both services, their prompts run in one step -> each one's first token."""
+    for sid in prompts:
+        await drafter.start_session(sid, 1024)
+    firsts = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)
+                                  for sid, prompt in prompts.items()])
+    return {sid: list(first.step.tokens) for sid, first in zip(prompts, firsts)}
+
+
 class GatedDrafter(LocalDrafter):
     """The in-process drafter whose appends wait for `gate`, recording each draft's asks; `failing`: the sessions
     whose drafts fail."""
@@ -169,16 +185,10 @@ def test_steps_go_ar_under_load_and_draft_again_as_it_falls(
     drafter.append = recorded
     verifier.stepper.drafter = drafter
     verifier.stepper.fit = FrozenFit()
-    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    truth = {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
+    prompts, truth = three_prompts(qwen3_target)
 
     async def run() -> tuple[dict[str, list[int]], list[list[int]]]:
-        for sid in prompts:
-            await drafter.start_session(sid, 1024)
-        firsts = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)
-                                      for sid, prompt in prompts.items()])  # three prompts in one step
-        tokens = {sid: list(first.step.tokens) for sid, first in zip(prompts, firsts)}
+        tokens = await started(verifier, drafter, prompts)  # three prompts in one step
         appends.clear()
         sizes = []
         for _ in range(4):  # all three: AR
@@ -249,16 +259,10 @@ def test_a_step_that_explores_trees_under_load_drafts_a_few_sessions_in_turn(
     monkeypatch.setattr(tree_fit, "EXPLORE_TREES", 1)
     verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
     verifier.stepper.fit = FrozenFit()
-    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    truth = {sid: hf_greedy(model, prompt, 64) for sid, prompt in prompts.items()}
+    prompts, truth = three_prompts(qwen3_target)
 
     async def run() -> tuple[dict[str, list[int]], list[list[int]]]:
-        for sid in prompts:
-            await drafter.start_session(sid, 1024)
-        firsts = await verifier.step([prompt_step(sid, prompt, drafter.target_layer_ids)
-                                      for sid, prompt in prompts.items()])
-        tokens = {sid: list(first.step.tokens) for sid, first in zip(prompts, firsts)}
+        tokens = await started(verifier, drafter, prompts)
         sizes = []
         for _ in range(6):
             outcomes = await verifier.step([SessionStep(sid, 8) for sid in "abc"])
