@@ -104,16 +104,20 @@ class BatchedRounds:
     ) -> list[StepResult | Exception]:
         """One forward for the calls' trees, then each tree's walk and compaction; one host sync for all. Where
         the batch cannot run (a GPU whose graphs could not find the slots, or out of memory: nothing is committed
-        yet), each call runs alone, captured, and fails alone if it must."""
+        yet), each half of it runs so, down to a call alone, captured, which fails alone if it must."""
         items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, calls)]
         try:
             results = self._run_together(sessions, items, host_features)
         except torch.OutOfMemoryError:
-            log.warning("a batch of %d trees ran out of memory; verifying them one by one", len(calls))
+            log.warning("a batch of %d trees ran out of memory; verifying it in halves", len(calls))
             results = None
-        if results is None:  # (a sampled tree's numbers are its positions': alone, it draws the same ones)
-            return [verify_alone(self.verify, session_id, tree, host_features) for session_id, tree in calls]
-        return results
+        if results is not None:
+            return results
+        if len(calls) == 1:  # (a sampled tree's numbers are its positions': alone, it draws the same ones)
+            return [verify_alone(self.verify, *calls[0], host_features)]
+        half = len(calls) // 2
+        return (self._verify_together(calls[:half], sessions[:half], host_features)
+                + self._verify_together(calls[half:], sessions[half:], host_features))
 
     def _run_together(
         self, sessions: list[VerifySession], items: list[BatchTree], host_features: bool

@@ -129,11 +129,12 @@ def test_a_failing_call_fails_alone(qwen3_target: Path) -> None:
     assert len(engine.decode("small").tokens) == 1  # untouched by its refused call
 
 
-def test_a_sampled_batch_out_of_memory_falls_back_to_the_same_draws_alone(qwen3_target: Path) -> None:
-    """A batch sampled in its graph that runs out of device memory after drawing its numbers is verified a round
-    at a time, and those rounds draw the same numbers: each seeded session's tokens are the ones an engine where
-    nothing failed gives."""
-    params = (SamplingParams(temperature=0.7, seed=21), SamplingParams(temperature=1.1, min_p=0.05, seed=22))
+def test_a_sampled_batch_out_of_memory_falls_back_to_halves_with_the_same_draws(qwen3_target: Path) -> None:
+    """A batch sampled in its graph that runs out of device memory after drawing its numbers is verified in halves
+    (here: a batch of four fails, its halves of two run), and those draw the same numbers: each seeded session's
+    tokens are the ones an engine where nothing failed gives."""
+    params = (SamplingParams(temperature=0.7, seed=21), SamplingParams(temperature=1.1, min_p=0.05, seed=22),
+              SamplingParams(temperature=0.9, seed=23), SamplingParams(temperature=0.8, min_p=0.1, seed=24))
     engines = [make_engine(qwen3_target, "fused-static") for _ in range(2)]
     for engine in engines:
         for i, p in enumerate(params):
@@ -141,10 +142,11 @@ def test_a_sampled_batch_out_of_memory_falls_back_to_the_same_draws_alone(qwen3_
             engine.prefill(f"s{i}", PROMPTS[i])
     runner = engines[0].fused
     alone_round = runner.sampled_round
-    failed = []
+    failed, ran = [], []
 
     def out_of_memory(items, taps, draws):  # noqa: ANN001, ANN202 - the runner's sampled_round, failing batches
-        if len(items) == 1:
+        if len(items) <= 2:
+            ran.append(len(items))
             return alone_round(items, taps, draws)
         draws()  # the numbers are drawn before the device runs out
         failed.append(len(items))
@@ -157,7 +159,7 @@ def test_a_sampled_batch_out_of_memory_falls_back_to_the_same_draws_alone(qwen3_
                                        2, rng.randint(0, 4))) for i in range(len(params))]
         together = engines[0].verify_batch(calls)
         assert [step.tokens for step in together] == [engines[1].verify(*call).tokens for call in calls]
-    assert failed == [2] * 6
+    assert failed == [4] * 6 and ran == [2, 2] * 6
 
 
 def test_a_hybrid_target_verifies_a_batch_one_call_at_a_time(hybrid_targets: dict[str, Path]) -> None:
