@@ -127,6 +127,8 @@ class Engine:
         request with min_tokens has its stop tokens held back until then."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not prompt:  # (its chunk would be a step's part of no token)
+            raise ValueError("the prompt holds no token")
         if spec.mode != "ar" and self.drafter is None:
             raise ValueError(f"mode {spec.mode!r} needs a drafter")
         seq = Sequence.of(prompt, params, spec, max_tokens, stop_ids)

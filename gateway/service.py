@@ -128,8 +128,8 @@ class GatewayService:
     def text_prompt(self, prompt: str | list[int], model: ModelInfo, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-            if not prompt:
-                raise APIError(400, "the prompt encodes to no tokens", param="prompt")
+        if not prompt:
+            raise APIError(400, "the prompt encodes to no tokens", param="prompt")
         bad = [t for t in prompt if not 0 <= t < model.vocab_size]
         if bad:
             raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {model.vocab_size})",

@@ -273,6 +273,7 @@ BAD_REQUESTS = [
      "speculation"),
     ("token id outside vocab", "/v1/completions", {"model": "tiny", "prompt": [3, 48]}, "prompt"),
     ("empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, "prompt"),
+    ("empty token prompt", "/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
     ("prompt fills the context", "/v1/completions", {"model": "tiny", "prompt": [5] * MAX_CONTEXT}, "max_tokens"),
     ("prompt + max_tokens over the context", "/v1/completions",
      {"model": "tiny", "prompt": [5] * 1000, "max_tokens": 25}, "max_tokens"),
