@@ -381,9 +381,9 @@ def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, serv
     without lanes): no draft and no feature passes through it."""
     opened: list[str] = []
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
+    assert fallbacks == []  # the drafter really served every round
     in_process = _in_process_as(remote, local, mode, SamplingParams())
     assert opened == ["Step:Lane" if lanes else "Step:UnaryCalls"]
-    assert fallbacks == []  # the drafter really served every round
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
     # the same trees were drafted and the same paths accepted, round by round
     assert [(r.tree_size, r.accepted) for r in remote] == [(r.tree_size, r.accepted) for r in in_process]

@@ -133,8 +133,8 @@ def test_lane_headers_claiming_large_bodies_cost_nothing_and_oversized_ones_are_
 
 
 def test_a_verifier_out_of_sessions_gets_503_with_retry_after(verifier, target) -> None:
-    """Another client holds the verifier's only session: the gateway's first call, the Prefill that starts the
-    request's session, is RESOURCE_EXHAUSTED, which its client hears as 503 with Retry-After (a stream: an error
+    """Another client holds the verifier's only session: the gateway's first call, the Step whose prompt chunk starts
+    the request's session, is RESOURCE_EXHAUSTED, which its client hears as 503 with Retry-After (a stream: an error
     event, then [DONE]); once the session ends, the same request is served."""
     request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
 
@@ -160,7 +160,7 @@ def test_a_verifier_out_of_sessions_gets_503_with_retry_after(verifier, target) 
     refused, streamed, served = asyncio.run(scenario())
     assert refused.status_code == 503 and int(refused.response.headers["Retry-After"]) >= 1
     error = refused.response.json()["error"]
-    assert error["code"] == "service_unavailable" and "Prefill" in error["message"]
+    assert error["code"] == "service_unavailable" and "Verifier/Step" in error["message"]
     assert "session slots are in use" in error["message"]
     assert "RESOURCE_EXHAUSTED" in error["message"]
     assert streamed[-1] == "[DONE]" and streamed[-2]["error"]["code"] == "service_unavailable"

@@ -31,8 +31,10 @@ REQUESTS = 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
     # --shutdown-grace 0: nothing is in flight when it stops
+    # --no-fit-trees: every ddtree level drafts (the verifier's choice follows the machine's load, and on a busy
+    # CPU a level of a few steps may run all of them AR, leaving its speculation fields empty)
     with serve_stack(tmp_path_factory.mktemp("load_bench"), "--max-sessions", str(SESSIONS), "--max-running",
-                     str(SESSIONS), "--health-interval", "0.5", "--shutdown-grace", "0") as running:
+                     str(SESSIONS), "--health-interval", "0.5", "--shutdown-grace", "0", "--no-fit-trees") as running:
         yield running
 
 
@@ -75,9 +77,10 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
             assert r[f"{name}_p99_s"] >= r[f"{name}_p50_s"] > 0, name
         assert r["mean_step_batch"] >= 1 and r["mean_verify_batch"] >= 1 and r["forwards_per_s"] > 0
         assert r["mean_prefill_batch"] >= 1
-        # the TTFT's parts: the wait for a slot, then the sessions' start and prefill, each request's verifier calls
+        # the TTFT's parts: the wait for a slot, then the sessions' start and prefill; each request's session end
+        # (its start rides in its prompt's first step)
         assert set(r["ttft_parts_ms"]) == {"queue", "prefill"} and r["ttft_parts_ms"]["prefill"] > 0
-        assert {"Prefill", "EndSession"} <= set(r["verifier_rpc_ms"]) and r["prefill_forward_ms"] > 0
+        assert set(r["verifier_rpc_ms"]) == {"EndSession"}
         assert r["graphs_captured"] == 0  # no CUDA graphs on a CPU
         assert r["launched_ahead"] == 0  # AR steps launch ahead on the static path alone, a GPU's
         assert "verify" in r["round_phase_ms"]
@@ -89,7 +92,7 @@ def test_load_bench_reports_every_level(stack: ServeStack, tmp_path: Path) -> No
             assert r["tau"] >= 1 and r["mean_draft_batch"] >= 1
             # drafted at the requests' budget, 16 nodes; a step may verify fewer
             assert r["mean_tree_size"] == 16 and list(r["tree_sizes"]) == ["16"]
-            assert r["mean_fitted_tree_size"] is None or 1 <= r["mean_fitted_tree_size"] <= 16
+            assert r["mean_fitted_tree_size"] is None  # (no fit: trees as drafted)
         if r["temperature"] == 0:
             assert r["equal_alone"] == 1.0
             assert len(r["texts"]) == r["clients"] and all(t for texts in r["texts"] for t in texts)

@@ -217,7 +217,7 @@ def test_services_share_a_system_prompt(tmp_path: Path) -> None:
         gateway = subprocess.Popen(
             [sys.executable, "-m", "ddtree.cli", "gateway", "--target", str(target), "--host", "127.0.0.1",
              "--port", str(http), "--verifier", f"127.0.0.1:{verify}", "--drafter", f"127.0.0.1:{draft}",
-             "--prefill-chunk", str(2 * BLOCK_TOKENS)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             "--max-step-tokens", str(2 * BLOCK_TOKENS)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{http}"
     try:
         wait_serving(drafter_service, verifier)
