@@ -81,7 +81,7 @@ class LocalVerifier:
             calls.append((session_id, ROOT_ONLY if tree is None else tree))
             at.append(i)
         for i, result in zip(at, self.engine.verify_batch(calls) if calls else []):
-            outcomes[i] = _short(result) if isinstance(result, (MemoryShortError, torch.OutOfMemoryError)) else result
+            outcomes[i] = _as_read(result)
         return outcomes
 
     async def _prefill(self, items: list[tuple[str, PromptChunk]]) -> list[StepResult | Exception]:
@@ -96,17 +96,14 @@ class LocalVerifier:
                         raise ValueError("a session with taps needs the verifier's drafter (load_local's drafter)")
                     self.engine.start_session(session_id, start.capacity, start.params, list(start.taps))
                 except Exception as exc:  # noqa: BLE001 - this chunk's own failure
-                    outcomes[i] = _short(exc) if isinstance(exc, (MemoryShortError, torch.OutOfMemoryError)) else exc
+                    outcomes[i] = _as_read(exc)
                     continue
             calls.append(PrefillCall(session_id, list(chunk.tokens), chunk.more, False, chunk.skip_features))
             at.append(i)
         for i, result in zip(at, self.engine.prefill_batch(calls) if calls else []):
-            if isinstance(result, Exception):
-                if items[i][1].start is not None:
-                    self.engine.end_session(items[i][0])  # a failed chunk holds nothing
-                if isinstance(result, (MemoryShortError, torch.OutOfMemoryError)):
-                    result = _short(result)
-            outcomes[i] = result
+            if isinstance(result, Exception) and items[i][1].start is not None:
+                self.engine.end_session(items[i][0])  # a failed chunk holds nothing
+            outcomes[i] = _as_read(result)
         return outcomes
 
     async def end_session(self, session_id: str) -> None:
@@ -114,10 +111,13 @@ class LocalVerifier:
         self.engine.end_session(session_id)
 
 
-def _short(exc: Exception) -> MemoryShort:
-    """The engine's memory shortage as the step engine reads it (as gRPC's ABORTED over the wire)."""
-    short = MemoryShort(str(exc))
-    short.__cause__ = exc
+def _as_read(outcome: StepResult | Exception) -> StepResult | Exception:
+    """An engine's outcome as the step engine reads it: a memory shortage as MemoryShort (gRPC's ABORTED over the
+    wire), anything else as it is."""
+    if not isinstance(outcome, (MemoryShortError, torch.OutOfMemoryError)):
+        return outcome
+    short = MemoryShort(str(outcome))
+    short.__cause__ = outcome
     return short
 
 

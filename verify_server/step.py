@@ -147,12 +147,11 @@ class Stepper:
                 lost[i] = failure
             elif step.budget and feed.ready():
                 asking.append(i)
-        nodes, count = self._choose([steps[i].budget for i in asking], [self.feeds[steps[i].session_id].kind
-                                                                        for i in asking], len(decodes) - len(asking))
+        kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
+        nodes, count = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(decodes) - len(asking))
         if count < len(asking):  # a step that explores drafts a few, the next few each time
             start, self._turned = self._turned, self._turned + count
             asking = sorted(asking[(start + j) % len(asking)] for j in range(count))
-        kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
         turn.ar.set_result(not nodes and not chunks)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
