@@ -104,11 +104,10 @@ class _PathWalk:
             if here != there:
                 break
             common += 1
-        matcher = self.grammar.matcher
         if len(self.path) > common:
-            matcher.rollback(len(self.path) - common)
+            self.grammar.matcher.rollback(len(self.path) - common)
         for n in target[common:]:
-            if not matcher.accept_token(self.tokens[n]):
+            if not self.grammar.accept(self.tokens[n]):
                 raise RuntimeError(f"the grammar refused token {self.tokens[n]}, which it allowed when drafted")
         self.path = target
 

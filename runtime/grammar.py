@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
@@ -93,18 +94,26 @@ def parse_grammar(description: str) -> xgr.Grammar:
 class Grammars:
     """The target vocabulary's grammar compiler, and its compiled grammars by wire grammar."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, vocab_size: int) -> None:
+        """tokenizer_info: the tokenizer's own vocabulary (its ids 0..tokens-1); vocab_size: the model's, which may
+        pad it (Qwen3's lm_head has 151,936 rows for 151,669 ids)."""
         self.compiler = xgr.GrammarCompiler(tokenizer_info, cache_enabled=False)  # cached here, by canonical JSON
-        self.vocab_size = tokenizer_info.vocab_size
+        self.tokens = tokenizer_info.vocab_size
+        self.vocab_size = vocab_size
         self.stop_ids = list(tokenizer_info.stop_token_ids)
         self.compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
 
     @classmethod
     def from_target(cls, path: str | Path, vocab_size: int, eos_ids: list[int]) -> Grammars:
-        """The target directory's tokenizer; vocab_size: the target's lm_head rows (masks pad the tokenizer's
-        vocabulary to it); eos_ids: what ends a generation, the only tokens allowed once the grammar is complete."""
+        """The target directory's tokenizer; vocab_size: the target's lm_head rows; eos_ids: what ends a
+        generation, the only tokens allowed once the grammar is complete. The matcher knows the tokenizer's ids
+        only: xgrammar counts every padding id as a special token, which each of its token checks searches (a
+        small tokenizer padded to a large model's rows made every check 30 times slower); the masks forbid the
+        padding ids themselves (GrammarState.fill)."""
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids))
+        tokens = min(vocab_size, max(tokenizer.get_vocab().values()) + 1)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=tokens, stop_token_ids=eos_ids)
+        return cls(info, vocab_size)
 
     def compile(self, description: str) -> xgr.CompiledGrammar:
         """ValueError naming what is wrong with a grammar that does not compile."""
@@ -118,27 +127,56 @@ class Grammars:
         return compiled
 
     def start(self, description: str) -> GrammarState:
-        return GrammarState(xgr.GrammarMatcher(self.compile(description)), self.vocab_size, self.stop_ids)
+        matcher = xgr.GrammarMatcher(self.compile(description))
+        return GrammarState(matcher, self.tokens, self.vocab_size, self.stop_ids)
 
 
 class GrammarState:
     """A session's grammar at its committed tokens: `matcher` has accepted them (up to the grammar's completion).
     A caller that explores further (a tree's paths) accepts tokens and rolls them back before the next commit."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int, stop_ids: list[int]) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, tokens: int, vocab_size: int, stop_ids: list[int]) -> None:
+        """tokens: the ids the matcher knows (the tokenizer's); vocab_size: the model's, >= tokens (the rest
+        padding, never allowed)."""
         self.matcher = matcher
+        self.tokens = tokens
         self.vocab_size = vocab_size
         self.stop_ids = frozenset(stop_ids)
+        # [words] int32: the mask of a completed grammar, whose matcher has nothing to fill
+        self.stops_only = xgr.allocate_token_bitmask(1, vocab_size)[0].zero_()
+        for t in self.stop_ids:
+            self.stops_only[t // 32] |= 1 << (t % 32)
+        # [1, words(tokens)] int32: where the matcher fills a row when the model's rows pad its vocabulary
+        self._row = xgr.allocate_token_bitmask(1, tokens) if tokens < vocab_size else None
+
+    def accept(self, token: int) -> bool:
+        """Accepts `token` where the matcher stands, if the grammar takes it (a padding id it never does)."""
+        return token < self.tokens and self.matcher.accept_token(token)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` where the matcher stands: a completed (terminated) grammar takes only
         the stop tokens, and accepting one leaves the matcher where it was."""
         if self.matcher.is_terminated():
             return token in self.stop_ids
-        if not self.matcher.accept_token(token):
+        if not self.accept(token):
             return False
         self.matcher.rollback(1)
         return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """bitmask [n, words(vocab_size)] int32: its row `row` set to the tokens the grammar takes where the matcher
+        stands (only the stop tokens once it has completed; never a padding id)."""
+        if self.matcher.is_terminated():
+            bitmask[row] = self.stops_only
+        elif self._row is None:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            self.matcher.fill_next_token_bitmask(self._row, 0)
+            words = self._row.shape[1]
+            bitmask[row, :words] = self._row[0]
+            bitmask[row, words:] = 0
+            if self.tokens % 32:  # the last word's bits past the tokenizer's ids
+                bitmask[row, words - 1] &= (1 << (self.tokens % 32)) - 1
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next where the matcher stands, [] where none is (or it has completed):
@@ -156,7 +194,7 @@ class GrammarState:
         for t in tokens:
             if self.matcher.is_terminated():
                 break
-            if not self.matcher.accept_token(t):
+            if not self.accept(t):
                 if fed:
                     self.matcher.rollback(fed)
                 raise ValueError(f"token {t} was committed against the session's grammar")

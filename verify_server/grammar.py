@@ -21,10 +21,6 @@ class TreeGrammar:
     def __init__(self, state: GrammarState) -> None:
         self.state = state
         self.matcher = state.matcher
-        # [words] int32: the mask of a completed grammar, whose matcher has nothing to fill
-        self.stops_only = xgr.allocate_token_bitmask(1, state.vocab_size)[0].zero_()
-        for t in state.stop_ids:
-            self.stops_only[t // 32] |= 1 << (t % 32)
 
     def masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """A tree's tokens and parents (the root first, each parent before its children) -> [q, words] int32
@@ -36,25 +32,19 @@ class TreeGrammar:
         children: list[list[int]] = [[] for _ in range(q)]
         for node in range(1, q):
             children[parents[node]].append(node)
-        self._fill(bitmask, 0)
+        self.state.fill(bitmask, 0)
         stack = [(child, False) for child in reversed(children[0])]
         while stack:
             node, leaving = stack.pop()
             if leaving:
                 self.matcher.rollback(1)
                 continue
-            if self.matcher.is_terminated() or not self.matcher.accept_token(tokens[node]):
+            if self.matcher.is_terminated() or not self.state.accept(tokens[node]):
                 continue
-            self._fill(bitmask, node)
+            self.state.fill(bitmask, node)
             stack.append((node, True))
             stack.extend((child, False) for child in reversed(children[node]))
         return bitmask
-
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.matcher.is_terminated():
-            bitmask[row] = self.stops_only
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def constrain(self, logits: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """logits [q, V] of a tree's nodes -> a copy with every forbidden token at -inf [q, V] fp32."""

@@ -218,6 +218,34 @@ def test_past_completion_only_stop_tokens(demo) -> None:
         assert state.matcher.is_terminated() == (committed != text)
 
 
+@pytest.mark.parametrize("padding", [45, 143744])
+def test_model_rows_past_the_tokenizer_are_never_allowed(demo, padding: int) -> None:
+    """A model whose rows pad the tokenizer's ids (Qwen3's 151,936 for 151,669; an embedded pair's for the demo
+    tokenizer's 8192): the matcher knows the tokenizer's ids only, yet each mask along a schema's output is bitwise
+    that of xgrammar's own matcher over the model's rows (which counts padding as special tokens), and a padding id
+    is refused."""
+    target, tokenizer, vocab = demo[0], demo[2], demo[4] + padding
+    eos = read_eos_ids(target)
+    state = Grammars.from_target(target, vocab, eos).start(json_schema_grammar(SCHEMA))
+    assert state.tokens == demo[4] and state.vocab_size == vocab
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=eos)
+    own = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(parse_grammar(json_schema_grammar(SCHEMA))))
+    ours, theirs = xgr.allocate_token_bitmask(1, vocab), xgr.allocate_token_bitmask(1, vocab)
+    output = encode(demo, '{"sky": "blue", "clear": true}') + eos[:1]
+    for token in output:
+        state.fill(ours, 0)
+        own.fill_next_token_bitmask(theirs, 0)
+        assert torch.equal(ours, theirs)
+        assert not state.allows(vocab - 1) and not state.allows(demo[4])
+        assert state.allows(token)
+        state.commit([token])
+        assert own.accept_token(token)
+    assert state.matcher.is_terminated() and own.is_terminated()
+    state.fill(ours, 0)
+    allowed = ((ours[0, :, None] >> torch.arange(32)) & 1).flatten()[:vocab]  # [vocab] 1 where allowed
+    assert allowed.nonzero().flatten().tolist() == sorted(eos)  # past completion: the stop tokens alone
+
+
 def test_committed_tokens_are_checked(demo) -> None:
     """Each error leaves the grammar where it was: the next good draft's tokens go on from there."""
     grammar = DraftGrammar(demo[3].start(json_schema_grammar(SCHEMA)))
