@@ -59,6 +59,13 @@ class SamplingParams:
         return self.greedy and not self.processed and self.logprobs is None and not self.grammar
 
     @property
+    def masked_argmax(self) -> bool:
+        """The target's choice is the argmax of its raw logits among the tokens the request's grammar allows there,
+        and nothing else is read from them: the grammar rounds the captured paths serve, with the masks as the
+        graph's input."""
+        return self.greedy and not self.processed and self.logprobs is None and bool(self.grammar)
+
+    @property
     def plain_sample(self) -> bool:
         """The target's choice is a sample after temperature and min-p alone (no processor, top-k or top-p, no
         logprobs, no grammar): the sampled rounds a captured batch draws inside its CUDA graph."""

@@ -15,12 +15,13 @@ import torch
 from tests.interpreted_engines import (check_deterministic, check_draft_batch, check_draft_warm_up, check_drafter,
                                        check_verify, check_warm_up, check_warm_up_tapped)
 from tests.interpreted_kernels import (DEVICE, check_batch, check_compaction, check_flash, check_gemv, check_invariant,
-                                       check_tree)
+                                       check_token_masks, check_tree)
 
 CHECKS = {"tree": check_tree, "flash": check_flash, "gemv": check_gemv, "drafter": check_drafter,
           "compaction": check_compaction, "batch": check_batch, "draft_batch": check_draft_batch,
           "verify": check_verify, "warm_up": check_warm_up, "warm_up_tapped": check_warm_up_tapped,
-          "draft_warm_up": check_draft_warm_up, "invariant": check_invariant, "deterministic": check_deterministic}
+          "draft_warm_up": check_draft_warm_up, "invariant": check_invariant, "deterministic": check_deterministic,
+          "token_masks": check_token_masks}
 
 if __name__ == "__main__":
     assert DEVICE.type == "cuda" or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"

@@ -31,6 +31,7 @@ from kernels.gemv import default_fused_rows, gemv_supported
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.cache_slots import MIN_SLOT_TOKENS, PooledCaches, size_class
+from verify_server.grammar import TreeGrammar
 from verify_server.kv_cache import KVCache, slot_addresses
 from verify_server.sampling import TreeDraws
 from verify_server.step_attention import FLASH, INVARIANT, chunk_mask, step_mask
@@ -197,15 +198,16 @@ class FusedRunner:
         return logits, None if features is None else features[: len(prompt)].clone()
 
     def greedy_round(
-        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, grammar: TreeGrammar | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A whole greedy verify round in one replay: forward, argmax, acceptance walk (verify_server/walk.py) and
         compaction of the accepted path's K/V to slots [length, length+k+1). -> (packed [2 + qb] as accept_path
         returns it, features of the path's nodes [qb, taps*hidden] (first k+1 rows valid) or None); None when the
         step is not captured (eager mode, or a tree beyond the largest bucket): run it the general way. The tree may
         be on the host or the device; `root` replaces its root token. Every output is rewritten by the next replay
-        of the same graph. The caller tracks the committed length."""
-        return self.trees.lone_greedy(cache, taps, tree, root, self.graphs if self.static else None)
+        of the same graph. The caller tracks the committed length. grammar: the session's, whose masks the argmax
+        keeps to (TreeSteps.greedy)."""
+        return self.trees.lone_greedy(cache, taps, tree, root, self.graphs if self.static else None, grammar)
 
     def tree_forward(
         self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int
@@ -242,10 +244,12 @@ class FusedRunner:
         return self.decoder.logits(hidden.index_select(0, last), compiled=True), features, rows
 
     def batch_round(
-        self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None
+        self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None,
+        grammars: list[TreeGrammar] | None = None,
     ) -> GreedyOutputs | None:
-        """Greedy rounds of several sessions in one replay (TreeSteps.greedy); None where not captured."""
-        return self.trees.greedy(items, taps, self.graphs if self.static else None, roots_from)
+        """Greedy rounds of several sessions in one replay, within their grammars where given (TreeSteps.greedy);
+        None where not captured."""
+        return self.trees.greedy(items, taps, self.graphs if self.static else None, roots_from, grammars)
 
     def sampled_round(
         self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]],

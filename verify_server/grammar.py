@@ -22,13 +22,20 @@ class TreeGrammar:
         self.state = state
         self.matcher = state.matcher
 
-    def masks(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    @property
+    def words(self) -> int:
+        """A mask row's int32 words: the model's vocabulary, 32 tokens a word."""
+        return (self.state.vocab_size + 31) // 32
+
+    def masks(self, tokens: list[int], parents: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A tree's tokens and parents (the root first, each parent before its children) -> [q, words] int32
         bitmask: row i allows the tokens the grammar accepts after the committed tokens and the path root..i
         (the root is committed already). A node whose token the grammar refuses keeps an all-ones row, as does
-        its subtree: its parent's choice can never be its token, so no path reaches it."""
+        its subtree: its parent's choice can never be its token, so no path reaches it. out: rows [>= q, words]
+        to write them into (all ones already), a captured step's staged input; None: new ones."""
         q = len(tokens)
-        bitmask = xgr.allocate_token_bitmask(q, self.state.vocab_size)  # [q, ceil(V / 32)], all allowed
+        # [q, ceil(V / 32)], all allowed
+        bitmask = xgr.allocate_token_bitmask(q, self.state.vocab_size) if out is None else out[:q]
         children: list[list[int]] = [[] for _ in range(q)]
         for node in range(1, q):
             children[parents[node]].append(node)

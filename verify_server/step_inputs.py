@@ -7,6 +7,7 @@ tree_steps.py capture and replay the steps around them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,39 @@ class PromptBuffers:
         if addresses is not None:
             host[3 * self.qb + 3 :] = addresses
         self.inputs.copy_(self.staging, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+@dataclass
+class MaskBuffers:
+    """A captured grammar batch's masks, rewritten before each replay in one copy: each tree's nodes' allowed
+    tokens (verify_server/grammar.py TreeGrammar.masks), its rows of qb; a padding node's row and a filler tree's
+    allow everything (their nodes are never accepted).
+
+    masks   [B * qb, words] int32 on the device, a graph input (kernels/token_masks.py)
+    staging the same on the host (pinned on a GPU), which the grammars fill in place; `copied` as BatchBuffers'
+    """
+
+    masks: torch.Tensor
+    staging: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def allocate(cls, rows: int, words: int, device: torch.device) -> MaskBuffers:
+        masks = torch.full((rows, words), -1, dtype=torch.int32, device=device)
+        staging = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return cls(masks, staging, torch.cuda.Event() if device.type == "cuda" else None)
+
+    def write(self, qb: int, fills: list[Callable[[torch.Tensor], None]]) -> None:
+        """fills: tree b's, which writes its q rows of the masks (a [q, words] view of the staging's rows b * qb
+        onwards) and leaves the rest; the others allow everything."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous copy has left the staging buffer
+        self.staging.fill_(-1)
+        for b, fill in enumerate(fills):
+            fill(self.staging[b * qb : (b + 1) * qb])
+        self.masks.copy_(self.staging, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 

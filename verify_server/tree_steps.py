@@ -15,14 +15,16 @@ from collections.abc import Callable, Hashable
 import torch
 
 from kernels.cuda_graphs import GraphPool, key_bucket
+from kernels.token_masks import masked_argmax
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.cache_slots import MIN_SLOT_TOKENS
+from verify_server.grammar import TreeGrammar
 from verify_server.kv_cache import KVCache
 from verify_server.sampling import TreeDraws, sample_rows, tempered_probs
 from verify_server.step_attention import FLASH, INVARIANT
 from verify_server.step_inputs import (
-    ROOT_ONLY, BatchBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
+    ROOT_ONLY, BatchBuffers, MaskBuffers, TreeInputs, bucket, greedy_outcome, unpack_step,
 )
 from verify_server.tree_batch import BatchTree, TreeBatch, build_batch
 
@@ -52,6 +54,7 @@ class TreeSteps:
         self._slot_key = slot_key
         self._scratch: KVCache | None = None  # where a captured batch's filler trees write; made on first need
         self._buffers: dict[tuple[int, int], BatchBuffers] = {}  # (trees, bucket) -> static inputs
+        self._masks: dict[tuple[int, int], MaskBuffers] = {}  # (trees, bucket) -> a grammar batch's masks
         self.configure(False)
 
     def configure(self, compile: bool) -> None:
@@ -91,19 +94,39 @@ class TreeSteps:
 
     def greedy(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
-        roots_from: torch.Tensor | None = None,
+        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar] | None = None,
     ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay, each tree padded to the query bucket of the largest ->
         (packed [trees, 2 + qb], each row as accept_path returns it; features of each path's nodes [trees, qb,
         taps*hidden], the first k+1 rows of each valid, or None), rewritten by the graph's next replay; None where it
         is not captured (see _prepare). The caller commits each tree's k + 1 rows; rows past the items are filler.
         roots_from: the tokens [n] of a step launched before, on the device, that the roots written as -(i + 1)
-        stand for (BatchTree.root)."""
+        stand for (BatchTree.root). grammars: each item's session's (a batch of grammar sessions): each node's
+        choice is the argmax among the tokens its grammar allows there, its masks written on the host before the
+        replay (the uncaptured walk's choices, TreeGrammar.constrain)."""
         prepared = self._prepare(items, graphs, roots_from=roots_from)
         if prepared is None:
             return None
         buf, kv_len = prepared
-        return graphs.run(self._key(buf, kv_len, taps, "batch"), lambda: self._round(buf, taps, kv_len))
+        if grammars is None:
+            return graphs.run(self._key(buf, kv_len, taps, "batch"), lambda: self._round(buf, taps, kv_len))
+        masks = self._grammar_masks(buf, items, grammars)
+        return graphs.run(self._key(buf, kv_len, taps, "batch-grammar"),
+                          lambda: self._round(buf, taps, kv_len, masks=masks))
+
+    def _grammar_masks(self, buf: BatchBuffers, items: list[BatchTree], grammars: list[TreeGrammar]) -> torch.Tensor:
+        """The batch's masks [trees * qb, words] on the device, written from each item's tree and grammar."""
+        trees, qb = buf.inputs.shape[0], buf.qb
+        masks = self._masks.get((trees, qb))
+        if masks is None:
+            words = grammars[0].words
+            masks = self._masks[(trees, qb)] = MaskBuffers.allocate(trees * qb, words, self.decoder.embed.device)
+
+        def fill(tree: DraftTree, grammar: TreeGrammar) -> Callable[[torch.Tensor], None]:
+            return lambda rows: grammar.masks(tree.tokens.tolist(), tree.parents.tolist(), rows)
+
+        masks.write(qb, [fill(item.tree, grammar) for item, grammar in zip(items, grammars)])
+        return masks.masks
 
     def sampled(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
@@ -158,16 +181,22 @@ class TreeSteps:
         return hidden, features, [slice(b * qb, b * qb + q) for b, q in enumerate(lengths)]
 
     def lone_greedy(
-        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, graphs: GraphPool | None
+        self, cache: KVCache, taps: tuple[int, ...], tree: DraftTree, root: int, graphs: GraphPool | None,
+        grammar: TreeGrammar | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """greedy for one session's round (FusedRunner.greedy_round): its row of the packed outcomes and of the
-        path features."""
-        prepared = self._prepare([BatchTree(cache, tree, root)], graphs)
+        """greedy for one session's round (FusedRunner.greedy_round), within its grammar if any: its row of the
+        packed outcomes and of the path features."""
+        items = [BatchTree(cache, tree, root)]
+        prepared = self._prepare(items, graphs)
         if prepared is None:
             return None
         buf, kv_len = prepared
-        key = self._key(buf, kv_len, taps, "batch")
-        packed, features = graphs.run(key, lambda: self._round(buf, taps, kv_len))
+        if grammar is None:
+            key = self._key(buf, kv_len, taps, "batch")
+            packed, features = graphs.run(key, lambda: self._round(buf, taps, kv_len))
+        else:
+            key, masks = self._key(buf, kv_len, taps, "batch-grammar"), self._grammar_masks(buf, items, [grammar])
+            packed, features = graphs.run(key, lambda: self._round(buf, taps, kv_len, masks=masks))
         made = self._lone_outputs.get(key)
         if made is not None and made[0] is packed:  # the same graph's outputs (a dropped key is captured anew)
             return made[1]
@@ -249,11 +278,14 @@ class TreeSteps:
                                              lambda: self._hidden(buf, taps, kv_len))
         return hidden, features, xs
 
-    def _round(self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int, sampled: bool = False) -> GreedyOutputs:
+    def _round(
+        self, buf: BatchBuffers, taps: tuple[int, ...], kv_len: int, sampled: bool = False,
+        masks: torch.Tensor | None = None,
+    ) -> GreedyOutputs:
         """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its
         compaction reads them, and the compaction only reads slots in that range. Padding nodes never match (valid
         is False), so they are never accepted. sampled: the choices are drawn with the buffer's draws, else the
-        argmax."""
+        argmax (among the tokens `masks` [trees * qb, words] allows each row, where given)."""
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         trees, qb = len(xs), buf.qb
@@ -262,6 +294,8 @@ class TreeSteps:
                                   for i in (0, 1))
             depths = buf.inputs[:, 2 * qb : 3 * qb]  # [trees, qb] (a padding row's stale depth is below qb too)
             choices = sample_rows(tempered_probs(logits, temperature, min_p), buf.draws[:, :qb].gather(1, depths).reshape(-1))
+        elif masks is not None:
+            choices = masked_argmax(logits, masks)  # [trees * qb]
         else:
             choices = logits.argmax(dim=-1)  # [trees * qb]
         outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]

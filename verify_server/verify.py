@@ -339,8 +339,9 @@ class VerifyEngine:
         sess.check_room(sess.cache.length, q)
         timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
-        if sess.params.raw_argmax and self.fused is not None:  # forward, argmax, walk and compaction in one replay
-            captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root)
+        greedy = sess.params.raw_argmax or sess.params.masked_argmax
+        if greedy and self.fused is not None:  # forward, argmax (within the grammar), walk and compaction in one replay
+            captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root, sess.grammar)
             if captured is not None:
                 return self._commit_greedy(sess, tree, captured, timer, host_features)
         if sess.params.plain_sample and self.fused is not None:  # forward, choices, walk and compaction in one replay
@@ -385,8 +386,10 @@ class VerifyEngine:
         k, bonus = read[0], read[1]
         sess.cache.length += k + 1
         sess.root = bonus
-        return timed([StepResult(read[3 : 3 + k] + [bonus], None if features is None else features[: k + 1])],
-                     timer)[0]
+        tokens = read[3 : 3 + k] + [bonus]
+        if sess.grammar is not None:
+            sess.grammar.commit(tokens)
+        return timed([StepResult(tokens, None if features is None else features[: k + 1])], timer)[0]
 
     # ---- batched rounds -------------------------------------------------------------------------------------
 

@@ -127,9 +127,9 @@ def commit_captured(
     sessions: list[VerifySession], items: list[BatchTree],
     captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer, host_features: bool,
 ) -> list[StepResult]:
-    """A captured batch (greedy, or sampled in the graph): its walks and compactions ran in the graph; each tree's
-    path features are queued to memory of their own as a lone round's are (as many rows as its path can have), then
-    the host reads the outcomes and commits them."""
+    """A captured batch (greedy, within grammars or not, or sampled in the graph): its walks and compactions ran in
+    the graph; each tree's path features are queued to memory of their own as a lone round's are (as many rows as
+    its path can have), then the host reads the outcomes and commits them (a grammar's state too)."""
     packed, features = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None
     timer.mark()
     kept, copies = [], []
@@ -149,8 +149,10 @@ def commit_captured(
         k, bonus = host[b][0], host[b][1]
         sess.cache.length += k + 1
         sess.root = bonus
-        results.append(StepResult(host[b][3 : 3 + k] + [bonus], kept[b][: k + 1] if kept and kept[b] is not None
-                                  else None))
+        tokens = host[b][3 : 3 + k] + [bonus]
+        if sess.grammar is not None:
+            sess.grammar.commit(tokens)
+        results.append(StepResult(tokens, kept[b][: k + 1] if kept and kept[b] is not None else None))
     return timed(results, timer)
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 # longest first, so that the pool's last minutes are short checks
 CHECKS = ["warm_up_tapped", "warm_up", "deterministic", "draft_warm_up", "verify", "invariant", "draft_batch",
-          "drafter", "batch", "tree", "flash", "gemv", "compaction"]
+          "drafter", "batch", "tree", "flash", "gemv", "compaction", "token_masks"]
 CHECK_TIMEOUT_S = 1500  # one check alone on a slow core; a hung interpreter still fails
 
 

@@ -2,12 +2,14 @@
 a JSON grammar through ddtree, chain and AR rounds equals a constrained AR greedy decode made here from HF's logits
 and xgrammar's own matcher, token for token, and parses; every node the drafter drafts is one the grammar allows
 after the output and the node's path, and its constrained trees accept no less than unconstrained ones; each tree
-node's mask is the grammar's after its own path; such sessions never take the captured argmax paths."""
+node's mask is the grammar's after its own path; greedy grammar rounds on the captured path (masks as the graph's
+input) give the constrained decode too, alone and batched."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 import torch
@@ -25,6 +27,9 @@ from runtime.grammar import (
 )
 from runtime.models import read_eos_ids, resolve_pair
 from verify_server.grammar import TreeGrammar
+from verify_server.verify import VerifyEngine
+from tests.graph_replay import ReplayRecorder
+from tests.unit.test_verify import oracle_tree
 
 # a schema whose every output is short: the demo target finishes it well within MAX_NEW
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
@@ -210,4 +215,48 @@ def test_tree_masks_follow_each_path(demo) -> None:
             matcher.fill_next_token_bitmask(expected)
         assert torch.equal(masks[node], expected[0]), node
     assert (masks[-1] == -1).all()  # the refused "x" under the root
-    assert not SamplingParams(grammar=grammar).raw_argmax
+    assert not SamplingParams(grammar=grammar).raw_argmax and SamplingParams(grammar=grammar).masked_argmax
+
+
+def test_captured_grammar_rounds_alone_and_batched_equal_constrained_decoding(demo) -> None:
+    """Greedy grammar sessions on the static path, their choices taken among the grammar's masks by the graph
+    (kernels/token_masks.py): lone rounds replayed under CUDA graphs' replay rule (tests/graph_replay.py), and three
+    sessions (two grammars) verified together in one forward, each through trees holding its constrained decode's
+    next tokens among decoys, get the constrained decode's tokens."""
+    target, prompt = demo[0], demo[5]
+    grammars = {"a": json_schema_grammar(SCHEMA), "b": json_object_grammar(), "c": json_schema_grammar(SCHEMA)}
+    truths = {name: reference(demo, grammar) for name, grammar in grammars.items()}
+    replayed, batched = (VerifyEngine.from_pretrained(target, device="cpu") for _ in range(2))
+    for engine in (replayed, batched):
+        engine.fused.static = True
+    replayed.fused.graphs = recorder = ReplayRecorder()
+    rng = random.Random(3)
+    for engine in (replayed, batched):
+        got = {}
+        for name, grammar in grammars.items():
+            engine.start_session(name, 400, SamplingParams(grammar=grammar), taps=[])
+            got[name] = list(engine.prefill(name, prompt).tokens)
+        while any(len(got[name]) < len(truths[name]) for name in grammars):
+            calls = []
+            for name, truth in truths.items():
+                left = len(truth) - len(got[name])
+                if left:
+                    depth = rng.randint(1, 6)
+                    true_depth = min(rng.choice([depth, rng.randint(0, depth)]), left - 1)
+                    calls.append((name, oracle_tree(rng, got[name][-1], truth[len(got[name]) :], true_depth, depth)))
+            if engine is replayed:
+                outcomes = [engine.verify(name, tree) for name, tree in calls]
+            else:
+                outcomes = engine.verify_batch(calls)
+            for (name, _), outcome in zip(calls, outcomes):
+                assert not isinstance(outcome, Exception), outcome
+                got[name] += outcome.tokens
+        assert got == truths
+    assert any("batch-grammar" in map(str, key) for key in map(_flat, recorder.seen))  # captured, then replayed
+    assert len(recorder.seen) > len(recorder)
+    assert (3 + 1, 16) in batched.fused.trees._masks  # three trees in one batch of four, their masks as its input
+
+
+def _flat(key) -> list:
+    """A graph key's parts, nested keys (a slot's) opened."""
+    return [part for item in key for part in (_flat(item) if isinstance(item, tuple) else [item])]
