@@ -32,10 +32,12 @@ class TreeGrammar:
         bitmask: row i allows the tokens the grammar accepts after the committed tokens and the path root..i
         (the root is committed already). A node whose token the grammar refuses keeps an all-ones row, as does
         its subtree: its parent's choice can never be its token, so no path reaches it. out: rows [>= q, words]
-        to write them into (all ones already), a captured step's staged input; None: new ones."""
+        to write them into, a captured step's staged input; None: new ones."""
         q = len(tokens)
-        # [q, ceil(V / 32)], all allowed
-        bitmask = xgr.allocate_token_bitmask(q, self.state.vocab_size) if out is None else out[:q]
+        if out is None:
+            bitmask = xgr.allocate_token_bitmask(q, self.state.vocab_size)  # [q, ceil(V / 32)], all allowed
+        else:
+            bitmask = out[:q].fill_(-1)
         children: list[list[int]] = [[] for _ in range(q)]
         for node in range(1, q):
             children[parents[node]].append(node)

@@ -98,7 +98,7 @@ class PromptBuffers:
 class MaskBuffers:
     """A captured grammar batch's masks, rewritten before each replay in one copy: each tree's nodes' allowed
     tokens (verify_server/grammar.py TreeGrammar.masks), its rows of qb; a padding node's row and a filler tree's
-    allow everything (their nodes are never accepted).
+    hold whatever they last held (their nodes are never accepted).
 
     masks   [B * qb, words] int32 on the device, a graph input (kernels/token_masks.py)
     staging the same on the host (pinned on a GPU), which the grammars fill in place; `copied` as BatchBuffers'
@@ -115,11 +115,10 @@ class MaskBuffers:
         return cls(masks, staging, torch.cuda.Event() if device.type == "cuda" else None)
 
     def write(self, qb: int, fills: list[Callable[[torch.Tensor], None]]) -> None:
-        """fills: tree b's, which writes its q rows of the masks (a [q, words] view of the staging's rows b * qb
-        onwards) and leaves the rest; the others allow everything."""
+        """fills: tree b's, which writes its q rows of the masks (given the staging's rows [b * qb, (b + 1) * qb))
+        and leaves the rest."""
         if self.copied is not None:
             self.copied.synchronize()  # the previous copy has left the staging buffer
-        self.staging.fill_(-1)
         for b, fill in enumerate(fills):
             fill(self.staging[b * qb : (b + 1) * qb])
         self.masks.copy_(self.staging, non_blocking=True)
