@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree.serve import free_ports
+from protos.types import SessionStep, StepOutcome
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRAFTER_SERVICE = "ddtree.v1.Drafter"
@@ -25,6 +27,7 @@ VERIFIER_SERVICE = "ddtree.v1.Verifier"
 # Deadlines, not measurements: how long a service may take to come up or go down on a slow, busy CI machine.
 START_DEADLINE_S = 240.0
 STOP_DEADLINE_S = 60.0
+APPEND_DEADLINE_S = 30.0  # how long a prompt's features may take to reach a drafter
 
 
 @dataclass
@@ -179,3 +182,32 @@ async def start_verifier_session(client, session_id: str, capacity: int, params=
     request = pb.VerifierStartSessionRequest(session_id=session_id, capacity=capacity, tap_layers=list(taps),
                                              sampling=tensors.sampling_to_pb(params or SamplingParams()))
     await pb_grpc.VerifierStub(client._channel).StartSession(request, timeout=30, metadata=client._metadata)
+
+
+class PacedVerifier:
+    """The remote verifier, its first decode step held until the drafter has answered the prompt's Append: the
+    sessions draft from the steps after it, whatever the machine's load (on a busy machine the append could
+    otherwise outlast the whole generation, which then never drafts)."""
+
+    def __init__(self, verifier, drafter: Service) -> None:
+        self.verifier = verifier
+        self.drafter = drafter
+        self.remote = verifier.remote
+        self.appends: float | None = None  # the drafter's Append count before the prompt's last; None once decoding
+
+    def _appends(self) -> float:
+        return self.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0
+
+    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
+        if any(step.prompt is not None and not step.prompt.more for step in steps):
+            self.appends = await asyncio.to_thread(self._appends)
+        elif self.appends is not None and any(step.prompt is None for step in steps):
+            deadline = time.monotonic() + APPEND_DEADLINE_S
+            while await asyncio.to_thread(self._appends) <= self.appends:
+                assert time.monotonic() < deadline, f"the prompt's Append not answered after {APPEND_DEADLINE_S} s"
+                await asyncio.sleep(0.01)
+            self.appends = None
+        return await self.verifier.step(steps)
+
+    async def end_session(self, session_id: str) -> None:
+        await self.verifier.end_session(session_id)

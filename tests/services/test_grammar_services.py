@@ -24,7 +24,9 @@ from runtime.client import BackendError
 from runtime.drafter_client import GrpcDrafter
 from runtime.grammar import json_schema_grammar
 from runtime.models import read_eos_ids, resolve_pair
-from tests.services import DRAFTER_SERVICE, VERIFIER_SERVICE, Service, free_ports, launch, one, wait_serving
+from tests.services import (
+    DRAFTER_SERVICE, VERIFIER_SERVICE, PacedVerifier, Service, free_ports, launch, one, wait_serving,
+)
 
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "grey"]}, "clear": {"type": "boolean"}},
           "required": ["sky", "clear"]}
@@ -88,8 +90,9 @@ def test_grammar_requests_through_the_services(stack, in_process) -> None:
         async with (GrpcVerifier(stack.verifier.address) as verifier,
                     GrpcDrafter(stack.drafter.address) as drafter):
             await drafter.info()
-            outputs = await asyncio.gather(*(_generate(verifier, drafter, p, stack.eos, fallbacks, trees)
-                                             for p in stack.prompts))
+            # (each generation's decode waits for its prompt's features in the drafter: a tree is due whatever the load)
+            outputs = await asyncio.gather(*(_generate(PacedVerifier(verifier, stack.drafter), drafter, p, stack.eos,
+                                                       fallbacks, trees) for p in stack.prompts))
         return outputs, fallbacks, trees
 
     outputs, fallbacks, trees = asyncio.run(scenario())

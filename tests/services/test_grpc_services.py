@@ -43,8 +43,8 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from tests.conftest import BLOCK, HIDDEN, TARGET_LAYERS, VOCAB, hf_greedy
 from tests.services import (
-    DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, Service, free_ports, launch, one, start_verifier_session,
-    wait_serving,
+    DRAFTER_SERVICE, REPO_ROOT, VERIFIER_SERVICE, PacedVerifier, Service, free_ports, launch, one,
+    start_verifier_session, wait_serving,
 )
 from verify_server import server as verify_server
 from verify_server.config import VerifyServerConfig
@@ -203,37 +203,8 @@ async def _remote_rounds(services: Services, mode: str, params: SamplingParams, 
                 return transport
 
             client._open = recorded
-        paced = _Paced(verifier, services.drafter) if mode != "ar" else verifier
+        paced = PacedVerifier(verifier, services.drafter) if mode != "ar" else verifier
         return await _rounds(paced, drafter, mode, params, max_step_tokens)
-
-
-class _Paced:
-    """The remote verifier, its first decode step held until the drafter has answered the prompt's Append: the
-    sessions draft from the steps after it, whatever the machine's load (on a busy machine the append could
-    otherwise outlast the whole generation, which then never drafts)."""
-
-    def __init__(self, verifier: GrpcVerifier, drafter: Service) -> None:
-        self.verifier = verifier
-        self.drafter = drafter
-        self.remote = verifier.remote
-        self.appends: float | None = None  # the drafter's Append count before the prompt's last; None once decoding
-
-    def _appends(self) -> float:
-        return self.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0
-
-    async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        if any(step.prompt is not None and not step.prompt.more for step in steps):
-            self.appends = await asyncio.to_thread(self._appends)
-        elif self.appends is not None and any(step.prompt is None for step in steps):
-            deadline = time.monotonic() + WAIT_S
-            while await asyncio.to_thread(self._appends) <= self.appends:
-                assert time.monotonic() < deadline, f"the prompt's Append not answered after {WAIT_S} s"
-                await asyncio.sleep(0.01)
-            self.appends = None
-        return await self.verifier.step(steps)
-
-    async def end_session(self, session_id: str) -> None:
-        await self.verifier.end_session(session_id)
 
 
 class _Replayed:
