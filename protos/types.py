@@ -72,6 +72,19 @@ class SamplingParams:
         return (not self.greedy and not self.processed and self.logprobs is None and not self.grammar
                 and self.top_k == 0 and self.top_p == 1.0)
 
+    @property
+    def captured(self) -> bool:
+        """Whether a captured round makes this request's choices in its graph (raw_argmax, masked_argmax,
+        plain_sample, masked_sample)."""
+        return self.raw_argmax or self.masked_argmax or self.plain_sample or self.masked_sample
+
+    @property
+    def masked_sample(self) -> bool:
+        """plain_sample's but within the request's grammar: the grammar rounds a captured batch draws inside its
+        CUDA graph, from the logits its masks leave."""
+        return (not self.greedy and not self.processed and self.logprobs is None and bool(self.grammar)
+                and self.top_k == 0 and self.top_p == 1.0)
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

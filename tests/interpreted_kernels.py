@@ -21,7 +21,7 @@ from kernels.tree_build import (
     top_k, top_k_any, top_plan,
 )
 from kernels.kv_compaction import launch as compact
-from kernels.token_masks import masked_argmax
+from kernels.token_masks import apply_masks_, masked_argmax
 from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
 from kernels.ancestors import ancestors
@@ -179,9 +179,10 @@ def check_compaction() -> None:
 
 
 def check_token_masks() -> None:
-    """The grammar's greedy choice (kernels/token_masks.py), by the kernel and by torch's ops, is the argmax of the
-    logits xgrammar's own apply_token_bitmask_inplace masks, ties to the lowest token: vocabularies of one block and
-    of several with a partial last one (and last mask word), a row with nothing allowed, one with a single token."""
+    """The grammar's masks on the device (kernels/token_masks.py), by the kernels and by torch's ops: the logits
+    masked as xgrammar's own apply_token_bitmask_inplace masks them, bit for bit, and the greedy choice their argmax,
+    ties to the lowest token: vocabularies of one block and of several with a partial last one (and last mask
+    word), a row with nothing allowed, one with a single token."""
     import xgrammar as xgr
 
     gen = torch.Generator().manual_seed(0)
@@ -199,6 +200,7 @@ def check_token_masks() -> None:
         for kernel in (False, True):
             got = masked_argmax(logits.to(DEVICE), bitmask.to(DEVICE), kernel).cpu()
             assert torch.equal(got, want), (rows, vocab, kernel, got, want)
+            assert torch.equal(apply_masks_(logits.clone().to(DEVICE), bitmask.to(DEVICE), kernel).cpu(), masked), kernel
     print("token masks ok")
 
 

@@ -54,9 +54,9 @@ class BatchedRounds:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. The calls that can share a forward (sessions on the fused path,
         prefilled, whose tree fits, those with taps tapping the same layers, untapped ones beside them; plain greedy
-        rounds, greedy rounds within grammars, rounds sampled with temperature and min-p alone, and the others
-        apart; on an engine with static buffers, each of the first three kinds captured in one graph with its
-        choices) in one; the others (and a session's second call in one batch,
+        rounds, rounds sampled with temperature and min-p alone, each within grammars or not, and the others apart;
+        on an engine with static buffers, each of the first four kinds captured in one graph with its choices) in
+        one; the others (and a session's second call in one batch,
         which comes after its first) alone, in order, after it."""
         if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
             return [verify_alone(self.verify, *calls[0], host_features)]
@@ -74,7 +74,7 @@ class BatchedRounds:
         common = shared_taps([sess for _, sess in joining])  # (an untapped session joins the tapped ones' forward)
         for i, sess in joining:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
             params = sess.params
-            kind = (params.raw_argmax, params.masked_argmax, params.plain_sample)
+            kind = (params.raw_argmax, params.masked_argmax, params.plain_sample, params.masked_sample)
             groups.setdefault((tuple(sess.taps) or common, kind), []).append(i)
         for members in groups.values():
             if len(members) > 1:
@@ -136,11 +136,10 @@ class BatchedRounds:
                                       items[b].tree.max_depth))
             return walk_and_commit(sessions, trees, timer, host_features)
         params = sessions[0].params
-        if params.raw_argmax or params.masked_argmax or params.plain_sample:  # forward, choices, walks and
-            # compactions in one replay
-            grammars = [sess.grammar for sess in sessions] if params.masked_argmax else None
-            captured = (self.fused.sampled_round(items, taps, session_draws(sessions, items)) if params.plain_sample
-                        else self.fused.batch_round(items, taps, grammars=grammars))
+        if params.captured:  # forward, choices (within grammars), walks and compactions in one replay
+            grammars = [sess.grammar for sess in sessions] if params.grammar else None
+            captured = (self.fused.batch_round(items, taps, grammars=grammars) if params.greedy
+                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), grammars=grammars))
             return None if captured is None else commit_captured(sessions, items, captured, timer, host_features)
         scored = self.fused.batch_scores(items, taps)  # the forward in one replay; the rest per tree, as alone
         if scored is None:

@@ -253,11 +253,11 @@ class FusedRunner:
 
     def sampled_round(
         self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]],
-        roots_from: torch.Tensor | None = None,
+        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar] | None = None,
     ) -> GreedyOutputs | None:
-        """Rounds sampled with temperature and min-p alone, of one session or several, in one replay, their choices
-        drawn in the graph (TreeSteps.sampled); None where not captured."""
-        return self.trees.sampled(items, taps, self.graphs if self.static else None, draws, roots_from)
+        """Rounds sampled with temperature and min-p alone, of one session or several, within their grammars where
+        given, in one replay, their choices drawn in the graph (TreeSteps.sampled); None where not captured."""
+        return self.trees.sampled(items, taps, self.graphs if self.static else None, draws, roots_from, grammars)
 
     def batch_scores(
         self, items: list[BatchTree], taps: tuple[int, ...]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from kernels.cuda_graphs import GraphPool, key_bucket
-from kernels.token_masks import masked_argmax
+from kernels.token_masks import apply_masks_, masked_argmax
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.cache_slots import MIN_SLOT_TOKENS
@@ -131,16 +131,22 @@ class TreeSteps:
     def sampled(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
         draws: Callable[[], list[TreeDraws]], roots_from: torch.Tensor | None = None,
+        grammars: list[TreeGrammar] | None = None,
     ) -> GreedyOutputs | None:
-        """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample), each
-        tree's choices drawn in the graph from `draws()`, called once the batch is known to be captured (a session's
-        numbers are drawn only for the round that uses them); roots_from as for greedy."""
+        """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample, and
+        masked_sample within `grammars`, as greedy's), each tree's choices drawn in the graph from `draws()`, called
+        once the batch is known to be captured (a session's numbers are drawn only for the round that uses them);
+        roots_from as for greedy."""
         prepared = self._prepare(items, graphs, draws=draws, roots_from=roots_from)
         if prepared is None:
             return None
         buf, kv_len = prepared
-        return graphs.run(self._key(buf, kv_len, taps, "batch-sampled"),
-                          lambda: self._round(buf, taps, kv_len, sampled=True))
+        if grammars is None:
+            return graphs.run(self._key(buf, kv_len, taps, "batch-sampled"),
+                              lambda: self._round(buf, taps, kv_len, sampled=True))
+        masks = self._grammar_masks(buf, items, grammars)
+        return graphs.run(self._key(buf, kv_len, taps, "batch-sampled-grammar"),
+                          lambda: self._round(buf, taps, kv_len, sampled=True, masks=masks))
 
     def scores(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None
@@ -285,10 +291,12 @@ class TreeSteps:
         """Idempotent although it compacts: each tree's forward rewrites its slots [start, start+qb) before its
         compaction reads them, and the compaction only reads slots in that range. Padding nodes never match (valid
         is False), so they are never accepted. sampled: the choices are drawn with the buffer's draws, else the
-        argmax (among the tokens `masks` [trees * qb, words] allows each row, where given)."""
+        argmax; either among the tokens `masks` [trees * qb, words] allows each row, where given."""
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         trees, qb = len(xs), buf.qb
+        if sampled and masks is not None:
+            apply_masks_(logits, masks)
         if sampled:  # each row's session's temperature and min_p [trees * qb, 1], its depth's number [trees * qb]
             temperature, min_p = (buf.draws[:, qb + i : qb + i + 1].float().expand(trees, qb).reshape(-1, 1)
                                   for i in (0, 1))

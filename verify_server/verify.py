@@ -339,14 +339,16 @@ class VerifyEngine:
         sess.check_room(sess.cache.length, q)
         timer = self.timers.timer()
         start, taps = sess.cache.length, tuple(sess.taps)
-        greedy = sess.params.raw_argmax or sess.params.masked_argmax
-        if greedy and self.fused is not None:  # forward, argmax (within the grammar), walk and compaction in one replay
+        captures = sess.params.captured and self.fused is not None  # forward, choices (within the grammar), walk
+        # and compaction in one replay
+        if captures and sess.params.greedy:
             captured = self.fused.greedy_round(sess.cache, taps, tree, sess.root, sess.grammar)
             if captured is not None:
                 return self._commit_greedy(sess, tree, captured, timer, host_features)
-        if sess.params.plain_sample and self.fused is not None:  # forward, choices, walk and compaction in one replay
+        if captures and not sess.params.greedy:
             items = [BatchTree(sess.cache, tree, sess.root)]
-            captured = self.fused.sampled_round(items, taps, session_draws([sess], items))
+            grammars = None if sess.grammar is None else [sess.grammar]
+            captured = self.fused.sampled_round(items, taps, session_draws([sess], items), grammars=grammars)
             if captured is not None:
                 return commit_captured([sess], items, captured, timer, host_features)[0]
         scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None

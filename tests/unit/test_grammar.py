@@ -257,6 +257,50 @@ def test_captured_grammar_rounds_alone_and_batched_equal_constrained_decoding(de
     assert (3 + 1, 16) in batched.fused.trees._masks  # three trees in one batch of four, their masks as its input
 
 
+def test_captured_sampled_grammar_rounds_equal_the_uncaptured_walk(demo) -> None:
+    """Seeded sampled sessions within grammars (temperature and min-p alone): the captured rounds, their masks
+    applied in the graph and their choices drawn there (lone rounds replayed as graphs, three sessions in one
+    batch), commit what the uncaptured walk commits from the same trees, round by round, and keep to the
+    grammars."""
+    target, prompt = demo[0], demo[5]
+    grammars = {"a": json_schema_grammar(SCHEMA), "b": json_object_grammar(), "c": json_schema_grammar(SCHEMA)}
+    truths = {name: reference(demo, grammar) for name, grammar in grammars.items()}
+    eos = set(read_eos_ids(target))
+    walked, replayed, batched = (VerifyEngine.from_pretrained(target, device="cpu") for _ in range(3))
+    for engine in (replayed, batched):
+        engine.fused.static = True
+    replayed.fused.graphs = recorder = ReplayRecorder()
+    engines = (walked, replayed, batched)
+    got = {}
+    for seed, (name, grammar) in enumerate(grammars.items()):
+        params = SamplingParams(temperature=0.9, min_p=0.05, seed=seed, grammar=grammar)
+        firsts = [list(engine.start_session(name, 400, params, taps=[]) or engine.prefill(name, prompt).tokens)
+                  for engine in engines]
+        assert firsts[0] == firsts[1] == firsts[2]
+        got[name] = firsts[0]
+    rng, lengths = random.Random(4), []
+    while any(len(tokens) < MAX_NEW and tokens[-1] not in eos for tokens in got.values()):
+        calls = []
+        for name, tokens in got.items():
+            if len(tokens) < MAX_NEW and tokens[-1] not in eos:
+                tail = truths[name][len(tokens) :]  # the greedy decode's, where it goes that far: likely tokens
+                depth = rng.randint(1, 6)
+                true_depth = min(depth, max(len(tail) - 1, 0))
+                calls.append((name, oracle_tree(rng, tokens[-1], tail + [-1] * (depth + 1), true_depth, depth)))
+        outcomes = [[engine.verify(name, tree) for name, tree in calls] for engine in (walked, replayed)]
+        outcomes.append(batched.verify_batch(calls))
+        for i, (name, _) in enumerate(calls):
+            assert outcomes[0][i].tokens == outcomes[1][i].tokens == outcomes[2][i].tokens, name
+            got[name] += outcomes[0][i].tokens
+            lengths.append(len(outcomes[0][i].tokens))
+    assert any("batch-sampled-grammar" in map(str, key) for key in map(_flat, recorder.seen))
+    assert any(key[:2] == (3 + 1, 16) for key in batched.fused.trees._masks)
+    for name, grammar in grammars.items():  # every token the grammar's, past its completion only stop tokens
+        state = walked.grammars.start(grammar)
+        state.commit(got[name])
+    assert max(lengths) > 1  # paths accepted below the root, through the masks of their nodes
+
+
 def _flat(key) -> list:
     """A graph key's parts, nested keys (a slot's) opened."""
     return [part for item in key for part in (_flat(item) if isinstance(item, tuple) else [item])]
