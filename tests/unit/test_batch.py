@@ -144,10 +144,11 @@ def test_a_sampled_batch_out_of_memory_falls_back_to_halves_with_the_same_draws(
     alone_round = runner.sampled_round
     failed, ran = [], []
 
-    def out_of_memory(items, taps, draws):  # noqa: ANN001, ANN202 - the runner's sampled_round, failing batches
+    def out_of_memory(items, taps, draws, grammars=None):  # noqa: ANN001, ANN202 - the runner's sampled_round,
+        # failing batches
         if len(items) <= 2:
             ran.append(len(items))
-            return alone_round(items, taps, draws)
+            return alone_round(items, taps, draws, grammars=grammars)
         draws()  # the numbers are drawn before the device runs out
         failed.append(len(items))
         raise torch.OutOfMemoryError("out of memory (test)")
