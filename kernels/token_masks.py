@@ -64,14 +64,15 @@ if triton is not None:
         inside = tokens < vocab
         words = tl.load(Masks + row * stride_masks + tokens // 32, mask=inside, other=-1)
         forbidden = ((words >> (tokens % 32)) & 1) == 0
-        tl.store(Logits + row * stride_logits + tokens, float("-inf"), mask=inside & forbidden)
+        tl.store(Logits + row * stride_logits + tokens, tl.full((BLOCK,), float("-inf"), tl.float32),
+                 mask=inside & forbidden)
 
     @triton.jit
     def _masked_argmax_kernel(Logits, Masks, Out, vocab, stride_logits, stride_masks, BLOCK: tl.constexpr):
         """Program r: row r's best allowed token, block by block (a later block wins only with a greater value)."""
         row = tl.program_id(0).to(tl.int64)
-        best = float("-inf")
-        best_at = 0
+        best = tl.full((), float("-inf"), tl.float32)
+        best_at = tl.full((), 0, tl.int32)
         for first in range(0, vocab, BLOCK):
             tokens = first + tl.arange(0, BLOCK)
             inside = tokens < vocab
