@@ -98,11 +98,10 @@ class LocalVerifier:
                 except Exception as exc:  # noqa: BLE001 - this chunk's own failure
                     outcomes[i] = _as_read(exc)
                     continue
-            calls.append(PrefillCall(session_id, list(chunk.tokens), chunk.more, False, chunk.skip_features))
+            calls.append(PrefillCall(session_id, list(chunk.tokens), chunk.more, False, chunk.skip_features,
+                                     chunk.start is not None))
             at.append(i)
         for i, result in zip(at, self.engine.prefill_batch(calls) if calls else []):
-            if isinstance(result, Exception) and items[i][1].start is not None:
-                self.engine.end_session(items[i][0])  # a failed chunk holds nothing
             outcomes[i] = _as_read(result)
         return outcomes
 

@@ -34,6 +34,7 @@ class PrefillCall:
     more: bool = False
     host_features: bool = False  # the chunk's features answered in host memory (they go to a remote drafter)
     skip_features: int = 0
+    starts: bool = False  # the chunk's session was started for it: where the chunk fails, the session ends again
 
 
 @dataclass

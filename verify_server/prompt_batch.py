@@ -44,6 +44,17 @@ def prefill_each(prefill: Callable[..., StepResult], calls: list[PrefillCall]) -
     return outcomes
 
 
+def end_failed_starts(
+    end_session: Callable[[str], object], calls: list[PrefillCall], outcomes: list[StepResult | Exception]
+) -> list[StepResult | Exception]:
+    """Each failed call that started its session (PrefillCall.starts) ends it, a session holding nothing of a chunk
+    that failed -> the outcomes."""
+    for call, outcome in zip(calls, outcomes):
+        if call.starts and isinstance(outcome, Exception):
+            end_session(call.session_id)
+    return outcomes
+
+
 class PromptBatch:
     """prefill_batch over a PromptPrefill (each call's steps, and the chunks that run alone) and the engine's fused
     runner (None: every chunk alone)."""

@@ -203,18 +203,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         host memory where the drafter takes them so), and with a prompt's last chunk the first token. A chunk after
         the prompt is complete, or an empty one, is INVALID_ARGUMENT (SessionError, RequestError) with the session
         untouched. A chunk that starts its session starts it first; where it fails, the session is ended again."""
-        starts: list[bool] = []  # whether each valid chunk starts its session
-        outcomes, calls = checked(items, lambda item: self._prefill_call(engine, *item, starts))
+        outcomes, calls = checked(items, lambda item: self._prefill_call(engine, *item))
         results = engine.prefill_batch(calls) if calls else []
-        for call, start, result in zip(calls, starts, results):
-            if start and isinstance(result, Exception):
-                engine.end_session(call.session_id)  # a failed chunk holds nothing
         return answered(outcomes, results, lambda result: result)
 
-    def _prefill_call(self, engine: VerifyEngine, session_id: str, chunk: PromptChunk, starts: list[bool]
-                      ) -> PrefillCall:
+    def _prefill_call(self, engine: VerifyEngine, session_id: str, chunk: PromptChunk) -> PrefillCall:
         """A chunk checked, its session started first where the chunk starts it (ended again where the chunk fails
-        its checks); whether it does is added to `starts`."""
+        its checks, or its forward: PrefillCall.starts)."""
         if chunk.start is not None:
             self._start_session(engine, session_id, chunk.start)
         try:
@@ -227,9 +222,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             if chunk.start is not None:
                 engine.end_session(session_id)
             raise
-        starts.append(chunk.start is not None)
         return PrefillCall(session_id, list(chunk.tokens), chunk.more, tapped and self.host_features,
-                           chunk.skip_features)
+                           chunk.skip_features, chunk.start is not None)
 
     def _check_features_fit(self, engine: VerifyEngine, session_id: str, tokens: int) -> None:
         """A chunk's features go to the drafter in one message (an Append): a chunk whose features could not be

@@ -22,7 +22,7 @@ from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server.batched_rounds import verify_alone
 from verify_server.prefill import PrefillCall
-from verify_server.prompt_batch import prefill_each
+from verify_server.prompt_batch import end_failed_starts, prefill_each
 from verify_server.session import SessionError, VerifySession
 from verify_server.sharding import shard_model
 from verify_server.verify import VerifyEngine
@@ -159,8 +159,8 @@ class TensorParallelEngine:
 
     def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
         """Each call alone through prefill, in order (the sharded target has no fused path, hence no shared
-        forward) -> its StepResult, or the exception it raised."""
-        return prefill_each(self.prefill, calls)
+        forward) -> its StepResult, or the exception it raised (VerifyEngine.prefill_batch's ends)."""
+        return end_failed_starts(self.end_session, calls, prefill_each(self.prefill, calls))
 
     def launch_decodes(self, session_ids: list[str], host_features: bool = False) -> None:
         """No AR step is launched ahead here (no fused path): verify_batch runs them."""

@@ -34,7 +34,7 @@ from verify_server.kv_cache import KVCache
 from verify_server.prefill import PrefillCall, PromptPrefill
 from verify_server.prefix_cache import PrefixCache, SessionBlocks
 from verify_server.processors import TokenHistory
-from verify_server.prompt_batch import PromptBatch
+from verify_server.prompt_batch import PromptBatch, end_failed_starts
 from verify_server.sampling import Draws
 from verify_server.session import CapacityError, MemoryShortError, SessionError, UnknownSessionError, VerifySession
 from verify_server.state_cache import LinearLayout, StateCache, TreeScratch
@@ -263,7 +263,8 @@ class VerifyEngine:
     def prefill_batch(self, calls: list[PrefillCall]) -> list[StepResult | Exception]:
         """Several sessions' prefill calls, their chunks in one forward where they can share it (a burst of
         requests' prompts: PromptBatch.run) -> each call's StepResult, or the exception prefill would
-        raise for it. A session's later call in the batch runs after its earlier one."""
+        raise for it. A session's later call in the batch runs after its earlier one. A failed call that started its
+        session (PrefillCall.starts) ends it: a session holds nothing of a chunk that failed."""
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
         for i, call in enumerate(calls):
@@ -273,7 +274,7 @@ class VerifyEngine:
                 outcomes[i] = exc
         for (i, _), outcome in zip(found, self.prompt_batch.run([pair for _, pair in found], self.prefix)):
             outcomes[i] = outcome
-        return outcomes
+        return end_failed_starts(self.end_session, calls, outcomes)
 
     @torch.inference_mode()
     def decode(self, session_id: str, host_features: bool = False) -> StepResult:

@@ -97,8 +97,9 @@ def assert_same_continuations(
 
 @pytest.mark.parametrize("path", PATHS)
 def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path) -> None:
-    """One batch of calls of every kind, and failing calls among them, answered as one by one; the fused path runs
-    the chunks that can share a forward (per tapped layers, each session's first call) in one forward each."""
+    """One batch of calls of every kind, and failing calls among them, answered as one by one (a failed call that
+    started its session ends it); the fused path runs the chunks that can share a forward (per tapped layers, each
+    session's first call) in one forward each."""
     batched, alone = make_engine(qwen3_target, path), make_engine(qwen3_target, path)
     forwards = SharedForwards(batched)
     sessions = {
@@ -127,13 +128,15 @@ def test_shared_prefill_answers_each_call_as_alone(path: str, qwen3_target: Path
         PrefillCall("done", [4, 5]),
         PrefillCall("untapped-sampled", prompts["untapped-sampled"]),
         PrefillCall("two-calls", prompts["two-calls"][6:], host_features=True),  # after its first, alone
-        PrefillCall("too-long", make_prompt(30, seed=99)),
+        PrefillCall("too-long", make_prompt(30, seed=99), starts=True),  # its session started for it
         PrefillCall("empty", []),
     ]
     outcomes = batched.prefill_batch(calls)
     assert_same_outcomes(outcomes, one_by_one(alone, calls))
     failed = [call.session_id for call, outcome in zip(calls, outcomes) if isinstance(outcome, Exception)]
     assert failed == ["unknown", "done", "too-long", "empty"]
+    # a failed call that started its session ended it; the others' sessions stay as they were
+    assert "too-long" not in batched.sessions and {"done", "empty"} <= set(batched.sessions)
     if path != "hf":  # the tapped sessions' first calls, and the two untapped ones
         assert sorted(forwards.chunks) == [2, 7]
     decoded = assert_same_continuations((batched, alone), [s for s in sessions if s not in failed])
