@@ -30,7 +30,7 @@ class DraftServerConfig(ServiceConfig):
     )
     constrained_trees: bool = knob(
         True, "a request with a grammar drafts only tokens its grammar allows, its tree built on the host: longer "
-        "accepted paths against a slower tree build at large vocabularies (off: the verifier alone applies it)"
+        "accepted paths (off: the verifier alone applies it, as measured against)"
     )
     prefix_cache_gib: float | None = knob(
         None, "device memory (GiB) for the prefix cache of prompt blocks' drafter context: a prompt that begins as "
