@@ -98,18 +98,21 @@ class Engine:
         """The next step, where it may go before the one in flight is answered: to a remote verifier, which reads
         it while it runs the one before, launches it behind that one where both are AR steps, and answers in order
         (verify_server/step.py); where none of its sequences drafts, or the verifier's last answered step drafted no
-        tree (it chooses each step's speculation, and under load it goes AR); every sequence with room for it past
-        its steps in flight and no grammar (whose matcher ends at the output's end). So the device goes from step to
-        step while the host reads, detokenises and streams the last one. A stop token wastes the step after it: the
-        sequence ends there anyway."""
+        tree (it chooses each step's speculation, and under load it goes AR). It takes the sequences with room for
+        it past their steps in flight, and one with a grammar only with none in flight (the verifier masks its step
+        from its committed tokens): such a sequence steps every other step, and the others' go on back to back. So
+        the device goes from step to step while the host reads, detokenises and streams the last one. A stop token
+        wastes the step after it: the sequence ends there anyway."""
         if not self.verifier.remote:
             return None
         plan = self.scheduler.plan()
         if plan is None or (not self._ar and any(seq.drafting for seq in plan.sequences)):
             return None
-        if any(seq.room - seq.ahead < 1 or seq.params.grammar for seq in plan.sequences):
+        sequences = [seq for seq in plan.sequences
+                     if seq.room - seq.ahead >= 1 and not (seq.params.grammar and seq.ahead)]
+        if not (sequences or plan.prompts):
             return None
-        return plan
+        return StepPlan(sequences, plan.prompts)
 
     def _launch(self, plan: StepPlan) -> asyncio.Task:
         for seq in plan.sequences:

@@ -8,7 +8,9 @@ its root is the token of the step before, which lies on the device. So a batch o
 in the graph (greedy, or sampled with temperature and min-p alone) is launched and read later (`launch`, `read`),
 and the next batch, once it has come in, is launched behind it on the device, each root taken from the tokens of
 the step still unread (BatchTree.root). The host reads a step while the device runs the next. A tapped session's
-step keeps its features at launch, as a round does at its end (the graph's next replay rewrites them).
+step keeps its features at launch, as a round does at its end (the graph's next replay rewrites them). A session
+with a grammar joins a launch only with no step of its own unread: its mask, made on the host, follows from its
+committed tokens (verify_server/grammar.py), and it is read before its next.
 
 A session's steps launched and not read are its `ahead` (VerifySession.ahead): its next step starts that far past
 its committed length, and its slot keeps that many rows more when it grows. Anything else the engine runs on a
@@ -61,8 +63,9 @@ class DecodesAhead:
     def launchable(self, session_ids: list[str]) -> list[VerifySession] | None:
         """The sessions, where one launch can take a step of each: all known and prefilled, those with taps all
         tapping the same layers (one graph, whose features the untapped ones leave), with their choices made in the
-        graph and all of one kind (greedy, or sampled), none twice, each with room for its step, and those with a
-        step unread all in the last step launched; else None (the caller runs the calls the ordinary way)."""
+        graph and all of one kind (greedy, or sampled), none twice, each with room for its step, those with a
+        step unread all in the last step launched, and those with a grammar none unread; else None (the caller runs
+        the calls the ordinary way)."""
         if not self.fused.batches_static or len(self.unread) >= MAX_AHEAD or not session_ids:
             return None
         if len(session_ids) > self.fused.slots.max_sessions or len(set(session_ids)) < len(session_ids):
@@ -71,12 +74,12 @@ class DecodesAhead:
         found = []
         for session_id in session_ids:
             sess = self.sessions.get(session_id)
-            if sess is None or sess.root is None or not (sess.params.raw_argmax or sess.params.plain_sample):
+            if sess is None or sess.root is None or not sess.params.captured:
                 return None
-            if sess.ahead and sess.ahead[-1][0] is not last:
+            if sess.ahead and (sess.ahead[-1][0] is not last or sess.grammar is not None):
                 return None
             found.append(sess)
-        if len({sess.params.raw_argmax for sess in found}) > 1 or len({tuple(s.taps) for s in found if s.taps}) > 1:
+        if len({sess.params.greedy for sess in found}) > 1 or len({tuple(s.taps) for s in found if s.taps}) > 1:
             return None
         if not all(sess.has_room(sess.cache.length + len(sess.ahead) + 1) for sess in found):
             return None  # (the call that has no room gets its error the ordinary way)
@@ -99,10 +102,11 @@ class DecodesAhead:
         roots_from = None if last is None else last.tokens
         taps = shared_taps(sessions)
         timer = self.timers.timer()
-        greedy = sessions[0].params.raw_argmax
+        greedy = sessions[0].params.greedy
+        grammars = [sess.grammar for sess in sessions] if any(sess.grammar for sess in sessions) else None
         try:
-            captured = (self.fused.batch_round(items, taps, roots_from) if greedy
-                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), roots_from))
+            captured = (self.fused.batch_round(items, taps, roots_from, grammars) if greedy
+                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), roots_from, grammars))
             if captured is None:
                 raise RuntimeError("a batch of AR steps on the static path was not captured")
             timer.mark()
@@ -151,6 +155,8 @@ class DecodesAhead:
                 if self.sessions.get(session_id) is sess:
                     sess.cache.length += 1
                     sess.root = result.tokens[0]
+                    if sess.grammar is not None:
+                        sess.grammar.commit(result.tokens)
                     self.committed(session_id, result)
             oldest.results = results
         return step.results

@@ -245,7 +245,7 @@ class FusedRunner:
 
     def batch_round(
         self, items: list[BatchTree], taps: tuple[int, ...], roots_from: torch.Tensor | None = None,
-        grammars: list[TreeGrammar] | None = None,
+        grammars: list[TreeGrammar | None] | None = None,
     ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay, within their grammars where given (TreeSteps.greedy);
         None where not captured."""
@@ -253,7 +253,7 @@ class FusedRunner:
 
     def sampled_round(
         self, items: list[BatchTree], taps: tuple[int, ...], draws: Callable[[], list[TreeDraws]],
-        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar] | None = None,
+        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar | None] | None = None,
     ) -> GreedyOutputs | None:
         """Rounds sampled with temperature and min-p alone, of one session or several, within their grammars where
         given, in one replay, their choices drawn in the graph (TreeSteps.sampled); None where not captured."""

@@ -94,16 +94,16 @@ class TreeSteps:
 
     def greedy(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
-        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar] | None = None,
+        roots_from: torch.Tensor | None = None, grammars: list[TreeGrammar | None] | None = None,
     ) -> GreedyOutputs | None:
         """Greedy rounds of several sessions in one replay, each tree padded to the query bucket of the largest ->
         (packed [trees, 2 + qb], each row as accept_path returns it; features of each path's nodes [trees, qb,
         taps*hidden], the first k+1 rows of each valid, or None), rewritten by the graph's next replay; None where it
         is not captured (see _prepare). The caller commits each tree's k + 1 rows; rows past the items are filler.
         roots_from: the tokens [n] of a step launched before, on the device, that the roots written as -(i + 1)
-        stand for (BatchTree.root). grammars: each item's session's (a batch of grammar sessions): each node's
-        choice is the argmax among the tokens its grammar allows there, its masks written on the host before the
-        replay (the uncaptured walk's choices, TreeGrammar.constrain)."""
+        stand for (BatchTree.root). grammars: each item's session's, None for one without (a batch with grammar
+        sessions): each node's choice is the argmax among the tokens its grammar allows there, its masks written on
+        the host before the replay (the uncaptured walk's choices, TreeGrammar.constrain)."""
         prepared = self._prepare(items, graphs, roots_from=roots_from)
         if prepared is None:
             return None
@@ -114,15 +114,20 @@ class TreeSteps:
         return graphs.run(self._key(buf, kv_len, taps, "batch-grammar"),
                           lambda: self._round(buf, taps, kv_len, masks=masks))
 
-    def _grammar_masks(self, buf: BatchBuffers, items: list[BatchTree], grammars: list[TreeGrammar]) -> torch.Tensor:
-        """The batch's masks [trees * qb, words] on the device, written from each item's tree and grammar."""
+    def _grammar_masks(
+        self, buf: BatchBuffers, items: list[BatchTree], grammars: list[TreeGrammar | None]
+    ) -> torch.Tensor:
+        """The batch's masks [trees * qb, words] on the device, written from each item's tree and grammar (all
+        tokens allowed for an item without one)."""
         trees, qb = buf.inputs.shape[0], buf.qb
         masks = self._masks.get((trees, qb))
         if masks is None:
-            words = grammars[0].words
+            words = next(grammar for grammar in grammars if grammar is not None).words
             masks = self._masks[(trees, qb)] = MaskBuffers.allocate(trees * qb, words, self.decoder.embed.device)
 
-        def fill(tree: DraftTree, grammar: TreeGrammar) -> Callable[[torch.Tensor], None]:
+        def fill(tree: DraftTree, grammar: TreeGrammar | None) -> Callable[[torch.Tensor], None]:
+            if grammar is None:
+                return lambda rows: rows[: tree.tokens.shape[0]].fill_(-1)
             return lambda rows: grammar.masks(tree.tokens.tolist(), tree.parents.tolist(), rows)
 
         masks.write(qb, [fill(item.tree, grammar) for item, grammar in zip(items, grammars)])
@@ -131,7 +136,7 @@ class TreeSteps:
     def sampled(
         self, items: list[BatchTree], taps: tuple[int, ...], graphs: GraphPool | None,
         draws: Callable[[], list[TreeDraws]], roots_from: torch.Tensor | None = None,
-        grammars: list[TreeGrammar] | None = None,
+        grammars: list[TreeGrammar | None] | None = None,
     ) -> GreedyOutputs | None:
         """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample, and
         masked_sample within `grammars`, as greedy's), each tree's choices drawn in the graph from `draws()`, called

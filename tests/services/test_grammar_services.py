@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from ddtree.local import load_local
 from gateway.grpc_verifier import GrpcVerifier
+from gateway.engine import Engine
 from gateway.rounds import Speculation, run_rounds
 from protos.types import DraftAsk, SamplingParams
 from runtime.client import BackendError
@@ -32,6 +33,7 @@ SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "gr
           "required": ["sky", "clear"]}
 QUESTIONS = ["Answer in JSON: what colour is the sky, and is it clear?", "Is the sky clear today? Reply in JSON."]
 MAX_NEW = 40
+ANSWER_S = 0.02  # a step's answer held back in InFlight
 
 
 @dataclass
@@ -81,6 +83,72 @@ async def _generate(verifier, drafter, prompt: list[int], eos: list[int], fallba
         tokens += rnd.tokens
         trees.append(rnd.tree_size)
     return tokens
+
+
+class InFlight:
+    """The verifier's client, recording each Step call's sessions with the Step calls in flight beside it, and the
+    sessions whose prompt brings a grammar (a recorder around the real client: every call goes through). Each answer
+    is held back ANSWER_S, as a step on a real model takes that long: the gateway's next step then leaves while it
+    is out, whatever the speed of this machine."""
+
+    def __init__(self, client: GrpcVerifier) -> None:
+        self.client = client
+        self.remote = client.remote
+        self.out: list[list[str]] = []  # the sessions of each Step call in flight
+        self.sent: list[tuple[list[str], list[list[str]]]] = []  # each call's sessions, and those of the calls out
+        self.grammars: set[str] = set()
+
+    async def step(self, steps):
+        sessions = [step.session_id for step in steps]
+        self.grammars |= {step.session_id for step in steps
+                          if step.prompt is not None and step.prompt.start and step.prompt.start.params.grammar}
+        self.sent.append((sessions, [list(out) for out in self.out]))
+        self.out.append(sessions)
+        try:
+            outcomes = await self.client.step(steps)
+            await asyncio.sleep(ANSWER_S)
+            return outcomes
+        finally:
+            self.out.remove(sessions)
+
+    async def end_session(self, session_id: str) -> None:
+        await self.client.end_session(session_id)
+
+
+def test_a_grammar_request_leaves_the_others_steps_back_to_back(stack) -> None:
+    """AR steps go to the verifier before the step before them is answered; a request with a grammar among them
+    goes in those whose step before was answered (its masks follow from its committed tokens), so the others'
+    steps still go back to back. Each output is the in-process loop's (the constrained decode, the free one)."""
+    target, drafter = resolve_pair(None, None)
+    local, _ = load_local(str(target), str(drafter), "cpu", torch.float32)
+    grammar = SamplingParams(grammar=json_schema_grammar(SCHEMA))
+    asks = [(stack.prompts[0], grammar), (stack.prompts[1], SamplingParams()), (stack.prompts[0], SamplingParams())]
+
+    async def generate(verifier) -> list[list[int]]:
+        engine = Engine(verifier, None)
+        spec = Speculation("ar")
+
+        async def one(prompt: list[int], params: SamplingParams) -> list[int]:
+            return [t for r in [r async for r in engine.generate(prompt, params, spec, MAX_NEW, stack.eos)]
+                    for t in r.tokens]
+
+        try:
+            return list(await asyncio.gather(*(one(prompt, params) for prompt, params in asks)))
+        finally:
+            await engine.stop()
+
+    async def remote() -> tuple[list[list[int]], InFlight]:
+        async with GrpcVerifier(stack.verifier.address) as client:
+            recorder = InFlight(client)
+            return await generate(recorder), recorder
+
+    outputs, recorder = asyncio.run(remote())
+    assert outputs == asyncio.run(generate(local))
+    (g,) = recorder.grammars
+    behind = [(sessions, out) for sessions, out in recorder.sent if out]
+    assert behind, "no step went before the one before it was answered"
+    assert any(g in sessions for sessions, _ in behind)  # the grammar request steps behind others too
+    assert all(not (g in sessions and any(g in o for o in out)) for sessions, out in recorder.sent)
 
 
 def test_grammar_requests_through_the_services(stack, in_process) -> None:

@@ -29,6 +29,7 @@ from runtime.models import read_eos_ids, resolve_pair
 from verify_server.grammar import TreeGrammar
 from verify_server.verify import VerifyEngine
 from tests.graph_replay import ReplayRecorder
+from tests.conftest import hf_greedy
 from tests.unit.test_verify import oracle_tree
 
 # a schema whose every output is short: the demo target finishes it well within MAX_NEW
@@ -299,6 +300,42 @@ def test_captured_sampled_grammar_rounds_equal_the_uncaptured_walk(demo) -> None
         state = walked.grammars.start(grammar)
         state.commit(got[name])
     assert max(lengths) > 1  # paths accepted below the root, through the masks of their nodes
+
+
+def test_grammar_sessions_join_ar_steps_launched_ahead(demo) -> None:
+    """AR steps launched before the step before them is read (verify_server/decode_ahead.py): a greedy grammar
+    session joins a launch whenever its last step has been read (its mask follows from its committed tokens), in
+    one graph beside a session without a grammar whose steps go on back to back; each gets its own decode (the
+    constrained one, the target's greedy one)."""
+    target, model, prompt = demo[0], demo[2], demo[5]
+    grammar = json_schema_grammar(SCHEMA)
+    constrained = reference(demo, grammar)
+    free = hf_greedy(model, prompt, 2 * len(constrained) + 4)  # p steps twice for each step of g
+    engine = VerifyEngine.from_pretrained(target, device="cpu")
+    engine.fused.static = True  # the captured code path, as the GPU runs it (no graphs on the CPU)
+    engine.start_session("g", 400, SamplingParams(grammar=grammar), taps=[])
+    engine.start_session("p", 400, SamplingParams(), taps=[])
+    got = {name: list(engine.prefill(name, prompt).tokens) for name in ("g", "p")}
+    unread: list[tuple[list[str], object]] = []
+    joined = 0
+    while len(got["g"]) < len(constrained):
+        waiting = bool(engine.session("g").ahead)  # a grammar session with a step unread joins no launch
+        assert (engine.ahead.launchable(["g", "p"]) is None) == waiting
+        names = ["p"] if waiting else ["g", "p"]
+        step = engine.launch_decodes(names)
+        assert step is not None
+        joined += not waiting
+        unread.append((names, step))
+        if len(unread) == 2:  # read the older while the newer is on the device
+            ran, oldest = unread.pop(0)
+            for name, result in zip(ran, engine.read_decodes(oldest)):
+                got[name] += result.tokens
+    for ran, step in unread:
+        for name, result in zip(ran, engine.read_decodes(step)):
+            got[name] += result.tokens
+    assert got["p"] == free[: len(got["p"])]
+    assert got["g"] == constrained
+    assert 0 < joined < len(got["p"]) - 1  # every other launch, while its own was unread
 
 
 def _flat(key) -> list:
