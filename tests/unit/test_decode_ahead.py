@@ -62,6 +62,12 @@ def greedy_sessions(
     return asked, truth, got
 
 
+def read_into(engine: VerifyEngine, got: dict[str, list[int]], ran: list[str], step) -> None:
+    """A launched step read (and the steps before it): each of its sessions' token added to that session's."""
+    for name, result in zip(ran, engine.read_decodes(step)):
+        got[name] += result.tokens
+
+
 @pytest.mark.parametrize("path", ["fused-static", CUDA])
 def test_steps_launched_ahead_give_the_targets_tokens(qwen3_target: Path, path: str) -> None:
     engine = engine_on(qwen3_target, path)
@@ -77,12 +83,9 @@ def test_steps_launched_ahead_give_the_targets_tokens(qwen3_target: Path, path: 
         unread.append((running, step))
         most_unread = max(most_unread, len(engine.ahead.unread))
         if len(unread) == MAX_AHEAD:
-            ran, oldest = unread.pop(0)
-            for name, result in zip(ran, engine.read_decodes(oldest)):
-                got[name] += result.tokens
+            read_into(engine, got, *unread.pop(0))
     for ran, step in unread:
-        for name, result in zip(ran, engine.read_decodes(step)):
-            got[name] += result.tokens
+        read_into(engine, got, ran, step)
     assert most_unread == MAX_AHEAD
     for name in names:
         assert len(got[name]) > 40

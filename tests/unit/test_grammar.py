@@ -30,6 +30,7 @@ from verify_server.grammar import TreeGrammar
 from verify_server.verify import VerifyEngine
 from tests.graph_replay import ReplayRecorder
 from tests.conftest import hf_greedy
+from tests.unit.test_decode_ahead import read_into
 from tests.unit.test_verify import oracle_tree
 
 # a schema whose every output is short: the demo target finishes it well within MAX_NEW
@@ -327,12 +328,9 @@ def test_grammar_sessions_join_ar_steps_launched_ahead(demo) -> None:
         joined += not waiting
         unread.append((names, step))
         if len(unread) == 2:  # read the older while the newer is on the device
-            ran, oldest = unread.pop(0)
-            for name, result in zip(ran, engine.read_decodes(oldest)):
-                got[name] += result.tokens
+            read_into(engine, got, *unread.pop(0))
     for ran, step in unread:
-        for name, result in zip(ran, engine.read_decodes(step)):
-            got[name] += result.tokens
+        read_into(engine, got, ran, step)
     assert got["p"] == free[: len(got["p"])]
     assert got["g"] == constrained
     assert 0 < joined < len(got["p"]) - 1  # every other launch, while its own was unread
