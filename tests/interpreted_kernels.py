@@ -21,7 +21,7 @@ from kernels.tree_build import (
     top_k, top_k_any, top_plan,
 )
 from kernels.kv_compaction import launch as compact
-from kernels.token_masks import apply_masks_, masked_argmax
+from kernels.token_masks import apply_masks_
 from verify_server.fused_layer import FusedLayer, LayerShape, decoder_layer, unfused_linear
 from verify_server.step_attention import FLASH, step_mask
 from kernels.ancestors import ancestors
@@ -179,15 +179,14 @@ def check_compaction() -> None:
 
 
 def check_token_masks() -> None:
-    """The grammar's masks on the device (kernels/token_masks.py), by the kernels and by torch's ops: the logits
-    masked as xgrammar's own apply_token_bitmask_inplace masks them, bit for bit, and the greedy choice their argmax,
-    ties to the lowest token: vocabularies of one block and of several with a partial last one (and last mask
-    word), a row with nothing allowed, one with a single token."""
+    """The grammar's masks on the device (kernels/token_masks.py), by the kernel and by torch's ops: the logits
+    masked as xgrammar's own apply_token_bitmask_inplace masks them, bit for bit: vocabularies of one block and of
+    several with a partial last one (and last mask word), a row with nothing allowed, one with a single token."""
     import xgrammar as xgr
 
     gen = torch.Generator().manual_seed(0)
     for rows, vocab in ((5, 100), (4, 1024), (6, 2500)):
-        logits = (2 * torch.randn(rows, vocab, generator=gen)).round()  # coarse: many ties
+        logits = torch.randn(rows, vocab, generator=gen)
         words = (vocab + 31) // 32
         bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
         bitmask[0] = 0
@@ -195,12 +194,10 @@ def check_token_masks() -> None:
         bitmask[1, words // 2] = 1 << 3
         masked = logits.clone()
         xgr.apply_token_bitmask_inplace(masked, bitmask)
-        want = masked.argmax(dim=-1)
-        assert want[1] == words // 2 * 32 + 3
+        assert masked[1].argmax() == words // 2 * 32 + 3 and masked[0].isinf().all()
         for kernel in (False, True):
-            got = masked_argmax(logits.to(DEVICE), bitmask.to(DEVICE), kernel).cpu()
-            assert torch.equal(got, want), (rows, vocab, kernel, got, want)
-            assert torch.equal(apply_masks_(logits.clone().to(DEVICE), bitmask.to(DEVICE), kernel).cpu(), masked), kernel
+            got = apply_masks_(logits.clone().to(DEVICE), bitmask.to(DEVICE), kernel).cpu()
+            assert torch.equal(got, masked), (rows, vocab, kernel)
     print("token masks ok")
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from kernels.cuda_graphs import GraphPool, key_bucket
-from kernels.token_masks import apply_masks_, masked_argmax
+from kernels.token_masks import apply_masks_
 from protos.types import DraftTree
 from verify_server.fused import FusedDecoder, embed_tokens
 from verify_server.cache_slots import MIN_SLOT_TOKENS
@@ -300,15 +300,13 @@ class TreeSteps:
         hidden, features, xs, batch = self._hidden(buf, taps, kv_len)
         logits = self.decoder.logits(hidden, compiled=True)  # [trees * qb, V] fp32, the graph's own temporary
         trees, qb = len(xs), buf.qb
-        if sampled and masks is not None:
+        if masks is not None:  # (in place: the logits are the graph's own temporary)
             apply_masks_(logits, masks)
         if sampled:  # each row's session's temperature and min_p [trees * qb, 1], its depth's number [trees * qb]
             temperature, min_p = (buf.draws[:, qb + i : qb + i + 1].float().expand(trees, qb).reshape(-1, 1)
                                   for i in (0, 1))
             depths = buf.inputs[:, 2 * qb : 3 * qb]  # [trees, qb] (a padding row's stale depth is below qb too)
             choices = sample_rows(tempered_probs(logits, temperature, min_p), buf.draws[:, :qb].gather(1, depths).reshape(-1))
-        elif masks is not None:
-            choices = masked_argmax(logits, masks)  # [trees * qb]
         else:
             choices = logits.argmax(dim=-1)  # [trees * qb]
         outcomes = [self._outcome(x, choices[b * qb : (b + 1) * qb]) for b, x in enumerate(xs)]
