@@ -198,7 +198,7 @@ def check_token_masks() -> None:
         for kernel in (False, True):
             got = apply_masks_(logits.clone().to(DEVICE), bitmask.to(DEVICE), kernel).cpu()
             assert torch.equal(got, masked), (rows, vocab, kernel)
-    print("token masks ok")
+    print("token_masks ok")
 
 
 def check_flash() -> None:
