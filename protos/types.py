@@ -53,37 +53,12 @@ class SamplingParams:
         return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.stop_ids)) or self.penalized
 
     @property
-    def raw_argmax(self) -> bool:
-        """The target's choice is the argmax of its raw logits and nothing else is read from them: the only rounds
-        the captured paths (argmax inside a CUDA graph) serve."""
-        return self.greedy and not self.processed and self.logprobs is None and not self.grammar
-
-    @property
-    def masked_argmax(self) -> bool:
-        """The target's choice is the argmax of its raw logits among the tokens the request's grammar allows there,
-        and nothing else is read from them: the grammar rounds the captured paths serve, with the masks as the
-        graph's input."""
-        return self.greedy and not self.processed and self.logprobs is None and bool(self.grammar)
-
-    @property
-    def plain_sample(self) -> bool:
-        """The target's choice is a sample after temperature and min-p alone (no processor, top-k or top-p, no
-        logprobs, no grammar): the sampled rounds a captured batch draws inside its CUDA graph."""
-        return (not self.greedy and not self.processed and self.logprobs is None and not self.grammar
-                and self.top_k == 0 and self.top_p == 1.0)
-
-    @property
     def captured(self) -> bool:
-        """Whether a captured round makes this request's choices in its graph (raw_argmax, masked_argmax,
-        plain_sample, masked_sample)."""
-        return self.raw_argmax or self.masked_argmax or self.plain_sample or self.masked_sample
-
-    @property
-    def masked_sample(self) -> bool:
-        """plain_sample's but within the request's grammar: the grammar rounds a captured batch draws inside its
-        CUDA graph, from the logits its masks leave."""
-        return (not self.greedy and not self.processed and self.logprobs is None and bool(self.grammar)
-                and self.top_k == 0 and self.top_p == 1.0)
+        """Whether a captured round makes this request's choices inside its CUDA graph: the argmax of the logits
+        (greedy), or a draw after temperature and min-p alone (no top-k or top-p), within the request's grammar's
+        masks where it has one; no processor that reads the path, no logprobs."""
+        return (not self.processed and self.logprobs is None
+                and (self.greedy or (self.top_k == 0 and self.top_p == 1.0)))
 
     def validate(self) -> None:
         if self.temperature < 0:

@@ -21,7 +21,9 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, commit_captured, session_draws, shared_taps, walk_and_commit
+from verify_server.walk import (
+    TreeRows, commit_captured, session_draws, session_grammars, shared_taps, walk_and_commit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,11 @@ class BatchedRounds:
     ) -> list[StepResult | Exception]:
         """calls: (session id, tree) pairs, a Decode's tree being the root alone -> each call's StepResult, or the
         exception verify() would raise for it. The calls that can share a forward (sessions on the fused path,
-        prefilled, whose tree fits, those with taps tapping the same layers, untapped ones beside them; plain greedy
-        rounds, rounds sampled with temperature and min-p alone, each within grammars or not, and the others apart;
-        on an engine with static buffers, each of the first four kinds captured in one graph with its choices) in
-        one; the others (and a session's second call in one batch,
-        which comes after its first) alone, in order, after it."""
+        prefilled, whose tree fits, those with taps tapping the same layers, untapped ones beside them; greedy rounds,
+        rounds sampled with temperature and min-p alone, each within grammars or not (SamplingParams.captured), and
+        the others apart; on an engine with static buffers, each of the first two kinds captured in one graph with
+        its choices) in one; the others (and a session's second call in one batch, which comes after its first)
+        alone, in order, after it."""
         if len(calls) == 1:  # nothing to share the forward with: the common case of a lone session
             return [verify_alone(self.verify, *calls[0], host_features)]
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
@@ -72,9 +74,9 @@ class BatchedRounds:
                 batched[session_id] = sess
                 joining.append((i, sess))
         common = shared_taps([sess for _, sess in joining])  # (an untapped session joins the tapped ones' forward)
-        for i, sess in joining:  # apart by how the choices are made: in the graph (argmax, plain samples) or after
+        for i, sess in joining:  # apart by how the choices are made: in the graph (argmax, or draws) or after
             params = sess.params
-            kind = (params.raw_argmax, params.masked_argmax, params.plain_sample, params.masked_sample)
+            kind = params.greedy if params.captured else None  # (a grammar's session joins either captured kind)
             groups.setdefault((tuple(sess.taps) or common, kind), []).append(i)
         for members in groups.values():
             if len(members) > 1:
@@ -137,7 +139,7 @@ class BatchedRounds:
             return walk_and_commit(sessions, trees, timer, host_features)
         params = sessions[0].params
         if params.captured:  # forward, choices (within grammars), walks and compactions in one replay
-            grammars = [sess.grammar for sess in sessions] if params.grammar else None
+            grammars = session_grammars(sessions)
             captured = (self.fused.batch_round(items, taps, grammars=grammars) if params.greedy
                         else self.fused.sampled_round(items, taps, session_draws(sessions, items), grammars=grammars))
             return None if captured is None else commit_captured(sessions, items, captured, timer, host_features)

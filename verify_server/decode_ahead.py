@@ -34,7 +34,7 @@ from verify_server.fused_runner import FusedRunner
 from verify_server.session import AheadStep, VerifySession
 from verify_server.step_inputs import ROOT_ONLY
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import session_draws, shared_taps, timed
+from verify_server.walk import session_draws, session_grammars, shared_taps, timed
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,11 @@ class DecodesAhead:
         taps = shared_taps(sessions)
         timer = self.timers.timer()
         greedy = sessions[0].params.greedy
-        grammars = [sess.grammar for sess in sessions] if any(sess.grammar for sess in sessions) else None
+        grammars = session_grammars(sessions)
         try:
+            draws = session_draws(sessions, items)
             captured = (self.fused.batch_round(items, taps, roots_from, grammars) if greedy
-                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), roots_from, grammars))
+                        else self.fused.sampled_round(items, taps, draws, roots_from, grammars))
             if captured is None:
                 raise RuntimeError("a batch of AR steps on the static path was not captured")
             timer.mark()
@@ -154,9 +155,7 @@ class DecodesAhead:
             for (session_id, sess), result in zip(oldest.sessions, results):
                 if self.sessions.get(session_id) is sess:
                     sess.cache.length += 1
-                    sess.root = result.tokens[0]
-                    if sess.grammar is not None:
-                        sess.grammar.commit(result.tokens)
+                    sess.took(result.tokens)
                     self.committed(session_id, result)
             oldest.results = results
         return step.results

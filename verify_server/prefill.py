@@ -141,11 +141,7 @@ class PromptPrefill:
         sess.cache.length = start + len(call.prompt)
         logprobs = None
         if root is not None:  # read before the kept features' copy is queued: the first token does not wait for it
-            sess.root = root
-            if sess.history is not None:
-                sess.history.add_output([root])
-            if sess.grammar is not None:
-                sess.grammar.commit([root])
+            sess.took([root])
             logprobs = None if chunk.scored is None else chunk.scored.read(1)
         if sess.blocks is not None:
             prefix.commit(sess.blocks, sess.cache, call.prompt if call.more else [*call.prompt, root], features)

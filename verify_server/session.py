@@ -108,6 +108,15 @@ class VerifySession:
             except NoMemory as exc:
                 raise MemoryShortError(f"no memory to grow the session's KV cache to {end} slots: {exc}") from None
 
+    def took(self, tokens: list[int]) -> None:
+        """A step's (or a prompt's) committed tokens, the last the next step's root: the processors' history and the
+        grammar move past them. Every path that commits a step ends with this (the cache's length is its own)."""
+        self.root = tokens[-1]
+        if self.history is not None:
+            self.history.add_output(tokens)
+        if self.grammar is not None:
+            self.grammar.commit(tokens)
+
     def has_room(self, end: int) -> bool:
         """check_room for a step ending at slot `end`, as a yes or no."""
         try:

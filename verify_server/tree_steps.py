@@ -138,8 +138,8 @@ class TreeSteps:
         draws: Callable[[], list[TreeDraws]], roots_from: torch.Tensor | None = None,
         grammars: list[TreeGrammar | None] | None = None,
     ) -> GreedyOutputs | None:
-        """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.plain_sample, and
-        masked_sample within `grammars`, as greedy's), each tree's choices drawn in the graph from `draws()`, called
+        """greedy's outputs for rounds sampled with temperature and min-p alone (SamplingParams.captured), within
+        `grammars` as greedy's, each tree's choices drawn in the graph from `draws()`, called
         once the batch is known to be captured (a session's numbers are drawn only for the round that uses them);
         roots_from as for greedy."""
         prepared = self._prepare(items, graphs, draws=draws, roots_from=roots_from)

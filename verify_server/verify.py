@@ -42,7 +42,7 @@ from verify_server.step_attention import INVARIANT
 from verify_server.step_inputs import MAX_GRAPH_NODES, ROOT_ONLY
 from verify_server.tree_attention import ATTENTION_NAME, ancestor_matrix
 from verify_server.tree_batch import BatchTree
-from verify_server.walk import TreeRows, commit_captured, session_draws, timed, walk_and_commit
+from verify_server.walk import TreeRows, commit_captured, session_draws, session_grammars, timed, walk_and_commit
 
 log = logging.getLogger(__name__)
 
@@ -348,8 +348,8 @@ class VerifyEngine:
                 return self._commit_greedy(sess, tree, captured, timer, host_features)
         if captures and not sess.params.greedy:
             items = [BatchTree(sess.cache, tree, sess.root)]
-            grammars = None if sess.grammar is None else [sess.grammar]
-            captured = self.fused.sampled_round(items, taps, session_draws([sess], items), grammars=grammars)
+            captured = self.fused.sampled_round(items, taps, session_draws([sess], items),
+                                                grammars=session_grammars([sess]))
             if captured is not None:
                 return commit_captured([sess], items, captured, timer, host_features)[0]
         scored = self.fused.tree_forward(sess.cache, taps, tree, sess.root) if self.fused is not None else None
@@ -388,10 +388,8 @@ class VerifyEngine:
         read = timer.sync(host.tolist)  # the round's single host sync
         k, bonus = read[0], read[1]
         sess.cache.length += k + 1
-        sess.root = bonus
         tokens = read[3 : 3 + k] + [bonus]
-        if sess.grammar is not None:
-            sess.grammar.commit(tokens)
+        sess.took(tokens)
         return timed([StepResult(tokens, None if features is None else features[: k + 1])], timer)[0]
 
     # ---- batched rounds -------------------------------------------------------------------------------------

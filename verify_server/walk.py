@@ -15,6 +15,7 @@ from protos.types import StepResult
 from runtime.timing import StepTimer
 from verify_server.processors import PathLogprobs, path_logprobs, process_logits
 from verify_server.sampling import TreeDraws, choose_tokens
+from verify_server.grammar import TreeGrammar
 from verify_server.session import VerifySession
 from verify_server.state_cache import TreeScratch
 from verify_server.tree_batch import BatchTree
@@ -111,12 +112,8 @@ def walk_and_commit(
         sess.cache.compact(sess.cache.length, keep)
         if sess.states is not None:
             sess.states.commit(scratch, keep)
-        sess.root = bonus
         tokens = answer[3 : 3 + k] + [bonus]
-        if sess.history is not None:
-            sess.history.add_output(tokens)
-        if sess.grammar is not None:
-            sess.grammar.commit(tokens)
+        sess.took(tokens)
         features = kept[i][: k + 1] if kept[i] is not None else None if tree.features is None else tree.features[keep]
         logprobs = None if scored[i] is None else scored[i].read(k + 1)
         results.append(StepResult(tokens, features, logprobs=logprobs))
@@ -148,10 +145,8 @@ def commit_captured(
     for b, sess in enumerate(sessions):
         k, bonus = host[b][0], host[b][1]
         sess.cache.length += k + 1
-        sess.root = bonus
         tokens = host[b][3 : 3 + k] + [bonus]
-        if sess.grammar is not None:
-            sess.grammar.commit(tokens)
+        sess.took(tokens)
         results.append(StepResult(tokens, kept[b][: k + 1] if kept and kept[b] is not None else None))
     return timed(results, timer)
 
@@ -160,6 +155,12 @@ def shared_taps(sessions: list[VerifySession]) -> tuple[int, ...]:
     """The layers a batch of sessions taps: those its tapped sessions share (one graph for all, whose features the
     untapped ones leave); none where none taps."""
     return next((tuple(sess.taps) for sess in sessions if sess.taps), ())
+
+
+def session_grammars(sessions: list[VerifySession]) -> list[TreeGrammar | None] | None:
+    """A captured batch's grammars, each session's (None for one without), where any session has one: the graph then
+    masks every row (all tokens allowed in the rows of those without); None where none has one."""
+    return [sess.grammar for sess in sessions] if any(sess.grammar for sess in sessions) else None
 
 
 def session_draws(sessions: list[VerifySession], items: list[BatchTree]) -> Callable[[], list[TreeDraws]]:

@@ -217,21 +217,30 @@ def test_tree_masks_follow_each_path(demo) -> None:
             matcher.fill_next_token_bitmask(expected)
         assert torch.equal(masks[node], expected[0]), node
     assert (masks[-1] == -1).all()  # the refused "x" under the root
-    assert not SamplingParams(grammar=grammar).raw_argmax and SamplingParams(grammar=grammar).masked_argmax
+    assert SamplingParams(grammar=grammar).captured  # its masks are the captured round's input
 
 
 def test_captured_grammar_rounds_alone_and_batched_equal_constrained_decoding(demo) -> None:
     """Greedy grammar sessions on the static path, their choices taken among the grammar's masks by the graph
     (kernels/token_masks.py): lone rounds replayed under CUDA graphs' replay rule (tests/graph_replay.py), and three
-    sessions (two grammars) verified together in one forward, each through trees holding its constrained decode's
-    next tokens among decoys, get the constrained decode's tokens."""
-    target, prompt = demo[0], demo[5]
-    grammars = {"a": json_schema_grammar(SCHEMA), "b": json_object_grammar(), "c": json_schema_grammar(SCHEMA)}
-    truths = {name: reference(demo, grammar) for name, grammar in grammars.items()}
+    sessions (two grammars) verified together in one forward with a session without a grammar, each through trees
+    holding its decode's next tokens among decoys, get the constrained decode's tokens (the free one's)."""
+    target, model, prompt = demo[0], demo[2], demo[5]
+    grammars = {"a": json_schema_grammar(SCHEMA), "b": json_object_grammar(), "c": json_schema_grammar(SCHEMA),
+                "free": ""}
+    truths = {name: reference(demo, grammar) if grammar else hf_greedy(model, prompt, MAX_NEW)
+              for name, grammar in grammars.items()}
     replayed, batched = (VerifyEngine.from_pretrained(target, device="cpu") for _ in range(2))
     for engine in (replayed, batched):
         engine.fused.static = True
     replayed.fused.graphs = recorder = ReplayRecorder()
+    batch_round, batches = batched.fused.batch_round, []
+
+    def recorded(items, taps, roots_from=None, grammars=None):  # noqa: ANN001, ANN202 - the runner's, recorded
+        batches.append(grammars)
+        return batch_round(items, taps, roots_from, grammars)
+
+    batched.fused.batch_round = recorded
     rng = random.Random(3)
     for engine in (replayed, batched):
         got = {}
@@ -256,7 +265,8 @@ def test_captured_grammar_rounds_alone_and_batched_equal_constrained_decoding(de
         assert got == truths
     assert any("batch-grammar" in map(str, key) for key in map(_flat, recorder.seen))  # captured, then replayed
     assert len(recorder.seen) > len(recorder)
-    assert (3 + 1, 16) in batched.fused.trees._masks  # three trees in one batch of four, their masks as its input
+    assert (4, 16) in batched.fused.trees._masks  # four trees in one batch, their masks as its input
+    assert any(len(g) == 4 and g[-1] is None for g in batches if g)  # the free session in the grammars' forward
 
 
 def test_captured_sampled_grammar_rounds_equal_the_uncaptured_walk(demo) -> None:
