@@ -47,6 +47,9 @@ class LocalDrafter:
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
 
+    def forget(self, session_id: str) -> None:
+        """Nothing is held per session in this process: the session itself ends through end_session."""
+
 
 def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:
     """The tree stays on the device for the verifier; its timings are read after the verifier's host sync."""

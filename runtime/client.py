@@ -198,6 +198,15 @@ class GrpcClient:
         if stream.transport is not None:
             stream.transport.close()  # whatever it was doing, nobody will read it
 
+    def forget(self, session_id: str) -> None:
+        """Closes the session's connections now, whatever they carry: their caller has no use for any answer still
+        to come. (A client that ends its sessions elsewhere would otherwise hold a connection per session it ever
+        had, and the service refuses connections past its limit.)"""
+        for rpc in self.STREAMED:
+            stream = self._streams.get((rpc, session_id))
+            if stream is not None:
+                self._drop((rpc, session_id), stream)
+
     async def _end_streams(self, session_id: str) -> None:
         """Ends the session's streams and lane connections once every answer awaited has come."""
         for key in [k for k in self._streams if k[1] == session_id]:

@@ -49,6 +49,10 @@ class DrafterPort(Protocol):
 
     async def append(self, session_id: str, features: torch.Tensor) -> None: ...
 
+    # the session has ended here: what the port holds for it goes (its appends' connection; its drafter session is
+    # the gateway's to end)
+    def forget(self, session_id: str) -> None: ...
+
 
 OWED_MAX = 256  # positions of features a session holds for its drafter before they go by an Append of their own
 
@@ -80,6 +84,8 @@ class Stepper:
         feed = self.feeds.pop(session_id, None)
         if feed is not None and feed.appending is not None and not feed.appending.done():
             feed.appending.cancel()
+        if self.drafter is not None:
+            self.drafter.forget(session_id)
 
     def _prompted(self, session_id: str, chunk: PromptChunk, result: StepResult) -> None:
         """A prompt chunk ran (its session started with it where the chunk starts it): its features (positions the

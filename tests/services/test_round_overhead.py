@@ -715,6 +715,7 @@ class Port:
         self.appended: list[tuple[str, torch.Tensor]] = []
         self.asks: list[list[DraftAsk]] = []  # each draft call's
         self.cancelled = 0
+        self.forgotten: list[str] = []  # each session the stepper ended, in order
 
     async def append(self, session_id: str, features: torch.Tensor) -> None:
         self.sent.append(len(features))
@@ -735,6 +736,9 @@ class Port:
         outcomes = await self.drafter.draft(asks)
         return [ConnectionError("drafter down") if self.fail == "ask" and ask.session_id == self.failing else outcome
                 for ask, outcome in zip(asks, outcomes)]
+
+    def forget(self, session_id: str) -> None:
+        self.forgotten.append(session_id)
 
 
 async def _prompted(verifier: LocalVerifier, drafter: LocalDrafter, session: str, chunk: int
@@ -887,7 +891,7 @@ def test_a_sessions_end_cancels_its_prompts_features_on_their_way(recwarn):
         return started, port.cancelled
 
     assert asyncio.run(scenario()) == ([4], 1)
-    assert port.sent == [4] and port.appended == []
+    assert port.sent == [4] and port.appended == [] and port.forgotten == ["s"]
     assert not [w for w in recwarn if "never retrieved" in str(w.message) or "never awaited" in str(w.message)]
 
 
@@ -931,6 +935,7 @@ class AppendDrafter(pb_grpc.DrafterServicer):
         self.lane = lane
         self.lane_port = 0
         self.transports: list[str] = []  # "lane" or "grpc", per Append call
+        self.lane_server: LaneServer | None = None  # set by _with_server
 
     async def Info(self, request, context) -> pb.DrafterInfoResponse:
         return pb.DrafterInfoResponse(lane_port=self.lane_port)
@@ -972,6 +977,7 @@ async def _with_server(servicer: AppendDrafter, scenario, lanes: bool = True):
                        "DraftBatch": Route(pb.DraftBatchRequest, servicer.DraftBatch)}, 2**20)
     if servicer.lane:
         servicer.lane_port = await lane.start("127.0.0.1", 0)
+    servicer.lane_server = lane
     try:
         async with GrpcDrafter(f"127.0.0.1:{port}", timeout_s=5, lanes=lanes) as client:
             return await scenario(client)
@@ -1015,6 +1021,42 @@ def test_a_sessions_appends_share_one_connection_and_a_failure_ends_only_that_on
 
     assert asyncio.run(_with_server(servicer, scenario)) == [5, 6, 7, 9, 8]
     assert servicer.transports == ["lane" if lane else "grpc"] * 6
+
+
+def test_a_session_ended_on_the_verifier_leaves_no_connection_to_the_drafter():
+    """Each session's appends go over a lane connection of its own, and the verifier's sessions end without a call
+    to the drafter (the gateway ends the drafter's): the step lets the connection go as its session ends, so a
+    verifier serving for long holds none per session it ever had (the drafter refuses connections past its
+    limit, and every request would then go AR)."""
+    servicer = AppendDrafter(lane=True)
+
+    async def unused(items):
+        raise AssertionError("no decode runs")
+
+    async def prefill(items: list[tuple[str, PromptChunk]]) -> list[StepResult]:
+        return [StepResult([7], torch.zeros(len(chunk.tokens), 4)) for _, chunk in items]
+
+    async def held(count: int) -> int:
+        for _ in range(200):  # (the server sees a closed connection a moment later)
+            if len(servicer.lane_server.connections) == count:
+                break
+            await asyncio.sleep(0.01)
+        return len(servicer.lane_server.connections)
+
+    async def scenario(client: GrpcDrafter) -> list[int]:
+        stepper = Stepper(client, unused, prefill)
+        start = SessionStart(CAPACITY, SamplingParams(), (0,))
+        for session in "abc":
+            await stepper.step([SessionStep(session, prompt=PromptChunk([1, 2, 3], start=start))])
+            await stepper.appended(session)
+        counts = [await held(3)]
+        for left, session in zip((2, 1, 0), "abc"):
+            stepper.end(session)
+            counts.append(await held(left))
+        return counts
+
+    assert asyncio.run(_with_server(servicer, scenario)) == [3, 2, 1, 0]
+    assert servicer.transports == ["lane"] * 3
 
 
 @pytest.mark.parametrize("lane", [False, True])
