@@ -92,8 +92,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 "where no tree paid for its draft and the step went AR (speculation chosen per step)",
                 buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
         self.host_features = drafter is not None and drafter.host_features
+        sent = Counter("ddtree_verify_feature_rows_sent", "Positions of target features sent to the drafter, by "
+                       "call: with a step's drafts (on its way, before its verify) or in an Append of their own (a "
+                       "prompt's, or a session's owed while its steps go AR)", ["call"], registry=host.metrics.registry)
         self.stepper = Stepper(drafter, lambda items: self.rounds.submit_all(self.host, items),
-                               lambda items: self.prompts.submit_all(self.host, items), fit)
+                               lambda items: self.prompts.submit_all(self.host, items), fit, sent)
         host.on_expired = self.stepper.end
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:

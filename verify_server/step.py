@@ -16,7 +16,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,6 +24,9 @@ from protos.types import DraftAsk, DraftTree, PromptChunk, SamplingParams, Sessi
 from runtime.timing import DeferredTimings
 from verify_server.feed import Feed
 from verify_server.tree_fit import TreeFit, sampling_class
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 # (session id, its tree or None for an AR step, untap) -> each one's result or error, in order: the verify forward
 Verify = Callable[[list[tuple[str, DraftTree | None, bool]]], Awaitable[list[StepResult | Exception]]]
@@ -58,15 +61,16 @@ OWED_MAX = 256  # positions of features a session holds for its drafter before t
 
 
 class Stepper:
-    def __init__(self, drafter: DrafterPort | None, verify: Verify, prefill: Prefill, fit: TreeFit | None = None
-                 ) -> None:
+    def __init__(self, drafter: DrafterPort | None, verify: Verify, prefill: Prefill, fit: TreeFit | None = None,
+                 sent: Counter | None = None) -> None:
         """drafter: None, every step AR (a session with taps is refused at its start). verify: the step's forward;
         prefill: its prompt chunks'. fit: chooses each step's speculation from its measurements (None: every step
-        drafts full trees)."""
+        drafts full trees). sent: counts the feature rows sent to the drafter, by call ("draft", "append")."""
         self.drafter = drafter
         self.verify = verify
         self.prefill = prefill
         self.fit = fit
+        self._sent = {call: sent.labels(call) for call in ("draft", "append")} if sent is not None else None
         self.feeds: dict[str, Feed] = {}
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
         self._turns: dict[str, _Turn] = {}
@@ -99,7 +103,7 @@ class Stepper:
         length = len(chunk.tokens)
         feed.position += length
         if result.features is not None and len(result.features):
-            feed.chain(self.drafter.append(session_id, result.features))
+            self._append(session_id, feed, result.features)
         if result.tokens:
             feed.root = result.tokens[-1]
             if feed.grammar:
@@ -194,7 +198,7 @@ class Stepper:
                 feed.took(result)
                 if i not in trees and feed.owed_rows >= OWED_MAX and feed.ready():
                     # AR steps for long (the load): their features go on ahead, so that none piles up here
-                    feed.chain(self.drafter.append(steps[i].session_id, feed.take_owed(own=True)))
+                    self._append(steps[i].session_id, feed, feed.take_owed(own=True))
         if self.fit is not None and decodes:
             order = list(trees)
             rows = len(decodes) + sum(tree.num_nodes for tree in trees.values())
@@ -219,6 +223,12 @@ class Stepper:
                 if not steps[i].prompt.more:
                     await self.appended(steps[i].session_id)
 
+    def _append(self, session_id: str, feed: Feed, features: torch.Tensor) -> None:
+        """Features [m, taps * hidden] to the session's drafter context, after its appends before."""
+        if self._sent is not None:
+            self._sent["append"].inc(len(features))
+        feed.chain(self.drafter.append(session_id, features))
+
     def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> tuple[int, int]:
         """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
         `other_rows` AR steps: (0: AR, else the nodes their trees are cut to; how many of them draft, the first)."""
@@ -233,6 +243,8 @@ class Stepper:
         if not drafting:
             return {}, {}, 0.0
         asks = [self.feeds[steps[i].session_id].ask(steps[i]) for i in drafting]
+        if self._sent is not None:
+            self._sent["draft"].inc(sum(len(ask.features) for ask in asks if ask.features is not None))
         start = time.perf_counter()
         try:
             outcomes = await self.drafter.draft(asks)

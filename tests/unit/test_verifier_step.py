@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +18,7 @@ from protos.types import DraftAsk, PromptChunk, SamplingParams, SessionStart, Se
 from tests.conftest import hf_greedy
 from verify_server import step as step_module
 from verify_server import tree_fit
+from verify_server.step import Stepper
 from verify_server.tree_fit import TreeFit
 
 PROMPT = [5, 9, 2, 17, 3, 30, 11, 8, 21, 4]
@@ -277,3 +279,23 @@ def test_a_step_that_explores_trees_under_load_drafts_a_few_sessions_in_turn(
     assert sizes[0::2] == [[0, 0, 0]] * 3
     explored = [[i for i, size in enumerate(step) if size] for step in sizes[1::2]]
     assert explored == [[0], [1], [2]]  # one session's tree a time, in turn
+
+
+def test_the_features_sent_to_the_drafter_are_counted_by_call(qwen3_target: Path, drafter_dir: Path) -> None:
+    """A prompt's positions go to the drafter by an Append; a tree step's committed positions with the session's next
+    draft."""
+    verifier, drafter = load_local(str(qwen3_target), str(drafter_dir), "cpu", torch.float32)
+    sent = Counter("rows", "feature rows sent", ["call"], registry=CollectorRegistry())
+    verifier.stepper = Stepper(drafter, verifier.stepper.verify, verifier.stepper.prefill, None, sent)
+    prompts = {sid: PROMPT[i:] + PROMPT[:i] for i, sid in enumerate("abc")}
+
+    async def run() -> list[int]:
+        await started(verifier, drafter, prompts)
+        first = await verifier.step([SessionStep(sid, 8) for sid in "abc"])
+        assert sent.labels("draft")._value.get() == 0  # the first drafts owed nothing: the prompts went ahead
+        await verifier.step([SessionStep(sid, 8) for sid in "abc"])
+        return [len(outcome.step.tokens) for outcome in first]
+
+    committed = asyncio.run(run())
+    assert sent.labels("append")._value.get() == 3 * len(PROMPT)
+    assert sent.labels("draft")._value.get() == sum(committed)
