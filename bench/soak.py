@@ -7,7 +7,8 @@ and the services' live sessions and caches, to see whether anything grows that s
 
 Each client sends streaming chat requests one after another (a fresh short prompt each, greedy) until the duration
 is over; every --interval seconds the sampler reads each PID's resident memory (VmRSS in /proc/PID/status) and the
-gauges: the gateway's requests running and waiting, the verifier's and drafter's live sessions and cache bytes.
+gauges: the gateway's requests running and waiting (and its AR fallbacks so far), the verifier's and drafter's live
+sessions, cache bytes and round lane connections.
 The JSON holds, per process, the RSS at the start, the end and the largest; the requests by outcome (ok, or the
 error: an HTTP status, an error event inside the stream, a transport failure); the gauges before the clients
 start and after they end (once the gateway has no request running, within --settle seconds); and every sample.
@@ -32,10 +33,11 @@ from ddtree.bench_gateway import served_model
 WORDS = ("river", "stone", "light", "paper", "garden", "window", "silver", "music", "number", "morning", "yellow",
          "engine", "circle", "market", "winter", "bridge", "letter", "forest", "pocket", "summer")
 # source -> the gauges read from its /metrics (gateway/metrics.py; runtime/service.py ServiceMetrics)
+# (and the requests that fell back to AR so far, a counter: a soak of speculating requests should see none)
 GAUGES = {
-    "gateway": ("ddtree_requests_running", "ddtree_requests_waiting"),
-    "verifier": ("ddtree_verify_active_sessions", "ddtree_verify_kv_cache_bytes"),
-    "drafter": ("ddtree_draft_active_sessions", "ddtree_draft_context_cache_bytes"),
+    "gateway": ("ddtree_requests_running", "ddtree_requests_waiting", "ddtree_fallbacks_total"),
+    "verifier": ("ddtree_verify_active_sessions", "ddtree_verify_kv_cache_bytes", "ddtree_verify_lane_connections"),
+    "drafter": ("ddtree_draft_active_sessions", "ddtree_draft_context_cache_bytes", "ddtree_draft_lane_connections"),
 }
 
 

@@ -18,7 +18,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import Gauge, start_http_server
 
 from runtime import event_loop
 from runtime.event_loop import busy_poll_seconds
@@ -96,6 +96,9 @@ async def serve(
     if config.lane_port >= 0:
         host.lane_port = await lane.start(config.host, config.lane_port)
         log.info("%s: round lane (%s) on %s:%d", service_name, ", ".join(lane_routes), config.host, host.lane_port)
+    # (one a client's step calls, one a session's appends while it lives: a count that only grows is a leak)
+    Gauge(f"{host.metrics.prefix}_lane_connections", f"Round lane connections held (at most {lane.max_connections}; "
+          "more are refused)", registry=host.metrics.registry).set_function(lambda: len(lane.connections))
     httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=host.metrics.registry)
     unwatch = watch_collector(host.metrics.registry, host.metrics.prefix)
     log.info("%s: gRPC on %s:%d, metrics on http://%s:%d/metrics%s", service_name, config.host, port, config.host,

@@ -271,7 +271,8 @@ def test_long_prompt_ttft(stack: ServeStack, tmp_path: Path) -> None:
 
 def test_soak(stack: ServeStack, tmp_path: Path) -> None:
     """Two clients for two seconds: every request ends well, every process's memory is read, and once they stop
-    nothing is left running or held (sessions, requests)."""
+    nothing is left running or held (sessions, requests, the sessions' append connections from the verifier to the
+    drafter), and no request fell back to AR."""
     started = dict(re.findall(r"\[serve\] (\w+) started \(pid (\d+)\)", stack.log()))
     pids = {"gateway": started["gateway"], "verifier": started["verify"], "drafter": started["draft"]}
     out = tmp_path / "soak.json"
@@ -287,5 +288,9 @@ def test_soak(stack: ServeStack, tmp_path: Path) -> None:
     for when in ("start", "end"):
         gauges = result["gauges"][when]
         assert all(v is not None for v in gauges.values()), gauges  # every source answered
-        for name in ("ddtree_requests_running", "ddtree_verify_active_sessions", "ddtree_draft_active_sessions"):
+        for name in ("ddtree_requests_running", "ddtree_verify_active_sessions", "ddtree_draft_active_sessions",
+                     "ddtree_fallbacks_total"):
             assert gauges[name] == 0, (when, name)
+    # each service's lane holds its one client's step calls' connection, none for a session gone
+    assert result["gauges"]["end"]["ddtree_verify_lane_connections"] == 1
+    assert result["gauges"]["end"]["ddtree_draft_lane_connections"] == 1
