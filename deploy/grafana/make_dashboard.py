@@ -332,6 +332,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                     [target("sum(increase(ddtree_verify_sessions_expired_total" + RI + "))", "verifier"),
                      target("sum(increase(ddtree_draft_sessions_expired_total" + RI + "))", "drafter")],
                     "short", bars=True, decimals=0), 12, 8),
+        (timeseries("Round lane connections", "Connections each model service's round lane holds: a client's step "
+                    "calls take one, and on the drafter each session's appends one while it lives. A count that "
+                    "only grows is a leak; at --max-lane-connections more are refused, and speculation goes AR.",
+                    [target("sum by (instance) (ddtree_verify_lane_connections)", "verifier {{instance}}"),
+                     target("sum by (instance) (ddtree_draft_lane_connections)", "drafter {{instance}}")],
+                    "short", decimals=0), 12, 8),
     ]
     memory = [
         (timeseries("KV cache held by sessions", "Bytes of the verifier's target KV cache held by live sessions (each "
