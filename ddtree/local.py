@@ -37,18 +37,25 @@ class LocalDrafter:
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
         results = self.engine.draft_batch([
-            DraftCall(ask.session_id, ask.features, ask.root_token, ask.root_position, ask.budget, ask.top_k,
+            DraftCall(ask.session_id, _joined(ask.features), ask.root_token, ask.root_position, ask.budget, ask.top_k,
                       ask.committed) for ask in asks])
         return [r if isinstance(r, Exception) else _handed(r) for r in results]
 
-    async def append(self, session_id: str, features: torch.Tensor) -> None:
-        self.engine.append(session_id, features)
+    async def append(self, session_id: str, features: Sequence[torch.Tensor]) -> None:
+        self.engine.append(session_id, _joined(features))
 
     async def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
 
     def forget(self, session_id: str) -> None:
         """Nothing is held per session in this process: the session itself ends through end_session."""
+
+
+def _joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A call's features in pieces -> [m, taps * hidden] (None: none)."""
+    if not pieces:
+        return None
+    return pieces[0] if len(pieces) == 1 else torch.cat(list(pieces))
 
 
 def _handed(result: DraftResult) -> tuple[DraftTree, Mapping[str, float]]:

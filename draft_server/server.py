@@ -11,9 +11,11 @@ import logging
 import sys
 import time
 
+from collections import OrderedDict
+
 import grpc
 import torch
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from runtime.call_batch import BATCH_BUCKETS, Batch, answer_all, run_checked
 from runtime.service import EngineHost, RequestError, ServiceMetrics, check_capacity, check_session_id
@@ -26,6 +28,7 @@ from draft_server.engine import DraftEngine
 from draft_server.session import CapacityError, DraftCall, DraftResult, DraftSession, UnknownSessionError
 from draft_server.target_head import TargetHead
 from draft_server.warm_up import warm_up
+from runtime.feature_pool import OpenedPool, PoolUnreachable
 from runtime.prefix_blocks import PrefixCacheMetrics
 from protos import tensors
 from runtime import relay
@@ -35,9 +38,18 @@ from runtime.lane import Route
 
 log = logging.getLogger("draft_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+# Feature pools held at once: one per verifier in front (a restarted verifier's new pool takes the oldest's place)
+MAX_POOLS = 4
+
+
+class UnknownPoolError(PoolUnreachable):
+    """Rows of a pool this drafter has not opened (it restarted since, or let it go): the verifier opens it again."""
+
+
 STATUSES = (
     (UnknownSessionError, grpc.StatusCode.NOT_FOUND),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PoolUnreachable, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -49,6 +61,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                           buckets=BATCH_BUCKETS, registry=host.metrics.registry)
         # the Draft calls that wait for the engine at once (up to --max-batch) share its next block forward
         self.drafts: Batch[DraftEngine] = Batch("Draft", self._drafts, config.max_batch, sizes)
+        self.pools: OrderedDict[str, OpenedPool] = OrderedDict()  # pool id -> the verifier's pool, newest last
+        received = Counter("ddtree_draft_feature_rows_received", "Positions of target features received, by how they "
+                           "came: rows of the verifier's feature pool, or in the message", ["via"],
+                           registry=host.metrics.registry)
+        self._received = {via: received.labels(via) for via in ("pool", "message")}
 
     def max_session_tokens(self, engine: DraftEngine) -> int:
         return self.config.max_session_tokens or engine.config.max_position_embeddings
@@ -83,6 +100,22 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         one is decoded on the engine thread, off the event loop that serves the rounds."""
         return await self.host.call("Append", context, lambda engine: self._append(engine, request), forward=True)
 
+    async def OpenFeaturePool(
+        self, request: pb.FeaturePool, context: grpc.aio.ServicerContext
+    ) -> pb.OpenFeaturePoolResponse:
+        """Maps the verifier's feature pool (FAILED_PRECONDITION where it cannot be: the verifier then sends features
+        in its messages)."""
+        def opened(engine: DraftEngine) -> pb.OpenFeaturePoolResponse:
+            pool = OpenedPool.open(request)
+            self.pools.pop(request.pool_id, None)
+            self.pools[request.pool_id] = pool
+            while len(self.pools) > MAX_POOLS:
+                self.pools.popitem(last=False)
+            log.info("mapped the verifier's feature pool %s (%d MiB)", request.pool_id, request.size >> 20)
+            return pb.OpenFeaturePoolResponse()
+
+        return await self.host.call("OpenFeaturePool", context, opened)
+
     def lane_routes(self) -> dict[str, Route]:
         """The calls the round lane serves (runtime/lane.py): a step's drafts, and a prompt's features."""
         return {"DraftBatch": Route(pb.DraftBatchRequest, self.DraftBatch),
@@ -116,32 +149,53 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def _drafts(self, engine: DraftEngine, requests: list[pb.DraftRequest]) -> list[pb.DraftResponse | Exception]:
         """Several sessions' Draft calls, those that pass their checks with their blocks in one forward
         (DraftEngine.draft_batch) -> each call's answer, or the error it fails with."""
-        return run_checked(requests, self._call, lambda calls: engine.draft_batch(calls, host_tree=True), _answer)
+        return run_checked(requests, lambda request: self._call(engine, request),
+                           lambda calls: engine.draft_batch(calls, host_tree=True), _answer)
 
-    def _call(self, request: pb.DraftRequest) -> DraftCall:
+    def _call(self, engine: DraftEngine, request: pb.DraftRequest) -> DraftCall:
         if not 1 <= request.budget <= self.config.max_budget:
             raise RequestError(f"budget must be in [1, {self.config.max_budget}], got {request.budget}")
         if request.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {request.top_k}")
-        features = _features(request) if request.HasField("features") else None
+        features = self._features(engine, request.features if request.HasField("features") else None,
+                                  request.feature_rows if request.HasField("feature_rows") else None)
         return DraftCall(request.session_id, features, request.root_token, request.root_position, request.budget,
                          request.top_k or None, list(request.committed))
 
     def _append(self, engine: DraftEngine, request: pb.AppendRequest | relay.AppendCall) -> pb.AppendResponse:
         call = request if isinstance(request, relay.AppendCall) else relay.AppendCall.from_pb(request)
-        if call.features is None:
+        features = self._features(engine, call.features, call.rows)
+        if features is None:
             raise RequestError("features are required (at least one row)")
-        length, forward_s = engine.append(call.session_id, _floating(call.features))
+        length, forward_s = engine.append(call.session_id, features)
         return pb.AppendResponse(context_length=length, timings=tensors.timings_to_pb(forward_s, {}))
+
+    def _features(self, engine: DraftEngine, message: pb.Tensor | torch.Tensor | None, rows: pb.FeatureRows | None
+                  ) -> torch.Tensor | None:
+        """A call's features [m, feature_dim] from its message or from rows of a verifier's pool (read in place, before
+        the call is answered), None where it has none; both is INVALID_ARGUMENT."""
+        if message is not None and rows is not None:
+            raise RequestError("features come in the message or as feature_rows, not both")
+        if rows is not None:
+            pool = self.pools.get(rows.pool_id)
+            if pool is None:
+                raise UnknownPoolError(f"feature pool {rows.pool_id!r} is not open here: open it (OpenFeaturePool)")
+            try:
+                features = pool.rows(rows, engine.device)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+            self._received["pool"].inc(len(features))
+        elif message is not None:
+            features = message if isinstance(message, torch.Tensor) else tensors.tensor_from_pb(message)
+            self._received["message"].inc(len(features))
+        else:
+            return None
+        return _floating(features)
 
 
 def _answer(result: DraftResult) -> pb.DraftResponse:
     forward_s, tree_s = result.forward_s, result.tree_s  # the draft's one host sync (its kernels, the tree's copy)
     return tensors.draft_to_pb(result.tree, forward_s, tree_s, result.nodes)
-
-
-def _features(request: pb.DraftRequest) -> torch.Tensor:
-    return _floating(tensors.tensor_from_pb(request.features))
 
 
 def _floating(features: torch.Tensor) -> torch.Tensor:

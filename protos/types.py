@@ -188,11 +188,11 @@ class MemoryShort(RuntimeError):
 
 class DraftAsk(NamedTuple):
     """One session's draft in a step (DraftRequest): the target's features of the positions since its last draft
-    (None: none), its root, and the tree's shape; committed: a session with a grammar's output since its last draft,
+    (in pieces, oldest first; none: empty), its root, and the tree's shape; committed: a session with a grammar's output since its last draft,
     ending with the root (() none)."""
 
     session_id: str
-    features: Any  # [m, taps * hidden] torch.Tensor, or None
+    features: Sequence[Any]  # each [m_i, taps * hidden] torch.Tensor
     root_token: int
     root_position: int
     budget: int

@@ -9,24 +9,49 @@ step's drafts as one DraftBatch call and a prompt's features as Append calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 
+import grpc
 import torch
 
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.ddtree.v1 import ddtree_pb2_grpc as pb_grpc
 from protos.types import DraftAsk, DrafterInfo, DraftTree
-from runtime.client import GrpcClient
+from runtime.client import BackendError, GrpcClient
+from runtime.feature_pool import FeaturePool, Placement
+
+log = logging.getLogger(__name__)
+
+# After a drafter refused the pool (it cannot map it), how long its features go in the messages before the pool is
+# offered again (the drafter may have been moved or restarted meanwhile)
+REOFFER_S = 60.0
 
 
 class GrpcDrafter(GrpcClient):
     STREAMED = {"Append": pb.AppendResponse, "DraftBatch": pb.DraftBatchResponse}
     INFO_REQUEST = pb.DrafterInfoRequest
     SERVICE, STUB = "Drafter", pb_grpc.DrafterStub
-    host_features = True  # features go out of host memory
     local = False
     _known: DrafterInfo | None = None  # info(), once asked
+    # the verifier's feature pool (runtime/feature_pool.py), where it has one: the features of its calls go there
+    pool: FeaturePool | None = None
+    _pool_open = False  # the drafter has mapped the pool
+    _offer_after = 0.0  # (monotonic) when the pool is offered again after a refusal
+    _offering: asyncio.Lock | None = None
+
+    @property
+    def host_features(self) -> bool:
+        """The features it takes lie in host memory (they go in the messages), else on the verifier's device."""
+        return self.pool is None
+
+    def share(self, pool: FeaturePool | None) -> None:
+        """The features of the calls from now on go through `pool` (offered to the drafter at the first)."""
+        self.pool = pool
 
     @property
     def block_size(self) -> int:
@@ -52,22 +77,97 @@ class GrpcDrafter(GrpcClient):
         return (await self._call("StartSession", self._stub.StartSession, request)).reused
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
-        requests = []
-        for ask in asks:
-            request = pb.DraftRequest(session_id=ask.session_id, root_token=ask.root_token,
-                                      root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
-                                      committed=ask.committed)
-            if ask.features is not None:
-                tensors.tensor_to_pb(ask.features, out=request.features)
-            requests.append(request)
-        answers = await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
-                                    lambda outcome: outcome.draft, len(requests))
+        async with self._placements() as placed:
+            requests = []
+            for ask in asks:
+                request = pb.DraftRequest(session_id=ask.session_id, root_token=ask.root_token,
+                                          root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
+                                          committed=ask.committed)
+                if ask.features:
+                    await self._features(ask.features, request.features, request.feature_rows, placed)
+                requests.append(request)
+            answers = await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
+                                        lambda outcome: outcome.draft, len(requests))
+        for answer in answers:
+            self._check_pool(answer)
         return [a if isinstance(a, Exception) else tensors.draft_from_pb(a, wire=True) for a in answers]
 
-    async def append(self, session_id: str, features: torch.Tensor) -> None:
+    async def append(self, session_id: str, features: Sequence[torch.Tensor]) -> None:
         request = pb.AppendRequest(session_id=session_id)
-        tensors.tensor_to_pb(features, out=request.features)
-        await self._session_call("Append", session_id, request)
+        async with self._placements() as placed:
+            await self._features(features, request.features, request.feature_rows, placed)
+            try:
+                await self._session_call("Append", session_id, request)
+            except BackendError as exc:
+                self._check_pool(exc)
+                raise
+
+    async def _features(self, pieces: Sequence[torch.Tensor], message: pb.Tensor, rows: pb.FeatureRows,
+                        placed: list[Placement]) -> None:
+        """A call's features (pieces [m_i, feature_dim], in order) into rows of the pool where it is open and they
+        fit (waiting for room where calls on their way hold it), else into the message."""
+        placement = await self._place(pieces, placed)
+        if placement is None:
+            tensors.tensor_to_pb(torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0], out=message)
+        else:
+            placed.append(placement)
+            rows.CopyFrom(placement.rows)
+
+    async def _place(self, pieces: Sequence[torch.Tensor], placed: list[Placement]) -> Placement | None:
+        """Rows of the pool for a call's pieces (None: they go in the message), the call holding `placed` already."""
+        pool = self.pool
+        if pool is None or not await self._offered():
+            return None
+        rows = sum(piece.shape[0] for piece in pieces)
+        if not pool.fits(rows, pieces[0].shape[1], pieces[0].dtype):
+            return None
+        while (placement := pool.place(pieces)) is None:
+            if not pool.held_besides(placed):
+                return None  # the call's own rows fill the pool: the rest of it goes in the message
+            await pool.room()  # (the calls whose rows fill it are on their way: their answers free them)
+        return placement
+
+    @contextlib.asynccontextmanager
+    async def _placements(self) -> AsyncIterator[list[Placement]]:
+        """The pool rows a call places its features in, freed once it has ended (answered, failed or cancelled)."""
+        placed: list[Placement] = []
+        try:
+            yield placed
+        finally:
+            for placement in placed:
+                self.pool.release(placement)
+
+    async def _offered(self) -> bool:
+        """Whether the drafter has mapped the pool: offered at the first call (again a while after a refusal)."""
+        if self._pool_open:
+            return True
+        if time.monotonic() < self._offer_after:
+            return False
+        if self._offering is None:
+            self._offering = asyncio.Lock()
+        async with self._offering:
+            if not self._pool_open and time.monotonic() >= self._offer_after:
+                try:
+                    await self._call("OpenFeaturePool", self._stub.OpenFeaturePool, self.pool.description)
+                    self._pool_open = True
+                    log.info("%s: features go through the verifier's feature pool (%d MiB)", self.address,
+                             self.pool.size >> 20)
+                except BackendError as exc:
+                    if exc.code != grpc.StatusCode.UNAVAILABLE:  # (a drafter that is down is asked again next call)
+                        self._offer_after = time.monotonic() + REOFFER_S
+                        log.warning("%s could not map the feature pool (%s): features go in the messages for %.0f s",
+                                    self.address, exc.details, REOFFER_S)
+        return self._pool_open
+
+    def _check_pool(self, outcome: object) -> None:
+        """A call refused for a pool the drafter does not hold (it restarted): the pool is offered again next call."""
+        if isinstance(outcome, BackendError) and outcome.code == grpc.StatusCode.FAILED_PRECONDITION:
+            self._pool_open = False
+
+    async def close(self) -> None:
+        await super().close()
+        if self.pool is not None:
+            self.pool.close()
 
     async def end_session(self, session_id: str) -> None:
         await self._end_streams(session_id)

@@ -19,15 +19,18 @@ _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5  # protobuf wire types (groups
 
 @dataclass
 class AppendCall:
-    """An Append request decoded: its session and features [m, feature_dim] (None when the request has none)."""
+    """An Append request decoded: its session and features [m, feature_dim] (None when the request has none), or
+    the rows of the verifier's feature pool they lie in (None: none named)."""
 
     session_id: str
     features: torch.Tensor | None
+    rows: pb.FeatureRows | None = None
 
     @classmethod
     def from_pb(cls, request: pb.AppendRequest) -> AppendCall:
         features = tensor_from_pb(request.features) if request.HasField("features") else None
-        return cls(request.session_id, features)
+        return cls(request.session_id, features,
+                   request.feature_rows if request.HasField("feature_rows") else None)
 
     @classmethod
     def FromString(cls, payload: bytes | memoryview) -> AppendCall:  # noqa: N802 - a lane route's request parser
@@ -36,13 +39,15 @@ class AppendCall:
         piece (protobuf merges those) take the generic parse. DecodeError for malformed bytes or features (the
         lane answers INVALID_ARGUMENT)."""
         try:
-            session_id, tensors = "", []
+            session_id, tensors, rows = "", [], []
             for field, value in _fields(memoryview(payload)):
                 if field == 1:
                     session_id = _text(value)
                 elif field == 2:
                     tensors.append(value)
-            if len(tensors) > 1:
+                elif field == 3:
+                    rows.append(value)
+            if len(tensors) > 1 or rows:  # (rows: a small message, parsed as it is)
                 return cls.from_pb(pb.AppendRequest.FromString(payload))
             return cls(session_id, _tensor(tensors[0]) if tensors else None)
         except (ValueError, TypeError, IndexError) as exc:  # UnicodeDecodeError is a ValueError

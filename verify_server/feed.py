@@ -21,11 +21,12 @@ class Feed:
 
     grammar: bool
     kind: float = 0.0
+    ring: bool = False  # a step's features lie in host rows a later round of its session reuses (FEATURE_RING)
     position: int = 0  # the root's position once the prompt is complete; until then the prompt's length so far
     root: int | None = None  # None until the prompt is complete
     owed: list[torch.Tensor] = field(default_factory=list)  # each [m_i, taps * hidden], oldest first
     owed_rows: int = 0  # sum of m_i
-    shared: bool = False  # owed[-1] lies in rows a later round reuses (the session's FEATURE_RING), not a copy
+    shared: bool = False  # owed[-1] lies in ring rows a later round reuses, not a copy
     committed: list[int] = field(default_factory=list)
     appending: asyncio.Future | None = None  # the appends to the drafter's context, each after the one before
 
@@ -38,27 +39,25 @@ class Feed:
         return DraftAsk(step.session_id, self.take_owed(), self.root, self.position, step.budget, step.top_k,
                         committed if self.grammar else ())
 
-    def take_owed(self, own: bool = False) -> torch.Tensor | None:
-        """[m, taps * hidden] every feature owed, in order (None: none), and none owed after; own: in memory of its
-        own (for a call that may read it after a later round has reused the rows it lies in)."""
+    def take_owed(self, own: bool = False) -> list[torch.Tensor]:
+        """Every feature owed, in pieces [m_i, taps * hidden], oldest first (empty: none), and none owed after; own:
+        in memory of their own (for a call that may read them after a later round has reused the ring rows)."""
         owed, shared = self.owed, self.shared
         self.owed, self.owed_rows, self.shared = [], 0, False
-        if not owed:
-            return None
-        if len(owed) > 1:
-            return torch.cat(owed)
-        return owed[0].clone() if own and shared else owed[0]
+        if own and shared:
+            owed[-1] = owed[-1].clone()
+        return owed
 
     def took(self, result: StepResult) -> None:
         """A step's commit: its kept positions' features, its tokens."""
         if result.features is not None:
-            # a step's features lie in host rows a later round of its session reuses (FEATURE_RING): one step's are
-            # kept as they lie until the next step's come, then copied, so that no step waits on a copy
+            # ring rows (FEATURE_RING): one step's are kept as they lie until the next step's come, then copied, so
+            # that no step waits on a copy
             if self.shared:
                 self.owed[-1] = self.owed[-1].clone()
             self.owed.append(result.features)
             self.owed_rows += len(result.features)
-            self.shared = True
+            self.shared = self.ring
         self.position += len(result.tokens)
         self.root = result.tokens[-1]
         if self.grammar:

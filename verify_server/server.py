@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from runtime.call_batch import BATCH_BUCKETS, MAX_BATCH_CALLS, Batch, Deferred, answered, checked
 from runtime.client import BackendError
 from runtime.drafter_client import GrpcDrafter
+from runtime.feature_pool import FeaturePool
 from runtime.service import (
     EngineHost, LimitError, RequestError, ServiceMetrics, ShardedEngine, check_capacity, check_session_id,
 )
@@ -44,6 +45,7 @@ from verify_server.warm_up import warm_up
 
 log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+DEFAULT_TAPS = 5  # target layers a DFlash drafter taps, for sizing the feature pool where --warm-up-taps is not given
 MESSAGE_SLACK_BYTES = 4096  # an Append beside its features: the session id, the tensor header
 class NoDrafterError(RuntimeError):
     """A session with taps on a verifier without a drafter (--drafter)."""
@@ -91,7 +93,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 "ddtree_step_tree_nodes", "Nodes a step's trees were cut to, per step with speculating sessions, 0 "
                 "where no tree paid for its draft and the step went AR (speculation chosen per step)",
                 buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=host.metrics.registry))
-        self.host_features = drafter is not None and drafter.host_features
         sent = Counter("ddtree_verify_feature_rows_sent", "Positions of target features sent to the drafter, by "
                        "call: with a step's drafts (on its way, before its verify) or in an Append of their own (a "
                        "prompt's, or a session's owed while its steps go AR)", ["call"], registry=host.metrics.registry)
@@ -101,6 +102,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def max_session_tokens(self, engine: VerifyEngine) -> int:
         return session_capacity(engine, self.config)
+
+    @property
+    def host_features(self) -> bool:
+        """The steps' features go to the drafter from host memory (in its messages), else from the device."""
+        drafter = self.stepper.drafter
+        return drafter is not None and drafter.host_features
 
     async def Info(self, request: pb.VerifierInfoRequest, context: grpc.aio.ServicerContext) -> pb.VerifierInfoResponse:
         return await self.host.call("Info", context, self._info)
@@ -309,12 +316,15 @@ def kv_cache_bytes(session: VerifySession) -> int:
     return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
 
 
-def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
-    """The warm-up, then the caches: sized from the device memory the warm-up's largest steps left in this
+def prepare(engine: VerifyEngine, config: VerifyServerConfig, drafter: GrpcDrafter | None = None) -> None:
+    """The warm-up, then the feature pool the drafter reads the steps' features from (counted in the working
+    memory), then the caches: sized from the device memory the warm-up's largest steps and the pool left in this
     service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
     run every step shape whole and leave nothing cached."""
     warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
             config.max_step_tokens)
+    if drafter is not None:
+        drafter.share(FeaturePool.create(config.torch_device(), feature_pool_bytes(engine, config)))
     kv, prefix = config.kv_cache_bytes, config.prefix_cache_bytes
     if prefix and config.tp > 1:
         # every rank would have to restore its own shard of a prefix in lockstep with rank 0's lookups
@@ -344,6 +354,13 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig) -> None:
         engine.enable_prefix_cache(prefix)
         if engine.prefix is not None:
             log.info("prefix cache: up to %.2f GiB", prefix / memory.GIB)
+
+
+def feature_pool_bytes(engine: VerifyEngine, config: VerifyServerConfig) -> int:
+    """The feature pool's size: two of the largest prompt chunks' features (a chunk's on its way beside a step's
+    drafts and the owed features' appends), at the drafter's taps (DEFAULT_TAPS where they are not given)."""
+    taps = len(config.warm_up_tap_list) or DEFAULT_TAPS
+    return 2 * config.max_step_tokens * taps * engine.hidden_size * engine.dtype.itemsize
 
 
 def load_engine(config: VerifyServerConfig) -> VerifyEngine:
@@ -390,7 +407,7 @@ async def run_server(config: VerifyServerConfig) -> None:
             SERVICE_NAME,
             lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
             lambda: load_engine(config),
-            lambda engine: prepare(engine, config),
+            lambda engine: prepare(engine, config, drafter),
             servicer.lane_routes(),
             alive=ranks_alive,
         )

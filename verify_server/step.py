@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -43,14 +43,14 @@ class DraftRejected(ValueError):
 class DrafterPort(Protocol):
     """The verifier's drafter: a step's drafts in one call, a prompt's features appended to a session's context."""
 
-    host_features: bool  # it takes features in host memory (over the wire), else on the device
+    host_features: bool  # it takes features in host memory (in its messages), else on the device
     # in this process: an append costs no wait, so a prompt's last chunk answers once its features are in (the
     # session's first step drafts); across processes the first steps go AR while the features travel
     local: bool
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]: ...
 
-    async def append(self, session_id: str, features: torch.Tensor) -> None: ...
+    async def append(self, session_id: str, features: Sequence[torch.Tensor]) -> None: ...
 
     # the session has ended here: what the port holds for it goes (its appends' connection; its drafter session is
     # the gateway's to end)
@@ -82,7 +82,8 @@ class Stepper:
         """A session starts (its SamplingParams); tapped: its features go to the drafter (an untapped one drafts
         nothing: the step has nothing to keep of it)."""
         if tapped:
-            self.feeds[session_id] = Feed(bool(params.grammar), sampling_class(params))
+            ring = self.drafter is not None and self.drafter.host_features  # (host rows: the verifier's ring's)
+            self.feeds[session_id] = Feed(bool(params.grammar), sampling_class(params), ring)
 
     def end(self, session_id: str) -> None:
         feed = self.feeds.pop(session_id, None)
@@ -103,7 +104,7 @@ class Stepper:
         length = len(chunk.tokens)
         feed.position += length
         if result.features is not None and len(result.features):
-            self._append(session_id, feed, result.features)
+            self._append(session_id, feed, [result.features])
         if result.tokens:
             feed.root = result.tokens[-1]
             if feed.grammar:
@@ -223,10 +224,11 @@ class Stepper:
                 if not steps[i].prompt.more:
                     await self.appended(steps[i].session_id)
 
-    def _append(self, session_id: str, feed: Feed, features: torch.Tensor) -> None:
-        """Features [m, taps * hidden] to the session's drafter context, after its appends before."""
+    def _append(self, session_id: str, feed: Feed, features: list[torch.Tensor]) -> None:
+        """Features (pieces [m_i, taps * hidden], oldest first) to the session's drafter context, after its appends
+        before."""
         if self._sent is not None:
-            self._sent["append"].inc(len(features))
+            self._sent["append"].inc(sum(len(piece) for piece in features))
         feed.chain(self.drafter.append(session_id, features))
 
     def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> tuple[int, int]:
@@ -244,7 +246,7 @@ class Stepper:
             return {}, {}, 0.0
         asks = [self.feeds[steps[i].session_id].ask(steps[i]) for i in drafting]
         if self._sent is not None:
-            self._sent["draft"].inc(sum(len(ask.features) for ask in asks if ask.features is not None))
+            self._sent["draft"].inc(sum(len(piece) for ask in asks for piece in ask.features))
         start = time.perf_counter()
         try:
             outcomes = await self.drafter.draft(asks)

@@ -265,13 +265,14 @@ def test_draft_batch_answers_each_call_as_alone_with_its_own_status(lanes, servi
                 for i, b in enumerate(batched):
                     features, root, budget = plan[i][round_]
                     if round_ == 0:  # the prompt's features go ahead of the first draft
-                        await client.append(b, features)
+                        await client.append(b, [features])
                         features = None
-                    asks.append(DraftAsk(b, features, root, position(i, round_), budget, None))
+                    asks.append(DraftAsk(b, [] if features is None else [features], root, position(i, round_), budget,
+                                         None))
                 features, root, budget = plan[0][round_]  # valid but for its session
-                asks.insert(2, DraftAsk("unknown-" + uuid.uuid4().hex, features, root, position(0, round_), budget,
+                asks.insert(2, DraftAsk("unknown-" + uuid.uuid4().hex, [features], root, position(0, round_), budget,
                                         None))
-                asks.append(DraftAsk(spare, plan[0][0][0], VOCAB, position(0, 0), 4, None))
+                asks.append(DraftAsk(spare, [plan[0][0][0]], VOCAB, position(0, 0), 4, None))
                 answers = await client.draft(asks)
                 wanted = []
                 for i, s in enumerate(single):
@@ -365,7 +366,7 @@ def test_prompt_chunks_in_one_step_share_a_forward_each_answered_as_alone(servic
                           if code == OK and not step.more}
                 trees = []
                 for session, prompt in zip(tapped, prompts):
-                    ((tree, _),) = await drafter.draft([DraftAsk(session, None, firsts[session], len(prompt), BUDGET,
+                    ((tree, _),) = await drafter.draft([DraftAsk(session, (), firsts[session], len(prompt), BUDGET,
                                                                  None)])
                     trees.append(tree)
                 decoded = [[(await client.step([SessionStep(session)]))[0].step.tokens[0] for _ in range(4)]

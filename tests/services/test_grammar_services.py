@@ -194,11 +194,11 @@ def test_bad_grammars_and_committed_tokens_are_invalid_argument(stack) -> None:
             await drafter.start_session(session, 64, json_schema_grammar(SCHEMA))
 
             def draft(root: int, position: int, committed: list[int]):  # the context reaches the root each time
-                ask = DraftAsk(session, features[: position - 8], root, position, 8, None, committed)
+                ask = DraftAsk(session, [features[: position - 8]], root, position, 8, None, committed)
                 return status(one(drafter.draft([ask])))
 
             n = len(key)
-            out["first"] = await status(one(drafter.draft([DraftAsk(session, features[:8], opening[-1], 8, 8, None,
+            out["first"] = await status(one(drafter.draft([DraftAsk(session, [features[:8]], opening[-1], 8, 8, None,
                                                                     opening)])))
             out["no root"] = await draft(key[-1], 8 + n, key[:-1])
             out["gap"] = await draft(key[-1], 9 + n, key)

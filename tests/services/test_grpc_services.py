@@ -624,8 +624,8 @@ def test_unknown_sessions_are_not_found(services):
                 "AR step": await _status(_step(verifier, SessionStep("nope"))),
                 "step with a tree": await _status(_step(verifier, SessionStep("nope", BUDGET))),
                 "draft": await _status(one(drafter.draft([
-                    DraftAsk("nope", torch.zeros(1, FEATURE_DIM), 1, 1, 4, None)]))),
-                "append": await _status(drafter.append("nope", torch.zeros(1, FEATURE_DIM))),
+                    DraftAsk("nope", [torch.zeros(1, FEATURE_DIM)], 1, 1, 4, None)]))),
+                "append": await _status(drafter.append("nope", [torch.zeros(1, FEATURE_DIM)])),
             }
             await verifier.end_session("nope")  # ending what is not there is not an error
             await drafter.end_session("nope")
@@ -804,7 +804,7 @@ def test_bad_draft_requests_leave_the_session_usable(services, local):
                 name: await _status(_draft_outcome(stub, pb.DraftRequest(session_id=session, **{**good, **change})))
                 for name, change in bad.items()
             }
-            tree, _ = await one(drafter.draft([DraftAsk(session, features, root, position, BUDGET, None)]))
+            tree, _ = await one(drafter.draft([DraftAsk(session, [features], root, position, BUDGET, None)]))
             await drafter.end_session(session)
             starts = {  # a prompt for the prefix cache: tokens within the vocabulary, within the capacity
                 name: await _status(stub.StartSession(pb.DrafterStartSessionRequest(
@@ -864,7 +864,7 @@ def test_idle_sessions_expire_after_the_ttl(services):
             await drafter.start_session("idle", 16)
             while service.metric("ddtree_draft_active_sessions") != 0:
                 await asyncio.sleep(0.1)
-            return await _status(one(drafter.draft([DraftAsk("idle", torch.zeros(0, FEATURE_DIM), 1, 0, 4, None)])))
+            return await _status(one(drafter.draft([DraftAsk("idle", [torch.zeros(0, FEATURE_DIM)], 1, 0, 4, None)])))
 
     assert asyncio.run(asyncio.wait_for(scenario(), timeout=60)) == NOT_FOUND
     assert service.metric("ddtree_draft_sessions_expired_total") == expired_before + 1

@@ -717,8 +717,8 @@ class Port:
         self.cancelled = 0
         self.forgotten: list[str] = []  # each session the stepper ended, in order
 
-    async def append(self, session_id: str, features: torch.Tensor) -> None:
-        self.sent.append(len(features))
+    async def append(self, session_id: str, features: list[torch.Tensor]) -> None:
+        self.sent.append(sum(len(piece) for piece in features))
         try:
             await self.gate.wait()
         except asyncio.CancelledError:
@@ -727,7 +727,7 @@ class Port:
         if self.fail == "append" and session_id == self.failing:
             raise ConnectionError("drafter down")
         await self.drafter.append(session_id, features)
-        self.appended.append((session_id, features))
+        self.appended.append((session_id, torch.cat(features)))
 
     async def draft(self, asks: list[DraftAsk]) -> list:
         self.asks.append(list(asks))
@@ -817,7 +817,7 @@ def test_a_prompts_features_reach_the_drafter_chunk_by_chunk_and_its_session_ste
     assert all(torch.equal(sent, chunk) for (_, sent), chunk in zip(port.appended, chunks))
     assert context == len(PROMPT)
     first = port.asks[0][0]
-    assert first.features.shape[0] == 3 and first.root_position == len(PROMPT) + 3 and first.root_token == root
+    assert sum(map(len, first.features)) == 3 and first.root_position == len(PROMPT) + 3 and first.root_token == root
     assert later and all(o.tree_size == 8 and o.draft_error is None for o in later)
     assert len(port.asks) == len(later) and tokens == truth[: len(tokens)]
 
@@ -1117,7 +1117,7 @@ async def _first_transport(client: GrpcDrafter) -> str:
 
 
 def _ask(session: str, root: int) -> DraftAsk:
-    return DraftAsk(session, None, root, 3, 1, None)
+    return DraftAsk(session, (), root, 3, 1, None)
 
 
 @pytest.mark.parametrize("lane, transport", [(False, "UnaryCalls"), (True, "Lane")])

@@ -33,6 +33,60 @@ class Timings(_message.Message):
     detail: _containers.ScalarMap[str, float]
     def __init__(self, forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., detail: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class FeatureRows(_message.Message):
+    __slots__ = ("pool_id", "offset", "rows", "width", "dtype")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    offset: int
+    rows: int
+    width: int
+    dtype: str
+    def __init__(self, pool_id: _Optional[str] = ..., offset: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class FeaturePool(_message.Message):
+    __slots__ = ("pool_id", "size", "token", "path", "cuda")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    size: int
+    token: bytes
+    path: str
+    cuda: CudaMemory
+    def __init__(self, pool_id: _Optional[str] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[CudaMemory, _Mapping]] = ...) -> None: ...
+
+class CudaMemory(_message.Message):
+    __slots__ = ("device_uuid", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class OpenFeaturePoolResponse(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: Timings
+    def __init__(self, timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
 class DraftTree(_message.Message):
     __slots__ = ("nodes", "max_depth")
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -139,9 +193,10 @@ class DrafterEndSessionResponse(_message.Message):
     def __init__(self, existed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "features", "root_token", "root_position", "budget", "top_k", "committed")
+    __slots__ = ("session_id", "features", "feature_rows", "root_token", "root_position", "budget", "top_k", "committed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROOT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROOT_POSITION_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -149,20 +204,23 @@ class DraftRequest(_message.Message):
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     features: Tensor
+    feature_rows: FeatureRows
     root_token: int
     root_position: int
     budget: int
     top_k: int
     committed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., committed: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., feature_rows: _Optional[_Union[FeatureRows, _Mapping]] = ..., root_token: _Optional[int] = ..., root_position: _Optional[int] = ..., budget: _Optional[int] = ..., top_k: _Optional[int] = ..., committed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("session_id", "features")
+    __slots__ = ("session_id", "features", "feature_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     features: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    feature_rows: FeatureRows
+    def __init__(self, session_id: _Optional[str] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., feature_rows: _Optional[_Union[FeatureRows, _Mapping]] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("context_length", "timings")

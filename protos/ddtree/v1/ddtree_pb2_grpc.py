@@ -61,6 +61,11 @@ class DrafterStub:
                 request_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.SerializeToString,
                 response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.FromString,
                 _registered_method=True)
+        self.OpenFeaturePool = channel.unary_unary(
+                '/ddtree.v1.Drafter/OpenFeaturePool',
+                request_serializer=ddtree_dot_v1_dot_ddtree__pb2.FeaturePool.SerializeToString,
+                response_deserializer=ddtree_dot_v1_dot_ddtree__pb2.OpenFeaturePoolResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -105,6 +110,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenFeaturePool(self, request, context):
+        """Maps the verifier's feature pool, which its DraftBatch and Append calls then name rows of (FeatureRows).
+        FAILED_PRECONDITION where this drafter cannot reach that memory (another host, another device it cannot map,
+        another IPC namespace): the verifier then sends features in its messages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +146,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.DraftBatch,
                     request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.FromString,
                     response_serializer=ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.SerializeToString,
+            ),
+            'OpenFeaturePool': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFeaturePool,
+                    request_deserializer=ddtree_dot_v1_dot_ddtree__pb2.FeaturePool.FromString,
+                    response_serializer=ddtree_dot_v1_dot_ddtree__pb2.OpenFeaturePoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +290,33 @@ class Drafter:
             '/ddtree.v1.Drafter/DraftBatch',
             ddtree_dot_v1_dot_ddtree__pb2.DraftBatchRequest.SerializeToString,
             ddtree_dot_v1_dot_ddtree__pb2.DraftBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFeaturePool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ddtree.v1.Drafter/OpenFeaturePool',
+            ddtree_dot_v1_dot_ddtree__pb2.FeaturePool.SerializeToString,
+            ddtree_dot_v1_dot_ddtree__pb2.OpenFeaturePoolResponse.FromString,
             options,
             channel_credentials,
             insecure,
