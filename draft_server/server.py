@@ -106,9 +106,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """Maps the verifier's feature pool (FAILED_PRECONDITION where it cannot be: the verifier then sends features
         in its messages)."""
         def opened(engine: DraftEngine) -> pb.OpenFeaturePoolResponse:
-            pool = OpenedPool.open(request)
-            self.pools.pop(request.pool_id, None)
-            self.pools[request.pool_id] = pool
+            if request.pool_id in self.pools:  # mapped already (a verifier that offers it again): the newest now
+                self.pools.move_to_end(request.pool_id)
+                return pb.OpenFeaturePoolResponse()
+            self.pools[request.pool_id] = OpenedPool.open(request)
             while len(self.pools) > MAX_POOLS:
                 self.pools.popitem(last=False)
             log.info("mapped the verifier's feature pool %s (%d MiB)", request.pool_id, request.size >> 20)

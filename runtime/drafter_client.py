@@ -77,6 +77,14 @@ class GrpcDrafter(GrpcClient):
         return (await self._call("StartSession", self._stub.StartSession, request)).reused
 
     async def draft(self, asks: list[DraftAsk]) -> list[tuple[DraftTree, Mapping[str, float]] | Exception]:
+        answers = await self._draft(asks)
+        if again := [i for i, answer in enumerate(answers) if self._pool_lost(answer)]:
+            # (refused before any work: the same asks again, the pool offered anew)
+            for i, answer in zip(again, await self._draft([asks[i] for i in again])):
+                answers[i] = answer
+        return [a if isinstance(a, Exception) else tensors.draft_from_pb(a, wire=True) for a in answers]
+
+    async def _draft(self, asks: list[DraftAsk]) -> list[pb.DraftResponse | Exception]:
         async with self._placements() as placed:
             requests = []
             for ask in asks:
@@ -86,21 +94,22 @@ class GrpcDrafter(GrpcClient):
                 if ask.features:
                     await self._features(ask.features, request.features, request.feature_rows, placed)
                 requests.append(request)
-            answers = await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
-                                        lambda outcome: outcome.draft, len(requests))
-        for answer in answers:
-            self._check_pool(answer)
-        return [a if isinstance(a, Exception) else tensors.draft_from_pb(a, wire=True) for a in answers]
+            return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
+                                     lambda outcome: outcome.draft, len(requests))
 
     async def append(self, session_id: str, features: Sequence[torch.Tensor]) -> None:
+        try:
+            await self._append(session_id, features)
+        except BackendError as exc:
+            if not self._pool_lost(exc):
+                raise
+            await self._append(session_id, features)  # (refused before any work: again, the pool offered anew)
+
+    async def _append(self, session_id: str, features: Sequence[torch.Tensor]) -> None:
         request = pb.AppendRequest(session_id=session_id)
         async with self._placements() as placed:
             await self._features(features, request.features, request.feature_rows, placed)
-            try:
-                await self._session_call("Append", session_id, request)
-            except BackendError as exc:
-                self._check_pool(exc)
-                raise
+            await self._session_call("Append", session_id, request)
 
     async def _features(self, pieces: Sequence[torch.Tensor], message: pb.Tensor, rows: pb.FeatureRows,
                         placed: list[Placement]) -> None:
@@ -159,10 +168,13 @@ class GrpcDrafter(GrpcClient):
                                     self.address, exc.details, REOFFER_S)
         return self._pool_open
 
-    def _check_pool(self, outcome: object) -> None:
-        """A call refused for a pool the drafter does not hold (it restarted): the pool is offered again next call."""
+    def _pool_lost(self, outcome: object) -> bool:
+        """A call refused for rows of a pool the drafter does not hold (it restarted, or let the pool go for newer
+        ones): the pool is offered again at the next call."""
         if isinstance(outcome, BackendError) and outcome.code == grpc.StatusCode.FAILED_PRECONDITION:
             self._pool_open = False
+            return True
+        return False
 
     async def close(self) -> None:
         await super().close()

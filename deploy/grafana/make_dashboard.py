@@ -5,8 +5,8 @@
 
 Every query uses only metrics that the gateway (gateway/metrics.py) and the two model services (runtime/service.py,
 ServiceMetrics with prefixes ddtree_draft / ddtree_verify, and their servers' own: the verifier's tree fit exports
-ddtree_step_tree_nodes, its step ddtree_verify_feature_rows_sent) export; tests/services/test_deploy.py checks that
-against live /metrics pages. Queries aggregate over instances (sum, sum by le), so several gateways or replicas just
+ddtree_step_tree_nodes, its step ddtree_verify_feature_rows_sent, the drafter's ddtree_draft_feature_rows_received)
+export; tests/services/test_deploy.py checks that against live /metrics pages. Queries aggregate over instances (sum, sum by le), so several gateways or replicas just
 add up, and the datasource is a dashboard variable, so the JSON can be imported into any Grafana with a Prometheus
 datasource.
 """
@@ -263,9 +263,12 @@ def rows() -> list[tuple[str, list[tuple[dict, int, int]]]]:
                                                         {"id": "decimals", "value": 0}]}]), 8, 8),
         (timeseries("Features to the drafter", "Positions of target features the verifier sends its drafter a "
                     "second: with a step's drafts (on the step's path, before its verify) and in Appends of their "
-                    "own (prompts, and the owed features of sessions whose steps go AR under load).",
-                    [target(rate("ddtree_verify_feature_rows_sent_total", "call"), "{{call}}")], "short",
-                    stack=True), 8, 8),
+                    "own (prompts, and the owed features of sessions whose steps go AR under load); and how the "
+                    "drafter received them: as rows of the verifier's feature pool (memory both map), or in the "
+                    "messages (a drafter that cannot map the pool: another host or IPC namespace).",
+                    [target(rate("ddtree_verify_feature_rows_sent_total", "call"), "sent with {{call}}"),
+                     target(rate("ddtree_draft_feature_rows_received_total", "via"), "received via {{via}}")],
+                    "short"), 8, 8),
     ]
     rounds = [
         (timeseries("Mean round time by phase", "Gateway view of one decode round, stacked: draft (drafter "

@@ -35,6 +35,7 @@ from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
 from runtime.client import BackendError
 from runtime.drafter_client import GrpcDrafter
+from runtime.feature_pool import FeaturePool
 from gateway.grpc_verifier import GrpcVerifier
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
@@ -379,10 +380,14 @@ def test_not_serving_and_unavailable_until_loaded_and_warmed_up(qwen3_target, dr
 def test_greedy_output_matches_in_process_loop_and_hf_generate(mode, lanes, services, local, hf_tokens):
     """Each mode's output is the target's greedy one, and each step drafts the tree the in-process loop drafts and
     accepts its path; the gateway opens one connection, for its steps (over the verifier's lane, or unary calls
-    without lanes): no draft and no feature passes through it."""
+    without lanes): no draft and no feature passes through it. The features reach the drafter as rows of the
+    verifier's feature pool, none in a message."""
     opened: list[str] = []
+    received = _features_received(services)
     remote, fallbacks = asyncio.run(_remote_rounds(services, mode, SamplingParams(), lanes, opened))
     assert fallbacks == []  # the drafter really served every round
+    pool, message = (after - before for after, before in zip(_features_received(services), received))
+    assert message == 0 and (pool > 0) == (mode != "ar")  # every feature went through the verifier's pool
     in_process = _in_process_as(remote, local, mode, SamplingParams())
     assert opened == ["Step:Lane" if lanes else "Step:UnaryCalls"]
     assert _tokens(remote) == _tokens(in_process) == hf_tokens
@@ -411,6 +416,63 @@ def test_a_chunked_prompts_features_reach_the_drafter_chunk_by_chunk(lanes, serv
     assert calls("Draft") - drafts == sum(1 for r in remote if r.tree_size)  # a draft a step with a tree
     lane_port = asyncio.run(_drafter_lane_port(drafter.address))
     assert f"round calls over its round lane at 127.0.0.1:{lane_port}" in services.verifier.log()
+
+
+def _features_received(services: Services) -> tuple[float, float]:
+    """The feature rows the drafter has received: (through a verifier's pool, in messages)."""
+    return tuple(services.drafter.metric("ddtree_draft_feature_rows_received_total", via=via) or 0.0
+                 for via in ("pool", "message"))
+
+
+def test_features_go_in_the_messages_where_the_drafter_cannot_map_the_pool_and_a_pool_it_let_go_is_offered_again(
+    services, tmp_path
+):
+    """A client whose pool the drafter cannot map (its file is not there, as on another host) sends its features in
+    the messages, the context the same; one whose pool it maps sends rows of it. A pool the drafter has let go (it
+    holds the MAX_POOLS newest, as after a restart it holds none) refuses the call that names its rows before any
+    work, and the client offers the pool again and sends the call again: the caller sees nothing."""
+    session = uuid.uuid4().hex
+    rows = [torch.randn(n, FEATURE_DIM) for n in (3, 2, 4, 1)]
+    unreachable = FeaturePool.create(torch.device("cpu"), 1 << 16)
+    reachable = FeaturePool.create(torch.device("cpu"), 1 << 16)
+    others = [FeaturePool.create(torch.device("cpu"), 1 << 16) for _ in range(draft_server.MAX_POOLS)]
+    unreachable.description.path = str(tmp_path / "not-here")
+
+    async def scenario() -> list[object]:
+        seen: list[object] = []
+
+        def count() -> None:
+            seen.append(_features_received(services))
+
+        async with GrpcDrafter(services.drafter.address) as far, GrpcDrafter(services.drafter.address) as near:
+            far.share(unreachable)
+            near.share(reachable)
+            await far.start_session(session, 64)
+            count()
+            await far.append(session, rows[0:1])  # in the message
+            count()
+            await near.append(session, rows[1:2])  # through the pool
+            count()
+            stub = pb_grpc.DrafterStub(near._channel)
+            for other in others:  # the drafter maps MAX_POOLS newer ones and lets `reachable` go
+                await stub.OpenFeaturePool(other.description)
+            await near.append(session, rows[2:3])  # refused, the pool offered again, then through it
+            count()
+            tree, _ = await one(near.draft([DraftAsk(session, rows[3:4], 5, 10, 4, None)]))
+            seen.append(tree.num_nodes)
+            await far.end_session(session)
+        return seen
+
+    try:
+        start, messaged, pooled, again, nodes = asyncio.run(scenario())
+    finally:
+        for pool in (unreachable, reachable, *others):
+            pool.close()
+    assert (messaged[0] - start[0], messaged[1] - start[1]) == (0, 3)
+    assert (pooled[0] - messaged[0], pooled[1] - messaged[1]) == (2, 0)
+    assert (again[0] - pooled[0], again[1] - pooled[1]) == (4, 0)
+    assert services.drafter.log().count(f"mapped the verifier's feature pool {reachable.description.pool_id}") == 2
+    assert nodes == 4  # the context held all 9 positions: the draft at position 10 after its 1 more row
 
 
 async def _drafter_lane_port(address: str) -> int:
