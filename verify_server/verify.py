@@ -319,7 +319,9 @@ class VerifyEngine:
         cached). In inference mode, as its callers are (entering it here would cost each round of a batch)."""
         sess = self.sessions[session_id]
         if sess.blocks is not None:
-            self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features)
+            # a round's features on the device are memory of their own (VerifySession.kept_rows): kept, not copied
+            self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features,
+                               owned=step.features is not None and step.features.device.type != "cpu")
         return step
 
     def _verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
