@@ -94,6 +94,8 @@ class GrpcDrafter(GrpcClient):
                 if ask.features:
                     await self._features(ask.features, request.features, request.feature_rows, placed)
                 requests.append(request)
+            if placed:
+                self.pool.written()
             return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
                                      lambda outcome: outcome.draft, len(requests))
 
@@ -109,6 +111,8 @@ class GrpcDrafter(GrpcClient):
         request = pb.AppendRequest(session_id=session_id)
         async with self._placements() as placed:
             await self._features(features, request.features, request.feature_rows, placed)
+            if placed:
+                self.pool.written()
             await self._session_call("Append", session_id, request)
 
     async def _features(self, pieces: Sequence[torch.Tensor], message: pb.Tensor, rows: pb.FeatureRows,

@@ -107,8 +107,8 @@ class FeaturePool:
             return None
 
     def place(self, pieces: Sequence[torch.Tensor]) -> Placement | None:
-        """The rows of pieces [m_i, width] (one dtype) concatenated, written into the pool, complete when this
-        returns -> where they lie, or None where the pool has no room for them now."""
+        """The rows of pieces [m_i, width] (one dtype) concatenated, written into the pool (complete once `written`
+        returns) -> where they lie, or None where the pool has no room for them now."""
         width, dtype = pieces[0].shape[1], pieces[0].dtype
         rows = sum(piece.shape[0] for piece in pieces)
         nbytes = rows * width * dtype.itemsize
@@ -121,12 +121,17 @@ class FeaturePool:
         else:
             with torch.cuda.stream(self._stream):
                 torch.cat(list(pieces), out=target)
-            self._stream.synchronize()  # the drafter reads them once the call arrives
         placement = Placement(start, start + -(-nbytes // ALIGN) * ALIGN, pb.FeatureRows(
             pool_id=self.description.pool_id, offset=start // dtype.itemsize, rows=rows, width=width,
             dtype=WIRE_NAMES[dtype]))
         self._live.append(placement)
         return placement
+
+    def written(self) -> None:
+        """Once the rows placed so far are in the pool: before the call that names them goes out (the drafter reads
+        them as it arrives). One wait for all of a call's placements."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def fits(self, rows: int, width: int, dtype: torch.dtype) -> bool:
         """Whether that many rows fit the pool at all (a call of more goes in its message)."""

@@ -36,7 +36,7 @@ from verify_server.cache_slots import KVCacheMetrics
 from verify_server.config import VerifyServerConfig
 from verify_server.prefill import PrefillCall
 from verify_server.session import CapacityError, MemoryShortError, UnknownSessionError, VerifySession
-from verify_server.step import DraftRejected, DrafterPort, Stepper
+from verify_server.step import OWED_MAX, DraftRejected, DrafterPort, Stepper
 from verify_server.step_attention import INVARIANT
 from verify_server.tree_fit import TreeFit
 from verify_server.validate import TreeLimits, check_prompt, check_sampling, check_tree
@@ -357,10 +357,13 @@ def prepare(engine: VerifyEngine, config: VerifyServerConfig, drafter: GrpcDraft
 
 
 def feature_pool_bytes(engine: VerifyEngine, config: VerifyServerConfig) -> int:
-    """The feature pool's size: two of the largest prompt chunks' features (a chunk's on its way beside a step's
-    drafts and the owed features' appends), at the drafter's taps (DEFAULT_TAPS where they are not given)."""
+    """The feature pool's size, at the drafter's taps (DEFAULT_TAPS where they are not given): the larger of two of
+    the largest prompt chunks' features (a chunk's on their way beside others') and a step's drafts when each of
+    its sessions owes the most it can (OWED_MAX positions and a tree's path: a step that drafts again after AR
+    steps under load), so that no step's features go in its message."""
     taps = len(config.warm_up_tap_list) or DEFAULT_TAPS
-    return 2 * config.max_step_tokens * taps * engine.hidden_size * engine.dtype.itemsize
+    rows = max(2 * config.max_step_tokens, config.max_batch * (OWED_MAX + config.max_tree_depth + 1))
+    return rows * taps * engine.hidden_size * engine.dtype.itemsize
 
 
 def load_engine(config: VerifyServerConfig) -> VerifyEngine:

@@ -30,6 +30,7 @@ def test_another_process_reads_the_rows_through_cuda_ipc() -> None:
     pieces = [torch.randn(3, 64, device="cuda", dtype=torch.bfloat16), torch.randn(2, 64, device="cuda",
                                                                                   dtype=torch.bfloat16)]
     placement = pool.place(pieces)
+    pool.written()
     reader = subprocess.run(
         [sys.executable, "-c", READER], capture_output=True, text=True, timeout=120, check=True,
         input=f"{pool.description.SerializeToString().hex()}\n{placement.rows.SerializeToString().hex()}\n",

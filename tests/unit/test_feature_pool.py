@@ -33,6 +33,7 @@ def test_rows_are_placed_one_after_another_and_read_back_as_written() -> None:
         pieces = [torch.randn(3, WIDTH), torch.randn(2, WIDTH)]
         first = pool.place(pieces)
         second = pool.place([_rows(4, 7.0)])
+        pool.written()
         assert (first.start, first.end) == (ALIGN, 4 * ALIGN)  # after the token; 5 rows of 128 B, rounded up
         assert second.start == first.end
         assert torch.equal(opened.rows(first.rows, torch.device("cpu")), torch.cat(pieces))
