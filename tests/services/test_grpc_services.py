@@ -35,7 +35,7 @@ from draft_server.warm_up import warm_up as warm_up_drafter
 from draft_server.config import DraftServerConfig
 from runtime.client import BackendError
 from runtime.drafter_client import GrpcDrafter
-from runtime.feature_pool import FeaturePool
+from runtime.feature_pool import ALIGN, FeaturePool
 from gateway.grpc_verifier import GrpcVerifier
 from ddtree.local import LocalDrafter, LocalVerifier, load_local
 from gateway.rounds import MODES, Round, Speculation, run_rounds
@@ -473,6 +473,48 @@ def test_features_go_in_the_messages_where_the_drafter_cannot_map_the_pool_and_a
     assert (again[0] - pooled[0], again[1] - pooled[1]) == (4, 0)
     assert services.drafter.log().count(f"mapped the verifier's feature pool {reachable.description.pool_id}") == 2
     assert nodes == 4  # the context held all 9 positions: the draft at position 10 after its 1 more row
+
+
+def test_calls_wait_for_room_in_a_full_pool_and_what_never_fits_goes_in_the_message(services):
+    """A pool with room for 8 positions: five sessions' appends of 3 rows at once take turns (each waits for an
+    earlier one's answer to free rows), all through the pool; an append of 9 rows, more than the pool holds, goes in
+    its message; a step's drafts whose rows together pass the pool send what does not fit in their messages. Every
+    context ends as long as what was sent."""
+    width = FEATURE_DIM * 4  # float32 bytes a row
+    pool = FeaturePool.create(torch.device("cpu"), 8 * width + ALIGN)  # (the first ALIGN bytes: its token)
+    sessions = [uuid.uuid4().hex for _ in range(5)]
+
+    async def scenario() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float], list[int]]:
+        async with GrpcDrafter(services.drafter.address) as drafter:
+            drafter.share(pool)
+            for session in sessions:
+                await drafter.start_session(session, 64)
+            before = _features_received(services)
+            await asyncio.gather(*(drafter.append(session, [torch.randn(3, FEATURE_DIM)]) for session in sessions))
+            taking_turns = _features_received(services)
+            await drafter.append(sessions[0], [torch.randn(9, FEATURE_DIM)])
+            too_large = _features_received(services)
+            asks = [DraftAsk(session, [torch.randn(2, FEATURE_DIM), torch.randn(1, FEATURE_DIM)], 5,
+                             (12 if session == sessions[0] else 3) + 3, 4, None) for session in sessions]
+            first, _ = await one(drafter.draft(asks[:1]))
+            rest = await drafter.draft(asks[1:])
+            trees = [first.num_nodes] + [tree.num_nodes for tree, _ in rest]
+            after = _features_received(services)
+            for session in sessions:
+                await drafter.end_session(session)
+        return ((taking_turns[0] - before[0], taking_turns[1] - before[1]),
+                (too_large[0] - taking_turns[0], too_large[1] - taking_turns[1]),
+                (after[0] - too_large[0], after[1] - too_large[1]), trees)
+
+    try:
+        taking_turns, too_large, drafts, trees = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert taking_turns == (15, 0)
+    assert too_large == (0, 9)
+    # the first ask alone: its 3 rows in the pool; then four asks of 3 rows: two fit the pool, two go in messages
+    assert drafts == (3 + 6, 6)
+    assert trees == [4] * 5
 
 
 async def _drafter_lane_port(address: str) -> int:
