@@ -85,7 +85,10 @@ class GraphPool:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a capture while serving polices its own thread's calls only, so that the service's other
+        # thread may meanwhile write and wait for a stream of its own (the verifier's feature pool,
+        # runtime/feature_pool.py), which the default mode would refuse for the capture's whole length
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = fn()
         return graph, outputs
 
