@@ -121,7 +121,9 @@ class GrpcDrafter(GrpcClient):
         fit (waiting for room where calls on their way hold it), else into the message."""
         placement = await self._place(pieces, placed)
         if placement is None:
-            tensors.tensor_to_pb(torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0], out=message)
+            joined = (self.pool.in_host_memory(pieces) if self.pool is not None
+                      else torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0])
+            tensors.tensor_to_pb(joined, out=message)
         else:
             placed.append(placement)
             rows.CopyFrom(placement.rows)

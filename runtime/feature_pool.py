@@ -127,6 +127,21 @@ class FeaturePool:
         self._live.append(placement)
         return placement
 
+    def in_host_memory(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """pieces [m_i, width] concatenated in host memory, for a call whose features go in its message: on a GPU
+        copied on the pool's stream, which does not wait for the steps launched meanwhile."""
+        if not pieces[0].is_cuda:
+            return torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0]
+        rows = sum(piece.shape[0] for piece in pieces)
+        host = torch.empty((rows, pieces[0].shape[1]), dtype=pieces[0].dtype, pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            start = 0
+            for piece in pieces:
+                host[start : start + piece.shape[0]].copy_(piece, non_blocking=True)
+                start += piece.shape[0]
+        self._stream.synchronize()
+        return host
+
     def written(self) -> None:
         """Once the rows placed so far are in the pool: before the call that names them goes out (the drafter reads
         them as it arrives). One wait for all of a call's placements."""
