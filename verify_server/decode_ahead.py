@@ -116,7 +116,12 @@ class DecodesAhead:
             ring = self._readback[self._launched % len(self._readback)]
             stored, host = ring.target(tokens[: len(sessions)])
             copies, kept = [(stored, tokens[: len(sessions)])], None
-            if features is not None:
+            if features is not None and not host_features:
+                # [sessions, 1, taps*hidden] every session's root row kept in one allocation (each its row of it)
+                block = torch.empty_like(features[: len(sessions), :1])
+                copies.append((block, features[: len(sessions), :1]))
+                kept = [block[b] if sess.taps else None for b, sess in enumerate(sessions)]
+            elif features is not None:
                 kept = []
                 for b, sess in enumerate(sessions):
                     if not sess.taps:  # (an untapped session in a tapped graph: its features go nowhere)
