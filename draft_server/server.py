@@ -10,7 +10,6 @@ import argparse
 import logging
 import sys
 import time
-
 from collections import OrderedDict
 
 import grpc
@@ -43,7 +42,7 @@ MAX_POOLS = 4
 
 
 class UnknownPoolError(PoolUnreachable):
-    """Rows of a pool this drafter has not opened (it restarted since, or let it go): the verifier opens it again."""
+    """Rows of a pool this drafter has not mapped (it restarted since, or let it go): the verifier offers it again."""
 
 
 STATUSES = (

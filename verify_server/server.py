@@ -47,6 +47,8 @@ log = logging.getLogger("verify_server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 DEFAULT_TAPS = 5  # target layers a DFlash drafter taps, for sizing the feature pool where --warm-up-taps is not given
 MESSAGE_SLACK_BYTES = 4096  # an Append beside its features: the session id, the tensor header
+
+
 class NoDrafterError(RuntimeError):
     """A session with taps on a verifier without a drafter (--drafter)."""
 
