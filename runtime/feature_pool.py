@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import glob
 import logging
 import os
@@ -58,13 +59,15 @@ class Placement:
 class FeaturePool:
     """The verifier's side: the pool's memory and its description for the drafter, and the calls' rows."""
 
-    def __init__(self, memory: torch.Tensor, description: pb.FeaturePool, path: str | None = None) -> None:
-        """memory: [size] uint8, the pool; description: what the drafter opens it by; path: a CPU pool's file (removed
-        at close)."""
+    def __init__(self, memory: torch.Tensor, description: pb.FeaturePool, path: str | None = None,
+                 lock: int | None = None) -> None:
+        """memory: [size] uint8, the pool; description: what the drafter opens it by; path: a CPU pool's file, and
+        lock: a descriptor of it holding its lock (both let go at close)."""
         self.memory = memory
         self.description = description
         self.size = memory.numel()
         self._path = path
+        self._lock = lock
         self._live: deque[Placement] = deque()  # the rows of the calls on their way, oldest first
         # where a GPU pool is written: beside the steps launched on the device, which a copy behind them would wait
         # for (the features written come from steps already read)
@@ -97,11 +100,14 @@ class FeaturePool:
                 log.info("no feature pool: %s has too little free space; features go in the messages", folder)
                 return None
             path = os.path.join(folder, f"{SHM_PREFIX}{pool_id}")
+            # held locked while this process lives: how another verifier's start tells a pool left behind
+            lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             memory = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
             memory.zero_()  # every page taken now: a full tmpfs fails here, not at a later write
             memory[:TOKEN_BYTES] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
             description.size, description.path = size, path
-            return cls(memory, description, path)
+            return cls(memory, description, path, lock)
         except (RuntimeError, OSError) as exc:
             log.warning("no feature pool on %s (%s): features go in the messages", device, exc)
             return None
@@ -176,6 +182,9 @@ class FeaturePool:
             with contextlib.suppress(OSError):
                 os.unlink(self._path)
             self._path = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _allocate(self, nbytes: int) -> int | None:
         """The start of `nbytes` free contiguous bytes after the newest rows (wrapping to the pool's start), or None."""
@@ -262,9 +271,17 @@ def _open_cuda(size: int, cuda: pb.CudaMemory) -> torch.Tensor:
 
 
 def _remove_stale(folder: str) -> None:
-    """Removes the pool files of verifiers that have gone (a process killed before its close)."""
+    """Removes the pool files of verifiers that have gone (a process killed before its close): those whose lock no
+    process holds (a lock holds across PID namespaces, where a process id would not tell)."""
     for path in glob.glob(os.path.join(folder, f"{SHM_PREFIX}*")):
-        pid = os.path.basename(path).removeprefix(SHM_PREFIX).split("-")[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+        except OSError:  # held: its verifier lives
+            pass
+        finally:
+            os.close(fd)

@@ -93,3 +93,18 @@ def test_the_drafter_refuses_memory_that_is_not_the_pool_and_rows_outside_it(tmp
                 opened.rows(rows, torch.device("cpu"))
     finally:
         pool.close()
+
+
+def test_a_pool_left_behind_is_removed_and_a_live_one_kept() -> None:
+    """A verifier's start removes the pool files no process holds locked (their verifier was killed before its
+    close), never a live verifier's."""
+    live = _pool(16)
+    left = _pool(16)
+    left._lock, lock = None, left._lock
+    os.close(lock)  # as when its process died: the file stays, unlocked
+    newer = _pool(16)  # a start sweeps the folder
+    try:
+        assert os.path.exists(live.description.path) and not os.path.exists(left.description.path)
+    finally:
+        for pool in (live, left, newer):
+            pool.close()
