@@ -33,7 +33,7 @@ SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["blue", "green", "gr
           "required": ["sky", "clear"]}
 QUESTIONS = ["Answer in JSON: what colour is the sky, and is it clear?", "Is the sky clear today? Reply in JSON."]
 MAX_NEW = 40
-ANSWER_S = 0.02  # a step's answer held back in InFlight
+ANSWER_S = 0.1  # a step's answer held back in InFlight: longer than a busy CI machine's pauses of the event loop
 
 
 @dataclass
