@@ -118,7 +118,8 @@ class FeaturePool:
         width, dtype = pieces[0].shape[1], pieces[0].dtype
         rows = sum(piece.shape[0] for piece in pieces)
         nbytes = rows * width * dtype.itemsize
-        start = self._allocate(-(-nbytes // ALIGN) * ALIGN)
+        span = -(-nbytes // ALIGN) * ALIGN  # the rows' bytes, rounded up to the next call's boundary
+        start = self._allocate(span)
         if start is None:
             return None
         target = self.memory[start : start + nbytes].view(dtype).view(rows, width)
@@ -127,7 +128,7 @@ class FeaturePool:
         else:
             with torch.cuda.stream(self._stream):
                 torch.cat(list(pieces), out=target)
-        placement = Placement(start, start + -(-nbytes // ALIGN) * ALIGN, pb.FeatureRows(
+        placement = Placement(start, start + span, pb.FeatureRows(
             pool_id=self.description.pool_id, offset=start // dtype.itemsize, rows=rows, width=width,
             dtype=WIRE_NAMES[dtype]))
         self._live.append(placement)
