@@ -318,13 +318,16 @@ def kv_cache_bytes(session: VerifySession) -> int:
     return session.cache.nbytes + (session.states.nbytes if session.states is not None else 0)
 
 
-def prepare(engine: VerifyEngine, config: VerifyServerConfig, drafter: GrpcDrafter | None = None) -> None:
-    """The warm-up, then the feature pool the drafter reads the steps' features from (counted in the working
+def prepare(engine: VerifyEngine, config: VerifyServerConfig, drafter: GrpcDrafter | None = None,
+            fit: TreeFit | None = None) -> None:
+    """The warm-up (its timed batch shapes seed the tree fit's cost curve), then the feature pool the drafter reads the steps' features from (counted in the working
     memory), then the caches: sized from the device memory the warm-up's largest steps and the pool left in this
     service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
     run every step shape whole and leave nothing cached."""
-    warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
-            config.max_step_tokens)
+    costs = warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
+                    config.max_step_tokens)
+    if fit is not None:
+        fit.seed(costs)
     if drafter is not None:
         drafter.share(FeaturePool.create(config.torch_device(), feature_pool_bytes(engine, config)))
     kv, prefix = config.kv_cache_bytes, config.prefix_cache_bytes
@@ -412,7 +415,7 @@ async def run_server(config: VerifyServerConfig) -> None:
             SERVICE_NAME,
             lambda server: pb_grpc.add_VerifierServicer_to_server(servicer, server),
             lambda: load_engine(config),
-            lambda engine: prepare(engine, config, drafter),
+            lambda engine: prepare(engine, config, drafter, servicer.stepper.fit),
             servicer.lane_routes(),
             alive=ranks_alive,
         )

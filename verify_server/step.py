@@ -74,7 +74,6 @@ class Stepper:
         self.feeds: dict[str, Feed] = {}
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
         self._turns: dict[str, _Turn] = {}
-        self._turned = 0  # the sessions a step that explores drafts: the next few of its asking ones
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
@@ -159,10 +158,7 @@ class Stepper:
             elif step.budget and feed.ready():
                 asking.append(i)
         kinds = {i: self.feeds[steps[i].session_id].kind for i in asking}  # (read now: a feed may go meanwhile)
-        nodes, count = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(decodes) - len(asking))
-        if count < len(asking):  # a step that explores drafts a few, the next few each time
-            start, self._turned = self._turned, self._turned + count
-            asking = sorted(asking[(start + j) % len(asking)] for j in range(count))
+        nodes = self._choose([steps[i].budget for i in asking], list(kinds.values()), len(decodes) - len(asking))
         turn.ar.set_result(not nodes and not chunks)
         for before in befores:
             await asyncio.shield(before.submitted if not nodes and await asyncio.shield(before.ar) else before.ended)
@@ -202,9 +198,8 @@ class Stepper:
                     self._append(steps[i].session_id, feed, feed.take_owed(own=True))
         if self.fit is not None and decodes:
             order = list(trees)
-            rows = len(decodes) + sum(tree.num_nodes for tree in trees.values())
             self.fit.observe_step([trees[i] for i in order], [results[i] for i in order],
-                                  [kinds[i] for i in order], rows, sent, drafted_s)
+                                  [kinds[i] for i in order], len(decodes), sent, drafted_s)
         if prompting is not None:
             await self._prompts(steps, chunks, await prompting, results)
         return [StepOutcome(result, trees[i].num_nodes if i in trees else 0, lost.get(i), timings.get(i, {}))
@@ -231,11 +226,11 @@ class Stepper:
             self._sent["append"].inc(sum(len(piece) for piece in features))
         feed.chain(self.drafter.append(session_id, features))
 
-    def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> tuple[int, int]:
+    def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> int:
         """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
-        `other_rows` AR steps: (0: AR, else the nodes their trees are cut to; how many of them draft, the first)."""
+        `other_rows` AR steps: 0, AR, else the nodes their trees are cut to."""
         if self.fit is None or not budgets:
-            return max(budgets, default=0), len(budgets)
+            return max(budgets, default=0)
         return self.fit.choose(budgets, kinds, other_rows)
 
     async def _draft(self, steps: list[SessionStep], drafting: list[int], lost: dict[int, Exception]

@@ -11,14 +11,20 @@ round, and a prefix of k nodes is expected to commit 1 + a(1) + ... + a(k) token
 after the path).
 
 A step of n trees cut to k nodes each, beside m AR steps, then commits m + n * (1 + A(k)) tokens in
-F + D(n) + V(rows(k)); k = 0 is no draft at all, m + n tokens in F + V(m + n). V is the verify batch's time at that
-many rows (measured per row count, interpolated between the counts seen), D the drafter's call for n trees
-(likewise by n), F the rest of a step (the hosts' work), measured as the time from one verify batch's answer to the
-next one's call, less the draft call in between. With few requests V is nearly flat and the full trees win; with
-many, the rows cost, smaller trees win, and past some load no tree pays for its draft: the step goes AR. The choice
-is made again every step, so speculation comes back as the load falls (the sessions stay tapped meanwhile: their
-features go to the drafter with their next draft, verify_server/step.py). A request's own budget stays its ceiling:
-a tree is only ever cut.
+F + D(n) + V(rows(k)); k = 0 is no draft at all, m + n tokens in V(rows(0)). The rows are those the forward runs:
+its n + m trees padded to a power of two, each to the query bucket of the largest (a captured batch's shape,
+verify_server/tree_steps.py), so that a tree of 3 nodes costs what one of the bucket's largest size costs, and AR
+rows beside a tree cost that tree's bucket each. V is the verify batch's time at that many rows: measured per
+shape while serving; before a shape is met, the warm-up's replay of its graph (`seed`) moved by how far the shapes
+met so far are from their own warm-up times (the host's work on a batch); between and past those, interpolated. D
+is the drafter's call for n trees (by n), F the rest of a drafting step (the hosts' work: the draft's features,
+the trees, the gateway's turn), measured as the time from one verify batch's answer to the next one's call, less
+the draft call in between. An AR step pays no F: it goes behind the step in flight and the verifier launches it
+there (verify_server/decode_ahead.py), so its host work hides behind the device's. With few requests V is nearly
+flat and the full trees win; with many, the rows cost, smaller buckets win, and past some load no tree pays for its
+draft: the step goes AR. The choice is made again every step, so speculation comes back as the load falls (the
+sessions stay tapped meanwhile: their features go to the drafter with their next draft, verify_server/step.py). A
+request's own budget stays its ceiling: a tree is only ever cut.
 
 Acceptance depends on how a request samples (a greedy round accepts more of a tree than one at T = 1), so the rates
 are counted per sampling class (sampling_class: greedy, or the temperature to a tenth) as well as over all rounds,
@@ -39,9 +45,9 @@ from prometheus_client import Histogram
 from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
+from verify_server.step_inputs import bucket
 
 log = logging.getLogger("verify_server")
-ROW_QUANTUM = 16  # the cost curve's resolution in rows (the verifier pads a tree's rows to multiples of 16 anyway)
 TREE_QUANTUM = 8  # the draft cost's resolution in trees a call
 MAX_RANK = 1024  # ranks counted (a drafter's largest budget is below this)
 WARM_ROUNDS = 64  # rounds counted before any tree is cut: until then every rank's rate is a guess
@@ -51,13 +57,12 @@ COST_WEIGHT = 0.2  # weight of a new measurement in a row count's (or the overhe
 # (a graph's capture, a prompt forward ahead of it on the verifier, a collector pause) must not move the mean as much
 # as a slower forward would; a mean that truly rises still follows, by up to COST_WEIGHT * (OUTLIER - 1) a sample.
 OUTLIER = 2.0
-# A step in this many takes the other choice than the fit's: a draft where it would go AR (an AR step measures no
-# acceptance), AR where it would draft (a tree step measures no AR step's cost), so that both sides' measurements
-# follow the workload and the load, and a choice made on stale ones is seen to be wrong.
+# A step in this many takes the other choice than the fit's: its best trees where it would go AR (an AR step
+# measures no acceptance, nor the draft's and the trees' cost at this load), AR where it would draft (a tree step
+# measures no AR step's cost), so that both sides' measurements follow the workload and the load, and a choice made
+# on stale ones is seen to be wrong. Every asking session drafts: a batch pads its AR rows to the trees' bucket, so
+# a few trees among AR rows would cost the forward of a full tree step and measure less.
 EXPLORE_EVERY = 64
-# A step that explores trees among AR steps drafts this many sessions' trees, the others AR: enough rounds to
-# measure the acceptance and the draft's cost by, not a full tree step at the load that made AR the choice.
-EXPLORE_TREES = 4
 STALE_GAP_S = 1.0  # a gap between two verify batches longer than this is idleness, not a step's other work
 
 
@@ -125,6 +130,15 @@ def path_ranks(tree: np.ndarray, accepted: Sequence[int]) -> list[int]:
     return ranks
 
 
+def batch_rows(trees: int, nodes: int) -> int:
+    """The rows a verify batch of `trees` trees (AR steps included, as trees of their root alone) whose largest has
+    `nodes` nodes runs: its trees padded to a power of two, each to its query bucket (an eager tree, past the
+    largest bucket: its own rows)."""
+    if trees < 1:
+        return 0
+    return (1 << (trees - 1).bit_length()) * (bucket(nodes + 1) or nodes + 1)
+
+
 class TreeFit:
     """The acceptance rate by rank, the verify and draft cost curves, measured from the steps that go by, and each
     step's choice: AR, or trees cut to k nodes."""
@@ -134,12 +148,18 @@ class TreeFit:
         self.chosen = chosen
         self.pooled = AcceptanceRates()  # every round's
         self.classes: dict[float, AcceptanceRates] = {}  # sampling_class -> its rounds'
-        self.costs: dict[int, float] = {}  # rows (a multiple of ROW_QUANTUM) -> running mean of a verify batch's s
+        self.costs: dict[int, float] = {}  # a batch's rows (batch_rows) -> running mean of its verify's seconds
+        self.seeded: dict[int, float] = {}  # a batch's rows -> its graph's replay in the warm-up, seconds
         self.draft_costs: dict[int, float] = {}  # trees (a multiple of TREE_QUANTUM) -> running mean of a call's s
-        self.overhead_s: float | None = None  # running mean of a step's time outside its verify batch and its draft
+        self.overhead_s: float | None = None  # running mean of a drafting step's time outside its verify and draft
         self._answered: float | None = None  # when the last verify batch's answer came
         self._steps = 0  # steps chosen
         self.failures = 0  # choices and measurements that raised (their steps went with full trees)
+
+    def seed(self, costs: dict[int, float]) -> None:
+        """The warm-up's replay of each captured batch shape (its rows, batch_rows -> seconds): the cost curve's
+        shape before the load has met it."""
+        self.seeded = dict(costs)
 
     # ---- measurements ---------------------------------------------------------------------------------------
 
@@ -154,30 +174,31 @@ class TreeFit:
         key = int(_quantum(trees, TREE_QUANTUM))
         self.draft_costs[key] = _running_mean(self.draft_costs.get(key), seconds)
 
-    def observe_batch(self, rows: int, seconds: float, sent: float, drafted_s: float = 0.0) -> None:
-        """A verify batch of `rows` rows took `seconds` from its call (at `sent`, perf_counter) to its answer; its
-        step's draft call took `drafted_s` of the time before the call. A batch called before the one before it was
-        answered (launched behind it on the device) counts from that answer: its wait is the other batch's time."""
+    def observe_batch(self, rows: int, seconds: float, sent: float, drafted_s: float | None = None) -> None:
+        """A verify batch of `rows` rows (batch_rows) took `seconds` from its call (at `sent`, perf_counter) to its
+        answer; a drafting step's (`drafted_s`: its draft call's seconds, before the call) also measures the step's
+        other work. A batch called before the one before it was answered (launched behind it on the device) counts
+        from that answer: its wait is the other batch's time."""
         now = time.perf_counter()
         if self._answered is not None and sent < self._answered:
             seconds = min(seconds, now - self._answered)
-        key = int(_quantum(rows))
-        self.costs[key] = _running_mean(self.costs.get(key), seconds)
-        if self._answered is not None and 0 <= sent - self._answered < STALE_GAP_S:
+        self.costs[rows] = _running_mean(self.costs.get(rows), seconds)
+        if drafted_s is not None and self._answered is not None and 0 <= sent - self._answered < STALE_GAP_S:
             self.overhead_s = _running_mean(self.overhead_s, max(0.0, sent - self._answered - drafted_s))
         self._answered = now
 
     def observe_step(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
-                     classes: Sequence[float], rows: int, sent: float, drafted_s: float = 0.0) -> None:
+                     classes: Sequence[float], batch: int, sent: float, drafted_s: float = 0.0) -> None:
         """A step's verified trees and their outcomes (a StepResult each, or the session's own error), and its
-        verify of `rows` rows called at `sent` (perf_counter), `drafted_s` after its draft call began: each round's
-        accepted path and the forward's cost at its rows. Never fails: the outcomes are the step's whatever the
-        measurements make of them."""
+        verify of `batch` trees and AR steps called at `sent` (perf_counter), `drafted_s` after its draft call
+        began: each round's accepted path and the forward's cost at its rows. Never fails: the outcomes are the
+        step's whatever the measurements make of them."""
         try:
             for tree, result, kind in zip(trees, results, classes):
                 if isinstance(result, StepResult):
                     self.observe_round(tree_arrays(tree), result.tokens, kind)
-            self.observe_batch(rows, time.perf_counter() - sent, sent, drafted_s)
+            rows = batch_rows(batch, max((tree.num_nodes for tree in trees), default=0))
+            self.observe_batch(rows, time.perf_counter() - sent, sent, drafted_s if trees else None)
         except Exception:
             self._failed("measure a step")
 
@@ -190,8 +211,13 @@ class TreeFit:
         return (own if own is not None and own.rounds >= WARM_ROUNDS else self.pooled).rates()
 
     def cost(self, rows: np.ndarray) -> np.ndarray:
-        """[m] row counts -> [m] a verify batch's expected seconds at each (_curve)."""
-        return _curve(self.costs, _quantum(rows))
+        """[m] batch rows (batch_rows) -> [m] a verify batch's expected seconds at each: measured where met, else the
+        warm-up's time moved by the mean gap between the measured shapes and their warm-up times, interpolated
+        between (_curve)."""
+        both = [self.costs[key] - self.seeded[key] for key in self.costs if key in self.seeded]
+        gap = float(np.mean(both)) if both else 0.0
+        points = {key: max(seconds + gap, seconds / 2) for key, seconds in self.seeded.items()}
+        return _curve({**points, **self.costs}, rows)
 
     def draft_cost(self, trees: int) -> float:
         """A drafter's call for `trees` trees: its expected seconds (_curve)."""
@@ -200,12 +226,12 @@ class TreeFit:
     def size(self, trees: Sequence[int], other_rows: int = 0, kinds: Sequence[float] | None = None,
              ar: bool = True) -> int:
         """The nodes to cut each tree of a step to, given its trees' sizes (and their requests' sampling classes,
-        default greedy) and its AR steps' rows: the size that commits the most tokens per second (the largest such),
+        default greedy) and its AR steps' count: the size that commits the most tokens per second (the largest such),
         0 where no tree pays for its draft (once a draft's cost is measured, and where `ar`); the largest tree's size
         (no cut) until enough is measured."""
         largest = max(trees, default=0)
-        if (largest < 1 or self.pooled.rounds < WARM_ROUNDS or not self.costs or self.overhead_s is None
-                or largest > MAX_RANK):
+        if (largest < 1 or self.pooled.rounds < WARM_ROUNDS or not (self.costs or self.seeded)
+                or self.overhead_s is None or largest > MAX_RANK):
             # (a step of trees without nodes, a grammar's single choice, has nothing to cut; ranks past MAX_RANK,
             # a drafter's --max-budget raised past it, are not counted)
             return largest
@@ -215,10 +241,11 @@ class TreeFit:
         gains = np.stack([np.concatenate(([0.0], np.cumsum(self.rates(kind)[1 : largest + 1]))) for kind in order])
         row_of = np.array([order.index(kind) for kind in kinds])  # [n]
         kept = np.minimum(np.asarray(trees)[None, :], np.arange(largest + 1)[:, None])  # [largest+1, n] nodes
-        rows = kept.sum(axis=1) + len(trees) + other_rows  # [largest+1]: each tree's nodes and its root
+        batch = len(trees) + other_rows
+        rows = np.array([batch_rows(batch, nodes) for nodes in kept.max(axis=1)])  # [largest+1]
         tokens = other_rows + len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest+1] the step commits
-        seconds = self.overhead_s + self.cost(rows)  # [largest+1]
-        seconds[1:] += self.draft_cost(len(trees)) if self.draft_costs else 0.0
+        seconds = self.cost(rows)  # [largest+1]
+        seconds[1:] += self.overhead_s + (self.draft_cost(len(trees)) if self.draft_costs else 0.0)
         rate = tokens / seconds
         if not (self.draft_costs and ar):
             rate[0] = -np.inf  # (what a draft costs is not known yet: no ground for going AR)
@@ -226,28 +253,22 @@ class TreeFit:
             return largest
         return largest - int(np.argmax(rate[::-1]))  # the last maximum: ties go to the larger tree
 
-    def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> tuple[int, int]:
+    def choose(self, budgets: Sequence[int], classes: Sequence[float], other_rows: int) -> int:
         """A step's choice before its drafts, given its speculating sessions' budgets and sampling classes
-        (sampling_class) and its AR steps' rows -> (0: every session AR, else the nodes to cut each tree to; how many
-        of the sessions draft, the others AR). One step in EXPLORE_EVERY takes the other choice (once a draft's cost
-        is known): where the fit goes AR, EXPLORE_TREES sessions' trees. An optimisation: should choosing fail, the
-        step drafts its full trees, never fails."""
-        trees = len(budgets)
+        (sampling_class) and its AR steps' count -> 0: every session AR, else the nodes to cut each tree to. One
+        step in EXPLORE_EVERY takes the other choice (once a draft's cost is known). An optimisation: should
+        choosing fail, the step drafts its full trees, never fails."""
         try:
             nodes = self.size(budgets, other_rows, classes)
             self._steps += 1
             if self._steps % EXPLORE_EVERY == 0 and self.draft_costs:
-                if nodes:
-                    nodes = 0
-                else:
-                    trees = min(trees, EXPLORE_TREES)
-                    nodes = self.size(budgets[:trees], other_rows + len(budgets) - trees, classes[:trees], ar=False)
+                nodes = 0 if nodes else self.size(budgets, other_rows, classes, ar=False)
         except Exception:
             self._failed("choose a step's speculation")
-            return max(budgets, default=0), len(budgets)
+            return max(budgets, default=0)
         if self.chosen is not None:
             self.chosen.observe(nodes)
-        return nodes, trees
+        return nodes
 
     def fit(self, trees: list[DraftTree], nodes: int) -> list[DraftTree]:
         """A step's trees cut to `nodes` (choose's); should a cut fail, the trees as drafted."""
@@ -281,6 +302,6 @@ def _running_mean(mean: float | None, sample: float) -> float:
     return mean + COST_WEIGHT * (min(sample, OUTLIER * mean) - mean)
 
 
-def _quantum(count: np.ndarray | int, quantum: int = ROW_QUANTUM) -> np.ndarray | int:
-    """Counts rounded up to a curve's resolution (rows: ROW_QUANTUM; trees: TREE_QUANTUM)."""
+def _quantum(count: np.ndarray | int, quantum: int) -> np.ndarray | int:
+    """Counts rounded up to a curve's resolution (trees: TREE_QUANTUM)."""
     return np.maximum(quantum, -(-count // quantum) * quantum)

@@ -21,11 +21,14 @@ from verify_server.sampling import TreeDraws
 from verify_server.cache_slots import MIN_SLOT_TOKENS
 from verify_server.step_inputs import MAX_GRAPH_NODES, QUERY_BUCKETS, bucket
 from verify_server.tree_batch import BatchTree
+from verify_server.tree_fit import batch_rows
 from verify_server.tree_steps import MAX_PROMPT_PADDING, SMALL_PROMPT_BATCH
 from verify_server.verify import VerifyEngine
 
 log = logging.getLogger("verify_server")
 WARM_UP_KEYS = 1024  # the key buckets whose round graphs the warm-up captures: contexts of up to ~1k tokens
+COST_KEYS = 256  # the context the warm-up times each batch shape at (a served shape's own time replaces it)
+COST_REPEATS = 3  # timed replays of a shape after its first; the least counts
 
 
 @contextlib.contextmanager
@@ -92,7 +95,7 @@ def _batches(engine: VerifyEngine) -> bool:
 
 def warm_up(
     engine: VerifyEngine, taps: Sequence[int] | None = None, nodes: int = 32, prompt_tokens: int = 0
-) -> None:
+) -> dict[int, float]:
     """Every step shape family before clients arrive: a prefill, AR steps and trees, in two sessions of different
     cache size classes, at short and longer contexts. Under --compile Dynamo specialises a step to the first sizes
     it meets and makes them dynamic once they change, so every size a request can change (tree nodes, key bucket,
@@ -101,7 +104,9 @@ def warm_up(
     CUDA graphs run, the graphs of the rounds requests bring most (capture_rounds; taps: the layers the drafter
     taps, known to whoever starts this service with it; nodes: the tree size requests ask for most) and, where
     they serve every slot, of prompts of every captured bucket (capture_prompts); prompt_tokens: the most prompt
-    tokens a shared prompt forward takes (the service's --prefill-batch-tokens; 0: none share one)."""
+    tokens a shared prompt forward takes (the service's --prefill-batch-tokens; 0: none share one). Returns the
+    captured batch shapes' times (time_batches: the tree fit's cost curve before the load meets it; empty where no
+    graphs run)."""
     start = time.perf_counter()
     if taps and max(taps) >= engine.num_layers:
         log.warning("warm-up taps %s are not layers of this %d-layer target: warming up untapped rounds only",
@@ -168,6 +173,8 @@ def warm_up(
             capture_prompt_batches(engine, tapped, prompt_tokens)
         log.info("warm-up captured %d round and prompt graphs in %.3f s", len(engine.fused.graphs) - graphs,
                  time.perf_counter() - start)
+        return time_batches(engine, list(taps or []), nodes)
+    return {}
 
 
 def fitted_node_counts(nodes: int) -> list[int]:
@@ -280,3 +287,40 @@ def _capture_larger_batches(engine: VerifyEngine, taps: list[int], nodes: int, m
     finally:
         cache.length = 0
         fused.slots.release(cache)
+
+
+def time_batches(engine: VerifyEngine, taps: list[int], nodes: int) -> dict[int, float]:
+    """The replay of every captured greedy batch shape of sessions tapping `taps` (2, 4, ... trees of each round
+    size capture_rounds captures) at a context of COST_KEYS, each timed from its inputs to its outcome on the host,
+    the least of COST_REPEATS: {its rows (tree_fit.batch_rows): seconds}. Where graphs serve every slot only (else
+    batches run uncaptured, and their costs are the live ones alone); a lone tree's graph is another, its cost read
+    off the batch of two's until served."""
+    fused = engine.fused
+    if not fused.by_address:
+        return {}
+    most = min(fused.max_batch, fused.slots.max_sessions)
+    sizes = [1 << i for i in range(1, (most - 1).bit_length() + 1)]  # 2, 4, ...
+    limit = min(COST_KEYS, engine.model.config.max_position_embeddings)
+    cache = fused.slots.acquire(limit)
+    costs: dict[int, float] = {}
+    try:
+        with torch.inference_mode():
+            for node_count in _node_counts(taps, nodes):
+                qb = bucket(node_count + 1)
+                if qb is None or qb >= limit:
+                    continue
+                cache.length = limit - qb  # its rounds' keys: the context's bucket
+                for count in sizes:
+                    items = [BatchTree(cache, _chain(0, node_count), 0)] * count
+                    times = []
+                    for _ in range(COST_REPEATS + 1):  # (each ends reading its outcome: the device is done)
+                        start = time.perf_counter()
+                        fused.batch_round(items, tuple(taps))
+                        times.append(time.perf_counter() - start)
+                    costs[batch_rows(count, node_count)] = min(times[1:])
+    finally:
+        cache.length = 0
+        fused.slots.release(cache)
+    log.info("warm-up timed %d batch shapes: %s", len(costs),
+             ", ".join(f"{rows} rows {seconds * 1e3:.2f} ms" for rows, seconds in sorted(costs.items())))
+    return costs

@@ -18,7 +18,7 @@ from protos import tensors
 from protos.ddtree.v1 import ddtree_pb2 as pb
 from protos.types import DraftTree, SamplingParams, StepResult
 from verify_server import tree_fit
-from verify_server.tree_fit import TreeFit, cut, path_ranks, sampling_class, tree_arrays
+from verify_server.tree_fit import TreeFit, batch_rows, cut, path_ranks, sampling_class, tree_arrays
 
 
 def drafted(budget: int, seed: int = 0, depths: int = 7, vocab: int = 50, wire: bool = True) -> DraftTree:
@@ -106,9 +106,10 @@ def test_few_requests_keep_their_trees_many_get_them_cut():
     # the choice is the best one on the model: no other size commits more tokens per second
     k = np.arange(1, 33)
     gain = np.cumsum(rates)
-    rows = 16 * (k + 1)
+    rows = np.array([batch_rows(16, n) for n in k])  # 16 trees, each padded to its query bucket
     rate = 16 * (1 + gain) / (10e-3 + fit.cost(rows))
     assert rate[sixteen - 1] == rate.max()
+    assert sixteen + 1 in (4, 8, 16, 32, 48)  # the largest tree of its bucket: a smaller one costs as much
     assert fit.size([32, 3] * 8) <= 32  # a request's own smaller budget is its ceiling, never raised
 
 
@@ -129,12 +130,14 @@ def test_measurements_from_rounds_and_batches():
     assert rates[child] == pytest.approx(1.0)
     assert rates[1 : 9].sum() == pytest.approx(1.0)  # one node of the 8 on every path
     assert rates[9:].sum() == 0  # ranks no tree had
-    fit.observe_batch(40, 0.010, sent=time.perf_counter())
+    fit.observe_batch(48, 0.010, sent=time.perf_counter(), drafted_s=0.0)
     assert fit.costs == {48: 0.010} and fit.overhead_s is None  # no step before it: no gap yet
     answered = fit._answered
-    fit.observe_batch(40, 0.020, sent=answered + 0.004)
+    fit.observe_batch(48, 0.020, sent=answered + 0.004, drafted_s=0.0)
     assert fit.costs[48] == pytest.approx(0.010 + tree_fit.COST_WEIGHT * 0.010)
     assert fit.overhead_s == pytest.approx(0.004)
+    fit.observe_batch(16, 0.010, sent=fit._answered + 0.004)  # an AR step's gap is no drafting step's work
+    assert fit.overhead_s == pytest.approx(0.004) and fit.costs[16] == 0.010
 
 
 def test_a_step_measures_its_sessions_rounds_and_its_forward():
@@ -146,11 +149,12 @@ def test_a_step_measures_its_sessions_rounds_and_its_forward():
     child = int(np.flatnonzero(arrays[1] == 0)[0])
     accepted = StepResult([int(arrays[0][child]), 5], None)
     sent = time.perf_counter()
-    fit.observe_step(trees, [accepted, accepted, RuntimeError("its own failure")], [0.0, 0.7, 0.0], 30, sent)
+    fit.observe_step(trees, [accepted, accepted, RuntimeError("its own failure")], [0.0, 0.7, 0.0], 5, sent)
     assert fit.failures == 0 and fit.pooled.rounds == 2
     assert fit.classes[0.0].rounds == 1 and fit.classes[0.7].rounds == 1
     assert fit.pooled.rates()[child] == pytest.approx(1.0) and fit.classes[0.7].rates()[child] == pytest.approx(1.0)
-    assert list(fit.costs) == [32] and 0 < fit.costs[32] < time.perf_counter() - sent
+    # 3 trees of 8 nodes beside 2 AR steps: a batch of 8 trees (5 padded to a power of two) of bucket 16
+    assert list(fit.costs) == [8 * 16] and 0 < fit.costs[128] < time.perf_counter() - sent
 
 
 def test_a_batch_that_waited_on_something_else_moves_the_costs_little():
@@ -171,8 +175,7 @@ def test_fit_cuts_the_steps_trees_and_reports_the_size():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)  # rows cost, ranks > 2 never pay
     trees = [drafted(32, seed=i, wire=i != 1) for i in range(3)]  # a step's trees, whichever drafter drew them
     before = [tree_arrays(tree).copy() for tree in trees]
-    nodes, trees_drafted = fit.choose([32] * 3, [0.0] * 3, other_rows=1)  # beside one AR step
-    assert trees_drafted == 3
+    nodes = fit.choose([32] * 3, [0.0] * 3, other_rows=1)  # beside one AR step
     got = fit.fit(trees, nodes)
     sizes = [tree.num_nodes for tree in got]
     assert len(set(sizes)) == 1 and 0 < sizes[0] < 32
@@ -190,8 +193,7 @@ def test_a_steps_other_rows_count_in_its_cost():
     its trees' rows cost and are cut shorter."""
     fit = TreeFit()
     measured(fit, [0.9 * 0.85**i for i in range(32)], {16: 5.0e-3, 128: 5.5e-3, 512: 18e-3}, overhead_s=10e-3)
-    (alone, _), (beside, _) = (fit.choose([32] * 4, [0.0] * 4, other_rows=0),
-                               fit.choose([32] * 4, [0.0] * 4, other_rows=64))
+    alone, beside = fit.choose([32] * 4, [0.0] * 4, other_rows=0), fit.choose([32] * 4, [0.0] * 4, other_rows=64)
     assert 0 < beside < alone
     assert (alone, beside) == (fit.size([32] * 4, 0), fit.size([32] * 4, 64))
 
@@ -202,7 +204,7 @@ def test_seeded_sessions_trees_are_cut_like_any_other():
     measured(fit, [0.5] * 2 + [0.0] * 30, {16: 1e-3, 512: 512e-3}, overhead_s=1e-3)
     trees = [drafted(32, seed=i) for i in range(3)]
     classes = [0.0, sampling_class(SamplingParams(temperature=0.8, seed=1)), 0.0]
-    sizes = [tree.num_nodes for tree in fit.fit(trees, fit.choose([32] * 3, classes, 0)[0])]
+    sizes = [tree.num_nodes for tree in fit.fit(trees, fit.choose([32] * 3, classes, 0))]
     assert sizes[0] == sizes[1] == sizes[2] < 32
 
 
@@ -247,7 +249,7 @@ def test_trees_without_nodes_stay_so(wire):
     assert fit.size([]) == 0
     roots = [step_tree(0, i, wire) for i in range(2)]
     assert [tree.num_nodes for tree in roots] == [0, 0]
-    nodes, _ = fit.choose([32] * 3, [0.0] * 3, 0)
+    nodes = fit.choose([32] * 3, [0.0] * 3, 0)
     sizes = [tree.num_nodes for tree in fit.fit(roots + [step_tree(32, 3, wire)], nodes)]
     assert sizes[:2] == [0, 0] and sizes[2] == nodes and 1 <= nodes < 32
     assert fit.failures == 0
@@ -266,26 +268,25 @@ def test_a_step_goes_ar_where_no_tree_pays_for_its_draft_and_speculates_again_as
     one, many = fit.size([32]), fit.size([32] * 64)
     assert one > 0 and many == 0
     # the choice is the best on the model: AR's rate above every tree size's
+    # the choice is the best on the model: AR's rate above every tree size's, the AR step paying no host overhead
+    # (it goes behind the step in flight), a drafting one its overhead and its draft
     k = np.arange(0, 33)
     gain = np.concatenate(([0.0], np.cumsum(rates)))
-    seconds = 1e-3 + fit.cost(64 * (k + 1)) + np.where(k > 0, fit.draft_cost(64), 0.0)
+    seconds = fit.cost(np.array([batch_rows(64, n) for n in k])) + np.where(k > 0, 1e-3 + fit.draft_cost(64), 0.0)
     rate = 64 * (1 + gain) / seconds
     assert rate[0] == rate.max()
     assert fit.size([32] * 2) > 0  # the load falls: trees again
     chosen = Histogram("chosen", "test", buckets=(0, 1, 32), registry=CollectorRegistry())
     fit.chosen = chosen
-    assert fit.choose([32] * 64, [0.0] * 64, 0) == (0, 64)
+    assert fit.choose([32] * 64, [0.0] * 64, 0) == 0
     assert [s.value for s in chosen.collect()[0].samples if s.name == "chosen_bucket"][0] == 1  # (le=0)
-    # one step in EXPLORE_EVERY takes the other choice: among AR steps, a few sessions' best tree beside the others'
-    # AR steps (its rounds measure the acceptance), AR among tree steps (it measures an AR step's cost)
-    few = tree_fit.EXPLORE_TREES
+    # one step in EXPLORE_EVERY takes the other choice: among AR steps, every session's best tree (its rounds measure
+    # the acceptance, its draft and verify their costs at this load), AR among tree steps (an AR step's cost)
     picks = [fit.choose([32] * 64, [0.0] * 64, 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
-    drafted = [i for i, (nodes, _) in enumerate(picks) if nodes]
-    explored = (fit.size([32] * few, 64 - few, ar=False), few)
-    assert len(drafted) == 3 and all(picks[i] == explored and explored[0] > 0 for i in drafted)
-    assert all(pick == (0, 64) for i, pick in enumerate(picks) if i not in drafted)
+    explored = fit.size([32] * 64, 0, ar=False)
+    assert explored > 0 and picks.count(explored) == 3 and picks.count(0) == len(picks) - 3
     picks = [fit.choose([32], [0.0], 0) for _ in range(3 * tree_fit.EXPLORE_EVERY)]
-    assert picks.count((0, 1)) == 3 and set(picks) == {(0, 1), (fit.size([32]), 1)}
+    assert picks.count(0) == 3 and set(picks) == {0, fit.size([32])}
 
 
 def test_a_steps_ar_rows_commit_their_tokens_too():
@@ -297,8 +298,8 @@ def test_a_steps_ar_rows_commit_their_tokens_too():
              draft_of={8: 2e-3})
     k = np.arange(0, 33)
     gain = np.concatenate(([0.0], np.cumsum([0.9 * 0.85**i for i in range(32)])))
-    rows = 4 * (k + 1) + 60
-    rate = (60 + 4 * (1 + gain)) / (10e-3 + fit.cost(rows) + np.where(k > 0, 2e-3, 0.0))
+    rows = np.array([batch_rows(64, n) for n in k])  # the AR rows padded to the trees' bucket too
+    rate = (60 + 4 * (1 + gain)) / (fit.cost(rows) + np.where(k > 0, 10e-3 + 2e-3, 0.0))
     assert fit.size([32] * 4, 60) == len(rate) - 1 - int(np.argmax(rate[::-1]))
 
 
@@ -346,7 +347,7 @@ def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, o
     fit.pooled.hits[1 : len(rates) + 1] = rates
     fit.pooled.trials[1 : len(rates) + 1] = 1.0
     fit.pooled.rounds = rounds
-    fit.costs = {int(tree_fit._quantum(rows)): seconds for rows, seconds in costs.items()}
+    fit.costs = dict(costs)
     fit.draft_costs = {int(tree_fit._quantum(n, tree_fit.TREE_QUANTUM)): seconds for n, seconds in draft_costs.items()}
     fit.overhead_s = overhead_s
     classes, step = [], []
@@ -354,8 +355,8 @@ def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, o
         classes.append(sampling_class(SamplingParams(temperature=temperature, seed=i if seeded and temperature else None)))
         step.append(step_tree(nodes, i, wire))
     budgets = [budget for *_, budget in trees]
-    chosen, drafting = fit.choose(budgets, classes, decodes)
-    assert fit.failures == 0 and 0 <= chosen <= max(budgets) and 1 <= drafting <= len(budgets)
+    chosen = fit.choose(budgets, classes, decodes)
+    assert fit.failures == 0 and 0 <= chosen <= max(budgets)
     assert chosen or fit.draft_costs
     if not chosen:
         return
@@ -370,6 +371,51 @@ def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, o
             assert got.num_nodes == nodes
         assert np.array_equal(tree_arrays(got), before[:, : got.num_nodes + 1])
         assert np.array_equal(tree_arrays(tree), before)
-    rows = decodes + len(after) + sum(tree.num_nodes for tree in after)
-    fit.observe_step(after, [StepResult([1, 2], None)] * len(after), classes, rows, time.perf_counter())
+    fit.observe_step(after, [StepResult([1, 2], None)] * len(after), classes, decodes + len(after),
+                     time.perf_counter())
     assert fit.failures == 0 and fit.pooled.rounds == rounds + len(after)
+
+
+def test_the_warm_ups_times_stand_for_shapes_not_met_yet_moved_by_the_measured_gap():
+    """Before the load meets a batch shape, its cost is the warm-up's replay of its graph, moved by how much slower
+    the shapes met so far ran served than in the warm-up (the host's work on a batch); a shape met is its own."""
+    fit = TreeFit()
+    fit.seed({16: 5e-3, 256: 8e-3, 1024: 20e-3})
+    assert fit.cost(np.array([16, 256, 1024, 512])) == pytest.approx([5e-3, 8e-3, 20e-3, 12e-3])
+    fit.costs = {16: 6e-3}
+    assert fit.cost(np.array([16, 256, 1024])) == pytest.approx([6e-3, 9e-3, 21e-3])
+    fit.costs = {16: 6e-3, 256: 8.5e-3}  # the mean gap of both
+    assert fit.cost(np.array([16, 256, 1024])) == pytest.approx([6e-3, 8.5e-3, 20.75e-3])
+    assert fit.cost(np.array([4096])) == pytest.approx([4 * 20.75e-3])  # past the largest: its cost per row
+
+
+def test_seeded_by_the_warm_up_the_fit_chooses_what_commits_most_at_every_load():
+    """A device whose forward costs one reading of the weights up to 256 rows and then each row: where the load has
+    met only AR steps and small trees (after an AR spell), the warm-up's times still price every shape, and the
+    fit's choice at 1, 16 and 64 sessions is the size that commits the most tokens per second on that device,
+    trees at 1 and 16 sessions."""
+
+    def forward(rows: int) -> float:
+        return 6e-3 + max(0, rows - 256) * 16e-6
+
+    def draft(trees: int) -> float:
+        return 1.5e-3 + trees * 60e-6
+
+    overhead = 2.5e-3
+    rates = [0.85 * 0.9**i for i in range(32)]
+    fit = TreeFit()
+    fit.seed({batch_rows(count, nodes): forward(batch_rows(count, nodes))
+              for count in (2, 4, 8, 16, 32, 64) for nodes in (0, 3, 7, 15, 31, 32)})
+    live = {rows: forward(rows) + 0.4e-3 for rows in (1, 16, 64, 64 * 4)}  # the shapes met, served
+    measured(fit, rates, live, overhead, {int(tree_fit._quantum(n, tree_fit.TREE_QUANTUM)): draft(n)
+                                          for n in (1, 16, 64)})
+    gain = np.concatenate(([0.0], np.cumsum(rates)))
+    for sessions in (1, 16, 64):
+        k = np.arange(33)
+        seconds = np.array([forward(batch_rows(sessions, n)) + 0.4e-3 for n in k])
+        seconds[1:] += overhead + draft(sessions)
+        best = sessions * (1 + gain) / seconds
+        chosen = fit.size([32] * sessions)
+        assert best[chosen] >= 0.98 * best.max(), (sessions, chosen, int(best.argmax()))
+        if sessions < 64:
+            assert chosen > 0
