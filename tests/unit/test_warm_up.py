@@ -280,3 +280,21 @@ def test_warm_ups_of_a_single_session_service(qwen3_target: Path, drafter_dir: P
     assert len(verifier.prefill("s", [1, 2, 3]).tokens) == 1
     drafter.start_session("s", 64)
     drafter.draft("s", torch.randn(3, FEATURE_DIM), 1, 3, budget=4)
+
+
+def test_the_warm_up_times_every_batch_shape_the_fit_prices(qwen3_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where graphs serve every slot, the warm-up replays each captured greedy batch shape (2, 4, ... trees of
+    every round size it captures) and hands the tree fit its time by the rows the forward runs; elsewhere
+    nothing (batches run uncaptured there: the live costs alone)."""
+    from verify_server.fused_runner import FusedRunner
+    from verify_server.tree_fit import batch_rows
+    from verify_server.warm_up import time_batches
+
+    engine = make_engine(qwen3_target, "fused-static")
+    assert time_batches(engine, [1, 3], 20) == {}  # (the CPU's attention finds no slot by address)
+    monkeypatch.setattr(FusedRunner, "by_address", property(lambda self: True))  # (the batches still run plain)
+    most = min(engine.fused.max_batch, engine.fused.slots.max_sessions)
+    counts = [1 << i for i in range(1, (most - 1).bit_length() + 1)]
+    costs = time_batches(engine, [1, 3], 20)
+    assert set(costs) == {batch_rows(count, nodes) for count in counts for nodes in (0, 20, 3, 7, 15)}
+    assert all(seconds > 0 for seconds in costs.values()) and not engine.sessions
