@@ -313,9 +313,10 @@ def time_batches(engine: VerifyEngine, taps: list[int], nodes: int) -> dict[int,
                 for count in sizes:
                     items = [BatchTree(cache, _chain(0, node_count), 0)] * count
                     times = []
-                    for _ in range(COST_REPEATS + 1):  # (each ends reading its outcome: the device is done)
+                    for _ in range(COST_REPEATS + 1):
                         start = time.perf_counter()
                         fused.batch_round(items, tuple(taps))
+                        _synchronize(fused.device)  # (a replay only queues its work)
                         times.append(time.perf_counter() - start)
                     rows = batch_rows(count, node_count)  # (shapes of as many rows: the dearer one stands)
                     costs[rows] = max(costs.get(rows, 0.0), min(times[1:]))
@@ -325,3 +326,9 @@ def time_batches(engine: VerifyEngine, taps: list[int], nodes: int) -> dict[int,
     log.info("warm-up timed %d batch shapes: %s", len(costs),
              ", ".join(f"{rows} rows {seconds * 1e3:.2f} ms" for rows, seconds in sorted(costs.items())))
     return costs
+
+
+def _synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a CPU's is done already)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
