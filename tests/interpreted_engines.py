@@ -301,8 +301,8 @@ def _warm_up(tapped: list[int]):  # noqa: ANN202 - (the VerifyEngine it warmed u
         e.fused.decoder.attention = FLASH
     engine.fused.graphs = recorder = ReplayRecorder()
     nodes, most_keys = (20, 128) if tapped else (7, 128)
-    cuts = fitted_node_counts(nodes) if tapped else []  # 20 nodes, bucket 32: a cut to 1-15 nodes is bucket 4's,
-    assert cuts == ([3, 7, 15] if tapped else [])  # 8's or 16's
+    cuts = fitted_node_counts(nodes) if tapped else []  # 20 nodes, bucket 32: a cut to 1-15 nodes is bucket 16's
+    assert cuts == ([15] if tapped else [])
     capture_rounds(engine, tapped, nodes, most_keys)
     capture_prompts(engine, tapped)
     warm = {key for key in recorder.seen if "prefill" not in key}

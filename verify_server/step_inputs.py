@@ -33,11 +33,10 @@ ROOT_ONLY = DraftTree(torch.zeros(1, dtype=torch.long), torch.full((1,), -1), to
 
 
 def bucket(q: int) -> int | None:
-    """The captured query count a q-token step is padded to (None: run it eagerly). 4 and 8 for the small trees a
-    loaded step's fit cuts to (at 64 sessions a bucket of 16 would cost each AR row beside them 16 rows);
-    multiples of 16 up to 128 keep padding small where trees usually are; powers of two beyond."""
-    if q <= 8:
-        return 1 if q == 1 else 4 if q <= 4 else 8
+    """The captured query count a q-token step is padded to (None: run it eagerly). Multiples of 16 up to 128
+    keep padding small where trees usually are; powers of two beyond."""
+    if q == 1:
+        return 1
     if q <= 128:
         return -(-q // 16) * 16
     if q <= MAX_GRAPH_NODES:

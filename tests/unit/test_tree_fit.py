@@ -109,7 +109,7 @@ def test_few_requests_keep_their_trees_many_get_them_cut():
     rows = np.array([batch_rows(16, n) for n in k])  # 16 trees, each padded to its query bucket
     rate = 16 * (1 + gain) / (10e-3 + fit.cost(rows))
     assert rate[sixteen - 1] == rate.max()
-    assert sixteen + 1 in (4, 8, 16, 32, 48)  # the largest tree of its bucket: a smaller one costs as much
+    assert sixteen + 1 in (16, 32) or sixteen == 32  # the largest tree of its bucket: a smaller one costs as much
     assert fit.size([32, 3] * 8) <= 32  # a request's own smaller budget is its ceiling, never raised
 
 
@@ -229,7 +229,7 @@ def test_each_sampling_class_counts_its_own_rates():
     for _ in range(tree_fit.WARM_ROUNDS):
         fit.observe_round(tree, [99999], sampled)
     assert fit.rates(sampled).sum() == 0 and fit.rates(greedy)[deep].min() > 0.99
-    fit.costs, fit.overhead_s = {16: 1e-3, 512: 1.5e-3}, 1e-3  # rows nearly free: only acceptance decides
+    fit.costs, fit.overhead_s = {16: 1e-3, 1024: 1.01e-3}, 1e-3  # rows nearly free: only acceptance decides
     assert fit.size([16] * 16, kinds=[sampled] * 16) < fit.size([16] * 16, kinds=[greedy] * 16)
 
 

@@ -278,7 +278,7 @@ def test_a_step_that_explores_trees_under_load_drafts_every_session(
         assert tokens[sid] == truth[sid][: len(tokens[sid])]
     assert sizes[0::2] == [[0, 0, 0]] * 3
     best = verifier.stepper.fit.size([8] * 3, ar=False)
-    assert 0 < best < 8 and sizes[1::2] == [[best] * 3] * 3
+    assert best > 0 and sizes[1::2] == [[best] * 3] * 3
 
 
 def test_the_features_sent_to_the_drafter_are_counted_by_call(qwen3_target: Path, drafter_dir: Path) -> None:
