@@ -320,10 +320,10 @@ def kv_cache_bytes(session: VerifySession) -> int:
 
 def prepare(engine: VerifyEngine, config: VerifyServerConfig, drafter: GrpcDrafter | None = None,
             fit: TreeFit | None = None) -> None:
-    """The warm-up (its timed batch shapes seed the tree fit's cost curve), then the feature pool the drafter reads the steps' features from (counted in the working
-    memory), then the caches: sized from the device memory the warm-up's largest steps and the pool left in this
-    service's share, and reserved (runtime/memory.py); then the prefix cache, after the warm-up so that its prompts
-    run every step shape whole and leave nothing cached."""
+    """The warm-up (its timed batch shapes seed the tree fit's cost curve), then the feature pool the drafter reads
+    the steps' features from (counted in the working memory), then the caches: sized from the device memory the
+    warm-up's largest steps and the pool left in this service's share, and reserved (runtime/memory.py); then the
+    prefix cache, after the warm-up so that its prompts run every step shape whole and leave nothing cached."""
     costs = warm_up(engine, config.warm_up_tap_list, min(config.warm_up_nodes, config.max_tree_size),
                     config.max_step_tokens)
     if fit is not None:

@@ -241,8 +241,8 @@ class TreeFit:
         gains = np.stack([np.concatenate(([0.0], np.cumsum(self.rates(kind)[1 : largest + 1]))) for kind in order])
         row_of = np.array([order.index(kind) for kind in kinds])  # [n]
         kept = np.minimum(np.asarray(trees)[None, :], np.arange(largest + 1)[:, None])  # [largest+1, n] nodes
-        batch = len(trees) + other_rows
-        rows = np.array([batch_rows(batch, nodes) for nodes in kept.max(axis=1)])  # [largest+1]
+        batch = len(trees) + other_rows  # (a cut to k nodes leaves the largest tree k nodes: its bucket's)
+        rows = np.array([batch_rows(batch, k) for k in range(largest + 1)])  # [largest+1]
         tokens = other_rows + len(trees) + gains[row_of[None, :], kept].sum(axis=1)  # [largest+1] the step commits
         seconds = self.cost(rows)  # [largest+1]
         seconds[1:] += self.overhead_s + (self.draft_cost(len(trees)) if self.draft_costs else 0.0)

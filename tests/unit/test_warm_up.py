@@ -282,7 +282,9 @@ def test_warm_ups_of_a_single_session_service(qwen3_target: Path, drafter_dir: P
     drafter.draft("s", torch.randn(3, FEATURE_DIM), 1, 3, budget=4)
 
 
-def test_the_warm_up_times_every_batch_shape_the_fit_prices(qwen3_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warm_up_times_every_batch_shape_the_fit_prices(
+    qwen3_target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where graphs serve every slot, the warm-up replays each captured greedy batch shape (2, 4, ... trees of
     every round size it captures) and hands the tree fit its time by the rows the forward runs; elsewhere
     nothing (batches run uncaptured there: the live costs alone)."""
