@@ -10,7 +10,7 @@ services' batching, answers and walks) is what is left to see.
 The pair is built in a temporary directory from seeded random weights and saved through the real formats: a
 1-layer Qwen3 target (hidden 32, fp32) with a character-level tokenizer of 44 tokens and the ChatML template, and a
 1-layer DFlash drafter tapping it (block 8). The stack runs with room for every client at once (`--max-sessions`,
-`--max-running`, `--max-batch`, `--draft-max-batch` at the largest client count), every ddtree step drafting its
+`--max-running`, `--max-batch` at the largest client count), every ddtree step drafting its
 full trees (`--no-fit-trees`: this pair's random drafter has nothing accepted, so the verifier's choice would run
 every step AR; with --target, a real pair, the verifier chooses), and one torch thread per service
 (OMP_NUM_THREADS=1: tiny forwards are fastest so, and the services then take one core at a time). Each client sends --requests requests of --tokens tokens
@@ -32,7 +32,7 @@ Reported per mode and client count, from the gateway's and the services' Prometh
   phases are means of per-round values clamped at 0, so they add up to about, not exactly, step_ms.
 - `wall_per_step_ms`: the level's wall time over its Step calls (prefills, session starts and ends included),
   tokens/s, steps/s, the mean requests a step (ddtree_step_batch_size); `draft_steps`: the drafter's forwards of
-  a step's drafts (ddtree_draft_batch_size), one a drafting step where --draft-max-batch holds every client.
+  a step's drafts (ddtree_draft_batch_size), one a drafting step where --max-batch holds every client.
 - CPU time by process over the level (from /proc): each service's and the load generator's (this process) CPU
   milliseconds a step, and each one's share of the machine (wall x cores): on a small machine the clients compete
   with the services for the cores, and `client_cpu_share` says how much; `other_cpu_share` (the machine's busy time
@@ -155,7 +155,7 @@ class Stack:
         self.metrics = (self.url, f"http://127.0.0.1:{verify_metrics}", f"http://127.0.0.1:{draft_metrics}")
         self.log_path = log_path
         self.flags = ["--device", device, "--dtype", dtype, "--max-sessions", str(sessions), "--max-running",
-                      str(sessions), "--max-batch", str(sessions), "--draft-max-batch", str(sessions),
+                      str(sessions), "--max-batch", str(sessions),
                       "--budget", str(budget), "--health-interval", "1",
                       "--shutdown-grace", "0", *(extra or [])]
         cmd = [sys.executable, "-m", "ddtree.cli", "serve", "--target", str(target), "--drafter", str(drafter),

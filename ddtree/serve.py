@@ -116,8 +116,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         service = "draft" if config is DraftServerConfig else "verify"
         config.add_flag(advanced, name, flag=f"--{service}-{name.replace('_', '-')}", env=False, default=0,
                         help=f"{what}: a fixed port against a clash between stacks on one host (0: a free one)")
-    VerifyServerConfig.add_flag(advanced, "max_batch", env=False, default=None)
-    DraftServerConfig.add_flag(advanced, "max_batch", flag="--draft-max-batch", env=False, default=None)
+    # a step's drafts go to the drafter in one call, as many as the verifier's batch: one bound for both
+    VerifyServerConfig.add_flag(advanced, "max_batch", env=False, default=None,
+                                help="sessions' steps verified in one forward, and their trees drafted in one: "
+                                "tokens/s under load against a longer step (1: one at a time)")
     VerifyServerConfig.add_flag(advanced, "kv_cache_gib", env=False, default=None)
     VerifyServerConfig.add_flag(advanced, "fit_trees", env=False, default=None)
     ServiceConfig.add_flag(advanced, "eager", env=False, default=None)
@@ -223,7 +225,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
         # the gateway's default budget is the tree most requests ask for: drafted in warm-up, it costs them nothing
         cmds["draft"] = [*ddtree, "draft", *model, "--drafter", drafter, "--port", str(draft_port),
                          "--metrics-port", str(args.draft_metrics_port), *shares["draft"],
-                         "--warm-up-budgets", str(args.budget), *given(args, "draft_max_batch", "--max-batch")]
+                         "--warm-up-budgets", str(args.budget), *given(args, "max_batch")]
     # the verifier captures, in warm-up, the rounds of the sessions this drafter brings (its taps, the gateway's budget)
     taps = ",".join(str(t) for t in drafter_taps(drafter)) if drafter is not None else ""
     asks = ["--drafter", f"{LOOPBACK}:{draft_port}"] if drafter is not None else []  # each step's trees

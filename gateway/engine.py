@@ -53,7 +53,6 @@ class Engine:
         self._tasks: dict[Sequence, asyncio.Task] = {}  # each sequence's opening in flight (Engine._open)
         self._ending: set[asyncio.Task] = set()  # sessions being ended
         self._calls: list[tuple[list[Sequence], asyncio.Future]] = []  # the batch calls out, and for whom
-        self._ar = False  # the last step answered drafted no tree (the verifier chose AR steps, or none asked)
 
     # ---- the loop ------------------------------------------------------------------------------------------
 
@@ -96,23 +95,26 @@ class Engine:
 
     def _behind(self) -> StepPlan | None:
         """The next step, where it may go before the one in flight is answered: to a remote verifier, which reads
-        it while it runs the one before, launches it behind that one where both are AR steps, and answers in order
-        (verify_server/step.py); where none of its sequences drafts, or the verifier's last answered step drafted no
-        tree (it chooses each step's speculation, and under load it goes AR). It takes the sequences with room for
-        it past their steps in flight, and one with a grammar only with none in flight (the verifier masks its step
-        from its committed tokens): such a sequence steps every other step, and the others' go on back to back. So
-        the device goes from step to step while the host reads, detokenises and streams the last one. A stop token
-        wastes the step after it: the sequence ends there anyway."""
+        it while it runs the one before and answers in order (verify_server/step.py): it launches an AR step behind
+        that one on the device, and drafts a step's trees as soon as that one has ended. It takes the sequences with
+        room past what their steps in flight may commit, and one with a grammar only with none in flight (the
+        verifier masks its step from its committed tokens): such a sequence steps every other step, and the others'
+        go on back to back. So the services go from step to step while the host reads, detokenises and streams the
+        last one. A stop token wastes the step after it: the sequence ends there anyway."""
         if not self.verifier.remote:
             return None
         plan = self.scheduler.plan()
-        if plan is None or (not self._ar and any(seq.drafting for seq in plan.sequences)):
+        if plan is None:
             return None
         sequences = [seq for seq in plan.sequences
-                     if seq.room - seq.ahead >= 1 and not (seq.params.grammar and seq.ahead)]
+                     if seq.room - seq.ahead * self._most(seq) >= 1 and not (seq.params.grammar and seq.ahead)]
         if not (sequences or plan.prompts):
             return None
         return StepPlan(sequences, plan.prompts)
+
+    def _most(self, seq: Sequence) -> int:
+        """The most tokens one step of the sequence commits (one where it does not draft)."""
+        return seq.spec.most_tokens(self.drafter.block_size) if seq.drafting else 1
 
     def _launch(self, plan: StepPlan) -> asyncio.Task:
         for seq in plan.sequences:
@@ -200,9 +202,6 @@ class Engine:
             seq.ahead -= 1
         for part in plan.prompts:
             part.seq.ahead -= 1
-        if live:  # (a step of prompt chunks alone says nothing of the verifier's speculation)
-            self._ar = not any(isinstance(outcome, StepOutcome) and outcome.tree_size
-                               for outcome in outcomes[:len(live)])
         for part, outcome in zip(prompts, outcomes[len(live):]):
             self._prompted(part, outcome)
         for seq, outcome in zip(live, outcomes):

@@ -31,6 +31,11 @@ class Speculation:
     def max_nodes(self, block_size: int) -> int:
         return 0 if self.mode == "ar" else self.tree_shape(block_size)[0]
 
+    def most_tokens(self, block_size: int) -> int:
+        """The most tokens one step commits: its tree's deepest path (no deeper than a block's B-1 drafted
+        positions, nor than its nodes) and the bonus token."""
+        return min(self.max_nodes(block_size), block_size - 1) + 1
+
 
 @dataclass
 class Round:

@@ -194,20 +194,23 @@ class PacedVerifier:
         self.drafter = drafter
         self.remote = verifier.remote
         self.appends: float | None = None  # the drafter's Append count before the prompt's last; None once decoding
+        self._order = asyncio.Lock()
 
     def _appends(self) -> float:
         return self.drafter.metric("ddtree_draft_requests_total", rpc="Append", code="OK") or 0.0
 
     async def step(self, steps: list[SessionStep]) -> list[StepOutcome]:
-        if any(step.prompt is not None and not step.prompt.more for step in steps):
-            self.appends = await asyncio.to_thread(self._appends)
-        elif self.appends is not None and any(step.prompt is None for step in steps):
-            deadline = time.monotonic() + APPEND_DEADLINE_S
-            while await asyncio.to_thread(self._appends) <= self.appends:
-                assert time.monotonic() < deadline, f"the prompt's Append not answered after {APPEND_DEADLINE_S} s"
-                await asyncio.sleep(0.01)
-            self.appends = None
-        return await self.verifier.step(steps)
+        async with self._order:  # (a step sent behind the one in flight must reach the verifier after it)
+            if any(step.prompt is not None and not step.prompt.more for step in steps):
+                self.appends = await asyncio.to_thread(self._appends)
+            elif self.appends is not None and any(step.prompt is None for step in steps):
+                deadline = time.monotonic() + APPEND_DEADLINE_S
+                while await asyncio.to_thread(self._appends) <= self.appends:
+                    assert time.monotonic() < deadline, f"the prompt's Append not answered after {APPEND_DEADLINE_S} s"
+                    await asyncio.sleep(0.01)
+                self.appends = None
+            call = asyncio.ensure_future(self.verifier.step(steps))
+        return await call
 
     async def end_session(self, session_id: str) -> None:
         await self.verifier.end_session(session_id)

@@ -273,11 +273,12 @@ def test_serve_hands_settings_and_switches_to_the_services() -> None:
     for flags, window in (([], None), (["--busy-poll-us", "0"], 0), (["--busy-poll-us", "7000"], 7000)):
         for name, cmd in commands(build_parser().parse_args(["serve", *flags])).items():  # all three processes
             assert build_parser().parse_args(cmd[cmd.index(name):]).busy_poll_us == window, name
-    # the verifier warms up the rounds of the drafter's taps and the gateway's budget; the drafter batches as told
-    services = commands(build_parser().parse_args(["serve", "--budget", "24", "--draft-max-batch", "4"]))
+    # the verifier warms up the rounds of the drafter's taps and the gateway's budget; the drafter drafts a step's
+    # trees in one forward as the verifier verifies them
+    services = commands(build_parser().parse_args(["serve", "--budget", "24", "--max-batch", "4"]))
     verify = build_parser().parse_args(services["verify"][services["verify"].index("verify"):])
     draft = build_parser().parse_args(services["draft"][services["draft"].index("draft"):])
-    assert (verify.warm_up_taps, verify.warm_up_nodes, draft.max_batch) == ("1,3,5", 24, 4)
+    assert (verify.warm_up_taps, verify.warm_up_nodes, verify.max_batch, draft.max_batch) == ("1,3,5", 24, 4, 4)
     with pytest.raises(SystemExit, match="--target needs --drafter"):  # never speculation silently off
         commands(build_parser().parse_args(["serve", "--target", "some/target"]))
     # the verifier asks the gateway's drafter for each step's trees and cuts them to its load (--fit-trees)

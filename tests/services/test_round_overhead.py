@@ -515,25 +515,31 @@ def test_a_chunk_that_fails_fails_the_request_and_ends_both_sessions(fail_call):
 
 @pytest.mark.parametrize("max_new, stop_after", [(1, None), (20, 0)])
 def test_a_request_that_ends_with_its_first_token_takes_no_step(max_new, stop_after, recwarn):
-    """Ended by its token limit or by a caller that stops at the first token: no step goes for it, and both its
-    sessions end."""
+    """Ended by its token limit: no step goes for it. Ended by a caller that stops at the first token: the steps
+    that went out as that token was handed (the one behind it too) are cancelled, none answered. Both its sessions
+    end."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=max_new, stop_after=stop_after, prompt=tuple(range(10)),
                       max_step_tokens=4)
-    assert tokens == [7] and "step sent" not in log and verifier.steps == []
+    assert tokens == [7] and "step done" not in log
+    if stop_after is None:
+        assert "step sent" not in log and verifier.steps == []
+    else:
+        assert log.count("step sent") == verifier.cancelled
     assert sorted(verifier.ended + drafter.ended) == [*verifier.prompts] * 2
     assert not [w for w in recwarn if "never retrieved" in str(w.message)]
 
 
 def test_a_caller_that_stops_cancels_the_call_in_flight_and_both_sessions_end():
-    """Its next step went out as its round was handed over: nobody waits for it any more."""
+    """Its next steps went out as its round was handed over (the one in flight and the one behind it): nobody waits
+    for them any more."""
     log: list[str] = []
     verifier, drafter = FakeVerifier(log), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=20, stop_after=1, turn_s=0.005)
     assert tokens == [7, 5, 6]
     assert _at(log, "step sent")[1] < log.index("round 1 handled") < log.index("step cancelled")
-    assert verifier.cancelled == 1 and len(verifier.steps) == 2
+    assert verifier.cancelled == 2 and len(verifier.steps) == 3
     assert sorted(verifier.ended + drafter.ended) == [*verifier.prompts] * 2
 
 
@@ -568,16 +574,15 @@ def test_ar_steps_trees_and_prompt_chunks_share_a_step():
 
 def test_a_sequence_whose_tree_steps_come_back_ar_goes_on_asking_for_trees():
     """A speculating sequence's first steps come back AR steps (no tree: its prompt's features are still on their
-    way to the drafter): they are no drafter failure, and it asks for a tree each step until one comes; while its
-    steps come back AR, the next goes before the last is answered (the verifier runs it behind, as AR or after it)."""
+    way to the drafter): they are no drafter failure, and it asks for a tree each step until one comes; the next
+    goes before the last is answered while there is room past the tree the last may commit."""
     log: list[str] = []
     fallbacks: list[BaseException] = []
     sizes: list[int] = []
     verifier, drafter = FakeVerifier(log, ar_first=2), FakeDrafter(log)
     tokens = _handled(verifier, drafter, "ddtree", max_new=5, fallbacks=fallbacks, sizes=sizes)
     assert tokens == [7, 8, 8, 5, 6] and sizes == [0, 0, 0, 1] and fallbacks == []
-    # (the fourth call went behind the third, the step before that having come back AR: the output ended before it)
-    assert [[step.budget for step in call] for call in verifier.steps] == [[1]] * 4
+    assert [[step.budget for step in call] for call in verifier.steps] == [[1]] * 3
     assert verifier.most_out == 2
 
 
@@ -586,18 +591,19 @@ def test_a_sequence_whose_tree_steps_come_back_ar_goes_on_asking_for_trees():
     ("ar", True, 2, "", 1),  # one token left: no room for a step behind
     ("ar", True, 5, '{"type": "object"}', 1),  # a grammar's matcher ends at the output's end
     ("ar", False, 5, "", 1),  # in-process: the device queues the steps anyway
-    ("ddtree", True, 5, "", 1),  # a tree's root is its last step's outcome
+    ("ddtree", True, 5, "", 2),  # a tree step too: the verifier drafts it once the one before has ended
+    ("ddtree", True, 3, "", 1),  # no room past the longest path the tree in flight may commit
 ])
-def test_an_ar_step_goes_behind_the_one_in_flight_only_to_a_remote_verifier_with_room(mode, remote, max_new, grammar,
-                                                                                        most_out):
+def test_a_step_goes_behind_the_one_in_flight_only_to_a_remote_verifier_with_room(mode, remote, max_new, grammar,
+                                                                                    most_out):
     log: list[str] = []
     verifier, drafter = FakeVerifier(log, remote=remote), FakeDrafter(log)
     tokens = _handled(verifier, drafter, mode, max_new=max_new, grammar=grammar)
-    assert tokens == ([7] + [8] * (max_new - 1) if mode == "ar" else [7, 5, 6, 5, 6])
+    assert tokens == ([7] + [8] * (max_new - 1) if mode == "ar" else [7, 5, 6, 5, 6][:max_new])
     assert verifier.most_out == most_out
     if most_out == 2:  # the second step went before the first was answered
         assert [e for e in log if e.startswith("step")][:3] == ["step sent", "step sent", "step done"]
-    assert len(verifier.steps) == len(tokens) - (1 if mode == "ar" else 3)  # none past the token limit
+    assert len(verifier.steps) == (len(tokens) - 1 if mode == "ar" else len(tokens) // 2)  # none past the limit
     assert verifier.cancelled == 0
 
 

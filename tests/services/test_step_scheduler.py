@@ -21,7 +21,7 @@ PROMPTS = [f"Write a short note about {topic}." for topic in (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
-    with serve_stack(tmp_path_factory.mktemp("steps"), "--max-batch", "16", "--draft-max-batch", "16",
+    with serve_stack(tmp_path_factory.mktemp("steps"), "--max-batch", "16",
                      "--max-running", "16", "--health-interval", "0.5") as running:
         yield running
 

@@ -37,7 +37,7 @@ def _client(stack: ServeStack) -> openai.AsyncOpenAI:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[ServeStack]:
     # every request asks for speculation, so the structured ones' trees meet the fit's cut
-    with serve_stack(tmp_path_factory.mktemp("structured-load"), "--max-batch", "16", "--draft-max-batch", "16",
+    with serve_stack(tmp_path_factory.mktemp("structured-load"), "--max-batch", "16",
                      "--max-running", str(CONCURRENCY), "--chat-template", str(TEMPLATE)) as running:
         yield running
 
