@@ -151,7 +151,8 @@ def tree_from_pb(msg: pb.DraftTree) -> DraftTree:
     data = msg.nodes  # read once: every read of a bytes field is a fresh copy
     if len(data) % NODE_BYTES:
         raise ValueError(f"a tree's nodes are {NODE_BYTES} bytes each (3 int32), got {len(data)} bytes")
-    tokens, parents, depths = torch.from_numpy(np.frombuffer(data, dtype=np.int32).reshape(3, -1).astype(np.int64))
+    tokens, parents, depths = torch.from_numpy(
+        np.frombuffer(data, dtype=np.int32).reshape(3, -1).astype(np.int64)).unbind(0)  # [N+1] each
     return DraftTree(tokens=tokens, parents=parents, depths=depths, max_depth=msg.max_depth)
 
 

@@ -86,14 +86,11 @@ class GrpcDrafter(GrpcClient):
 
     async def _draft(self, asks: list[DraftAsk]) -> list[pb.DraftResponse | Exception]:
         async with self._placements() as placed:
-            requests = []
-            for ask in asks:
-                request = pb.DraftRequest(session_id=ask.session_id, root_token=ask.root_token,
-                                          root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
-                                          committed=ask.committed)
-                if ask.features:
-                    await self._features(ask.features, request.features, request.feature_rows, placed)
-                requests.append(request)
+            requests = [pb.DraftRequest(session_id=ask.session_id, root_token=ask.root_token,
+                                        root_position=ask.root_position, budget=ask.budget, top_k=ask.top_k or 0,
+                                        committed=ask.committed) for ask in asks]
+            await self._features([(ask.features, request.features, request.feature_rows)
+                                  for ask, request in zip(asks, requests) if ask.features], placed)
             if placed:
                 self.pool.written()
             return await self._batch("DraftBatch", pb.DraftBatchRequest(drafts=requests), lambda r: r.outcomes,
@@ -110,31 +107,49 @@ class GrpcDrafter(GrpcClient):
     async def _append(self, session_id: str, features: Sequence[torch.Tensor]) -> None:
         request = pb.AppendRequest(session_id=session_id)
         async with self._placements() as placed:
-            await self._features(features, request.features, request.feature_rows, placed)
+            await self._features([(features, request.features, request.feature_rows)], placed)
             if placed:
                 self.pool.written()
             await self._session_call("Append", session_id, request)
 
-    async def _features(self, pieces: Sequence[torch.Tensor], message: pb.Tensor, rows: pb.FeatureRows,
+    async def _features(self, calls: list[tuple[Sequence[torch.Tensor], pb.Tensor, pb.FeatureRows]],
                         placed: list[Placement]) -> None:
-        """A call's features (pieces [m_i, feature_dim], in order) into rows of the pool where it is open and they
-        fit (waiting for room where calls on their way hold it), else into the message."""
-        placement = await self._place(pieces, placed)
+        """Calls' features (each call's pieces [m_i, feature_dim], in order, and the fields of its message that name
+        them) into one run of the pool's rows, one copy for all, where the pool is open: the first calls whose rows
+        fit it together (waiting for room where calls on their way hold it); the others' into their messages."""
+        together = self._fitting(calls)
+        placement = await self._place([piece for pieces, _, _ in calls[:together] for piece in pieces], placed)
         if placement is None:
+            together = 0
+        else:
+            placed.append(placement)
+            first = 0
+            for pieces, _, rows in calls[:together]:
+                count = sum(piece.shape[0] for piece in pieces)
+                rows.CopyFrom(placement.part(first, count))
+                first += count
+        for pieces, message, _ in calls[together:]:
             joined = (self.pool.in_host_memory(pieces) if self.pool is not None
                       else torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0])
             tensors.tensor_to_pb(joined, out=message)
-        else:
-            placed.append(placement)
-            rows.CopyFrom(placement.rows)
+
+    def _fitting(self, calls: list[tuple[Sequence[torch.Tensor], pb.Tensor, pb.FeatureRows]]) -> int:
+        """How many of the calls, from the first, have rows that fit the pool together (of one width and dtype)."""
+        if self.pool is None or not calls:
+            return 0
+        width, dtype = calls[0][0][0].shape[1], calls[0][0][0].dtype
+        rows = 0
+        for i, (pieces, _, _) in enumerate(calls):
+            rows += sum(piece.shape[0] for piece in pieces)
+            if not self.pool.fits(rows, width, dtype) or any(p.shape[1] != width or p.dtype != dtype for p in pieces):
+                return i
+        return len(calls)
 
     async def _place(self, pieces: Sequence[torch.Tensor], placed: list[Placement]) -> Placement | None:
-        """Rows of the pool for a call's pieces (None: they go in the message), the call holding `placed` already."""
+        """Rows of the pool for a call's pieces, which fit it (None: none, or the pool is not open: they go in the
+        messages), the call holding `placed` already."""
         pool = self.pool
-        if pool is None or not await self._offered():
-            return None
-        rows = sum(piece.shape[0] for piece in pieces)
-        if not pool.fits(rows, pieces[0].shape[1], pieces[0].dtype):
+        if not pieces or not await self._offered():
             return None
         while (placement := pool.place(pieces)) is None:
             if not pool.held_besides(placed):

@@ -55,6 +55,13 @@ class Placement:
     rows: pb.FeatureRows
     freed: bool = False
 
+    def part(self, first: int, count: int) -> pb.FeatureRows:
+        """Rows [first, first + count) of the placement, named to the drafter (a call's share of several calls' rows
+        placed together)."""
+        whole = self.rows
+        return pb.FeatureRows(pool_id=whole.pool_id, offset=whole.offset + first * whole.width, rows=count,
+                              width=whole.width, dtype=whole.dtype)
+
 
 class FeaturePool:
     """The verifier's side: the pool's memory and its description for the drafter, and the calls' rows."""
@@ -72,6 +79,8 @@ class FeaturePool:
         # where a GPU pool is written: beside the steps launched on the device, which a copy behind them would wait
         # for (the features written come from steps already read)
         self._stream = torch.cuda.Stream(memory.device) if memory.is_cuda else None
+        # made once: entering a new torch.cuda.stream() context looks the device up again, host time every call
+        self._on_stream = torch.cuda.stream(self._stream) if memory.is_cuda else contextlib.nullcontext()
         self._room: asyncio.Event | None = None  # set when rows are freed (made in the event loop, on first wait)
 
     @classmethod
@@ -123,11 +132,8 @@ class FeaturePool:
         if start is None:
             return None
         target = self.memory[start : start + nbytes].view(dtype).view(rows, width)
-        if self._stream is None:
+        with self._on_stream:
             torch.cat(list(pieces), out=target)
-        else:
-            with torch.cuda.stream(self._stream):
-                torch.cat(list(pieces), out=target)
         placement = Placement(start, start + span, pb.FeatureRows(
             pool_id=self.description.pool_id, offset=start // dtype.itemsize, rows=rows, width=width,
             dtype=WIRE_NAMES[dtype]))
@@ -141,7 +147,7 @@ class FeaturePool:
             return torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0]
         rows = sum(piece.shape[0] for piece in pieces)
         host = torch.empty((rows, pieces[0].shape[1]), dtype=pieces[0].dtype, pin_memory=True)
-        with torch.cuda.stream(self._stream):
+        with self._on_stream:
             start = 0
             for piece in pieces:
                 host[start : start + piece.shape[0]].copy_(piece, non_blocking=True)

@@ -136,6 +136,9 @@ class VerifyEngine:
         # after a prefix is no slice of anything kept (verify_server/state_cache.py)
         self.caches_prefixes = self.linear is None
         self.prefix: PrefixCache | None = None  # enable_prefix_cache
+        # rounds' commits the prefix cache has yet to see: (session id, session, committed length, tokens, features)
+        self._offers: list[tuple[str, VerifySession, int, list[int], torch.Tensor | None]] = []
+        self.timers.before_wait = self.offer_committed
 
     @property
     def path(self) -> str:
@@ -218,6 +221,7 @@ class VerifyEngine:
             raise SessionError(str(exc)) from None
 
     def end_session(self, session_id: str) -> bool:
+        self.offer_committed()
         sess = self.sessions.pop(session_id, None)
         if sess is not None and sess.blocks is not None:
             self.prefix.release(sess.blocks)
@@ -257,6 +261,7 @@ class VerifyEngine:
         call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
         it are left out (the drafter restored their context); a chunk wholly below it has none."""
         call = PrefillCall(session_id, prompt, more, host_features, skip_features)
+        self.offer_committed()  # (its lookup finds the blocks committed before it)
         return self.prompts.prefill(call, self.session(session_id), self.prefix)
 
     @torch.inference_mode()
@@ -265,6 +270,7 @@ class VerifyEngine:
         requests' prompts: PromptBatch.run) -> each call's StepResult, or the exception prefill would
         raise for it. A session's later call in the batch runs after its earlier one. A failed call that started its
         session (PrefillCall.starts) ends it: a session holds nothing of a chunk that failed."""
+        self.offer_committed()  # (their lookups find the blocks committed before them)
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
         for i, call in enumerate(calls):
@@ -315,14 +321,35 @@ class VerifyEngine:
                 self.ahead.settle()
 
     def _cached(self, session_id: str, step: StepResult) -> StepResult:
-        """A round's commit as the prefix cache sees it: the blocks it fills are offered (where prefixes are
-        cached). In inference mode, as its callers are (entering it here would cost each round of a batch)."""
+        """A round's commit as the prefix cache sees it (where prefixes are cached): the blocks it fills are offered
+        at the engine's next wait on the device (offer_committed), so that hashing and copying them runs while the
+        device runs the next step, not between steps. In inference mode, as its callers are."""
         sess = self.sessions[session_id]
         if sess.blocks is not None:
-            # a round's features on the device are memory of their own (VerifySession.kept_rows): kept, not copied
-            self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features,
-                               owned=step.features is not None and step.features.device.type != "cpu")
+            features = step.features
+            if features is not None and features.device.type == "cpu":
+                # rows of the session's host ring, which a later round rewrites: copied now (queued, on a GPU)
+                features = features.to(self.device, copy=True, non_blocking=True)
+            # (on the device, a round's features are memory of their own: VerifySession.kept_rows)
+            self._offers.append((session_id, sess, sess.cache.length, step.tokens, features))
         return step
+
+    def offer_committed(self) -> None:
+        """The prefix blocks that the rounds committed since the last call filled, offered in commit order (_cached):
+        at the engine's waits on the device, and before a prompt's lookup or a session's end reads the cache."""
+        if not self._offers:
+            return
+        offers, self._offers = self._offers, []
+        try:
+            with torch.inference_mode():
+                for session_id, sess, length, tokens, features in offers:
+                    if self.sessions.get(session_id) is sess and sess.blocks is not None:
+                        self.prefix.commit(sess.blocks, sess.cache, length, tokens, features, owned=True)
+        except Exception:  # noqa: BLE001 - this runs inside another step's wait, which must not fail for it
+            log.exception("offering prefix blocks failed: the prefix cache is emptied, the live sessions cache no more")
+            self.prefix.clear()
+            for sess in self.sessions.values():
+                sess.blocks = None
 
     def _verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,
