@@ -23,7 +23,7 @@ from protos.types import DraftTree, SamplingParams, StepResult
 from runtime.grammar import Grammars
 from runtime.models import read_eos_ids
 from runtime.timing import StepTimer, TimerEvents
-from verify_server.batched_rounds import BatchedRounds
+from verify_server.batched_rounds import BatchedRounds, LaunchedBatch
 from verify_server.decode_ahead import AheadStep, DecodesAhead
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
@@ -116,6 +116,7 @@ class VerifyEngine:
             self.ahead = DecodesAhead(self.fused, self.timers, self.sessions, self._cached)
         # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
+        self.launched: LaunchedBatch | None = None  # a batch of rounds launched and not read (launch_batch)
         # a prompt chunk that no captured prompt step runs goes through _forward
         self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
         self.prompt_batch = PromptBatch(self.prompts, self.fused)
@@ -221,6 +222,8 @@ class VerifyEngine:
             raise SessionError(str(exc)) from None
 
     def end_session(self, session_id: str) -> bool:
+        if self.launched is not None and any(sid == session_id for sid, _ in self.launched.sessions):
+            self.read_batch(self.launched)  # (its slot goes back to the pool: the round is committed first)
         self.offer_committed()
         sess = self.sessions.pop(session_id, None)
         if sess is not None and sess.blocks is not None:
@@ -303,6 +306,8 @@ class VerifyEngine:
         them. host_features: tapped sessions' features come back in host memory, as decode's."""
         if self.ahead is None:
             return None
+        if self.launched is not None:  # (its sessions' roots are not read yet)
+            self.read_batch(self.launched)
         sessions = self.ahead.launchable(session_ids)
         return None if sessions is None else self.ahead.launch(session_ids, sessions, host_features)
 
@@ -314,11 +319,40 @@ class VerifyEngine:
         return self.ahead.read(step)
 
     def settle(self) -> None:
-        """Reads every AR step launched ahead, their results kept for their callers: what runs any other round,
-        or checks a tree against a session's root, must find each session's committed state as its device's."""
+        """Reads every step launched and not read (AR steps ahead, a batch of rounds), their results kept for their
+        callers: what runs any other round, or checks a tree against a session's root, must find each session's
+        committed state as its device's."""
         if self.ahead is not None and self.ahead.unread:
             with torch.inference_mode():
                 self.ahead.settle()
+        if self.launched is not None:
+            self.read_batch(self.launched)
+
+    # ---- a batch of rounds launched -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def launch_batch(self, calls: list[tuple[str, DraftTree]], host_features: bool = False) -> LaunchedBatch | None:
+        """verify_batch's calls launched in one replay and read later by read_batch, so that the host is free while
+        the device runs them (BatchedRounds.launch); the prefix blocks committed before are offered meanwhile. None
+        where they are not one captured batch: nothing is launched, and verify_batch runs them."""
+        self.settle()
+        launched = self.batched.launch(calls, host_features)
+        if launched is not None:
+            self.launched = launched
+            self.offer_committed()
+        return launched
+
+    @torch.inference_mode()
+    def read_batch(self, launched: LaunchedBatch) -> list[StepResult]:
+        """A launched batch's results, one per call in its order: waits for it, and commits it (once: a batch read
+        already answers from its results)."""
+        if launched.results is None:
+            launched.results = launched.commit()
+            if self.launched is launched:
+                self.launched = None
+            for session_id, result in zip((sid for sid, _ in launched.sessions), launched.results):
+                self._cached(session_id, result)
+        return launched.results
 
     def _cached(self, session_id: str, step: StepResult) -> StepResult:
         """A round's commit as the prefix cache sees it (where prefixes are cached): the blocks it fills are offered
