@@ -46,7 +46,8 @@ class TimerEvents:
 
 class StepTimer:
     """start -> (forward queued) mark() -> (rest queued) end() or sync(read) -> split() = (forward_s, rest_s).
-    sync first runs its pool's before_wait, while the device runs the step.
+    A wait for the device (sync, or split before one) first runs its pool's before_wait, while the device runs
+    the step.
 
     On a GPU both parts are device time between events, and `rest` adds the host time spent after `sync` (the
     host side of the step, e.g. reading the accepted path). Without a GPU they are wall times. `events`: where the
@@ -110,6 +111,8 @@ class StepTimer:
             if self._ended is None:
                 self.end()
             if self._synced is None:  # else sync() waited for them already
+                if self._pool is not None and self._pool.before_wait is not None:
+                    self._pool.before_wait()
                 self._events[2].synchronize()
             forward = self._events[0].elapsed_time(self._events[1]) / 1000
             rest = self._events[1].elapsed_time(self._events[2]) / 1000 + host_after
