@@ -72,7 +72,6 @@ class DraftEngine:
         self.eager_drafter = EagerDrafter(drafter, head) if eager else None
         self.table = SessionTable(self.static, self.eager_drafter,
                                   DraftGrammars(target_path, head.vocab_size, constrained))
-        self.timers.before_wait = self.table.offer_pending  # (the prefix blocks, while the device drafts)
 
     def enable_prefix_cache(self, budget_bytes: int) -> None:
         """Keep prompt blocks' context past their sessions, within budget_bytes (draft_server/prefix_cache.py):
@@ -176,7 +175,7 @@ class DraftEngine:
         if not 0 <= root_token < self.head.vocab_size:
             raise SessionError(f"root token {root_token} outside vocabulary [0, {self.head.vocab_size})")
         self._check_budget(budget)
-        self.table.offer_later(session_id, sess)  # the rows it covers are final: the prompt's, once appended
+        self.table.offer(sess)  # the rows it covers are final: the prompt's, once the first draft has appended them
         if sess.grammar is not None:
             sess.grammar.advance(committed, root_token, root_position)
         sess.last_used = time.monotonic()
@@ -257,7 +256,7 @@ class DraftEngine:
         if m == 0:
             raise SessionError("an append needs at least one feature row")
         self._check_room(sess, session_id, sess.length + m)
-        self.table.offer_later(session_id, sess)
+        self.table.offer(sess)
         sess.last_used = time.monotonic()
         timer = self.timers.timer()
         if self.static is not None:

@@ -21,8 +21,6 @@ class SessionTable:
         self.static, self.eager, self.grammars = static, eager, grammars
         self.sessions: dict[str, DraftSession] = {}
         self.prefix: DraftPrefixCache | None = None  # enable_prefix_cache
-        # sessions whose context grew since their blocks were last offered (offer_later), by id
-        self._unoffered: dict[str, DraftSession] = {}
 
     def enable_prefix_cache(self, budget_bytes: int) -> None:
         """Keep prompt blocks' context past their sessions, within budget_bytes: sessions started from then on look
@@ -38,7 +36,6 @@ class SessionTable:
         if len(prompt) > capacity:
             raise SessionError(f"a prompt of {len(prompt)} tokens does not fit a capacity of {capacity}")
         state = self.grammars.start(grammar) if grammar else None
-        self.offer_pending()  # (its lookup finds the blocks covered before it)
         if self.static is None:
             ctx_k, ctx_v = self.eager.caches(capacity)
             sess = self.sessions[session_id] = DraftSession(ctx_k, ctx_v, capacity, last_used=time.monotonic(),
@@ -59,7 +56,6 @@ class SessionTable:
 
     def end(self, session_id: str) -> bool:
         """Ends the session (its covered prompt blocks offered first) -> whether it existed."""
-        self._unoffered.pop(session_id, None)  # (offered here)
         sess = self.sessions.pop(session_id, None)
         if sess is None:
             return False
@@ -81,22 +77,6 @@ class SessionTable:
         (where it has a prompt there)."""
         if sess.blocks is not None and self.prefix is not None:
             self.prefix.offer(sess.blocks, sess.ctx_k, sess.ctx_v, sess.length)
-
-    def offer_later(self, session_id: str, sess: DraftSession) -> None:
-        """The session's context is about to grow past rows that are final: its blocks are offered at the engine's
-        next wait on the device (offer_pending), off the call's path."""
-        if sess.blocks is not None and self.prefix is not None:
-            self._unoffered[session_id] = sess
-
-    def offer_pending(self) -> None:
-        """The blocks of the sessions offer_later named, offered (their contexts' rows as the device will hold them
-        once the calls queued so far have run: every later copy is queued behind those)."""
-        if not self._unoffered:
-            return
-        pending, self._unoffered = self._unoffered, {}
-        for session_id, sess in pending.items():
-            if self.sessions.get(session_id) is sess:
-                self.offer(sess)
 
     def _restore(self, sess: DraftSession, prompt: Sequence[int]) -> int:
         """A new session's prompt looked up in the prefix cache: its restored positions (0 without a cache)."""

@@ -29,9 +29,6 @@ class TimerEvents:
         self.device = device
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self._free: list[tuple[torch.cuda.Event, ...]] = []
-        # the engine's host work that need not come between its steps, run by a timer's sync before it waits for
-        # the device (e.g. the verifier's prefix-cache offers: VerifyEngine.offer_committed)
-        self.before_wait: Callable[[], None] | None = None
 
     def timer(self) -> StepTimer:
         """A StepTimer started now."""
@@ -46,8 +43,6 @@ class TimerEvents:
 
 class StepTimer:
     """start -> (forward queued) mark() -> (rest queued) end() or sync(read) -> split() = (forward_s, rest_s).
-    A wait for the device (sync, or split before one) first runs its pool's before_wait, while the device runs
-    the step.
 
     On a GPU both parts are device time between events, and `rest` adds the host time spent after `sync` (the
     host side of the step, e.g. reading the accepted path). Without a GPU they are wall times. `events`: where the
@@ -87,8 +82,6 @@ class StepTimer:
         what the host needs (e.g. `tensor.tolist()`, of a pinned copy the step queued)."""
         if self._ended is None:
             self.end()
-        if self._pool is not None and self._pool.before_wait is not None:
-            self._pool.before_wait()
         if self._events is not None:
             self._events[2].synchronize()
         out = read()
@@ -111,8 +104,6 @@ class StepTimer:
             if self._ended is None:
                 self.end()
             if self._synced is None:  # else sync() waited for them already
-                if self._pool is not None and self._pool.before_wait is not None:
-                    self._pool.before_wait()
                 self._events[2].synchronize()
             forward = self._events[0].elapsed_time(self._events[1]) / 1000
             rest = self._events[1].elapsed_time(self._events[2]) / 1000 + host_after

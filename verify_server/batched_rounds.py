@@ -12,42 +12,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from kernels.readback import PinnedReadback
 from protos.types import DraftTree, StepResult
-from runtime.timing import StepTimer, TimerEvents
+from runtime.timing import TimerEvents
 from verify_server.fused_runner import FusedRunner
 from verify_server.session import VerifySession
 from verify_server.step_inputs import MAX_GRAPH_NODES
 from verify_server.tree_batch import BatchTree
 from verify_server.walk import (
-    TreeRows, commit_captured, queue_captured, session_draws, session_grammars, shared_taps, walk_and_commit,
+    TreeRows, commit_captured, session_draws, session_grammars, shared_taps, walk_and_commit,
 )
 
 log = logging.getLogger(__name__)
 
 # VerifyEngine.verify: (session id, tree, host_features) -> the round's result
 Verify = Callable[[str, DraftTree, bool], StepResult]
-
-
-@dataclass
-class LaunchedBatch:
-    """A batch of rounds launched on the device and not read yet (BatchedRounds.launch).
-
-    sessions  each call's (session id, session), in the batch's order
-    timer     the batch's StepTimer: its end is recorded once its outcomes and features are stored (done(): reading
-              waits for nothing)
-    commit    reads the outcomes (waiting for the device) and commits each session (queue_captured)
-    results   each call's StepResult, once read
-    """
-
-    sessions: list[tuple[str, VerifySession]]
-    timer: StepTimer
-    commit: Callable[[], list[StepResult]]
-    results: list[StepResult] | None = None
 
 
 def verify_alone(verify: Verify, session_id: str, tree: DraftTree, host_features: bool) -> StepResult | Exception:
@@ -68,7 +49,6 @@ class BatchedRounds:
         self.timers = timers
         self.sessions = sessions  # the engine's table, not a copy
         self.verify = verify  # a call that cannot join the batch runs alone through it
-        self._readback: PinnedReadback | None = None  # where a launched batch's outcomes land (grown on need)
 
     def verify_batch(
         self, calls: list[tuple[str, DraftTree]], host_features: bool = False
@@ -108,40 +88,6 @@ class BatchedRounds:
             if outcomes[i] is None:
                 outcomes[i] = verify_alone(self.verify, session_id, tree, host_features)
         return outcomes
-
-    def launch(self, calls: list[tuple[str, DraftTree]], host_features: bool = False) -> LaunchedBatch | None:
-        """verify_batch's calls launched on the device in one replay, to be read later (the host meanwhile free for
-        other work), where they form one captured batch: every call's session can join a batch, makes its choices
-        in the graph, all greedy or all sampled, tapping one set of layers (or none); None otherwise, nothing
-        launched (out of device memory too: verify_batch then runs them in halves). A session's committed state
-        lags its device state until the batch is read (LaunchedBatch.commit)."""
-        if self.fused is None or not self.fused.static:
-            return None
-        sessions: list[VerifySession] = []
-        seen: set[str] = set()
-        for session_id, tree in calls:
-            sess = self._batchable(session_id, tree, seen)
-            if sess is None or not sess.params.captured:
-                return None
-            seen.add(session_id)
-            sessions.append(sess)
-        if len({sess.params.greedy for sess in sessions}) > 1 or len({tuple(s.taps) for s in sessions if s.taps}) > 1:
-            return None
-        items = [BatchTree(sess.cache, tree, sess.root) for sess, (_, tree) in zip(sessions, calls)]
-        taps, grammars = shared_taps(sessions), session_grammars(sessions)
-        timer = self.timers.timer()
-        try:
-            captured = (self.fused.batch_round(items, taps, grammars=grammars) if sessions[0].params.greedy
-                        else self.fused.sampled_round(items, taps, session_draws(sessions, items), grammars=grammars))
-        except torch.OutOfMemoryError:
-            return None
-        if captured is None:
-            return None
-        packed = captured[0]  # [trees, 2 + qb]
-        if self._readback is None or self._readback.capacity < packed.numel():
-            self._readback = PinnedReadback(packed.numel(), packed.dtype, packed.device)
-        commit = queue_captured(sessions, items, captured, timer, host_features, self._readback)
-        return LaunchedBatch([(session_id, sess) for (session_id, _), sess in zip(calls, sessions)], timer, commit)
 
     def _batchable(self, session_id: str, tree: DraftTree, seen: set[str]) -> VerifySession | None:
         """The session when this call can join the batch, marked used as verify() marks it; None for verify() to

@@ -144,8 +144,7 @@ class PromptPrefill:
             sess.took([root])
             logprobs = None if chunk.scored is None else chunk.scored.read(1)
         if sess.blocks is not None:
-            tokens = call.prompt if call.more else [*call.prompt, root]
-            prefix.commit(sess.blocks, sess.cache, sess.cache.length, tokens, features)
+            prefix.commit(sess.blocks, sess.cache, call.prompt if call.more else [*call.prompt, root], features)
         skip = call.skip_features
         if features is not None and skip > start:  # [n - dropped, taps*hidden]; none left: None
             features = features[skip - start :] if skip < start + len(call.prompt) else None

@@ -102,20 +102,19 @@ class PrefixCache(BlockLRU[CachedBlock]):
         return reused, torch.cat([b.features[blocks.taps] for _, b in hit])[skip:]
 
     def commit(
-        self, blocks: SessionBlocks, cache: KVCache, length: int, tokens: list[int], features: torch.Tensor | None,
+        self, blocks: SessionBlocks, cache: KVCache, tokens: list[int], features: torch.Tensor | None,
         owned: bool = False
     ) -> None:
         """After a step committed `tokens` (the last one the new root, whose K/V the next step writes) and the K/V
-        and features [n, len(taps) * hidden] (None without taps) of the n positions before `length` (the session's
-        committed length after that step) it added: every block now full and committed is offered, with its
-        features. owned: the features lie in memory of their own on the cache's device, which nothing rewrites (kept
-        as they are; otherwise copied)."""
+        and features [n, len(taps) * hidden] (None without taps) of the n positions before cache.length it added:
+        every block now full and committed is offered, with its features. owned: the features lie in memory of their
+        own on the cache's device, which nothing rewrites (kept as they are; otherwise copied)."""
         blocks.tokens += tokens
         if blocks.taps:
             # else a copy of their own: a round's rows may lie in buffers that a later round rewrites
             blocks.rows.append(features if owned and features.device == self.device
                                else features.to(self.device, copy=True, non_blocking=True))
-        full = length // BLOCK_TOKENS - len(blocks.hashes)
+        full = cache.length // BLOCK_TOKENS - len(blocks.hashes)
         if full <= 0:
             return
         start, n = len(blocks.hashes) * BLOCK_TOKENS, full * BLOCK_TOKENS

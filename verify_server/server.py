@@ -275,9 +275,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         """Several sessions' steps (session, its tree or None for an AR step, untap), those that pass their checks in
         one forward (VerifyEngine.verify_batch) -> each one's result, or the error it fails with. Where they are all
         one AR step of sessions whose choices the graph makes, the step is launched behind the steps still on the
-        device and read later (VerifyEngine.launch_decodes); where they form one captured batch, it is launched and
-        read once the device has run it (VerifyEngine.launch_batch), the loop free meanwhile (the next step's call
-        comes in, its drafts' features are placed): -> the Deferred that reads it."""
+        device and read later (VerifyEngine.launch_decodes): -> the Deferred that reads it."""
         outcomes, calls = checked(items, lambda item: self._call(engine, *item))
         if calls and all(tree is ROOT_ONLY for _, tree in calls):
             step = engine.launch_decodes([session_id for session_id, _ in calls], self.host_features)
@@ -286,9 +284,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     self.launched_ahead.inc()
                 return Deferred(step.timer.done, lambda engine: answered(outcomes, engine.read_decodes(step),
                                                                    lambda result: result))
-        if calls and (batch := engine.launch_batch(calls, self.host_features)) is not None:
-            return Deferred(batch.timer.done, lambda engine: answered(outcomes, engine.read_batch(batch),
-                                                                lambda result: result))
         results = engine.verify_batch(calls, self.host_features) if calls else []
         return answered(outcomes, results, lambda result: result)
 

@@ -74,8 +74,6 @@ class Stepper:
         self.feeds: dict[str, Feed] = {}
         # session -> the progress of the last step it is in: a session's steps go to the device and commit in order
         self._turns: dict[str, _Turn] = {}
-        # the fit's measurements of steps' rounds not counted yet: (trees, their outcomes, their sampling classes)
-        self._unobserved: list[tuple[list[DraftTree], list[StepResult | Exception], list[float]]] = []
 
     # ---- a session's start and end --------------------------------------------------------------------------
 
@@ -199,10 +197,9 @@ class Stepper:
                     # AR steps for long (the load): their features go on ahead, so that none piles up here
                     self._append(steps[i].session_id, feed, feed.take_owed(own=True))
         if self.fit is not None and decodes:
-            self.fit.observe_step(list(trees.values()), len(decodes), sent, drafted_s)
-            if trees:  # (counted while the next step's drafts are on their way: _draft)
-                self._unobserved.append(([trees[i] for i in trees], [results[i] for i in trees],
-                                         [kinds[i] for i in trees]))
+            order = list(trees)
+            self.fit.observe_step([trees[i] for i in order], [results[i] for i in order],
+                                  [kinds[i] for i in order], len(decodes), sent, drafted_s)
         if prompting is not None:
             await self._prompts(steps, chunks, await prompting, results)
         return [StepOutcome(result, trees[i].num_nodes if i in trees else 0, lost.get(i), timings.get(i, {}))
@@ -229,13 +226,6 @@ class Stepper:
             self._sent["append"].inc(sum(len(piece) for piece in features))
         feed.chain(self.drafter.append(session_id, features))
 
-    def _observe_rounds(self) -> None:
-        """The accepted paths of the steps' rounds since the last call, counted by the fit: off a step's path (the
-        next step chooses with the rates of the steps before the last)."""
-        for trees, results, kinds in self._unobserved:
-            self.fit.observe_rounds(trees, results, kinds)
-        self._unobserved.clear()
-
     def _choose(self, budgets: list[int], kinds: list[float], other_rows: int) -> int:
         """The step's speculation for its sessions that ask for trees (their budgets and sampling classes) beside
         `other_rows` AR steps: 0, AR, else the nodes their trees are cut to."""
@@ -253,16 +243,11 @@ class Stepper:
         if self._sent is not None:
             self._sent["draft"].inc(sum(len(piece) for ask in asks for piece in ask.features))
         start = time.perf_counter()
-        call = asyncio.ensure_future(self.drafter.draft(asks))
         try:
-            if self._unobserved:  # the steps before's rounds, counted once the drafts have gone out
-                await asyncio.sleep(0)
-                self._observe_rounds()
-            outcomes = await call
+            outcomes = await self.drafter.draft(asks)
             if len(outcomes) != len(asks):
                 raise RuntimeError(f"the drafter answered {len(outcomes)} drafts for {len(asks)}")
         except asyncio.CancelledError:
-            call.cancel()
             raise
         except Exception as exc:  # noqa: BLE001 - each draft fails with it
             outcomes = [exc] * len(asks)

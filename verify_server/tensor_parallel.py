@@ -166,10 +166,6 @@ class TensorParallelEngine:
         """No AR step is launched ahead here (no fused path): verify_batch runs them."""
         return None
 
-    def launch_batch(self, calls: list[tuple[str, DraftTree]], host_features: bool = False) -> None:
-        """No batch is launched to read later here (no fused path): verify_batch runs it."""
-        return None
-
     def settle(self) -> None:
         """Nothing is launched ahead to read."""
 

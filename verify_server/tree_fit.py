@@ -187,26 +187,20 @@ class TreeFit:
             self.overhead_s = _running_mean(self.overhead_s, max(0.0, sent - self._answered - drafted_s))
         self._answered = now
 
-    def observe_step(self, trees: Sequence[DraftTree], batch: int, sent: float, drafted_s: float = 0.0) -> None:
-        """A step's verify of `batch` trees and AR steps, `trees` its verified trees, called at `sent`
-        (perf_counter), `drafted_s` after its draft call began: the forward's cost at its rows, measured as its
-        answer comes. Never fails: the outcomes are the step's whatever the measurements make of them."""
-        try:
-            rows = batch_rows(batch, max((tree.num_nodes for tree in trees), default=0))
-            self.observe_batch(rows, time.perf_counter() - sent, sent, drafted_s if trees else None)
-        except Exception:
-            self._failed("measure a step")
-
-    def observe_rounds(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
-                       classes: Sequence[float]) -> None:
-        """A step's verified trees and their outcomes (a StepResult each, or the session's own error), of requests
-        of those sampling classes: each round's accepted path (those that failed count nothing). Never fails."""
+    def observe_step(self, trees: Sequence[DraftTree], results: Sequence[StepResult | Exception],
+                     classes: Sequence[float], batch: int, sent: float, drafted_s: float = 0.0) -> None:
+        """A step's verified trees and their outcomes (a StepResult each, or the session's own error), and its
+        verify of `batch` trees and AR steps called at `sent` (perf_counter), `drafted_s` after its draft call
+        began: each round's accepted path and the forward's cost at its rows. Never fails: the outcomes are the
+        step's whatever the measurements make of them."""
         try:
             for tree, result, kind in zip(trees, results, classes):
                 if isinstance(result, StepResult):
                     self.observe_round(tree_arrays(tree), result.tokens, kind)
+            rows = batch_rows(batch, max((tree.num_nodes for tree in trees), default=0))
+            self.observe_batch(rows, time.perf_counter() - sent, sent, drafted_s if trees else None)
         except Exception:
-            self._failed("measure a step's rounds")
+            self._failed("measure a step")
 
     # ---- the choice -----------------------------------------------------------------------------------------
 

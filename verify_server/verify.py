@@ -23,7 +23,7 @@ from protos.types import DraftTree, SamplingParams, StepResult
 from runtime.grammar import Grammars
 from runtime.models import read_eos_ids
 from runtime.timing import StepTimer, TimerEvents
-from verify_server.batched_rounds import BatchedRounds, LaunchedBatch
+from verify_server.batched_rounds import BatchedRounds
 from verify_server.decode_ahead import AheadStep, DecodesAhead
 from verify_server.fused import fused_unsupported
 from verify_server.fused_runner import FusedRunner
@@ -116,7 +116,6 @@ class VerifyEngine:
             self.ahead = DecodesAhead(self.fused, self.timers, self.sessions, self._cached)
         # a call that cannot join a batch runs alone through _verify; verify_batch then commits it with the rest
         self.batched = BatchedRounds(self.fused, self.timers, self.sessions, self._verify)
-        self.launched: LaunchedBatch | None = None  # a batch of rounds launched and not read (launch_batch)
         # a prompt chunk that no captured prompt step runs goes through _forward
         self.prompts = PromptPrefill(self.fused, self.timers, self.device, self._forward)
         self.prompt_batch = PromptBatch(self.prompts, self.fused)
@@ -137,9 +136,6 @@ class VerifyEngine:
         # after a prefix is no slice of anything kept (verify_server/state_cache.py)
         self.caches_prefixes = self.linear is None
         self.prefix: PrefixCache | None = None  # enable_prefix_cache
-        # rounds' commits the prefix cache has yet to see: (session id, session, committed length, tokens, features)
-        self._offers: list[tuple[str, VerifySession, int, list[int], torch.Tensor | None]] = []
-        self.timers.before_wait = self.offer_committed
 
     @property
     def path(self) -> str:
@@ -222,9 +218,6 @@ class VerifyEngine:
             raise SessionError(str(exc)) from None
 
     def end_session(self, session_id: str) -> bool:
-        if self.launched is not None and any(sid == session_id for sid, _ in self.launched.sessions):
-            self.read_batch(self.launched)  # (its slot goes back to the pool: the round is committed first)
-        self.offer_committed()
         sess = self.sessions.pop(session_id, None)
         if sess is not None and sess.blocks is not None:
             self.prefix.release(sess.blocks)
@@ -264,7 +257,6 @@ class VerifyEngine:
         call. A completed prompt takes no more chunks. skip_features: the features of the prompt's positions below
         it are left out (the drafter restored their context); a chunk wholly below it has none."""
         call = PrefillCall(session_id, prompt, more, host_features, skip_features)
-        self.offer_committed()  # (its lookup finds the blocks committed before it)
         return self.prompts.prefill(call, self.session(session_id), self.prefix)
 
     @torch.inference_mode()
@@ -273,7 +265,6 @@ class VerifyEngine:
         requests' prompts: PromptBatch.run) -> each call's StepResult, or the exception prefill would
         raise for it. A session's later call in the batch runs after its earlier one. A failed call that started its
         session (PrefillCall.starts) ends it: a session holds nothing of a chunk that failed."""
-        self.offer_committed()  # (their lookups find the blocks committed before them)
         outcomes: list[StepResult | Exception | None] = [None] * len(calls)
         found: list[tuple[int, tuple[PrefillCall, VerifySession]]] = []
         for i, call in enumerate(calls):
@@ -306,8 +297,6 @@ class VerifyEngine:
         them. host_features: tapped sessions' features come back in host memory, as decode's."""
         if self.ahead is None:
             return None
-        if self.launched is not None:  # (its sessions' roots are not read yet)
-            self.read_batch(self.launched)
         sessions = self.ahead.launchable(session_ids)
         return None if sessions is None else self.ahead.launch(session_ids, sessions, host_features)
 
@@ -319,71 +308,21 @@ class VerifyEngine:
         return self.ahead.read(step)
 
     def settle(self) -> None:
-        """Reads every step launched and not read (AR steps ahead, a batch of rounds), their results kept for their
-        callers: what runs any other round, or checks a tree against a session's root, must find each session's
-        committed state as its device's."""
+        """Reads every AR step launched ahead, their results kept for their callers: what runs any other round,
+        or checks a tree against a session's root, must find each session's committed state as its device's."""
         if self.ahead is not None and self.ahead.unread:
             with torch.inference_mode():
                 self.ahead.settle()
-        if self.launched is not None:
-            self.read_batch(self.launched)
-
-    # ---- a batch of rounds launched -------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def launch_batch(self, calls: list[tuple[str, DraftTree]], host_features: bool = False) -> LaunchedBatch | None:
-        """verify_batch's calls launched in one replay and read later by read_batch, so that the host is free while
-        the device runs them (BatchedRounds.launch); the prefix blocks committed before are offered meanwhile. None
-        where they are not one captured batch: nothing is launched, and verify_batch runs them."""
-        self.settle()
-        launched = self.batched.launch(calls, host_features)
-        if launched is not None:
-            self.launched = launched
-            self.offer_committed()
-        return launched
-
-    @torch.inference_mode()
-    def read_batch(self, launched: LaunchedBatch) -> list[StepResult]:
-        """A launched batch's results, one per call in its order: waits for it, and commits it (once: a batch read
-        already answers from its results)."""
-        if launched.results is None:
-            launched.results = launched.commit()
-            if self.launched is launched:
-                self.launched = None
-            for session_id, result in zip((sid for sid, _ in launched.sessions), launched.results):
-                self._cached(session_id, result)
-        return launched.results
 
     def _cached(self, session_id: str, step: StepResult) -> StepResult:
-        """A round's commit as the prefix cache sees it (where prefixes are cached): the blocks it fills are offered
-        at the engine's next wait on the device (offer_committed), so that hashing and copying them runs while the
-        device runs the next step, not between steps. In inference mode, as its callers are."""
+        """A round's commit as the prefix cache sees it: the blocks it fills are offered (where prefixes are
+        cached). In inference mode, as its callers are (entering it here would cost each round of a batch)."""
         sess = self.sessions[session_id]
         if sess.blocks is not None:
-            features = step.features
-            if features is not None and features.device.type == "cpu":
-                # rows of the session's host ring, which a later round rewrites: copied now (queued, on a GPU)
-                features = features.to(self.device, copy=True, non_blocking=True)
-            # (on the device, a round's features are memory of their own: VerifySession.kept_rows)
-            self._offers.append((session_id, sess, sess.cache.length, step.tokens, features))
+            # a round's features on the device are memory of their own (VerifySession.kept_rows): kept, not copied
+            self.prefix.commit(sess.blocks, sess.cache, step.tokens, step.features,
+                               owned=step.features is not None and step.features.device.type != "cpu")
         return step
-
-    def offer_committed(self) -> None:
-        """The prefix blocks that the rounds committed since the last call filled, offered in commit order (_cached):
-        at the engine's waits on the device, and before a prompt's lookup or a session's end reads the cache."""
-        if not self._offers:
-            return
-        offers, self._offers = self._offers, []
-        try:
-            with torch.inference_mode():
-                for session_id, sess, length, tokens, features in offers:
-                    if self.sessions.get(session_id) is sess and sess.blocks is not None:
-                        self.prefix.commit(sess.blocks, sess.cache, length, tokens, features, owned=True)
-        except Exception:  # noqa: BLE001 - this runs inside another step's wait, which must not fail for it
-            log.exception("offering prefix blocks failed: the prefix cache is emptied, the live sessions cache no more")
-            self.prefix.clear()
-            for sess in self.sessions.values():
-                sess.blocks = None
 
     def _verify(self, session_id: str, tree: DraftTree, host_features: bool = False) -> StepResult:
         """Scores every node in ONE forward, keeps the longest path whose every token is the target's own choice,

@@ -11,7 +11,6 @@ from typing import NamedTuple
 import torch
 
 from kernels.device_copies import copy_together
-from kernels.readback import PinnedReadback
 from protos.types import StepResult
 from runtime.timing import StepTimer
 from verify_server.processors import PathLogprobs, path_logprobs, process_logits
@@ -125,19 +124,9 @@ def commit_captured(
     sessions: list[VerifySession], items: list[BatchTree],
     captured: tuple[torch.Tensor, torch.Tensor | None], timer: StepTimer, host_features: bool,
 ) -> list[StepResult]:
-    """A captured batch (greedy, within grammars or not, or sampled in the graph) read and committed at once
-    (queue_captured)."""
-    return queue_captured(sessions, items, captured, timer, host_features)()
-
-
-def queue_captured(
-    sessions: list[VerifySession], items: list[BatchTree], captured: tuple[torch.Tensor, torch.Tensor | None],
-    timer: StepTimer, host_features: bool, readback: PinnedReadback | None = None,
-) -> Callable[[], list[StepResult]]:
-    """A captured batch's end, queued behind its replay: its walks and compactions ran in the graph; each tree's path
-    features are queued to memory of their own as a lone round's are (as many rows as its path can have), and its
-    outcomes into `readback` where given (read after the graph may have been replayed again) -> what reads the
-    outcomes and commits them (a grammar's state too), waiting for the device."""
+    """A captured batch (greedy, within grammars or not, or sampled in the graph): its walks and compactions ran in
+    the graph; each tree's path features are queued to memory of their own as a lone round's are (as many rows as
+    its path can have), then the host reads the outcomes and commits them (a grammar's state too)."""
     packed, features = captured  # [trees, 2 + qb], [trees, qb, taps*hidden] or None
     timer.mark()
     kept, copies = [], []
@@ -150,24 +139,16 @@ def queue_captured(
             stored, rows_kept = sess.kept_rows(sess.next_ring(), rows, host_features)
             copies.append((stored, rows))
             kept.append(rows_kept)
-    if readback is not None:
-        stored, packed = readback.target(packed)  # (packed: its host view from here on)
-        copies.append((stored, captured[0]))
     copy_together(copies)
-    timer.end()
-
-    def commit() -> list[StepResult]:
-        host = timer.sync(packed.tolist)  # the batch's single host sync
-        results = []
-        for b, sess in enumerate(sessions):
-            k, bonus = host[b][0], host[b][1]
-            sess.cache.length += k + 1
-            tokens = host[b][3 : 3 + k] + [bonus]
-            sess.took(tokens)
-            results.append(StepResult(tokens, kept[b][: k + 1] if kept and kept[b] is not None else None))
-        return timed(results, timer)
-
-    return commit
+    host = timer.sync(packed.tolist)  # the batch's single host sync
+    results = []
+    for b, sess in enumerate(sessions):
+        k, bonus = host[b][0], host[b][1]
+        sess.cache.length += k + 1
+        tokens = host[b][3 : 3 + k] + [bonus]
+        sess.took(tokens)
+        results.append(StepResult(tokens, kept[b][: k + 1] if kept and kept[b] is not None else None))
+    return timed(results, timer)
 
 
 def shared_taps(sessions: list[VerifySession]) -> tuple[int, ...]:

@@ -1,6 +1,5 @@
-"""AR steps launched before the step before them is read (verify_server/decode_ahead.py), batches of rounds launched
-and read once the device has run them (VerifyEngine.launch_batch), and the service's batch that launches the next
-run while the host reads the last (runtime/call_batch.py Batch with Deferred runs).
+"""AR steps launched before the step before them is read (verify_server/decode_ahead.py), and the service's batch
+that launches the next run while the host reads the last (runtime/call_batch.py Batch with Deferred runs).
 
 Each session's tokens stay the target's own (greedy) or the same draws' (sampled) whatever the launches: sessions
 that join and leave between steps, two steps unread at once, growth of the cache past its size class with steps
@@ -19,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from protos.ddtree.v1 import ddtree_pb2 as pb
-from protos.types import DraftTree, SamplingParams, StepResult
+from protos.types import SamplingParams, StepResult
 from runtime.call_batch import MAX_UNREAD, Batch, Deferred
 from runtime.service import EngineHost, ServiceMetrics
 from tests.conftest import VOCAB, hf_greedy
@@ -249,67 +248,6 @@ def test_other_calls_read_the_steps_unread_first(qwen3_target: Path) -> None:
     got["s1"] += batch.tokens
     for name in names[:2]:
         assert got[name] == truth[name][: len(got[name])], name
-
-
-@pytest.mark.parametrize("sampled", [False, True])
-def test_batches_of_rounds_launched_give_the_ordinary_tokens_and_features(qwen3_target: Path, sampled: bool) -> None:
-    """Trees of three sessions (one tapped) launched as one batch and read later give what verify_batch gives, token
-    for token and feature for feature (greedy: the target's own tokens), whatever comes between the launch and the
-    read: another session's round, or AR steps launched ahead, read it first; a session's end commits its round
-    first. The service launches such a batch and answers it once read (a Deferred)."""
-    engines = [make_engine(qwen3_target, "fused-static") for _ in range(2)]
-    model = AutoModelForCausalLM.from_pretrained(qwen3_target).eval()
-    asked = prompts(4, seed=13)
-    truth = {name: hf_greedy(model, prompt, 60) for name, prompt in asked.items()}
-    names, other = list(asked)[:3], list(asked)[3]
-    got: list[dict[str, list]] = [{}, {}]
-    for engine, tokens in zip(engines, got):
-        for i, (name, prompt) in enumerate(asked.items()):
-            params = SamplingParams(temperature=0.8, seed=70 + i) if sampled else SamplingParams()
-            engine.start_session(name, 1024, params, [1, 2] if name == names[0] else [])
-            tokens[name] = list(engine.prefill(name, prompt).tokens)
-    launched_engine, plain = engines
-    host = EngineHost(ServiceMetrics("ddtree_verify", "kv_cache_bytes", "KV", launched_engine.device), STATUSES,
-                      kv_cache_bytes, 600.0)
-    host.engine = launched_engine
-    servicer = VerifierServicer(host, VerifyServerConfig(target="unused"))
-    rng = random.Random(5)
-    for k in range(12):
-        running = names if k < 6 else names[:2]
-        calls = [(name, oracle_tree(rng, got[0][name][-1], truth[name][len(got[0][name]) :], rng.randint(0, 4), 5))
-                 for name in running]
-        if k == 4:  # through the service, whose checks take a chain (oracle trees may hold twin decoys)
-            calls = [(name, DraftTree(torch.tensor([got[0][name][-1], *truth[name][len(got[0][name]) :][:3]]),
-                                      torch.tensor([-1, 0, 1, 2]), torch.arange(4), 3)) for name in running]
-            deferred = servicer._rounds(launched_engine, [(name, tree, False) for name, tree in calls])
-            assert isinstance(deferred, Deferred) and launched_engine.launched is not None
-            results = deferred.read(launched_engine)
-        else:
-            launched = launched_engine.launch_batch(calls)
-            assert launched is not None and launched_engine.launched is launched
-            if k == 1:
-                launched_engine.decode(other)  # reads the batch first
-                assert launched.results is not None and launched_engine.launched is None
-            if k == 2:
-                assert launched_engine.launch_decodes([other]) is not None and launched.results is not None
-                launched_engine.settle()
-            if k == 5:
-                launched_engine.end_session(names[2])  # its round committed first, then the session ends
-                assert launched.results is not None and names[2] not in launched_engine.sessions
-            results = launched_engine.read_batch(launched)
-        alone = plain.verify_batch(calls)
-        for (name, _), result, expected in zip(calls, results, alone):
-            assert result.tokens == expected.tokens, (k, name)
-            assert (result.features is None) == (expected.features is None) == (name != names[0])
-            if result.features is not None:
-                assert torch.equal(result.features, expected.features), (k, name)
-            got[0][name] += result.tokens
-        if k == 5:
-            plain.end_session(names[2])
-    assert all(len(got[0][name]) > 12 for name in names[:2])
-    if not sampled:
-        for name in names:
-            assert got[0][name] == truth[name][: len(got[0][name])], name
 
 
 def test_what_one_launch_cannot_take_runs_the_ordinary_way(qwen3_target: Path) -> None:

@@ -141,16 +141,15 @@ def test_measurements_from_rounds_and_batches():
 
 
 def test_a_step_measures_its_sessions_rounds_and_its_forward():
-    """observe_rounds: the round of each session that committed, in its own class (a session that failed counts no
-    round); observe_step: the forward's seconds at the step's rows."""
+    """observe_step: the round of each session that committed, in its own class (a session that failed counts no
+    round), and the forward's seconds at the step's rows."""
     fit = TreeFit()
     trees = [drafted(8, seed=2), drafted(8, seed=2, wire=False), drafted(8, seed=3)]
     arrays = tree_arrays(trees[0])
     child = int(np.flatnonzero(arrays[1] == 0)[0])
     accepted = StepResult([int(arrays[0][child]), 5], None)
     sent = time.perf_counter()
-    fit.observe_step(trees, 5, sent)
-    fit.observe_rounds(trees, [accepted, accepted, RuntimeError("its own failure")], [0.0, 0.7, 0.0])
+    fit.observe_step(trees, [accepted, accepted, RuntimeError("its own failure")], [0.0, 0.7, 0.0], 5, sent)
     assert fit.failures == 0 and fit.pooled.rounds == 2
     assert fit.classes[0.0].rounds == 1 and fit.classes[0.7].rounds == 1
     assert fit.pooled.rates()[child] == pytest.approx(1.0) and fit.classes[0.7].rates()[child] == pytest.approx(1.0)
@@ -372,8 +371,8 @@ def test_the_fit_handles_every_step(trees, decodes, rates, costs, draft_costs, o
             assert got.num_nodes == nodes
         assert np.array_equal(tree_arrays(got), before[:, : got.num_nodes + 1])
         assert np.array_equal(tree_arrays(tree), before)
-    fit.observe_step(after, decodes + len(after), time.perf_counter())
-    fit.observe_rounds(after, [StepResult([1, 2], None)] * len(after), classes)
+    fit.observe_step(after, [StepResult([1, 2], None)] * len(after), classes, decodes + len(after),
+                     time.perf_counter())
     assert fit.failures == 0 and fit.pooled.rounds == rounds + len(after)
 
 

@@ -162,9 +162,6 @@ class FrozenFit(TreeFit):
     def observe_step(self, *measured: object) -> None:
         pass
 
-    def observe_rounds(self, *measured: object) -> None:
-        pass
-
     def observe_draft(self, trees: int, seconds: float) -> None:
         pass
 
