@@ -117,15 +117,15 @@ class GrpcDrafter(GrpcClient):
         """Calls' features (each call's pieces [m_i, feature_dim], in order, and the fields of its message that name
         them) into one run of the pool's rows, one copy for all, where the pool is open: the first calls whose rows
         fit it together (waiting for room where calls on their way hold it); the others' into their messages."""
-        together = self._fitting(calls)
+        counts = [sum(piece.shape[0] for piece in pieces) for pieces, _, _ in calls]  # each call's rows
+        together = self._fitting(calls, counts)
         placement = await self._place([piece for pieces, _, _ in calls[:together] for piece in pieces], placed)
         if placement is None:
             together = 0
         else:
             placed.append(placement)
             first = 0
-            for pieces, _, rows in calls[:together]:
-                count = sum(piece.shape[0] for piece in pieces)
+            for (_, _, rows), count in zip(calls[:together], counts):
                 rows.CopyFrom(placement.part(first, count))
                 first += count
         for pieces, message, _ in calls[together:]:
@@ -133,14 +133,16 @@ class GrpcDrafter(GrpcClient):
                       else torch.cat(list(pieces)) if len(pieces) > 1 else pieces[0])
             tensors.tensor_to_pb(joined, out=message)
 
-    def _fitting(self, calls: list[tuple[Sequence[torch.Tensor], pb.Tensor, pb.FeatureRows]]) -> int:
-        """How many of the calls, from the first, have rows that fit the pool together (of one width and dtype)."""
+    def _fitting(self, calls: list[tuple[Sequence[torch.Tensor], pb.Tensor, pb.FeatureRows]],
+                 counts: list[int]) -> int:
+        """How many of the calls (`counts`: each one's rows), from the first, have rows that fit the pool together, of
+        one width and dtype (a session tapping other layers goes in its message, never failing the others' copy)."""
         if self.pool is None or not calls:
             return 0
         width, dtype = calls[0][0][0].shape[1], calls[0][0][0].dtype
         rows = 0
-        for i, (pieces, _, _) in enumerate(calls):
-            rows += sum(piece.shape[0] for piece in pieces)
+        for i, ((pieces, _, _), count) in enumerate(zip(calls, counts)):
+            rows += count
             if not self.pool.fits(rows, width, dtype) or any(p.shape[1] != width or p.dtype != dtype for p in pieces):
                 return i
         return len(calls)
